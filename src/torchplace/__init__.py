@@ -1,0 +1,38 @@
+"""torchplace puts every tensor of a PyTorch program in its place, and proves it."""
+
+from __future__ import annotations
+
+from ._devices import available, device
+from ._errors import (
+    CheckpointError,
+    DeviceMismatchError,
+    DeviceSpecError,
+    DeviceUnavailableError,
+    MixedDevicesError,
+    MoveError,
+    NoTensorsError,
+    PlacementError,
+    TorchplaceError,
+)
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "CheckpointError",
+    "DeviceMismatchError",
+    "DeviceSpecError",
+    "DeviceUnavailableError",
+    "MixedDevicesError",
+    "MoveError",
+    "NoTensorsError",
+    "PlacementError",
+    "TorchplaceError",
+    "available",
+    "device",
+]
+
+for _name in __all__:
+    _obj = globals()[_name]
+    if getattr(_obj, "__module__", "").startswith("torchplace."):
+        _obj.__module__ = "torchplace"
+del _name, _obj

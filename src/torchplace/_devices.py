@@ -1,0 +1,259 @@
+"""Choosing a device: ``device()`` turns any spec into an explicit ``torch.device``.
+
+Indexed device types always come back with their index (``cuda:0``, never bare ``cuda``), because
+``torch.device("cuda") != torch.device("cuda:0")`` and tensors always report the indexed form.
+Nothing here creates a CUDA context on a device it does not return.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from typing import Union
+
+import torch
+
+from ._errors import DeviceSpecError, DeviceUnavailableError
+
+__all__ = ["DeviceSpec", "available", "device"]
+
+DeviceSpec = Union[str, int, torch.device, None]
+
+# Accelerator types in the order "auto" and "gpu" prefer them.
+_ACCELERATORS = ("cuda", "mps", "xpu")
+_KEYWORDS = ("auto", "best", "gpu", "cpu", "meta", "cuda", "mps", "xpu")
+_NAMES = {"cuda": "CUDA", "mps": "MPS", "xpu": "XPU"}
+
+
+def _count(kind: str) -> int:
+    """How many devices of an accelerator type this process can see (0 when none)."""
+    try:
+        if kind == "cuda":
+            return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+        if kind == "mps":
+            mps = getattr(torch.backends, "mps", None)
+            return 1 if mps is not None and mps.is_available() else 0
+        module = getattr(torch, kind, None)
+        if module is not None and module.is_available():
+            return int(module.device_count())
+    except (RuntimeError, AssertionError, AttributeError):  # a broken driver counts as none
+        return 0
+    return 0
+
+
+def _accelerator() -> str | None:
+    """The machine's accelerator type, the first of cuda, mps and xpu that has a device."""
+    for kind in _ACCELERATORS:
+        if _count(kind):
+            return kind
+    return None
+
+
+def _current_index(kind: str) -> int:
+    """The current device index of an accelerator type, without initializing it needlessly."""
+    if kind == "cuda":
+        return int(torch.cuda.current_device()) if torch.cuda.is_initialized() else 0
+    if kind == "xpu":
+        return int(torch.xpu.current_device())
+    return 0
+
+
+def _nvml_free_memory(index: int) -> int | None:
+    """Free bytes on cuda:index through NVML (no CUDA context), or None when NVML is missing."""
+    try:
+        import pynvml  # type: ignore[import-not-found]  # noqa: PLC0415
+
+        handle = torch.cuda._get_pynvml_handler(index)  # type: ignore[attr-defined]
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
+    except Exception:  # NVML absent, ROCm, or an index NVML cannot map
+        return None
+
+
+def free_memory(dev: torch.device) -> int | None:
+    """Free bytes on an accelerator device, or None when it cannot be read."""
+    try:
+        if dev.type == "cuda":
+            index = dev.index if dev.index is not None else _current_index("cuda")
+            free = _nvml_free_memory(index)
+            if free is None:
+                free = int(torch.cuda.mem_get_info(index)[0])
+            return free
+        if dev.type == "xpu":
+            return int(torch.xpu.mem_get_info(dev.index)[0])
+    except Exception:  # the figure is a courtesy; never fail because of it
+        return None
+    return None
+
+
+def _visible(kind: str) -> str:
+    """Says which devices of a type are visible, for error messages."""
+    count = _count(kind)
+    name = _NAMES.get(kind, kind)
+    if kind == "cuda":
+        env = os.environ.get("CUDA_VISIBLE_DEVICES")
+        env_text = (
+            "CUDA_VISIBLE_DEVICES is not set"
+            if env is None
+            else f"CUDA_VISIBLE_DEVICES={env}"
+            if env.strip()
+            else "CUDA_VISIBLE_DEVICES is empty, which hides every GPU"
+        )
+        if count == 0:
+            if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+                why = (
+                    f"this PyTorch build ({torch.__version__}) has no CUDA support; "
+                    "install a CUDA build of torch"
+                )
+            else:
+                why = f"no NVIDIA driver or GPU was found; {env_text}"
+            return f"no CUDA device is visible ({why}); available: {_names(available())}"
+        devices = ", ".join(f"cuda:{i}" for i in range(count))
+        plural = "device is" if count == 1 else "devices are"
+        return f"{count} CUDA {plural} visible ({devices}; {env_text})"
+    if count == 0:
+        return f"no {name} device is visible; available: {_names(available())}"
+    devices = ", ".join(f"{kind}:{i}" for i in range(count))
+    plural = "device is" if count == 1 else "devices are"
+    return f"{count} {name} {plural} visible ({devices})"
+
+
+def _names(devices: list[torch.device]) -> str:
+    return ", ".join(str(d) for d in devices)
+
+
+def _checked(kind: str, index: int | None, spec: object) -> torch.device:
+    """An explicit device of a known type, or DeviceUnavailableError saying what is visible."""
+    if kind in ("cpu", "meta"):
+        if index not in (None, 0):
+            raise DeviceSpecError(f"{spec!r}: the {kind} device has no index {index}; use '{kind}'")
+        return torch.device(kind)
+    if kind in _ACCELERATORS:
+        count = _count(kind)
+        if index is None:
+            index = _current_index(kind) if count else 0
+        if index >= count:
+            raise DeviceUnavailableError(f"{kind}:{index} requested but {_visible(kind)}")
+        return torch.device(kind, index)
+    # Other backends (hpu, xla, privateuse1...): trust torch, but make the index explicit.
+    module = getattr(torch, kind, None)
+    if module is not None and hasattr(module, "device_count"):
+        try:
+            count = int(module.device_count()) if module.is_available() else 0
+        except Exception:
+            count = 0
+        index = 0 if index is None else index
+        if index >= count:
+            raise DeviceUnavailableError(
+                f"{kind}:{index} requested but {count} {kind} device(s) are visible"
+            )
+    return torch.device(kind, 0 if index is None else index)
+
+
+def _auto() -> torch.device:
+    kind = _accelerator()
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is not None:
+        try:
+            rank = int(local_rank)
+        except ValueError:
+            raise DeviceSpecError(
+                f"LOCAL_RANK={local_rank!r} is not an integer; torchrun sets it to the process's "
+                "rank on this machine, so unset it or launch with torchrun"
+            ) from None
+        if kind is None:
+            return torch.device("cpu")
+        return torch.device(kind, rank % _count(kind))
+    if kind is None:
+        return torch.device("cpu")
+    return torch.device(kind, _current_index(kind))
+
+
+def _best() -> torch.device:
+    kind = _accelerator()
+    if kind is None:
+        raise DeviceUnavailableError(
+            f"'best' picks the accelerator with most free memory, but {_visible('cuda')}; "
+            "use device('auto') to fall back to the CPU"
+        )
+    best, best_free = 0, -1
+    for index in range(_count(kind)):
+        free = free_memory(torch.device(kind, index))
+        if free is not None and free > best_free:  # strict: the lowest index wins ties
+            best, best_free = index, free
+    return torch.device(kind, best)
+
+
+def device(spec: DeviceSpec = "auto", /) -> torch.device:
+    """Turn a device spec into an explicit ``torch.device`` that exists on this machine.
+
+    >>> import torchplace
+    >>> torchplace.device("cpu")
+    device(type='cpu')
+    >>> torchplace.device("meta")
+    device(type='meta')
+    >>> torchplace.device("cdua")
+    Traceback (most recent call last):
+    ...
+    torchplace.DeviceSpecError: unknown device spec 'cdua'; did you mean 'cuda'? ...
+
+    ``"auto"`` (or ``None``) picks ``cuda:LOCAL_RANK % count`` under torchrun, else the current
+    CUDA device, then MPS, then XPU, then the CPU. ``"gpu"`` is the machine's accelerator type,
+    an ``int`` N is accelerator N, and ``"best"`` is the accelerator with most free memory.
+    """
+    if spec is None:
+        return _auto()
+    if isinstance(spec, torch.device):
+        return _checked(spec.type, spec.index, spec)
+    if isinstance(spec, bool) or not isinstance(spec, (str, int)):
+        raise DeviceSpecError(
+            f"a device spec is a str, int, torch.device or None, not {type(spec).__name__} "
+            f"({spec!r}); for example torchplace.device('cuda:0')"
+        )
+    if isinstance(spec, int):
+        return _accelerator_index(spec, spec)
+    text = spec.strip().lower()
+    if text == "auto":
+        return _auto()
+    if text == "best":
+        return _best()
+    if text == "gpu" or text.startswith("gpu:"):
+        index_text = text[4:] if text.startswith("gpu:") else None
+        if index_text is not None and not index_text.isdigit():
+            raise DeviceSpecError(f"unknown device spec {spec!r}; use 'gpu' or 'gpu:N'")
+        if index_text is None:
+            kind = _accelerator()
+            if kind is None:
+                raise DeviceUnavailableError(f"{spec!r} requested but {_visible('cuda')}")
+            return torch.device(kind, _current_index(kind))
+        return _accelerator_index(int(index_text), spec)
+    try:
+        parsed = torch.device(text)
+    except (RuntimeError, ValueError):
+        guess = difflib.get_close_matches(text.split(":")[0], _KEYWORDS, n=1)
+        hint = f"did you mean {guess[0]!r}? " if guess else ""
+        raise DeviceSpecError(
+            f"unknown device spec {spec!r}; {hint}use 'auto', 'best', 'gpu', 'cpu', 'meta', "
+            "'cuda', 'cuda:N', 'mps', 'xpu:N', an int or a torch.device"
+        ) from None
+    return _checked(parsed.type, parsed.index, spec)
+
+
+def _accelerator_index(index: int, spec: object) -> torch.device:
+    if index < 0:
+        raise DeviceSpecError(f"device index {spec!r} is negative; accelerators count from 0")
+    kind = _accelerator()
+    if kind is None:
+        raise DeviceUnavailableError(f"accelerator {index} requested but {_visible('cuda')}")
+    return _checked(kind, index, spec)
+
+
+def available() -> list[torch.device]:
+    """Every usable device, accelerators first and ``cpu`` last.
+
+    >>> import torchplace
+    >>> torchplace.available()[-1]
+    device(type='cpu')
+    """
+    devices = [torch.device(kind, i) for kind in _ACCELERATORS for i in range(_count(kind))]
+    devices.append(torch.device("cpu"))
+    return devices

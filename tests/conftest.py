@@ -1,0 +1,27 @@
+"""Shared fixtures: the ``devices`` parametrization, the ``requires_cuda`` marker, fake GPUs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+
+# One parametrization for every test that runs "on each device": cpu and meta everywhere,
+# cuda:0 where a GPU is present. Ids are the device names.
+DEVICES = ["cpu", "meta"] + (["cuda:0"] if HAS_CUDA else [])
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (run on a GPU machine)")
+    for item in items:
+        if "requires_cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(params=DEVICES, ids=DEVICES)
+def any_device(request: pytest.FixtureRequest) -> torch.device:
+    """Each device this machine can test on, one test per device."""
+    return torch.device(request.param)
