@@ -14,6 +14,8 @@ from ._errors import (
     PlacementError,
     TorchplaceError,
 )
+from ._inspect import Straggler, devices_of, stragglers, verify, where
+from ._move import move
 
 __version__ = "0.1.0.dev0"
 
@@ -26,9 +28,15 @@ __all__ = [
     "MoveError",
     "NoTensorsError",
     "PlacementError",
+    "Straggler",
     "TorchplaceError",
     "available",
     "device",
+    "devices_of",
+    "move",
+    "stragglers",
+    "verify",
+    "where",
 ]
 
 for _name in __all__:

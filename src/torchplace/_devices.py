@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import difflib
 import os
-from typing import Union
 
 import torch
 
@@ -17,7 +16,7 @@ from ._errors import DeviceSpecError, DeviceUnavailableError
 
 __all__ = ["DeviceSpec", "available", "device"]
 
-DeviceSpec = Union[str, int, torch.device, None]
+DeviceSpec = str | int | torch.device | None
 
 # Accelerator types in the order "auto" and "gpu" prefer them.
 _ACCELERATORS = ("cuda", "mps", "xpu")
@@ -52,7 +51,8 @@ def _accelerator() -> str | None:
 def _current_index(kind: str) -> int:
     """The current device index of an accelerator type, without initializing it needlessly."""
     if kind == "cuda":
-        return int(torch.cuda.current_device()) if torch.cuda.is_initialized() else 0
+        initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+        return int(torch.cuda.current_device()) if initialized else 0
     if kind == "xpu":
         return int(torch.xpu.current_device())
     return 0
@@ -61,9 +61,9 @@ def _current_index(kind: str) -> int:
 def _nvml_free_memory(index: int) -> int | None:
     """Free bytes on cuda:index through NVML (no CUDA context), or None when NVML is missing."""
     try:
-        import pynvml  # type: ignore[import-not-found]  # noqa: PLC0415
+        import pynvml  # type: ignore[import-not-found]
 
-        handle = torch.cuda._get_pynvml_handler(index)  # type: ignore[attr-defined]
+        handle = torch.cuda._get_pynvml_handler(index)
         return int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
     except Exception:  # NVML absent, ROCm, or an index NVML cannot map
         return None

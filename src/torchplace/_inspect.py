@@ -1,0 +1,385 @@
+"""Looking: where every tensor of a model, optimizer or batch lives, and which are out of place.
+
+Everything here reads; nothing moves. The one walk, ``entries``, names each tensor the way a user
+would look it up (``encoder.weight`` as in ``named_parameters()``, ``encoder.weight.grad``,
+``optimizer.state[encoder.weight].exp_avg``, ``batch['images'][2]``) and says what kind it is.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from ._devices import DeviceSpec
+from ._devices import device as _device
+from ._errors import MixedDevicesError, NoTensorsError, PlacementError, TorchplaceError
+from ._tree import iter_leaves
+
+__all__ = [
+    "Entry",
+    "Straggler",
+    "devices_of",
+    "entries",
+    "format_bytes",
+    "optimizer_list",
+    "stragglers",
+    "verify",
+    "where",
+]
+
+Kind = Literal["parameter", "buffer", "grad", "attribute", "optimizer_state", "tensor"]
+
+# Attributes every nn.Module has; anything else in a module's __dict__ is the user's own.
+MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
+# Optimizer state that PyTorch's optimizers keep on the CPU unless the group is fused or
+# capturable (Adam's `step`; NAdam also keeps `mu_product` there).
+HOST_STATE_KEYS = frozenset({"step", "mu_product"})
+
+# Parameters that a move replaced (cpu<->meta), old -> new, so that an optimizer that was not
+# passed to that move can still be named and re-bound later.
+_replaced: weakref.WeakKeyDictionary[torch.Tensor, torch.Tensor] = weakref.WeakKeyDictionary()
+
+
+def record_replacement(old: torch.Tensor, new: torch.Tensor) -> None:
+    _replaced[old] = new
+
+
+def current(param: torch.Tensor) -> torch.Tensor:
+    """The parameter that now stands for ``param``, following replacements made by moves."""
+    seen = 0
+    while param in _replaced and seen < 1000:
+        param = _replaced[param]
+        seen += 1
+    return param
+
+
+def format_bytes(n: int) -> str:
+    """Bytes in binary units.
+
+    >>> from torchplace._inspect import format_bytes
+    >>> format_bytes(512), format_bytes(4096), format_bytes(3 * 2**30)
+    ('512 B', '4.0 KiB', '3.0 GiB')
+    """
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return int(t.numel()) * int(t.element_size())
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor found by a walk, with its name, kind, and the device policy that governs it.
+
+    ``host`` marks optimizer state kept on the CPU by PyTorch's own policy (``step`` of a group
+    that is neither fused nor capturable): it belongs on the CPU, whatever the model's device.
+    ``module`` and ``slot`` say where a module's tensor is stored, for reports.
+    """
+
+    name: str
+    kind: Kind
+    tensor: torch.Tensor
+    host: bool = False
+    flexible: bool = False  # may live on the CPU or with its parameter (NAdam's mu_product)
+    module: str | None = None
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A tensor that is not on the expected device.
+
+    >>> import torch
+    >>> from torchplace import Straggler
+    >>> Straggler("encoder.weight", "parameter", torch.device("cpu"), 64).kind
+    'parameter'
+    """
+
+    name: str
+    kind: str
+    device: torch.device
+    nbytes: int
+
+
+def optimizer_list(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """``optimizer=`` as a list: None, one optimizer, or a list/tuple of them."""
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    if isinstance(optimizer, (list, tuple)) and all(
+        isinstance(o, torch.optim.Optimizer) for o in optimizer
+    ):
+        return list(optimizer)
+    raise TorchplaceError(
+        f"optimizer= takes a torch.optim.Optimizer or a list of them, not "
+        f"{type(optimizer).__name__}; pass optimizer=opt or optimizer=[opt1, opt2]"
+    )
+
+
+def _group_is_device_hosted(group: dict[str, Any]) -> bool:
+    return bool(group.get("fused")) or bool(group.get("capturable"))
+
+
+def module_entries(module: nn.Module, prefix: str = "") -> Iterator[Entry]:
+    """Parameters, gradients, buffers and plain tensor attributes of a module and its children."""
+    registered: set[int] = set()
+    for name, p in module.named_parameters():
+        registered.add(id(p))
+        yield Entry(prefix + name, "parameter", p, module=prefix + name.rpartition(".")[0])
+        if p.grad is not None:
+            registered.add(id(p.grad))
+            yield Entry(f"{prefix}{name}.grad", "grad", p.grad, module=None)
+    for name, b in module.named_buffers():
+        registered.add(id(b))
+        yield Entry(prefix + name, "buffer", b, module=prefix + name.rpartition(".")[0])
+    modules = {id(m) for m in module.modules()}
+    for mod_name, mod in module.named_modules():
+        for key, value in vars(mod).items():
+            if key in MODULE_INTERNALS or isinstance(value, (int, float, str, bool, type(None))):
+                continue
+            base = f"{prefix}{mod_name}.{key}" if mod_name else f"{prefix}{key}"
+            for path, leaf in iter_leaves(value, root=base):
+                if isinstance(leaf, torch.Tensor):
+                    if id(leaf) not in registered:
+                        registered.add(id(leaf))
+                        yield Entry(path, "attribute", leaf, module=prefix + mod_name)
+                elif isinstance(leaf, nn.Module) and id(leaf) not in modules:
+                    # A module kept in a plain list or dict is not registered: Module.to()
+                    # never reaches its tensors, so they count as attributes of the owner.
+                    modules.update(id(m) for m in leaf.modules())
+                    for entry in module_entries(leaf, prefix=path + "."):
+                        if id(entry.tensor) not in registered:
+                            registered.add(id(entry.tensor))
+                            yield Entry(entry.name, "attribute", entry.tensor, module=path)
+
+
+def optimizer_entries(
+    optimizer: torch.optim.Optimizer, label: str, names: dict[int, str]
+) -> Iterator[Entry]:
+    """State tensors of an optimizer, named by the parameter they belong to.
+
+    ``names`` maps id(parameter) to its name in the model being looked at. Parameters that a
+    move replaced are named after their replacement. Parameters the optimizer holds that are not
+    in ``names`` are yielded as parameters of the optimizer.
+    """
+    for g, group in enumerate(optimizer.param_groups):
+        device_hosted = _group_is_device_hosted(group)
+        for i, p in enumerate(group["params"]):
+            name = names.get(id(p))
+            if name is None:
+                name = names.get(id(current(p)))
+            if name is None:
+                name = f"param_groups[{g}]['params'][{i}]"
+                yield Entry(f"{label}.{name}", "parameter", p)
+            state = optimizer.state.get(p)
+            if not state:
+                continue
+            for key, value in state.items():
+                base = f"{label}.state[{name}].{key}"
+                host = key == "step" and not device_hosted
+                flexible = key in HOST_STATE_KEYS and key != "step" and not device_hosted
+                for path, leaf in iter_leaves(value, root=base):
+                    if isinstance(leaf, torch.Tensor):
+                        yield Entry(path, "optimizer_state", leaf, host=host, flexible=flexible)
+
+
+def entries(obj: Any, /, *, optimizer: Any = None, root: str = "batch") -> list[Entry]:
+    """Every tensor reachable from ``obj`` (and the optimizers), each once, in a stable order."""
+    optimizers = optimizer_list(optimizer)
+    found: list[Entry] = []
+    names: dict[int, str] = {}
+    seen: set[int] = set()
+
+    def add(entry: Entry) -> None:
+        if id(entry.tensor) not in seen:
+            seen.add(id(entry.tensor))
+            found.append(entry)
+            if entry.kind == "parameter":
+                names.setdefault(id(entry.tensor), entry.name)
+
+    def visit(node: Any, label: str) -> None:
+        if isinstance(node, nn.Module):
+            for entry in module_entries(node, prefix="" if label == "" else label + "."):
+                add(entry)
+        elif isinstance(node, torch.optim.Optimizer):
+            if node not in optimizers:
+                optimizers.append(node)
+        elif isinstance(node, torch.Tensor):
+            kind: Kind = "parameter" if isinstance(node, nn.Parameter) else "tensor"
+            add(Entry(label or "tensor", kind, node))
+        else:
+            for path, leaf in iter_leaves(node, root=label or root):
+                visit(leaf, path)
+
+    if isinstance(obj, torch.optim.Optimizer):
+        if obj not in optimizers:
+            optimizers.insert(0, obj)
+    else:
+        visit(obj, "")
+    for index, opt in enumerate(optimizers):
+        label = "optimizer" if len(optimizers) == 1 else f"optimizer[{index}]"
+        for entry in optimizer_entries(opt, label, names):
+            add(entry)
+    return found
+
+
+def _expected(entry: Entry, target: torch.device) -> bool:
+    """Whether an entry is where it belongs, given the device everything should be on."""
+    dev = entry.tensor.device
+    if entry.host:
+        return dev.type == "cpu"
+    if entry.flexible and dev.type == "cpu":
+        return True
+    return dev == target
+
+
+def devices_of(obj: Any, /, *, optimizer: Any = None) -> frozenset[torch.device]:
+    """Every device holding a tensor of ``obj``.
+
+    Optimizer state that PyTorch keeps on the CPU on purpose (``step``) is left out.
+
+    >>> import torch, torchplace
+    >>> found = torchplace.devices_of({"a": torch.zeros(1), "b": torch.zeros(1, device="meta")})
+    >>> sorted(str(d) for d in found)
+    ['cpu', 'meta']
+    """
+    return frozenset(e.tensor.device for e in entries(obj, optimizer=optimizer) if not e.host)
+
+
+def _summary(found: Iterable[Entry]) -> dict[torch.device, list[Entry]]:
+    by_device: dict[torch.device, list[Entry]] = {}
+    for e in found:
+        by_device.setdefault(e.tensor.device, []).append(e)
+    return dict(sorted(by_device.items(), key=lambda kv: -sum(nbytes(e.tensor) for e in kv[1])))
+
+
+def _describe(obj: Any) -> str:
+    if isinstance(obj, nn.Module):
+        return f"the {type(obj).__name__} model"
+    if isinstance(obj, torch.optim.Optimizer):
+        return f"the {type(obj).__name__} optimizer"
+    if isinstance(obj, torch.Tensor):
+        return "the tensor"
+    return f"the {type(obj).__name__}"
+
+
+def where(obj: Any, /) -> torch.device:
+    """The one device that holds every tensor of ``obj``.
+
+    >>> import torch, torchplace
+    >>> torchplace.where(torch.nn.Linear(2, 2))
+    device(type='cpu')
+    >>> torchplace.where(torch.nn.ReLU())
+    Traceback (most recent call last):
+    ...
+    torchplace.NoTensorsError: the ReLU model holds no tensors, so it has no device ...
+    """
+    found = [e for e in entries(obj) if not e.host]
+    if not found:
+        raise NoTensorsError(
+            f"{_describe(obj)} holds no tensors, so it has no device "
+            "(next(model.parameters()) would raise a bare StopIteration); "
+            "take the device from its inputs or from your own torchplace.device()"
+        )
+    by_device = _summary(found)
+    if len(by_device) == 1:
+        return next(iter(by_device))
+    parts = []
+    for dev, group in by_device.items():
+        total = sum(nbytes(e.tensor) for e in group)
+        examples = ", ".join(e.name for e in group[:3]) + (", ..." if len(group) > 3 else "")
+        count = f"{len(group)} tensor{'s' if len(group) != 1 else ''}"
+        parts.append(f"{dev} ({count}, {format_bytes(total)}: {examples})")
+    raise MixedDevicesError(
+        f"{_describe(obj)} is spread over {len(by_device)} devices: {'; '.join(parts)}. "
+        "It has no single device (next(model.parameters()).device would name just one); "
+        "gather it with torchplace.move(obj, device) or list them with torchplace.devices_of"
+    )
+
+
+def stragglers(obj: Any, device: DeviceSpec, /, *, optimizer: Any = None) -> list[Straggler]:
+    """Every tensor reachable from ``obj`` (and ``optimizer``) that is not on ``device``.
+
+    >>> import torch, torchplace
+    >>> model = torch.nn.Linear(2, 2)
+    >>> model.scale = torch.ones(1)  # a plain attribute: Module.to() would not move it
+    >>> [s.name for s in torchplace.stragglers(model, "meta")]
+    ['weight', 'bias', 'scale']
+    >>> torchplace.stragglers(model, "cpu")
+    []
+    """
+    target = _device(device)
+    return [
+        Straggler(e.name, e.kind, e.tensor.device, nbytes(e.tensor))
+        for e in entries(obj, optimizer=optimizer)
+        if not _expected(e, target)
+    ]
+
+
+def fix_for(s: Straggler, target: torch.device, host: bool = False) -> str:
+    """What to do about one straggler, in words."""
+    dev = f"'{target}'"
+    if s.kind == "attribute":
+        attr = s.name.rpartition(".")[2]
+        return (
+            f"a plain tensor attribute, which Module.to() does not move; register it with "
+            f"self.register_buffer('{attr}', ...) or pass attributes='move' to torchplace.move"
+        )
+    if s.kind == "optimizer_state":
+        if host:
+            return (
+                "'step' must stay on the CPU unless the optimizer is fused or capturable; "
+                f"torchplace.move(model, {dev}, optimizer=optimizer) puts it back"
+            )
+        return f"move the optimizer with its model: torchplace.move(model, {dev}, optimizer=opt)"
+    if s.kind == "grad":
+        return (
+            "a gradient left behind (param.data = ... moves data, not .grad); "
+            f"torchplace.move(model, {dev}) moves both"
+        )
+    if s.kind == "tensor":
+        return f"torchplace.move(batch, {dev})"
+    return f"torchplace.move(model, {dev})"
+
+
+def verify(obj: Any, device: DeviceSpec, /, *, optimizer: Any = None) -> None:
+    """Raise ``PlacementError`` unless every tensor of ``obj`` (and ``optimizer``) is on ``device``.
+
+    >>> import torch, torchplace
+    >>> model = torch.nn.Linear(2, 2)
+    >>> torchplace.verify(model, "cpu")
+    >>> torchplace.verify(model, "meta")
+    Traceback (most recent call last):
+    ...
+    torchplace.PlacementError: 2 tensors of the Linear model are not on meta: ...
+    """
+    target = _device(device)
+    bad = [e for e in entries(obj, optimizer=optimizer) if not _expected(e, target)]
+    if not bad:
+        return
+    lines = []
+    for e in bad[:10]:
+        s = Straggler(e.name, e.kind, e.tensor.device, nbytes(e.tensor))
+        where_text = f"is on {s.device}" + (", expected cpu" if e.host else "")
+        lines.append(
+            f"  - {s.name} ({s.kind}, {format_bytes(s.nbytes)}) {where_text}; "
+            f"fix: {fix_for(s, target, e.host)}"
+        )
+    if len(bad) > 10:
+        lines.append(f"  ... and {len(bad) - 10} more (torchplace.stragglers lists them all)")
+    count = f"{len(bad)} tensor{'s' if len(bad) != 1 else ''}"
+    raise PlacementError(
+        f"{count} of {_describe(obj)} {'are' if len(bad) != 1 else 'is'} not on {target}:\n"
+        + "\n".join(lines)
+    )

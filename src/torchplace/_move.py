@@ -1,0 +1,619 @@
+"""Moving: tensors, batches, modules and optimizer state, all or nothing.
+
+A move happens in two phases. First every tensor that must travel is copied to the target while
+nothing the caller can see changes; a failed copy (out of memory, a bad device, a meta tensor with
+no data) raises ``MoveError`` with the model exactly as it was. Then the copies are committed
+(parameter data swapped, buffers and attributes replaced, optimizers re-bound) through an undo
+log, so even a failure there is rolled back before ``MoveError`` is raised.
+
+Parameters keep their identity where PyTorch allows it (``param.data = new``, as ``Module.to``
+does). Where PyTorch replaces them (cpu<->meta, or ``set_overwrite_module_params_on_conversion``)
+every tied slot gets the one new parameter, every optimizer passed is re-bound with its state, and
+the replacement is remembered so that ``stragglers`` can still name an optimizer left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal, NoReturn, TypeVar
+
+import torch
+from torch import nn
+
+from ._devices import DeviceSpec, free_memory
+from ._devices import device as _device
+from ._errors import MoveError, TorchplaceError
+from ._inspect import (
+    MODULE_INTERNALS,
+    current,
+    format_bytes,
+    nbytes,
+    optimizer_list,
+    record_replacement,
+)
+from ._tree import Located, iter_leaves, map_tensors
+
+__all__ = ["move"]
+
+T = TypeVar("T")
+Attributes = Literal["warn", "move", "ignore"]
+
+
+def _copy_tensor(t: torch.Tensor, target: torch.device, non_blocking: bool) -> torch.Tensor:
+    """One tensor's copy to ``target``; the single place every byte of a move travels through."""
+    return t.to(target, non_blocking=non_blocking)
+
+
+def _is_accelerator(dev: torch.device) -> bool:
+    return dev.type not in ("cpu", "meta")
+
+
+def _choose_non_blocking(t: torch.Tensor, target: torch.device, requested: bool | None) -> bool:
+    """The ``non_blocking=None`` policy: async from pinned host memory and between devices."""
+    if requested is not None:
+        return requested
+    source = t.device
+    if source.type == "meta" or target.type == "meta":
+        return False
+    if source.type == "cpu":
+        return _is_accelerator(target) and t.is_pinned()
+    return True  # device-to-device, or device-to-host synchronised before move returns
+
+
+class _CopyFailed(Exception):
+    """A copy that failed, before anyone knew the tensor's name."""
+
+    def __init__(self, t: torch.Tensor, target: torch.device, cause: BaseException | None) -> None:
+        super().__init__(cause)
+        self.tensor = t
+        self.target = target
+        self.cause = cause
+
+    def message(self, name: str) -> str:
+        if self.cause is None:
+            return _meta_message(name, self.target)
+        return _failure(name, self.tensor, self.target, self.cause)
+
+
+def _meta_message(name: str, target: torch.device) -> str:
+    return (
+        f"{name} is on meta, which holds shapes but no data, so it cannot be copied to "
+        f"{target} ('Cannot copy out of meta tensor'); load its values with "
+        "torchplace.load_into(model, checkpoint, device) or allocate it with "
+        f"model.to_empty(device='{target}') and initialise it"
+    )
+
+
+def _failure(name: str, t: torch.Tensor, target: torch.device, exc: BaseException) -> str:
+    shape = "x".join(str(s) for s in t.shape) or "scalar"
+    text = (
+        f"could not move {name} ({shape} {str(t.dtype).replace('torch.', '')}, "
+        f"{format_bytes(nbytes(t))}) from {t.device} to {target}: {exc}"
+    )
+    free = free_memory(target) if _is_accelerator(target) else None
+    if free is not None:
+        text += f" ({format_bytes(free)} free on {target})"
+    return text + "; nothing was moved"
+
+
+class _Copier:
+    """Copies tensors for one move, each distinct tensor once, remembering host syncs owed."""
+
+    def __init__(self, target: torch.device, non_blocking: bool | None) -> None:
+        self.target = target
+        self.non_blocking = non_blocking
+        self.copies: dict[int, torch.Tensor] = {}
+        self.sync_sources: set[torch.device] = set()
+
+    def copy(self, t: torch.Tensor, target: torch.device) -> torch.Tensor:
+        """``t`` on ``target``; raises ``_CopyFailed`` (no name known here) when it cannot."""
+        if t.device == target:
+            return t
+        done = self.copies.get(id(t))
+        if done is not None and done.device == target:
+            return done
+        if t.device.type == "meta":
+            raise _CopyFailed(t, target, None)
+        blocking = _choose_non_blocking(t, target, self.non_blocking)
+        try:
+            new = _copy_tensor(t, target, blocking)
+        except Exception as exc:
+            raise _CopyFailed(t, target, exc) from exc
+        if blocking and target.type == "cpu" and _is_accelerator(t.device):
+            self.sync_sources.add(t.device)
+        self.copies[id(t)] = new
+        return new
+
+    def __call__(
+        self, t: torch.Tensor, name: str, target: torch.device | None = None
+    ) -> torch.Tensor:
+        """``copy`` for a tensor whose name is known: failures become ``MoveError``."""
+        try:
+            return self.copy(t, self.target if target is None else target)
+        except _CopyFailed as failed:
+            raise MoveError(failed.message(name)) from failed.cause
+
+    def synchronize(self) -> None:
+        """Wait, by event, for device-to-host copies so no caller reads bytes not yet there."""
+        for source in self.sync_sources:
+            if source.type == "cuda":
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(torch.cuda.current_stream(source))
+                event.synchronize()
+            else:
+                module = getattr(torch, source.type, None)
+                if module is not None and hasattr(module, "synchronize"):
+                    module.synchronize(source)
+
+
+class _UndoLog:
+    """Applies commit steps one by one and can take them all back, newest first."""
+
+    def __init__(self) -> None:
+        self.undos: list[Callable[[], None]] = []
+
+    def apply(self, do: Callable[[], None], undo: Callable[[], None]) -> None:
+        do()
+        self.undos.append(undo)
+
+    def rollback(self) -> None:
+        while self.undos:
+            self.undos.pop()()
+
+
+def _set_data(p: torch.Tensor, data: torch.Tensor) -> Callable[[], None]:
+    def do() -> None:
+        p.data = data
+
+    return do
+
+
+def _set_item(container: Any, key: Any, value: Any) -> Callable[[], None]:
+    def do() -> None:
+        container[key] = value
+
+    return do
+
+
+def _del_item(container: Any, key: Any) -> Callable[[], None]:
+    def do() -> None:
+        container.pop(key, None)
+
+    return do
+
+
+def _reraise(located: Located, root: str, target: torch.device) -> NoReturn:
+    """Turn an exception found at some path of a walk into the error a user should see."""
+    cause = located.cause
+    where = located.path(root)
+    if isinstance(cause, _CopyFailed):
+        raise MoveError(cause.message(where)) from cause.cause
+    if isinstance(cause, TorchplaceError):
+        raise cause from cause.__cause__
+    raise MoveError(f"could not move {where} to {target}: {cause}") from cause
+
+
+def _map(
+    value: Any, fn: Callable[[torch.Tensor], torch.Tensor], root: str, target: torch.device
+) -> Any:
+    try:
+        return map_tensors(value, fn, root=root)
+    except Located as located:
+        _reraise(located, root, target)
+
+
+@dataclass
+class _Plan:
+    """What one module move will touch, gathered before anything is copied."""
+
+    params: dict[int, tuple[str, nn.Parameter]] = field(default_factory=dict)
+    param_slots: dict[int, list[tuple[nn.Module, str]]] = field(default_factory=dict)
+    buffers: dict[int, tuple[str, torch.Tensor]] = field(default_factory=dict)
+    buffer_slots: dict[int, list[tuple[nn.Module, str]]] = field(default_factory=dict)
+    attributes: list[tuple[nn.Module, str, str, Any]] = field(default_factory=list)
+    # Modules kept in plain lists or dicts: Module.to() never reaches them.
+    unregistered: list[tuple[str, nn.Module]] = field(default_factory=list)
+
+
+def _user_attributes(mod: nn.Module) -> Iterator[tuple[str, Any]]:
+    for key, value in vars(mod).items():
+        if key not in MODULE_INTERNALS and not isinstance(
+            value, (int, float, str, bool, type(None), torch.device, torch.dtype)
+        ):
+            yield key, value
+
+
+def _plan(roots: list[tuple[str, nn.Module]], follow_unregistered: bool) -> _Plan:
+    plan = _Plan()
+    registered = {id(m) for _, root in roots for m in root.modules()}
+    queue = list(roots)
+    while queue:
+        prefix, root = queue.pop(0)
+        for mod_name, mod in root.named_modules(remove_duplicate=True):
+            path = f"{prefix}{mod_name}"
+            dot = f"{path}." if path else ""
+            for key, p in mod._parameters.items():
+                if p is not None:
+                    plan.params.setdefault(id(p), (dot + key, p))
+                    plan.param_slots.setdefault(id(p), []).append((mod, key))
+            for key, b in mod._buffers.items():
+                if b is not None:
+                    plan.buffers.setdefault(id(b), (dot + key, b))
+                    plan.buffer_slots.setdefault(id(b), []).append((mod, key))
+            for key, value in _user_attributes(mod):
+                has_tensor = False
+                for leaf_path, leaf in iter_leaves(value, dot + key):
+                    if isinstance(leaf, torch.Tensor):
+                        has_tensor = True
+                    elif isinstance(leaf, nn.Module) and id(leaf) not in registered:
+                        registered.update(id(m) for m in leaf.modules())
+                        plan.unregistered.append((leaf_path + ".", leaf))
+                        if follow_unregistered:
+                            queue.append((leaf_path + ".", leaf))
+                if has_tensor:
+                    plan.attributes.append((mod, key, dot + key, value))
+    return plan
+
+
+def _replaces(p: torch.Tensor, new: torch.Tensor) -> bool:
+    """Whether PyTorch would replace the Parameter object rather than swap its data."""
+    if torch.__future__.get_overwrite_module_params_on_conversion():
+        return True
+    return not torch._has_compatible_shallow_copy_type(p, new)
+
+
+def _new_parameter(p: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+    """A replacement for ``p`` holding ``data``: same class, requires_grad and attributes."""
+    new = nn.Parameter(data, requires_grad=p.requires_grad)
+    if type(p) is not nn.Parameter:
+        with contextlib.suppress(TypeError):  # another layout stays a plain Parameter
+            new.__class__ = type(p)
+    new.__dict__.update(p.__dict__)
+    return new
+
+
+def _device_hosted(group: dict[str, Any]) -> bool:
+    """Whether a param group keeps ``step`` with its parameters (fused or capturable)."""
+    return bool(group.get("fused")) or bool(group.get("capturable"))
+
+
+def _moved_state(
+    state: dict[Any, Any],
+    label: str,
+    name: str,
+    device_hosted: bool,
+    target: torch.device,
+    copier: _Copier,
+) -> dict[Any, Any] | None:
+    """A parameter's state with its tensors copied per PyTorch's policy; None if none moved.
+
+    ``step`` stays on the CPU unless the group is fused or capturable; everything else goes with
+    its parameter. No dtype changes.
+    """
+    new_state: dict[Any, Any] = {}
+    changed = False
+    for key, value in state.items():
+        dest = torch.device("cpu") if key == "step" and not device_hosted else target
+        root = f"{label}.state[{name}].{key}"
+
+        def fn(t: torch.Tensor, _dest: torch.device = dest) -> torch.Tensor:
+            return copier.copy(t, _dest)
+
+        with torch.no_grad():
+            moved = _map(value, fn, root, target)
+        changed = changed or moved is not value
+        new_state[key] = moved
+    return new_state if changed else None
+
+
+def _move_modules(
+    roots: list[tuple[str, nn.Module]],
+    target: torch.device,
+    optimizers: list[torch.optim.Optimizer],
+    copier: _Copier,
+    attributes: Attributes,
+    log: _UndoLog,
+) -> list[str]:
+    """Copy then commit every tensor of ``roots``; returns the attributes left where they were."""
+    plan = _plan(roots, follow_unregistered=attributes == "move")
+
+    # Phase 1: copy. Nothing the caller can see changes here.
+    with torch.no_grad():
+        new_params = {pid: copier(p, name) for pid, (name, p) in plan.params.items()}
+        new_grads = {
+            pid: copier(p.grad, f"{name}.grad")
+            for pid, (name, p) in plan.params.items()
+            if p.grad is not None
+        }
+        new_buffers = {bid: copier(b, name) for bid, (name, b) in plan.buffers.items()}
+
+    replaced: dict[int, torch.Tensor] = {}  # id(old tensor) -> the object that replaces it
+    final: dict[int, torch.Tensor] = {}  # id(parameter) -> the parameter after the move
+    for pid, (_, p) in plan.params.items():
+        final[pid] = p
+        new = new_params[pid]
+        if new is not p and _replaces(p, new):
+            fresh = _new_parameter(p, new)
+            if pid in new_grads:
+                fresh.grad = new_grads[pid]
+            replaced[pid] = final[pid] = fresh
+    for bid, (_, b) in plan.buffers.items():
+        if new_buffers[bid] is not b:
+            replaced[bid] = new_buffers[bid]
+
+    left_behind: list[str] = []
+    if attributes != "move":
+        for prefix, mod in plan.unregistered:
+            for _, p in mod.named_parameters(prefix=prefix.rstrip(".")):
+                if p.device != target:
+                    left_behind.append(prefix.rstrip("."))
+                    break
+    new_attributes: list[tuple[nn.Module, str, Any]] = []
+    for mod, key, name, value in plan.attributes:
+
+        def fix(t: torch.Tensor, _name: str = name) -> torch.Tensor:
+            swap = replaced.get(id(t))
+            if swap is not None:  # an alias of a parameter or buffer (RNN._flat_weights)
+                return swap
+            if id(t) in plan.params or id(t) in plan.buffers or t.device == target:
+                return t
+            if attributes == "move":
+                return copier.copy(t, target)
+            if _name not in left_behind:
+                left_behind.append(_name)
+            return t
+
+        with torch.no_grad():
+            new_value = _map(value, fix, name, target)
+        if new_value is not value:
+            new_attributes.append((mod, key, new_value))
+
+    states = _plan_optimizer_states(optimizers, plan, final, target, copier)
+
+    # Phase 2: commit, every step undoable.
+    for pid, (_, p) in plan.params.items():
+        if pid in replaced:
+            for mod, key in plan.param_slots[pid]:
+                params = mod._parameters
+                log.apply(_set_item(params, key, replaced[pid]), _set_item(params, key, p))
+        elif new_params[pid] is not p:
+            log.apply(_set_data(p, new_params[pid]), _set_data(p, p.data))
+            grad = p.grad
+            if grad is not None:
+                log.apply(_set_data(grad, new_grads[pid]), _set_data(grad, grad.data))
+    for bid, (_, b) in plan.buffers.items():
+        if bid in replaced:
+            for mod, key in plan.buffer_slots[bid]:
+                buffers = mod._buffers
+                log.apply(_set_item(buffers, key, replaced[bid]), _set_item(buffers, key, b))
+    for mod, key, new_value in new_attributes:
+        attrs = mod.__dict__
+        log.apply(_set_item(attrs, key, new_value), _set_item(attrs, key, attrs[key]))
+    for opt, group_params, index, old, bound, new_state in states:
+        if bound is not old:
+            log.apply(_set_item(group_params, index, bound), _set_item(group_params, index, old))
+        if new_state is not None:
+            old_state = opt.state.get(old)
+            if bound is not old:
+                log.apply(_del_item(opt.state, old), _set_item(opt.state, old, old_state))
+                log.apply(_set_item(opt.state, bound, new_state), _del_item(opt.state, bound))
+            else:
+                log.apply(
+                    _set_item(opt.state, old, new_state), _set_item(opt.state, old, old_state)
+                )
+    for pid, (_, p) in plan.params.items():
+        if pid in replaced:
+            record_replacement(p, replaced[pid])
+    return left_behind
+
+
+_StatePlan = tuple[
+    torch.optim.Optimizer, list[Any], int, torch.Tensor, torch.Tensor, "dict[Any, Any] | None"
+]
+
+
+def _plan_optimizer_states(
+    optimizers: list[torch.optim.Optimizer],
+    plan: _Plan,
+    final: dict[int, torch.Tensor],
+    target: torch.device,
+    copier: _Copier,
+) -> list[_StatePlan]:
+    """For each optimizer parameter of the moved model: its final parameter and moved state.
+
+    A parameter that an earlier move replaced (the optimizer was not passed to it) is re-bound to
+    its replacement here, with its state.
+    """
+    result: list[_StatePlan] = []
+    for opt_index, opt in enumerate(optimizers):
+        label = "optimizer" if len(optimizers) == 1 else f"optimizer[{opt_index}]"
+        for group in opt.param_groups:
+            for i, p in enumerate(group["params"]):
+                pid = id(p)
+                if pid not in final:
+                    pid = id(current(p))
+                    if pid not in final:
+                        continue  # not a parameter of the model being moved
+                fresh = final[pid]
+                state = opt.state.get(p)
+                new_state = None
+                if state:
+                    name = plan.params[pid][0]
+                    new_state = _moved_state(
+                        state, label, name, _device_hosted(group), target, copier
+                    )
+                    if new_state is None and fresh is not p:
+                        new_state = dict(state)
+                if fresh is not p or new_state is not None:
+                    result.append((opt, group["params"], i, p, fresh, new_state))
+    return result
+
+
+def _move_optimizer_state(
+    opt: torch.optim.Optimizer, label: str, target: torch.device, copier: _Copier, log: _UndoLog
+) -> None:
+    """Move one optimizer's state on its own (its parameters stay where they are)."""
+    updates: list[tuple[torch.Tensor, dict[Any, Any]]] = []
+    for g, group in enumerate(opt.param_groups):
+        for i, p in enumerate(group["params"]):
+            state = opt.state.get(p)
+            if state:
+                name = f"param_groups[{g}]['params'][{i}]"
+                new_state = _moved_state(state, label, name, _device_hosted(group), target, copier)
+                if new_state is not None:
+                    updates.append((p, new_state))
+    for p, new_state in updates:
+        old_state = opt.state[p]
+        log.apply(_set_item(opt.state, p, new_state), _set_item(opt.state, p, old_state))
+
+
+_ATTRIBUTE_MODES = ("warn", "move", "ignore")
+
+
+def move(
+    obj: T,
+    device: DeviceSpec,
+    /,
+    *,
+    optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
+    non_blocking: bool | None = None,
+    attributes: Attributes = "warn",
+) -> T:
+    """Move a tensor, batch, module (in place) or optimizer's state to ``device``, all or nothing.
+
+    >>> import torch, torchplace
+    >>> model = torch.nn.Linear(2, 2)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    >>> torchplace.move(model, "meta", optimizer=opt) is model
+    True
+    >>> model.weight.device, opt.param_groups[0]["params"][0] is model.weight
+    (device(type='meta'), True)
+    >>> batch = {"x": torch.ones(2), "ids": [torch.arange(3)], "name": "a"}
+    >>> moved = torchplace.move(batch, "meta")
+    >>> moved["x"].device, moved["name"]
+    (device(type='meta'), 'a')
+    >>> torchplace.move(batch, "cpu") is batch  # nothing to do: the very same object
+    True
+    """
+    if attributes not in _ATTRIBUTE_MODES:
+        raise TorchplaceError(
+            f"attributes={attributes!r} is not one of 'warn', 'move', 'ignore'; 'move' also "
+            "moves plain tensor attributes of modules, 'ignore' leaves them silently"
+        )
+    if non_blocking is not None and not isinstance(non_blocking, bool):
+        raise TorchplaceError(f"non_blocking={non_blocking!r} must be True, False or None")
+    target = _device(device)
+    optimizers = optimizer_list(optimizer)
+    copier = _Copier(target, non_blocking)
+    log = _UndoLog()
+    left_behind: list[str] = []
+    try:
+        if isinstance(obj, nn.Module):
+            left_behind = _move_owners([("", obj)], optimizers, target, copier, attributes, log)
+            result: Any = obj
+        elif isinstance(obj, torch.optim.Optimizer):
+            others = [o for o in optimizers if o is not obj]
+            everything: list[torch.optim.Optimizer] = [obj, *others]
+            for index, opt in enumerate(everything):
+                label = "optimizer" if not others else f"optimizer[{index}]"
+                _move_optimizer_state(opt, label, target, copier, log)
+            result = obj
+        else:
+            result, left_behind = _move_collection(obj, target, optimizers, copier, attributes, log)
+        copier.synchronize()
+    except BaseException as exc:
+        log.rollback()
+        if isinstance(exc, TorchplaceError) or not isinstance(exc, Exception):
+            raise
+        raise MoveError(f"could not move {type(obj).__name__} to {target}: {exc}") from exc
+    if left_behind and attributes == "warn":
+        names = ", ".join(left_behind[:5]) + (", ..." if len(left_behind) > 5 else "")
+        warnings.warn(
+            f"torchplace.move left {len(left_behind)} plain tensor attribute(s) off {target} "
+            f"({names}): Module.to() does not move unregistered tensors either. Register them "
+            "with self.register_buffer(name, tensor), or pass attributes='move' (or 'ignore').",
+            UserWarning,
+            stacklevel=2,
+        )
+    return result  # type: ignore[no-any-return]
+
+
+def _move_owners(
+    modules: list[tuple[str, nn.Module]],
+    optimizers: list[torch.optim.Optimizer],
+    target: torch.device,
+    copier: _Copier,
+    attributes: Attributes,
+    log: _UndoLog,
+) -> list[str]:
+    """Move modules with the optimizers that hold their parameters; gather dispatched ones."""
+    left_behind = _move_modules(modules, target, optimizers, copier, attributes, log)
+    for _, module in modules:
+        _undispatch(module)
+    return left_behind
+
+
+def _undispatch(module: nn.Module) -> None:
+    """Remove the hooks of ``torchplace.dispatch`` once a model is gathered onto one device."""
+    try:
+        from . import _dispatch  # optional until that module lands
+    except ImportError:
+        return
+    is_dispatched = getattr(_dispatch, "is_dispatched", None)
+    undispatch = getattr(_dispatch, "undispatch", None)
+    if is_dispatched is not None and undispatch is not None and is_dispatched(module):
+        undispatch(module)
+
+
+def _move_collection(
+    obj: Any,
+    target: torch.device,
+    optimizers: list[torch.optim.Optimizer],
+    copier: _Copier,
+    attributes: Attributes,
+    log: _UndoLog,
+) -> tuple[Any, list[str]]:
+    """Move a batch: tensors copied into a rebuilt structure, modules and optimizers in place.
+
+    Tensors and objects with their own ``.to`` come first; modules and optimizers found in the
+    batch are moved last, together, so a failure anywhere leaves all of them untouched.
+    """
+    modules: list[tuple[str, nn.Module]] = []
+    found_optimizers: list[torch.optim.Optimizer] = []
+    seen: set[int] = set()
+
+    def owner(node: Any) -> Any:
+        if id(node) not in seen:
+            seen.add(id(node))
+            if isinstance(node, nn.Module):
+                modules.append(("", node))
+            else:
+                found_optimizers.append(node)
+        return node
+
+    def to(node: Any) -> Any:
+        if copier.non_blocking:
+            return node.to(target, non_blocking=True)
+        return node.to(target)
+
+    def tensor(t: torch.Tensor) -> torch.Tensor:
+        # Batch tensors move with autograd, as Tensor.to does: activations keep their graph.
+        return copier.copy(t, target)
+
+    root = "tensor" if isinstance(obj, torch.Tensor) else "batch"
+    try:
+        result = map_tensors(obj, tensor, to=to, owner=owner, root=root)
+    except Located as located:
+        _reraise(located, root, target)
+    all_optimizers = optimizers + [o for o in found_optimizers if o not in optimizers]
+    left_behind: list[str] = []
+    if modules:
+        left_behind = _move_owners(modules, all_optimizers, target, copier, attributes, log)
+    else:
+        for index, opt in enumerate(all_optimizers):
+            label = "optimizer" if len(all_optimizers) == 1 else f"optimizer[{index}]"
+            _move_optimizer_state(opt, label, target, copier, log)
+    return result, left_behind
