@@ -229,7 +229,7 @@ def device(spec: DeviceSpec = "auto", /) -> torch.device:
     try:
         parsed = torch.device(text)
     except (RuntimeError, ValueError):
-        guess = difflib.get_close_matches(text.split(":")[0], _KEYWORDS, n=1)
+        guess = difflib.get_close_matches(text.split(":")[0], _KEYWORDS, n=1, cutoff=0.5)
         hint = f"did you mean {guess[0]!r}? " if guess else ""
         raise DeviceSpecError(
             f"unknown device spec {spec!r}; {hint}use 'auto', 'best', 'gpu', 'cpu', 'meta', "

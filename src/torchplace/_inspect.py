@@ -41,21 +41,28 @@ MODULE_INTERNALS = frozenset(vars(nn.Module()))
 # capturable (Adam's `step`; NAdam also keeps `mu_product` there).
 HOST_STATE_KEYS = frozenset({"step", "mu_product"})
 
-# Parameters that a move replaced (cpu<->meta), old -> new, so that an optimizer that was not
-# passed to that move can still be named and re-bound later.
-_replaced: weakref.WeakKeyDictionary[torch.Tensor, torch.Tensor] = weakref.WeakKeyDictionary()
+# Parameters that a move replaced (cpu<->meta), id(old) -> (old, new) as weak references, so
+# that an optimizer that was not passed to that move can still be named and re-bound later.
+# (A WeakKeyDictionary would compare tensors with ==, which is elementwise.)
+_replaced: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = {}
 
 
 def record_replacement(old: torch.Tensor, new: torch.Tensor) -> None:
-    _replaced[old] = new
+    key = id(old)
+    _replaced[key] = (weakref.ref(old), weakref.ref(new))
+    weakref.finalize(old, _replaced.pop, key, None)
 
 
 def current(param: torch.Tensor) -> torch.Tensor:
     """The parameter that now stands for ``param``, following replacements made by moves."""
-    seen = 0
-    while param in _replaced and seen < 1000:
-        param = _replaced[param]
-        seen += 1
+    for _ in range(1000):
+        refs = _replaced.get(id(param))
+        if refs is None or refs[0]() is not param:
+            return param
+        new = refs[1]()
+        if new is None:
+            return param
+        param = new
     return param
 
 

@@ -178,6 +178,20 @@ def _set_item(container: Any, key: Any, value: Any) -> Callable[[], None]:
     return do
 
 
+def _set_attr(obj: Any, name: str, value: Any) -> Callable[[], None]:
+    def do() -> None:
+        setattr(obj, name, value)
+
+    return do
+
+
+def _restore(container: dict[str, Any], saved: dict[str, Any]) -> Callable[[], None]:
+    def do() -> None:
+        container.update(saved)
+
+    return do
+
+
 def _del_item(container: Any, key: Any) -> Callable[[], None]:
     def do() -> None:
         container.pop(key, None)
@@ -258,11 +272,24 @@ def _plan(roots: list[tuple[str, nn.Module]], follow_unregistered: bool) -> _Pla
     return plan
 
 
+def _swaps() -> bool:
+    """Whether PyTorch is asked to swap whole tensors (keeping identity across any move)."""
+    swap = getattr(torch.__future__, "get_swap_module_params_on_conversion", None)
+    return bool(swap()) if swap is not None else False
+
+
 def _replaces(p: torch.Tensor, new: torch.Tensor) -> bool:
     """Whether PyTorch would replace the Parameter object rather than swap its data."""
     if torch.__future__.get_overwrite_module_params_on_conversion():
         return True
     return not torch._has_compatible_shallow_copy_type(p, new)
+
+
+def _swap(a: torch.Tensor, b: torch.Tensor) -> Callable[[], None]:
+    def do() -> None:
+        torch.utils.swap_tensors(a, b)
+
+    return do
 
 
 def _new_parameter(p: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
@@ -332,10 +359,14 @@ def _move_modules(
 
     replaced: dict[int, torch.Tensor] = {}  # id(old tensor) -> the object that replaces it
     final: dict[int, torch.Tensor] = {}  # id(parameter) -> the parameter after the move
+    swapped: dict[int, nn.Parameter] = {}  # id(parameter) -> a shell to swap its contents with
+    swap = _swaps()
     for pid, (_, p) in plan.params.items():
         final[pid] = p
         new = new_params[pid]
-        if new is not p and _replaces(p, new):
+        if new is not p and swap:
+            swapped[pid] = _new_parameter(p, new)
+        elif new is not p and _replaces(p, new):
             fresh = _new_parameter(p, new)
             if pid in new_grads:
                 fresh.grad = new_grads[pid]
@@ -374,8 +405,21 @@ def _move_modules(
     states = _plan_optimizer_states(optimizers, plan, final, target, copier)
 
     # Phase 2: commit, every step undoable.
+    rnns = [m for _, root in roots for m in root.modules() if isinstance(m, nn.RNNBase)]
+    for rnn in rnns:  # an RNN's weak references to its weights would block swap_tensors
+        refs = rnn.__dict__.get("_flat_weight_refs")
+        if isinstance(refs, list):  # cleared in place: another holder of the list keeps none
+            log.apply(refs.clear, rnn._init_flat_weights)
     for pid, (_, p) in plan.params.items():
-        if pid in replaced:
+        if pid in swapped:  # swap_tensors keeps the Python objects of parameter and grad
+            grad = p.grad
+            if grad is not None:
+                log.apply(_set_attr(p, "grad", None), _set_attr(p, "grad", grad))
+            log.apply(_swap(p, swapped[pid]), _swap(p, swapped[pid]))
+            if grad is not None:
+                log.apply(_swap(grad, new_grads[pid]), _swap(grad, new_grads[pid]))
+                log.apply(_set_attr(p, "grad", grad), _set_attr(p, "grad", None))
+        elif pid in replaced:
             for mod, key in plan.param_slots[pid]:
                 params = mod._parameters
                 log.apply(_set_item(params, key, replaced[pid]), _set_item(params, key, p))
@@ -404,6 +448,9 @@ def _move_modules(
                 log.apply(
                     _set_item(opt.state, old, new_state), _set_item(opt.state, old, old_state)
                 )
+    for rnn in rnns:  # rebuild the RNN's cached list of its weights, as RNNBase._apply does
+        saved = {k: rnn.__dict__.get(k) for k in ("_flat_weights", "_flat_weight_refs")}
+        log.apply(rnn._init_flat_weights, _restore(rnn.__dict__, saved))
     for pid, (_, p) in plan.params.items():
         if pid in replaced:
             record_replacement(p, replaced[pid])

@@ -1,0 +1,550 @@
+"""move(): tensors, batches, modules and optimizers; identity, ties, policy, all-or-nothing."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections import OrderedDict, defaultdict, namedtuple
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils.rnn import pack_sequence
+
+import torchplace
+from torchplace import _move
+
+META = torch.device("meta")
+CPU = torch.device("cpu")
+
+
+class Tied(nn.Module):
+    """Embedding tied to the output head, BatchNorm buffers, and an LSTM (aliases its weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.norm = nn.BatchNorm1d(4)
+        self.rnn = nn.LSTM(4, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.norm(self.emb(ids))
+        x, _ = self.rnn(x.unsqueeze(1))
+        out: torch.Tensor = self.head(x.squeeze(1))
+        return out
+
+
+def trained(opt_cls: type[torch.optim.Optimizer] = torch.optim.Adam, **kw: Any) -> tuple[Tied, Any]:
+    torch.manual_seed(0)
+    model = Tied()
+    opt = opt_cls(model.parameters(), lr=0.01, **kw)
+    model(torch.randint(0, 10, (5,))).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def snapshot(model: nn.Module, opt: torch.optim.Optimizer | None = None) -> dict[str, Any]:
+    """Everything a failed move must leave exactly as it was."""
+    snap: dict[str, Any] = {
+        "params": [(n, p, p.device, p.detach().clone()) for n, p in model.named_parameters()],
+        "grads": [
+            (n, p.grad, p.grad.clone()) for n, p in model.named_parameters() if p.grad is not None
+        ],
+        "buffers": [(n, b, b.clone()) for n, b in model.named_buffers()],
+        "attrs": {k: v for k, v in vars(model).items() if isinstance(v, torch.Tensor)},
+    }
+    if opt is not None:
+        snap["groups"] = [list(g["params"]) for g in opt.param_groups]
+        snap["state"] = {
+            id(p): {k: (v, v.device, v.clone()) for k, v in s.items()} for p, s in opt.state.items()
+        }
+    return snap
+
+
+def assert_unchanged(model: nn.Module, before: dict[str, Any], opt: Any = None) -> None:
+    after = snapshot(model, opt)
+    for (n, p, dev, data), (n2, p2, dev2, data2) in zip(
+        before["params"], after["params"], strict=True
+    ):
+        assert n == n2 and p is p2 and dev == dev2 and p.device == dev
+        assert torch.equal(data, data2)
+    for (n, g, data), (_, g2, data2) in zip(before["grads"], after["grads"], strict=True):
+        assert g is g2, n
+        assert torch.equal(data, data2)
+    for (n, b, data), (_, b2, data2) in zip(before["buffers"], after["buffers"], strict=True):
+        assert b is b2, n
+        assert torch.equal(data, data2)
+    assert before["attrs"].keys() == after["attrs"].keys()
+    for key, value in before["attrs"].items():
+        assert after["attrs"][key] is value
+    if opt is not None:
+        assert [[id(p) for p in g] for g in before["groups"]] == [
+            [id(p) for p in g] for g in after["groups"]
+        ]
+        assert before["state"].keys() == after["state"].keys()
+        for pid, state in before["state"].items():
+            for key, (value, dev, data) in state.items():
+                value2, dev2, _ = after["state"][pid][key]
+                assert value2 is value and dev2 == dev and torch.equal(value2, data)
+
+
+# -- tensors and batches ---------------------------------------------------------------------
+
+
+def test_tensor_to_each_device(any_device: torch.device) -> None:
+    t = torch.arange(6.0).reshape(2, 3)
+    moved = torchplace.move(t, any_device)
+    assert moved.device == any_device
+    assert moved.shape == t.shape and moved.dtype == t.dtype
+    if any_device.type != "meta":
+        assert torch.equal(moved.cpu(), t)
+
+
+def test_same_device_move_is_free_and_identity_preserving() -> None:
+    batch = {"x": torch.ones(3), "y": [torch.zeros(2), (torch.ones(1), "label")], "n": 4}
+    assert torchplace.move(batch, "cpu") is batch
+    assert torchplace.move(batch["x"], CPU) is batch["x"]
+
+
+def test_moved_batch_keeps_autograd_graph() -> None:
+    x = torch.ones(2, requires_grad=True)
+    y = torchplace.move({"y": x * 2}, "meta")["y"]
+    assert y.requires_grad and y.grad_fn is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    image: torch.Tensor
+    label: int
+    cache: torch.Tensor = dataclasses.field(init=False, default_factory=lambda: torch.zeros(1))
+
+
+@dataclasses.dataclass
+class Plain:
+    x: torch.Tensor
+    extra: list[torch.Tensor]
+
+
+Pair = namedtuple("Pair", ["left", "right"])
+
+
+class ReadOnly(Mapping[str, Any]):
+    """A Mapping that is not mutable but can be rebuilt from a dict."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self._data = dict(data)
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+class Tokens:
+    """An object with its own .to(), like a tokenizer's BatchEncoding."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> Tokens:
+        return Tokens(self.ids.to(device))
+
+
+def test_every_container_kind_is_rebuilt_faithfully() -> None:
+    t = torch.arange(4.0)
+    dd: defaultdict[str, list[int]] = defaultdict(list)
+    dd["t"] = t  # type: ignore[assignment]
+    frozen = Frozen(t, 3)
+    batch = {
+        "od": OrderedDict([("b", t), ("a", 1)]),
+        "dd": dd,
+        "ro": ReadOnly({"t": t, "s": "x"}),
+        "list": [t, None, 2.5],
+        "tuple": (t, "x"),
+        "pair": Pair(t, 7),
+        "frozen": frozen,
+        "plain": Plain(t, [t]),
+        "tokens": Tokens(t),
+        "packed": pack_sequence([torch.ones(3), torch.ones(2)]),
+        "set": {1, 2},
+    }
+    moved = torchplace.move(batch, "meta")
+    assert type(moved["od"]) is OrderedDict and list(moved["od"]) == ["b", "a"]
+    assert moved["od"]["b"].device == META and moved["od"]["a"] == 1
+    assert type(moved["dd"]) is defaultdict and moved["dd"].default_factory is list
+    assert type(moved["ro"]) is ReadOnly and moved["ro"]["s"] == "x"
+    assert moved["list"][1:] == [None, 2.5]
+    assert type(moved["tuple"]) is tuple and moved["tuple"][1] == "x"
+    assert type(moved["pair"]) is Pair and moved["pair"].right == 7
+    assert type(moved["frozen"]) is Frozen and moved["frozen"] is not frozen
+    assert moved["frozen"].label == 3 and moved["frozen"].cache.device == META
+    assert frozen.image.device == CPU  # the original is untouched
+    assert moved["plain"].extra[0] is moved["plain"].x  # aliasing across fields
+    assert type(moved["tokens"]) is Tokens and moved["tokens"].ids.device == META
+    assert moved["packed"].data.device == META
+    assert moved["packed"].batch_sizes.device == CPU  # PackedSequence's own rule
+    assert moved["set"] is batch["set"]
+    # One tensor everywhere, one moved tensor everywhere.
+    assert moved["od"]["b"] is moved["list"][0] is moved["pair"].left is moved["frozen"].image
+
+
+def test_shared_containers_stay_shared() -> None:
+    inner = [torch.ones(1)]
+    moved = torchplace.move({"a": inner, "b": inner}, "meta")
+    assert moved["a"] is moved["b"]
+
+
+def test_cycle_is_a_clear_error() -> None:
+    batch: dict[str, Any] = {"x": [torch.ones(1)]}
+    batch["x"].append(batch)
+    with pytest.raises(
+        torchplace.TorchplaceError, match=r"batch\['x'\]\[1\] is batch itself.*cycle"
+    ):
+        torchplace.move(batch, "meta")
+
+
+def test_absurdly_deep_batch_is_a_clear_error() -> None:
+    deep: Any = torch.ones(1)
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(torchplace.TorchplaceError, match="nested more than 200 containers deep"):
+        torchplace.move(deep, "meta")
+
+
+def test_meta_tensor_in_a_batch_is_named() -> None:
+    batch = {"images": [torch.ones(1), torch.ones(2, device="meta")]}
+    with pytest.raises(torchplace.MoveError) as info:
+        torchplace.move(batch, "cpu")
+    message = str(info.value)
+    assert message.startswith("batch['images'][1] is on meta")
+    assert "load_into" in message and "to_empty" in message
+
+
+def test_failing_copy_in_a_batch_names_path_and_chains_cause(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def boom(t: torch.Tensor, target: torch.device, non_blocking: bool) -> torch.Tensor:
+        raise RuntimeError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(_move, "_copy_tensor", boom)
+    with pytest.raises(
+        torchplace.MoveError, match=r"could not move batch\['x'\] \(2x3 float32, 24 B\)"
+    ) as info:
+        torchplace.move({"x": torch.ones(2, 3)}, "meta")
+    assert isinstance(info.value.__cause__, RuntimeError)
+    assert "nothing was moved" in str(info.value)
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(torchplace.TorchplaceError, match="attributes='all' is not one of"):
+        torchplace.move(torch.ones(1), "cpu", attributes="all")  # type: ignore[arg-type]
+    with pytest.raises(torchplace.TorchplaceError, match="optimizer= takes"):
+        torchplace.move(nn.Linear(1, 1), "cpu", optimizer="adam")  # type: ignore[arg-type]
+    with pytest.raises(torchplace.DeviceSpecError, match="did you mean 'meta'"):
+        torchplace.move(torch.ones(1), "mate")
+    with pytest.raises(torchplace.TorchplaceError, match="non_blocking=1"):
+        torchplace.move(torch.ones(1), "cpu", non_blocking=1)  # type: ignore[arg-type]
+
+
+# -- modules ---------------------------------------------------------------------------------
+
+
+def test_module_move_to_meta_rebinds_optimizer_and_keeps_ties() -> None:
+    model, opt = trained()
+    old_weight = model.emb.weight
+    assert torchplace.move(model, "meta", optimizer=opt) is model
+    assert model.emb.weight is model.head.weight  # tie kept
+    assert model.emb.weight is not old_weight  # PyTorch replaces Parameters on cpu<->meta
+    assert all(p.device == META for p in model.parameters())
+    assert all(b.device == META for b in model.buffers())
+    assert model.emb.weight.grad is not None and model.emb.weight.grad.device == META
+    params = list(model.parameters())
+    assert [id(p) for p in opt.param_groups[0]["params"]] == [id(p) for p in params]
+    assert set(map(id, opt.state)) == set(map(id, params))
+    state = opt.state[model.emb.weight]
+    assert state["step"].device == CPU  # Adam's step stays on the CPU (not fused/capturable)
+    assert state["exp_avg"].device == META and state["exp_avg"].dtype == torch.float32
+    # The LSTM's cached list of its own weights follows the replacement.
+    assert all(
+        a is b
+        for a, b in zip(
+            model.rnn._flat_weights,
+            model.rnn._flat_weights_names
+            and [getattr(model.rnn, n) for n in model.rnn._flat_weights_names],
+            strict=True,
+        )
+    )
+    torchplace.verify(model, "meta", optimizer=opt)
+
+
+def test_parameter_identity_kept_where_pytorch_allows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under swap_module_params_on_conversion PyTorch keeps Parameter objects even cpu<->meta."""
+    monkeypatch.setattr(torch.__future__, "get_swap_module_params_on_conversion", lambda: True)
+    model, opt = trained(torch.optim.SGD, momentum=0.9)
+    before = dict(model.named_parameters())
+    torchplace.move(model, "meta", optimizer=opt)
+    for name, p in model.named_parameters():
+        assert p is before[name] and p.device == META
+        assert p.grad is not None and p.grad.device == META
+    assert model.emb.weight is model.head.weight
+    assert opt.state[model.emb.weight]["momentum_buffer"].device == META
+    torchplace.verify(model, "meta", optimizer=opt)
+
+
+def test_overwrite_flag_replaces_parameters(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch, "_has_compatible_shallow_copy_type", lambda a, b: True)
+    monkeypatch.setattr(torch.__future__, "get_overwrite_module_params_on_conversion", lambda: True)
+    model, opt = trained()
+    old = model.emb.weight
+    torchplace.move(model, "meta", optimizer=opt)
+    assert model.emb.weight is not old and opt.param_groups[0]["params"][0] is model.emb.weight
+
+
+def test_parameter_subclass_and_attributes_survive_replacement() -> None:
+    class Tagged(nn.Parameter):
+        pass
+
+    model = nn.Linear(2, 2)
+    model.weight = Tagged(model.weight.detach())
+    model.weight.shard_info = "rows"  # type: ignore[attr-defined]
+    torchplace.move(model, "meta")
+    assert type(model.weight) is Tagged and model.weight.shard_info == "rows"  # type: ignore[attr-defined]
+    assert model.weight.requires_grad
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_step_follows_pytorchs_policy(fused: bool) -> None:
+    model = nn.Linear(3, 3)
+    opt = torch.optim.Adam(model.parameters(), fused=fused)
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    torchplace.move(model, "meta", optimizer=opt)
+    step = opt.state[model.weight]["step"]
+    assert step.device == (META if fused else CPU)
+    assert step.dtype == torch.float32
+    assert torchplace.stragglers(model, "meta", optimizer=opt) == []
+
+
+def test_capturable_group_moves_step_with_parameters() -> None:
+    model, opt = trained()
+    opt.param_groups[0]["capturable"] = True
+    torchplace.move(model, "meta", optimizer=opt)
+    assert opt.state[model.emb.weight]["step"].device == META
+
+
+def test_step_wrongly_on_device_is_brought_back_to_cpu() -> None:
+    model, opt = trained()
+    for state in opt.state.values():
+        state["step"] = state["step"].to("meta")
+    problems = torchplace.stragglers(model, "cpu", optimizer=opt)
+    assert {s.kind for s in problems} == {"optimizer_state"}
+    assert all(s.name.endswith(".step") for s in problems)
+    with pytest.raises(torchplace.PlacementError, match="'step' must stay on the CPU"):
+        torchplace.verify(model, "cpu", optimizer=opt)
+
+
+def test_stale_optimizer_is_reported_then_rebound() -> None:
+    model, opt = trained()
+    torchplace.move(model, "meta")  # optimizer forgotten: it now holds the old cpu parameters
+    assert opt.param_groups[0]["params"][0] is not model.emb.weight
+    problems = torchplace.stragglers(model, "meta", optimizer=opt)
+    names = {s.name for s in problems}
+    assert "optimizer.state[emb.weight].exp_avg" in names
+    assert all(s.kind == "optimizer_state" for s in problems)  # stale params not listed apart
+    torchplace.move(model, "meta", optimizer=opt)  # passing it now re-binds it
+    assert opt.param_groups[0]["params"][0] is model.emb.weight
+    assert opt.state[model.emb.weight]["exp_avg"].device == META
+    assert torchplace.stragglers(model, "meta", optimizer=opt) == []
+
+
+def test_optimizer_alone_moves_its_state() -> None:
+    model, opt = trained(torch.optim.SGD, momentum=0.9)
+    assert torchplace.move(opt, "meta") is opt
+    assert all(s["momentum_buffer"].device == META for s in opt.state.values())
+    assert model.emb.weight.device == CPU  # parameters belong to the model
+
+
+def test_several_optimizers() -> None:
+    model = Tied()
+    first = torch.optim.Adagrad(model.emb.parameters())
+    second = torch.optim.Adagrad(model.rnn.parameters())
+    torchplace.move(model, "meta", optimizer=[first, second])
+    assert first.state[model.emb.weight]["sum"].device == META
+    assert second.state[model.rnn.weight_ih_l0]["sum"].device == META
+
+
+class WithAttribute(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.scale = torch.ones(2)  # plain attribute: Module.to() does not move it
+        self.tables = [torch.zeros(3)]  # tensors in a list do not move either
+        self.helpers = [nn.Linear(2, 2)]  # nor does a module kept in a list
+
+
+def test_attributes_warn_by_default() -> None:
+    model = WithAttribute()
+    with pytest.warns(
+        UserWarning,
+        match=r"left 3 plain tensor attribute\(s\) off meta \(helpers\[0\], scale, tables\)",
+    ) as record:
+        torchplace.move(model, "meta")
+    assert record[0].filename == __file__  # the warning points at the caller's line
+    assert model.lin.weight.device == META and model.scale.device == CPU
+    assert model.helpers[0].weight.device == CPU
+    kinds = {s.name: s.kind for s in torchplace.stragglers(model, "meta")}
+    assert kinds == {
+        "scale": "attribute",
+        "tables[0]": "attribute",
+        "helpers[0].weight": "attribute",
+        "helpers[0].bias": "attribute",
+    }
+
+
+def test_attributes_move_and_ignore() -> None:
+    model = WithAttribute()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torchplace.move(model, "meta", attributes="move")
+    assert model.scale.device == META and model.tables[0].device == META
+    assert model.helpers[0].weight.device == META
+    torchplace.verify(model, "meta")
+    other = WithAttribute()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torchplace.move(other, "meta", attributes="ignore")
+    assert other.scale.device == CPU
+
+
+def test_module_on_meta_to_real_device_is_refused_and_untouched() -> None:
+    model = nn.Linear(2, 2, device="meta")
+    with pytest.raises(torchplace.MoveError, match=r"^weight is on meta.*to_empty"):
+        torchplace.move(model, "cpu")
+    assert model.weight.device == META
+
+
+def test_modules_and_optimizers_inside_a_batch() -> None:
+    model, opt = trained()
+    batch = {"model": model, "opt": opt, "x": torch.ones(1)}
+    moved = torchplace.move(batch, "meta")
+    assert moved["model"] is model and moved["opt"] is opt and moved["x"].device == META
+    assert opt.param_groups[0]["params"][0] is model.emb.weight
+    torchplace.verify(moved, "meta")
+
+
+# -- all or nothing ----------------------------------------------------------------------------
+
+
+def _count_copies(
+    model: nn.Module, opt: torch.optim.Optimizer, monkeypatch: pytest.MonkeyPatch
+) -> int:
+    calls = 0
+    real = _move._copy_tensor
+
+    def counting(t: torch.Tensor, target: torch.device, non_blocking: bool) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        return real(t, target, non_blocking)
+
+    monkeypatch.setattr(_move, "_copy_tensor", counting)
+    torchplace.move(model, "meta", optimizer=opt, attributes="move")
+    monkeypatch.setattr(_move, "_copy_tensor", real)
+    return calls
+
+
+def test_failure_at_every_copy_leaves_everything_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    probe, probe_opt = trained()
+    probe.scale = torch.ones(1)
+    total = _count_copies(probe, probe_opt, monkeypatch)
+    assert total > 20
+    for k in range(total):
+        model, opt = trained()
+        model.scale = torch.ones(1)
+        before = snapshot(model, opt)
+        calls = 0
+        real = _move._copy_tensor
+
+        def failing(t: torch.Tensor, target: torch.device, non_blocking: bool) -> torch.Tensor:
+            nonlocal calls
+            calls += 1
+            if calls == k + 1:
+                raise RuntimeError(f"injected failure at copy {k}")
+            return real(t, target, non_blocking)
+
+        monkeypatch.setattr(_move, "_copy_tensor", failing)
+        with pytest.raises(torchplace.MoveError, match=f"injected failure at copy {k}") as info:
+            torchplace.move(model, "meta", optimizer=opt, attributes="move")
+        monkeypatch.setattr(_move, "_copy_tensor", real)
+        assert isinstance(info.value.__cause__, RuntimeError)
+        assert_unchanged(model, before, opt)
+        assert model.emb.weight is model.head.weight
+
+
+def test_failure_at_every_commit_step_is_rolled_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    applied = 0
+    real_apply = _move._UndoLog.apply
+
+    def counting(self: Any, do: Any, undo: Any) -> None:
+        nonlocal applied
+        applied += 1
+        real_apply(self, do, undo)
+
+    probe, probe_opt = trained()
+    monkeypatch.setattr(_move._UndoLog, "apply", counting)
+    torchplace.move(probe, "meta", optimizer=probe_opt)
+    total = applied
+    assert total > 10
+    for k in range(total):
+        model, opt = trained()
+        before = snapshot(model, opt)
+        calls = 0
+
+        def failing(self: Any, do: Any, undo: Any) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == k + 1:
+                raise RuntimeError(f"injected commit failure {k}")
+            real_apply(self, do, undo)
+
+        monkeypatch.setattr(_move._UndoLog, "apply", failing)
+        with pytest.raises(torchplace.MoveError, match=f"injected commit failure {k}"):
+            torchplace.move(model, "meta", optimizer=opt)
+        assert_unchanged(model, before, opt)
+        assert model.emb.weight is model.head.weight
+
+
+# -- real accelerators -------------------------------------------------------------------------
+
+
+@pytest.mark.requires_cuda
+def test_cuda_round_trip_keeps_identity_values_and_policy() -> None:
+    model, opt = trained()
+    params = {n: p for n, p in model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in params.items()}
+    state = {k: v.clone() for k, v in opt.state[model.emb.weight].items()}
+    torchplace.move(model, "cuda", optimizer=opt)
+    torchplace.verify(model, "cuda:0", optimizer=opt)
+    assert opt.state[model.emb.weight]["step"].device == CPU
+    model(torch.randint(0, 10, (5,), device="cuda")).sum().backward()  # runs: no device mixing
+    torchplace.move(model, "cpu", optimizer=opt)
+    for name, p in model.named_parameters():
+        assert p is params[name]
+        assert torch.equal(p.detach(), before[name])
+    for key, value in opt.state[model.emb.weight].items():
+        assert torch.equal(value, state[key])
+
+
+@pytest.mark.requires_cuda
+def test_cuda_to_host_results_are_ready_when_returned() -> None:
+    big = torch.randn(64, 1024, 1024, device="cuda")
+    expected = big.sum().item()
+    out = torchplace.move({"big": big}, "cpu")["big"]  # non_blocking chosen, synced by event
+    assert out.device == CPU and out.sum().item() == expected
