@@ -17,6 +17,7 @@ import torchplace
 from torchplace import _move
 
 META = torch.device("meta")
+_COPY = _move._copy_tensor
 CPU = torch.device("cpu")
 
 
@@ -470,19 +471,20 @@ def test_failure_at_every_copy_leaves_everything_as_it_was(monkeypatch: pytest.M
         model.scale = torch.ones(1)
         before = snapshot(model, opt)
         calls = 0
-        real = _move._copy_tensor
 
-        def failing(t: torch.Tensor, target: torch.device, non_blocking: bool) -> torch.Tensor:
+        def failing(
+            t: torch.Tensor, target: torch.device, non_blocking: bool, k: int = k
+        ) -> torch.Tensor:
             nonlocal calls
             calls += 1
             if calls == k + 1:
                 raise RuntimeError(f"injected failure at copy {k}")
-            return real(t, target, non_blocking)
+            return _COPY(t, target, non_blocking)
 
         monkeypatch.setattr(_move, "_copy_tensor", failing)
         with pytest.raises(torchplace.MoveError, match=f"injected failure at copy {k}") as info:
             torchplace.move(model, "meta", optimizer=opt, attributes="move")
-        monkeypatch.setattr(_move, "_copy_tensor", real)
+        monkeypatch.setattr(_move, "_copy_tensor", _COPY)
         assert isinstance(info.value.__cause__, RuntimeError)
         assert_unchanged(model, before, opt)
         assert model.emb.weight is model.head.weight
@@ -507,7 +509,7 @@ def test_failure_at_every_commit_step_is_rolled_back(monkeypatch: pytest.MonkeyP
         before = snapshot(model, opt)
         calls = 0
 
-        def failing(self: Any, do: Any, undo: Any) -> None:
+        def failing(self: Any, do: Any, undo: Any, k: int = k) -> None:
             nonlocal calls
             calls += 1
             if calls == k + 1:
@@ -527,7 +529,7 @@ def test_failure_at_every_commit_step_is_rolled_back(monkeypatch: pytest.MonkeyP
 @pytest.mark.requires_cuda
 def test_cuda_round_trip_keeps_identity_values_and_policy() -> None:
     model, opt = trained()
-    params = {n: p for n, p in model.named_parameters()}
+    params = dict(model.named_parameters())
     before = {n: p.detach().clone() for n, p in params.items()}
     state = {k: v.clone() for k, v in opt.state[model.emb.weight].items()}
     torchplace.move(model, "cuda", optimizer=opt)

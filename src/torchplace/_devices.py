@@ -121,8 +121,12 @@ def _names(devices: list[torch.device]) -> str:
     return ", ".join(str(d) for d in devices)
 
 
-def _checked(kind: str, index: int | None, spec: object) -> torch.device:
-    """An explicit device of a known type, or DeviceUnavailableError saying what is visible."""
+def _checked(kind: str, index: int | None, spec: object, check: bool = True) -> torch.device:
+    """An explicit device of a known type, or DeviceUnavailableError saying what is visible.
+
+    With ``check=False`` only the form is checked, for code that reads devices but never
+    touches them (looking at a model built on fake CUDA tensors, planning for absent GPUs).
+    """
     if kind in ("cpu", "meta"):
         if index not in (None, 0):
             raise DeviceSpecError(f"{spec!r}: the {kind} device has no index {index}; use '{kind}'")
@@ -131,7 +135,7 @@ def _checked(kind: str, index: int | None, spec: object) -> torch.device:
         count = _count(kind)
         if index is None:
             index = _current_index(kind) if count else 0
-        if index >= count:
+        if check and index >= count:
             raise DeviceUnavailableError(f"{kind}:{index} requested but {_visible(kind)}")
         return torch.device(kind, index)
     # Other backends (hpu, xla, privateuse1...): trust torch, but make the index explicit.
@@ -142,7 +146,7 @@ def _checked(kind: str, index: int | None, spec: object) -> torch.device:
         except Exception:
             count = 0
         index = 0 if index is None else index
-        if index >= count:
+        if check and index >= count:
             raise DeviceUnavailableError(
                 f"{kind}:{index} requested but {count} {kind} device(s) are visible"
             )
@@ -236,6 +240,23 @@ def device(spec: DeviceSpec = "auto", /) -> torch.device:
             "'cuda', 'cuda:N', 'mps', 'xpu:N', an int or a torch.device"
         ) from None
     return _checked(parsed.type, parsed.index, spec)
+
+
+def normalize(spec: DeviceSpec) -> torch.device:
+    """Like ``device``, but an explicit device need not exist here (for reading, not moving)."""
+    if isinstance(spec, torch.device):
+        return _checked(spec.type, spec.index, spec, check=False)
+    if (
+        isinstance(spec, str)
+        and spec.strip().lower() not in ("auto", "best")
+        and not (spec.strip().lower().startswith("gpu"))
+    ):
+        try:
+            parsed = torch.device(spec.strip().lower())
+        except (RuntimeError, ValueError):
+            return device(spec)  # raises DeviceSpecError with its suggestion
+        return _checked(parsed.type, parsed.index, spec, check=False)
+    return device(spec)
 
 
 def _accelerator_index(index: int, spec: object) -> torch.device:

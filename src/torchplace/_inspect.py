@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ._devices import DeviceSpec
-from ._devices import device as _device
+from ._devices import normalize
 from ._errors import MixedDevicesError, NoTensorsError, PlacementError, TorchplaceError
 from ._tree import iter_leaves
 
@@ -326,7 +326,7 @@ def stragglers(obj: Any, device: DeviceSpec, /, *, optimizer: Any = None) -> lis
     >>> torchplace.stragglers(model, "cpu")
     []
     """
-    target = _device(device)
+    target = normalize(device)
     return [
         Straggler(e.name, e.kind, e.tensor.device, nbytes(e.tensor))
         for e in entries(obj, optimizer=optimizer)
@@ -371,7 +371,7 @@ def verify(obj: Any, device: DeviceSpec, /, *, optimizer: Any = None) -> None:
     ...
     torchplace.PlacementError: 2 tensors of the Linear model are not on meta: ...
     """
-    target = _device(device)
+    target = normalize(device)
     bad = [e for e in entries(obj, optimizer=optimizer) if not _expected(e, target)]
     if not bad:
         return

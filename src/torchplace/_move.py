@@ -287,7 +287,7 @@ def _replaces(p: torch.Tensor, new: torch.Tensor) -> bool:
 
 def _swap(a: torch.Tensor, b: torch.Tensor) -> Callable[[], None]:
     def do() -> None:
-        torch.utils.swap_tensors(a, b)
+        torch.utils.swap_tensors(a, b)  # type: ignore[no-untyped-call]
 
     return do
 
@@ -615,6 +615,23 @@ def _undispatch(module: nn.Module) -> None:
         undispatch(module)
 
 
+def _tensor_mover(target: torch.device, copier: _Copier) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The per-tensor step of a batch move, with the cheapest "already there?" test per device.
+
+    Moving a batch to where it already is must cost next to nothing, so the test avoids building
+    a ``torch.device`` per tensor (``t.device`` is the slowest way to ask).
+    """
+    copy = copier.copy
+    if target.type == "cpu":
+        return lambda t: t if t.is_cpu else copy(t, target)
+    if target.type == "meta":
+        return lambda t: t if t.is_meta else copy(t, target)
+    if target.type == "cuda":
+        index = target.index
+        return lambda t: t if t.is_cuda and t.get_device() == index else copy(t, target)
+    return lambda t: copy(t, target)
+
+
 def _move_collection(
     obj: Any,
     target: torch.device,
@@ -646,9 +663,8 @@ def _move_collection(
             return node.to(target, non_blocking=True)
         return node.to(target)
 
-    def tensor(t: torch.Tensor) -> torch.Tensor:
-        # Batch tensors move with autograd, as Tensor.to does: activations keep their graph.
-        return copier.copy(t, target)
+    # Batch tensors move with autograd, as Tensor.to does: activations keep their graph.
+    tensor = _tensor_mover(target, copier)
 
     root = "tensor" if isinstance(obj, torch.Tensor) else "batch"
     try:

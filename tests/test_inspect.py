@@ -1,0 +1,166 @@
+"""devices_of(), where(), stragglers(), verify(): every tensor found, named, and explained."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import torchplace
+
+CPU = torch.device("cpu")
+META = torch.device("meta")
+
+
+def split_model() -> nn.Module:
+    """A model spread over cuda:0 and cuda:1, built on fake CUDA tensors (no GPU needed)."""
+    model = nn.Sequential(nn.Linear(8, 8, device="meta"), nn.Linear(8, 2, device="meta"))
+    with FakeTensorMode():
+        for index, layer in enumerate(model):
+            assert isinstance(layer, nn.Linear)
+            dev = f"cuda:{index}"
+            layer.weight = nn.Parameter(torch.empty(layer.weight.shape, device=dev))
+            layer.bias = nn.Parameter(torch.empty(layer.bias.shape, device=dev))
+    return model
+
+
+def test_a_split_model_has_no_single_device() -> None:
+    model = split_model()
+    assert torchplace.devices_of(model) == {torch.device("cuda:0"), torch.device("cuda:1")}
+    with pytest.raises(torchplace.MixedDevicesError) as info:
+        torchplace.where(model)
+    message = str(info.value)
+    assert "spread over 2 devices" in message
+    assert "cuda:0 (2 tensors, 288 B: 0.weight, 0.bias)" in message
+    assert "cuda:1 (2 tensors, 72 B: 1.weight, 1.bias)" in message
+    assert "torchplace.move(obj, device)" in message
+
+
+def test_mixed_error_shows_at_most_three_examples() -> None:
+    model = nn.Sequential(*[nn.Linear(1, 1) for _ in range(3)], nn.Linear(1, 1, device="meta"))
+    with pytest.raises(
+        torchplace.MixedDevicesError,
+        match=r"cpu \(6 tensors, 24 B: 0.weight, 0.bias, 1.weight, \.\.\.\)",
+    ):
+        torchplace.where(model)
+
+
+def test_a_module_without_parameters() -> None:
+    with pytest.raises(torchplace.NoTensorsError, match="the ReLU model holds no tensors") as info:
+        torchplace.where(nn.ReLU())
+    assert "StopIteration" in str(info.value)
+    assert torchplace.devices_of(nn.ReLU()) == frozenset()
+    assert torchplace.stragglers(nn.ReLU(), "meta") == []
+    torchplace.verify(nn.ReLU(), "meta")  # nothing to be out of place
+    with pytest.raises(torchplace.NoTensorsError):
+        torchplace.where({"name": "no tensors here"})
+
+
+def test_where_of_tensors_batches_and_optimizers() -> None:
+    assert torchplace.where(torch.ones(1)) == CPU
+    assert torchplace.where({"a": [torch.ones(1, device="meta")]}) == META
+    model = nn.Linear(2, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    torchplace.move(model, "meta", optimizer=opt)
+    # Adam's step stays on the CPU by PyTorch's policy: it does not make the optimizer "mixed".
+    assert torchplace.where(opt) == META
+    assert torchplace.devices_of(opt) == {META}
+
+
+def test_straggler_kinds_and_names() -> None:
+    class Custom(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.encoder = nn.Linear(2, 2)
+            self.register_buffer("mask", torch.ones(2))
+            self.cache = torch.zeros(2)
+
+    model = Custom()
+    opt = torch.optim.Adam(model.parameters())
+    model.encoder(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    found = torchplace.stragglers(model, "meta", optimizer=opt)
+    by_name = {s.name: s for s in found}
+    assert by_name["encoder.weight"] == torchplace.Straggler("encoder.weight", "parameter", CPU, 16)
+    assert by_name["encoder.weight.grad"].kind == "grad"
+    assert by_name["mask"].kind == "buffer"
+    assert by_name["cache"].kind == "attribute"
+    assert by_name["optimizer.state[encoder.weight].exp_avg"].kind == "optimizer_state"
+    assert "optimizer.state[encoder.weight].step" not in by_name  # CPU by policy
+    assert len(found) == 2 + 2 + 1 + 1 + 4  # params, grads, buffer, attribute, exp_avg(_sq)
+
+
+def test_verify_lists_ten_and_counts_the_rest() -> None:
+    model = nn.Sequential(*[nn.Linear(1, 1) for _ in range(6)])
+    with pytest.raises(torchplace.PlacementError) as info:
+        torchplace.verify(model, "meta")
+    message = str(info.value)
+    assert message.startswith("12 tensors of the Sequential model are not on meta:")
+    assert message.count("\n  - ") == 10
+    assert "... and 2 more (torchplace.stragglers lists them all)" in message
+    assert "  - 0.weight (parameter, 4 B) is on cpu; fix: torchplace.move(model, 'meta')" in message
+
+
+def test_verify_explains_attributes_and_optimizer_state() -> None:
+    model = nn.Linear(2, 2)
+    model.custom = torch.ones(1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    torchplace.move(model, "meta", attributes="ignore")
+    with pytest.raises(torchplace.PlacementError) as info:
+        torchplace.verify(model, "meta", optimizer=opt)
+    message = str(info.value)
+    assert re.search(r"custom \(attribute, 4 B\) is on cpu; fix: a plain tensor attribute", message)
+    assert "self.register_buffer('custom', ...) or pass attributes='move'" in message
+    assert "optimizer.state[weight].momentum_buffer (optimizer_state" in message
+    assert "torchplace.move(model, 'meta', optimizer=opt)" in message
+
+
+def test_verify_on_fake_cuda_names_the_device() -> None:
+    model = split_model()
+    with pytest.raises(torchplace.PlacementError, match=r"2 tensors .* not on cuda:0") as info:
+        torchplace.verify(model, torch.device("cuda:0"))  # torch.device: no availability check
+    assert "1.weight (parameter, 64 B) is on cuda:1" in str(info.value)
+
+
+def test_stragglers_in_a_batch_are_named_by_path() -> None:
+    batch = {"images": [torch.ones(1, device="meta"), torch.ones(1)], "ids": (torch.ones(1),)}
+    names = [s.name for s in torchplace.stragglers(batch, "meta")]
+    assert names == ["batch['images'][1]", "batch['ids'][0]"]
+    assert {s.kind for s in torchplace.stragglers(batch, "meta")} == {"tensor"}
+
+
+def test_several_optimizers_are_labelled() -> None:
+    model = nn.Linear(2, 2)
+    first = torch.optim.Adagrad([model.weight])
+    second = torch.optim.Adagrad([model.bias])
+    names = {s.name for s in torchplace.stragglers(model, "meta", optimizer=[first, second])}
+    assert "optimizer[0].state[weight].sum" in names
+    assert "optimizer[1].state[bias].sum" in names
+
+
+def test_optimizer_alone_lists_its_parameters() -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    names = [s.name for s in torchplace.stragglers(opt, "meta")]
+    assert names == [
+        "optimizer.param_groups[0]['params'][0]",
+        "optimizer.param_groups[0]['params'][1]",
+    ]
+
+
+def test_bad_inputs() -> None:
+    with pytest.raises(torchplace.DeviceSpecError):
+        torchplace.verify(nn.Linear(1, 1), "nowhere")
+    with pytest.raises(torchplace.TorchplaceError, match="optimizer= takes"):
+        torchplace.stragglers(nn.Linear(1, 1), "cpu", optimizer=[1, 2])
+    cyclic: list[object] = [torch.ones(1)]
+    cyclic.append(cyclic)
+    with pytest.raises(torchplace.TorchplaceError, match="cycle"):
+        torchplace.devices_of(cyclic)

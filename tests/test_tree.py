@@ -1,0 +1,121 @@
+"""Property-based: any tree of supported containers and tensors survives move() unchanged in shape.
+
+Structure, exact types, aliasing and non-tensor leaves are compared after a move to ``meta`` (on
+every machine) and after a round trip through CUDA (values bit for bit) where a GPU exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict, defaultdict, namedtuple
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import torchplace
+
+Point = namedtuple("Point", ["x", "y"])
+
+
+@dataclasses.dataclass(frozen=True)
+class Box:
+    content: Any
+    tag: str = "box"
+
+
+LEAVES = st.one_of(st.none(), st.integers(), st.text(max_size=3), st.floats(allow_nan=False))
+DTYPES = st.sampled_from([torch.float32, torch.float16, torch.int64, torch.bool, torch.bfloat16])
+
+
+@st.composite
+def tensors(draw: st.DrawFn) -> torch.Tensor:
+    shape = draw(st.lists(st.integers(0, 3), max_size=3))
+    dtype = draw(DTYPES)
+    return (
+        (torch.arange(int(torch.tensor(shape).prod()) if shape else 1) % 5).reshape(shape).to(dtype)
+    )
+
+
+def containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    keys = st.text(min_size=1, max_size=3)
+    return st.one_of(
+        st.lists(children, max_size=4),
+        st.lists(children, max_size=4).map(tuple),
+        st.dictionaries(keys, children, max_size=4),
+        st.dictionaries(keys, children, max_size=4).map(OrderedDict),
+        st.dictionaries(keys, children, max_size=4).map(lambda d: defaultdict(list, d)),
+        st.tuples(children, children).map(lambda t: Point(*t)),
+        children.map(Box),
+    )
+
+
+TREES = st.recursive(st.one_of(LEAVES, tensors()), containers, max_leaves=20)
+
+
+@st.composite
+def aliased_trees(draw: st.DrawFn) -> Any:
+    """A tree in which one tensor object appears in two places."""
+    shared = draw(tensors())
+    return {"a": draw(TREES), "shared": [shared, {"again": shared}]}
+
+
+def assert_same_shape(before: Any, after: Any, device: torch.device, memo: dict[int, int]) -> None:
+    """Same structure and types; tensors on ``device`` with aliasing mirrored one to one."""
+    assert type(after) is type(before)
+    if isinstance(before, torch.Tensor):
+        assert after.device == device
+        assert (after.shape, after.dtype) == (before.shape, before.dtype)
+        if id(before) in memo:
+            assert memo[id(before)] == id(after)  # same input tensor -> same output tensor
+        memo[id(before)] = id(after)
+    elif isinstance(before, dict):
+        assert list(after) == list(before)
+        if isinstance(before, defaultdict):
+            assert after.default_factory is before.default_factory
+        for key in before:
+            assert_same_shape(before[key], after[key], device, memo)
+    elif isinstance(before, (list, tuple)):
+        assert len(after) == len(before)
+        for x, y in zip(before, after, strict=True):
+            assert_same_shape(x, y, device, memo)
+    elif isinstance(before, Box):
+        assert after.tag == before.tag
+        assert_same_shape(before.content, after.content, device, memo)
+    else:
+        assert after == before or (after is before)
+
+
+@settings(max_examples=150, deadline=None)
+@given(TREES)
+def test_any_tree_moves_to_meta_with_its_structure(tree: Any) -> None:
+    moved = torchplace.move(tree, "meta")
+    assert_same_shape(tree, moved, torch.device("meta"), {})
+    assert torchplace.move(tree, "cpu") is tree  # already there: the very same object
+
+
+@settings(max_examples=50, deadline=None)
+@given(aliased_trees())
+def test_aliasing_survives(tree: Any) -> None:
+    moved = torchplace.move(tree, "meta")
+    assert moved["shared"][0] is moved["shared"][1]["again"]
+    assert_same_shape(tree, moved, torch.device("meta"), {})
+
+
+@pytest.mark.requires_cuda
+@settings(max_examples=25, deadline=None)
+@given(TREES)
+def test_any_tree_round_trips_through_cuda_bit_for_bit(tree: Any) -> None:
+    there = torchplace.move(tree, "cuda:0")
+    back = torchplace.move(there, "cpu")
+    assert_same_shape(tree, back, torch.device("cpu"), {})
+    for before, after in zip(_tensors(tree), _tensors(back), strict=True):
+        assert torch.equal(before, after)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    from torchplace._tree import iter_leaves
+
+    return [leaf for _, leaf in iter_leaves(tree) if isinstance(leaf, torch.Tensor)]
