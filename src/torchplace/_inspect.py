@@ -15,8 +15,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ._devices import DeviceSpec
-from ._devices import normalize
+from ._devices import DeviceSpec, normalize
 from ._errors import MixedDevicesError, NoTensorsError, PlacementError, TorchplaceError
 from ._tree import iter_leaves
 
