@@ -43,7 +43,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if func is None:
         parser.print_help()
         return 2
-    status: int = func(args)
+    try:
+        status: int = func(args)
+    except BrokenPipeError:  # `torchplace doctor --json | head` closed the pipe: not an error
+        sys.stderr.close()
+        return 0
     return status
 
 

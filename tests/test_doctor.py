@@ -1,0 +1,62 @@
+"""torchplace doctor: a verified round trip and an honest verdict, never a traceback."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from torchplace import _doctor
+from torchplace.cli import main
+
+
+def test_doctor_is_healthy_on_this_machine(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--no-bandwidth"]) == 0
+    out = capsys.readouterr().out
+    assert "round trip -> cpu" in out
+    assert "skeleton move -> meta" in out
+    assert "Verdict: healthy." in out
+
+
+def test_doctor_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["doctor", "--json", "--no-bandwidth"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["healthy"] is True and report["problems"] == []
+    assert report["versions"]["torch"] == torch.__version__
+    assert report["devices"][-1]["device"] == "cpu"
+    assert [c["check"] for c in report["checks"]][:2] == [
+        "round trip -> cpu",
+        "values back on cpu bit for bit",
+    ]
+    assert all(c["ok"] for c in report["checks"])
+
+
+def test_a_failing_check_becomes_a_verdict_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def broken(hops: list[torch.device]) -> list[dict[str, object]]:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(_doctor, "_round_trip", broken)
+    assert main(["doctor", "--no-bandwidth"]) == 1
+    out = capsys.readouterr().out
+    assert "Verdict: needs fixing." in out
+    assert "round trip failed: CUDA error: an illegal memory access" in out
+
+
+def test_cpu_only_torch_beside_an_nvidia_driver_is_diagnosed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_doctor, "_nvidia_driver", lambda: "550.54")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    found = _doctor.diagnose(bandwidth=False)
+    assert not found.healthy
+    assert any("CPU-only build; install a CUDA build" in p for p in found.problems)
+    assert any("CUDA_VISIBLE_DEVICES='' hides every GPU" in p for p in found.problems)
+
+
+def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([]) == 2
+    assert "doctor" in capsys.readouterr().out
