@@ -550,3 +550,51 @@ def test_cuda_to_host_results_are_ready_when_returned() -> None:
     expected = big.sum().item()
     out = torchplace.move({"big": big}, "cpu")["big"]  # non_blocking chosen, synced by event
     assert out.device == CPU and out.sum().item() == expected
+
+
+def test_moving_a_dispatched_model_gathers_it_and_removes_every_hook() -> None:
+    from torchplace._dispatch import is_dispatched
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    expected = model(torch.ones(1, 4))
+    torchplace.dispatch(model, {"0": "cpu", "2": "meta"})
+    assert torchplace.devices_of(model) == {CPU, META}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torchplace.move(model, "meta", optimizer=opt)
+    assert not is_dispatched(model)
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in model.modules())
+    torchplace.verify(model, "meta", optimizer=opt)
+    assert model(torch.ones(1, 4, device="meta")).shape == expected.shape
+
+
+def test_many_small_tensors_to_an_accelerator_go_as_one_consolidated_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The wiring of consolidation, with meta standing in for an accelerator."""
+    calls: list[list[torch.Tensor]] = []
+    outputs: list[torch.Tensor] = []
+
+    def consolidated(
+        tensors: list[torch.Tensor], device: torch.device, *, non_blocking: bool
+    ) -> list[torch.Tensor]:
+        calls.append(list(tensors))
+        moved = [t.to(device) for t in tensors]
+        outputs.extend(moved)
+        return moved
+
+    monkeypatch.setattr(_move, "_is_accelerator", lambda dev: dev.type != "cpu")
+    monkeypatch.setattr(_move, "should_consolidate", lambda tensors, dev: len(tensors) >= 8)
+    monkeypatch.setattr(_move, "consolidated_copy", consolidated)
+    model, opt = trained()
+    torchplace.move(model, "meta", optimizer=opt)
+    assert len(calls) == 1
+    assert len(calls[0]) == len({id(p) for p in model.parameters()}) * 2 + 3  # + grads, buffers
+    assert any(model.norm.running_mean is o for o in outputs)  # the consolidated copy is used
+    batch = {"xs": [torch.ones(1) for _ in range(10)]}
+    batch["again"] = batch["xs"][0]
+    moved = torchplace.move(batch, "meta")
+    assert len(calls) == 2 and len(calls[1]) == 10  # each distinct tensor once
+    assert moved["xs"][0] is moved["again"] and any(moved["xs"][3] is o for o in outputs)
+    few = torchplace.move([torch.ones(1)] * 3, "meta")
+    assert len(calls) == 2 and few[0].device == META  # below the threshold: one by one

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ._devices import available, device
+from ._dispatch import Estimate, dispatch, estimate, plan
 from ._errors import (
     CheckpointError,
     DeviceMismatchError,
@@ -15,15 +16,18 @@ from ._errors import (
     TorchplaceError,
 )
 from ._inspect import Straggler, devices_of, stragglers, verify, where
+from ._loader import DeviceLoader
 from ._move import move
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
     "CheckpointError",
+    "DeviceLoader",
     "DeviceMismatchError",
     "DeviceSpecError",
     "DeviceUnavailableError",
+    "Estimate",
     "MixedDevicesError",
     "MoveError",
     "NoTensorsError",
@@ -33,7 +37,10 @@ __all__ = [
     "available",
     "device",
     "devices_of",
+    "dispatch",
+    "estimate",
     "move",
+    "plan",
     "stragglers",
     "verify",
     "where",
@@ -44,3 +51,12 @@ for _name in __all__:
     if getattr(_obj, "__module__", "").startswith("torchplace."):
         _obj.__module__ = "torchplace"
 del _name, _obj
+
+
+def __getattr__(name: str) -> object:
+    # torchplace.distributed imports torch.distributed only when first used.
+    if name == "distributed":
+        import importlib
+
+        return importlib.import_module("torchplace.distributed")
+    raise AttributeError(f"module 'torchplace' has no attribute {name!r}")

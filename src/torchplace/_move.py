@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn, TypeVar
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from ._consolidate import consolidated_copy, should_consolidate
 from ._devices import DeviceSpec, free_memory
 from ._devices import device as _device
 from ._errors import MoveError, TorchplaceError
@@ -107,6 +111,32 @@ class _Copier:
         self.non_blocking = non_blocking
         self.copies: dict[int, torch.Tensor] = {}
         self.sync_sources: set[torch.device] = set()
+
+    def prefill(self, tensors: Iterable[torch.Tensor], *, detach: bool = False) -> None:
+        """Send many small host tensors bound for an accelerator as one consolidated copy.
+
+        The results wait in ``copies`` for ``copy`` to hand out. ``detach`` (module moves, done
+        without autograd) lets parameters travel as plain data. Any failure here falls back to
+        per-tensor copies, which then name the tensor that cannot travel.
+        """
+        if not _is_accelerator(self.target):
+            return
+        unique: dict[int, torch.Tensor] = {}
+        for t in tensors:
+            if t.device.type == "cpu" and id(t) not in self.copies:
+                unique.setdefault(id(t), t)
+        originals = list(unique.values())
+        todo = [t.detach() for t in originals] if detach else originals
+        if not should_consolidate(todo, self.target):
+            return
+        try:
+            results = consolidated_copy(
+                todo, self.target, non_blocking=self.non_blocking is not False
+            )
+        except Exception:
+            return
+        for t, new in zip(originals, results, strict=True):
+            self.copies[id(t)] = new
 
     def copy(self, t: torch.Tensor, target: torch.device) -> torch.Tensor:
         """``t`` on ``target``; raises ``_CopyFailed`` (no name known here) when it cannot."""
@@ -285,6 +315,18 @@ def _replaces(p: torch.Tensor, new: torch.Tensor) -> bool:
     return not torch._has_compatible_shallow_copy_type(p, new)
 
 
+def _needs_swap(p: torch.Tensor, new: torch.Tensor) -> bool:
+    """Tensors whose device lives in a Python subclass (fake tensors, traceable wrappers): only
+    swap_tensors moves them in place, as in Module._apply. When a weak reference blocks the
+    swap (fake tensors made inside FakeTensorMode have one), the Parameter is replaced."""
+    return isinstance(p, FakeTensor) or is_traceable_wrapper_subclass(new)
+
+
+def _swappable(p: torch.Tensor, shell: torch.Tensor) -> bool:
+    """swap_tensors refuses tensors with weak references (FakeTensorMode keeps some)."""
+    return not weakref.getweakrefs(p) and not weakref.getweakrefs(shell)
+
+
 def _swap(a: torch.Tensor, b: torch.Tensor) -> Callable[[], None]:
     def do() -> None:
         torch.utils.swap_tensors(a, b)  # type: ignore[no-untyped-call]
@@ -293,12 +335,16 @@ def _swap(a: torch.Tensor, b: torch.Tensor) -> Callable[[], None]:
 
 
 def _new_parameter(p: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
-    """A replacement for ``p`` holding ``data``: same class, requires_grad and attributes."""
+    """A replacement for ``p`` holding ``data``: same class, requires_grad and attributes.
+
+    Only a Parameter subclass's own class and attributes are carried over: a tensor subclass
+    (a fake tensor) keeps its device among its attributes, which must come from ``data``.
+    """
     new = nn.Parameter(data, requires_grad=p.requires_grad)
-    if type(p) is not nn.Parameter:
+    if type(p) is not nn.Parameter and issubclass(type(p), nn.Parameter):
         with contextlib.suppress(TypeError):  # another layout stays a plain Parameter
             new.__class__ = type(p)
-    new.__dict__.update(p.__dict__)
+        new.__dict__.update(p.__dict__)
     return new
 
 
@@ -343,19 +389,33 @@ def _move_modules(
     copier: _Copier,
     attributes: Attributes,
     log: _UndoLog,
+    destinations: dict[int, torch.device] | None = None,
 ) -> list[str]:
-    """Copy then commit every tensor of ``roots``; returns the attributes left where they were."""
+    """Copy then commit every tensor of ``roots``; returns the attributes left where they were.
+
+    ``destinations`` (id of a parameter or buffer -> device) sends each tensor to its own device,
+    as ``dispatch`` needs; tensors it does not name stay where they are.
+    """
     plan = _plan(roots, follow_unregistered=attributes == "move")
 
+    def dest(t: torch.Tensor) -> torch.device:
+        return target if destinations is None else destinations.get(id(t), t.device)
+
     # Phase 1: copy. Nothing the caller can see changes here.
+    if destinations is None:
+        grads = [p.grad for _, p in plan.params.values() if p.grad is not None]
+        copier.prefill(
+            [p for _, p in plan.params.values()] + grads + [b for _, b in plan.buffers.values()],
+            detach=True,
+        )
     with torch.no_grad():
-        new_params = {pid: copier(p, name) for pid, (name, p) in plan.params.items()}
+        new_params = {pid: copier(p, name, dest(p)) for pid, (name, p) in plan.params.items()}
         new_grads = {
-            pid: copier(p.grad, f"{name}.grad")
+            pid: copier(p.grad, f"{name}.grad", dest(p))
             for pid, (name, p) in plan.params.items()
             if p.grad is not None
         }
-        new_buffers = {bid: copier(b, name) for bid, (name, b) in plan.buffers.items()}
+        new_buffers = {bid: copier(b, name, dest(b)) for bid, (name, b) in plan.buffers.items()}
 
     replaced: dict[int, torch.Tensor] = {}  # id(old tensor) -> the object that replaces it
     final: dict[int, torch.Tensor] = {}  # id(parameter) -> the parameter after the move
@@ -364,9 +424,15 @@ def _move_modules(
     for pid, (_, p) in plan.params.items():
         final[pid] = p
         new = new_params[pid]
-        if new is not p and swap:
-            swapped[pid] = _new_parameter(p, new)
-        elif new is not p and _replaces(p, new):
+        if new is p:
+            continue
+        subclass = _needs_swap(p, new)
+        if swap or subclass:
+            shell = _new_parameter(p, new)
+            if swap or _swappable(p, shell):
+                swapped[pid] = shell
+                continue
+        if subclass or _replaces(p, new):
             fresh = _new_parameter(p, new)
             if pid in new_grads:
                 fresh.grad = new_grads[pid]
@@ -402,7 +468,8 @@ def _move_modules(
         if new_value is not value:
             new_attributes.append((mod, key, new_value))
 
-    states = _plan_optimizer_states(optimizers, plan, final, target, copier)
+    devices = {pid: new.device for pid, new in new_params.items()}
+    states = _plan_optimizer_states(optimizers, plan, final, devices, copier)
 
     # Phase 2: commit, every step undoable.
     rnns = [m for _, root in roots for m in root.modules() if isinstance(m, nn.RNNBase)]
@@ -466,7 +533,7 @@ def _plan_optimizer_states(
     optimizers: list[torch.optim.Optimizer],
     plan: _Plan,
     final: dict[int, torch.Tensor],
-    target: torch.device,
+    devices: dict[int, torch.device],
     copier: _Copier,
 ) -> list[_StatePlan]:
     """For each optimizer parameter of the moved model: its final parameter and moved state.
@@ -490,7 +557,7 @@ def _plan_optimizer_states(
                 if state:
                     name = plan.params[pid][0]
                     new_state = _moved_state(
-                        state, label, name, _device_hosted(group), target, copier
+                        state, label, name, _device_hosted(group), devices[pid], copier
                     )
                     if new_state is None and fresh is not p:
                         new_state = dict(state)
@@ -588,6 +655,22 @@ def move(
     return result  # type: ignore[no-any-return]
 
 
+def place(model: nn.Module, destinations: dict[int, torch.device], /) -> None:
+    """Send each parameter and buffer of ``model`` (by id) to its own device, all or nothing.
+
+    The machinery of ``move`` for a model spread over devices: ties, identity, gradients and
+    RNN weight caches are kept as in any move, and a failure leaves every tensor where it was.
+    """
+    copier = _Copier(torch.device("cpu"), None)
+    log = _UndoLog()
+    try:
+        _move_modules([("", model)], copier.target, [], copier, "ignore", log, destinations)
+        copier.synchronize()
+    except BaseException:
+        log.rollback()
+        raise
+
+
 def _move_owners(
     modules: list[tuple[str, nn.Module]],
     optimizers: list[torch.optim.Optimizer],
@@ -605,13 +688,9 @@ def _move_owners(
 
 def _undispatch(module: nn.Module) -> None:
     """Remove the hooks of ``torchplace.dispatch`` once a model is gathered onto one device."""
-    try:
-        from . import _dispatch  # optional until that module lands
-    except ImportError:
-        return
-    is_dispatched = getattr(_dispatch, "is_dispatched", None)
-    undispatch = getattr(_dispatch, "undispatch", None)
-    if is_dispatched is not None and undispatch is not None and is_dispatched(module):
+    from ._dispatch import is_dispatched, undispatch
+
+    if is_dispatched(module):
         undispatch(module)
 
 
@@ -667,6 +746,16 @@ def _move_collection(
     tensor = _tensor_mover(target, copier)
 
     root = "tensor" if isinstance(obj, torch.Tensor) else "batch"
+    if _is_accelerator(target):  # gather first, so many small tensors travel in one copy
+        found: list[torch.Tensor] = []
+
+        def collect(t: torch.Tensor) -> torch.Tensor:
+            found.append(t)
+            return t
+
+        with contextlib.suppress(Exception):  # the real walk below reports any problem
+            map_tensors(obj, collect, root=root)
+        copier.prefill(found)
     try:
         result = map_tensors(obj, tensor, to=to, owner=owner, root=root)
     except Located as located:

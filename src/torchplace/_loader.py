@@ -1,0 +1,418 @@
+"""``DeviceLoader``: batches arrive on the device, their copies hidden behind the compute.
+
+On CUDA, a background thread takes batches from the source, pins their host memory (unless a
+``DataLoader(pin_memory=True)`` already did) and copies them on a dedicated stream, ``prefetch``
+batches ahead of the consumer. Each batch carries the event recorded after its copy::
+
+    source --next--> pin (thread) --copy on side stream, record event--> queue
+    consumer <--current stream waits on the event, record_stream(current)-- queue
+
+Waiting on the event orders the consumer's kernels after the copy without blocking the host.
+``record_stream`` tells PyTorch's caching allocator that the consumer's stream uses memory that
+was allocated on the side stream, so it is not handed out again before the consumer is done.
+Pinned host buffers need no such care: the pinned-memory allocator keeps a block until the copies
+reading from it have finished. Many small tensors in one batch travel as one consolidated copy.
+
+``meta`` runs the same thread and queue without streams (which is how it is tested on a CPU).
+A ``cpu`` target adds nothing: no thread, no copy; other accelerators copy each batch when it is
+asked for. The thread never holds a reference to the iterator, so an iterator dropped by an early
+``break`` is closed at once: the thread is stopped and joined and its batches released.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Generic, TypeVar
+
+import torch
+
+from ._consolidate import (
+    MAX_TENSOR_BYTES,
+    _eligible,
+    consolidated_copy,
+    should_consolidate,
+)
+from ._devices import DeviceSpec
+from ._devices import device as _parse_device
+from ._errors import DeviceSpecError, DeviceUnavailableError, MoveError, TorchplaceError
+from ._tree import Located, iter_leaves, map_tensors
+
+__all__ = ["DeviceLoader"]
+
+T = TypeVar("T")
+
+# How long closing an iterator waits for the thread, which may be inside the source's __next__.
+# A thread still running after that stops on its own as soon as that call returns.
+_JOIN_SECONDS = 30.0
+_THREAD_NAME = "torchplace-DeviceLoader"
+
+
+class DeviceLoader(Generic[T]):
+    """Wrap an iterable of batches so that each batch arrives on ``device``.
+
+    >>> import torch
+    >>> from torchplace._loader import DeviceLoader
+    >>> batches = [{"x": torch.ones(2, 3), "id": 7}, {"x": torch.zeros(2, 3), "id": 8}]
+    >>> loader = DeviceLoader(batches, "meta")
+    >>> len(loader), [(b["x"].device.type, b["id"]) for b in loader]
+    (2, [('meta', 7), ('meta', 8)])
+    >>> cpu = DeviceLoader(batches, "cpu")
+    >>> next(iter(cpu)) is batches[0]  # the CPU adds nothing: no copy, no thread
+    True
+
+    Batches follow the collection rules of ``move`` (dicts, lists, tuples, namedtuples,
+    dataclasses, objects with ``.to``); anything else passes unchanged. On CUDA, up to
+    ``prefetch`` batches are pinned and copied ahead on a dedicated stream while the consumer
+    computes; the consumer's stream waits for each batch's copy, so values are always complete.
+    ``prefetch=0`` copies each batch when it is asked for. ``pin_memory=None`` pins on CUDA;
+    ``False`` copies straight from pageable memory (the copy then blocks the thread that makes
+    it). ``non_blocking=False`` hands a batch over only once its copy has finished.
+
+    ``len()`` is the source's. Each ``iter()`` starts a new pass over the source, so the loader
+    is re-iterable when the source is. An exception raised by the source reaches the consumer
+    after the batches before it, and ends the pass; a failed copy raises ``MoveError`` naming
+    the batch and the tensor. Leaving a loop early releases the thread and its batches at once.
+    """
+
+    def __init__(
+        self,
+        iterable: Iterable[T],
+        device: DeviceSpec,
+        /,
+        *,
+        prefetch: int = 2,
+        pin_memory: bool | None = None,
+        non_blocking: bool = True,
+    ) -> None:
+        if not isinstance(iterable, Iterable) and not hasattr(type(iterable), "__getitem__"):
+            raise TorchplaceError(
+                f"DeviceLoader(iterable=...) needs an iterable of batches (a DataLoader, a list, "
+                f"a generator), got {type(iterable).__name__} ({_short(iterable)})"
+            )
+        try:
+            target = _parse_device(device)
+        except DeviceSpecError as exc:
+            raise DeviceSpecError(f"DeviceLoader(device={device!r}): {exc}") from exc
+        except DeviceUnavailableError as exc:
+            raise DeviceUnavailableError(f"DeviceLoader(device={device!r}): {exc}") from exc
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise TorchplaceError(
+                f"DeviceLoader(prefetch={prefetch!r}): prefetch is how many batches are copied "
+                "ahead of the consumer, a whole number 0 or more (2 is usual, 0 copies each "
+                "batch when it is asked for)"
+            )
+        if pin_memory is not None and not isinstance(pin_memory, bool):
+            raise TorchplaceError(
+                f"DeviceLoader(pin_memory={pin_memory!r}): pin_memory is True, False or None "
+                "(None pins host batches when the device is a CUDA GPU)"
+            )
+        if not isinstance(non_blocking, bool):
+            raise TorchplaceError(
+                f"DeviceLoader(non_blocking={non_blocking!r}): non_blocking is True or False"
+            )
+        self.iterable = iterable
+        self.device = target
+        self.prefetch = prefetch
+        self.pin_memory = pin_memory
+        self.non_blocking = non_blocking
+
+    def __iter__(self) -> Iterator[T]:
+        source = iter(self.iterable)
+        target = self.device
+        if target.type == "cpu":
+            return _synchronous(source, _Copier(target, pin=False, non_blocking=False, side=False))
+        cuda = target.type == "cuda"
+        pin = cuda and self.pin_memory is not False
+        if self.prefetch == 0 or target.type not in ("cuda", "meta"):
+            # Other accelerators have no stream protocol here: copy when asked, blocking.
+            copier = _Copier(target, pin=pin, non_blocking=cuda and self.non_blocking, side=False)
+            return _synchronous(source, copier)
+        copier = _Copier(target, pin=pin, non_blocking=self.non_blocking, side=cuda)
+        return _Prefetcher(source, copier, self.prefetch)
+
+    def __len__(self) -> int:
+        try:
+            return len(self.iterable)  # type: ignore[arg-type]
+        except TypeError as exc:
+            raise TypeError(
+                f"DeviceLoader has no len() because its source, a {type(self.iterable).__name__},"
+                f" has none ({exc})"
+            ) from exc
+
+    def __repr__(self) -> str:
+        return (
+            f"DeviceLoader({_short(self.iterable)}, device='{self.device}', "
+            f"prefetch={self.prefetch}, pin_memory={self.pin_memory}, "
+            f"non_blocking={self.non_blocking})"
+        )
+
+
+def _short(obj: object) -> str:
+    text = repr(obj)
+    return text if len(text) <= 60 else f"<{type(obj).__name__}>"
+
+
+class _Copier:
+    """Copies one batch to the device (``prepare``) and hands it to the consumer (``finish``).
+
+    With ``side=True`` (CUDA with prefetch), ``prepare`` runs in the loader's thread and copies
+    on a dedicated stream, and ``finish`` runs in the consumer's thread.
+    """
+
+    def __init__(self, device: torch.device, *, pin: bool, non_blocking: bool, side: bool):
+        self.device = device
+        self.pin = pin
+        self.non_blocking = non_blocking
+        self.stream = torch.cuda.Stream(device) if side else None  # type: ignore[no-untyped-call]
+
+    def prepare(self, batch: Any, index: int) -> tuple[Any, Any, list[Any]]:
+        created: list[Any] = []
+        stream = self.stream
+        if stream is None:
+            out = self._copy(batch, index, created)
+            return out, None, created
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            out = self._copy(batch, index, created)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+        if not self.non_blocking:
+            event.synchronize()
+        return out, event, created
+
+    def finish(self, item: tuple[Any, Any, list[Any]]) -> Any:
+        out, event, created = item
+        if event is not None:
+            consumer = torch.cuda.current_stream(self.device)
+            consumer.wait_event(event)
+            for obj in created:
+                _record_stream(obj, consumer)
+        return out
+
+    def _copy(self, batch: Any, index: int, created: list[Any]) -> Any:
+        """``batch`` with every tensor on the device; what was allocated goes to ``created``."""
+        device = self.device
+        if device.type == "cpu":  # no copy for what is already there (that is everything, mostly)
+            return _located(index, device, batch, lambda: map_tensors(batch, self._one, to=_to_cpu))
+        found: dict[int, torch.Tensor] = {}
+
+        def look(t: torch.Tensor) -> torch.Tensor:
+            if t.device != device:
+                found.setdefault(id(t), t)
+            return t
+
+        map_tensors(batch, look)
+        moved: dict[int, torch.Tensor] = {}
+        small = [
+            t
+            for t in found.values()
+            if t.device.type == "cpu" and _eligible(t) and t.nbytes <= MAX_TENSOR_BYTES
+        ]
+        if should_consolidate(small, device):
+            try:
+                outs = consolidated_copy(small, device, non_blocking=self.non_blocking)
+            except Exception as exc:
+                raise MoveError(
+                    f"DeviceLoader could not copy batch {index} to {device}: its "
+                    f"{len(small)} small tensors, packed into one consolidated copy of "
+                    f"{_size(sum(t.nbytes for t in small))}, failed: {exc}"
+                ) from exc
+            for t, out in zip(small, outs, strict=True):
+                moved[id(t)] = out
+                created.append(out)
+
+        def one(t: torch.Tensor) -> torch.Tensor:
+            out = moved.get(id(t))
+            if out is None:
+                out = self._one(t)
+                if out is not t:
+                    moved[id(t)] = out
+                    created.append(out)
+            return out
+
+        def to(obj: Any) -> Any:
+            if self.pin and callable(getattr(obj, "pin_memory", None)):
+                obj = obj.pin_memory()
+            try:
+                out = obj.to(device, non_blocking=self.non_blocking)
+            except TypeError:  # a .to() without non_blocking (older tokenizer outputs)
+                out = obj.to(device)
+            if out is not obj:
+                created.append(out)
+            return out
+
+        return _located(index, device, batch, lambda: map_tensors(batch, one, to=to))
+
+    def _one(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device == self.device:
+            return t
+        if self.pin and t.device.type == "cpu" and not t.is_pinned():
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=self.non_blocking)
+
+
+def _to_cpu(obj: Any) -> Any:
+    return obj.to(torch.device("cpu"))
+
+
+def _located(index: int, device: torch.device, batch: Any, walk: Callable[[], Any]) -> Any:
+    """Runs a walk over ``batch``, turning a failure into ``MoveError`` naming the tensor."""
+    try:
+        return walk()
+    except Located as located:
+        cause = located.cause
+        path = located.path("batch")
+        what = path
+        if isinstance(batch, torch.Tensor) or path != "batch":
+            for leaf_path, leaf in iter_leaves(batch):
+                if leaf_path == path and isinstance(leaf, torch.Tensor):
+                    what = f"{path} ({leaf.dtype}, shape {tuple(leaf.shape)}, {_size(leaf.nbytes)})"
+                    break
+        raise MoveError(
+            f"DeviceLoader could not copy batch {index} to {device}: {what} failed: "
+            f"{type(cause).__name__}: {cause}"
+        ) from cause
+
+
+def _size(nbytes: int) -> str:
+    size = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _record_stream(obj: Any, stream: torch.cuda.Stream) -> None:
+    """Marks the device memory of ``obj`` (a tensor, or an object moved with ``.to``) as used on
+    ``stream``, so the caching allocator does not reuse it before that stream is done with it."""
+    if isinstance(obj, torch.Tensor):
+        obj.record_stream(stream)
+        return
+    record = getattr(obj, "record_stream", None)
+    if callable(record):  # TensorDict and friends know their own tensors
+        record(stream)
+        return
+    for _, leaf in iter_leaves(obj):
+        if isinstance(leaf, torch.Tensor) and leaf.device.type == "cuda":
+            leaf.record_stream(stream)
+
+
+def _synchronous(source: Iterator[Any], copier: _Copier) -> Iterator[Any]:
+    """Batches copied one at a time when asked for: the CPU, ``prefetch=0``, other devices."""
+    for index, batch in enumerate(source):
+        yield copier.finish(copier.prepare(batch, index))
+
+
+class _End:
+    """The source is exhausted."""
+
+
+class _Failed:
+    """The source, or the copy of a batch, raised ``error``."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class _Prefetcher(Iterator[Any]):
+    """The iterator of a ``DeviceLoader`` that copies ahead in a thread.
+
+    ``slots`` holds one permit per batch that may be prepared ahead of the consumer; the thread
+    takes one before each batch and the consumer gives one back for each batch it takes.
+    """
+
+    def __init__(self, source: Iterator[Any], copier: _Copier, depth: int) -> None:
+        self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._slots = threading.Semaphore(depth)
+        self._stop = threading.Event()
+        self._finish = copier.finish
+        thread = threading.Thread(
+            target=_produce,
+            args=(source, copier.prepare, self._items, self._slots, self._stop),
+            name=_THREAD_NAME,
+            daemon=True,
+        )
+        self._closer = weakref.finalize(
+            self, _shut_down, thread, source, self._items, self._slots, self._stop
+        )
+        thread.start()
+
+    def __iter__(self) -> _Prefetcher:
+        return self
+
+    def __next__(self) -> Any:
+        if not self._closer.alive:
+            raise StopIteration
+        item = self._items.get()
+        if isinstance(item, _End):
+            self.close()
+            raise StopIteration
+        if isinstance(item, _Failed):
+            self.close()
+            raise item.error
+        self._slots.release()
+        return self._finish(item)
+
+    def close(self) -> None:
+        """Stop the thread, release the batches copied ahead and close the source iterator."""
+        self._closer()
+
+
+def _produce(
+    source: Iterator[Any],
+    prepare: Callable[[Any, int], Any],
+    items: queue.SimpleQueue[Any],
+    slots: threading.Semaphore,
+    stop: threading.Event,
+) -> None:
+    """The loader's thread: takes a permit, then a batch from the source, copies, queues it."""
+    index = 0
+    try:
+        while True:
+            slots.acquire()
+            if stop.is_set():
+                return
+            try:
+                batch = next(source)
+            except StopIteration:
+                items.put(_End())
+                return
+            except BaseException as exc:  # the source failed: the consumer raises it in turn
+                items.put(_Failed(exc))
+                return
+            if stop.is_set():
+                return
+            items.put(prepare(batch, index))
+            del batch  # hold no batch while waiting for the next permit
+            index += 1
+    except BaseException as exc:  # a copy failed (MoveError), or something unforeseen
+        items.put(_Failed(exc))
+
+
+def _shut_down(
+    thread: threading.Thread,
+    source: Iterator[Any],
+    items: queue.SimpleQueue[Any],
+    slots: threading.Semaphore,
+    stop: threading.Event,
+) -> None:
+    """Stops and joins the thread, drops the queued batches, closes the source iterator."""
+    stop.set()
+    slots.release()  # wakes the thread if it waits for a permit
+    if thread is threading.current_thread():  # finalized by a garbage collection in the thread
+        return
+    if thread.ident is not None:
+        thread.join(_JOIN_SECONDS)
+    while True:
+        try:
+            items.get_nowait()
+        except queue.Empty:
+            break
+    close = getattr(source, "close", None)
+    if callable(close) and not thread.is_alive():
+        close()

@@ -1,0 +1,135 @@
+"""Many machines: ``setup()`` makes the device side of ``torch.distributed`` right under torchrun.
+
+PyTorch's own ``torch.distributed`` is the engine (torchrun starts the processes, DDP and FSDP
+train); torchplace does not re-implement any of it. ``setup()`` does the part that goes wrong
+by hand: it reads what torchrun set, picks this process's device from ``LOCAL_RANK``, makes it
+the current device, and initializes the process group with the backend that device needs
+(NCCL for CUDA, Gloo for the CPU). See ``docs/distributed.md`` for a whole training script.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ._devices import _count, _visible
+from ._devices import device as _device
+from ._errors import DeviceSpecError, DeviceUnavailableError, TorchplaceError
+
+__all__ = ["setup"]
+
+# What torchrun sets in every process it starts.
+_TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
+
+
+def _env_int(name: str) -> int:
+    text = os.environ[name]
+    try:
+        value = int(text)
+    except ValueError:
+        raise DeviceSpecError(
+            f"{name}={text!r} is not an integer; torchrun sets it, so launch with torchrun "
+            f"instead of setting {name} by hand"
+        ) from None
+    if value < 0:
+        raise DeviceSpecError(f"{name}={value} is negative; torchrun counts ranks from 0")
+    return value
+
+
+def _local_device(local_rank: int) -> torch.device:
+    """The accelerator this process owns (``LOCAL_RANK``), or the CPU on a machine without one."""
+    auto = _device("auto")  # under torchrun: accelerator LOCAL_RANK % count, or the CPU
+    if auto.type in ("cpu", "mps"):
+        return auto
+    count = _count(auto.type)
+    if local_rank >= count:
+        raise DeviceUnavailableError(
+            f"LOCAL_RANK={local_rank} needs {auto.type}:{local_rank} but "
+            f"{_visible(auto.type)}; start at most {count} processes per machine "
+            f"(torchrun --nproc-per-node={count}), since two ranks cannot share one device"
+        )
+    return torch.device(auto.type, local_rank)
+
+
+def _check_backend(backend: str, dev: torch.device) -> str:
+    name = backend.lower()
+    if name == "nccl" and dev.type != "cuda":
+        raise DeviceSpecError(
+            f"backend={backend!r} needs CUDA devices but this process runs on {dev}; "
+            "use backend='gloo' (or None to choose)"
+        )
+    return name
+
+
+def _set_current(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    elif dev.type == "xpu":
+        torch.xpu.set_device(dev)
+
+
+def setup(backend: str | None = None, *, single_process: bool = False) -> torch.device:
+    """Under torchrun: pick this process's device, make it current, start ``torch.distributed``.
+
+    >>> import torch.distributed as dist
+    >>> import torchplace.distributed
+    >>> dev = torchplace.distributed.setup(single_process=True)  # one process, no torchrun
+    >>> dev.type in ("cpu", "cuda"), dist.get_rank(), dist.get_world_size()
+    (True, 0, 1)
+    >>> dist.destroy_process_group()
+
+    Returns ``cuda:LOCAL_RANK`` (or the CPU on a machine without an accelerator), after making
+    it the current device and initializing the default process group from torchrun's
+    variables: NCCL for CUDA and Gloo for the CPU unless ``backend`` names another. Call it
+    once at the top of the script; a second call returns the device without starting a new
+    group. Outside torchrun it raises, naming the missing variables, unless
+    ``single_process=True``, which starts a group of one (for a quick run without torchrun).
+    Wrap the model with ``DistributedDataParallel`` or ``FullyShardedDataParallel`` after
+    moving it to the returned device.
+    """
+    import torch.distributed as dist  # loaded only when asked for
+
+    if not dist.is_available():
+        raise TorchplaceError(
+            f"this PyTorch build ({torch.__version__}) has no torch.distributed support; "
+            "install a build from pytorch.org"
+        )
+    missing = [name for name in _TORCHRUN_VARIABLES if name not in os.environ]
+    under_torchrun = not missing
+    if not under_torchrun and not single_process:
+        raise TorchplaceError(
+            f"setup() runs under torchrun, which sets {', '.join(_TORCHRUN_VARIABLES)}, but "
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set; launch with "
+            "'torchrun --nproc-per-node=N train.py' (add --nnodes and --rdzv-endpoint for "
+            "several machines), or call setup(single_process=True) to run one process"
+        )
+    local_rank = _env_int("LOCAL_RANK") if under_torchrun else 0
+    if under_torchrun:
+        world_size, rank = _env_int("WORLD_SIZE"), _env_int("RANK")
+        if rank >= world_size:
+            raise DeviceSpecError(
+                f"RANK={rank} is not below WORLD_SIZE={world_size}; launch with torchrun"
+            )
+    dev = _local_device(local_rank)
+    name = _check_backend(backend, dev) if backend is not None else _BACKENDS.get(dev.type)
+    if name is None:
+        name = dist.Backend.default_device_backend_map.get(dev.type, "gloo")
+    _set_current(dev)
+    if dist.is_initialized():
+        return dev
+    options: dict[str, object] = {}
+    if dev.type == "cuda":
+        options["device_id"] = dev  # binds NCCL to this device from the start
+    if under_torchrun:
+        dist.init_process_group(backend=name, **options)  # type: ignore[arg-type]
+    else:
+        dist.init_process_group(
+            backend=name,
+            store=dist.HashStore(),  # type: ignore[attr-defined]
+            rank=0,
+            world_size=1,
+            **options,  # type: ignore[arg-type]
+        )
+    return dev

@@ -1,0 +1,94 @@
+"""``torchplace bench``: figures for what the machine has, and a clear word when it has no GPU."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from torchplace._bench import measure
+from torchplace.cli import main
+
+QUICK = ["--size", "1", "--tensors", "12", "--repeat", "1"]
+
+
+@pytest.fixture
+def no_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None:
+        monkeypatch.setattr(mps, "is_available", lambda: False)
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None:
+        monkeypatch.setattr(xpu, "is_available", lambda: False)
+
+
+@pytest.mark.usefixtures("no_accelerator")
+def test_json_without_an_accelerator_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--json", *QUICK]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["device"] == "cpu"
+    assert report["accelerator"] is False
+    assert "no accelerator was found" in report["note"]
+    assert report["tensors"] == 12
+    rows = report["results"]
+    assert [(r["direction"], r["copy"]) for r in rows] == [
+        ("host", "pageable"),
+        ("host", "per-tensor"),
+        ("host", "consolidated"),
+    ]
+    assert rows[0]["fraction"] == 1.0
+    for row in rows:
+        assert row["gb_per_s"] > 0
+        assert row["seconds"] > 0
+        assert row["fraction"] > 0
+    assert rows[1]["bytes"] == rows[2]["bytes"]
+    assert rows[1]["tensors"] == 12
+
+
+@pytest.mark.usefixtures("no_accelerator")
+def test_table_without_an_accelerator(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", *QUICK]) == 0
+    out = capsys.readouterr().out
+    assert "torchplace bench" in out
+    assert "GB/s" in out
+    assert "consolidated" in out
+    assert "no accelerator" in out
+
+
+def test_explicit_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--device", "cpu", "--json", *QUICK]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["device"] == "cpu"
+    assert "the CPU was asked for" in report["note"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [("meta", "--device meta: meta tensors have no data"), ("cdua", "--device cdua: unknown")],
+)
+def test_devices_that_cannot_be_measured(
+    spec: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "--device", spec]) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", ["--size", "--tensors", "--repeat"])
+def test_counts_must_be_positive(option: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["bench", option, "0"])
+    assert info.value.code == 2
+    assert "above 0" in capsys.readouterr().err
+
+
+@pytest.mark.requires_cuda
+def test_cuda_measures_both_directions() -> None:
+    rows = measure(torch.device("cuda:0"), size=8 << 20, tensors=50, repeat=2)
+    kinds = [(m.direction, m.copy) for m in rows]
+    for direction in ("host-to-device", "device-to-host"):
+        for copy in ("pageable", "pinned", "per-tensor", "consolidated"):
+            assert (direction, copy) in kinds
+    assert max(m.fraction for m in rows if m.tensors == 1) == 1.0

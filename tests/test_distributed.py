@@ -1,0 +1,128 @@
+"""torchplace.distributed.setup(): outside torchrun, as one process, and two processes with Gloo."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import torchplace.distributed
+from torchplace._errors import DeviceSpecError, TorchplaceError
+
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture
+def outside_torchrun(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No torchrun variables, and no process group left behind by the test."""
+    for name in TORCHRUN_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_outside_torchrun_the_error_says_how_to_launch(outside_torchrun: None) -> None:
+    with pytest.raises(TorchplaceError, match=r"torchrun.*RANK.*not set.*single_process=True"):
+        torchplace.distributed.setup()
+    assert not dist.is_initialized()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the device would be cuda:0")
+def test_single_process_starts_a_group_of_one(outside_torchrun: None) -> None:
+    dev = torchplace.distributed.setup(single_process=True)
+    assert dev == torch.device("cpu")
+    assert dist.is_initialized()
+    assert (dist.get_rank(), dist.get_world_size()) == (0, 1)
+    assert dist.get_backend() == "gloo"
+    assert torchplace.distributed.setup(single_process=True) == dev  # a second call is harmless
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="NCCL is valid with a GPU")
+def test_nccl_without_cuda_is_refused_before_starting(outside_torchrun: None) -> None:
+    with pytest.raises(DeviceSpecError, match=r"backend='nccl' needs CUDA.*backend='gloo'"):
+        torchplace.distributed.setup("nccl", single_process=True)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("variables", "message"),
+    [
+        ({"LOCAL_RANK": "zero"}, r"LOCAL_RANK='zero' is not an integer"),
+        ({"RANK": "-1"}, r"RANK=-1 is negative"),
+        ({"RANK": "2"}, r"RANK=2 is not below WORLD_SIZE=2"),
+    ],
+)
+def test_malformed_torchrun_variables_are_named(
+    outside_torchrun: None,
+    monkeypatch: pytest.MonkeyPatch,
+    variables: dict[str, str],
+    message: str,
+) -> None:
+    torchrun = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2"}
+    torchrun |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    for name, value in (torchrun | variables).items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(DeviceSpecError, match=message):
+        torchplace.distributed.setup()
+    assert not dist.is_initialized()
+
+
+TRAIN_ONE_STEP = """
+import os
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import torchplace.distributed
+
+device = torchplace.distributed.setup()
+rank = dist.get_rank()
+assert device == torch.device("cpu"), device
+assert dist.get_backend() == "gloo", dist.get_backend()
+assert int(os.environ["LOCAL_RANK"]) == rank
+
+torch.manual_seed(0)  # the same initial weights on every rank
+model = DistributedDataParallel(torch.nn.Linear(4, 1).to(device))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+batch = torch.full((2, 4), float(rank + 1), device=device)  # different data on each rank
+model(batch).sum().backward()
+optimizer.step()
+
+# DDP averaged the gradients, so every rank holds the same weights after the step.
+weights = model.module.weight.detach().clone()
+gathered = [torch.empty_like(weights) for _ in range(dist.get_world_size())]
+dist.all_gather(gathered, weights)
+assert all(torch.equal(w, gathered[0]) for w in gathered), gathered
+print(f"rank {rank} of {dist.get_world_size()} trained on {device}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_two_processes_under_torchrun_train_one_ddp_step(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(TRAIN_ONE_STEP))
+    env = {name: value for name, value in os.environ.items() if name not in TORCHRUN_VARIABLES}
+    env |= {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    if sys.platform == "linux":  # containers whose hostname does not resolve to this machine
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    command = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--standalone", "--nnodes=1", "--nproc-per-node=2", str(script),
+    ]  # fmt: skip
+    try:
+        done = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=120, check=False
+        )
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"torchrun did not finish in 120 s: {err.stdout!r} {err.stderr!r}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "rank 0 of 2 trained on cpu" in done.stdout
+    assert "rank 1 of 2 trained on cpu" in done.stdout

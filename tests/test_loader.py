@@ -1,0 +1,494 @@
+"""DeviceLoader: order, identity, len, re-iteration, early exits, failures, workers, CUDA safety."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import threading
+from collections import namedtuple
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from torchplace._errors import DeviceSpecError, DeviceUnavailableError, MoveError, TorchplaceError
+from torchplace._loader import DeviceLoader
+
+Pair = namedtuple("Pair", ["left", "right"])
+
+
+@dataclasses.dataclass
+class Sample:
+    pixels: torch.Tensor
+    label: int
+
+
+def loader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "torchplace-DeviceLoader"]
+
+
+@pytest.fixture(autouse=True)
+def _no_thread_left() -> Iterator[None]:
+    yield
+    gc.collect()
+    assert loader_threads() == []
+
+
+def numbered(n: int) -> list[dict[str, Any]]:
+    return [{"x": torch.full((2, 3), float(i)), "i": i} for i in range(n)]
+
+
+class Counting:
+    """A re-iterable source that counts the batches taken from it and can fail at one index."""
+
+    def __init__(self, n: int, fail_at: int | None = None) -> None:
+        self.n = n
+        self.fail_at = fail_at
+        self.pulled = 0
+        self.closed = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        try:
+            for i in range(self.n):
+                if i == self.fail_at:
+                    raise KeyError(f"sample {i} is corrupt")
+                self.pulled += 1
+                yield {"x": torch.full((4,), float(i)), "i": i}
+        finally:
+            self.closed += 1
+
+
+# --- CPU: passthrough ---------------------------------------------------------------------
+
+
+def test_cpu_yields_the_very_batches_in_order() -> None:
+    batches = numbered(5)
+    out = list(DeviceLoader(batches, "cpu"))
+    assert len(out) == 5
+    assert all(a is b for a, b in zip(out, batches, strict=True))
+
+
+def test_cpu_starts_no_thread() -> None:
+    source = Counting(3)
+    it = iter(DeviceLoader(source, "cpu", prefetch=4))
+    next(it)
+    assert loader_threads() == []
+    assert source.pulled == 1  # nothing is read ahead on the CPU
+
+
+def test_cpu_names_a_batch_that_cannot_come_back() -> None:
+    batch = {"ok": torch.ones(2), "ghost": torch.empty(3, device="meta")}
+    with pytest.raises(MoveError, match=r"batch 0 .*batch\['ghost'\]"):
+        list(DeviceLoader([batch], "cpu"))
+
+
+# --- meta: the threaded pipeline ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 5])
+def test_meta_keeps_order_and_structure(prefetch: int) -> None:
+    batches = numbered(7)
+    out = list(DeviceLoader(batches, "meta", prefetch=prefetch))
+    assert [b["i"] for b in out] == list(range(7))
+    for b in out:
+        assert b["x"].device.type == "meta"
+        assert b["x"].shape == (2, 3)
+        assert b["x"].dtype == torch.float32
+
+
+def test_meta_nested_batches_and_leaves() -> None:
+    shared = torch.ones(3)
+    marker = object()
+    batch: dict[str, Any] = {
+        "pair": Pair(torch.zeros(2), [shared, shared]),
+        "sample": Sample(torch.ones(1, 2, 2), 3),
+        "text": ["a", "b"],
+        "marker": marker,
+        "nothing": None,
+    }
+    (out,) = list(DeviceLoader([batch], "meta"))
+    assert type(out["pair"]) is Pair
+    assert out["pair"].left.device.type == "meta"
+    left, right = out["pair"].right
+    assert left is right  # one tensor twice stays one tensor twice
+    assert isinstance(out["sample"], Sample)
+    assert out["sample"].pixels.device.type == "meta"
+    assert out["sample"].label == 3
+    assert out["text"] is batch["text"]
+    assert out["marker"] is marker
+    assert out["nothing"] is None
+    assert batch["pair"].left.device.type == "cpu"  # the source batch is untouched
+
+
+def test_unsupported_objects_pass_unchanged() -> None:
+    things = [object(), "text", 3, None, {1, 2}]
+    for target in ("cpu", "meta"):
+        out = list(DeviceLoader(things, target))
+        assert all(a is b for a, b in zip(out, things, strict=True))
+
+
+def test_bare_tensor_batches() -> None:
+    out = list(DeviceLoader([torch.ones(2), torch.zeros(3)], "meta"))
+    assert [tuple(t.shape) for t in out] == [(2,), (3,)]
+
+
+def test_objects_with_their_own_to() -> None:
+    class Encoding:
+        def __init__(self, ids: torch.Tensor) -> None:
+            self.ids = ids
+
+        def to(self, device: torch.device, non_blocking: bool = False) -> Encoding:
+            return Encoding(self.ids.to(device, non_blocking=non_blocking))
+
+    (out,) = list(DeviceLoader([{"enc": Encoding(torch.ones(2))}], "meta"))
+    assert out["enc"].ids.device.type == "meta"
+
+
+def test_reads_at_most_prefetch_batches_ahead() -> None:
+    source = Counting(12)
+    taken = 0
+    for _ in DeviceLoader(source, "meta", prefetch=3):
+        taken += 1
+        assert source.pulled <= taken + 3
+    assert taken == 12
+
+
+# --- len and re-iteration -----------------------------------------------------------------
+
+
+def test_len_delegates() -> None:
+    assert len(DeviceLoader(numbered(4), "meta")) == 4
+    assert len(DeviceLoader(Counting(9), "cpu")) == 9
+
+
+def test_len_of_a_source_without_one() -> None:
+    loader = DeviceLoader((b for b in numbered(2)), "meta")
+    with pytest.raises(TypeError, match="source, a generator, has none"):
+        len(loader)
+    assert len(list(loader)) == 2  # list() still works: it only asks for a length hint
+
+
+@pytest.mark.parametrize("target", ["cpu", "meta"])
+def test_re_iterable_when_the_source_is(target: str) -> None:
+    source = Counting(3)
+    loader = DeviceLoader(source, target)
+    first = [b["i"] for b in loader]
+    second = [b["i"] for b in loader]
+    assert first == second == [0, 1, 2]
+
+
+@pytest.mark.parametrize("target", ["cpu", "meta"])
+def test_a_one_shot_source_runs_once(target: str) -> None:
+    loader = DeviceLoader(iter(numbered(3)), target)
+    assert len(list(loader)) == 3
+    assert list(loader) == []
+
+
+# --- leaving early and failing --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefetch", [1, 2, 8])
+def test_break_leaves_no_thread(prefetch: int) -> None:
+    source = Counting(50)
+    for batch in DeviceLoader(source, "meta", prefetch=prefetch):
+        if batch["i"] == 2:
+            break
+    assert loader_threads() == []  # closed when the loop dropped the iterator, no gc needed
+    assert source.closed == 1  # and the source's iterator was closed
+    assert source.pulled <= 3 + prefetch
+
+
+def test_close_releases_the_batches_read_ahead() -> None:
+    import weakref
+
+    kept: list[weakref.ref[torch.Tensor]] = []
+
+    def source() -> Iterator[torch.Tensor]:
+        for _ in range(10):
+            t = torch.ones(2)
+            kept.append(weakref.ref(t))
+            yield t
+
+    it = iter(DeviceLoader(source(), "meta", prefetch=4))
+    next(it)
+    it.close()  # type: ignore[attr-defined]
+    assert loader_threads() == []
+    gc.collect()
+    assert all(ref() is None for ref in kept)
+    with pytest.raises(StopIteration):
+        next(it)
+
+
+@pytest.mark.parametrize(("target", "prefetch"), [("cpu", 2), ("meta", 0), ("meta", 2)])
+def test_source_exception_arrives_at_its_batch(target: str, prefetch: int) -> None:
+    source = Counting(10, fail_at=4)
+    it = iter(DeviceLoader(source, target, prefetch=prefetch))
+    assert [next(it)["i"] for _ in range(4)] == [0, 1, 2, 3]
+    with pytest.raises(KeyError, match="sample 4 is corrupt"):
+        next(it)
+
+
+def test_source_exception_is_the_same_object() -> None:
+    error = ValueError("bad shard")
+
+    def source() -> Iterator[torch.Tensor]:
+        yield torch.ones(1)
+        raise error
+
+    it = iter(DeviceLoader(source(), "meta"))
+    next(it)
+    with pytest.raises(ValueError, match="bad shard") as info:
+        next(it)
+    assert info.value is error
+    with pytest.raises(StopIteration):  # the pass is over
+        next(it)
+
+
+def test_failed_copy_names_batch_and_path() -> None:
+    class Broken:
+        def to(self, device: torch.device, non_blocking: bool = False) -> Broken:
+            raise RuntimeError("no room")
+
+    batches: list[dict[str, Any]] = [{"ok": torch.ones(1)}, {"ok": torch.ones(1), "bad": Broken()}]
+    it = iter(DeviceLoader(batches, "meta"))
+    assert next(it)["ok"].device.type == "meta"
+    with pytest.raises(MoveError, match=r"batch 1 to meta: batch\['bad'\].*no room"):
+        next(it)
+
+
+# --- DataLoader with workers ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", ["cpu", "meta"])
+def test_multi_worker_dataloader(target: str) -> None:
+    data = TensorDataset(torch.arange(24.0).reshape(12, 2), torch.arange(12))
+    source = DataLoader(data, batch_size=3, num_workers=2)
+    loader = DeviceLoader(source, target)
+    assert len(loader) == 4
+    labels = []
+    for features, label in loader:
+        assert features.device.type == target
+        assert features.shape == (3, 2)
+        if target == "cpu":
+            labels.extend(label.tolist())
+    if target == "cpu":
+        assert labels == list(range(12))
+
+
+def test_multi_worker_dataloader_break() -> None:
+    data = TensorDataset(torch.arange(40.0).reshape(20, 2))
+    loader = DeviceLoader(DataLoader(data, batch_size=2, num_workers=2), "meta", prefetch=2)
+    for i, _ in enumerate(loader):
+        if i == 1:
+            break
+    assert loader_threads() == []
+
+
+# --- bad input ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefetch", [-1, 1.5, True, "2", None])
+def test_bad_prefetch_is_named(prefetch: Any) -> None:
+    with pytest.raises(TorchplaceError, match=r"prefetch="):
+        DeviceLoader([], "cpu", prefetch=prefetch)
+
+
+def test_bad_device_is_named() -> None:
+    with pytest.raises(DeviceSpecError, match=r"DeviceLoader\(device='cdua'\)"):
+        DeviceLoader([], "cdua")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_absent_device_is_named() -> None:
+    with pytest.raises(DeviceUnavailableError, match=r"DeviceLoader\(device='cuda:7'\)"):
+        DeviceLoader([], "cuda:7")
+
+
+def test_bad_flags_are_named() -> None:
+    with pytest.raises(TorchplaceError, match="pin_memory="):
+        DeviceLoader([], "cpu", pin_memory="yes")  # type: ignore[arg-type]
+    with pytest.raises(TorchplaceError, match="non_blocking="):
+        DeviceLoader([], "cpu", non_blocking=None)  # type: ignore[arg-type]
+
+
+def test_not_iterable_is_named() -> None:
+    with pytest.raises(TorchplaceError, match="iterable of batches"):
+        DeviceLoader(5, "cpu")  # type: ignore[arg-type]
+
+
+def test_repr() -> None:
+    text = repr(DeviceLoader([1, 2], "meta", prefetch=3))
+    assert text == (
+        "DeviceLoader([1, 2], device='meta', prefetch=3, pin_memory=None, non_blocking=True)"
+    )
+
+
+# --- the stream protocol, with stand-ins for CUDA streams and events --------------------------
+
+
+class FakeEvent:
+    def __init__(self) -> None:
+        self.stream: Any = None
+        self.synchronized = False
+
+    def record(self, stream: Any) -> None:
+        self.stream = stream
+
+    def synchronize(self) -> None:
+        self.synchronized = True
+
+
+class FakeStream:
+    def __init__(self, device: Any = None) -> None:
+        self.waited: list[FakeEvent] = []
+
+    def wait_event(self, event: FakeEvent) -> None:
+        self.waited.append(event)
+
+
+@pytest.mark.parametrize("non_blocking", [True, False])
+def test_stream_protocol(monkeypatch: pytest.MonkeyPatch, non_blocking: bool) -> None:
+    """Each batch is copied under the side stream and its event recorded there; the consumer's
+    stream waits on that event before the batch is handed over, and every tensor the loader
+    allocated is marked as used by the consumer's stream."""
+    from torchplace import _loader
+
+    consumer = FakeStream()
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: consumer)
+    recorded: list[tuple[Any, Any]] = []
+    monkeypatch.setattr(_loader, "_record_stream", lambda obj, s: recorded.append((obj, s)))
+
+    copier = _loader._Copier(torch.device("meta"), pin=False, non_blocking=non_blocking, side=True)
+    assert isinstance(copier.stream, FakeStream)
+    already = torch.empty(2, device="meta")
+    batches = [{"x": torch.ones(3), "y": [torch.zeros(1)], "z": already, "i": i} for i in range(5)]
+    seen = 0
+    for batch in _loader._Prefetcher(iter(batches), copier, 2):
+        assert len(consumer.waited) == seen + 1  # waited before the batch was handed over
+        event = consumer.waited[-1]
+        assert event.stream is copier.stream
+        assert event.synchronized is not non_blocking
+        mine = recorded[-2:]
+        assert {id(obj) for obj, _ in mine} == {id(batch["x"]), id(batch["y"][0])}
+        assert all(s is consumer for _, s in mine)
+        assert batch["z"] is already  # already there: neither copied nor recorded
+        seen += 1
+    assert seen == 5
+    assert len(recorded) == 10
+
+
+# --- CUDA ---------------------------------------------------------------------------------
+
+
+def cuda_batches(n: int, numel: int) -> list[dict[str, Any]]:
+    out = []
+    for i in range(n):
+        bits = torch.randint(-(2**31), 2**31 - 1, (numel,), dtype=torch.int32)
+        out.append(
+            {
+                "f32": bits.view(torch.float32),  # arbitrary bit patterns, NaN payloads included
+                "bf16": bits[: numel // 2].view(torch.bfloat16),
+                "mask": bits[:64] > 0,
+                "small": [torch.full((3,), i, dtype=torch.int8) for _ in range(20)],
+                "i": i,
+            }
+        )
+    return out
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a, b = a.contiguous(), b.contiguous()
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("pin_memory", [None, False])
+@pytest.mark.parametrize("prefetch", [0, 1, 3])
+def test_cuda_values_bit_identical(prefetch: int, pin_memory: bool | None) -> None:
+    batches = cuda_batches(8, 1 << 16)
+    loader = DeviceLoader(batches, "cuda:0", prefetch=prefetch, pin_memory=pin_memory)
+    for host, dev in zip(batches, loader, strict=True):
+        assert dev["f32"].device == torch.device("cuda:0")
+        assert dev["i"] == host["i"]
+        for key in ("f32", "bf16", "mask"):
+            assert same_bits(dev[key].cpu(), host[key])
+        for a, b in zip(dev["small"], host["small"], strict=True):
+            assert same_bits(a.cpu(), b)
+
+
+@pytest.mark.requires_cuda
+def test_cuda_already_pinned_batches() -> None:
+    batches = [torch.arange(1000.0).pin_memory() for _ in range(4)]
+    out = [t.cpu() for t in DeviceLoader(batches, "cuda:0")]
+    assert all(torch.equal(a, b) for a, b in zip(out, batches, strict=True))
+
+
+@pytest.mark.requires_cuda
+def test_cuda_reader_never_overtakes_a_slow_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every copy is held back on the side stream by a long GPU sleep queued before it, while
+    the consumer checks each batch with a kernel the moment it gets it. Without the event wait
+    the check would read memory the copy has not written yet."""
+    from torchplace import _loader
+
+    original = _loader._Copier._one
+
+    def slow_one(self: Any, t: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(20_000_000)  # type: ignore[no-untyped-call]  # the side stream
+        return original(self, t)
+
+    monkeypatch.setattr(_loader._Copier, "_one", slow_one)
+    n = 24
+    batches = [torch.full((1 << 20,), float(i)) for i in range(n)]
+    checks = []
+    for i, batch in enumerate(DeviceLoader(batches, "cuda:0", prefetch=2)):
+        checks.append((batch == float(i)).all())  # fast reader on the consumer's stream
+    assert torch.stack(checks).all().item()
+
+
+@pytest.mark.requires_cuda
+def test_cuda_memory_not_reused_while_the_consumer_reads() -> None:
+    """The consumer reads each batch after a long GPU sleep and drops it at once; the loader's
+    later copies must not land in that memory before the read (``record_stream``)."""
+    n = 16
+    batches = [torch.full((1 << 20,), float(i)) for i in range(n)]
+    sums = []
+    for batch in DeviceLoader(batches, "cuda:0", prefetch=3):
+        torch.cuda._sleep(20_000_000)  # type: ignore[no-untyped-call]
+        sums.append(batch.sum())
+        del batch
+    expected = [float(i) * (1 << 20) for i in range(n)]
+    assert [s.item() for s in sums] == expected
+
+
+@pytest.mark.requires_cuda
+def test_cuda_break_leaves_no_thread() -> None:
+    for i, _ in enumerate(DeviceLoader(cuda_batches(10, 1024), "cuda:0", prefetch=4)):
+        if i == 1:
+            break
+    assert loader_threads() == []
+
+
+@pytest.mark.requires_cuda
+def test_cuda_consumer_on_another_stream() -> None:
+    batches = [torch.full((1 << 16,), float(i)) for i in range(6)]
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    checks = []
+    with torch.cuda.stream(stream):
+        for i, batch in enumerate(DeviceLoader(batches, "cuda:0")):
+            checks.append((batch == float(i)).all())
+    stream.synchronize()
+    assert torch.stack(checks).all().item()
