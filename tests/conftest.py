@@ -12,6 +12,19 @@ HAS_CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", "meta"] + (["cuda:0"] if HAS_CUDA else [])
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--regen-golden",
+        action="store_true",
+        help="rewrite the golden files under tests/golden from the current output",
+    )
+
+
+@pytest.fixture
+def regen_golden(request: pytest.FixtureRequest) -> bool:
+    return bool(request.config.getoption("--regen-golden"))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if HAS_CUDA:
         return

@@ -8,7 +8,7 @@ import sys
 
 import torchplace
 
-# The names DESIGN.md documents and this release implements (report and guard: see CHANGELOG).
+# The names DESIGN.md documents and this release implements.
 DOCUMENTED = {
     # devices
     "device",
@@ -19,6 +19,8 @@ DOCUMENTED = {
     "stragglers",
     "Straggler",
     "verify",
+    "report",
+    "Report",
     # moving and the data path
     "move",
     "DeviceLoader",

@@ -18,6 +18,7 @@ from ._errors import (
 from ._inspect import Straggler, devices_of, stragglers, verify, where
 from ._loader import DeviceLoader
 from ._move import move
+from ._report import Report, report
 
 __version__ = "0.1.0.dev0"
 
@@ -32,6 +33,7 @@ __all__ = [
     "MoveError",
     "NoTensorsError",
     "PlacementError",
+    "Report",
     "Straggler",
     "TorchplaceError",
     "available",
@@ -41,6 +43,7 @@ __all__ = [
     "estimate",
     "move",
     "plan",
+    "report",
     "stragglers",
     "verify",
     "where",

@@ -142,13 +142,14 @@ def module_entries(module: nn.Module, prefix: str = "") -> Iterator[Entry]:
     registered: set[int] = set()
     for name, p in module.named_parameters():
         registered.add(id(p))
-        yield Entry(prefix + name, "parameter", p, module=prefix + name.rpartition(".")[0])
+        owner = (prefix + name).rpartition(".")[0]
+        yield Entry(prefix + name, "parameter", p, module=owner)
         if p.grad is not None:
             registered.add(id(p.grad))
-            yield Entry(f"{prefix}{name}.grad", "grad", p.grad, module=None)
+            yield Entry(f"{prefix}{name}.grad", "grad", p.grad, module=owner)
     for name, b in module.named_buffers():
         registered.add(id(b))
-        yield Entry(prefix + name, "buffer", b, module=prefix + name.rpartition(".")[0])
+        yield Entry(prefix + name, "buffer", b, module=(prefix + name).rpartition(".")[0])
     modules = {id(m) for m in module.modules()}
     for mod_name, mod in module.named_modules():
         for key, value in vars(mod).items():
@@ -159,7 +160,7 @@ def module_entries(module: nn.Module, prefix: str = "") -> Iterator[Entry]:
                 if isinstance(leaf, torch.Tensor):
                     if id(leaf) not in registered:
                         registered.add(id(leaf))
-                        yield Entry(path, "attribute", leaf, module=prefix + mod_name)
+                        yield Entry(path, "attribute", leaf, module=(prefix + mod_name).rstrip("."))
                 elif isinstance(leaf, nn.Module) and id(leaf) not in modules:
                     # A module kept in a plain list or dict is not registered: Module.to()
                     # never reaches its tensors, so they count as attributes of the owner.
@@ -197,7 +198,9 @@ def optimizer_entries(
                 flexible = key in HOST_STATE_KEYS and key != "step" and not device_hosted
                 for path, leaf in iter_leaves(value, root=base):
                     if isinstance(leaf, torch.Tensor):
-                        yield Entry(path, "optimizer_state", leaf, host=host, flexible=flexible)
+                        yield Entry(
+                            path, "optimizer_state", leaf, host, flexible, module=f"{label}.state"
+                        )
 
 
 def entries(obj: Any, /, *, optimizer: Any = None, root: str = "batch") -> list[Entry]:
@@ -270,7 +273,7 @@ def _summary(found: Iterable[Entry]) -> dict[torch.device, list[Entry]]:
     return dict(sorted(by_device.items(), key=lambda kv: -sum(nbytes(e.tensor) for e in kv[1])))
 
 
-def _describe(obj: Any) -> str:
+def describe(obj: Any) -> str:
     if isinstance(obj, nn.Module):
         return f"the {type(obj).__name__} model"
     if isinstance(obj, torch.optim.Optimizer):
@@ -294,7 +297,7 @@ def where(obj: Any, /) -> torch.device:
     found = [e for e in entries(obj) if not e.host]
     if not found:
         raise NoTensorsError(
-            f"{_describe(obj)} holds no tensors, so it has no device "
+            f"{describe(obj)} holds no tensors, so it has no device "
             "(next(model.parameters()) would raise a bare StopIteration); "
             "take the device from its inputs or from your own torchplace.device()"
         )
@@ -308,7 +311,7 @@ def where(obj: Any, /) -> torch.device:
         count = f"{len(group)} tensor{'s' if len(group) != 1 else ''}"
         parts.append(f"{dev} ({count}, {format_bytes(total)}: {examples})")
     raise MixedDevicesError(
-        f"{_describe(obj)} is spread over {len(by_device)} devices: {'; '.join(parts)}. "
+        f"{describe(obj)} is spread over {len(by_device)} devices: {'; '.join(parts)}. "
         "It has no single device (next(model.parameters()).device would name just one); "
         "gather it with torchplace.move(obj, device) or list them with torchplace.devices_of"
     )
@@ -386,6 +389,6 @@ def verify(obj: Any, device: DeviceSpec, /, *, optimizer: Any = None) -> None:
         lines.append(f"  ... and {len(bad) - 10} more (torchplace.stragglers lists them all)")
     count = f"{len(bad)} tensor{'s' if len(bad) != 1 else ''}"
     raise PlacementError(
-        f"{count} of {_describe(obj)} {'are' if len(bad) != 1 else 'is'} not on {target}:\n"
+        f"{count} of {describe(obj)} {'are' if len(bad) != 1 else 'is'} not on {target}:\n"
         + "\n".join(lines)
     )

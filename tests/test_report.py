@@ -1,0 +1,97 @@
+"""report(): golden tables (regenerate with `pytest --regen-golden`), JSON, totals, rich."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import torchplace
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("mask", torch.ones(8, dtype=torch.bool), persistent=False)
+        self.scale = torch.ones(1, dtype=torch.float16)
+
+
+def trained() -> tuple[Net, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.Adam(model.parameters())
+    model.head(model.norm(model.embed(torch.arange(4)))).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def check_golden(name: str, text: str, regen: bool) -> None:
+    path = GOLDEN / name
+    if regen:
+        path.write_text(text)
+    assert path.exists(), f"{path} is missing; run pytest --regen-golden"
+    assert text == path.read_text(), f"{name} changed; if on purpose, run pytest --regen-golden"
+
+
+def test_report_per_module_golden(regen_golden: bool) -> None:
+    model, opt = trained()
+    torchplace.move(model, "meta", optimizer=opt, attributes="ignore")
+    check_golden("report_modules.txt", str(torchplace.report(model, optimizer=opt)), regen_golden)
+
+
+def test_report_per_tensor_golden(regen_golden: bool) -> None:
+    model, _ = trained()
+    check_golden("report_detail.txt", str(torchplace.report(model, detail=True)), regen_golden)
+
+
+def test_report_counts_every_byte_once() -> None:
+    model, opt = trained()
+    found = torchplace.report(model, optimizer=opt)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())  # tie counted once
+    grads = sum(p.grad.numel() * 4 for p in model.parameters() if p.grad is not None)
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    state = sum(v.numel() * v.element_size() for s in opt.state.values() for v in s.values())
+    assert found.total_bytes == params + grads + buffers + state + 2  # + the fp16 attribute
+    data = json.loads(json.dumps(found.to_dict()))
+    assert data["totals"]["bytes"] == found.total_bytes
+    assert set(data["totals"]["by_dtype"]) == {"float32", "int64", "bool", "float16"}
+    assert {row["kind"] for row in data["rows"]} == {
+        "parameter",
+        "grad",
+        "buffer",
+        "attribute",
+        "optimizer_state",
+    }
+
+
+def test_report_of_a_split_model_totals_per_device() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
+    totals = torchplace.report(model).by_device
+    assert totals == {
+        "cpu": {"tensors": 2, "count": 6, "bytes": 24},
+        "meta": {"tensors": 2, "count": 6, "bytes": 24},
+    }
+
+
+def test_report_renders_in_rich() -> None:
+    from rich.console import Console
+
+    console = Console(record=True, width=100)
+    console.print(torchplace.report({"x": torch.ones(3)}))
+    text = console.export_text()
+    assert "batch['x']" in text and "tensor" in text
+
+
+def test_report_of_nothing_says_so() -> None:
+    found = torchplace.report(nn.ReLU())
+    assert found.rows == () and found.total_bytes == 0
+    assert "(no tensors)" in str(found)
