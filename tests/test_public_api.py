@@ -24,6 +24,9 @@ DOCUMENTED = {
     # moving and the data path
     "move",
     "DeviceLoader",
+    # guard
+    "guard",
+    "Guard",
     # several devices
     "plan",
     "dispatch",

@@ -15,6 +15,7 @@ from ._errors import (
     PlacementError,
     TorchplaceError,
 )
+from ._guard import Guard, guard
 from ._inspect import Straggler, devices_of, stragglers, verify, where
 from ._loader import DeviceLoader
 from ._move import move
@@ -29,6 +30,7 @@ __all__ = [
     "DeviceSpecError",
     "DeviceUnavailableError",
     "Estimate",
+    "Guard",
     "MixedDevicesError",
     "MoveError",
     "NoTensorsError",
@@ -41,6 +43,7 @@ __all__ = [
     "devices_of",
     "dispatch",
     "estimate",
+    "guard",
     "move",
     "plan",
     "report",
