@@ -191,28 +191,13 @@ def _meta_check() -> dict[str, Any]:
 
 
 def _bandwidth(dev: torch.device) -> list[dict[str, Any]]:
-    """Host-to-device bandwidth of one large copy, pageable and pinned."""
-    rows: list[dict[str, Any]] = []
-    size = 256 << 20
-    for kind in ("pageable", "pinned"):
-        host = torch.empty(size, dtype=torch.uint8)
-        if kind == "pinned":
-            host = host.pin_memory()
-        host.to(dev, non_blocking=True)
-        torch.cuda.synchronize(dev)
-        began = time.perf_counter()
-        for _ in range(3):
-            host.to(dev, non_blocking=True)
-        torch.cuda.synchronize(dev)
-        seconds = (time.perf_counter() - began) / 3
-        rows.append(
-            {
-                "device": str(dev),
-                "copy": f"host->device {kind}",
-                "GB/s": round(size / seconds / 1e9, 2),
-            }
-        )
-    return rows
+    """A short run of ``torchplace bench``: large and small copies both ways."""
+    from ._bench import measure
+
+    return [
+        {"device": str(dev), "copy": f"{m.direction} {m.copy}", "GB/s": round(m.gb_per_s, 2)}
+        for m in measure(dev, size=64 << 20, tensors=100, repeat=2)
+    ]
 
 
 def _bandwidth_of(dev: torch.device) -> Callable[[], list[dict[str, Any]]]:

@@ -38,6 +38,7 @@ from ._consolidate import (
 from ._devices import DeviceSpec
 from ._devices import device as _parse_device
 from ._errors import DeviceSpecError, DeviceUnavailableError, MoveError, TorchplaceError
+from ._inspect import format_bytes
 from ._tree import Located, iter_leaves, map_tensors
 
 __all__ = ["DeviceLoader"]
@@ -217,7 +218,7 @@ class _Copier:
                 raise MoveError(
                     f"DeviceLoader could not copy batch {index} to {device}: its "
                     f"{len(small)} small tensors, packed into one consolidated copy of "
-                    f"{_size(sum(t.nbytes for t in small))}, failed: {exc}"
+                    f"{format_bytes(sum(t.nbytes for t in small))}, failed: {exc}"
                 ) from exc
             for t, out in zip(small, outs, strict=True):
                 moved[id(t)] = out
@@ -268,21 +269,13 @@ def _located(index: int, device: torch.device, batch: Any, walk: Callable[[], An
         if isinstance(batch, torch.Tensor) or path != "batch":
             for leaf_path, leaf in iter_leaves(batch):
                 if leaf_path == path and isinstance(leaf, torch.Tensor):
-                    what = f"{path} ({leaf.dtype}, shape {tuple(leaf.shape)}, {_size(leaf.nbytes)})"
+                    size = format_bytes(leaf.nbytes)
+                    what = f"{path} ({leaf.dtype}, shape {tuple(leaf.shape)}, {size})"
                     break
         raise MoveError(
             f"DeviceLoader could not copy batch {index} to {device}: {what} failed: "
             f"{type(cause).__name__}: {cause}"
         ) from cause
-
-
-def _size(nbytes: int) -> str:
-    size = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _record_stream(obj: Any, stream: torch.cuda.Stream) -> None:
