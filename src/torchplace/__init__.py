@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ._devices import available, device
-from ._dispatch import Estimate, dispatch, estimate, plan
+from ._dispatch import dispatch
 from ._errors import (
     CheckpointError,
     DeviceMismatchError,
@@ -15,10 +15,12 @@ from ._errors import (
     PlacementError,
     TorchplaceError,
 )
+from ._estimate import Estimate, estimate
 from ._guard import Guard, guard
 from ._inspect import Straggler, devices_of, stragglers, verify, where
 from ._loader import DeviceLoader
 from ._move import move
+from ._plan import plan
 from ._report import Report, report
 
 __version__ = "0.1.0.dev0"

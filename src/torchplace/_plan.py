@@ -1,0 +1,457 @@
+"""Where a model goes on several devices: ``plan`` turns budgets into a device map.
+
+``plan(model, max_memory)`` returns ``{module name: device}``, filling the budgets in the order
+given with submodules in execution order; it never touches a device. The walk of a model (every
+module under every name, and who owns each tensor) lives here too, and ``dispatch`` uses it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from ._errors import DeviceSpecError, TorchplaceError
+from ._estimate import _nbytes
+from ._inspect import format_bytes as _format_bytes
+
+__all__ = [
+    "plan",
+]
+
+Size = int | str  # bytes, or "10GiB", "500MB"
+MemorySpec = Mapping[str | int | torch.device, Size]  # device -> budget
+
+# ---------------------------------------------------------------------------------------------
+# Sizes
+# ---------------------------------------------------------------------------------------------
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def _parse_size(value: object, where: str) -> int:
+    """Bytes from ``1024``, ``"500MB"`` (10**6) or ``"10GiB"`` (2**30); ``where`` names it."""
+    if isinstance(value, bool):
+        raise DeviceSpecError(f"{where}: a budget is a size like '10GiB' or bytes, not {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise DeviceSpecError(f"{where}: the budget {value} is negative; give bytes >= 0")
+        return value
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        if match is not None:
+            unit = match.group(2).lower()
+            if unit in _UNITS:
+                return int(float(match.group(1)) * _UNITS[unit])
+            if unit in ("k", "m", "g", "t"):
+                raise DeviceSpecError(
+                    f"{where}: the size {value!r} has no unit in bytes; write "
+                    f"'{match.group(1)}{unit.upper()}iB' (powers of 1024) or "
+                    f"'{match.group(1)}{unit.upper()}B' (powers of 1000)"
+                )
+    raise DeviceSpecError(
+        f"{where}: cannot read the size {value!r}; write bytes as an int or a string such as "
+        "'10GiB', '512MiB' (powers of 1024) or '500MB', '2GB' (powers of 1000)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Walking a model: every module under every name, and who owns each tensor
+# ---------------------------------------------------------------------------------------------
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _display(path: str) -> str:
+    """How messages name a module or tensor: ``model.encoder.0`` (``model`` for the root)."""
+    return f"model.{path}" if path else "model"
+
+
+@dataclasses.dataclass
+class _Tree:
+    """A model's modules under every name they have, and the tensors each holds directly."""
+
+    modules: dict[str, nn.Module]  # path -> module, in registration (execution) order
+    children: dict[str, list[str]]  # path -> child paths
+    direct: dict[str, list[int]]  # path -> ids of the tensors the module itself holds
+    tensors: dict[int, torch.Tensor]  # id -> tensor
+    owners: dict[int, list[str]]  # id -> qualified names (``lm_head.weight``), first first
+    owner_modules: dict[int, list[str]]  # id -> paths of the modules that hold it directly
+
+    subtrees: dict[str, frozenset[int]] = dataclasses.field(default_factory=dict)
+
+    def subtree(self, path: str) -> frozenset[int]:
+        """Ids of every tensor held by the module at ``path`` or any module under it."""
+        found = self.subtrees.get(path)
+        if found is None:
+            ids = set(self.direct[path])
+            for child in self.children[path]:
+                ids |= self.subtree(child)
+            found = self.subtrees[path] = frozenset(ids)
+        return found
+
+
+def _walk(model: nn.Module) -> _Tree:
+    tree = _Tree({}, {}, {}, {}, {}, {})
+    active: set[int] = set()
+
+    def visit(path: str, module: nn.Module) -> None:
+        if id(module) in active:  # a module that contains itself; Module.to() would loop too
+            raise TorchplaceError(f"{_display(path)} contains itself; a model must be a tree")
+        active.add(id(module))
+        tree.modules[path] = module
+        tree.children[path] = []
+        tree.direct[path] = []
+        for kind in ("_parameters", "_buffers"):
+            slots: dict[str, torch.Tensor | None] = getattr(module, kind)
+            for name, tensor in slots.items():
+                if tensor is None:
+                    continue
+                key = id(tensor)
+                tree.tensors[key] = tensor
+                tree.owners.setdefault(key, []).append(_join(path, name))
+                owners = tree.owner_modules.setdefault(key, [])
+                if path not in owners:
+                    owners.append(path)
+                if key not in tree.direct[path]:
+                    tree.direct[path].append(key)
+        for name, child in module._modules.items():
+            if child is None:
+                continue
+            child_path = _join(path, name)
+            tree.children[path].append(child_path)
+            visit(child_path, child)
+        active.discard(id(module))
+
+    visit("", model)
+    return tree
+
+
+# ---------------------------------------------------------------------------------------------
+# plan
+# ---------------------------------------------------------------------------------------------
+
+_PLANNABLE_WORDS = {
+    "auto": "plan never looks at the machine",
+    "best": "plan never looks at the machine",
+    "gpu": "plan never looks at the machine",
+    "disk": "offloading to disk is not supported",
+}
+
+
+def _budget_device(key: object) -> torch.device:
+    """A budget key as an explicit device, parsed without asking whether it exists."""
+    where = f"max_memory[{key!r}]"
+    if isinstance(key, bool):
+        raise DeviceSpecError(f"{where}: a budget key is a device like 'cuda:0', not {key!r}")
+    if isinstance(key, int):
+        if key < 0:
+            raise DeviceSpecError(f"{where}: device index {key} is negative; use 'cuda:0' and up")
+        return torch.device("cuda", key)
+    if isinstance(key, torch.device):
+        parsed = key
+    elif isinstance(key, str):
+        text = key.strip().lower()
+        if text in _PLANNABLE_WORDS:
+            raise DeviceSpecError(
+                f"{where}: {_PLANNABLE_WORDS[text]}, so it needs a named device such as "
+                "'cuda:0', 'cuda:1' or 'cpu'"
+            )
+        try:
+            parsed = torch.device(text)
+        except (RuntimeError, ValueError):
+            guess = difflib.get_close_matches(text.split(":")[0], ["cpu", "cuda", "meta", "xpu"])
+            hint = f"did you mean {guess[0]!r}? " if guess else ""
+            raise DeviceSpecError(
+                f"{where}: unknown device {key!r}; {hint}budget keys are devices such as "
+                "'cuda:0', 'cuda:1', 'xpu:0', 'mps', 'cpu' or an int N for 'cuda:N'"
+            ) from None
+    else:
+        raise DeviceSpecError(
+            f"{where}: a budget key is a device name, an int or a torch.device, "
+            f"not {type(key).__name__}"
+        )
+    if parsed.type in ("cpu", "meta"):
+        if parsed.index not in (None, 0):
+            raise DeviceSpecError(f"{where}: the {parsed.type} device has no index {parsed.index}")
+        return torch.device(parsed.type)
+    return torch.device(parsed.type, 0 if parsed.index is None else parsed.index)
+
+
+def _parse_budgets(max_memory: object) -> dict[torch.device, int]:
+    if not isinstance(max_memory, Mapping) or not max_memory:
+        raise DeviceSpecError(
+            f"max_memory must be a non-empty dict of budgets such as "
+            f"{{'cuda:0': '10GiB', 'cpu': '64GiB'}}, not {max_memory!r}"
+        )
+    budgets: dict[torch.device, int] = {}
+    spelled: dict[torch.device, object] = {}
+    for key, value in max_memory.items():
+        dev = _budget_device(key)
+        if dev in budgets:
+            raise DeviceSpecError(
+                f"max_memory names {dev} twice ({spelled[dev]!r} and {key!r}); give it one budget"
+            )
+        budgets[dev] = _parse_size(value, f"max_memory[{key!r}]")
+        spelled[dev] = key
+    return budgets
+
+
+def _no_split_classes(model: nn.Module, no_split: Iterable[type | str]) -> set[str]:
+    """Names of the classes never split; a name given as a string must exist in the model."""
+    if isinstance(no_split, (str, type)):
+        no_split = [no_split]
+    present = sorted({type(m).__name__ for m in model.modules()})
+    names: set[str] = set()
+    for entry in no_split:
+        if isinstance(entry, type):
+            names.add(entry.__name__)
+        elif isinstance(entry, str):
+            if entry not in present:
+                guess = difflib.get_close_matches(entry, present, n=1)
+                hint = f"did you mean {guess[0]!r}? " if guess else ""
+                raise DeviceSpecError(
+                    f"no_split: no module of class {entry!r} is in the model; {hint}"
+                    f"classes present: {', '.join(present)}"
+                )
+            names.add(entry)
+        else:
+            raise DeviceSpecError(
+                f"no_split: {entry!r} is neither a module class nor a class name; "
+                "pass classes (no_split=[Block]) or their names (no_split=['Block'])"
+            )
+    return names
+
+
+def _dtype(dtype: object) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        found = getattr(torch, dtype.removeprefix("torch."), None)
+        if isinstance(found, torch.dtype):
+            return found
+    raise DeviceSpecError(
+        f"dtype={dtype!r} is not a torch dtype; use e.g. torch.float16 or 'bfloat16'"
+    )
+
+
+class _Planner:
+    """Fills devices in the order of the budgets with units of tensors in execution order."""
+
+    def __init__(
+        self,
+        tree: _Tree,
+        budgets: dict[torch.device, int],
+        no_split: set[str],
+        dtype: torch.dtype | None,
+    ) -> None:
+        self.tree = tree
+        self.devices = list(budgets)
+        self.budgets = budgets
+        self.left = [budgets[d] for d in self.devices]
+        self.current = 0
+        self.no_split = no_split
+        self.size = {key: _nbytes(t, dtype) for key, t in tree.tensors.items()}
+        self.placed: dict[int, int] = {}  # tensor id -> index into self.devices
+        self.tied = self._tied_closures()
+
+    def _tied_closures(self) -> dict[int, set[int]]:
+        """For each tensor, every tensor that must share its device.
+
+        Modules that hold the same tensor directly are joined (transitively): their direct
+        tensors form one group, placed whole when its first member is placed.
+        """
+        parent: dict[str, str] = {path: path for path in self.tree.modules}
+
+        def find(path: str) -> str:
+            while parent[path] != path:
+                parent[path] = parent[parent[path]]
+                path = parent[path]
+            return path
+
+        for owners in self.tree.owner_modules.values():
+            for other in owners[1:]:
+                parent[find(other)] = find(owners[0])
+        groups: dict[str, set[int]] = {}
+        for path, ids in self.tree.direct.items():
+            groups.setdefault(find(path), set()).update(ids)
+        return {key: groups[find(owners[0])] for key, owners in self.tree.owner_modules.items()}
+
+    def unplaced(self, ids: Iterable[int]) -> set[int]:
+        out: set[int] = set()
+        for key in ids:
+            out |= self.tied[key]
+        return {key for key in out if key not in self.placed}
+
+    def need(self, ids: set[int]) -> int:
+        return sum(self.size[key] for key in ids)
+
+    def assign(self, ids: set[int]) -> None:
+        for key in ids:
+            self.placed[key] = self.current
+        self.left[self.current] -= self.need(ids)
+
+    def splittable(self, path: str) -> bool:
+        module = self.tree.modules[path]
+        has_parts = any(self.tree.subtree(child) for child in self.tree.children[path])
+        return has_parts and type(module).__name__ not in self.no_split
+
+    def visit(self, path: str) -> None:
+        ids = self.unplaced(self.tree.subtree(path))
+        while ids:
+            if self.need(ids) <= self.left[self.current]:
+                self.assign(ids)
+                return
+            if self.splittable(path):
+                direct = self.unplaced(self.tree.direct[path])
+                while direct and self.need(direct) > self.left[self.current]:
+                    self.advance(path, direct, whole=False)
+                if direct:
+                    self.assign(direct)
+                for child in self.tree.children[path]:
+                    self.visit(child)
+                return
+            self.advance(path, ids, whole=True)
+
+    def advance(self, path: str, ids: set[int], *, whole: bool) -> None:
+        if self.current + 1 < len(self.devices):
+            self.current += 1
+            return
+        module = self.tree.modules[path]
+        name = type(module).__name__
+        what = (
+            f"{_display(path)} ({name})"
+            if whole
+            else f"the tensors {_display(path)} ({name}) holds itself"
+        )
+        why = (
+            f"{name} is in no_split"
+            if whole and name in self.no_split
+            else "it has no submodules to split"
+            if whole
+            else "they cannot be split"
+        )
+        outside = self.tree.subtree(path) if whole else frozenset(self.tree.direct[path])
+        partners = sorted(
+            {p for key in ids - outside for p in self.tree.owner_modules[key]} - {path}
+        )
+        if partners:
+            shown = ", ".join(_display(p) for p in partners[:3])
+            why += f", and tied tensors bring {shown} along"
+        fixes = "or add a device after it" + (
+            f", or take {name} out of no_split" if name in self.no_split else ""
+        )
+        remaining = sum(self.size[key] for key in self.tree.tensors if key not in self.placed)
+        last = self.devices[-1]
+        earlier = [
+            f"{d}: {_format_bytes(self.left[i])} of {_format_bytes(self.budgets[d])}"
+            for i, d in enumerate(self.devices[:-1])
+        ]
+        left_over = f" (left unused earlier: {', '.join(earlier)})" if earlier else ""
+        raise TorchplaceError(
+            f"the model does not fit: {what} needs {_format_bytes(self.need(ids))} in one piece "
+            f"({why}) but {last}, the last device, has {_format_bytes(self.left[-1])} left"
+            f"{left_over}; {_format_bytes(remaining)} of the model is still unplaced. plan fills "
+            "devices in the order given and never goes back, so raise the budget of "
+            f"{last} by at least {_format_bytes(remaining - self.left[-1])}, {fixes}"
+        )
+
+    def device_map(self) -> dict[str, torch.device]:
+        out: dict[str, torch.device] = {}
+
+        def emit(path: str, inherited: torch.device | None) -> None:
+            ids = self.tree.subtree(path)
+            devices = {self.devices[self.placed[key]] for key in ids}
+            if not devices:
+                return
+            if len(devices) == 1:
+                (dev,) = devices
+                if dev != inherited:
+                    out[path] = dev
+                return
+            direct = self.tree.direct[path]
+            if direct:
+                dev = self.devices[self.placed[direct[0]]]
+                if dev != inherited:
+                    out[path] = dev
+                inherited = dev
+            for child in self.tree.children[path]:
+                emit(child, inherited)
+
+        emit("", None)
+        return out
+
+
+def plan(
+    model: nn.Module,
+    /,
+    max_memory: MemorySpec,
+    *,
+    no_split: Iterable[type | str] = (),
+    dtype: torch.dtype | str | None = None,
+) -> dict[str, torch.device]:
+    """Assign submodules, in execution order, to devices within budgets: a device map.
+
+    >>> import torch, torchplace
+    >>> model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(4)))
+    >>> device_map = torchplace.plan(model, {"cuda:0": "600KiB", "cuda:1": "2MiB"})
+    >>> {name: str(dev) for name, dev in device_map.items()}
+    {'0': 'cuda:0', '1': 'cuda:0', '2': 'cuda:1', '3': 'cuda:1'}
+    >>> torchplace.plan(model, {"cpu": "10GiB"})
+    {'': device(type='cpu')}
+
+    Budgets (``"10GiB"``, ``"512MiB"``, ``"500MB"``, ``"2GB"`` or bytes) count parameters and
+    buffers and are used exactly as given: leave room for activations yourself. Devices fill
+    in the order the budgets are listed; an int key N means ``cuda:N``. Submodules are taken
+    in registration order, which is the order a sequential model or a transformer stack runs
+    them, and a module that does not fit where the last one went is split into its children,
+    unless its class is in ``no_split`` (classes or class names). Modules that hold the same
+    tensor (tied weights) share a device: the group goes where its first member goes. ``dtype``
+    sizes floating tensors as if cast to it. The map is the smallest that says it: a module
+    whose whole subtree shares a device is one entry, and a name covers its submodules unless
+    a longer name overrides it. Works on skeletons and fake tensors; no device is touched.
+    """
+    try:
+        if not isinstance(model, nn.Module):
+            raise TorchplaceError(
+                f"plan() maps an nn.Module, not {type(model).__name__}; pass the model"
+            )
+        budgets = _parse_budgets(max_memory)
+        classes = _no_split_classes(model, no_split)
+        planner = _Planner(_walk(model), budgets, classes, _dtype(dtype))
+        total = sum(planner.size.values())
+        capacity = sum(budgets.values())
+        if total > capacity:
+            listed = ", ".join(f"{d}: {_format_bytes(b)}" for d, b in budgets.items())
+            cast_to = _dtype(dtype)
+            cast = "" if cast_to is None else f" in {str(cast_to).removeprefix('torch.')}"
+            raise TorchplaceError(
+                f"the model does not fit: its parameters and buffers need "
+                f"{_format_bytes(total)}{cast} but the budgets hold {_format_bytes(capacity)} "
+                f"({listed}), {_format_bytes(total - capacity)} short; raise a budget by that "
+                "much, add a device (for example 'cpu'), or plan with a smaller dtype"
+            )
+        planner.visit("")
+        return planner.device_map()
+    except TorchplaceError as err:
+        raise type(err)(f"plan(): {err}") from err.__cause__

@@ -1,0 +1,125 @@
+"""estimate: bytes per device and dtype, on cpu, meta and fake CUDA devices."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from torchplace._errors import DeviceSpecError
+from torchplace._estimate import Estimate, estimate
+from toy_models import CPU, CUDA0, CUDA1, LINEAR_BYTES, META, Net, TiedLM, on_fake_cuda
+
+# --- estimate --------------------------------------------------------------------------------
+
+
+def test_estimate_adam_counts_parameters_gradients_and_state() -> None:
+    est = estimate(nn.Linear(16, 16), optimizer="adam")
+    assert isinstance(est, Estimate)
+    assert (est.parameters, est.gradients) == (LINEAR_BYTES, LINEAR_BYTES)
+    # exp_avg and exp_avg_sq like each parameter, plus a float32 step per parameter on the cpu
+    assert est.optimizer_state == 2 * LINEAR_BYTES + 2 * 4
+    assert est.total == 4 * LINEAR_BYTES + 8
+    assert est.by_device() == {CPU: est.total}
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "state"),
+    [
+        ("sgd", 0),
+        ("sgd-momentum", LINEAR_BYTES),
+        ("momentum", LINEAR_BYTES),
+        ("adamw", 2 * LINEAR_BYTES + 8),
+        ("adagrad", LINEAR_BYTES + 8),
+        (None, 0),
+    ],
+)
+def test_estimate_optimizer_state_per_kind(optimizer: str | None, state: int) -> None:
+    assert estimate(nn.Linear(16, 16), optimizer=optimizer).optimizer_state == state
+
+
+@pytest.mark.parametrize(
+    ("kind", "factory"),
+    [
+        ("sgd-momentum", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)),
+        ("adam", lambda p: torch.optim.Adam(p)),
+        ("adamw", lambda p: torch.optim.AdamW(p)),
+        ("adagrad", lambda p: torch.optim.Adagrad(p)),
+    ],
+)
+def test_estimate_matches_the_state_pytorch_creates(
+    kind: str, factory: Callable[[Any], torch.optim.Optimizer]
+) -> None:
+    model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 2))
+    optimizer = factory(model.parameters())
+    model(torch.ones(3, 16)).sum().backward()
+    optimizer.step()
+    state_bytes = sum(
+        t.numel() * t.element_size()
+        for s in optimizer.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor)
+    )
+    assert estimate(model, optimizer=kind).optimizer_state == state_bytes
+
+
+def test_estimate_skeleton_sizes_like_the_real_model() -> None:
+    real = estimate(Net())
+    skeleton = estimate(Net(device="meta"))
+    assert skeleton.total == real.total
+    assert {row.device for row in skeleton.rows} == {META, CPU}  # Adam's step lives on the cpu
+
+
+def test_estimate_frozen_parameters_need_no_gradients_or_state() -> None:
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    model[0].requires_grad_(False)
+    est = estimate(model, optimizer="sgd-momentum")
+    assert est.parameters == 2 * LINEAR_BYTES
+    assert est.gradients == est.optimizer_state == LINEAR_BYTES
+    assert est.trainable_count == est.parameter_count // 2
+    assert estimate(model, optimizer=None, grads=False).total == 2 * LINEAR_BYTES
+
+
+def test_estimate_counts_tied_parameters_once_and_buffers() -> None:
+    model = TiedLM()
+    model.register_buffer("mask", torch.ones(10, dtype=torch.bool))
+    est = estimate(model, optimizer=None, grads=False)
+    unique = sum(p.numel() * 4 for p in model.parameters())
+    assert est.parameters == unique
+    assert est.buffers == 10
+    assert {(row.device, row.dtype) for row in est.rows} == {
+        (CPU, torch.float32),
+        (CPU, torch.bool),
+    }
+
+
+def test_estimate_per_device_and_dtype_on_fake_cuda() -> None:
+    model = on_fake_cuda(Net(device="meta"), {"embed": "cuda:0", "blocks": "cuda:1"})
+    model.head.half()
+    est = estimate(model, optimizer=None, grads=False)
+    rows = {(row.device, row.dtype): row.parameters for row in est.rows}
+    assert rows == {
+        (CUDA0, torch.float32): (8 * 16 + 16) * 4,
+        (CUDA1, torch.float32): 6 * LINEAR_BYTES,
+        (META, torch.float16): (16 * 4 + 4) * 2,
+    }
+
+
+def test_estimate_summary_is_readable_and_json_able() -> None:
+    est = estimate(Net(), optimizer="adam")
+    text = str(est)
+    for word in ("parameters", "gradients", "optimizer", "total", "cpu", "float32", "adam"):
+        assert word in text
+    assert "KiB" in text
+    data = json.loads(json.dumps(est.to_dict()))
+    assert data["total"] == est.total
+    assert data["by_device"] == {"cpu": est.total}
+
+
+def test_estimate_rejects_unknown_optimizer_with_a_suggestion() -> None:
+    with pytest.raises(DeviceSpecError, match=r"'adma'.*did you mean 'adam'"):
+        estimate(nn.Linear(2, 2), optimizer="adma")

@@ -1,0 +1,213 @@
+"""plan: budgets and device maps, on skeletons and fake CUDA devices, touching no device."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import torchplace._plan as plan_module
+from torchplace._dispatch import dispatch
+from torchplace._errors import DeviceSpecError, TorchplaceError
+from torchplace._estimate import estimate
+from torchplace._plan import plan
+from toy_models import CPU, CUDA0, CUDA1, LINEAR_BYTES, META, Block, Net, TiedLM, on_fake_cuda
+
+
+@contextlib.contextmanager
+def cuda_forbidden() -> Iterator[None]:
+    """Any CUDA call inside fails the test: plan must never touch the devices it plans for."""
+
+    def forbidden(*args: object, **kwargs: object) -> None:
+        raise AssertionError("plan touched CUDA")
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("is_available", "device_count", "current_device", "set_device"):
+            patch.setattr(torch.cuda, name, forbidden)
+        patch.setattr(torch.cuda, "mem_get_info", forbidden)
+        patch.setattr(torch.cuda, "_lazy_init", forbidden)
+        yield
+
+
+KINDS = ["skeleton", "fake-cuda"]
+
+
+def built(kind: str, factory: Callable[..., nn.Module], **kwargs: Any) -> nn.Module:
+    """The model as a skeleton (parameters on meta) or with fake parameters on cuda:0."""
+    model = factory(device="meta", **kwargs)
+    return model if kind == "skeleton" else on_fake_cuda(model, {"": "cuda:0"})
+
+
+# --- plan: budgets ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (1024, 1024),
+        ("1024", 1024),
+        ("10GiB", 10 * 2**30),
+        ("500MB", 500 * 10**6),
+        ("1.5KiB", 1536),
+        (" 2 gb ", 2 * 10**9),
+        ("0", 0),
+    ],
+)
+def test_sizes_are_read_as_given(text: int | str, expected: int) -> None:
+    assert plan_module._parse_size(text, "here") == expected
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("10G", r"max_memory\['cpu'\].*'10GiB'.*'10GB'"),
+        ("ten", r"max_memory\['cpu'\]: cannot read the size 'ten'"),
+        ("5 parsecs", r"cannot read the size"),
+        (-1, r"negative"),
+        (True, r"not True"),
+        (None, r"cannot read the size None"),
+    ],
+)
+def test_malformed_sizes_name_the_entry(value: object, message: str) -> None:
+    with pytest.raises(DeviceSpecError, match=message):
+        plan(nn.Linear(2, 2), {"cpu": value})  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize(
+    ("budgets", "message"),
+    [
+        ({"cdua:0": "1GiB"}, r"unknown device 'cdua:0'; did you mean 'cuda'"),
+        ({"gpu": "1GiB"}, r"'gpu'.*named device such as 'cuda:0'"),
+        ({"disk": "1GiB"}, r"disk is not supported"),
+        ({"cuda": 10, "cuda:0": 10}, r"names cuda:0 twice"),
+        ({"cpu:3": 10}, r"no index 3"),
+        ({-1: 10}, r"negative"),
+        ({}, r"non-empty dict"),
+    ],
+)
+def test_budgets_for_unknown_devices_name_the_entry(budgets: Any, message: str) -> None:
+    with pytest.raises(DeviceSpecError, match=message):
+        plan(nn.Linear(2, 2), budgets)
+
+
+def test_budget_keys_normalise_without_touching_devices() -> None:
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
+    with cuda_forbidden():
+        assert plan(model, {"cuda": LINEAR_BYTES, 1: "1MiB"}) == {"0": CUDA0, "1": CUDA1}
+        assert plan(model, {torch.device("cuda"): "1MiB"}) == {"": CUDA0}
+
+
+# --- plan: placement -------------------------------------------------------------------------
+
+
+def test_plan_fills_devices_in_order_on_a_skeleton() -> None:
+    model = nn.Sequential(*(nn.Linear(16, 16, device="meta") for _ in range(5)))
+    with cuda_forbidden():
+        device_map = plan(model, {"cuda:0": 2 * LINEAR_BYTES, "cuda:1": "2KiB", "cpu": "1GiB"})
+    assert device_map == {"0": CUDA0, "1": CUDA0, "2": CUDA1, "3": CPU, "4": CPU}
+    assert list(device_map) == ["0", "1", "2", "3", "4"]  # execution order
+    assert all(p.device == META for p in model.parameters())  # the model is untouched
+
+
+def test_plan_on_fake_cuda_devices_matches_the_skeleton() -> None:
+    budgets = {"cuda:0": "3KiB", "cuda:1": "3KiB", "cpu": "1MiB"}
+    fake = on_fake_cuda(Net(device="meta"), {"embed": "cuda:1", "blocks": "cuda:0"})
+    assert fake.embed.weight.device == CUDA1
+    with cuda_forbidden():
+        skeleton_map = plan(Net(device="meta"), budgets)
+        assert set(skeleton_map.values()) == {CUDA0, CUDA1, CPU}
+        assert plan(fake, budgets) == skeleton_map
+
+
+def test_plan_budget_is_taken_as_given_without_a_reserve() -> None:
+    model = Net(device="meta")
+    total = estimate(model, optimizer=None, grads=False).total
+    assert plan(model, {"cuda:0": total}) == {"": CUDA0}
+    with pytest.raises(TorchplaceError, match=r"1 B short"):
+        plan(model, {"cuda:0": total - 1})
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_plan_collapses_children_of_one_device_to_their_parent(kind: str) -> None:
+    model = built(kind, Net)
+    embed_bytes = (8 * 16 + 16) * 4
+    device_map = plan(model, {"cuda:0": embed_bytes + 2 * LINEAR_BYTES, "cuda:1": "1MiB"})
+    # blocks.0 is one entry, not blocks.0.a and blocks.0.b; blocks.1 and 2 and head share cuda:1
+    assert device_map == {"embed": CUDA0, "blocks.0": CUDA0, "blocks.1": CUDA1,
+                          "blocks.2": CUDA1, "head": CUDA1}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_plan_splits_a_module_unless_it_is_in_no_split(kind: str) -> None:
+    model = built(kind, Net, blocks=2)
+    embed_bytes = (8 * 16 + 16) * 4
+    budgets = {"cuda:0": embed_bytes + LINEAR_BYTES, "cuda:1": "1MiB"}
+    split = plan(model, budgets)
+    assert split["blocks.0.a"] == CUDA0
+    assert split["blocks.0.b"] == CUDA1
+    for no_split in ([Block], ["Block"], Block, "Block"):
+        whole = plan(model, budgets, no_split=no_split)
+        assert whole == {"embed": CUDA0, "blocks": CUDA1, "head": CUDA1}
+
+
+def test_plan_rejects_unknown_no_split_names() -> None:
+    with pytest.raises(DeviceSpecError, match=r"'Blok'.*did you mean 'Block'"):
+        plan(Net(device="meta"), {"cpu": "1GiB"}, no_split=["Blok"])
+    with pytest.raises(DeviceSpecError, match=r"neither a module class nor a class name"):
+        plan(Net(device="meta"), {"cpu": "1GiB"}, no_split=[3])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("kind", ["skeleton", "fake-cuda"])
+def test_plan_keeps_tied_parameters_on_one_device(kind: str) -> None:
+    model = TiedLM(device="meta")
+    if kind == "fake-cuda":
+        model = on_fake_cuda(model, {"": "cuda:1"})
+        assert model.lm_head.weight is model.embed.weight
+        assert model.embed.weight.device == CUDA1
+    embed = 32 * 16 * 4
+    # Room for the embedding and one body layer on cuda:0, but the tied head (weight and bias)
+    # comes along with the embedding, placed when its first member is: its bias takes the room.
+    device_map = plan(model, {"cuda:0": embed + LINEAR_BYTES, "cuda:1": "1MiB"})
+    assert device_map["embed"] == device_map["lm_head"] == CUDA0
+    assert device_map["body"] == CUDA1
+    assert list(device_map) == ["embed", "body", "lm_head"]
+    if kind == "skeleton":
+        dispatch(model, dict.fromkeys(device_map, "meta"))  # a map dispatch accepts
+
+
+def test_plan_ties_make_a_group_that_does_not_fit_say_so() -> None:
+    model = TiedLM(device="meta")
+    budgets = {"cuda:0": 2100, "cuda:1": 2100, "cpu": 2100}  # the group needs 2048 + 128 bytes
+    with pytest.raises(TorchplaceError, match=r"model.embed \(Embedding\).*bring model.lm_head"):
+        plan(model, budgets)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_plan_model_larger_than_all_budgets_reports_the_shortfall(kind: str) -> None:
+    model = built(kind, Net)
+    total = estimate(model, optimizer=None, grads=False).total
+    with pytest.raises(TorchplaceError, match=r"budgets hold 2.0 KiB .*short") as info:
+        plan(model, {"cuda:0": "1KiB", "cpu": "1KiB"})
+    assert plan_module._format_bytes(total - 2048) in str(info.value)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_plan_names_a_no_split_module_that_fits_nowhere(kind: str) -> None:
+    model = built(kind, Net, blocks=1)
+    embed = (8 * 16 + 16) * 4
+    budgets = {"cuda:0": embed + LINEAR_BYTES, "cpu": LINEAR_BYTES + (16 * 4 + 4) * 4 + 10}
+    with pytest.raises(TorchplaceError, match=r"model.blocks.0 \(Block\).*Block is in no_split"):
+        plan(model, budgets, no_split=["Block"])
+
+
+def test_plan_dtype_sizes_floating_tensors_as_cast() -> None:
+    model = Net(device="meta")
+    half = estimate(model, optimizer=None, grads=False).total // 2
+    assert plan(model, {"cuda:0": half}, dtype=torch.float16) == {"": CUDA0}
+    assert plan(model, {"cuda:0": half}, dtype="bfloat16") == {"": CUDA0}
+    with pytest.raises(DeviceSpecError, match=r"dtype='float17'"):
+        plan(model, {"cuda:0": half}, dtype="float17")
