@@ -149,13 +149,13 @@ def map_tensors(
         kind = kinds.get(cls)
         if kind is None:
             kind = classify(cls)
-        if kind == _LEAF:
-            return node
         if kind == _TENSOR:
             try:
                 return fn(node)
             except Exception as exc:
                 raise Located(exc) from exc
+        if kind == _LEAF:
+            return node
         done = memo.get(id(node))
         if done is not None:
             return done
@@ -166,12 +166,14 @@ def map_tensors(
         is_attr = False
         try:
             if kind in (_DICT, _MAPPING):
-                changed: dict[Any, Any] = {}
+                changed: dict[Any, Any] | None = None  # allocated only when something moves
                 for key, value in node.items():
                     new = walk(value, depth)
                     if new is not value:
+                        if changed is None:
+                            changed = {}
                         changed[key] = new
-                if not changed:
+                if changed is None:
                     return node
                 if kind == _DICT:
                     result: Any = {k: changed.get(k, v) for k, v in node.items()}
