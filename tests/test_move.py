@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections import OrderedDict, defaultdict, namedtuple
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
 import pytest
@@ -547,9 +547,16 @@ def test_cuda_round_trip_keeps_identity_values_and_policy() -> None:
 @pytest.mark.requires_cuda
 def test_cuda_to_host_results_are_ready_when_returned() -> None:
     big = torch.randn(64, 1024, 1024, device="cuda")
-    expected = big.sum().item()
     out = torchplace.move({"big": big}, "cpu")["big"]  # non_blocking chosen, synced by event
-    assert out.device == CPU and out.sum().item() == expected
+    assert out.device == CPU and out.is_pinned()  # an asynchronous copy lands in pinned memory
+    assert torch.equal(out, big.cpu())
+
+
+@pytest.mark.requires_cuda
+def test_cuda_model_to_host_is_not_left_in_pinned_memory() -> None:
+    model = torchplace.move(nn.Linear(64, 64), "cuda:0")
+    torchplace.move(model, "cpu")
+    assert not model.weight.is_pinned()
 
 
 def test_moving_a_dispatched_model_gathers_it_and_removes_every_hook() -> None:
@@ -598,3 +605,134 @@ def test_many_small_tensors_to_an_accelerator_go_as_one_consolidated_copy(
     assert moved["xs"][0] is moved["again"] and any(moved["xs"][3] is o for o in outputs)
     few = torchplace.move([torch.ones(1)] * 3, "meta")
     assert len(calls) == 2 and few[0].device == META  # below the threshold: one by one
+
+
+# -- findings of review -------------------------------------------------------------------------
+
+
+def test_host_sync_per_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each accelerator is waited for with its own API: MPS's synchronize takes no argument."""
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(torch.mps, "synchronize", lambda *args: calls.append(("mps", *args)))
+    copier = _move._Copier(CPU, None)
+    copier.sync_sources.add(torch.device("mps", 0))
+    copier.synchronize()
+    assert calls == [("mps",)]
+
+
+def test_device_to_host_policy_keeps_models_out_of_pinned_memory() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        on_gpu = torch.empty(4, device="cuda:0")
+    choose = _move._choose_non_blocking
+    assert choose(on_gpu, CPU, None) is False  # a model's tensors: synchronous, not pinned
+    assert choose(on_gpu, CPU, None, batch=True) is True  # a batch: async, then event sync
+    assert choose(on_gpu, torch.device("cuda:1"), None) is True
+    assert choose(on_gpu, CPU, False, batch=True) is False  # the caller decides when asked
+
+
+def test_rebinding_rekeys_empty_optimizer_state() -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.state[model.weight]  # reading a defaultdict creates an empty entry
+    torchplace.move(model, "meta", optimizer=opt)
+    assert set(map(id, opt.state)) <= {id(p) for p in model.parameters()}
+    assert opt.state_dict()["param_groups"][0]["params"] == [0, 1]
+
+
+class Store(MutableMapping[str, Any]):
+    """A mapping that keeps its items in an attribute: a shallow copy would share them."""
+
+    def __init__(self, items: dict[str, Any] | None = None) -> None:
+        self._d = dict(items or {})
+
+    def __getitem__(self, key: str) -> Any:
+        return self._d[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self._d[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._d[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._d)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+
+def test_a_mutable_mapping_is_rebuilt_not_written_through() -> None:
+    store = Store({"x": torch.ones(1), "n": 1})
+    moved = torchplace.move(store, "meta")
+    assert type(moved) is Store and moved["x"].device == META and moved["n"] == 1
+    assert store["x"].device == CPU  # the caller's batch is untouched
+
+
+class InPlace:
+    """Moves itself in place, as a tokenizer's BatchEncoding does."""
+
+    def __init__(self) -> None:
+        self.ids = torch.ones(2)
+
+    def to(self, device: torch.device) -> InPlace:
+        self.ids = self.ids.to(device)
+        return self
+
+
+def test_objects_with_their_own_to_move_after_every_tensor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    encoding = InPlace()
+    calls = 0
+
+    def failing_second(t: torch.Tensor, target: torch.device, non_blocking: bool) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise RuntimeError("injected")
+        return _COPY(t, target, non_blocking)
+
+    monkeypatch.setattr(_move, "_copy_tensor", failing_second)
+    with pytest.raises(torchplace.MoveError, match=r"batch\[2\]"):
+        torchplace.move([torch.ones(1), encoding, torch.ones(1)], "meta")
+    assert encoding.ids.device == CPU  # never reached: nothing of the batch moved
+    monkeypatch.setattr(_move, "_copy_tensor", _COPY)
+    moved = torchplace.move([torch.ones(1), encoding], "meta")
+    assert moved[1] is encoding and encoding.ids.device == META
+
+
+def test_a_failing_own_to_undoes_the_modules_moved_before_it() -> None:
+    class Broken:
+        def to(self, device: torch.device) -> Broken:
+            raise RuntimeError("no such device here")
+
+    model = nn.Linear(2, 2)
+    weight = model.weight
+    with pytest.raises(torchplace.MoveError, match=r"could not move batch\['enc'\] to meta"):
+        torchplace.move({"model": model, "enc": Broken()}, "meta")
+    assert model.weight is weight and weight.device == CPU
+
+
+def test_a_forgotten_optimizer_does_not_block_swapping_later(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = nn.Linear(2, 2)
+    torch.optim.SGD(model.parameters(), lr=0.1)  # not passed: its parameters go stale
+    stale = torch.optim.SGD(model.parameters(), lr=0.1)
+    torchplace.move(model, "meta")
+    monkeypatch.setattr(torch.__future__, "get_swap_module_params_on_conversion", lambda: True)
+    model.to_empty(device="cpu")  # PyTorch's swap path: no weak reference may stand in the way
+    assert model.weight.device == CPU
+    assert stale.param_groups[0]["params"][0] is not model.weight
+
+
+def test_cyclic_configuration_on_a_module_does_not_block_moves() -> None:
+    model = nn.Linear(2, 2)
+    config: dict[str, Any] = {"name": "x"}
+    config["self"] = config
+    model.config = config
+    torchplace.move(model, "meta")
+    assert model.weight.device == META and model.config is config
+    assert torchplace.stragglers(model, "meta") == []

@@ -135,11 +135,30 @@ def test_trap_08_meta_to_real_needs_to_empty() -> None:
     assert model.weight.device == META  # nothing half-moved
 
 
-def test_trap_09_device_to_host_copies_are_synchronised() -> None:
-    """On a GPU, non_blocking d2h reads garbage unless synced; move syncs (see CUDA test)."""
-    t = torch.arange(4.0)
-    out = torchplace.move({"t": t}, "cpu", non_blocking=True)
-    assert out["t"] is t
+def test_trap_09_device_to_host_copies_are_synchronised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch leaving a (fake) GPU is copied asynchronously and waited for before move returns."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from torchplace import _move
+
+    waited: list[set[torch.device]] = []
+    monkeypatch.setattr(
+        _move._Copier, "synchronize", lambda self: waited.append(set(self.sync_sources))
+    )
+    modes: list[bool] = []
+    real = _move._copy_tensor
+
+    def spy(t: torch.Tensor, target: torch.device, non_blocking: bool) -> torch.Tensor:
+        modes.append(non_blocking)
+        return real(t, target, False)
+
+    monkeypatch.setattr(_move, "_copy_tensor", spy)
+    with FakeTensorMode():
+        batch = {"x": torch.empty(4, device="cuda:0")}
+        out = torchplace.move(batch, "cpu")
+    assert out["x"].device == CPU
+    assert modes == [True]  # asynchronous...
+    assert waited == [{torch.device("cuda:0")}]  # ...and waited for before returning
 
 
 @pytest.mark.requires_cuda

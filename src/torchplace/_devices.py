@@ -59,18 +59,47 @@ def _current_index(kind: str) -> int:
 
 
 def _nvml_free_memory(index: int) -> int | None:
-    """Free bytes on cuda:index through NVML (no CUDA context), or None when NVML is missing."""
-    try:
-        import pynvml  # type: ignore[import-not-found]
+    """Free bytes on cuda:index read through NVML, which creates no CUDA context.
 
-        handle = torch.cuda._get_pynvml_handler(index)
-        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).free)
-    except Exception:  # NVML absent, ROCm, or an index NVML cannot map
+    NVML is the driver's own library (libnvidia-ml), reached through ctypes so that no extra
+    package is needed; ``CUDA_VISIBLE_DEVICES`` is mapped to NVML's numbering as PyTorch does.
+    None when NVML cannot answer (no NVIDIA driver, ROCm, an index NVML cannot map).
+    """
+    import ctypes
+
+    class _Memory(ctypes.Structure):
+        _fields_ = [
+            ("total", ctypes.c_ulonglong),
+            ("free", ctypes.c_ulonglong),
+            ("used", ctypes.c_ulonglong),
+        ]
+
+    try:
+        nvml_index = torch.cuda._get_nvml_device_index(index)
+        lib = ctypes.CDLL("libnvidia-ml.so.1")
+    except Exception:
         return None
+    if lib.nvmlInit_v2() != 0:
+        return None
+    try:
+        handle = ctypes.c_void_p()
+        memory = _Memory()
+        if lib.nvmlDeviceGetHandleByIndex_v2(nvml_index, ctypes.byref(handle)) != 0:
+            return None
+        if lib.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(memory)) != 0:
+            return None
+        return int(memory.free)
+    finally:
+        lib.nvmlShutdown()
 
 
 def free_memory(dev: torch.device) -> int | None:
-    """Free bytes on an accelerator device, or None when it cannot be read."""
+    """Free bytes on an accelerator device, or None when it cannot be read.
+
+    CUDA devices are read through NVML first. Where NVML cannot answer (ROCm, no NVIDIA
+    management library) the fallback, ``torch.cuda.mem_get_info``, creates a CUDA context on
+    the device it reads: the one case where ``device("best")`` touches devices it does not pick.
+    """
     try:
         if dev.type == "cuda":
             index = dev.index if dev.index is not None else _current_index("cuda")

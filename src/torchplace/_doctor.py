@@ -127,17 +127,21 @@ def _round_trip(hops: list[torch.device]) -> list[dict[str, Any]]:
     torch.manual_seed(0)
     model = _DoctorModel()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    batch = {"ids": torch.randint(0, 32, (8,)), "extra": [{"scale": torch.tensor(2.0)}]}
+    batch: dict[str, Any] = {
+        "ids": torch.randint(0, 32, (8,)),
+        "extra": [{"scale": torch.tensor(2.0)}],
+    }
     model(batch).sum().backward()
     opt.step()
     start = {k: v.detach().clone() for k, v in model.state_dict().items()}
     start_state = {k: v.clone() for k, v in opt.state[model.embed.weight].items()}
+    start_batch = (batch["ids"].clone(), batch["extra"][0]["scale"].clone())
     results: list[dict[str, Any]] = []
     for dev in hops:
         began = time.perf_counter()
         move(model, dev, optimizer=opt)
-        moved_batch = move(batch, dev)
-        left = stragglers(model, dev, optimizer=opt) + stragglers(moved_batch, dev)
+        batch = move(batch, dev)  # the batch travels hop to hop too, device to host included
+        left = stragglers(model, dev, optimizer=opt) + stragglers(batch, dev)
         tie = model.embed.weight is model.head.weight
         ok = not left and tie
         detail = "placement verified, tie kept"
@@ -148,7 +152,7 @@ def _round_trip(hops: list[torch.device]) -> list[dict[str, Any]]:
         if ok and dev.type != "meta":
             model.eval()  # the model really runs there (eval: running stats stay as they were)
             with torch.no_grad():
-                model(moved_batch)
+                model(batch)
             model.train()
         results.append(
             {
@@ -164,12 +168,16 @@ def _round_trip(hops: list[torch.device]) -> list[dict[str, Any]]:
         same_state = all(
             torch.equal(v, opt.state[model.embed.weight][k].cpu()) for k, v in start_state.items()
         )
+        same_batch = torch.equal(start_batch[0], batch["ids"]) and torch.equal(
+            start_batch[1], batch["extra"][0]["scale"]
+        )
+        ok = same and same_state and same_batch
         results.append(
             {
                 "check": "values back on cpu bit for bit",
-                "ok": same and same_state,
-                "detail": "parameters and Adam state identical"
-                if same and same_state
+                "ok": ok,
+                "detail": "parameters, Adam state and batch identical"
+                if ok
                 else "values changed in transit",
             }
         )

@@ -40,28 +40,26 @@ MODULE_INTERNALS = frozenset(vars(nn.Module()))
 # capturable (Adam's `step`; NAdam also keeps `mu_product` there).
 HOST_STATE_KEYS = frozenset({"step", "mu_product"})
 
-# Parameters that a move replaced (cpu<->meta), id(old) -> (old, new) as weak references, so
-# that an optimizer that was not passed to that move can still be named and re-bound later.
-# (A WeakKeyDictionary would compare tensors with ==, which is elementwise.)
-_replaced: dict[int, tuple[weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]]] = {}
+# Parameters that a move replaced (cpu<->meta): id(old) -> (weak old, new), so that an optimizer
+# that was not passed to that move can still be named and re-bound later. The new parameter is
+# held strongly (while the stale one lives): a weak reference to it would stop swap_tensors,
+# which refuses tensors that have any. (A WeakKeyDictionary would compare tensors with ==.)
+_replaced: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
 
 
 def record_replacement(old: torch.Tensor, new: torch.Tensor) -> None:
     key = id(old)
-    _replaced[key] = (weakref.ref(old), weakref.ref(new))
+    _replaced[key] = (weakref.ref(old), new)
     weakref.finalize(old, _replaced.pop, key, None)
 
 
 def current(param: torch.Tensor) -> torch.Tensor:
     """The parameter that now stands for ``param``, following replacements made by moves."""
     for _ in range(1000):
-        refs = _replaced.get(id(param))
-        if refs is None or refs[0]() is not param:
+        found = _replaced.get(id(param))
+        if found is None or found[0]() is not param:
             return param
-        new = refs[1]()
-        if new is None:
-            return param
-        param = new
+        param = found[1]
     return param
 
 
@@ -156,7 +154,7 @@ def module_entries(module: nn.Module, prefix: str = "") -> Iterator[Entry]:
             if key in MODULE_INTERNALS or isinstance(value, (int, float, str, bool, type(None))):
                 continue
             base = f"{prefix}{mod_name}.{key}" if mod_name else f"{prefix}{key}"
-            for path, leaf in iter_leaves(value, root=base):
+            for path, leaf in iter_leaves(value, root=base, skip_cycles=True):
                 if isinstance(leaf, torch.Tensor):
                     if id(leaf) not in registered:
                         registered.add(id(leaf))
@@ -196,7 +194,7 @@ def optimizer_entries(
                 base = f"{label}.state[{name}].{key}"
                 host = key == "step" and not device_hosted
                 flexible = key in HOST_STATE_KEYS and key != "step" and not device_hosted
-                for path, leaf in iter_leaves(value, root=base):
+                for path, leaf in iter_leaves(value, root=base, skip_cycles=True):
                     if isinstance(leaf, torch.Tensor):
                         yield Entry(
                             path, "optimizer_state", leaf, host, flexible, module=f"{label}.state"

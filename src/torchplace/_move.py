@@ -55,8 +55,16 @@ def _is_accelerator(dev: torch.device) -> bool:
     return dev.type not in ("cpu", "meta")
 
 
-def _choose_non_blocking(t: torch.Tensor, target: torch.device, requested: bool | None) -> bool:
-    """The ``non_blocking=None`` policy: async from pinned host memory and between devices."""
+def _choose_non_blocking(
+    t: torch.Tensor, target: torch.device, requested: bool | None, *, batch: bool = False
+) -> bool:
+    """The ``non_blocking=None`` policy: async from pinned host memory and between devices.
+
+    Device-to-host copies of batch tensors are asynchronous too (``move`` waits for them by
+    event before it returns). Those of a model's or optimizer's tensors are not: PyTorch gives
+    an asynchronous device-to-host copy a pinned result, and a whole model should not land in
+    page-locked memory, which the host allocator rounds up and keeps.
+    """
     if requested is not None:
         return requested
     source = t.device
@@ -64,7 +72,9 @@ def _choose_non_blocking(t: torch.Tensor, target: torch.device, requested: bool 
         return False
     if source.type == "cpu":
         return _is_accelerator(target) and t.is_pinned()
-    return True  # device-to-device, or device-to-host synchronised before move returns
+    if target.type == "cpu":
+        return batch
+    return True  # device-to-device: PyTorch orders it on both devices' streams
 
 
 class _CopyFailed(Exception):
@@ -138,8 +148,11 @@ class _Copier:
         for t, new in zip(originals, results, strict=True):
             self.copies[id(t)] = new
 
-    def copy(self, t: torch.Tensor, target: torch.device) -> torch.Tensor:
-        """``t`` on ``target``; raises ``_CopyFailed`` (no name known here) when it cannot."""
+    def copy(self, t: torch.Tensor, target: torch.device, *, batch: bool = False) -> torch.Tensor:
+        """``t`` on ``target``; raises ``_CopyFailed`` (no name known here) when it cannot.
+
+        ``batch`` marks tensors of a batch, as opposed to a model's or optimizer's.
+        """
         if t.device == target:
             return t
         done = self.copies.get(id(t))
@@ -147,12 +160,12 @@ class _Copier:
             return done
         if t.device.type == "meta":
             raise _CopyFailed(t, target, None)
-        blocking = _choose_non_blocking(t, target, self.non_blocking)
+        asynchronous = _choose_non_blocking(t, target, self.non_blocking, batch=batch)
         try:
-            new = _copy_tensor(t, target, blocking)
+            new = _copy_tensor(t, target, asynchronous)
         except Exception as exc:
             raise _CopyFailed(t, target, exc) from exc
-        if blocking and target.type == "cpu" and _is_accelerator(t.device):
+        if asynchronous and target.type == "cpu" and _is_accelerator(t.device):
             self.sync_sources.add(t.device)
         self.copies[id(t)] = new
         return new
@@ -173,6 +186,8 @@ class _Copier:
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(torch.cuda.current_stream(source))
                 event.synchronize()
+            elif source.type == "mps":
+                torch.mps.synchronize()  # one device, no argument
             else:
                 module = getattr(torch, source.type, None)
                 if module is not None and hasattr(module, "synchronize"):
@@ -289,7 +304,7 @@ def _plan(roots: list[tuple[str, nn.Module]], follow_unregistered: bool) -> _Pla
                     plan.buffer_slots.setdefault(id(b), []).append((mod, key))
             for key, value in _user_attributes(mod):
                 has_tensor = False
-                for leaf_path, leaf in iter_leaves(value, dot + key):
+                for leaf_path, leaf in iter_leaves(value, dot + key, skip_cycles=True):
                     if isinstance(leaf, torch.Tensor):
                         has_tensor = True
                     elif isinstance(leaf, nn.Module) and id(leaf) not in registered:
@@ -463,8 +478,13 @@ def _move_modules(
                 left_behind.append(_name)
             return t
 
-        with torch.no_grad():
-            new_value = _map(value, fix, name, target)
+        try:
+            with torch.no_grad():
+                new_value = _map(value, fix, name, target)
+        except TorchplaceError:
+            if attributes == "move":
+                raise
+            continue  # a cyclic attribute holding tensors: left as it is, like Module.to does
         if new_value is not value:
             new_attributes.append((mod, key, new_value))
 
@@ -559,8 +579,8 @@ def _plan_optimizer_states(
                     new_state = _moved_state(
                         state, label, name, _device_hosted(group), devices[pid], copier
                     )
-                    if new_state is None and fresh is not p:
-                        new_state = dict(state)
+                if new_state is None and fresh is not p and state is not None:
+                    new_state = dict(state)  # re-keyed even when empty: state_dict() needs it
                 if fresh is not p or new_state is not None:
                     result.append((opt, group["params"], i, p, fresh, new_state))
     return result
@@ -702,13 +722,13 @@ def _tensor_mover(target: torch.device, copier: _Copier) -> Callable[[torch.Tens
     """
     copy = copier.copy
     if target.type == "cpu":
-        return lambda t: t if t.is_cpu else copy(t, target)
+        return lambda t: t if t.is_cpu else copy(t, target, batch=True)
     if target.type == "meta":
-        return lambda t: t if t.is_meta else copy(t, target)
+        return lambda t: t if t.is_meta else copy(t, target, batch=True)
     if target.type == "cuda":
         index = target.index
-        return lambda t: t if t.is_cuda and t.get_device() == index else copy(t, target)
-    return lambda t: copy(t, target)
+        return lambda t: t if t.is_cuda and t.get_device() == index else copy(t, target, batch=True)
+    return lambda t: copy(t, target, batch=True)
 
 
 def _move_collection(
@@ -721,12 +741,15 @@ def _move_collection(
 ) -> tuple[Any, list[str]]:
     """Move a batch: tensors copied into a rebuilt structure, modules and optimizers in place.
 
-    Tensors and objects with their own ``.to`` come first; modules and optimizers found in the
-    batch are moved last, together, so a failure anywhere leaves all of them untouched.
+    Tensors are copied first, without touching anything the caller holds; then the modules and
+    optimizers found in the batch move together, undoably; objects with their own ``.to`` come
+    last, since some (a tokenizer's BatchEncoding) move themselves in place and cannot be put
+    back: by then everything else has succeeded, and a failure there still undoes the modules.
     """
     modules: list[tuple[str, nn.Module]] = []
     found_optimizers: list[torch.optim.Optimizer] = []
     seen: set[int] = set()
+    has_own_to: list[bool] = []
 
     def owner(node: Any) -> Any:
         if id(node) not in seen:
@@ -737,8 +760,13 @@ def _move_collection(
                 found_optimizers.append(node)
         return node
 
+    def later(node: Any) -> Any:
+        has_own_to.append(True)
+        return node
+
     def to(node: Any) -> Any:
-        if copier.non_blocking:
+        # Asynchronous only towards an accelerator: nothing here could wait for a host copy.
+        if copier.non_blocking and _is_accelerator(target):
             return node.to(target, non_blocking=True)
         return node.to(target)
 
@@ -757,7 +785,7 @@ def _move_collection(
             map_tensors(obj, collect, root=root)
         copier.prefill(found)
     try:
-        result = map_tensors(obj, tensor, to=to, owner=owner, root=root)
+        result = map_tensors(obj, tensor, to=later, owner=owner, root=root)
     except Located as located:
         _reraise(located, root, target)
     all_optimizers = optimizers + [o for o in found_optimizers if o not in optimizers]
@@ -768,4 +796,9 @@ def _move_collection(
         for index, opt in enumerate(all_optimizers):
             label = "optimizer" if len(all_optimizers) == 1 else f"optimizer[{index}]"
             _move_optimizer_state(opt, label, target, copier, log)
+    if has_own_to:
+        try:
+            result = map_tensors(result, lambda t: t, to=to, root=root)
+        except Located as located:
+            _reraise(located, root, target)
     return result, left_behind

@@ -100,9 +100,14 @@ class _TooDeep(Exception):
 
 
 def _rebuild_mapping(obj: Mapping[Any, Any], changed: dict[Any, Any]) -> Mapping[Any, Any]:
-    if isinstance(obj, MutableMapping):
-        # copy.copy keeps the exact class, a defaultdict's factory and instance attributes,
-        # without calling a constructor that may want other arguments.
+    """A new mapping of ``obj``'s exact type with the changed values, ``obj`` left untouched."""
+    if isinstance(obj, dict) or (
+        isinstance(obj, MutableMapping) and getattr(type(obj), "__copy__", None) is not None
+    ):
+        # A dict subclass (OrderedDict, a defaultdict with its factory, one with attributes or
+        # another constructor) or a mapping that says how to copy itself (UserDict): copy, then
+        # set. Other mutable mappings may keep their items in a shared attribute, where a
+        # shallow copy's writes would land in the caller's batch.
         new = copy.copy(obj)
         for key, value in changed.items():
             new[key] = value
@@ -113,7 +118,8 @@ def _rebuild_mapping(obj: Mapping[Any, Any], changed: dict[Any, Any]) -> Mapping
     except Exception as exc:
         raise TypeError(
             f"cannot rebuild the {type(obj).__name__} mapping with moved tensors: "
-            f"{type(obj).__name__}(dict) failed ({exc}); use a dict or a MutableMapping"
+            f"{type(obj).__name__}(dict) failed ({exc}); use a dict, give the class a __copy__ "
+            "or a constructor that takes a dict"
         ) from exc
 
 
@@ -281,11 +287,15 @@ def _children(node: Any) -> Iterator[tuple[bool, Any, Any]]:
             yield True, field.name, getattr(node, field.name)
 
 
-def iter_leaves(obj: Any, root: str = "batch") -> Iterator[tuple[str, Any]]:
+def iter_leaves(
+    obj: Any, root: str = "batch", *, skip_cycles: bool = False
+) -> Iterator[tuple[str, Any]]:
     """Every tensor, module and optimizer in ``obj`` with its path, each object once.
 
     Looks inside objects with their own ``.to`` method when they are mappings, sequences or
     dataclasses (tokenizer outputs, TensorDict), so nothing that can be seen is missed.
+    A cycle raises ``TorchplaceError``, unless ``skip_cycles`` (a module's own attributes, which
+    ``Module.to`` never walks, may be cyclic configuration): then the way back is not followed.
 
     >>> import torch
     >>> from torchplace._tree import iter_leaves
@@ -304,6 +314,8 @@ def iter_leaves(obj: Any, root: str = "batch") -> Iterator[tuple[str, Any]]:
             if id(node) not in seen:
                 seen.add(id(node))
                 yield path, node
+            return
+        if skip_cycles and id(node) in on_path:
             return
         if id(node) in on_path or depth > MAX_DEPTH:
             raise TorchplaceError(_depth_message(obj, root))
