@@ -27,6 +27,10 @@ DOCUMENTED = {
     # guard
     "guard",
     "Guard",
+    # checkpoints
+    "load",
+    "skeleton",
+    "load_into",
     # several devices
     "plan",
     "dispatch",

@@ -6,9 +6,8 @@ PyTorch's documented behaviour where a CPU can show it and run for real under ``
 
 from __future__ import annotations
 
-import io
-import pickle
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -179,14 +178,22 @@ def test_trap_10_non_blocking_from_pageable_memory_is_not_chosen() -> None:
     assert _choose_non_blocking(host, META, None) is False
 
 
-def test_trap_11_untrusted_pickles_do_not_run(tmp_path: pytest.TempPathFactory) -> None:
+def test_trap_11_untrusted_pickles_never_run(tmp_path: Path) -> None:
+    marker = tmp_path / "ran"
+
     class Evil:
         def __reduce__(self) -> tuple[object, tuple[str]]:
-            return (print, ("pwned",))
+            return (exec, (f"open({str(marker)!r}, 'w').write('pwned')",))
 
-    data = pickle.dumps({"x": Evil()}, protocol=2)
-    with pytest.raises(pickle.UnpicklingError):
-        torch.load(io.BytesIO(data), weights_only=True)  # PyTorch's safe default refuses
+    evil = tmp_path / "evil.pt"
+    torch.save({"x": Evil()}, evil)
+    with pytest.raises(torchplace.CheckpointError, match=r"evil\.pt"):
+        torchplace.load(evil)
+    assert not marker.exists()  # weights_only: nothing ran
+    weights = tmp_path / "weights.pt"
+    torch.save({"w": torch.arange(3.0)}, weights)
+    loaded = torchplace.load(weights, "meta")
+    assert loaded["w"].device == META and loaded["w"].shape == (3,)
 
 
 def test_trap_12_a_spread_model_has_no_single_device() -> None:

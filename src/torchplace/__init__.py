@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ._checkpoint import load, load_into, skeleton
 from ._devices import available, device
 from ._dispatch import dispatch
 from ._errors import (
@@ -46,9 +47,12 @@ __all__ = [
     "dispatch",
     "estimate",
     "guard",
+    "load",
+    "load_into",
     "move",
     "plan",
     "report",
+    "skeleton",
     "stragglers",
     "verify",
     "where",

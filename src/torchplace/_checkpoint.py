@@ -1,0 +1,670 @@
+"""Checkpoints: ``load`` a file onto a device, build a ``skeleton``, fill it with ``load_into``.
+
+A checkpoint's journey here has three steps, each a public function:
+
+``load(path, device)``
+    Reads a torch file (zip or legacy pickle), a ``.safetensors`` file or a sharded checkpoint
+    (a Hugging Face ``*.index.json`` weight map) and puts its tensors on ``device``, whatever
+    device they were saved from. Untrusted files are read with ``weights_only=True``, so loading
+    never runs code. Every failure (missing, truncated, corrupt, foreign or unsafe file) is a
+    ``CheckpointError`` that names the file.
+``skeleton(factory, *args, **kwargs)``
+    Builds a model whose parameters live on ``meta`` (no memory, no random init) while buffers
+    stay real, so non-persistent buffers such as masks and rotary frequencies survive. It works
+    through a thread-local ``TorchFunctionMode``: nothing global is patched.
+``load_into(model, path, device)``
+    Fills a skeleton (or a real model) from a file. Weights are memory-mapped and assigned rather
+    than copied, tied parameters stay one object, and a strict load lists every missing,
+    unexpected and mis-shaped key.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import struct
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TypeVar, Union, cast
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from ._devices import DeviceSpec
+from ._devices import device as _device
+from ._errors import CheckpointError
+
+__all__ = ["load", "load_into", "skeleton"]
+
+PathLike = Union[str, "os.PathLike[str]"]
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+SAFETENSORS_HINT = "pip install 'torchplace[safetensors]'"
+
+# safetensors dtype names, as written in a file's JSON header.
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "C64": torch.complex64,
+}
+for _name, _attr in (
+    ("U16", "uint16"),
+    ("U32", "uint32"),
+    ("U64", "uint64"),
+    ("F8_E4M3", "float8_e4m3fn"),
+    ("F8_E5M2", "float8_e5m2"),
+):
+    if hasattr(torch, _attr):
+        SAFETENSORS_DTYPES[_name] = getattr(torch, _attr)
+
+# The first bytes of formats people mistake for checkpoints, to say what a foreign file is.
+_FOREIGN_MAGIC = (
+    (b"\x93NUMPY", "a NumPy .npy array (load it with numpy.load)"),
+    (b"\x89HDF", "an HDF5 file (Keras or h5py; load it with h5py)"),
+    (b"GGUF", "a GGUF file (llama.cpp)"),
+    (b"\x1f\x8b", "a gzip archive (decompress it first)"),
+    (b"PK\x05\x06", "an empty zip archive"),
+)
+_ZIP_MAGIC = b"PK\x03\x04"
+_CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".index.json")
+_MAX_HEADER = 100 * 1024 * 1024  # a safetensors header larger than this is corrupt
+
+
+# --------------------------------------------------------------------------------------- formats
+
+
+def detect_format(path: PathLike, /) -> str:
+    """The format of a checkpoint file: ``"zip"``, ``"legacy"``, ``"safetensors"`` or ``"index"``.
+
+    Raises ``CheckpointError`` for a missing file, a directory, an empty or a foreign file.
+    """
+    p = Path(path)
+    if not p.exists():
+        hint = _near_misses(p)
+        raise CheckpointError(f"{p}: no such file; check the path{hint}")
+    if p.is_dir():
+        found = sorted(
+            q.name for q in p.iterdir() if q.is_file() and q.name.endswith(_CHECKPOINT_SUFFIXES)
+        )
+        which = f": pass one of its files ({', '.join(found[:5])})" if found else ""
+        raise CheckpointError(f"{p}: is a directory, not a checkpoint file{which}")
+    try:
+        size = p.stat().st_size
+        with p.open("rb") as f:
+            head = f.read(16)
+    except OSError as exc:
+        raise CheckpointError(f"{p}: cannot be read ({exc.strerror or exc})") from exc
+    if size == 0:
+        raise CheckpointError(f"{p}: is empty (0 bytes); the save was probably interrupted")
+    if p.name.endswith(".json"):
+        return "index"
+    if head.startswith(_ZIP_MAGIC):
+        return "zip"
+    if len(head) >= 9:
+        (header_len,) = struct.unpack("<Q", head[:8])
+        if head[8:9] == b"{" and header_len <= size - 8:
+            return "safetensors"
+    if head[:1] == b"\x80":  # a pickle: torch's legacy format (torch checks its magic number)
+        return "legacy"
+    for magic, what in _FOREIGN_MAGIC:
+        if head.startswith(magic):
+            raise CheckpointError(f"{p}: is {what}, not a PyTorch or safetensors checkpoint")
+    raise CheckpointError(
+        f"{p}: is not a PyTorch or safetensors checkpoint (it starts with {head[:8]!r}); "
+        "torchplace reads torch.save files (zip or legacy), .safetensors files and "
+        "*.index.json shard maps"
+    )
+
+
+def _near_misses(p: Path) -> str:
+    """A hint naming checkpoint files beside a path that does not exist."""
+    parent = p.parent if str(p.parent) else Path(".")
+    try:
+        stem = p.name.split(".")[0]
+        found = sorted(
+            q.name
+            for q in parent.iterdir()
+            if q.is_file() and q.name.endswith(_CHECKPOINT_SUFFIXES) and q.name.startswith(stem)
+        )
+    except OSError:
+        return ""
+    return f" (found nearby: {', '.join(found[:5])})" if found else ""
+
+
+def safetensors_header(path: PathLike, /) -> dict[str, Any]:
+    """The JSON header of a ``.safetensors`` file, checked for shape and offsets; no library."""
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        with p.open("rb") as f:
+            raw_len = f.read(8)
+            if len(raw_len) < 8:
+                raise CheckpointError(f"{p}: is truncated (shorter than a safetensors header)")
+            (header_len,) = struct.unpack("<Q", raw_len)
+            if header_len > min(size - 8, _MAX_HEADER):
+                raise CheckpointError(
+                    f"{p}: is truncated or corrupt: its safetensors header claims {header_len} "
+                    f"bytes but the file holds {size} bytes"
+                )
+            header = json.loads(f.read(header_len))
+    except OSError as exc:
+        raise CheckpointError(f"{p}: cannot be read ({exc.strerror or exc})") from exc
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{p}: has a corrupt safetensors header ({exc})") from exc
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{p}: has a corrupt safetensors header (not a JSON object)")
+    data_len = size - 8 - header_len
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+            shape = [int(n) for n in entry["shape"]]
+            start, end = (int(n) for n in entry["data_offsets"])
+            numel = 1
+            for n in shape:
+                if n < 0:
+                    raise ValueError("negative dimension")
+                numel *= n
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            ok = 0 <= start <= end <= data_len and end - start == numel * itemsize
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{p}: has a corrupt safetensors entry {name!r} ({exc})") from exc
+        if not ok:
+            raise CheckpointError(
+                f"{p}: is truncated or corrupt: tensor {name!r} ({entry['dtype']}, shape {shape}) "
+                f"does not fit the file's data offsets {entry['data_offsets']}"
+            )
+    return header
+
+
+# ------------------------------------------------------------------------------------------ load
+
+
+def load(
+    path: PathLike, device: DeviceSpec = "cpu", /, *, mmap: bool = True, trusted: bool = False
+) -> Any:
+    """Load a checkpoint with its tensors on ``device``, whatever device they were saved from.
+
+    >>> import os, tempfile, torch
+    >>> from torchplace import load
+    >>> path = os.path.join(tempfile.mkdtemp(), "weights.pt")
+    >>> torch.save({"w": torch.ones(2)}, path)
+    >>> load(path)
+    {'w': tensor([1., 1.])}
+    >>> load(path, "meta")["w"].device
+    device(type='meta')
+
+    Reads torch files (``.pt``, ``.pth``, ``.bin``; zip or legacy), ``.safetensors`` files
+    (needs ``pip install 'torchplace[safetensors]'``) and sharded checkpoints through a Hugging
+    Face ``*.index.json`` weight map. Zip and safetensors files are memory-mapped when ``mmap``
+    (legacy files cannot be, and are read). Files are read with ``weights_only=True`` unless
+    ``trusted=True``, so an untrusted file never runs code. A missing, truncated, corrupt,
+    foreign or unsafe file raises ``CheckpointError`` naming the file.
+    """
+    target = _device(device)
+    p = Path(path)
+    kind = detect_format(p)
+    if kind == "index":
+        return _load_index(p, target, mmap=mmap, trusted=trusted)
+    if kind == "safetensors":
+        return _load_safetensors(p, target, mmap=mmap)
+    return _load_torch(p, target, zip_format=kind == "zip", mmap=mmap, trusted=trusted)
+
+
+def _load_torch(
+    p: Path, target: torch.device, *, zip_format: bool, mmap: bool, trusted: bool
+) -> Any:
+    use_mmap = mmap and zip_format and target.type != "meta"
+    try:
+        return torch.load(p, map_location=target, mmap=use_mmap, weights_only=not trusted)
+    except pickle.UnpicklingError as exc:
+        text = str(exc)
+        if "Weights only load failed" in text:
+            reason = next(
+                (ln.split("error:", 1)[1].strip() for ln in text.splitlines() if "error:" in ln),
+                text.splitlines()[0] if text else "it needs objects beyond tensors",
+            )
+            raise CheckpointError(
+                f"{p}: refused to unpickle it, because loading it would run code or build "
+                f"objects other than tensors and containers ({_first_sentence(reason)}). "
+                "Nothing was run. If you trust where the file came from, pass trusted=True, or "
+                "allow the class with torch.serialization.add_safe_globals"
+            ) from exc
+        raise CheckpointError(f"{p}: is corrupt ({_first_sentence(text)})") from exc
+    except Exception as exc:
+        raise CheckpointError(f"{p}: {_diagnose(exc, zip_format)}") from exc
+
+
+def _diagnose(exc: BaseException, zip_format: bool) -> str:
+    text = _first_sentence(str(exc) or type(exc).__name__)
+    if isinstance(exc, (EOFError, MemoryError)) or "failed finding central directory" in text:
+        return f"is truncated ({text}); the save was probably interrupted, save it again"
+    if "TorchScript" in text:
+        return (
+            "is a TorchScript archive (torch.jit.save), not a checkpoint of weights; load it "
+            "with torch.jit.load, which runs its code, so only if you trust it"
+        )
+    if "magic number" in text.lower():
+        return (
+            f"is not a torch.save file ({text}); a plain pickle or a foreign file is not a "
+            "checkpoint"
+        )
+    fmt = "zip" if zip_format else "legacy"
+    return f"is truncated or corrupt ({type(exc).__name__}: {text}); this {fmt} file cannot be read"
+
+
+def _first_sentence(text: str) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else ""
+    return line[:300]
+
+
+def _safetensors_device(target: torch.device) -> str:
+    # safetensors takes a device *string*; "mps:0" is spelt "mps".
+    return "mps" if target.type == "mps" else str(target)
+
+
+def _load_safetensors(p: Path, target: torch.device, *, mmap: bool) -> dict[str, torch.Tensor]:
+    header = safetensors_header(p)
+    if target.type == "meta":  # safetensors rejects meta; the header says all there is to know
+        return {
+            name: torch.empty(
+                entry["shape"], dtype=SAFETENSORS_DTYPES[entry["dtype"]], device="meta"
+            )
+            for name, entry in header.items()
+            if name != "__metadata__"
+        }
+    try:
+        import safetensors
+        import safetensors.torch
+    except ImportError as exc:
+        raise CheckpointError(
+            f"{p}: is a safetensors file, and reading it needs the safetensors package; "
+            f"install it with {SAFETENSORS_HINT}"
+        ) from exc
+    try:
+        if not mmap:
+            data = safetensors.torch.load(p.read_bytes())
+            return {k: v.to(target) for k, v in data.items()}
+        with safetensors.safe_open(str(p), framework="pt", device=_safetensors_device(target)) as f:
+            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    except Exception as exc:
+        raise CheckpointError(
+            f"{p}: cannot be read as safetensors ({_first_sentence(str(exc))}); it is truncated "
+            "or corrupt"
+        ) from exc
+
+
+def _load_index(p: Path, target: torch.device, *, mmap: bool, trusted: bool) -> dict[str, Any]:
+    try:
+        index = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{p}: is not a readable JSON shard index ({exc})") from exc
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CheckpointError(
+            f"{p}: is JSON but not a shard index; a sharded checkpoint's index maps every tensor "
+            'name to its file under "weight_map"'
+        )
+    root = p.parent.resolve()
+    by_shard: dict[str, list[str]] = {}
+    for name, shard in weight_map.items():
+        by_shard.setdefault(shard, []).append(name)
+    result: dict[str, Any] = {}
+    for shard, names in by_shard.items():
+        shard_path = (p.parent / shard).resolve()
+        if root not in shard_path.parents:
+            raise CheckpointError(
+                f"{p}: names shard {shard!r} outside its own directory; refusing to read it"
+            )
+        if not shard_path.is_file():
+            raise CheckpointError(
+                f"{p}: names shard {shard!r}, which is missing from {p.parent}; download or copy "
+                "every shard the index lists"
+            )
+        part = load(shard_path, target, mmap=mmap, trusted=trusted)
+        if not isinstance(part, Mapping):
+            raise CheckpointError(f"{shard_path}: holds a {type(part).__name__}, not tensors")
+        for name in names:
+            if name not in part:
+                raise CheckpointError(
+                    f"{p}: says {name!r} is in {shard!r}, but that shard does not hold it; the "
+                    "index and its shards do not match"
+                )
+            result[name] = part[name]
+    return result
+
+
+# -------------------------------------------------------------------------------------- skeleton
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):  # no storage
+        return 0
+
+
+# swap_tensors exchanges two tensors' contents in place, so a Parameter object (and every tie
+# and optimizer that holds it) survives a change of device that .data cannot make (meta <-> cpu).
+_swap = cast(Callable[[torch.Tensor, torch.Tensor], None], torch.utils.swap_tensors)
+
+
+def _meta_copy(p: nn.Parameter) -> nn.Parameter:
+    return nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+
+
+class _SkeletonMode(TorchFunctionMode):
+    """Sends parameters born inside it to ``meta`` and skips ``nn.init`` on them.
+
+    Torch function modes are thread-local, so other threads building models are unaffected.
+    Only parameters whose storage was allocated inside the mode are sent to ``meta``; a
+    parameter that existed before (a pretrained module handed to the factory) is left alone.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fresh: set[int] = set()
+
+    def is_fresh(self, t: torch.Tensor) -> bool:
+        ptr = _storage_ptr(t)
+        return ptr != 0 and ptr in self.fresh
+
+    def to_meta(self, p: nn.Parameter) -> None:
+        with contextlib.suppress(RuntimeError, TypeError):  # else the sweep after the factory
+            _swap(p, _meta_copy(p))
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        inputs, _ = tree_flatten((args, kwargs))
+        input_ptrs = set()
+        for a in inputs:
+            if isinstance(a, torch.Tensor):
+                if isinstance(a, nn.Parameter) and a.device.type != "meta" and self.is_fresh(a):
+                    self.to_meta(a)
+                input_ptrs.add(_storage_ptr(a))
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            target = args[0] if args else kwargs.get("tensor")
+            if isinstance(target, torch.Tensor) and target.device.type == "meta":
+                return target  # no init work for a parameter that has no data
+        result = func(*args, **kwargs)
+        outputs, _ = tree_flatten(result)
+        for out in outputs:
+            if isinstance(out, torch.Tensor) and out.device.type != "meta":
+                ptr = _storage_ptr(out)
+                if ptr and ptr not in input_ptrs:
+                    self.fresh.add(ptr)
+        return result
+
+
+def skeleton(factory: Callable[..., ModuleT], /, *args: Any, **kwargs: Any) -> ModuleT:
+    """Build ``factory(*args, **kwargs)`` with parameters on ``meta`` and buffers real.
+
+    >>> import torch
+    >>> from torchplace import skeleton
+    >>> model = skeleton(torch.nn.Linear, 4096, 4096)  # no memory, no random init
+    >>> model.weight.device, model.weight.shape
+    (device(type='meta'), torch.Size([4096, 4096]))
+
+    Parameters take no memory and get no random init (``nn.init`` calls on them are skipped),
+    while buffers are computed for real, so non-persistent buffers that no checkpoint holds
+    (masks, rotary frequencies) survive. Fill the result with ``load_into``. It works through a
+    thread-local torch function mode: ``nn.Module`` is not patched, other threads are unaffected.
+    Parameters created before the call (a module passed to the factory) are left as they are.
+    """
+    mode = _SkeletonMode()
+    with mode:
+        model = factory(*args, **kwargs)
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"skeleton() needs a factory that returns an nn.Module, but {factory!r} returned "
+            f"{type(model).__name__}"
+        )
+    # Parameters that no torch call touched inside the mode (nn.Parameter(torch.zeros(n)) set
+    # and left alone) are still real: send the fresh ones to meta now, ties kept.
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or p.device.type == "meta" or not mode.is_fresh(p):
+                continue
+            if id(p) in replaced:
+                module._parameters[name] = replaced[id(p)]
+                continue
+            try:
+                _swap(p, _meta_copy(p))
+                replaced[id(p)] = p
+            except (RuntimeError, TypeError):
+                replaced[id(p)] = module._parameters[name] = _meta_copy(p)
+    return model
+
+
+# ------------------------------------------------------------------------------------- load_into
+
+
+class _Slot:
+    """One tensor of the model, under every name it has (tied parameters, shared buffers)."""
+
+    __slots__ = ("homes", "is_param", "names", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, is_param: bool) -> None:
+        self.tensor = tensor
+        self.is_param = is_param
+        self.names: list[str] = []
+        self.homes: list[tuple[nn.Module, str]] = []
+
+
+def _slots(model: nn.Module) -> tuple[list[_Slot], list[_Slot], dict[str, nn.Module]]:
+    """Parameters and persistent buffers (to load), non-persistent buffers, extra-state owners."""
+    by_id: dict[int, _Slot] = {}
+    loadable: list[_Slot] = []
+    transient: list[_Slot] = []
+    extra: dict[str, nn.Module] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for name, p in module._parameters.items():
+            if p is not None:
+                slot = by_id.get(id(p))
+                if slot is None:
+                    slot = by_id[id(p)] = _Slot(p, True)
+                    loadable.append(slot)
+                slot.names.append(dot + name)
+                slot.homes.append((module, name))
+        for name, b in module._buffers.items():
+            if b is None:
+                continue
+            persistent = name not in module._non_persistent_buffers_set
+            slot = by_id.get(id(b))
+            if slot is None:
+                slot = by_id[id(b)] = _Slot(b, False)
+                (loadable if persistent else transient).append(slot)
+            slot.names.append(dot + name)
+            slot.homes.append((module, name))
+        if type(module).get_extra_state is not nn.Module.get_extra_state:
+            extra[dot + "_extra_state"] = module
+    return loadable, transient, extra
+
+
+def _listing(items: list[str], limit: int = 10) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def _prefix_hint(missing: list[str], unexpected: list[str]) -> str:
+    """Says when the file's keys differ from the model's by a prefix (``module.`` from DDP)."""
+    if not missing or not unexpected:
+        return ""
+    m, u = missing[0], next((k for k in unexpected if k.endswith(missing[0])), None)
+    if u is not None and u != m:
+        extra = u[: len(u) - len(m)]
+        return (
+            f"; the file's keys carry an extra prefix {extra!r} (strip it: "
+            f"{{k.removeprefix({extra!r}): v for k, v in load(path).items()}})"
+        )
+    u = unexpected[0]
+    shorter = next((k for k in missing if k.endswith(u) and k != u), None)
+    if shorter is not None:
+        return (
+            f"; the model's keys carry a prefix {shorter[: len(shorter) - len(u)]!r} the file lacks"
+        )
+    return ""
+
+
+def _target_for(slot: _Slot, target: torch.device | None) -> torch.device:
+    if target is not None:
+        return target
+    here = slot.tensor.device
+    return torch.device("cpu") if here.type == "meta" else here
+
+
+def _place(slot: _Slot, value: torch.Tensor) -> None:
+    """Put ``value`` in the slot, keeping the Parameter object (and so ties and optimizers)."""
+    current = slot.tensor
+    if slot.is_param:
+        assert isinstance(current, nn.Parameter)
+        new = nn.Parameter(value, requires_grad=current.requires_grad)
+        try:
+            _swap(current, new)
+            return
+        except (RuntimeError, TypeError):  # weak references or autograd holds it: rebind
+            replacement: torch.Tensor = new
+    else:
+        replacement = value
+    for module, name in slot.homes:
+        if slot.is_param:
+            module._parameters[name] = replacement  # type: ignore[assignment]
+        else:
+            module._buffers[name] = replacement
+    slot.tensor = replacement
+
+
+def load_into(
+    model: ModuleT, path: PathLike, device: DeviceSpec = None, /, *, strict: bool = True
+) -> ModuleT:
+    """Fill ``model`` (a skeleton or a real model) from a checkpoint, weights on ``device``.
+
+    >>> import os, tempfile, torch
+    >>> from torchplace import load_into, skeleton
+    >>> path = os.path.join(tempfile.mkdtemp(), "linear.pt")
+    >>> torch.save(torch.nn.Linear(3, 2).state_dict(), path)
+    >>> model = load_into(skeleton(torch.nn.Linear, 3, 2), path)
+    >>> model.weight.device, model.weight.requires_grad
+    (device(type='cpu'), True)
+
+    ``device`` defaults to where each tensor already is, or the CPU for a skeleton's ``meta``
+    parameters. On the CPU the file is memory-mapped and assigned, copy-on-write, so no second
+    copy of the weights is made (the file must not be rewritten in place while the model uses
+    it: save to a new name and rename). A parameter that already holds memory on the target is
+    filled in place. Parameter objects are kept, so tied weights stay tied and optimizers stay
+    valid; a tied parameter saved under any one of its names counts as present. The model's
+    declared dtypes are kept (the file's tensors are converted). With ``strict``, missing and
+    unexpected keys and shape mismatches raise ``CheckpointError`` listing them by name, and
+    the model is left untouched; without it, keys that do not match are skipped (a shape
+    mismatch still raises).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"load_into() fills an nn.Module, not {type(model).__name__}")
+    target = None if device is None else _device(device)
+    p = Path(path)
+    loadable, transient, extra = _slots(model)
+    read_on = target if target is not None and target.type == "meta" else torch.device("cpu")
+    state = load(p, read_on)
+    if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
+        raise CheckpointError(f"{p}: holds a {type(state).__name__}, not a state dict")
+    nested = [k for k, v in state.items() if isinstance(v, Mapping)]
+    if nested and not any(isinstance(v, torch.Tensor) for v in state.values()):
+        raise CheckpointError(
+            f"{p}: holds a dict of {_listing(sorted(nested), 5)}, not a state dict; load the part "
+            f"you need, e.g. model.load_state_dict(load(path)[{nested[0]!r}])"
+        )
+
+    known: set[str] = set(extra)
+    missing: list[str] = []
+    mismatched: list[str] = []
+    plan: list[tuple[_Slot, torch.Tensor]] = []
+    for slot in loadable:
+        known.update(slot.names)
+        present = [n for n in slot.names if n in state]
+        if not present:
+            also = f" (tied to {', '.join(slot.names[1:])})" if len(slot.names) > 1 else ""
+            missing.append(slot.names[0] + also)
+            continue
+        value = state[present[0]]
+        if not isinstance(value, torch.Tensor):
+            mismatched.append(f"{present[0]}: the file holds a {type(value).__name__}")
+            continue
+        if value.shape != slot.tensor.shape:
+            mismatched.append(
+                f"{present[0]}: file {tuple(value.shape)}, model {tuple(slot.tensor.shape)}"
+            )
+            continue
+        plan.append((slot, value))
+    missing_extra = [k for k in extra if k not in state]
+    missing += missing_extra
+    unexpected = [k for k in state if k not in known]
+    no_data = [
+        s.names[0] for s in transient if s.tensor.device.type == "meta" and read_on.type != "meta"
+    ]
+
+    problems = []
+    if strict and missing:
+        problems.append(f"missing keys: {_listing(missing)}")
+    if strict and unexpected:
+        problems.append(f"unexpected keys: {_listing(unexpected)}")
+    if mismatched:
+        problems.append(f"shape mismatches: {_listing(mismatched)}")
+    if strict and no_data:
+        problems.append(
+            f"non-persistent buffers on meta that no checkpoint holds: {_listing(no_data)} "
+            "(build the model with torchplace.skeleton so buffers stay real)"
+        )
+    if problems:
+        hint = _prefix_hint(missing, unexpected) if strict else ""
+        fix = "" if mismatched or no_data else "; pass strict=False to load what matches"
+        raise CheckpointError(
+            f"{p}: does not fit {type(model).__name__}: {'; '.join(problems)}{hint}{fix}"
+        )
+
+    try:
+        for slot, value in plan:
+            dev = _target_for(slot, target)
+            current = slot.tensor
+            if current.device == dev and dev.type != "meta":
+                with torch.no_grad():  # memory already there: fill it (copy_ converts)
+                    current.copy_(value)
+            else:
+                _place(slot, value.to(device=dev, dtype=current.dtype))
+        for slot in transient:
+            here = slot.tensor.device
+            if target is not None and here.type != "meta" and here != target:
+                _place(slot, slot.tensor.to(target))
+        for key, module in extra.items():
+            if key in state:
+                module.set_extra_state(state[key])
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(
+            f"{p}: could not be placed into {type(model).__name__} ({type(exc).__name__}: "
+            f"{_first_sentence(str(exc))}); the model is partly filled, so build it again"
+        ) from exc
+    return model

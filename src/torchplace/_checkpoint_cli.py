@@ -1,0 +1,618 @@
+"""``torchplace inspect`` and ``torchplace remap``: look at and rewrite checkpoint files.
+
+``inspect`` reads a file's tensor table without running any of its pickled code and without a
+GPU: torch files are read by an unpickler that builds inert records for every global it meets
+(so a malicious file is described, never executed), safetensors files by their JSON header.
+
+``remap`` rewrites a torch file so that a plain ``torch.load`` puts its tensors on another
+device. It reads the file safely (``weights_only=True``, memory-mapped), writes a temporary file
+beside the output with every storage tagged for the new device, and renames it into place only
+when complete, so an interrupted run leaves no partial output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import pickle
+import shutil
+import sys
+import tempfile
+import types
+import zipfile
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import IO, Any, cast
+
+from ._errors import CheckpointError, DeviceSpecError, TorchplaceError
+from ._inspect import format_bytes
+
+__all__ = ["TensorRecord", "describe", "register", "remap"]
+
+# Progress is shown for files at least this large (when the output is a terminal).
+PROGRESS_MIN_BYTES = 16 * 1024 * 1024
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_MAX_DEPTH = 200
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One tensor as a file saved it: name, saved device, dtype, shape and bytes."""
+
+    name: str
+    device: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    file: str
+
+
+# ----------------------------------------------------------------------------- a safe unpickler
+
+
+class _Opaque:
+    """Stands for any object a pickle asks for: records the call, runs nothing."""
+
+    qualname = "?"
+    args: tuple[Any, ...]
+    state: Any
+    items: dict[Any, Any]
+    values: list[Any]
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Opaque:  # NEWOBJ calls __new__ alone
+        self = super().__new__(cls)
+        self.args, self.state, self.items, self.values = args, None, {}, []
+        return self
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.items[key] = value
+
+    def append(self, value: Any) -> None:
+        self.values.append(value)
+
+    def extend(self, values: Any) -> None:
+        self.values.extend(values)
+
+
+@dataclass
+class _StorageRef:
+    dtype: str
+    key: str
+    location: str
+    itemsize: int
+
+
+@dataclass
+class _TensorRef:
+    storage: _StorageRef | None
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class _StorageType:
+    def __init__(self, dtype: str, itemsize: int) -> None:
+        self.dtype, self.itemsize = dtype, itemsize
+
+
+def _dtype_info(name: str) -> tuple[str, int]:
+    """(dtype name, element size) for a torch dtype attribute name such as ``bfloat16``."""
+    import torch
+
+    dt = vars(torch).get(name)  # no getattr: torch's module __getattr__ imports submodules
+    if isinstance(dt, torch.dtype):
+        return str(dt).removeprefix("torch."), torch.empty((), dtype=dt).element_size()
+    return name, 1
+
+
+def _shape(size: Any) -> tuple[int, ...]:
+    if isinstance(size, _Opaque):  # torch.Size saved as an object
+        size = size.args[0] if size.args else ()
+    if not isinstance(size, (tuple, list)):
+        return ()
+    return tuple(int(n) if isinstance(n, int) else -1 for n in size)
+
+
+def _rebuild_tensor(storage: Any, offset: Any, size: Any, *rest: Any) -> _TensorRef:
+    dtype = storage.dtype if isinstance(storage, _StorageRef) else "?"
+    # _rebuild_tensor_v3 passes the dtype explicitly (for untyped storages)
+    if len(rest) >= 4 and isinstance(rest[3], _DType):
+        dtype = rest[3].name
+    ref = storage if isinstance(storage, _StorageRef) else None
+    return _TensorRef(ref, dtype, _shape(size))
+
+
+def _rebuild_parameter(data: Any, *rest: Any) -> Any:
+    return data
+
+
+def _rebuild_meta(dtype: Any, size: Any, *rest: Any) -> _TensorRef:
+    name = dtype.name if isinstance(dtype, _DType) else "?"
+    return _TensorRef(_StorageRef(name, "", "meta", 0), name, _shape(size))
+
+
+@dataclass(frozen=True)
+class _DType:
+    name: str
+
+
+class _InertUnpickler(pickle._Unpickler):  # pure Python: corrupt lengths fail cleanly
+    """An unpickler whose every global is an inert stand-in: nothing in the file can run."""
+
+    _TORCH_REBUILDERS: Mapping[str, Callable[..., Any]] = {
+        "_rebuild_tensor": _rebuild_tensor,
+        "_rebuild_tensor_v2": _rebuild_tensor,
+        "_rebuild_tensor_v3": _rebuild_tensor,
+        "_rebuild_parameter": _rebuild_parameter,
+        "_rebuild_parameter_with_state": _rebuild_parameter,
+        "_rebuild_meta_tensor_no_storage": _rebuild_meta,
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "collections" and name == "OrderedDict":
+            return OrderedDict
+        if module == "torch._utils" and name in self._TORCH_REBUILDERS:
+            return self._TORCH_REBUILDERS[name]
+        if module == "torch" and name.endswith("Storage"):
+            import torch
+
+            if name == "UntypedStorage":
+                return _StorageType("uint8", 1)
+            try:
+                dt = torch.storage._get_dtype_from_pickle_storage_type(name)
+            except (KeyError, AttributeError):
+                return _StorageType("?", 1)
+            return _StorageType(str(dt).removeprefix("torch."), torch.empty((), dtype=dt).itemsize)
+        if module == "torch" and name == "Size":
+            return tuple
+        if module == "torch":
+            import torch
+
+            if isinstance(vars(torch).get(name), torch.dtype):
+                return _DType(_dtype_info(name)[0])
+        if module == "_codecs" and name == "encode":  # bytes in protocol 2 pickles
+            return _latin1_encode
+        return type(name, (_Opaque,), {"qualname": f"{module}.{name}"})
+
+    def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage":
+            storage_type, key, location = pid[1], pid[2], pid[3]
+            if isinstance(storage_type, _StorageType):
+                return _StorageRef(
+                    storage_type.dtype, str(key), str(location), storage_type.itemsize
+                )
+            return _StorageRef("?", str(key), str(location), 1)
+        return _Opaque(pid)
+
+
+def _latin1_encode(text: Any, encoding: Any = "latin1") -> bytes:
+    return str(text).encode("latin1") if encoding == "latin1" else b""
+
+
+def _walk(obj: Any, path: str, depth: int = 0) -> Iterator[tuple[str, _TensorRef]]:
+    if depth > _MAX_DEPTH:
+        return
+    if isinstance(obj, _TensorRef):
+        yield path, obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _walk(v, f"{path}.{k}" if path else str(k), depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _walk(v, f"{path}.{i}" if path else str(i), depth + 1)
+    elif isinstance(obj, _Opaque):
+        for part in (obj.args, obj.state, obj.items, obj.values):
+            yield from _walk(part, path, depth + 1)
+
+
+def _records(root: Any, file: str) -> list[TensorRecord]:
+    out = []
+    for name, ref in _walk(root, ""):
+        numel = 1
+        for n in ref.shape:
+            numel *= max(n, 0)
+        itemsize = _dtype_info(ref.dtype)[1] if ref.dtype != "?" else 1
+        device = ref.storage.location if ref.storage is not None else "?"
+        nbytes = 0 if device == "meta" else numel * itemsize
+        out.append(TensorRecord(name or "<root>", device, ref.dtype, ref.shape, nbytes, file))
+    return out
+
+
+@contextlib.contextmanager
+def _readable(p: Path) -> Iterator[None]:
+    """Any failure while reading ``p`` becomes a CheckpointError saying the file is damaged."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(
+            f"{p}: is truncated or corrupt ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def _describe_zip(p: Path) -> list[TensorRecord]:
+    with _readable(p):
+        with zipfile.ZipFile(p) as archive:
+            pickles = [n for n in archive.namelist() if n.endswith("data.pkl")]
+            if not pickles:
+                raise CheckpointError(
+                    f"{p}: is a zip archive but not a torch.save file (no data.pkl)"
+                )
+            data = archive.read(min(pickles, key=len))
+        root = _InertUnpickler(io.BytesIO(data)).load()
+    return _records(root, p.name)
+
+
+class _BoundedReader:
+    """A file for the unpickler that refuses reads past the end of the file up front.
+
+    A corrupt length in a pickle would otherwise make the unpickler allocate that much first.
+    """
+
+    def __init__(self, f: IO[bytes], size: int) -> None:
+        self.f, self.size = f, size
+
+    def read(self, n: int = -1) -> bytes:
+        if n > self.size - self.f.tell():
+            raise pickle.UnpicklingError(f"a record of {n} bytes runs past the end of the file")
+        return self.f.read(n)
+
+    def readline(self) -> bytes:
+        return self.f.readline()
+
+
+def _describe_legacy(p: Path) -> list[TensorRecord]:
+    with _readable(p), p.open("rb") as raw:
+        f = _BoundedReader(raw, p.stat().st_size)
+        magic = _InertUnpickler(f).load()
+        if magic != _LEGACY_MAGIC:
+            raise CheckpointError(
+                f"{p}: is a pickle but not a torch.save file (wrong magic number); a plain "
+                "pickle is not a checkpoint"
+            )
+        _InertUnpickler(f).load()  # protocol version
+        _InertUnpickler(f).load()  # system info
+        root = _InertUnpickler(f).load()
+    return _records(root, p.name)
+
+
+def _describe_safetensors(p: Path) -> list[TensorRecord]:
+    from ._checkpoint import SAFETENSORS_DTYPES, safetensors_header
+
+    out = []
+    for name, entry in safetensors_header(p).items():
+        if name == "__metadata__":
+            continue
+        start, end = entry["data_offsets"]
+        dtype = str(SAFETENSORS_DTYPES[entry["dtype"]]).removeprefix("torch.")
+        # safetensors stores no device: the reader chooses one
+        out.append(TensorRecord(name, "-", dtype, tuple(entry["shape"]), end - start, p.name))
+    return out
+
+
+def describe(path: str | os.PathLike[str], /) -> list[TensorRecord]:
+    """Every tensor a checkpoint file holds, read without running its code or needing a GPU.
+
+    >>> import os, tempfile, torch
+    >>> from torchplace._checkpoint_cli import describe
+    >>> path = os.path.join(tempfile.mkdtemp(), "w.pt")
+    >>> torch.save({"w": torch.ones(2, 3)}, path)
+    >>> describe(path)[0]
+    TensorRecord(name='w', device='cpu', dtype='float32', shape=(2, 3), nbytes=24, file='w.pt')
+    """
+    from ._checkpoint import detect_format
+
+    p = Path(path)
+    kind = detect_format(p)
+    if kind == "zip":
+        return _describe_zip(p)
+    if kind == "legacy":
+        return _describe_legacy(p)
+    if kind == "safetensors":
+        return _describe_safetensors(p)
+    return _describe_index(p)
+
+
+def _describe_index(p: Path) -> list[TensorRecord]:
+    try:
+        weight_map = json.loads(p.read_text(encoding="utf-8")).get("weight_map")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise CheckpointError(f"{p}: is not a readable JSON shard index ({exc})") from exc
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f'{p}: is JSON but not a shard index (no "weight_map")')
+    out: list[TensorRecord] = []
+    for shard in dict.fromkeys(str(v) for v in weight_map.values()):
+        out.extend(describe(p.parent / shard))
+    return out
+
+
+def _totals(records: list[TensorRecord], key: str) -> dict[str, dict[str, int]]:
+    totals: dict[str, dict[str, int]] = {}
+    for r in records:
+        entry = totals.setdefault(getattr(r, key), {"count": 0, "bytes": 0})
+        entry["count"] += 1
+        entry["bytes"] += r.nbytes
+    return totals
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    try:
+        records = describe(args.file)
+        from ._checkpoint import detect_format
+
+        kind = detect_format(args.file)
+    except CheckpointError as exc:
+        print(f"torchplace inspect: error: {exc}", file=sys.stderr)
+        return 1
+    summary = {
+        "file": str(args.file),
+        "format": kind,
+        "tensors": [{**asdict(r), "shape": list(r.shape)} for r in records],
+        "totals": {
+            "count": len(records),
+            "bytes": sum(r.nbytes for r in records),
+            "by_device": _totals(records, "device"),
+            "by_dtype": _totals(records, "dtype"),
+        },
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    sharded = len({r.file for r in records}) > 1
+    table = Table(title=f"{args.file} ({kind}, {len(records)} tensors)")
+    table.add_column("name")
+    if sharded:
+        table.add_column("file")
+    for col in ("saved device", "dtype", "shape", "bytes"):
+        table.add_column(col, justify="right" if col == "bytes" else "left")
+    for r in records:
+        shape = "[" + ", ".join(map(str, r.shape)) + "]"
+        cells = [r.name, *([r.file] if sharded else []), r.device, r.dtype, shape]
+        table.add_row(*cells, format_bytes(r.nbytes))
+    totals = Table(title="totals")
+    for col in ("by", "", "tensors", "bytes"):
+        totals.add_column(col, justify="right" if col in ("tensors", "bytes") else "left")
+    for key, label in (("device", "device"), ("dtype", "dtype")):
+        for value, entry in _totals(records, key).items():
+            totals.add_row(label, value, str(entry["count"]), format_bytes(entry["bytes"]))
+    totals.add_row("all", "", str(len(records)), format_bytes(sum(r.nbytes for r in records)))
+    console = Console()
+    console.print(table)
+    console.print(totals)
+    if any(r.device == "-" for r in records):
+        console.print("safetensors files store no device: tensors load wherever they are asked to")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- remap
+
+
+def _parse_target(spec: str) -> Any:
+    """A device to tag storages with; it need not exist on this machine (no GPU needed)."""
+    import torch
+
+    from ._devices import device as resolve
+
+    text = spec.strip().lower()
+    if text in ("auto", "best", "gpu"):
+        return resolve(text)
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        resolve(text)  # raises DeviceSpecError with a suggestion
+        raise DeviceSpecError(f"unknown device {spec!r}") from None
+    if dev.index is None and dev.type not in ("cpu", "meta", "mps"):
+        dev = torch.device(dev.type, 0)
+    return dev
+
+
+class _CountingWriter(io.RawIOBase):
+    """A binary file wrapper that reports how many bytes went through it."""
+
+    def __init__(self, raw: IO[bytes], advance: Callable[[int], None]) -> None:
+        super().__init__()
+        self.raw, self.advance = raw, advance
+
+    def writable(self) -> bool:
+        return True
+
+    failure: BaseException | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            n = self.raw.write(data)
+            self.advance(len(memoryview(data)))
+        except BaseException as exc:  # torch's C++ writer turns it into a RuntimeError: keep it
+            self.failure = exc
+            raise
+        return n if n is not None else 0
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+
+def _relocating_pickle(location: str) -> types.ModuleType:
+    """A pickle module whose Pickler tags every saved storage with ``location``."""
+    module = types.ModuleType("torchplace_relocating_pickle")
+
+    class Pickler(pickle._Pickler):  # pure Python: it looks persistent_id up on each object
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            inner = self.persistent_id
+
+            def persistent_id(obj: Any) -> Any:
+                pid = inner(obj)
+                if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage":
+                    return (*pid[:3], location, *pid[4:])
+                return pid
+
+            self.persistent_id = persistent_id  # type: ignore[method-assign]
+
+    module.Pickler = Pickler  # type: ignore[attr-defined]
+    return module
+
+
+@contextlib.contextmanager
+def _progress(total: int, label: str, enabled: bool) -> Iterator[Callable[[int], None]]:
+    if not enabled:
+        yield lambda n: None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, transient=True, console=Console(stderr=True)) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+def remap(
+    path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    /,
+    *,
+    to: Any,
+    progress: bool | None = None,
+) -> Path:
+    """Rewrite a checkpoint so that ``torch.load`` puts its tensors on ``to``; returns ``out``.
+
+    >>> import os, tempfile, torch
+    >>> from torchplace._checkpoint_cli import describe, remap
+    >>> d = tempfile.mkdtemp()
+    >>> torch.save({"w": torch.ones(2)}, os.path.join(d, "a.pt"))
+    >>> out = remap(os.path.join(d, "a.pt"), os.path.join(d, "b.pt"), to="cuda:1")
+    >>> describe(out)[0].device
+    'cuda:1'
+
+    The file is read without running code. The result is written to a temporary file beside
+    ``out`` and renamed only when complete: an interrupted or failed remap leaves ``out`` as it
+    was. A safetensors file stores no device, so it is copied unchanged.
+    """
+    from ._checkpoint import detect_format, load
+
+    src, dst = Path(path), Path(out)
+    target = _parse_target(to) if isinstance(to, str) else to
+    kind = detect_format(src)
+    if kind == "index":
+        raise CheckpointError(
+            f"{src}: is a shard index; remap rewrites one file, so remap each shard it lists "
+            "(safetensors shards need no remap: they store no device)"
+        )
+    if dst.is_dir():
+        raise CheckpointError(f"{dst}: is a directory; give the output file's name with -o")
+    if not dst.parent.is_dir():
+        raise CheckpointError(f"{dst}: its directory {dst.parent} does not exist")
+    total = src.stat().st_size
+    show = (sys.stderr.isatty() and total >= PROGRESS_MIN_BYTES) if progress is None else progress
+    obj = None if kind == "safetensors" else load(src, "cpu")
+    fd, tmp_name = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
+    tmp = Path(tmp_name)
+    writer: _CountingWriter | None = None
+    try:
+        with os.fdopen(fd, "wb") as raw, _progress(total, f"remap {src.name}", show) as advance:
+            writer = _CountingWriter(raw, advance)
+            if kind == "safetensors":
+                with src.open("rb") as f:
+                    shutil.copyfileobj(f, writer, 16 * 1024 * 1024)
+            else:
+                import torch
+
+                torch.save(
+                    obj, cast(IO[bytes], writer), pickle_module=_relocating_pickle(str(target))
+                )
+            raw.flush()
+            os.fsync(raw.fileno())
+        shutil.copymode(dst if dst.exists() else src, tmp)  # not mkstemp's private 0600
+        os.replace(tmp, dst)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        if writer is not None and writer.failure is not None and writer.failure is not exc:
+            if not isinstance(writer.failure, Exception):  # Ctrl-C while torch was writing
+                raise writer.failure from None
+            exc = writer.failure
+        if isinstance(exc, (TorchplaceError, KeyboardInterrupt, SystemExit)):
+            raise
+        if isinstance(exc, Exception):
+            raise CheckpointError(
+                f"{src}: could not be rewritten to {dst} ({type(exc).__name__}: {exc}); "
+                f"{dst} was not touched"
+            ) from exc
+        raise
+    return dst
+
+
+def _remap(args: argparse.Namespace) -> int:
+    try:
+        out = remap(args.file, args.output, to=args.to)
+    except DeviceSpecError as exc:  # bad usage, not a bad file
+        print(f"torchplace remap: error: {exc}", file=sys.stderr)
+        return 2
+    except TorchplaceError as exc:
+        print(f"torchplace remap: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"torchplace remap: interrupted; {args.output} was not written", file=sys.stderr)
+        return 130
+    print(f"wrote {out} (tensors load on {args.to})")
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add ``inspect`` and ``remap`` to the ``torchplace`` command line.
+
+    >>> import argparse
+    >>> from torchplace._checkpoint_cli import register
+    >>> parser = argparse.ArgumentParser(prog="torchplace")
+    >>> register(parser.add_subparsers())
+    >>> parser.parse_args(["remap", "a.pt", "--to", "cpu", "-o", "b.pt"]).output
+    'b.pt'
+    """
+    inspect = subparsers.add_parser(
+        "inspect",
+        help="list a checkpoint's tensors by saved device, dtype and size (runs no code)",
+        description="List every tensor of a checkpoint with its saved device, dtype, shape and "
+        "bytes, and totals per device and dtype. Pickled code is never run and no GPU is needed.",
+    )
+    inspect.add_argument(
+        "file", metavar="FILE", help="a torch.save file, a .safetensors file or an *.index.json"
+    )
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    inspect.set_defaults(func=_inspect)
+
+    remap_cmd = subparsers.add_parser(
+        "remap",
+        help="rewrite a checkpoint so that it loads on another device",
+        description="Rewrite a checkpoint so that torch.load puts its tensors on DEVICE. The "
+        "output is written to a temporary file and renamed only when complete.",
+    )
+    remap_cmd.add_argument("file", metavar="FILE", help="the checkpoint to read")
+    remap_cmd.add_argument("--to", required=True, metavar="DEVICE", help="e.g. cpu or cuda:0")
+    remap_cmd.add_argument("-o", "--output", required=True, metavar="OUT", help="file to write")
+    remap_cmd.set_defaults(func=_remap)

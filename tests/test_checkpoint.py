@@ -1,0 +1,693 @@
+"""load, skeleton and load_into: formats, devices, safety, ties, strictness and optimizers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import random
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from torchplace._checkpoint import load, load_into, skeleton
+from torchplace._errors import CheckpointError
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+
+# ------------------------------------------------------------------------------------- helpers
+
+
+class Net(nn.Module):
+    """Tied embedding and head, a persistent and a non-persistent buffer."""
+
+    def __init__(self, d: int = 8, vocab: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.body = nn.Sequential(nn.Linear(d, d), nn.LayerNorm(d))
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.full((d,), 0.5))
+        self.register_buffer("mask", torch.ones(4, 4).tril(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.emb(x)) * self.scale)
+
+
+X = torch.tensor([[1, 2, 3, 4]])
+
+
+def reference() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def save(obj: object, path: Path, *, legacy: bool = False) -> Path:
+    torch.save(obj, path, _use_new_zipfile_serialization=not legacy)
+    return path
+
+
+@pytest.fixture
+def saved_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make torch.save tag every storage "cuda:0", as a file saved on a GPU is."""
+    monkeypatch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+
+
+def _maps_file(t: torch.Tensor, path: Path) -> bool:
+    """Whether the tensor's memory lies in a mapping of ``path`` (Linux)."""
+    ptr = t.untyped_storage().data_ptr()
+    target = str(path.resolve())
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].strip() == target:
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= ptr < hi:
+                return True
+    return False
+
+
+# ---------------------------------------------------------------------------------------- load
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+@pytest.mark.parametrize("mmap", [True, False], ids=["mmap", "read"])
+def test_load_torch_files(tmp_path: Path, legacy: bool, mmap: bool) -> None:
+    sd = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2, dtype=torch.bfloat16)}
+    path = save(sd, tmp_path / "w.pt", legacy=legacy)
+    out = load(path, mmap=mmap)
+    assert out.keys() == sd.keys()
+    for k in sd:
+        assert torch.equal(out[k], sd[k]) and out[k].dtype == sd[k].dtype
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_load_onto_meta(tmp_path: Path, legacy: bool) -> None:
+    path = save({"a": torch.ones(3, 2)}, tmp_path / "w.pt", legacy=legacy)
+    out = load(path, "meta")
+    assert out["a"].device.type == "meta" and out["a"].shape == (3, 2)
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_file_saved_on_gpu_loads_on_cpu(
+    tmp_path: Path, legacy: bool, saved_on_cuda: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sd = {"w": torch.arange(4.0), "nested": [torch.ones(2)]}
+    path = save(sd, tmp_path / "gpu.pt", legacy=legacy)
+    monkeypatch.undo()  # stop tagging; the file keeps its cuda:0 tags
+    if not torch.cuda.is_available():  # the trap torchplace removes
+        with pytest.raises(RuntimeError, match="CUDA"):
+            torch.load(path, weights_only=True)
+    out = load(path, "cpu")
+    assert out["w"].device == torch.device("cpu")
+    assert torch.equal(out["w"], sd["w"]) and torch.equal(out["nested"][0], torch.ones(2))
+
+
+@pytest.mark.requires_cuda
+def test_load_onto_cuda(tmp_path: Path) -> None:
+    path = save({"w": torch.arange(4.0)}, tmp_path / "w.pt")
+    assert load(path, "cuda")["w"].device == torch.device("cuda:0")
+    st = tmp_path / "w.safetensors"
+    safetensors_torch.save_file({"w": torch.arange(4.0)}, st)
+    assert load(st, torch.device("cuda", 0))["w"].device == torch.device("cuda:0")
+
+
+class _RunsCode:
+    """Pickles into a call of exec that would create a marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (exec, (f"open({str(self.marker)!r}, 'w').write('ran')",))
+
+
+@pytest.mark.parametrize("how", ["zip", "legacy", "plain-pickle"])
+def test_malicious_pickle_is_refused_and_nothing_runs(tmp_path: Path, how: str) -> None:
+    marker = tmp_path / "ran.txt"
+    payload = {"w": torch.ones(2), "evil": _RunsCode(marker)}
+    path = tmp_path / "evil.pt"
+    if how == "plain-pickle":
+        path.write_bytes(pickle.dumps(payload, protocol=2))
+    else:
+        save(payload, path, legacy=how == "legacy")
+    with pytest.raises(CheckpointError, match=r"evil\.pt") as info:
+        load(path)
+    assert not marker.exists()
+    if how != "plain-pickle":
+        assert "trusted=True" in str(info.value)
+    assert info.value.__cause__ is not None
+
+
+def test_trusted_loads_other_objects(tmp_path: Path) -> None:
+    path = save({"args": argparse.Namespace(lr=0.5)}, tmp_path / "c.pt")
+    with pytest.raises(CheckpointError, match="trusted=True"):
+        load(path)
+    assert load(path, trusted=True)["args"].lr == 0.5
+
+
+def test_load_safetensors(tmp_path: Path) -> None:
+    sd = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2, dtype=torch.bfloat16)}
+    path = tmp_path / "w.safetensors"
+    safetensors_torch.save_file(sd, path)
+    for mmap in (True, False):
+        out = load(path, mmap=mmap)
+        assert all(torch.equal(out[k], sd[k]) for k in sd)
+    meta = load(path, "meta")
+    assert meta["a"].device.type == "meta" and meta["b"].dtype == torch.bfloat16
+
+
+def test_safetensors_missing_gives_install_hint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "w.safetensors"
+    safetensors_torch.save_file({"a": torch.ones(2)}, path)
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    with pytest.raises(CheckpointError, match=r"pip install 'torchplace\[safetensors\]'"):
+        load(path)
+
+
+def _write_shards(root: Path, sd: dict[str, torch.Tensor], *, torch_shards: bool = False) -> Path:
+    names = sorted(sd)
+    half = len(names) // 2
+    weight_map = {}
+    for i, part in enumerate((names[:half], names[half:])):
+        shard = f"model-0000{i + 1}-of-00002." + ("bin" if torch_shards else "safetensors")
+        chunk = {k: sd[k].contiguous() for k in part}
+        if torch_shards:
+            torch.save(chunk, root / shard)
+        else:
+            safetensors_torch.save_file(chunk, root / shard)
+        weight_map.update(dict.fromkeys(part, shard))
+    index = root / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return index
+
+
+@pytest.mark.parametrize("torch_shards", [False, True], ids=["safetensors", "bin"])
+def test_load_sharded_index(tmp_path: Path, torch_shards: bool) -> None:
+    sd = {f"layer{i}.weight": torch.full((2,), float(i)) for i in range(5)}
+    index = _write_shards(tmp_path, sd, torch_shards=torch_shards)
+    out = load(index)
+    assert out.keys() == sd.keys() and all(torch.equal(out[k], sd[k]) for k in sd)
+
+
+def test_sharded_index_problems(tmp_path: Path) -> None:
+    sd = {f"layer{i}.weight": torch.ones(2) for i in range(4)}
+    index = _write_shards(tmp_path, sd)
+    data = json.loads(index.read_text())
+    data["weight_map"]["ghost.weight"] = data["weight_map"]["layer0.weight"]
+    index.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=r"ghost\.weight"):
+        load(index)
+    data["weight_map"] = {"a": "../elsewhere.safetensors"}
+    index.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match="outside its own directory"):
+        load(index)
+    data["weight_map"] = {"a": "absent.safetensors"}
+    index.write_text(json.dumps(data))
+    with pytest.raises(CheckpointError, match=r"absent\.safetensors"):
+        load(index)
+    index.write_text('{"not": "an index"}')
+    with pytest.raises(CheckpointError, match="not a shard index"):
+        load(index)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "no such file"),
+        (b"", "is empty"),
+        (b"\x93NUMPY\x01\x00v\x00", "NumPy"),
+        (b"hello, this is text and not a checkpoint", "not a PyTorch or safetensors"),
+        (pickle.dumps({"a": 1}, protocol=2), "not a torch.save file"),
+        (b"PK\x03\x04" + bytes(100), "ckpt.pt"),
+    ],
+    ids=["missing", "empty", "numpy", "text", "plain-pickle", "broken-zip"],
+)
+def test_bad_files(tmp_path: Path, content: bytes | None, message: str) -> None:
+    path = tmp_path / "ckpt.pt"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(CheckpointError, match=message) as info:
+        load(path)
+    assert "ckpt.pt" in str(info.value)
+
+
+def test_directory_is_refused_with_its_files_named(tmp_path: Path) -> None:
+    safetensors_torch.save_file({"a": torch.ones(1)}, tmp_path / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"is a directory.*model\.safetensors"):
+        load(tmp_path)
+
+
+def _fuzz_cases(data: bytes, seed: int, count: int) -> list[bytes]:
+    rng = random.Random(seed)
+    cases = [data[:n] for n in sorted({rng.randrange(1, len(data)) for _ in range(count)})]
+    for _ in range(count):
+        flipped = bytearray(data)
+        for _ in range(rng.randint(1, 4)):
+            flipped[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        cases.append(bytes(flipped))
+    return cases
+
+
+@pytest.mark.parametrize("fmt", ["zip", "legacy", "safetensors"])
+def test_fuzzed_files_load_or_raise_checkpoint_error(tmp_path: Path, fmt: str) -> None:
+    sd = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.arange(3, dtype=torch.int64)}
+    src = tmp_path / "src"
+    if fmt == "safetensors":
+        safetensors_torch.save_file(sd, src)
+    else:
+        save(sd, src, legacy=fmt == "legacy")
+    data = src.read_bytes()
+    path = tmp_path / f"fuzzed.{fmt}"
+    messages: list[str] = []
+    for i, case in enumerate(_fuzz_cases(data, seed=len(data), count=40)):
+        path.write_bytes(case)
+        try:
+            out = load(path, mmap=i % 2 == 0)
+        except CheckpointError as exc:  # any other exception type fails the test
+            messages.append(str(exc))
+        else:
+            assert isinstance(out, dict)
+    assert messages, "some of the damaged files must be refused"
+    assert all(str(path) in m for m in messages)
+
+
+# ------------------------------------------------------------------------------------ skeleton
+
+
+def test_skeleton_parameters_meta_buffers_real() -> None:
+    model = skeleton(Net)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    assert model.head.weight is model.emb.weight
+    assert model.mask.device.type == "cpu" and torch.equal(model.mask, torch.ones(4, 4).tril())
+    assert torch.equal(model.scale, torch.full((8,), 0.5))
+
+
+def test_skeleton_does_no_random_init() -> None:
+    # the modules built inside the factory draw no random numbers: no init runs
+    state = torch.random.get_rng_state()
+    skeleton(lambda: nn.Sequential(nn.Linear(64, 64), nn.Embedding(10, 64), nn.Conv2d(3, 8, 3)))
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_skeleton_leaves_existing_parameters_alone() -> None:
+    existing = nn.Linear(3, 3)
+    before = existing.weight.detach().clone()
+    model = skeleton(lambda: nn.Sequential(existing, nn.Linear(3, 2)))
+    assert existing.weight.device.type == "cpu" and torch.equal(existing.weight, before)
+    assert model[1].weight.device.type == "meta"
+
+
+class _Untouched(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.zeros(3))  # no torch call touches it afterwards
+        self.beta = self.alpha
+
+
+def test_skeleton_sweeps_untouched_parameters_and_keeps_ties() -> None:
+    model = skeleton(_Untouched)
+    assert model.alpha.device.type == "meta" and model.alpha is model.beta
+
+
+def test_skeleton_patches_nothing_other_threads_see() -> None:
+    originals = (nn.Module.register_parameter, nn.Module.__setattr__, nn.Parameter.__new__)
+    inside = threading.Event()
+    built = threading.Event()
+    seen: dict[str, object] = {}
+
+    def factory() -> nn.Module:
+        inside.set()
+        assert built.wait(10)
+        return nn.Linear(2, 2)
+
+    def other_thread() -> None:
+        assert inside.wait(10)
+        seen["patched"] = (
+            nn.Module.register_parameter,
+            nn.Module.__setattr__,
+            nn.Parameter.__new__,
+        ) != originals
+        seen["device"] = nn.Linear(2, 2).weight.device.type
+        built.set()
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    model = skeleton(factory)
+    thread.join()
+    assert seen == {"patched": False, "device": "cpu"}
+    assert model.weight.device.type == "meta"
+
+
+def test_skeleton_needs_a_module() -> None:
+    with pytest.raises(TypeError, match=r"nn\.Module"):
+        skeleton(lambda: 3)
+
+
+# ----------------------------------------------------------------------------------- load_into
+
+
+@pytest.fixture
+def ckpt(tmp_path: Path) -> Path:
+    """Net's weights, saved with the head omitted as Hugging Face saves a tied head."""
+    sd = reference().state_dict()
+    del sd["head.weight"]
+    return save(sd, tmp_path / "net.pt")
+
+
+def test_load_into_skeleton_round_trip(ckpt: Path) -> None:
+    model = load_into(skeleton(Net), ckpt)
+    assert model.head.weight is model.emb.weight
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    assert all(p.requires_grad for p in model.parameters())
+    assert torch.equal(model(X), reference()(X))
+    assert torch.equal(model.mask, torch.ones(4, 4).tril())
+
+
+def test_tied_weight_saved_under_either_name(tmp_path: Path) -> None:
+    sd = reference().state_dict()
+    del sd["emb.weight"]  # only the head's name this time
+    model = load_into(skeleton(Net), save(sd, tmp_path / "head.pt"))
+    assert model.head.weight is model.emb.weight
+    assert torch.equal(model(X), reference()(X))
+
+
+@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
+def test_load_into_maps_the_file_without_copying(ckpt: Path, fmt: str) -> None:
+    if not Path("/proc/self/maps").exists():
+        pytest.skip("needs /proc/self/maps (Linux)")
+    if fmt == "safetensors":
+        sd = {k: v.contiguous() for k, v in load(ckpt).items()}
+        ckpt = ckpt.with_suffix(".safetensors")
+        safetensors_torch.save_file(sd, ckpt)
+    model = load_into(skeleton(Net), ckpt)
+    assert _maps_file(model.body[0].weight, ckpt)
+    before = ckpt.read_bytes()
+    with torch.no_grad():
+        model.body[0].weight.add_(1.0)  # copy-on-write: the file does not change
+    assert ckpt.read_bytes() == before
+
+
+def test_load_into_safetensors_and_index(tmp_path: Path) -> None:
+    sd = {k: v.contiguous() for k, v in reference().state_dict().items() if k != "head.weight"}
+    safetensors_torch.save_file(sd, tmp_path / "net.safetensors")
+    model = load_into(skeleton(Net), tmp_path / "net.safetensors")
+    assert torch.equal(model(X), reference()(X))
+    shards = tmp_path / "sharded"
+    shards.mkdir()
+    model = load_into(skeleton(Net), _write_shards(shards, sd))
+    assert torch.equal(model(X), reference()(X)) and model.head.weight is model.emb.weight
+
+
+def test_load_into_keeps_declared_dtypes(tmp_path: Path) -> None:
+    sd = {k: v.half() for k, v in reference().state_dict().items()}
+    model = load_into(skeleton(Net), save(sd, tmp_path / "half.pt"))
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    half = load_into(skeleton(Net).half(), save(reference().state_dict(), tmp_path / "f.pt"))
+    assert {p.dtype for p in half.parameters()} == {torch.float16}
+
+
+def test_load_into_real_model_keeps_parameter_objects(ckpt: Path) -> None:
+    torch.manual_seed(1)
+    model = Net()
+    params = list(model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    load_into(model, ckpt)
+    assert list(model.parameters()) == params and opt.param_groups[0]["params"] == params
+    assert torch.equal(model(X), reference()(X))
+
+
+def test_load_into_meta_device_checks_shapes_only(ckpt: Path) -> None:
+    model = load_into(skeleton(Net), ckpt, "meta")
+    assert model.emb.weight.device.type == "meta"
+
+
+def test_strict_lists_missing_unexpected_and_mismatched(tmp_path: Path) -> None:
+    sd = reference().state_dict()
+    del sd["body.0.bias"]
+    sd["extra.weight"] = torch.ones(1)
+    sd["body.1.weight"] = torch.ones(3)
+    path = save(sd, tmp_path / "bad.pt")
+    model = skeleton(Net)
+    with pytest.raises(CheckpointError) as info:
+        load_into(model, path)
+    text = str(info.value)
+    for needle in ("bad.pt", "missing keys: body.0.bias", "unexpected keys: extra.weight"):
+        assert needle in text
+    assert "body.1.weight: file (3,), model (8,)" in text
+    assert model.emb.weight.device.type == "meta"  # nothing was filled
+
+
+def test_non_strict_loads_what_matches(tmp_path: Path) -> None:
+    sd = reference().state_dict()
+    del sd["body.0.bias"]
+    sd["extra.weight"] = torch.ones(1)
+    model = load_into(skeleton(Net), save(sd, tmp_path / "partial.pt"), strict=False)
+    assert model.emb.weight.device.type == "cpu" and model.body[0].bias.device.type == "meta"
+    sd["body.1.weight"] = torch.ones(3)
+    with pytest.raises(CheckpointError, match="shape mismatches"):
+        load_into(skeleton(Net), save(sd, tmp_path / "partial.pt"), strict=False)
+
+
+def test_prefixed_keys_get_a_hint(tmp_path: Path) -> None:
+    sd = {f"module.{k}": v for k, v in reference().state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"extra prefix 'module\.'"):
+        load_into(skeleton(Net), save(sd, tmp_path / "ddp.pt"))
+
+
+def test_whole_training_checkpoint_gets_a_hint(tmp_path: Path) -> None:
+    path = save({"model": reference().state_dict(), "epoch": 3}, tmp_path / "all.pt")
+    with pytest.raises(CheckpointError, match=r"not a state dict.*\['model'\]"):
+        load_into(skeleton(Net), path)
+
+
+def test_meta_model_loses_non_persistent_buffers(ckpt: Path) -> None:
+    with torch.device("meta"):
+        model = Net()
+    with pytest.raises(CheckpointError, match=r"mask.*torchplace.skeleton"):
+        load_into(model, ckpt)
+
+
+class _WithExtra(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.note = "unset"
+
+    def get_extra_state(self) -> str:
+        return self.note
+
+    def set_extra_state(self, state: object) -> None:
+        self.note = str(state)
+
+
+def test_extra_state_round_trip(tmp_path: Path) -> None:
+    src = _WithExtra()
+    src.note = "v2"
+    model = load_into(skeleton(_WithExtra), save(src.state_dict(), tmp_path / "x.pt"))
+    assert model.note == "v2" and torch.equal(model.lin.weight, src.lin.weight)
+
+
+def test_load_into_bad_file_names_it(tmp_path: Path) -> None:
+    path = tmp_path / "nothing.pt"
+    with pytest.raises(CheckpointError, match=r"nothing\.pt"):
+        load_into(skeleton(Net), path)
+
+
+@pytest.mark.requires_cuda
+def test_load_into_cuda(ckpt: Path) -> None:
+    model = load_into(skeleton(Net), ckpt, "cuda")
+    assert {t.device for t in [*model.parameters(), *model.buffers()]} == {torch.device("cuda:0")}
+    assert model.head.weight is model.emb.weight
+    assert torch.allclose(model(X.cuda()).cpu(), reference()(X), atol=1e-5)
+
+
+# --------------------------------------------------------------------- a real third-party model
+
+
+def _tiny_transformer(kind: str) -> tuple[type[nn.Module], object]:
+    """A Hugging Face model class and a tiny config for it, built here (no download)."""
+    transformers = pytest.importorskip("transformers")
+    if kind == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=32, bos_token_id=0,
+            eos_token_id=0,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel, config
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+    )
+    return transformers.LlamaForCausalLM, config
+
+
+@pytest.mark.parametrize(
+    ("kind", "shard"),
+    [("llama", False), ("llama", True), ("gpt2", False)],
+    ids=["llama", "llama-sharded", "gpt2"],
+)
+def test_transformers_model_round_trip(tmp_path: Path, kind: str, shard: bool) -> None:
+    cls, config = _tiny_transformer(kind)
+    torch.manual_seed(0)
+    ref = cls(config).eval()
+    ref.save_pretrained(tmp_path, max_shard_size="20KB" if shard else "5GB")
+    files = sorted(p.name for p in tmp_path.iterdir())
+    path = tmp_path / ("model.safetensors.index.json" if shard else "model.safetensors")
+    assert path.name in files
+
+    model = load_into(skeleton(cls, config), path).eval()
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    if kind == "llama":  # the rotary frequencies: a non-persistent buffer, kept
+        assert torch.equal(model.model.rotary_emb.inv_freq, ref.model.rotary_emb.inv_freq)
+    ids = torch.tensor([[1, 5, 9, 3, 7]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+# ------------------------------------------------------------------ resuming an optimizer
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    for _ in range(steps):
+        opt.zero_grad()
+        model(X).square().mean().backward()
+        opt.step()
+
+
+OPTIMIZERS = {
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    "adam-foreach": lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_resume_optimizer_saved_on_gpu(
+    tmp_path: Path, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make = OPTIMIZERS[name]
+    model = reference()
+    opt = make(model.parameters())
+    _train(model, opt, 3)
+    monkeypatch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+    weights = save(model.state_dict(), tmp_path / "model.pt")
+    state = save(opt.state_dict(), tmp_path / "optim.pt")
+    monkeypatch.undo()
+
+    resumed = load_into(skeleton(Net), weights)
+    new_opt = make(resumed.parameters())
+    new_opt.load_state_dict(load(state))
+    for group in new_opt.param_groups:
+        for p in group["params"]:
+            for key, value in new_opt.state[p].items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                on_param = key != "step" or group.get("fused") or group.get("capturable")
+                assert value.device == (p.device if on_param else torch.device("cpu")), key
+
+    _train(model, opt, 2)
+    _train(resumed, new_opt, 2)
+    for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_optimizer_state_read_onto_the_device_keeps_step_there(tmp_path: Path) -> None:
+    # why the recipe reads optimizer state onto the CPU: PyTorch leaves a plain group's step
+    # where it was loaded, and a non-capturable Adam rejects a step on an accelerator
+    model = reference()
+    opt = torch.optim.Adam(model.parameters())
+    _train(model, opt, 1)
+    path = save(opt.state_dict(), tmp_path / "optim.pt")
+    target = load_into(skeleton(Net), _weights(model, tmp_path), "meta")
+    for read_on, step_on in (("meta", "meta"), ("cpu", "cpu")):
+        new_opt = torch.optim.Adam(target.parameters())
+        new_opt.load_state_dict(load(path, read_on))
+        assert new_opt.state[target.emb.weight]["step"].device.type == step_on
+
+
+def test_resume_restores_saved_hyperparameters(tmp_path: Path) -> None:
+    # PyTorch takes lr, fused and capturable from the file, not from the new optimizer
+    model = reference()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    _train(model, opt, 1)
+    state = save(opt.state_dict(), tmp_path / "optim.pt")
+    new_opt = torch.optim.Adam(load_into(skeleton(Net), _weights(model, tmp_path)).parameters())
+    new_opt.load_state_dict(load(state))
+    assert new_opt.param_groups[0]["lr"] == 1e-3 and not new_opt.param_groups[0]["capturable"]
+
+
+@pytest.mark.parametrize(
+    ("flag", "device", "step_on"),
+    [("plain", "meta", "cpu"), ("capturable", "meta", "meta"), ("fused", "cpu", "cpu")],
+)
+def test_resumed_step_follows_pytorchs_policy(
+    tmp_path: Path, flag: str, device: str, step_on: str
+) -> None:
+    # meta stands in for "another device": step stays on the CPU unless capturable or fused
+    model = reference()
+    opt = torch.optim.Adam(model.parameters())
+    _train(model, opt, 1)
+    path = save(opt.state_dict(), tmp_path / "optim.pt")
+    target = load_into(skeleton(Net), _weights(model, tmp_path), device)
+    kwargs = {} if flag == "plain" else {flag: True}
+    new_opt = torch.optim.Adam(target.parameters(), **kwargs)
+    state = load(path)
+    for group in state["param_groups"]:  # switch the group's flags before loading
+        group.update(kwargs)
+    new_opt.load_state_dict(state)
+    p = target.emb.weight
+    assert new_opt.state[p]["step"].device.type == step_on
+    assert new_opt.state[p]["step"].dtype == torch.float32
+    assert new_opt.state[p]["exp_avg"].device.type == device
+    if device == "cpu":
+        _train(target, new_opt, 1)
+
+
+def _weights(model: nn.Module, tmp_path: Path) -> Path:
+    return save(model.state_dict(), tmp_path / "w.pt")
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("flag", ["plain", "fused", "capturable"])
+def test_resume_optimizer_on_cuda(tmp_path: Path, flag: str) -> None:
+    model = reference()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, 2)
+    weights, state = _weights(model, tmp_path), save(opt.state_dict(), tmp_path / "o.pt")
+    resumed = load_into(skeleton(Net), weights, "cuda")
+    kwargs = {} if flag == "plain" else {flag: True}
+    new_opt = torch.optim.AdamW(resumed.parameters(), lr=1e-2, **kwargs)
+    saved = load(state)
+    for group in saved["param_groups"]:
+        group.update(kwargs)
+    new_opt.load_state_dict(saved)
+    step = new_opt.state[resumed.emb.weight]["step"]
+    assert step.device.type == ("cpu" if flag == "plain" else "cuda")
+    new_opt.zero_grad()
+    resumed(X.cuda()).square().mean().backward()
+    new_opt.step()  # would fail if step sat on the wrong device
+
+
+def test_checkpoint_writes_nothing_on_failure(tmp_path: Path) -> None:
+    path = tmp_path / "bad.pt"
+    path.write_bytes(b"PK\x03\x04garbage")
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(CheckpointError):
+        load_into(skeleton(Net), path)
+    assert sorted(os.listdir(tmp_path)) == before

@@ -1,0 +1,262 @@
+"""``torchplace inspect`` and ``torchplace remap``: safe reading, atomic rewriting."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import pickle
+import random
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchplace import _checkpoint_cli
+from torchplace._checkpoint import load
+from torchplace._checkpoint_cli import describe, remap
+from torchplace._errors import CheckpointError
+from torchplace.cli import main
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+STATE = {
+    "model": {"w": torch.arange(6.0).reshape(2, 3), "h": torch.ones(4, dtype=torch.bfloat16)},
+    "steps": [torch.tensor(3)],
+}
+
+
+@pytest.fixture
+def gpu_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A checkpoint whose storages are tagged cuda:0, as if saved on a GPU."""
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        torch.save(STATE, tmp_path / "gpu.pt")
+    return tmp_path / "gpu.pt"
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_describe_torch_file(gpu_file: Path, tmp_path: Path, legacy: bool) -> None:
+    path = gpu_file
+    if legacy:
+        path = tmp_path / "legacy.pt"
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+            torch.save(STATE, path, _use_new_zipfile_serialization=False)
+    records = {r.name: r for r in describe(path)}
+    assert set(records) == {"model.w", "model.h", "steps.0"}
+    w = records["model.w"]
+    assert (w.device, w.dtype, w.shape, w.nbytes) == ("cuda:0", "float32", (2, 3), 24)
+    assert (records["model.h"].dtype, records["model.h"].nbytes) == ("bfloat16", 8)
+    assert records["steps.0"].shape == ()
+
+
+def test_inspect_json(gpu_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(gpu_file), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["format"] == "zip"
+    assert report["totals"]["by_device"] == {"cuda:0": {"count": 3, "bytes": 24 + 8 + 8}}
+    assert report["totals"]["by_dtype"]["bfloat16"] == {"count": 1, "bytes": 8}
+    assert {t["name"] for t in report["tensors"]} == {"model.w", "model.h", "steps.0"}
+
+
+def test_inspect_table(gpu_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(gpu_file)]) == 0
+    out = capsys.readouterr().out
+    for needle in ("model.w", "cuda:0", "bfloat16", "[2, 3]", "totals"):
+        assert needle in out
+
+
+def test_inspect_safetensors_and_index(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    safetensors_torch.save_file({"a": torch.ones(2, 2)}, tmp_path / "part-1.safetensors")
+    safetensors_torch.save_file({"b": torch.ones(3)}, tmp_path / "part-2.safetensors")
+    index = tmp_path / "model.safetensors.index.json"
+    weight_map = {"a": "part-1.safetensors", "b": "part-2.safetensors"}
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    records = describe(index)
+    assert [(r.name, r.device, r.dtype, r.nbytes, r.file) for r in records] == [
+        ("a", "-", "float32", 16, "part-1.safetensors"),
+        ("b", "-", "float32", 12, "part-2.safetensors"),
+    ]
+    assert main(["inspect", str(index)]) == 0
+    assert "part-2.safetensors" in capsys.readouterr().out
+
+
+class _RunsCode:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (exec, (f"open({str(self.marker)!r}, 'w').write('ran')",))
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_inspect_never_runs_pickled_code(tmp_path: Path, legacy: bool) -> None:
+    marker = tmp_path / "ran.txt"
+    path = tmp_path / "evil.pt"
+    torch.save(
+        {"w": torch.ones(2), "evil": _RunsCode(marker)},
+        path,
+        _use_new_zipfile_serialization=not legacy,
+    )
+    assert [r.name for r in describe(path)] == ["w"]
+    assert main(["inspect", str(path), "--json"]) == 0
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "content",
+    [None, b"", b"not a checkpoint at all", pickle.dumps([1, 2]), b"PK\x03\x04" + bytes(64)],
+    ids=["missing", "empty", "text", "plain-pickle", "broken-zip"],
+)
+def test_inspect_bad_files(
+    tmp_path: Path, content: bytes | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "bad.pt"
+    if content is not None:
+        path.write_bytes(content)
+    assert main(["inspect", str(path)]) == 1
+    assert "bad.pt" in capsys.readouterr().err
+
+
+def test_remap_gpu_file_to_cpu(gpu_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "cpu.pt"
+    assert main(["remap", str(gpu_file), "--to", "cpu", "-o", str(out)]) == 0
+    assert {r.device for r in describe(out)} == {"cpu"}
+    assert out.stat().st_mode == gpu_file.stat().st_mode  # permissions follow the source
+    plain = torch.load(out, weights_only=True)  # no map_location needed any more
+    assert torch.equal(plain["model"]["w"], STATE["model"]["w"])
+    assert plain["model"]["h"].dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_remap_to_a_gpu_without_one(tmp_path: Path, legacy: bool) -> None:
+    src = tmp_path / "src.pt"
+    torch.save(STATE, src, _use_new_zipfile_serialization=not legacy)
+    out = remap(src, tmp_path / "out.pt", to="cuda")
+    assert {r.device for r in describe(out)} == {"cuda:0"}
+    back = load(out, "cpu")
+    assert torch.equal(back["model"]["w"], STATE["model"]["w"])
+
+
+def test_remap_shows_progress_when_asked(tmp_path: Path) -> None:
+    src = tmp_path / "src.pt"
+    torch.save(STATE, src)
+    out = remap(src, tmp_path / "out.pt", to="meta", progress=True)
+    assert {r.device for r in describe(out)} == {"meta"}
+
+
+def test_remap_safetensors_is_copied(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "w.safetensors"
+    safetensors_torch.save_file({"a": torch.ones(2)}, src)
+    assert main(["remap", str(src), "--to", "cuda:0", "-o", str(tmp_path / "o.safetensors")]) == 0
+    assert (tmp_path / "o.safetensors").read_bytes() == src.read_bytes()
+
+
+def test_interrupted_remap_leaves_no_partial_output(
+    gpu_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "out.pt"
+    written: list[int] = []
+    real_progress = _checkpoint_cli._progress
+
+    @contextlib.contextmanager
+    def interrupt_half_way(
+        total: int, label: str, enabled: bool
+    ) -> Iterator[Callable[[int], None]]:
+        def advance(n: int) -> None:  # Ctrl-C arrives once half of the file is written
+            written.append(n)
+            if sum(written) > total // 2:
+                raise KeyboardInterrupt
+
+        with real_progress(total, label, enabled):
+            yield advance
+
+    monkeypatch.setattr(_checkpoint_cli, "_progress", interrupt_half_way)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(KeyboardInterrupt):
+        remap(gpu_file, out, to="cpu")
+    assert written  # it did get half-way
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no output, no temp file
+
+    out.write_bytes(b"previous contents")
+    assert main(["remap", str(gpu_file), "--to", "cpu", "-o", str(out)]) == 130
+    assert out.read_bytes() == b"previous contents"
+
+
+@pytest.mark.parametrize(
+    "content",
+    [None, b"garbage", b"PK\x03\x04" + bytes(64)],
+    ids=["missing", "foreign", "corrupt"],
+)
+def test_remap_bad_input_touches_no_output(
+    tmp_path: Path, content: bytes | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "in.pt"
+    if content is not None:
+        src.write_bytes(content)
+    out = tmp_path / "out.pt"
+    out.write_bytes(b"keep me")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(["remap", str(src), "--to", "cpu", "-o", str(out)]) == 1
+    assert "in.pt" in capsys.readouterr().err
+    assert out.read_bytes() == b"keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_remap_refuses_unsafe_file_and_bad_targets(tmp_path: Path) -> None:
+    marker = tmp_path / "ran.txt"
+    src = tmp_path / "evil.pt"
+    torch.save({"evil": _RunsCode(marker)}, src)
+    with pytest.raises(CheckpointError, match="trusted"):
+        remap(src, tmp_path / "out.pt", to="cpu")
+    assert not marker.exists() and not (tmp_path / "out.pt").exists()
+    with pytest.raises(CheckpointError, match="is a directory"):
+        remap(src, tmp_path, to="cpu")
+    with pytest.raises(CheckpointError, match="does not exist"):
+        remap(src, tmp_path / "no" / "out.pt", to="cpu")
+
+
+@pytest.mark.parametrize("fmt", ["zip", "legacy", "safetensors"])
+def test_describe_fuzzed_files(tmp_path: Path, fmt: str) -> None:
+    src = tmp_path / "src"
+    if fmt == "safetensors":
+        safetensors_torch.save_file(STATE["model"], src)
+    else:
+        torch.save(STATE, src, _use_new_zipfile_serialization=fmt == "zip")
+    data = src.read_bytes()
+    rng = random.Random(7)
+    path = tmp_path / "fuzzed"
+    refused = 0
+    for i in range(60):
+        case = bytearray(data[: rng.randrange(1, len(data))] if i % 3 == 0 else data)
+        if i % 3:
+            for _ in range(rng.randint(1, 6)):
+                case[rng.randrange(len(case))] = rng.randrange(256)
+        path.write_bytes(bytes(case))
+        try:
+            describe(path)
+        except CheckpointError:  # any other exception type fails the test
+            refused += 1
+    assert refused > 0
+
+
+def test_remap_bad_device_is_bad_usage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = tmp_path / "a.pt"
+    torch.save(STATE, src)
+    assert main(["remap", str(src), "--to", "cdua", "-o", str(tmp_path / "b.pt")]) == 2
+    assert "did you mean 'cuda'" in capsys.readouterr().err
+    assert not (tmp_path / "b.pt").exists()
+
+
+def test_torchscript_archive_is_described_not_loaded(tmp_path: Path) -> None:
+    path = tmp_path / "scripted.pt"
+    with warnings.catch_warnings():  # torch.jit.script is deprecated in recent releases
+        warnings.simplefilter("ignore", DeprecationWarning)
+        scripted = torch.jit.script(torch.nn.Linear(2, 3))
+    scripted.save(str(path))
+    with pytest.raises(CheckpointError, match="TorchScript"):
+        load(path)
+    shapes = sorted(r.shape for r in describe(path))
+    assert shapes == [(3,), (3, 2)]
