@@ -60,3 +60,31 @@ def test_cpu_only_torch_beside_an_nvidia_driver_is_diagnosed(
 def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     assert "doctor" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the golden file is the CPU-only output")
+def test_doctor_output_golden(
+    capsys: pytest.CaptureFixture[str], regen_golden: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pathlib import Path
+
+    # What differs between machines is fixed, so the golden file holds on any CPU machine.
+    fixed = {
+        "torchplace": "X",
+        "torch": "X",
+        "python": "X",
+        "platform": "X",
+        "cuda (torch build)": "None",
+    }
+    monkeypatch.setattr(_doctor, "_versions", lambda: fixed)
+    monkeypatch.setattr(_doctor, "_nvidia_driver", lambda: None)
+    monkeypatch.setattr(
+        _doctor, "_device_rows", lambda devices: [{"device": "cpu", "name": "x86_64", "cores": 2}]
+    )
+    monkeypatch.setenv("COLUMNS", "100")
+    assert main(["doctor", "--no-bandwidth"]) == 0
+    text = capsys.readouterr().out
+    golden = Path(__file__).parent / "golden" / "doctor_cpu.txt"
+    if regen_golden:
+        golden.write_text(text)
+    assert text == golden.read_text(), "doctor's output changed; if on purpose: --regen-golden"
