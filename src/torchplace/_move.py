@@ -467,9 +467,9 @@ def _move_modules(
     for mod, key, name, value in plan.attributes:
 
         def fix(t: torch.Tensor, _name: str = name) -> torch.Tensor:
-            swap = replaced.get(id(t))
-            if swap is not None:  # an alias of a parameter or buffer (RNN._flat_weights)
-                return swap
+            alias = replaced.get(id(t))
+            if alias is not None:  # an alias of a parameter or buffer (RNN._flat_weights)
+                return alias
             if id(t) in plan.params or id(t) in plan.buffers or t.device == target:
                 return t
             if attributes == "move":
