@@ -736,3 +736,15 @@ def test_cyclic_configuration_on_a_module_does_not_block_moves() -> None:
     torchplace.move(model, "meta")
     assert model.weight.device == META and model.config is config
     assert torchplace.stragglers(model, "meta") == []
+
+
+def test_a_parameter_beside_its_model_in_a_batch_stays_the_models() -> None:
+    model = nn.Linear(2, 2)
+    out = torchplace.move({"model": model, "w": model.weight, "x": torch.ones(1)}, "meta")
+    assert out["model"] is model and out["w"] is model.weight and out["x"].device == META
+
+
+def test_modules_inside_a_batch_are_named_by_their_place() -> None:
+    model = nn.Linear(2, 2, device="meta")
+    with pytest.raises(torchplace.MoveError, match=r"^batch\['model'\]\.weight is on meta"):
+        torchplace.move({"model": model}, "cpu")

@@ -121,6 +121,9 @@ class _Copier:
         self.non_blocking = non_blocking
         self.copies: dict[int, torch.Tensor] = {}
         self.sync_sources: set[torch.device] = set()
+        # id(copy of a parameter) -> the parameter that now holds it, so that a batch holding
+        # both a model and one of its parameters gets the model's own parameter back.
+        self.finals: dict[int, torch.Tensor] = {}
 
     def prefill(self, tensors: Iterable[torch.Tensor], *, detach: bool = False) -> None:
         """Send many small host tensors bound for an accelerator as one consolidated copy.
@@ -292,7 +295,7 @@ def _plan(roots: list[tuple[str, nn.Module]], follow_unregistered: bool) -> _Pla
     while queue:
         prefix, root = queue.pop(0)
         for mod_name, mod in root.named_modules(remove_duplicate=True):
-            path = f"{prefix}{mod_name}"
+            path = f"{prefix}{mod_name}" if mod_name else prefix.rstrip(".")
             dot = f"{path}." if path else ""
             for key, p in mod._parameters.items():
                 if p is not None:
@@ -455,6 +458,9 @@ def _move_modules(
     for bid, (_, b) in plan.buffers.items():
         if new_buffers[bid] is not b:
             replaced[bid] = new_buffers[bid]
+    for pid, (_, p) in plan.params.items():
+        if new_params[pid] is not p:
+            copier.finals[id(new_params[pid])] = final[pid]
 
     left_behind: list[str] = []
     if attributes != "move":
@@ -791,7 +797,13 @@ def _move_collection(
     all_optimizers = optimizers + [o for o in found_optimizers if o not in optimizers]
     left_behind: list[str] = []
     if modules:
+        # Name each module by its place in the batch: batch['model'].encoder.weight.
+        paths = {id(leaf): path for path, leaf in iter_leaves(obj, root)}
+        modules = [(paths.get(id(m), root) + ".", m) for _, m in modules]
         left_behind = _move_owners(modules, all_optimizers, target, copier, attributes, log)
+        if copier.finals:  # a parameter listed beside its model comes back as that parameter
+            finals = copier.finals
+            result = map_tensors(result, lambda t: finals.get(id(t), t), root=root)
     else:
         for index, opt in enumerate(all_optimizers):
             label = "optimizer" if len(all_optimizers) == 1 else f"optimizer[{index}]"
