@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from torchplace._checkpoint import load, load_into, skeleton
-from torchplace._errors import CheckpointError
+from torchplace._errors import CheckpointError, TorchplaceError
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -348,8 +348,10 @@ def test_skeleton_patches_nothing_other_threads_see() -> None:
 
 
 def test_skeleton_needs_a_module() -> None:
-    with pytest.raises(TypeError, match=r"nn\.Module"):
+    with pytest.raises(TorchplaceError, match=r"nn\.Module"):
         skeleton(lambda: 3)
+    with pytest.raises(TorchplaceError, match=r"load_into\(\) fills an nn\.Module"):
+        load_into({"w": torch.ones(1)}, "unused.pt")  # type: ignore[type-var]
 
 
 # ----------------------------------------------------------------------------------- load_into
@@ -691,3 +693,29 @@ def test_checkpoint_writes_nothing_on_failure(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError):
         load_into(skeleton(Net), path)
     assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_a_failed_placement_leaves_the_model_untouched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    path = tmp_path / "two.pt"
+    torch.save(source.state_dict(), path)
+    model = skeleton(lambda: nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)))
+    before = dict(model.named_parameters())
+    calls = 0
+    real = torch.Tensor.to
+
+    def failing_to(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("CUDA out of memory (simulated)")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", failing_to)
+    with pytest.raises(CheckpointError, match="the model is untouched"):
+        load_into(model, path)
+    monkeypatch.setattr(torch.Tensor, "to", real)
+    for name, p in model.named_parameters():
+        assert p is before[name] and p.device.type == "meta"

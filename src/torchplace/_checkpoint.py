@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten
 
 from ._devices import DeviceSpec
 from ._devices import device as _device
-from ._errors import CheckpointError
+from ._errors import CheckpointError, TorchplaceError
 
 __all__ = ["load", "load_into", "skeleton"]
 
@@ -436,7 +436,7 @@ def skeleton(factory: Callable[..., ModuleT], /, *args: Any, **kwargs: Any) -> M
     with mode:
         model = factory(*args, **kwargs)
     if not isinstance(model, nn.Module):
-        raise TypeError(
+        raise TorchplaceError(
             f"skeleton() needs a factory that returns an nn.Module, but {factory!r} returned "
             f"{type(model).__name__}"
         )
@@ -582,7 +582,10 @@ def load_into(
     mismatch still raises).
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"load_into() fills an nn.Module, not {type(model).__name__}")
+        raise TorchplaceError(
+            f"load_into() fills an nn.Module, not {type(model).__name__}; build the model "
+            "first, e.g. load_into(torchplace.skeleton(MyModel, ...), path)"
+        )
     target = None if device is None else _device(device)
     p = Path(path)
     loadable, transient, extra = _slots(model)
@@ -644,24 +647,38 @@ def load_into(
             f"{p}: does not fit {type(model).__name__}: {'; '.join(problems)}{hint}{fix}"
         )
 
+    # Phase 1: everything that can fail for lack of memory or a bad device (the transfers and
+    # conversions) happens before the model changes, so a failure leaves it untouched.
+    fills: list[tuple[_Slot, torch.Tensor]] = []  # memory already on the target: filled in place
+    places: list[tuple[_Slot, torch.Tensor]] = []  # a new tensor swapped in
     try:
         for slot, value in plan:
             dev = _target_for(slot, target)
             current = slot.tensor
             if current.device == dev and dev.type != "meta":
-                with torch.no_grad():  # memory already there: fill it (copy_ converts)
-                    current.copy_(value)
+                fills.append((slot, value))
             else:
-                _place(slot, value.to(device=dev, dtype=current.dtype))
+                places.append((slot, value.to(device=dev, dtype=current.dtype)))
         for slot in transient:
             here = slot.tensor.device
             if target is not None and here.type != "meta" and here != target:
-                _place(slot, slot.tensor.to(target))
+                places.append((slot, slot.tensor.to(target)))
+    except Exception as exc:
+        raise CheckpointError(
+            f"{p}: could not be placed into {type(model).__name__} ({type(exc).__name__}: "
+            f"{_first_sentence(str(exc))}); the model is untouched"
+        ) from exc
+    # Phase 2: fill and swap in. Copies into memory that exists and swaps of tensors that are
+    # ready do not run out of memory; should one fail all the same, the message says so.
+    try:
+        with torch.no_grad():
+            for slot, value in fills:
+                slot.tensor.copy_(value)  # copy_ converts the dtype
+        for slot, value in places:
+            _place(slot, value)
         for key, module in extra.items():
             if key in state:
                 module.set_extra_state(state[key])
-    except CheckpointError:
-        raise
     except Exception as exc:
         raise CheckpointError(
             f"{p}: could not be placed into {type(model).__name__} ({type(exc).__name__}: "
