@@ -719,3 +719,46 @@ def test_a_failed_placement_leaves_the_model_untouched(
     monkeypatch.setattr(torch.Tensor, "to", real)
     for name, p in model.named_parameters():
         assert p is before[name] and p.device.type == "meta"
+
+
+def test_weights_tied_in_the_file_stay_apart_in_a_model_that_keeps_them_apart(
+    tmp_path: Path,
+) -> None:
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Linear(2, 2, bias=False)
+            self.head = nn.Linear(2, 2, bias=False)
+
+    saved = Pair()
+    saved.head.weight = saved.emb.weight  # the file holds one storage under both names
+    path = tmp_path / "tied.pt"
+    torch.save(saved.state_dict(), path)
+    model = load_into(skeleton(Pair), path)
+    assert torch.equal(model.emb.weight, model.head.weight)
+    with torch.no_grad():
+        model.emb.weight.add_(1)
+    assert not torch.equal(model.emb.weight, model.head.weight)  # separate, as declared
+
+
+def test_shard_indexes_that_name_an_index_are_refused(tmp_path: Path) -> None:
+    index = tmp_path / "model.index.json"
+    index.write_text(json.dumps({"weight_map": {"w": "model.index.json"}}))
+    with pytest.raises(CheckpointError, match="itself a shard index"):
+        load(index)
+    from torchplace._checkpoint_cli import describe
+
+    with pytest.raises(CheckpointError, match="itself a shard index"):
+        describe(index)
+
+
+def test_inspect_walks_shared_objects_once(tmp_path: Path) -> None:
+    from torchplace._checkpoint_cli import describe
+
+    shared: list[object] = [torch.ones(1)]
+    for _ in range(60):
+        shared = [shared, shared]  # 2**60 paths, 61 objects
+    path = tmp_path / "dag.pt"
+    torch.save(shared, path)
+    records = describe(path)
+    assert len(records) == 1

@@ -307,6 +307,37 @@ def _load_safetensors(p: Path, target: torch.device, *, mmap: bool) -> dict[str,
         ) from exc
 
 
+def shards(p: Path, weight_map: Mapping[str, str]) -> list[tuple[str, Path, list[str]]]:
+    """The shards an index names, checked: (name in the index, path, tensor names) each.
+
+    A shard must be a file inside the index's own directory and not an index itself (an index
+    naming itself, or two naming each other, would never end).
+    """
+    root = p.parent.resolve()
+    by_shard: dict[str, list[str]] = {}
+    for name, shard in weight_map.items():
+        by_shard.setdefault(str(shard), []).append(name)
+    found = []
+    for shard, names in by_shard.items():
+        shard_path = (p.parent / shard).resolve()
+        if root not in shard_path.parents:
+            raise CheckpointError(
+                f"{p}: names shard {shard!r} outside its own directory; refusing to read it"
+            )
+        if not shard_path.is_file():
+            raise CheckpointError(
+                f"{p}: names shard {shard!r}, which is missing from {p.parent}; download or copy "
+                "every shard the index lists"
+            )
+        if detect_format(shard_path) == "index":
+            raise CheckpointError(
+                f"{p}: names shard {shard!r}, which is itself a shard index; an index lists "
+                "the files that hold the tensors"
+            )
+        found.append((shard, shard_path, names))
+    return found
+
+
 def _load_index(p: Path, target: torch.device, *, mmap: bool, trusted: bool) -> dict[str, Any]:
     try:
         index = json.loads(p.read_text(encoding="utf-8"))
@@ -320,22 +351,8 @@ def _load_index(p: Path, target: torch.device, *, mmap: bool, trusted: bool) -> 
             f"{p}: is JSON but not a shard index; a sharded checkpoint's index maps every tensor "
             'name to its file under "weight_map"'
         )
-    root = p.parent.resolve()
-    by_shard: dict[str, list[str]] = {}
-    for name, shard in weight_map.items():
-        by_shard.setdefault(shard, []).append(name)
     result: dict[str, Any] = {}
-    for shard, names in by_shard.items():
-        shard_path = (p.parent / shard).resolve()
-        if root not in shard_path.parents:
-            raise CheckpointError(
-                f"{p}: names shard {shard!r} outside its own directory; refusing to read it"
-            )
-        if not shard_path.is_file():
-            raise CheckpointError(
-                f"{p}: names shard {shard!r}, which is missing from {p.parent}; download or copy "
-                "every shard the index lists"
-            )
+    for shard, shard_path, names in shards(p, weight_map):
         part = load(shard_path, target, mmap=mmap, trusted=trusted)
         if not isinstance(part, Mapping):
             raise CheckpointError(f"{shard_path}: holds a {type(part).__name__}, not tensors")
@@ -357,6 +374,11 @@ def _storage_ptr(t: torch.Tensor) -> int:
         return int(t.untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError, TypeError, AttributeError):  # no storage
         return 0
+
+
+def _view(t: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
+    """Which bytes a tensor shows: its storage, offset and shape."""
+    return _storage_ptr(t), int(t.storage_offset()), tuple(t.shape)
 
 
 # swap_tensors exchanges two tensors' contents in place, so a Parameter object (and every tie
@@ -651,14 +673,22 @@ def load_into(
     # conversions) happens before the model changes, so a failure leaves it untouched.
     fills: list[tuple[_Slot, torch.Tensor]] = []  # memory already on the target: filled in place
     places: list[tuple[_Slot, torch.Tensor]] = []  # a new tensor swapped in
+    taken: set[tuple[int, int, tuple[int, ...]]] = set()  # views already given to a slot
     try:
         for slot, value in plan:
             dev = _target_for(slot, target)
             current = slot.tensor
             if current.device == dev and dev.type != "meta":
                 fills.append((slot, value))
-            else:
-                places.append((slot, value.to(device=dev, dtype=current.dtype)))
+                continue
+            placed = value.to(device=dev, dtype=current.dtype)
+            if placed.device.type != "meta":
+                # A file saved from a tied model holds one storage under two names; a model
+                # that keeps those weights apart must not end up sharing it.
+                if _view(placed)[0] and _view(placed) in taken:
+                    placed = placed.clone()
+                taken.add(_view(placed))
+            places.append((slot, placed))
         for slot in transient:
             here = slot.tensor.device
             if target is not None and here.type != "meta" and here != target:

@@ -199,20 +199,29 @@ def _latin1_encode(text: Any, encoding: Any = "latin1") -> bytes:
     return str(text).encode("latin1") if encoding == "latin1" else b""
 
 
-def _walk(obj: Any, path: str, depth: int = 0) -> Iterator[tuple[str, _TensorRef]]:
+def _walk(
+    obj: Any, path: str, depth: int = 0, seen: set[int] | None = None
+) -> Iterator[tuple[str, _TensorRef]]:
+    """Every tensor reference under ``obj``, each container visited once: a pickle that shares
+    one object across many branches (or holds itself) cannot make the walk run for ever."""
+    seen = set() if seen is None else seen
     if depth > _MAX_DEPTH:
         return
     if isinstance(obj, _TensorRef):
         yield path, obj
-    elif isinstance(obj, dict):
+        return
+    if not isinstance(obj, (dict, list, tuple, _Opaque)) or id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, dict):
         for k, v in obj.items():
-            yield from _walk(v, f"{path}.{k}" if path else str(k), depth + 1)
+            yield from _walk(v, f"{path}.{k}" if path else str(k), depth + 1, seen)
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
-            yield from _walk(v, f"{path}.{i}" if path else str(i), depth + 1)
-    elif isinstance(obj, _Opaque):
+            yield from _walk(v, f"{path}.{i}" if path else str(i), depth + 1, seen)
+    else:
         for part in (obj.args, obj.state, obj.items, obj.values):
-            yield from _walk(part, path, depth + 1)
+            yield from _walk(part, path, depth + 1, seen)
 
 
 def _records(root: Any, file: str) -> list[TensorRecord]:
@@ -331,9 +340,11 @@ def _describe_index(p: Path) -> list[TensorRecord]:
         raise CheckpointError(f"{p}: is not a readable JSON shard index ({exc})") from exc
     if not isinstance(weight_map, dict):
         raise CheckpointError(f'{p}: is JSON but not a shard index (no "weight_map")')
+    from ._checkpoint import shards
+
     out: list[TensorRecord] = []
-    for shard in dict.fromkeys(str(v) for v in weight_map.values()):
-        out.extend(describe(p.parent / shard))
+    for _, shard_path, _ in shards(p, {str(k): str(v) for k, v in weight_map.items()}):
+        out.extend(describe(shard_path))
     return out
 
 
