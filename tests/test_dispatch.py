@@ -354,3 +354,28 @@ def test_dispatch_between_cpu_and_cuda() -> None:
     torch.testing.assert_close(model(x), reference(x), **CLOSE)
     out = model(x.to("cuda:0"))
     assert out.device == CUDA0
+
+
+def test_a_rejected_redispatch_keeps_the_earlier_dispatch_whole() -> None:
+    from torchplace._dispatch import is_dispatched
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    dispatch(model, {"0": "cpu", "2": "meta"})
+    with pytest.raises(DeviceSpecError):
+        dispatch(model, {"0": "cpu", "9": "meta"})
+    assert is_dispatched(model)
+    assert model(torch.ones(1, 4)).device == META  # the hooks of the first dispatch still work
+
+
+def test_each_thread_gets_its_own_output_device() -> None:
+    import threading
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    dispatch(model, {"": "meta"})
+    stack = next(h.origins for h in model._forward_hooks.values() if hasattr(h, "origins"))
+    seen: list[int] = []
+    worker = threading.Thread(target=lambda: seen.append(len(stack.stack)))
+    stack.stack.append(CPU)
+    worker.start()
+    worker.join()
+    assert seen == [0] and stack.stack == [CPU]  # another thread sees its own, empty, stack

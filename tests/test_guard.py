@@ -625,3 +625,29 @@ def test_real_cuda_module_with_cpu_input() -> None:
         "model.head (Linear) got input[0] on cpu but its parameters are on cuda:0; "
         "move the input with torchplace.move(x, 'cuda:0')"
     )
+
+
+def test_guards_installed_and_removed_from_many_threads_leave_nothing() -> None:
+    import threading
+
+    class Local(nn.Linear):
+        pass
+
+    original = Local.__dict__.get("forward")
+    errors: list[BaseException] = []
+
+    def churn() -> None:
+        try:
+            for _ in range(200):
+                with guard(Local(2, 2)):
+                    pass
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=churn) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert Local.__dict__.get("forward") is original  # no wrapper left on the class

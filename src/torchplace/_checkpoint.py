@@ -169,6 +169,12 @@ def safetensors_header(path: PathLike, /) -> dict[str, Any]:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
+        dtype_name = entry.get("dtype") if isinstance(entry, dict) else None
+        if isinstance(dtype_name, str) and dtype_name not in SAFETENSORS_DTYPES:
+            raise CheckpointError(
+                f"{p}: tensor {name!r} has dtype {dtype_name!r}, which this version of "
+                f"torch cannot hold (supported: {', '.join(sorted(SAFETENSORS_DTYPES))})"
+            )
         try:
             dtype = SAFETENSORS_DTYPES[entry["dtype"]]
             shape = [int(n) for n in entry["shape"]]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -169,13 +170,33 @@ def _place(tree: _Tree, targets: dict[int, torch.device]) -> None:
 # deep-copied (each copy calling its own modules) and pickled.
 
 
+class _Origins:
+    """The devices of the inputs of the model's calls in progress, one stack per thread, so
+    that two threads running one dispatched model each get their own output back. Copies and
+    pickles start empty (a thread-local cannot be copied)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    @property
+    def stack(self) -> list[torch.device | None]:
+        stack: list[torch.device | None] | None = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._local = threading.local()
+
+
 class _MoveInputs:
     """Forward pre-hook: every tensor input to ``device``; on the model itself it also notes
     the device of the first input, so that the output can go back there."""
 
-    def __init__(
-        self, device: torch.device | None, origins: list[torch.device | None] | None, path: str
-    ) -> None:
+    def __init__(self, device: torch.device | None, origins: _Origins | None, path: str) -> None:
         self.device = device
         self.origins = origins
         self.path = path
@@ -184,7 +205,7 @@ class _MoveInputs:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Any, Any] | None:
         if self.origins is not None:
-            self.origins.append(_first_device((args, kwargs)))
+            self.origins.stack.append(_first_device((args, kwargs)))
         if self.device is None:
             return None
         try:
@@ -203,11 +224,12 @@ class _ReturnOutput:
     """Forward hook on the model (also run when forward raises): the output goes back to the
     device of the input; outputs on ``meta`` hold no data and stay."""
 
-    def __init__(self, origins: list[torch.device | None]):
+    def __init__(self, origins: _Origins):
         self.origins = origins
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        origin = self.origins.pop() if self.origins else None
+        stack = self.origins.stack
+        origin = stack.pop() if stack else None
         if origin is None or output is None:
             return None
         return _to(output, origin, keep_meta=True)
@@ -295,7 +317,7 @@ def _hook(tree: _Tree, targets: dict[int, torch.device]) -> None:
     each split parent that holds tensors itself, and the model (to bring the output back)."""
     devices_of = {path: {targets[key] for key in tree.subtree(path)} for path in tree.modules}
     done: set[int] = set()
-    origins: list[torch.device | None] = []
+    origins = _Origins()
     for path, module in tree.modules.items():
         if id(module) in done:
             continue
@@ -356,11 +378,11 @@ def dispatch(model: nn.Module, device_map: DeviceMapSpec, /) -> nn.Module:
             raise TorchplaceError(
                 f"dispatch() places an nn.Module, not {type(model).__name__}; pass the model"
             )
-        undispatch(model)
         tree = _walk(model)
         entries = _parse_device_map(tree, device_map)
         targets = _targets(tree, entries)
-        _place(tree, targets)
+        _place(tree, targets)  # all or nothing: on failure the model and its hooks are as they were
+        undispatch(model)  # only now: a bad map or a failed move keeps an earlier dispatch whole
         _hook(tree, targets)
         return model
     except TorchplaceError as err:

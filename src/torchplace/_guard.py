@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from types import TracebackType
@@ -188,6 +189,11 @@ class _Check:
         """The check on ``module`` (shared when already there), or None when it needs none."""
         if isinstance(module, torch.jit.ScriptModule):
             return None  # TorchScript cannot call back into Python
+        with _LOCK:
+            return cls._install(module, path)
+
+    @classmethod
+    def _install(cls, module: nn.Module, path: str) -> _Check | None:
         check = _CHECKS.get(id(module))
         if check is not None and check.ref() is module:
             check.users += 1
@@ -205,14 +211,16 @@ class _Check:
 
     def release(self) -> None:
         """One guard fewer on this module; the last one takes the check off."""
-        self.users -= 1
-        if self.users == 0:
-            self._retire()
+        with _LOCK:
+            self.users -= 1
+            if self.users == 0:
+                self._retire()
 
     def _collected(self, ref: weakref.ref[nn.Module]) -> None:
-        if self.users > 0:
-            self.users = 0
-            self._retire()
+        with _LOCK:  # a garbage collection may run this in any thread
+            if self.users > 0:
+                self.users = 0
+                self._retire()
 
     def _retire(self) -> None:
         if _CHECKS.get(self.id) is self:
@@ -311,6 +319,10 @@ class _Patch:
 
 _PATCHES: dict[type[nn.Module], _Patch] = {}
 
+# Installing and removing checks and class wrappers read then write the tables above and the
+# classes themselves: one lock makes each step whole when several threads guard models at once.
+_LOCK = threading.RLock()
+
 
 def _patch(cls: type[nn.Module]) -> bool:
     """Wrap ``cls.forward`` (once per class); False when it cannot be wrapped."""
@@ -339,7 +351,9 @@ def _patch(cls: type[nn.Module]) -> bool:
 
 
 def _unpatch(cls: type[nn.Module]) -> None:
-    patch = _PATCHES[cls]
+    patch = _PATCHES.get(cls)
+    if patch is None:
+        return
     patch.users -= 1
     if patch.users:
         return

@@ -205,6 +205,11 @@ class _Copier:
             return t
 
         map_tensors(batch, look)
+        if self.stream is not None:
+            # A batch already on another GPU was written by that device's stream: the side
+            # stream must not read it before that work is done.
+            for source in {t.device for t in found.values() if t.device.type == "cuda"}:
+                self.stream.wait_stream(torch.cuda.current_stream(source))
         moved: dict[int, torch.Tensor] = {}
         small = [
             t
