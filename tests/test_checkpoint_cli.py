@@ -105,6 +105,24 @@ def test_inspect_never_runs_pickled_code(tmp_path: Path, legacy: bool) -> None:
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_inspect_names_the_code_a_file_would_run(
+    tmp_path: Path, legacy: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    marker = tmp_path / "ran.txt"
+    path = tmp_path / "evil.pt"
+    torch.save({"evil": _RunsCode(marker)}, path, _use_new_zipfile_serialization=not legacy)
+    assert _checkpoint_cli.code_globals(path) == ["builtins.exec"]
+    assert main(["inspect", str(path)]) == 0
+    assert "would import and call builtins.exec" in capsys.readouterr().out
+    assert main(["inspect", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["code_globals"] == ["builtins.exec"]
+    assert not marker.exists()
+    clean = tmp_path / "clean.pt"
+    torch.save({"w": torch.ones(1)}, clean)
+    assert _checkpoint_cli.code_globals(clean) == []
+
+
 @pytest.mark.parametrize(
     "content",
     [None, b"", b"not a checkpoint at all", pickle.dumps([1, 2]), b"PK\x03\x04" + bytes(64)],
@@ -152,6 +170,7 @@ def test_remap_safetensors_is_copied(tmp_path: Path, capsys: pytest.CaptureFixtu
     safetensors_torch.save_file({"a": torch.ones(2)}, src)
     assert main(["remap", str(src), "--to", "cuda:0", "-o", str(tmp_path / "o.safetensors")]) == 0
     assert (tmp_path / "o.safetensors").read_bytes() == src.read_bytes()
+    assert "copied unchanged: a safetensors file stores no device" in capsys.readouterr().out
 
 
 def test_interrupted_remap_leaves_no_partial_output(

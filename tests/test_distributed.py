@@ -22,7 +22,7 @@ TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER
 @pytest.fixture
 def outside_torchrun(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """No torchrun variables, and no process group left behind by the test."""
-    for name in TORCHRUN_VARIABLES:
+    for name in (*TORCHRUN_VARIABLES, "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(name, raising=False)
     yield
     if dist.is_available() and dist.is_initialized():
@@ -58,6 +58,7 @@ def test_nccl_without_cuda_is_refused_before_starting(outside_torchrun: None) ->
         ({"LOCAL_RANK": "zero"}, r"LOCAL_RANK='zero' is not an integer"),
         ({"RANK": "-1"}, r"RANK=-1 is negative"),
         ({"RANK": "2"}, r"RANK=2 is not below WORLD_SIZE=2"),
+        ({"LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "2"}, r"LOCAL_RANK=5 does not fit"),
     ],
 )
 def test_malformed_torchrun_variables_are_named(

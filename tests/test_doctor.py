@@ -88,3 +88,22 @@ def test_doctor_output_golden(
     if regen_golden:
         golden.write_text(text)
     assert text == golden.read_text(), "doctor's output changed; if on purpose: --regen-golden"
+
+
+def test_version_and_module_entry_point(capsys: pytest.CaptureFixture[str]) -> None:
+    import subprocess
+    import sys
+
+    import torchplace
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"torchplace {torchplace.__version__}"
+    done = subprocess.run(
+        [sys.executable, "-W", "ignore", "-m", "torchplace", "--version"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stdout.strip() == f"torchplace {torchplace.__version__}"

@@ -25,6 +25,7 @@ import json
 import os
 import pickle
 import struct
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar, Union, cast
@@ -43,7 +44,7 @@ __all__ = ["load", "load_into", "skeleton"]
 PathLike = Union[str, "os.PathLike[str]"]
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
-SAFETENSORS_HINT = "pip install 'torchplace[safetensors]'"
+SAFETENSORS_HINT = "pip install safetensors (torchplace's [safetensors] extra)"
 
 # safetensors dtype names, as written in a file's JSON header.
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
@@ -214,7 +215,7 @@ def load(
     device(type='meta')
 
     Reads torch files (``.pt``, ``.pth``, ``.bin``; zip or legacy), ``.safetensors`` files
-    (needs ``pip install 'torchplace[safetensors]'``) and sharded checkpoints through a Hugging
+    (needs ``pip install safetensors``) and sharded checkpoints through a Hugging
     Face ``*.index.json`` weight map. Zip and safetensors files are memory-mapped when ``mmap``
     (legacy files cannot be, and are read). Files are read with ``weights_only=True`` unless
     ``trusted=True``, so an untrusted file never runs code. A missing, truncated, corrupt,
@@ -234,24 +235,66 @@ def _load_torch(
     p: Path, target: torch.device, *, zip_format: bool, mmap: bool, trusted: bool
 ) -> Any:
     use_mmap = mmap and zip_format and target.type != "meta"
+    if not zip_format and not _has_legacy_magic(p):
+        raise CheckpointError(
+            f"{p}: is a plain pickle, not a torch.save file (it does not open with torch's "
+            "magic number); a pickle is not a checkpoint, and torchplace does not unpickle it"
+        )
     try:
-        return torch.load(p, map_location=target, mmap=use_mmap, weights_only=not trusted)
+        with warnings.catch_warnings():  # torch's note on pickle protocols is not the user's
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(p, map_location=target, mmap=use_mmap, weights_only=not trusted)
     except pickle.UnpicklingError as exc:
         text = str(exc)
+        reason = _refusal_reason(text)
+        if "Weights only load failed" in text and "operand" in reason:
+            raise CheckpointError(
+                f"{p}: was pickled with an instruction torch's safe loader does not read "
+                f"({reason}; a newer pickle protocol). Nothing was run. Re-save it with "
+                "torch.save's default protocol, or pass trusted=True if you trust its source"
+            ) from exc
         if "Weights only load failed" in text:
-            reason = next(
-                (ln.split("error:", 1)[1].strip() for ln in text.splitlines() if "error:" in ln),
-                text.splitlines()[0] if text else "it needs objects beyond tensors",
-            )
             raise CheckpointError(
                 f"{p}: refused to unpickle it, because loading it would run code or build "
-                f"objects other than tensors and containers ({_first_sentence(reason)}). "
-                "Nothing was run. If you trust where the file came from, pass trusted=True, or "
-                "allow the class with torch.serialization.add_safe_globals"
+                f"objects other than tensors and containers ({reason}). "
+                "Nothing was run. If you trust where the file came from, pass trusted=True to "
+                "torchplace.load, or allow that class with torch.serialization.add_safe_globals"
             ) from exc
         raise CheckpointError(f"{p}: is corrupt ({_first_sentence(text)})") from exc
     except Exception as exc:
         raise CheckpointError(f"{p}: {_diagnose(exc, zip_format)}") from exc
+
+
+# torch's legacy (non-zip) files open with this number, pickled on its own.
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+
+
+class _NoGlobals(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"{module}.{name} is not loaded here")
+
+
+def _has_legacy_magic(p: Path) -> bool:
+    """Whether the first pickled object of ``p`` is torch's magic number (nothing is run)."""
+    try:
+        with p.open("rb") as f:
+            first = _NoGlobals(f).load()
+    except Exception:
+        return False
+    return isinstance(first, int) and not isinstance(first, bool) and first == _LEGACY_MAGIC
+
+
+def _refusal_reason(text: str) -> str:
+    """The line of torch's weights-only refusal that names what was blocked."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for line in lines:
+        if "GLOBAL" in line or "Unsupported" in line or "unsupported" in line:
+            return line
+    for i, line in enumerate(lines):
+        if "error:" in line:
+            rest = line.split("error:", 1)[1].strip()
+            return rest or (lines[i + 1] if i + 1 < len(lines) else "an object it cannot build")
+    return "it holds objects beyond tensors and containers"
 
 
 def _diagnose(exc: BaseException, zip_format: bool) -> str:
@@ -332,7 +375,8 @@ def shards(p: Path, weight_map: Mapping[str, str]) -> list[tuple[str, Path, list
             )
         if not shard_path.is_file():
             raise CheckpointError(
-                f"{p}: names shard {shard!r}, which is missing from {p.parent}; download or copy "
+                f"{p}: names shard {shard!r}, which is missing from {p.parent.resolve()}; "
+                "download or copy "
                 "every shard the index lists"
             )
         if detect_format(shard_path) == "index":

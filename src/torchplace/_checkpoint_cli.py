@@ -12,6 +12,7 @@ when complete, so an interrupted run leaves no partial output.
 
 from __future__ import annotations
 
+import _compat_pickle
 import argparse
 import contextlib
 import io
@@ -195,6 +196,51 @@ class _InertUnpickler(pickle._Unpickler):  # pure Python: corrupt lengths fail c
         return _Opaque(pid)
 
 
+class _Recorder(_InertUnpickler):
+    """The inert unpickler, noting every global it stood in for (what loading would run)."""
+
+    def __init__(self, f: Any) -> None:
+        super().__init__(f)
+        self.found: list[str] = []
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = super().find_class(module, name)
+        if isinstance(found, type) and issubclass(found, _Opaque):
+            # Protocol 2 pickles name Python 2 modules (__builtin__): say what Python 3 runs.
+            module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+            self.found.append(f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{name}")
+        return found
+
+
+def code_globals(path: str | os.PathLike[str], /) -> list[str]:
+    """The globals a torch file's pickle names beyond tensors and containers, read inertly.
+
+    Loading the file with ``trusted=True`` would import and call these; ``inspect`` lists them.
+    Safetensors files and shard indexes hold none.
+    """
+    from ._checkpoint import detect_format
+
+    p = Path(path)
+    kind = detect_format(p)
+    found: list[str] = []
+    with _readable(p):
+        if kind == "zip":
+            with zipfile.ZipFile(p) as archive:
+                pickles = [n for n in archive.namelist() if n.endswith("data.pkl")]
+                if pickles:
+                    recorder = _Recorder(io.BytesIO(archive.read(min(pickles, key=len))))
+                    recorder.load()
+                    found = recorder.found
+        elif kind == "legacy":
+            with p.open("rb") as raw:
+                f = _BoundedReader(raw, p.stat().st_size)
+                for _ in range(4):  # magic number, protocol, system info, the object
+                    recorder = _Recorder(f)
+                    recorder.load()
+                    found += recorder.found
+    return list(dict.fromkeys(found))
+
+
 def _latin1_encode(text: Any, encoding: Any = "latin1") -> bytes:
     return str(text).encode("latin1") if encoding == "latin1" else b""
 
@@ -363,12 +409,14 @@ def _inspect(args: argparse.Namespace) -> int:
         from ._checkpoint import detect_format
 
         kind = detect_format(args.file)
+        code = code_globals(args.file)
     except CheckpointError as exc:
         print(f"torchplace inspect: error: {exc}", file=sys.stderr)
         return 1
     summary = {
         "file": str(args.file),
         "format": kind,
+        "code_globals": code,
         "tensors": [{**asdict(r), "shape": list(r.shape)} for r in records],
         "totals": {
             "count": len(records),
@@ -402,6 +450,11 @@ def _inspect(args: argparse.Namespace) -> int:
             totals.add_row(label, value, str(entry["count"]), format_bytes(entry["bytes"]))
     totals.add_row("all", "", str(len(records)), format_bytes(sum(r.nbytes for r in records)))
     console = Console()
+    if code:
+        console.print(
+            f"[bold red]Warning:[/bold red] loading this file would import and call "
+            f"{', '.join(code)}; torchplace.load refuses it unless trusted=True"
+        )
     console.print(table)
     console.print(totals)
     if any(r.device == "-" for r in records):
@@ -591,8 +644,20 @@ def _remap(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"torchplace remap: interrupted; {args.output} was not written", file=sys.stderr)
         return 130
-    print(f"wrote {out} (tensors load on {args.to})")
+    if str(args.file).endswith(".safetensors") or _is_safetensors(Path(args.file)):
+        print(f"wrote {out} (copied unchanged: a safetensors file stores no device)")
+    else:
+        print(f"wrote {out} (tensors load on {args.to})")
     return 0
+
+
+def _is_safetensors(p: Path) -> bool:
+    from ._checkpoint import detect_format
+
+    try:
+        return detect_format(p) == "safetensors"
+    except TorchplaceError:
+        return False
 
 
 def register(subparsers: Any) -> None:

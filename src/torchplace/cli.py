@@ -23,6 +23,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="torchplace",
         description="Put every tensor of a PyTorch program in its place, and prove it.",
     )
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"torchplace {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
         try:

@@ -112,6 +112,13 @@ def setup(backend: str | None = None, *, single_process: bool = False) -> torch.
             raise DeviceSpecError(
                 f"RANK={rank} is not below WORLD_SIZE={world_size}; launch with torchrun"
             )
+        if "LOCAL_WORLD_SIZE" in os.environ:
+            local_world = _env_int("LOCAL_WORLD_SIZE")
+            if local_rank >= local_world or local_rank > rank:
+                raise DeviceSpecError(
+                    f"LOCAL_RANK={local_rank} does not fit LOCAL_WORLD_SIZE={local_world} and "
+                    f"RANK={rank}: torchrun would never set these; launch with torchrun"
+                )
     dev = _local_device(local_rank)
     name = _check_backend(backend, dev) if backend is not None else _BACKENDS.get(dev.type)
     if name is None:
