@@ -118,6 +118,7 @@ def _visible(kind: str) -> str:
     """Says which devices of a type are visible, for error messages."""
     count = _count(kind)
     name = _NAMES.get(kind, kind)
+    env_text = ""
     if kind == "cuda":
         env = os.environ.get("CUDA_VISIBLE_DEVICES")
         env_text = (
@@ -127,23 +128,21 @@ def _visible(kind: str) -> str:
             if env.strip()
             else "CUDA_VISIBLE_DEVICES is empty, which hides every GPU"
         )
-        if count == 0:
+    if count == 0:
+        why = ""
+        if kind == "cuda":
             if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
                 why = (
-                    f"this PyTorch build ({torch.__version__}) has no CUDA support; "
-                    "install a CUDA build of torch"
+                    f" (this PyTorch build ({torch.__version__}) has no CUDA support; "
+                    "install a CUDA build of torch)"
                 )
             else:
-                why = f"no NVIDIA driver or GPU was found; {env_text}"
-            return f"no CUDA device is visible ({why}); available: {_names(available())}"
-        devices = ", ".join(f"cuda:{i}" for i in range(count))
-        plural = "device is" if count == 1 else "devices are"
-        return f"{count} CUDA {plural} visible ({devices}; {env_text})"
-    if count == 0:
-        return f"no {name} device is visible; available: {_names(available())}"
+                why = f" (no NVIDIA driver or GPU was found; {env_text})"
+        return f"no {name} device is visible{why}; available: {_names(available())}"
     devices = ", ".join(f"{kind}:{i}" for i in range(count))
     plural = "device is" if count == 1 else "devices are"
-    return f"{count} {name} {plural} visible ({devices})"
+    extra = f"; {env_text}" if env_text else ""
+    return f"{count} {name} {plural} visible ({devices}{extra})"
 
 
 def _names(devices: list[torch.device]) -> str:

@@ -17,6 +17,7 @@ from torch import nn
 
 from ._errors import DeviceSpecError, TorchplaceError
 from ._inspect import format_bytes as _format_bytes
+from ._inspect import nbytes
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -32,7 +33,7 @@ def _nbytes(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> int:
     """Bytes a tensor takes, or would take in ``dtype`` (floating tensors only)."""
     if dtype is not None and tensor.is_floating_point():
         return tensor.numel() * dtype.itemsize
-    return tensor.numel() * tensor.element_size()
+    return nbytes(tensor)
 
 
 # Optimizer name -> (state tensors shaped like each parameter, whether a scalar ``step`` is kept)

@@ -251,6 +251,11 @@ def _expected(entry: Entry, target: torch.device) -> bool:
     return dev == target
 
 
+def _misplaced(obj: Any, target: torch.device, optimizer: Any) -> list[Entry]:
+    """The entries of ``obj`` that are not where they belong when all should be on ``target``."""
+    return [e for e in entries(obj, optimizer=optimizer) if not _expected(e, target)]
+
+
 def devices_of(obj: Any, /, *, optimizer: Any = None) -> frozenset[torch.device]:
     """Every device holding a tensor of ``obj``.
 
@@ -326,11 +331,9 @@ def stragglers(obj: Any, device: DeviceSpec, /, *, optimizer: Any = None) -> lis
     >>> torchplace.stragglers(model, "cpu")
     []
     """
-    target = normalize(device)
     return [
         Straggler(e.name, e.kind, e.tensor.device, nbytes(e.tensor))
-        for e in entries(obj, optimizer=optimizer)
-        if not _expected(e, target)
+        for e in _misplaced(obj, normalize(device), optimizer)
     ]
 
 
@@ -372,7 +375,7 @@ def verify(obj: Any, device: DeviceSpec, /, *, optimizer: Any = None) -> None:
     torchplace.PlacementError: 2 tensors of the Linear model are not on meta: ...
     """
     target = normalize(device)
-    bad = [e for e in entries(obj, optimizer=optimizer) if not _expected(e, target)]
+    bad = _misplaced(obj, target, optimizer)
     if not bad:
         return
     lines = []
