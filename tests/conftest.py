@@ -26,12 +26,16 @@ def regen_golden(request: pytest.FixtureRequest) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if HAS_CUDA:
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device (run on a GPU machine)")
+    # FakeTensorMode checks the index of a fake CUDA device against the real GPUs when there are
+    # any: on a machine with one GPU, a fake cuda:1 is refused ("invalid device ordinal").
+    no_fake = HAS_CUDA and torch.cuda.device_count() < 2
+    skip_fake = pytest.mark.skip(reason="fakes cuda:1, which a machine with one real GPU refuses")
+    skip_cuda = pytest.mark.skip(reason="needs a CUDA device (run on a GPU machine)")
     for item in items:
-        if "requires_cuda" in item.keywords:
-            item.add_marker(skip)
+        if "requires_cuda" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_cuda)
+        if "fake_cuda" in item.keywords and no_fake:
+            item.add_marker(skip_fake)
 
 
 @pytest.fixture(params=DEVICES, ids=DEVICES)

@@ -138,6 +138,7 @@ def test_dispatch_moves_keyword_and_nested_inputs() -> None:
     assert counts["t"].device == CPU
 
 
+@pytest.mark.fake_cuda
 def test_dispatch_output_returns_to_the_input_device_on_fake_cuda(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -25,10 +25,8 @@ def test_doctor_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert report["healthy"] is True and report["problems"] == []
     assert report["versions"]["torch"] == torch.__version__
     assert report["devices"][-1]["device"] == "cpu"
-    assert [c["check"] for c in report["checks"]][:2] == [
-        "round trip -> cpu",
-        "values back on cpu bit for bit",
-    ]
+    checks = [c["check"] for c in report["checks"]]
+    assert checks[0] == "round trip -> cpu" and "values back on cpu bit for bit" in checks
     assert all(c["ok"] for c in report["checks"])
 
 

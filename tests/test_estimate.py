@@ -97,6 +97,7 @@ def test_estimate_counts_tied_parameters_once_and_buffers() -> None:
     }
 
 
+@pytest.mark.fake_cuda
 def test_estimate_per_device_and_dtype_on_fake_cuda() -> None:
     model = on_fake_cuda(Net(device="meta"), {"embed": "cuda:0", "blocks": "cuda:1"})
     model.head.half()

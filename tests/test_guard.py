@@ -183,6 +183,7 @@ def test_design_example_message_with_fake_cuda() -> None:
     )
 
 
+@pytest.mark.fake_cuda
 def test_input_on_another_gpu_is_named() -> None:
     with FakeTensorMode(), torch.no_grad():
         model = fake_module(Net("meta"), "cuda:1")
@@ -299,6 +300,7 @@ def test_module_spread_over_devices_accepts_any_of_them() -> None:
     assert probe.calls == 3
 
 
+@pytest.mark.fake_cuda
 def test_module_spread_over_fake_gpus_names_all_its_devices() -> None:
     with FakeTensorMode(), torch.no_grad():
         probe = Probe("meta", "meta")

@@ -27,6 +27,7 @@ def split_model() -> nn.Module:
     return model
 
 
+@pytest.mark.fake_cuda
 def test_a_split_model_has_no_single_device() -> None:
     model = split_model()
     assert torchplace.devices_of(model) == {torch.device("cuda:0"), torch.device("cuda:1")}
@@ -122,6 +123,7 @@ def test_verify_explains_attributes_and_optimizer_state() -> None:
     assert "torchplace.move(model, 'meta', optimizer=opt)" in message
 
 
+@pytest.mark.fake_cuda
 def test_verify_on_fake_cuda_names_the_device() -> None:
     model = split_model()
     with pytest.raises(torchplace.PlacementError, match=r"2 tensors .* not on cuda:0") as info:

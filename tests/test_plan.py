@@ -113,6 +113,7 @@ def test_plan_fills_devices_in_order_on_a_skeleton() -> None:
     assert all(p.device == META for p in model.parameters())  # the model is untouched
 
 
+@pytest.mark.fake_cuda
 def test_plan_on_fake_cuda_devices_matches_the_skeleton() -> None:
     budgets = {"cuda:0": "3KiB", "cuda:1": "3KiB", "cpu": "1MiB"}
     fake = on_fake_cuda(Net(device="meta"), {"embed": "cuda:1", "blocks": "cuda:0"})
@@ -161,6 +162,7 @@ def test_plan_rejects_unknown_no_split_names() -> None:
         plan(Net(device="meta"), {"cpu": "1GiB"}, no_split=[3])  # type: ignore[list-item]
 
 
+@pytest.mark.fake_cuda
 @pytest.mark.parametrize("kind", ["skeleton", "fake-cuda"])
 def test_plan_keeps_tied_parameters_on_one_device(kind: str) -> None:
     model = TiedLM(device="meta")
