@@ -596,8 +596,11 @@ def test_many_small_tensors_to_an_accelerator_go_as_one_consolidated_copy(
     model, opt = trained()
     torchplace.move(model, "meta", optimizer=opt)
     assert len(calls) == 1
-    assert len(calls[0]) == len({id(p) for p in model.parameters()}) * 2 + 3  # + grads, buffers
+    # parameters, grads, Adam's exp_avg and exp_avg_sq (not its 0-dim step), and 3 buffers
+    assert len(calls[0]) == len({id(p) for p in model.parameters()}) * 4 + 3
     assert any(model.norm.running_mean is o for o in outputs)  # the consolidated copy is used
+    state = opt.state[model.norm.weight]
+    assert any(state["exp_avg"] is o for o in outputs) and state["step"].device == CPU
     batch = {"xs": [torch.ones(1) for _ in range(10)]}
     batch["again"] = batch["xs"][0]
     moved = torchplace.move(batch, "meta")

@@ -104,12 +104,17 @@ def test_trap_06_gradients_move_with_their_parameters() -> None:
 def test_trap_06_param_data_assignment_leaves_grad_behind() -> None:
     model = nn.Linear(2, 2)
     model(torch.ones(1, 2)).sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    values = [g.clone() for g in grads if g is not None]
     for p in model.parameters():
         p.data = p.data.to("cuda")  # the by-hand loop: .grad stays on the CPU
     found = [s.name for s in torchplace.stragglers(model, "cuda:0") if s.kind == "grad"]
     assert found == ["weight.grad", "bias.grad"]
     torchplace.move(model, "cuda:0")
     torchplace.verify(model, "cuda:0")
+    moved = [p.grad for p in model.parameters()]
+    assert all(a is b for a, b in zip(moved, grads, strict=True))  # the same objects
+    assert all(torch.equal(g.cpu(), v) for g, v in zip(moved, values, strict=True) if g is not None)
 
 
 def test_trap_07_non_persistent_buffers_are_not_in_the_state_dict() -> None:

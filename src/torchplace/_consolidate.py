@@ -7,11 +7,12 @@ pays it once::
     host tensors --pack--> one staging buffer --one copy--> one device buffer --split--> results
                  (pinned, offsets aligned to 16 bytes)            (a few fused kernels)
 
-Both ends move bytes through ``uint8`` views: packing is one ``torch.cat`` into the staging
-buffer, splitting one ``torch._foreach_copy_``, which CUDA runs as a handful of fused
-multi-tensor kernels instead of one kernel per tensor. Each
-result is allocated on its own (with the strides ``Tensor.to`` would give it), so it owns its
-storage: freeing one frees its memory, and no result keeps the staging buffers alive.
+Packing is one ``cat`` per dtype into the staging buffer; splitting is one
+``torch._foreach_add(views, 0)`` per dtype over integer views of the landed bytes, which CUDA
+runs as a handful of fused multi-tensor kernels that also allocate every result. Integer views
+carry any bit pattern unchanged: CUDA's fused copy computes half, bfloat16 and float8 in float,
+which rewrites NaN payloads. Each result is allocated on its own, so it owns its storage:
+freeing one frees its memory, and no result keeps the staging buffers alive.
 
 Which copies are worth consolidating is decided by ``should_consolidate`` from two constants,
 ``MIN_COUNT`` and ``MAX_TENSOR_BYTES``; ``benchmarks/bench_copies.py --sweep`` measures the
@@ -20,25 +21,29 @@ crossover on a GPU and prints the values to put here.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import ctypes
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-__all__ = ["MAX_TENSOR_BYTES", "MIN_COUNT", "consolidated_copy", "should_consolidate"]
+__all__ = [
+    "MAX_TENSOR_BYTES",
+    "MIN_COUNT",
+    "consolidated_copy",
+    "should_consolidate",
+    "small_host_tensors",
+]
 
 # Consolidate when at least MIN_COUNT host tensors of at most MAX_TENSOR_BYTES each go to a CUDA
-# device. PROVISIONAL until `python benchmarks/bench_copies.py --sweep` runs on a GPU. Measured on
-# a CPU-only machine: the bookkeeping of a consolidated copy costs about 7 us per tensor there
-# (about 4 us on a fast host), plus a fixed 20-30 us (three allocations, one transfer, a few fused
-# kernels). Taken from CUDA's published behaviour, not measured here: a per-tensor `.to()` from
-# pageable memory costs 10-20 us (a driver call and a synchronisation) plus bytes at 10-20 GB/s;
-# a consolidated one adds a host memcpy into staging (10-20 GB/s) before a pinned transfer
-# (25-50 GB/s). So consolidation wins from about 3 tensors (8 leaves a margin for pinned
-# sources, whose per-tensor copies are cheaper) and loses above about 100 KiB per tensor, where
-# the extra memcpy costs more than the saved fixed cost.
-MIN_COUNT = 8
-MAX_TENSOR_BYTES = 128 << 10
+# device. Measured with `python benchmarks/bench_copies.py --sweep` on an H100 host (2026-11-22,
+# benchmarks/RESULTS.md): against one pageable `.to()` each, a consolidated copy breaks even at
+# about 16 tensors and wins by more than 10% from 32, at every size from 256 bytes to 1 MiB
+# (1.3x to 1.8x at 32 to 256 tensors). Larger tensors go through the pinned ring of
+# `_staging.Stager` in `move`, or one by one.
+MIN_COUNT = 32
+MAX_TENSOR_BYTES = 1 << 20
 
 # Every offset in a staging buffer is a multiple of this, which covers the element size of every
 # dtype (complex128 is 16 bytes), so a slice can be viewed as its dtype, and vector loads apply.
@@ -57,6 +62,22 @@ def _eligible(t: torch.Tensor) -> bool:
         and not t.is_nested
         and t.device.type != "meta"
     )
+
+
+def small_host_tensors(tensors: Iterable[torch.Tensor], /) -> list[torch.Tensor]:
+    """The tensors of ``tensors`` that a consolidated copy from the host would pack.
+
+    >>> import torch
+    >>> from torchplace._consolidate import small_host_tensors
+    >>> big, on_meta = torch.zeros(1 << 20), torch.zeros(4, device="meta")
+    >>> len(small_host_tensors([torch.zeros(4), big, on_meta, torch.ones(2, requires_grad=True)]))
+    1
+    """
+    return [
+        t
+        for t in tensors
+        if t.device.type == "cpu" and _eligible(t) and t.nbytes <= MAX_TENSOR_BYTES
+    ]
 
 
 def should_consolidate(tensors: Sequence[torch.Tensor], device: torch.device, /) -> bool:
@@ -136,23 +157,27 @@ def consolidated_copy(
     return [t for t in results if t is not None]
 
 
-def _out_strides(t: torch.Tensor) -> tuple[int, ...]:
-    """The strides ``t.to()`` gives: ``t``'s own when dense and non-overlapping, else contiguous.
+# Integer dtypes of each element size: the split copies bytes through them, so that no value is
+# converted on the way. CUDA's fused kernels compute in float for half, bfloat16 and float8,
+# which turns every NaN payload into the canonical NaN, and float additions turn -0.0 into 0.0.
+_CARRIERS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
-    >>> import torch
-    >>> from torchplace._consolidate import _out_strides
-    >>> _out_strides(torch.zeros(2, 3).t()), _out_strides(torch.zeros(4, 4)[:, ::2])
-    ((1, 3), (2, 1))
-    """
-    strides = t.stride()
-    if t.is_contiguous():
-        return strides
-    expected = 1
-    for stride, size in sorted((s, n) for s, n in zip(strides, t.shape, strict=True) if n != 1):
-        if stride != expected:  # overlapping or with gaps: arrives contiguous
-            return tuple(torch.empty(t.shape, device="meta").stride())
-        expected *= size
-    return strides
+# Dtypes that CUDA's fused copy moves exactly in their own type (it computes in that very type),
+# so they need no reinterpreting view per tensor.
+_FUSED_EXACT = frozenset(
+    {torch.float32, torch.float64, torch.complex64, *_CARRIERS.values(), torch.int8}
+)
+
+
+def _packable(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes can be packed as they lie and unpacked by its shape alone."""
+    return (
+        t.is_contiguous()
+        and not t.is_conj()
+        and not t.is_neg()
+        and t.numel() > 0
+        and t.element_size() in _CARRIERS
+    )
 
 
 def _consolidate(
@@ -164,10 +189,12 @@ def _consolidate(
     device-to-host copy) in pinned memory. Runs on any pair of devices, ``cpu`` to ``cpu``
     included, which is how the packing and splitting are tested without a GPU.
 
-    Each tensor's bytes sit at an offset aligned to 16 bytes, so the buffer can be viewed once
-    per dtype and each tensor addressed in it with the strides it arrives with; packing and
-    splitting are then one ``_foreach_copy_`` per dtype between same-shaped views, which CUDA
-    runs as a few fused kernels (no per-tensor kernel, no byte reinterpretation per tensor).
+    Tensors of one dtype are packed back to back by one ``cat`` (each region starts at an offset
+    aligned to 16 bytes), and split by one ``_foreach_add(views, 0)`` over integer views of the
+    landed bytes: on CUDA one call allocates every result and fills it with a few fused kernels
+    (a host target clones each view), and integers carry any bit pattern unchanged. Tensors that
+    cannot travel as plain bytes (non-contiguous, lazily conjugated or negated, empty,
+    complex128) are copied one by one with the strides ``Tensor.to`` gives them.
 
     >>> import torch
     >>> from torchplace._consolidate import _consolidate
@@ -179,76 +206,87 @@ def _consolidate(
     """
     if not tensors:
         return []
-    source = tensors[0].device
+    results: list[torch.Tensor | None] = [None] * len(tensors)
+    groups: dict[torch.dtype, list[int]] = {}
     with torch.no_grad():
-        layout: list[tuple[torch.Tensor, tuple[int, ...], int]] = []  # tensor, strides, offset
-        total = 0
-        for t in tensors:
-            if t.is_conj() or t.is_neg():  # a lazy view: its memory is not its values
-                t = t.resolve_conj().resolve_neg()
-            layout.append((t, _out_strides(t), total))
-            nbytes = t.numel() * t.element_size()
-            total += nbytes + (-nbytes % _ALIGN)
-
-        host_pinned = pin and source.type == "cpu"
-        packed = torch.empty(total, dtype=torch.uint8, device=source, pin_memory=host_pinned)
-        _copy_by_dtype(packed, layout, into_buffer=True)
-
-        if source.type == "cpu" or device.type != "cpu":
-            landed = torch.empty(total, dtype=torch.uint8, device=device)
-            landed.copy_(packed, non_blocking=non_blocking and pin)
-        else:  # device to host: land in (pinned) host memory and wait for the bytes
-            landed = torch.empty(total, dtype=torch.uint8, device=device, pin_memory=pin)
-            if source.type == "cuda":
-                landed.copy_(packed, non_blocking=True)
-                done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                done.record(torch.cuda.current_stream(source))
-                done.synchronize()
+        for i, t in enumerate(tensors):
+            if _packable(t):
+                groups.setdefault(t.dtype, []).append(i)
             else:
-                landed.copy_(packed)
-
-        results = [
-            torch.empty_strided(t.shape, strides, dtype=t.dtype, device=device)
-            for t, strides, _ in layout
-        ]
-        arrived = [
-            (out, strides, offset)
-            for out, (_, strides, offset) in zip(results, layout, strict=True)
-        ]
-        _copy_by_dtype(landed, arrived, into_buffer=False)
+                results[i] = t.to(
+                    device, non_blocking=non_blocking and device.type != "cpu", copy=True
+                )
+        if groups:
+            _pack_and_split(tensors, groups, results, device, pin=pin, non_blocking=non_blocking)
         if not non_blocking and device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()
-    return results
+    return [t for t in results if t is not None]
 
 
-def _copy_by_dtype(
-    buffer: torch.Tensor,
-    layout: Sequence[tuple[torch.Tensor, tuple[int, ...], int]],
+def _pack_and_split(
+    tensors: Sequence[torch.Tensor],
+    groups: dict[torch.dtype, list[int]],
+    results: list[torch.Tensor | None],
+    device: torch.device,
     *,
-    into_buffer: bool,
+    pin: bool,
+    non_blocking: bool,
 ) -> None:
-    """Copies each tensor into (or out of) its place in ``buffer``, one fused copy per dtype."""
-    typed: dict[torch.dtype, tuple[torch.Tensor, int, list[torch.Tensor], list[torch.Tensor]]] = {}
-    for t, strides, offset in layout:
-        if not t.numel():
-            continue
-        entry = typed.get(t.dtype)
-        if entry is None:
-            entry = typed[t.dtype] = (buffer.view(t.dtype), t.element_size(), [], [])
-        view, itemsize, in_buffer, outside = entry
-        in_buffer.append(view.as_strided(t.shape, strides, offset // itemsize))
-        outside.append(t)
-    for _, _, in_buffer, outside in typed.values():
-        if into_buffer:
-            _copy_all(in_buffer, outside)
+    """The consolidated part of ``_consolidate``: fills ``results`` at the indices of ``groups``."""
+    source = tensors[groups[next(iter(groups))][0]].device
+    regions: list[tuple[torch.dtype, list[torch.Tensor], list[int], int, int]] = []
+    total = 0
+    for dtype, indices in groups.items():
+        group = [tensors[i] for i in indices]
+        nbytes = sum(t.numel() for t in group) * group[0].element_size()
+        regions.append((dtype, group, indices, total, nbytes))
+        total += nbytes + (-nbytes % _ALIGN)
+
+    packed = torch.empty(
+        total, dtype=torch.uint8, device=source, pin_memory=pin and source.type == "cpu"
+    )
+    if source.type == "cpu":  # one memmove per tensor: no tensor op, so no dispatch cost
+        base = packed.data_ptr()
+        for _, group, _, offset, _ in regions:
+            for t in group:
+                nbytes = t.numel() * t.element_size()
+                ctypes.memmove(base + offset, t.data_ptr(), nbytes)
+                offset += nbytes
+    else:
+        for dtype, group, _, offset, nbytes in regions:
+            flat = _flatten_dense_tensors(group)  # type: ignore[no-untyped-call]
+            packed[offset : offset + nbytes].view(dtype).copy_(flat)
+
+    if source.type == "cpu" or device.type != "cpu":
+        landed = torch.empty(total, dtype=torch.uint8, device=device)
+        landed.copy_(packed, non_blocking=non_blocking and pin)
+    else:  # device to host: land in (pinned) host memory and wait for the bytes
+        landed = torch.empty(total, dtype=torch.uint8, device=device, pin_memory=pin)
+        if source.type == "cuda":
+            landed.copy_(packed, non_blocking=True)
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record(torch.cuda.current_stream(source))
+            done.synchronize()
         else:
-            _copy_all(outside, in_buffer)
+            landed.copy_(packed)
+
+    for dtype, group, indices, offset, nbytes in regions:
+        split = _split(landed[offset : offset + nbytes], dtype, group)
+        for i, out in zip(indices, split, strict=True):
+            results[i] = out
 
 
-def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """``targets[i].copy_(sources[i])`` for all i; fused kernels where the backend has them."""
-    try:
-        torch._foreach_copy_(targets, sources)
-    except (AttributeError, NotImplementedError):  # a backend without the fused copy
-        for target, src in zip(targets, sources, strict=True):
-            target.copy_(src)
+def _split(flat: torch.Tensor, dtype: torch.dtype, group: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Owned tensors of ``dtype`` with the shapes of ``group``, from the bytes of ``flat``."""
+    if flat.device.type != "cuda":  # no fused kernels here: one clone each is the cheaper way
+        views = _unflatten_dense_tensors(flat.view(dtype), group)  # type: ignore[no-untyped-call]
+        return [view.clone() for view in views]
+    if dtype in _FUSED_EXACT:  # two fused calls, no per-tensor work in Python
+        views = _unflatten_dense_tensors(flat.view(dtype), group)  # type: ignore[no-untyped-call]
+        owned = torch._foreach_add(views, 0)  # allocates every result
+        if dtype.is_floating_point or dtype.is_complex:  # x + 0 turns -0.0 into 0.0
+            torch._foreach_copy_(owned, views)
+        return list(owned)
+    carrier = _CARRIERS[group[0].element_size()]
+    views = _unflatten_dense_tensors(flat.view(carrier), group)  # type: ignore[no-untyped-call]
+    return [out.view(dtype).detach() for out in torch._foreach_add(views, 0)]

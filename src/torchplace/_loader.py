@@ -29,12 +29,7 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from ._consolidate import (
-    MAX_TENSOR_BYTES,
-    _eligible,
-    consolidated_copy,
-    should_consolidate,
-)
+from ._consolidate import consolidated_copy, should_consolidate, small_host_tensors
 from ._devices import DeviceSpec
 from ._devices import device as _parse_device
 from ._errors import DeviceSpecError, DeviceUnavailableError, MoveError, TorchplaceError
@@ -211,11 +206,7 @@ class _Copier:
             for source in {t.device for t in found.values() if t.device.type == "cuda"}:
                 self.stream.wait_stream(torch.cuda.current_stream(source))
         moved: dict[int, torch.Tensor] = {}
-        small = [
-            t
-            for t in found.values()
-            if t.device.type == "cpu" and _eligible(t) and t.nbytes <= MAX_TENSOR_BYTES
-        ]
+        small = small_host_tensors(found.values())
         if should_consolidate(small, device):
             try:
                 outs = consolidated_copy(small, device, non_blocking=self.non_blocking)

@@ -26,7 +26,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ._consolidate import consolidated_copy, should_consolidate
+from ._consolidate import consolidated_copy, should_consolidate, small_host_tensors
 from ._devices import DeviceSpec, free_memory
 from ._devices import device as _device
 from ._errors import MoveError, TorchplaceError
@@ -38,6 +38,7 @@ from ._inspect import (
     optimizer_list,
     record_replacement,
 )
+from ._staging import Stager, stageable
 from ._tree import Located, iter_leaves, map_tensors
 
 __all__ = ["move"]
@@ -124,6 +125,13 @@ class _Copier:
         # id(copy of a parameter) -> the parameter that now holds it, so that a batch holding
         # both a model and one of its parameters gets the model's own parameter back.
         self.finals: dict[int, torch.Tensor] = {}
+        self.stagers: dict[torch.device, Stager] = {}
+
+    def _stager(self, target: torch.device) -> Stager:
+        stager = self.stagers.get(target)
+        if stager is None:
+            stager = self.stagers[target] = Stager(target)
+        return stager
 
     def prefill(self, tensors: Iterable[torch.Tensor], *, detach: bool = False) -> None:
         """Send many small host tensors bound for an accelerator as one consolidated copy.
@@ -140,6 +148,9 @@ class _Copier:
                 unique.setdefault(id(t), t)
         originals = list(unique.values())
         todo = [t.detach() for t in originals] if detach else originals
+        small = {id(t) for t in small_host_tensors(todo)}  # large ones go through the stager
+        originals = [t for t, d in zip(originals, todo, strict=True) if id(d) in small]
+        todo = [d for d in todo if id(d) in small]
         if not should_consolidate(todo, self.target):
             return
         try:
@@ -165,7 +176,10 @@ class _Copier:
             raise _CopyFailed(t, target, None)
         asynchronous = _choose_non_blocking(t, target, self.non_blocking, batch=batch)
         try:
-            new = _copy_tensor(t, target, asynchronous)
+            if stageable(t, target):
+                new = self._stager(target).copy(t)
+            else:
+                new = _copy_tensor(t, target, asynchronous)
         except Exception as exc:
             raise _CopyFailed(t, target, exc) from exc
         if asynchronous and target.type == "cpu" and _is_accelerator(t.device):
@@ -183,7 +197,13 @@ class _Copier:
             raise MoveError(failed.message(name)) from failed.cause
 
     def synchronize(self) -> None:
-        """Wait, by event, for device-to-host copies so no caller reads bytes not yet there."""
+        """Wait, by event, for device-to-host copies so no caller reads bytes not yet there.
+
+        With ``non_blocking=False`` also for staged host-to-device copies, as ``.to()`` would.
+        """
+        if self.non_blocking is False:
+            for stager in self.stagers.values():
+                stager.synchronize()
         for source in self.sync_sources:
             if source.type == "cuda":
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -422,8 +442,19 @@ def _move_modules(
     # Phase 1: copy. Nothing the caller can see changes here.
     if destinations is None:
         grads = [p.grad for _, p in plan.params.values() if p.grad is not None]
+        state = [  # 0-dim entries (Adam's step) stay on the host
+            v
+            for opt in optimizers
+            for p, entries in opt.state.items()
+            if id(p) in plan.params
+            for v in entries.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        ]
         copier.prefill(
-            [p for _, p in plan.params.values()] + grads + [b for _, b in plan.buffers.values()],
+            [p for _, p in plan.params.values()]
+            + grads
+            + [b for _, b in plan.buffers.values()]
+            + state,
             detach=True,
         )
     with torch.no_grad():
@@ -516,10 +547,11 @@ def _move_modules(
             for mod, key in plan.param_slots[pid]:
                 params = mod._parameters
                 log.apply(_set_item(params, key, replaced[pid]), _set_item(params, key, p))
-        elif new_params[pid] is not p:
-            log.apply(_set_data(p, new_params[pid]), _set_data(p, p.data))
+        else:  # in place; the parameter may already be there (`p.data = ...` left .grad behind)
+            if new_params[pid] is not p:
+                log.apply(_set_data(p, new_params[pid]), _set_data(p, p.data))
             grad = p.grad
-            if grad is not None:
+            if grad is not None and new_grads[pid] is not grad:
                 log.apply(_set_data(grad, new_grads[pid]), _set_data(grad, grad.data))
     for bid, (_, b) in plan.buffers.items():
         if bid in replaced:
