@@ -7,12 +7,16 @@ pays it once::
     host tensors --pack--> one staging buffer --one copy--> one device buffer --split--> results
                  (pinned, offsets aligned to 16 bytes)            (a few fused kernels)
 
-Packing is one ``cat`` per dtype into the staging buffer; splitting is one
-``torch._foreach_add(views, 0)`` per dtype over integer views of the landed bytes, which CUDA
-runs as a handful of fused multi-tensor kernels that also allocate every result. Integer views
-carry any bit pattern unchanged: CUDA's fused copy computes half, bfloat16 and float8 in float,
-which rewrites NaN payloads. Each result is allocated on its own, so it owns its storage:
-freeing one frees its memory, and no result keeps the staging buffers alive.
+Packing copies each host tensor's bytes into the pinned staging buffer with one ``memmove``
+(no tensor operation, so no per-tensor dispatch), grouped by dtype. Splitting cuts each dtype's
+region into views shaped like the inputs and makes owned results with one fused
+``torch._foreach_add(views, 0)``, which CUDA runs as a handful of multi-tensor kernels that also
+allocate every result. Floating dtypes that CUDA's fused kernels compute in their own type
+(float32, float64, complex64) get a fused ``_foreach_copy_`` on top, since ``x + 0`` turns -0.0
+into 0.0; half, bfloat16, bool and float8, which those kernels compute in float (rewriting NaN
+payloads), travel as integers of their size and are reinterpreted per tensor. Each result is
+allocated on its own, so it owns its storage: freeing one frees its memory, and no result keeps
+the staging buffers alive.
 
 Which copies are worth consolidating is decided by ``should_consolidate`` from two constants,
 ``MIN_COUNT`` and ``MAX_TENSOR_BYTES``; ``benchmarks/bench_copies.py --sweep`` measures the
@@ -189,12 +193,11 @@ def _consolidate(
     device-to-host copy) in pinned memory. Runs on any pair of devices, ``cpu`` to ``cpu``
     included, which is how the packing and splitting are tested without a GPU.
 
-    Tensors of one dtype are packed back to back by one ``cat`` (each region starts at an offset
-    aligned to 16 bytes), and split by one ``_foreach_add(views, 0)`` over integer views of the
-    landed bytes: on CUDA one call allocates every result and fills it with a few fused kernels
-    (a host target clones each view), and integers carry any bit pattern unchanged. Tensors that
-    cannot travel as plain bytes (non-contiguous, lazily conjugated or negated, empty,
-    complex128) are copied one by one with the strides ``Tensor.to`` gives them.
+    Tensors of one dtype are packed back to back (each dtype's region starts at an offset
+    aligned to 16 bytes) and split as the module docstring describes, bit for bit; a host
+    target clones each view instead, having no fused kernels. Tensors that cannot travel as
+    plain bytes (non-contiguous, lazily conjugated or negated, empty, complex128) are copied one
+    by one with the strides ``Tensor.to`` gives them.
 
     >>> import torch
     >>> from torchplace._consolidate import _consolidate

@@ -16,8 +16,11 @@ stream, as a ``.to()`` from pageable memory is. The buffers come from PyTorch's 
 allocator, which keeps each one until the copies queued from it are done, and caches it for the
 next move.
 
-``STAGE_MIN_BYTES``, ``STAGE_CHUNK_BYTES`` and ``STAGE_BUFFERS`` were measured on an H100 host
-with ``benchmarks/bench_move.py --sweep``.
+On an H100 host (``benchmarks/RESULTS.md``), chunks of 16 MiB in a ring of 4 copied 1.5 GiB
+of 16 MiB tensors at 47-52 GB/s, against 55 GB/s for one pinned copy; smaller chunks did worse
+in that run, and ``benchmarks/bench_move.py --sweep`` inside whole moves found no setting
+clearly better, within the host's noise. ``STAGE_MIN_BYTES`` matches the largest tensor a
+consolidated copy takes (``_consolidate.MAX_TENSOR_BYTES``).
 """
 
 from __future__ import annotations
