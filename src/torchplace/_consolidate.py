@@ -68,6 +68,11 @@ def _eligible(t: torch.Tensor) -> bool:
     )
 
 
+def _small(t: torch.Tensor) -> bool:
+    """A tensor a consolidated copy packs: eligible and at most ``MAX_TENSOR_BYTES``."""
+    return _eligible(t) and t.nbytes <= MAX_TENSOR_BYTES
+
+
 def small_host_tensors(tensors: Iterable[torch.Tensor], /) -> list[torch.Tensor]:
     """The tensors of ``tensors`` that a consolidated copy from the host would pack.
 
@@ -77,11 +82,7 @@ def small_host_tensors(tensors: Iterable[torch.Tensor], /) -> list[torch.Tensor]
     >>> len(small_host_tensors([torch.zeros(4), big, on_meta, torch.ones(2, requires_grad=True)]))
     1
     """
-    return [
-        t
-        for t in tensors
-        if t.device.type == "cpu" and _eligible(t) and t.nbytes <= MAX_TENSOR_BYTES
-    ]
+    return [t for t in tensors if t.device.type == "cpu" and _small(t)]
 
 
 def should_consolidate(tensors: Sequence[torch.Tensor], device: torch.device, /) -> bool:
@@ -103,7 +104,7 @@ def should_consolidate(tensors: Sequence[torch.Tensor], device: torch.device, /)
         return False
     count = 0
     for t in tensors:
-        if t.device.type == "cpu" and _eligible(t) and t.nbytes <= MAX_TENSOR_BYTES:
+        if t.device.type == "cpu" and _small(t):
             count += 1
             if count >= MIN_COUNT:
                 return True
@@ -141,7 +142,7 @@ def consolidated_copy(
     for i, t in enumerate(tensors):
         if t.device == device:
             results[i] = t
-        elif _eligible(t) and t.nbytes <= MAX_TENSOR_BYTES:
+        elif _small(t):
             groups.setdefault(t.device, []).append(i)
         else:
             results[i] = t.to(device, non_blocking=not one_by_one_blocking)
@@ -236,7 +237,7 @@ def _pack_and_split(
     non_blocking: bool,
 ) -> None:
     """The consolidated part of ``_consolidate``: fills ``results`` at the indices of ``groups``."""
-    source = tensors[groups[next(iter(groups))][0]].device
+    source = tensors[0].device  # one device for all, as _consolidate is given them
     regions: list[tuple[torch.dtype, list[torch.Tensor], list[int], int, int]] = []
     total = 0
     for dtype, indices in groups.items():

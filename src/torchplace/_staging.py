@@ -26,15 +26,14 @@ consolidated copy takes (``_consolidate.MAX_TENSOR_BYTES``).
 from __future__ import annotations
 
 import torch
-from torch import nn
+
+from ._consolidate import _PLAIN
 
 __all__ = ["STAGE_BUFFERS", "STAGE_CHUNK_BYTES", "STAGE_MIN_BYTES", "Stager", "stageable"]
 
 STAGE_MIN_BYTES = 1 << 20
 STAGE_CHUNK_BYTES = 16 << 20
 STAGE_BUFFERS = 4
-
-_PLAIN = (torch.Tensor, nn.Parameter)
 
 
 def stageable(t: torch.Tensor, target: torch.device) -> bool:
@@ -82,8 +81,8 @@ class Stager:
         self._events: list[torch.cuda.Event | None] = []
         self._next = 0
 
-    def _buffer(self, nbytes: int) -> torch.Tensor:
-        """The next buffer of the ring, at least ``nbytes`` long, once its last copy is done."""
+    def _buffer(self, nbytes: int) -> tuple[int, torch.Tensor]:
+        """The next buffer of the ring (its index, and ``nbytes`` of it) once its copy is done."""
         i = self._next
         self._next = (i + 1) % STAGE_BUFFERS
         if i == len(self._buffers):
@@ -94,7 +93,7 @@ class Stager:
             event.synchronize()
         if self._buffers[i].numel() < nbytes:  # grown to the largest chunk seen, at most a chunk
             self._buffers[i] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        return self._buffers[i][:nbytes]
+        return i, self._buffers[i][:nbytes]
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
         """A new tensor on the device with ``t``'s values bit for bit, dtype, shape and strides."""
@@ -106,12 +105,12 @@ class Stager:
             total = source.numel()
             for start in range(0, total, STAGE_CHUNK_BYTES):
                 stop = min(start + STAGE_CHUNK_BYTES, total)
-                buffer = self._buffer(stop - start)
+                i, buffer = self._buffer(stop - start)
                 buffer.copy_(source[start:stop])
                 landing[start:stop].copy_(buffer, non_blocking=True)
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(stream)
-                self._events[(self._next - 1) % STAGE_BUFFERS] = event
+                self._events[i] = event
         return out
 
     def synchronize(self) -> None:
