@@ -174,9 +174,12 @@ class _Copier:
             return done
         if t.device.type == "meta":
             raise _CopyFailed(t, target, None)
-        asynchronous = _choose_non_blocking(t, target, self.non_blocking, batch=batch)
+        staged = stageable(t, target)  # asks is_pinned (a driver call) once for both
+        asynchronous = not staged and _choose_non_blocking(
+            t, target, self.non_blocking, batch=batch
+        )
         try:
-            if stageable(t, target):
+            if staged:
                 new = self._stager(target).copy(t)
             else:
                 new = _copy_tensor(t, target, asynchronous)

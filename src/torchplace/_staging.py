@@ -53,16 +53,16 @@ def stageable(t: torch.Tensor, target: torch.device) -> bool:
     """
     return (
         target.type == "cuda"
-        and t.device.type == "cpu"
+        and t.is_cpu
         and type(t) in _PLAIN
-        and t.layout == torch.strided
+        and t.layout is torch.strided
         and t.nbytes >= STAGE_MIN_BYTES
         and t.is_contiguous()
-        and not t.is_pinned()
         and not t.is_conj()
         and not t.is_neg()
         and not t.is_quantized
         and not (t.requires_grad and torch.is_grad_enabled())
+        and not t.is_pinned()  # last: a driver call
     )
 
 
