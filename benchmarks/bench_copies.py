@@ -29,17 +29,22 @@ TARGET_RATIO = 4.0
 SIZES = (256, 1024, 4096)  # float32 elements per small tensor, in turn: 1, 4 and 16 KiB
 
 
-def _best(fn: Callable[[], object], device: torch.device, repeat: int) -> float:
-    fn()
-    torch.cuda.synchronize(device)
-    times = []
-    for _ in range(repeat):
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
+def _interleaved(
+    ways: dict[str, Callable[[], object]], device: torch.device, repeat: int
+) -> dict[str, float]:
+    """The best time of each way, the ways taking turns round after round: on a shared host
+    whose speed drifts from one second to the next, every way sees the same drift."""
+    for fn in ways.values():
         fn()
-        torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return min(times)
+    best = dict.fromkeys(ways, float("inf"))
+    for _ in range(repeat):
+        for name, fn in ways.items():
+            torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize(device)
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
 def _each(tensors: Sequence[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -62,14 +67,22 @@ def _clone_slices(tensors: Sequence[torch.Tensor], device: torch.device) -> list
     ]
 
 
-def compare(device: torch.device, count: int = 500, repeat: int = 20) -> dict[str, float]:
+def compare(device: torch.device, count: int = 500, repeat: int = 40) -> dict[str, float]:
     """Seconds for ``count`` small tensors: per-tensor ``.to()``, consolidated, clone split."""
     tensors = [torch.rand(SIZES[i % len(SIZES)]) for i in range(count)]
-    per_tensor = _best(lambda: [t.to(device) for t in tensors], device, repeat)
     pinned = [t.pin_memory() for t in tensors]
-    per_pinned = _best(lambda: [t.to(device, non_blocking=True) for t in pinned], device, repeat)
-    together = _best(lambda: consolidated_copy(tensors, device), device, repeat)
-    clones = _best(lambda: _clone_slices(tensors, device), device, repeat)
+    best = _interleaved(
+        {
+            "per_tensor": lambda: [t.to(device) for t in tensors],
+            "per_pinned": lambda: [t.to(device, non_blocking=True) for t in pinned],
+            "together": lambda: consolidated_copy(tensors, device),
+            "clones": lambda: _clone_slices(tensors, device),
+        },
+        device,
+        repeat,
+    )
+    per_tensor, per_pinned = best["per_tensor"], best["per_pinned"]
+    together, clones = best["together"], best["clones"]
     return {
         "per_tensor_s": per_tensor,
         "per_tensor_pinned_s": per_pinned,
@@ -92,8 +105,15 @@ def sweep(device: torch.device, repeat: int = 10) -> tuple[int, int]:
         cells = []
         for count in counts:
             tensors = [torch.rand(nbytes // 4) for _ in range(count)]
-            each = _best(functools.partial(_each, tensors, device), device, repeat)
-            one = _best(functools.partial(consolidated_copy, tensors, device), device, repeat)
+            best = _interleaved(
+                {
+                    "each": functools.partial(_each, tensors, device),
+                    "one": functools.partial(consolidated_copy, tensors, device),
+                },
+                device,
+                repeat,
+            )
+            each, one = best["each"], best["one"]
             wins[nbytes, count] = each / one > 1.1
             cells.append(f"{each / one:8.2f}")
         print(f"{nbytes:>11} " + "".join(cells))

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -164,22 +161,6 @@ def test_any_list_survives(specs: list[tuple[torch.dtype, list[int], bool]]) -> 
     assert_owns_storage(out)
 
 
-def test_host_packing_without_nested_tensors_is_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where PyTorch cannot build a nested tensor, host tensors are packed one by one instead."""
-    tensors = mixed()
-    expected = _consolidate(tensors, CPU, pin=False, non_blocking=False)
-
-    def refuse(*args: object, **kwargs: object) -> torch.Tensor:
-        raise NotImplementedError("no nested tensors here")
-
-    monkeypatch.setattr(torch, "_nested_tensor_from_tensor_list", refuse)
-    out = _consolidate(tensors, CPU, pin=False, non_blocking=False)
-    for a, b, c in zip(out, expected, tensors, strict=True):
-        assert_same(a, c)
-        assert raw_bytes(a) == raw_bytes(b)
-    assert_owns_storage(out)
-
-
 def test_groups_of_every_rank_keep_their_shapes() -> None:
     ranks = [(), (3,), (2, 3), (2, 1, 3), (1, 1, 1, 2)]
     tensors = [random_bits(shape, torch.int16, seed=i) for i, shape in enumerate(ranks * 3)]
@@ -187,21 +168,6 @@ def test_groups_of_every_rank_keep_their_shapes() -> None:
     for a, b in zip(out, tensors, strict=True):
         assert_same(a, b)
     assert_owns_storage(out)
-
-
-def test_nested_tensor_prototype_warning_does_not_reach_the_user() -> None:
-    code = (
-        "import torch\n"
-        "from torchplace._consolidate import _consolidate\n"
-        "out = _consolidate([torch.ones(3), torch.zeros(2)], torch.device('cpu'),"
-        " pin=False, non_blocking=False)\n"
-        "assert [t.tolist() for t in out] == [[1.0, 1.0, 1.0], [0.0, 0.0]]\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, check=False
-    )
-    assert done.returncode == 0, done.stderr
-    assert "nested" not in done.stderr
 
 
 # --- the public entry points ----------------------------------------------------------------

@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
+from torchplace._consolidate import MIN_COUNT
 from torchplace._errors import DeviceSpecError, DeviceUnavailableError, MoveError, TorchplaceError
 from torchplace._loader import DeviceLoader
 
@@ -399,7 +400,8 @@ def cuda_batches(n: int, numel: int) -> list[dict[str, Any]]:
                 "f32": bits.view(torch.float32),  # arbitrary bit patterns, NaN payloads included
                 "bf16": bits[: numel // 2].view(torch.bfloat16),
                 "mask": bits[:64] > 0,
-                "small": [torch.full((3,), i, dtype=torch.int8) for _ in range(20)],
+                # enough small tensors that the batch travels as one consolidated copy
+                "small": [torch.full((3,), i, dtype=torch.int8) for _ in range(MIN_COUNT)],
                 "i": i,
             }
         )

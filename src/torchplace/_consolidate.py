@@ -25,12 +25,8 @@ crossover on a GPU and prints the values to put here.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import threading
-import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -237,111 +233,6 @@ def _consolidate(
     return [t for t in results if t is not None]
 
 
-@dataclass
-class _Region:
-    """One group's place in a staging buffer and how to cut it back into tensors.
-
-    ``layout`` is the nested-tensor layout of the group (each tensor's sizes, strides and offset,
-    in elements), or None when the group was packed one tensor after another by shape.
-    """
-
-    dtype: torch.dtype
-    indices: list[int]
-    offset: int
-    nbytes: int
-    layout: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-
-
-_quiet = threading.Lock()
-_quieted = False
-
-
-def _quiet_nested_warning() -> None:
-    """Swallow PyTorch's one-time "nested tensors are a prototype" warning, which would
-    otherwise reach a user who never asked for a nested tensor: PyTorch warns once per process,
-    so triggering it once here, with the warning ignored, silences it for good."""
-    global _quieted
-    if _quieted:
-        return
-    with _quiet:
-        if not _quieted:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                with contextlib.suppress(Exception):
-                    torch._nested_tensor_from_tensor_list([torch.zeros(1)])
-            _quieted = True
-
-
-def _pack_nested(
-    tensors: Sequence[torch.Tensor], groups: dict[torch.dtype, list[int]], *, pin: bool
-) -> tuple[torch.Tensor, list[_Region]] | None:
-    """Host tensors packed by one nested-tensor construction per dtype and rank.
-
-    PyTorch builds a nested tensor from a list by copying every member's bytes into one buffer
-    in a single C++ loop, and records each member's layout, which later cuts the landed buffer
-    into shaped views in another single C++ call (``unbind``). None where this PyTorch cannot
-    (the caller then packs one tensor at a time).
-    """
-    _quiet_nested_warning()
-    parts: list[tuple[torch.Tensor, _Region]] = []
-    total = 0
-    try:
-        for dtype, indices in groups.items():
-            by_rank: dict[int, list[int]] = {}
-            for i in indices:
-                by_rank.setdefault(tensors[i].dim(), []).append(i)
-            for members in by_rank.values():
-                nested = torch._nested_tensor_from_tensor_list([tensors[i] for i in members])
-                values = nested.values()
-                layout = (
-                    nested._nested_tensor_size(),
-                    nested._nested_tensor_strides(),
-                    nested._nested_tensor_storage_offsets(),
-                )
-                nbytes = values.numel() * values.element_size()
-                parts.append((values, _Region(dtype, members, total, nbytes, layout)))
-                total += nbytes + (-nbytes % _ALIGN)
-    except (AttributeError, NotImplementedError, RuntimeError, TypeError):
-        return None
-    packed = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
-    for values, region in parts:
-        packed[region.offset : region.offset + region.nbytes].view(region.dtype).copy_(values)
-    return packed, [region for _, region in parts]
-
-
-def _pack_flat(
-    tensors: Sequence[torch.Tensor],
-    groups: dict[torch.dtype, list[int]],
-    source: torch.device,
-    *,
-    pin: bool,
-) -> tuple[torch.Tensor, list[_Region]]:
-    """Tensors packed one after another by dtype: one ``memmove`` each from the host, one
-    flattening per dtype on a device."""
-    regions: list[_Region] = []
-    total = 0
-    for dtype, indices in groups.items():
-        nbytes = sum(tensors[i].numel() for i in indices) * tensors[indices[0]].element_size()
-        regions.append(_Region(dtype, indices, total, nbytes))
-        total += nbytes + (-nbytes % _ALIGN)
-    packed = torch.empty(
-        total, dtype=torch.uint8, device=source, pin_memory=pin and source.type == "cpu"
-    )
-    for region in regions:
-        group = [tensors[i] for i in region.indices]
-        if source.type == "cpu":
-            base, offset = packed.data_ptr(), region.offset
-            for t in group:
-                nbytes = t.numel() * t.element_size()
-                ctypes.memmove(base + offset, t.data_ptr(), nbytes)
-                offset += nbytes
-        else:
-            flat = _flatten_dense_tensors(group)  # type: ignore[no-untyped-call]
-            end = region.offset + region.nbytes
-            packed[region.offset : end].view(region.dtype).copy_(flat)
-    return packed, regions
-
-
 def _pack_and_split(
     tensors: Sequence[torch.Tensor],
     groups: dict[torch.dtype, list[int]],
@@ -353,9 +244,28 @@ def _pack_and_split(
 ) -> None:
     """The consolidated part of ``_consolidate``: fills ``results`` at the indices of ``groups``."""
     source = tensors[0].device  # one device for all, as _consolidate is given them
-    packing = _pack_nested(tensors, groups, pin=pin) if source.type == "cpu" else None
-    packed, regions = packing or _pack_flat(tensors, groups, source, pin=pin)
-    total = packed.numel()
+    regions: list[tuple[torch.dtype, list[torch.Tensor], list[int], int, int]] = []
+    total = 0
+    for dtype, indices in groups.items():
+        group = [tensors[i] for i in indices]
+        nbytes = sum(t.numel() for t in group) * group[0].element_size()
+        regions.append((dtype, group, indices, total, nbytes))
+        total += nbytes + (-nbytes % _ALIGN)
+
+    packed = torch.empty(
+        total, dtype=torch.uint8, device=source, pin_memory=pin and source.type == "cpu"
+    )
+    if source.type == "cpu":  # one memmove per tensor: no tensor op, so no dispatch cost
+        base = packed.data_ptr()
+        for _, group, _, offset, _ in regions:
+            for t in group:
+                nbytes = t.numel() * t.element_size()
+                ctypes.memmove(base + offset, t.data_ptr(), nbytes)
+                offset += nbytes
+    else:
+        for dtype, group, _, offset, nbytes in regions:
+            flat = _flatten_dense_tensors(group)  # type: ignore[no-untyped-call]
+            packed[offset : offset + nbytes].view(dtype).copy_(flat)
 
     if source.type == "cpu" or device.type != "cpu":
         landed = torch.empty(total, dtype=torch.uint8, device=device)
@@ -370,35 +280,23 @@ def _pack_and_split(
         else:
             landed.copy_(packed)
 
-    for region in regions:
-        group = [tensors[i] for i in region.indices]
-        for i, out in zip(region.indices, _split(landed, region, group), strict=True):
+    for dtype, group, indices, offset, nbytes in regions:
+        split = _split(landed[offset : offset + nbytes], dtype, group)
+        for i, out in zip(indices, split, strict=True):
             results[i] = out
 
 
-def _split(landed: torch.Tensor, region: _Region, group: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Owned tensors of the region's dtype with the shapes of ``group``, from its bytes."""
-    dtype = region.dtype
-    cuda = landed.device.type == "cuda"
-    # CUDA's fused kernels rewrite what they compute in float: those dtypes travel as integers.
-    carrier = dtype if not cuda or dtype in _FUSED_EXACT else _CARRIERS[group[0].element_size()]
-    if region.layout is not None and landed.device.type in ("cpu", "cuda"):
-        # The whole buffer, not a slice: the nested view counts offsets from the storage's
-        # start and ignores a slice's own offset. Every region starts 16-byte aligned.
-        sizes, strides, offsets = region.layout
-        start = region.offset // group[0].element_size()
-        nested = torch._nested_view_from_buffer(
-            landed.view(carrier), sizes, strides, offsets + start
-        )
-        views = nested.unbind()
-    else:
-        flat = landed[region.offset : region.offset + region.nbytes].view(carrier)
-        views = _unflatten_dense_tensors(flat, group)  # type: ignore[no-untyped-call]
-    if not cuda:  # no fused kernels here: one clone each is the cheaper way
+def _split(flat: torch.Tensor, dtype: torch.dtype, group: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Owned tensors of ``dtype`` with the shapes of ``group``, from the bytes of ``flat``."""
+    if flat.device.type != "cuda":  # no fused kernels here: one clone each is the cheaper way
+        views = _unflatten_dense_tensors(flat.view(dtype), group)  # type: ignore[no-untyped-call]
         return [view.clone() for view in views]
-    owned = torch._foreach_add(views, 0)  # allocates every result
-    if carrier is not dtype:
-        return [out.view(dtype).detach() for out in owned]
-    if dtype.is_floating_point or dtype.is_complex:  # x + 0 turns -0.0 into 0.0
-        torch._foreach_copy_(owned, views)
-    return list(owned)
+    if dtype in _FUSED_EXACT:  # two fused calls, no per-tensor work in Python
+        views = _unflatten_dense_tensors(flat.view(dtype), group)  # type: ignore[no-untyped-call]
+        owned = torch._foreach_add(views, 0)  # allocates every result
+        if dtype.is_floating_point or dtype.is_complex:  # x + 0 turns -0.0 into 0.0
+            torch._foreach_copy_(owned, views)
+        return list(owned)
+    carrier = _CARRIERS[group[0].element_size()]
+    views = _unflatten_dense_tensors(flat.view(carrier), group)  # type: ignore[no-untyped-call]
+    return [out.view(dtype).detach() for out in torch._foreach_add(views, 0)]
