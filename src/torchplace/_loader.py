@@ -245,7 +245,7 @@ class _Copier:
     def _one(self, t: torch.Tensor) -> torch.Tensor:
         if t.device == self.device:
             return t
-        if self.pin and t.device.type == "cpu" and not t.is_pinned():
+        if self.pin and t.is_cpu and not t.is_pinned():
             t = t.pin_memory()
         return t.to(self.device, non_blocking=self.non_blocking)
 

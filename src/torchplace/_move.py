@@ -144,7 +144,7 @@ class _Copier:
             return
         unique: dict[int, torch.Tensor] = {}
         for t in tensors:
-            if t.device.type == "cpu" and id(t) not in self.copies:
+            if t.is_cpu and id(t) not in self.copies:
                 unique.setdefault(id(t), t)
         originals = list(unique.values())
         todo = [t.detach() for t in originals] if detach else originals
@@ -172,7 +172,7 @@ class _Copier:
         done = self.copies.get(id(t))
         if done is not None and done.device == target:
             return done
-        if t.device.type == "meta":
+        if t.is_meta:
             raise _CopyFailed(t, target, None)
         staged = stageable(t, target)  # asks is_pinned (a driver call) once for both
         asynchronous = not staged and _choose_non_blocking(
