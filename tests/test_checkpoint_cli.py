@@ -279,3 +279,40 @@ def test_torchscript_archive_is_described_not_loaded(tmp_path: Path) -> None:
         load(path)
     shapes = sorted(r.shape for r in describe(path))
     assert shapes == [(3,), (3, 2)]
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_inspect_counts_tied_weights_and_views_once(
+    tmp_path: Path,
+    legacy: bool,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps cells to the terminal's width
+    linear = torch.nn.Linear(4, 4)
+    head = torch.nn.Linear(4, 4, bias=False)
+    head.weight = linear.weight  # tied: saved once
+    big = torch.arange(100.0)
+    state = {"linear": linear.state_dict(), "head": head.state_dict(), "view": big[:3]}
+    path = tmp_path / "tied.pt"
+    torch.save(state, path, _use_new_zipfile_serialization=not legacy)
+
+    records = {r.name: r for r in describe(path)}
+    assert records["head.weight"].shares == "linear.weight"
+    assert records["linear.weight"].shares is None
+    assert (records["head.weight"].nbytes, records["head.weight"].stored) == (64, 64)
+    view = records["view"]
+    assert (view.nbytes, view.stored, view.shares) == (12, 400, None)
+
+    assert main(["inspect", str(path), "--json"]) == 0
+    totals = json.loads(capsys.readouterr().out)["totals"]
+    stored = 64 + 16 + 400  # the tied weight once, the view's whole storage
+    assert totals["bytes"] == stored
+    assert totals["count"] == 4
+    assert totals["by_device"] == {"cpu": {"count": 4, "bytes": stored}}
+
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "shares linear.weight's storage" in out
+    assert "a view of 400 B, all stored" in out
+    assert "view.clone()" in " ".join(out.split())

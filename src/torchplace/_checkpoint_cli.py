@@ -43,7 +43,13 @@ _MAX_DEPTH = 200
 
 @dataclass(frozen=True)
 class TensorRecord:
-    """One tensor as a file saved it: name, saved device, dtype, shape and bytes."""
+    """One tensor as a file saved it: name, saved device, dtype, shape and bytes.
+
+    ``nbytes`` is the tensor's own size; ``stored`` is the size of the storage the file keeps
+    for it, which is larger when the tensor was saved as a view of a bigger one. ``shares``
+    names the first tensor saved on the same storage (a tied weight, or another view of it):
+    the file holds those bytes once, and the totals count them once.
+    """
 
     name: str
     device: str
@@ -51,6 +57,8 @@ class TensorRecord:
     shape: tuple[int, ...]
     nbytes: int
     file: str
+    stored: int = 0
+    shares: str | None = None
 
 
 # ----------------------------------------------------------------------------- a safe unpickler
@@ -92,6 +100,7 @@ class _StorageRef:
     key: str
     location: str
     itemsize: int
+    numel: int = -1  # elements of the storage, as saved; -1 where the file does not say
 
 
 @dataclass
@@ -188,11 +197,12 @@ class _InertUnpickler(pickle._Unpickler):  # pure Python: corrupt lengths fail c
     def persistent_load(self, pid: Any) -> Any:
         if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage":
             storage_type, key, location = pid[1], pid[2], pid[3]
+            numel = pid[4] if isinstance(pid[4], int) and pid[4] >= 0 else -1
             if isinstance(storage_type, _StorageType):
                 return _StorageRef(
-                    storage_type.dtype, str(key), str(location), storage_type.itemsize
+                    storage_type.dtype, str(key), str(location), storage_type.itemsize, numel
                 )
-            return _StorageRef("?", str(key), str(location), 1)
+            return _StorageRef("?", str(key), str(location), 1, numel)
         return _Opaque(pid)
 
 
@@ -272,14 +282,24 @@ def _walk(
 
 def _records(root: Any, file: str) -> list[TensorRecord]:
     out = []
+    owners: dict[str, str] = {}  # storage key -> the first tensor saved on it
     for name, ref in _walk(root, ""):
+        name = name or "<root>"
         numel = 1
         for n in ref.shape:
             numel *= max(n, 0)
         itemsize = _dtype_info(ref.dtype)[1] if ref.dtype != "?" else 1
-        device = ref.storage.location if ref.storage is not None else "?"
+        storage = ref.storage
+        device = storage.location if storage is not None else "?"
         nbytes = 0 if device == "meta" else numel * itemsize
-        out.append(TensorRecord(name or "<root>", device, ref.dtype, ref.shape, nbytes, file))
+        stored, shares = nbytes, None
+        if storage is not None and device != "meta":
+            if storage.numel >= 0:
+                stored = storage.numel * storage.itemsize
+            shares = owners.setdefault(storage.key, name)
+            if shares == name:
+                shares = None
+        out.append(TensorRecord(name, device, ref.dtype, ref.shape, nbytes, file, stored, shares))
     return out
 
 
@@ -352,7 +372,8 @@ def _describe_safetensors(p: Path) -> list[TensorRecord]:
         start, end = entry["data_offsets"]
         dtype = str(SAFETENSORS_DTYPES[entry["dtype"]]).removeprefix("torch.")
         # safetensors stores no device: the reader chooses one
-        out.append(TensorRecord(name, "-", dtype, tuple(entry["shape"]), end - start, p.name))
+        nbytes = end - start
+        out.append(TensorRecord(name, "-", dtype, tuple(entry["shape"]), nbytes, p.name, nbytes))
     return out
 
 
@@ -363,8 +384,9 @@ def describe(path: str | os.PathLike[str], /) -> list[TensorRecord]:
     >>> from torchplace._checkpoint_cli import describe
     >>> path = os.path.join(tempfile.mkdtemp(), "w.pt")
     >>> torch.save({"w": torch.ones(2, 3)}, path)
-    >>> describe(path)[0]
-    TensorRecord(name='w', device='cpu', dtype='float32', shape=(2, 3), nbytes=24, file='w.pt')
+    >>> w = describe(path)[0]
+    >>> w.name, w.device, w.dtype, w.shape, w.nbytes, w.shares
+    ('w', 'cpu', 'float32', (2, 3), 24, None)
     """
     from ._checkpoint import detect_format
 
@@ -394,13 +416,26 @@ def _describe_index(p: Path) -> list[TensorRecord]:
     return out
 
 
+def _stored(r: TensorRecord) -> int:
+    """The bytes ``r`` adds to its file: its storage's, once per storage."""
+    return 0 if r.shares is not None else r.stored
+
+
 def _totals(records: list[TensorRecord], key: str) -> dict[str, dict[str, int]]:
     totals: dict[str, dict[str, int]] = {}
     for r in records:
         entry = totals.setdefault(getattr(r, key), {"count": 0, "bytes": 0})
         entry["count"] += 1
-        entry["bytes"] += r.nbytes
+        entry["bytes"] += _stored(r)
     return totals
+
+
+def _note(r: TensorRecord) -> str:
+    if r.shares is not None:
+        return f"shares {r.shares}'s storage"
+    if r.stored > r.nbytes:
+        return f"a view of {format_bytes(r.stored)}, all stored"
+    return ""
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -420,7 +455,7 @@ def _inspect(args: argparse.Namespace) -> int:
         "tensors": [{**asdict(r), "shape": list(r.shape)} for r in records],
         "totals": {
             "count": len(records),
-            "bytes": sum(r.nbytes for r in records),
+            "bytes": sum(_stored(r) for r in records),
             "by_device": _totals(records, "device"),
             "by_dtype": _totals(records, "dtype"),
         },
@@ -438,17 +473,21 @@ def _inspect(args: argparse.Namespace) -> int:
         table.add_column("file")
     for col in ("saved device", "dtype", "shape", "bytes"):
         table.add_column(col, justify="right" if col == "bytes" else "left")
-    for r in records:
+    notes = [_note(r) for r in records]
+    if any(notes):
+        table.add_column("note")
+    for r, note in zip(records, notes, strict=True):
         shape = "[" + ", ".join(map(str, r.shape)) + "]"
         cells = [r.name, *([r.file] if sharded else []), r.device, r.dtype, shape]
-        table.add_row(*cells, format_bytes(r.nbytes))
+        table.add_row(*cells, format_bytes(r.nbytes), *([note] if any(notes) else []))
     totals = Table(title="totals")
     for col in ("by", "", "tensors", "bytes"):
         totals.add_column(col, justify="right" if col in ("tensors", "bytes") else "left")
     for key, label in (("device", "device"), ("dtype", "dtype")):
         for value, entry in _totals(records, key).items():
             totals.add_row(label, value, str(entry["count"]), format_bytes(entry["bytes"]))
-    totals.add_row("all", "", str(len(records)), format_bytes(sum(r.nbytes for r in records)))
+    total = sum(_stored(r) for r in records)
+    totals.add_row("all", "", str(len(records)), format_bytes(total))
     console = Console()
     if code:
         console.print(
@@ -459,6 +498,11 @@ def _inspect(args: argparse.Namespace) -> int:
     console.print(totals)
     if any(r.device == "-" for r in records):
         console.print("safetensors files store no device: tensors load wherever they are asked to")
+    if any(r.shares is None and r.stored > r.nbytes for r in records):
+        console.print(
+            "a tensor saved as a view stores its whole storage; save view.clone() to keep "
+            "only its own bytes"
+        )
     return 0
 
 
