@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -94,3 +96,38 @@ def test_report_of_nothing_says_so() -> None:
     found = torchplace.report(nn.ReLU())
     assert found.rows == () and found.total_bytes == 0
     assert "(no tensors)" in str(found)
+
+
+@pytest.fixture
+def fake_world() -> Iterator[object]:
+    """A process group of four ranks, all played by this process (PyTorch's fake backend)."""
+    dist = pytest.importorskip("torch.distributed")
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group of its own")
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=4)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        yield init_device_mesh("cpu", (4,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_report_counts_the_local_shard_of_fsdp2_parameters(fake_world: object) -> None:
+    fully_shard = pytest.importorskip("torch.distributed.fsdp").fully_shard
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    for layer in model:
+        fully_shard(layer, mesh=fake_world)
+    weight = model[0].weight
+    assert weight.numel() == 64  # a DTensor counts all four ranks' elements
+    found = torchplace.report(model)
+    # each rank holds a quarter of every parameter: 2 of 8 rows, 2 of 8 bias entries
+    assert [(row.path, row.tensors, row.count, row.bytes) for row in found.rows] == [
+        ("0", 2, 16 + 2, 72),
+        ("1", 2, 16 + 2, 72),
+    ]
+    detail = torchplace.report(model, detail=True)
+    assert [(row.path, row.count) for row in detail.rows][:2] == [("0.weight", 16), ("0.bias", 2)]
+    stragglers = torchplace.stragglers(model, "meta")
+    assert stragglers[0].name == "0.weight" and stragglers[0].nbytes == 64

@@ -78,8 +78,26 @@ def format_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this process holds: a DTensor's local shard (FSDP2, tensor parallel),
+    any other tensor itself. A DTensor's ``numel()`` is the global count, over every rank."""
+    if type(t) in _PLAIN:
+        return t
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
+
+
+def numel(t: torch.Tensor) -> int:
+    """Elements of ``t`` held by this process (a DTensor's local shard)."""
+    return int(local_part(t).numel())
+
+
 def nbytes(t: torch.Tensor) -> int:
-    return int(t.numel()) * int(t.element_size())
+    """Bytes of ``t`` held by this process (a DTensor's local shard)."""
+    return numel(t) * int(t.element_size())
 
 
 @dataclass(frozen=True)

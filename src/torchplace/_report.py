@@ -10,7 +10,7 @@ import io
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._inspect import describe, entries, format_bytes, nbytes
+from ._inspect import describe, entries, format_bytes, nbytes, numel
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -146,6 +146,8 @@ def report(obj: Any, /, *, optimizer: Any = None, detail: bool = False) -> Repor
     ``str(report)`` is a table (rendered by rich), ``report.to_dict()`` is JSON-able, and the
     object is a rich renderable. Rows group by the module that holds the tensors directly;
     optimizer state groups under ``optimizer.state``; ``detail=True`` gives one row per tensor.
+    A sharded tensor (a DTensor, as FSDP2 and tensor parallelism make) counts the shard this
+    process holds, so each rank reports its own memory.
     """
     found = entries(obj, optimizer=optimizer)
     rows: list[ReportRow] = []
@@ -153,7 +155,7 @@ def report(obj: Any, /, *, optimizer: Any = None, detail: bool = False) -> Repor
         for e in found:
             t = e.tensor
             rows.append(
-                ReportRow(e.name, e.kind, str(t.device), _dtype(t.dtype), 1, t.numel(), nbytes(t))
+                ReportRow(e.name, e.kind, str(t.device), _dtype(t.dtype), 1, numel(t), nbytes(t))
             )
     else:
         groups: dict[tuple[str, str, str, str], list[int]] = {}
@@ -163,7 +165,7 @@ def report(obj: Any, /, *, optimizer: Any = None, detail: bool = False) -> Repor
             key = (path or "(model)", e.kind, str(t.device), _dtype(t.dtype))
             slot = groups.setdefault(key, [0, 0, 0])
             slot[0] += 1
-            slot[1] += t.numel()
+            slot[1] += numel(t)
             slot[2] += nbytes(t)
         rows = [ReportRow(*key, *values) for key, values in groups.items()]
     return Report(f"Where the tensors of {describe(obj)} live", tuple(rows), detail)
