@@ -1,6 +1,9 @@
-"""Shared fixtures: the ``devices`` parametrization, the ``requires_cuda`` marker, fake GPUs."""
+"""Shared fixtures: the ``devices`` parametrization, the ``requires_cuda`` marker, fake GPUs,
+and a fake world of four ranks for sharded (FSDP2) models."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -42,3 +45,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def any_device(request: pytest.FixtureRequest) -> torch.device:
     """Each device this machine can test on, one test per device."""
     return torch.device(request.param)
+
+
+@pytest.fixture
+def fake_world() -> Iterator[object]:
+    """A process group of four ranks, all played by this process (PyTorch's fake backend)."""
+    dist = pytest.importorskip("torch.distributed")
+    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
+    if not dist.is_available() or dist.is_initialized():
+        pytest.skip("needs torch.distributed and no process group of its own")
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=4)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        yield init_device_mesh("cpu", (4,))
+    finally:
+        dist.destroy_process_group()

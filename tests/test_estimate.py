@@ -124,3 +124,12 @@ def test_estimate_summary_is_readable_and_json_able() -> None:
 def test_estimate_rejects_unknown_optimizer_with_a_suggestion() -> None:
     with pytest.raises(DeviceSpecError, match=r"'adma'.*did you mean 'adam'"):
         estimate(nn.Linear(2, 2), optimizer="adma")
+
+
+def test_estimate_sizes_the_local_shard_of_fsdp2_parameters(fake_world: object) -> None:
+    fully_shard = pytest.importorskip("torch.distributed.fsdp").fully_shard
+    model = nn.Linear(8, 8)
+    fully_shard(model, mesh=fake_world)
+    est = estimate(model, optimizer="sgd")
+    assert est.parameter_count == 72  # the whole model
+    assert est.parameters == (16 + 2) * 4  # this rank's quarter of the weight and bias

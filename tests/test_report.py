@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -96,22 +95,6 @@ def test_report_of_nothing_says_so() -> None:
     found = torchplace.report(nn.ReLU())
     assert found.rows == () and found.total_bytes == 0
     assert "(no tensors)" in str(found)
-
-
-@pytest.fixture
-def fake_world() -> Iterator[object]:
-    """A process group of four ranks, all played by this process (PyTorch's fake backend)."""
-    dist = pytest.importorskip("torch.distributed")
-    fake_pg = pytest.importorskip("torch.testing._internal.distributed.fake_pg")
-    if not dist.is_available() or dist.is_initialized():
-        pytest.skip("needs torch.distributed and no process group of its own")
-    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=4)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        yield init_device_mesh("cpu", (4,))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_report_counts_the_local_shard_of_fsdp2_parameters(fake_world: object) -> None:

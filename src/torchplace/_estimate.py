@@ -17,7 +17,7 @@ from torch import nn
 
 from ._errors import DeviceSpecError, TorchplaceError
 from ._inspect import format_bytes as _format_bytes
-from ._inspect import nbytes
+from ._inspect import nbytes, numel
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -30,9 +30,10 @@ __all__ = [
 
 
 def _nbytes(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> int:
-    """Bytes a tensor takes, or would take in ``dtype`` (floating tensors only)."""
+    """Bytes a tensor takes, or would take in ``dtype`` (floating tensors only); of a sharded
+    tensor (DTensor), the shard this process holds."""
     if dtype is not None and tensor.is_floating_point():
-        return tensor.numel() * dtype.itemsize
+        return numel(tensor) * dtype.itemsize
     return nbytes(tensor)
 
 
@@ -216,7 +217,9 @@ def estimate(
     parameter, ``"adam"``/``"adamw"`` two, ``"adagrad"`` one; Adam and Adagrad also keep a scalar
     ``step`` per parameter on the CPU. ``optimizer=None`` counts no state, ``grads=False`` no
     gradients (inference). A skeleton (parameters on ``meta``) is sized like the real model.
-    Activations are not counted: they depend on the batch.
+    A model already sharded by FSDP2 (DTensor parameters) is sized by the shards this rank
+    holds, while ``parameter_count`` stays the whole model's. Activations are not counted: they
+    depend on the batch.
     """
     try:
         name = _optimizer_name(optimizer)
