@@ -316,3 +316,16 @@ def test_inspect_counts_tied_weights_and_views_once(
     assert "shares linear.weight's storage" in out
     assert "a view of 400 B, all stored" in out
     assert "view.clone()" in " ".join(out.split())
+
+
+def test_inspect_shows_names_as_plain_text(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Names come from the file: rich markup or emoji codes in them are shown as written."""
+    monkeypatch.setenv("COLUMNS", "200")
+    names = ["[/]", "[bold]w", ":thumbs_up:"]
+    torch.save({name: torch.ones(1) for name in names}, tmp_path / "m.pt")
+    assert main(["inspect", str(tmp_path / "m.pt")]) == 0
+    out = capsys.readouterr().out
+    for name in names:
+        assert name in out

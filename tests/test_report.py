@@ -114,3 +114,14 @@ def test_report_counts_the_local_shard_of_fsdp2_parameters(fake_world: object) -
     assert [(row.path, row.count) for row in detail.rows][:2] == [("0.weight", 16), ("0.bias", 2)]
     stragglers = torchplace.stragglers(model, "meta")
     assert stragglers[0].name == "0.weight" and stragglers[0].nbytes == 64
+
+
+def test_report_shows_names_as_plain_text() -> None:
+    """Dict keys and module names are the user's: rich markup in them is shown, not parsed."""
+    model = nn.Sequential()
+    model.add_module("[/x]", nn.Linear(1, 1))
+    assert "[/x]" in str(torchplace.report(model))
+    batch = {"[/]": torch.ones(1), "[bold]w": torch.ones(1), ":thumbs_up:": torch.ones(1)}
+    text = str(torchplace.report(batch, detail=True))
+    for key in batch:
+        assert f"batch['{key}']" in text

@@ -464,10 +464,13 @@ def _inspect(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=2))
         return 0
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
 
+    # Names come from the file, which may be anyone's: shown as plain text, never as markup.
     sharded = len({r.file for r in records}) > 1
-    table = Table(title=f"{args.file} ({kind}, {len(records)} tensors)")
+    table = Table(title=Text(f"{args.file} ({kind}, {len(records)} tensors)"))
     table.add_column("name")
     if sharded:
         table.add_column("file")
@@ -479,20 +482,21 @@ def _inspect(args: argparse.Namespace) -> int:
     for r, note in zip(records, notes, strict=True):
         shape = "[" + ", ".join(map(str, r.shape)) + "]"
         cells = [r.name, *([r.file] if sharded else []), r.device, r.dtype, shape]
-        table.add_row(*cells, format_bytes(r.nbytes), *([note] if any(notes) else []))
+        extra = [note] if any(notes) else []
+        table.add_row(*map(Text, [*cells, format_bytes(r.nbytes), *extra]))
     totals = Table(title="totals")
     for col in ("by", "", "tensors", "bytes"):
         totals.add_column(col, justify="right" if col in ("tensors", "bytes") else "left")
     for key, label in (("device", "device"), ("dtype", "dtype")):
         for value, entry in _totals(records, key).items():
-            totals.add_row(label, value, str(entry["count"]), format_bytes(entry["bytes"]))
+            totals.add_row(label, Text(value), str(entry["count"]), format_bytes(entry["bytes"]))
     total = sum(_stored(r) for r in records)
     totals.add_row("all", "", str(len(records)), format_bytes(total))
-    console = Console()
+    console = Console(emoji=False)
     if code:
         console.print(
             f"[bold red]Warning:[/bold red] loading this file would import and call "
-            f"{', '.join(code)}; torchplace.load refuses it unless trusted=True"
+            f"{escape(', '.join(code))}; torchplace.load refuses it unless trusted=True"
         )
     console.print(table)
     console.print(totals)
@@ -590,13 +594,13 @@ def _progress(total: int, label: str, enabled: bool) -> Iterator[Callable[[int],
     )
 
     columns = (
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),
         BarColumn(),
         DownloadColumn(),
         TransferSpeedColumn(),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, transient=True, console=Console(stderr=True)) as bar:
+    with Progress(*columns, transient=True, console=Console(stderr=True, emoji=False)) as bar:
         task = bar.add_task(label, total=total)
         yield lambda n: bar.advance(task, n)
 

@@ -288,13 +288,16 @@ def diagnose(*, bandwidth: bool = True) -> Diagnosis:
 
 def _render(diagnosis: Diagnosis) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
+    from rich.text import Text
 
-    console = Console()
+    # Details quote the environment (CUDA_VISIBLE_DEVICES, ...): plain text, never markup.
+    console = Console(emoji=False)
     console.print("[bold]torchplace doctor[/bold]")
     versions = Table(title="Versions", show_header=False)
     for key, value in diagnosis.versions.items():
-        versions.add_row(key, value)
+        versions.add_row(key, Text(value))
     console.print(versions)
     devices = Table(title="Devices")
     columns = ["device", "name", "memory_total", "memory_free", "capability", "cores"]
@@ -306,7 +309,11 @@ def _render(diagnosis: Diagnosis) -> None:
     for row in diagnosis.devices:
         devices.add_row(
             *[
-                format_bytes(row[c]) if c.startswith("memory") and c in row else str(row.get(c, ""))
+                Text(
+                    format_bytes(row[c])
+                    if c.startswith("memory") and c in row
+                    else str(row.get(c, ""))
+                )
                 for c in present
             ]
         )
@@ -315,7 +322,7 @@ def _render(diagnosis: Diagnosis) -> None:
     for column in ("check", "result", "detail"):
         checks.add_column(column)
     for check in diagnosis.checks:
-        checks.add_row(check["check"], "ok" if check["ok"] else "FAIL", check["detail"])
+        checks.add_row(check["check"], "ok" if check["ok"] else "FAIL", Text(check["detail"]))
     console.print(checks)
     if diagnosis.bandwidth:
         table = Table(title="Copy bandwidth")
@@ -334,7 +341,7 @@ def _render(diagnosis: Diagnosis) -> None:
     else:
         console.print("[red]Verdict: needs fixing.[/red]")
         for problem in diagnosis.problems:
-            console.print(f"  - {problem}")
+            console.print(f"  - {escape(problem)}")
 
 
 def _run(args: argparse.Namespace) -> int:

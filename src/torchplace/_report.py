@@ -82,8 +82,10 @@ class Report:
 
     def __rich__(self) -> Table:
         from rich.table import Table
+        from rich.text import Text
 
-        table = Table(title=self.title, title_justify="left")
+        # Paths are the user's names (any string can be a dict key or module name): plain text.
+        table = Table(title=Text(self.title), title_justify="left")
         for column, justify in (
             ("tensor" if self.detail else "module", "left"),
             ("kind", "left"),
@@ -97,7 +99,12 @@ class Report:
             table.add_row("(no tensors)", "", "", "", "", "")
         for row in self.rows:
             table.add_row(
-                row.path, row.kind, row.device, row.dtype, f"{row.count:,}", format_bytes(row.bytes)
+                Text(row.path),
+                row.kind,
+                row.device,
+                row.dtype,
+                f"{row.count:,}",
+                format_bytes(row.bytes),
             )
         table.add_section()
         for label, totals in (("device", self.by_device), ("dtype", self.by_dtype)):
@@ -117,7 +124,9 @@ class Report:
         from rich.console import Console
 
         buffer = io.StringIO()
-        Console(file=buffer, width=110, color_system=None, force_terminal=False).print(self)
+        Console(file=buffer, width=110, color_system=None, force_terminal=False, emoji=False).print(
+            self
+        )
         return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines()) + "\n"
 
 
