@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import pickle
@@ -272,6 +273,35 @@ def test_directory_is_refused_with_its_files_named(tmp_path: Path) -> None:
     safetensors_torch.save_file({"a": torch.ones(1)}, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"is a directory.*model\.safetensors"):
         load(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("path", "message"),
+    [
+        (None, "not NoneType"),
+        (123, "not int"),
+        (io.BytesIO(b"PK"), "not BytesIO; torchplace reads files by path"),
+        ("x" * 5000, "cannot be read"),  # a name longer than the file system allows
+    ],
+    ids=["none", "int", "file-object", "name-too-long"],
+)
+def test_bad_paths_are_checkpoint_errors(path: object, message: str) -> None:
+    with pytest.raises(CheckpointError, match=message):
+        load(path)  # type: ignore[arg-type]
+    with pytest.raises(CheckpointError, match=message):
+        load_into(nn.Linear(1, 1), path)  # type: ignore[arg-type]
+
+
+def test_bytes_paths_are_read(tmp_path: Path) -> None:
+    torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
+    assert torch.equal(load(os.fsencode(tmp_path / "w.pt"))["w"], torch.ones(2))
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_pipe_is_refused_not_read_for_ever(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "model.pt")  # opening it for reading would block with no writer
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        load(tmp_path / "model.pt")
 
 
 def _fuzz_cases(data: bytes, seed: int, count: int) -> list[bytes]:

@@ -16,7 +16,7 @@ import torch
 from torchplace import _checkpoint_cli
 from torchplace._checkpoint import load
 from torchplace._checkpoint_cli import describe, remap
-from torchplace._errors import CheckpointError
+from torchplace._errors import CheckpointError, DeviceSpecError
 from torchplace.cli import main
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -329,3 +329,35 @@ def test_inspect_shows_names_as_plain_text(
     out = capsys.readouterr().out
     for name in names:
         assert name in out
+
+
+@pytest.mark.parametrize("spec", ["cpu:0", "CPU", "meta:0"])
+def test_remap_tags_single_devices_as_torch_load_reads_them(tmp_path: Path, spec: str) -> None:
+    """torch.load restores "cpu" and "meta" but no "cpu:0": the tag must be the bare name."""
+    torch.save({"w": torch.arange(3.0)}, tmp_path / "a.pt")
+    remap(tmp_path / "a.pt", tmp_path / "b.pt", to=spec)
+    loaded = torch.load(tmp_path / "b.pt")["w"]
+    assert loaded.device.type == spec.lower().partition(":")[0]
+    if loaded.device.type == "cpu":
+        assert torch.equal(loaded, torch.arange(3.0))
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [("cpu:1", "one cpu device"), ("meta:3", "one meta device"), ("fpga", "cannot restore")],
+)
+def test_remap_refuses_tags_torch_load_cannot_read(tmp_path: Path, spec: str, message: str) -> None:
+    torch.save({"w": torch.ones(1)}, tmp_path / "a.pt")
+    with pytest.raises(DeviceSpecError, match=message):
+        remap(tmp_path / "a.pt", tmp_path / "b.pt", to=spec)
+    assert not (tmp_path / "b.pt").exists()
+
+
+def test_remap_to_an_unwritable_place_is_a_checkpoint_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    torch.save({"w": torch.ones(1)}, tmp_path / "a.pt")
+    out = tmp_path / ("y" * 300)  # a name longer than the file system allows
+    assert main(["remap", str(tmp_path / "a.pt"), "--to", "cpu", "-o", str(out)]) == 1
+    assert "cannot be written" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["a.pt"]

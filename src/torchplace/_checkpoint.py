@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import pickle
+import stat
 import struct
 import warnings
 from collections.abc import Callable, Mapping
@@ -86,21 +87,55 @@ _MAX_HEADER = 100 * 1024 * 1024  # a safetensors header larger than this is corr
 # --------------------------------------------------------------------------------------- formats
 
 
+def as_path(path: Any, /) -> Path:
+    """``path`` as a ``Path``, or a ``CheckpointError`` saying what a checkpoint path is.
+
+    >>> as_path(None)
+    Traceback (most recent call last):
+    ...
+    torchplace.CheckpointError: a checkpoint is named by its path (a str or os.PathLike), ...
+    """
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if not isinstance(path, (str, os.PathLike)):
+        extra = (
+            "; torchplace reads files by path (to map them), so write the bytes to a file "
+            "first, or use torch.load for an open file"
+            if hasattr(path, "read")
+            else ""
+        )
+        raise CheckpointError(
+            f"a checkpoint is named by its path (a str or os.PathLike), not "
+            f"{type(path).__name__}{extra}"
+        )
+    return Path(path)
+
+
 def detect_format(path: PathLike, /) -> str:
     """The format of a checkpoint file: ``"zip"``, ``"legacy"``, ``"safetensors"`` or ``"index"``.
 
-    Raises ``CheckpointError`` for a missing file, a directory, an empty or a foreign file.
+    Raises ``CheckpointError`` for a missing file, a directory, an empty or a foreign file, and
+    for anything that is not a regular file (a pipe would block the read for ever).
     """
-    p = Path(path)
-    if not p.exists():
+    p = as_path(path)
+    try:
+        mode = p.stat().st_mode
+    except FileNotFoundError:
         hint = _near_misses(p)
-        raise CheckpointError(f"{p}: no such file; check the path{hint}")
-    if p.is_dir():
+        raise CheckpointError(f"{p}: no such file; check the path{hint}") from None
+    except OSError as exc:  # a name too long, a permission on a parent directory, ...
+        raise CheckpointError(f"{p}: cannot be read ({exc.strerror or exc})") from exc
+    if stat.S_ISDIR(mode):
         found = sorted(
             q.name for q in p.iterdir() if q.is_file() and q.name.endswith(_CHECKPOINT_SUFFIXES)
         )
         which = f": pass one of its files ({', '.join(found[:5])})" if found else ""
         raise CheckpointError(f"{p}: is a directory, not a checkpoint file{which}")
+    if not stat.S_ISREG(mode):
+        raise CheckpointError(
+            f"{p}: is not a regular file (a pipe, socket or device); save the checkpoint to a "
+            "file and pass its path"
+        )
     try:
         size = p.stat().st_size
         with p.open("rb") as f:
@@ -222,7 +257,7 @@ def load(
     foreign or unsafe file raises ``CheckpointError`` naming the file.
     """
     target = _device(device)
-    p = Path(path)
+    p = as_path(path)
     kind = detect_format(p)
     if kind == "index":
         return _load_index(p, target, mmap=mmap, trusted=trusted)
@@ -659,7 +694,7 @@ def load_into(
             "first, e.g. load_into(torchplace.skeleton(MyModel, ...), path)"
         )
     target = None if device is None else _device(device)
-    p = Path(path)
+    p = as_path(path)
     loadable, transient, extra = _slots(model)
     read_on = target if target is not None and target.type == "meta" else torch.device("cpu")
     state = load(p, read_on)

@@ -527,7 +527,21 @@ def _parse_target(spec: str) -> Any:
     except (RuntimeError, ValueError):
         resolve(text)  # raises DeviceSpecError with a suggestion
         raise DeviceSpecError(f"unknown device {spec!r}") from None
-    if dev.index is None and dev.type not in ("cpu", "meta", "mps"):
+    single = ("cpu", "meta", "mps")  # torch.load restores these tags only without an index
+    indexed = ("cuda", "xpu", "hpu", "mtia", torch._C._get_privateuse1_backend_name())
+    if dev.type in single:
+        if dev.index not in (None, 0):
+            raise DeviceSpecError(
+                f"--to {spec}: there is one {dev.type} device, and torch.load reads a file "
+                f"tagged {dev} nowhere; use --to {dev.type}"
+            )
+        return torch.device(dev.type)
+    if dev.type not in indexed:
+        raise DeviceSpecError(
+            f"--to {spec}: torch.load cannot restore storages tagged {dev.type}; use one of "
+            f"{', '.join(single)} or {', '.join(t + ':N' for t in indexed[:3])}"
+        )
+    if dev.index is None:
         dev = torch.device(dev.type, 0)
     return dev
 
@@ -627,9 +641,9 @@ def remap(
     ``out`` and renamed only when complete: an interrupted or failed remap leaves ``out`` as it
     was. A safetensors file stores no device, so it is copied unchanged.
     """
-    from ._checkpoint import detect_format, load
+    from ._checkpoint import as_path, detect_format, load
 
-    src, dst = Path(path), Path(out)
+    src, dst = as_path(path), as_path(out)
     target = _parse_target(to) if isinstance(to, str) else to
     kind = detect_format(src)
     if kind == "index":
@@ -637,14 +651,23 @@ def remap(
             f"{src}: is a shard index; remap rewrites one file, so remap each shard it lists "
             "(safetensors shards need no remap: they store no device)"
         )
-    if dst.is_dir():
-        raise CheckpointError(f"{dst}: is a directory; give the output file's name with -o")
-    if not dst.parent.is_dir():
-        raise CheckpointError(f"{dst}: its directory {dst.parent} does not exist")
+    try:
+        if dst.is_dir():
+            raise CheckpointError(f"{dst}: is a directory; give the output file's name with -o")
+        if not dst.parent.is_dir():
+            raise CheckpointError(f"{dst}: its directory {dst.parent} does not exist")
+    except OSError as exc:
+        raise CheckpointError(f"{dst}: cannot be written ({exc.strerror or exc})") from exc
     total = src.stat().st_size
     show = (sys.stderr.isatty() and total >= PROGRESS_MIN_BYTES) if progress is None else progress
     obj = None if kind == "safetensors" else load(src, "cpu")
-    fd, tmp_name = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
+    try:
+        fd, tmp_name = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise CheckpointError(
+            f"{dst}: cannot be written ({exc.strerror or exc}: no file could be created in "
+            f"{dst.parent}); choose another output with -o. Nothing was written"
+        ) from exc
     tmp = Path(tmp_name)
     writer: _CountingWriter | None = None
     try:
@@ -695,7 +718,7 @@ def _remap(args: argparse.Namespace) -> int:
     if str(args.file).endswith(".safetensors") or _is_safetensors(Path(args.file)):
         print(f"wrote {out} (copied unchanged: a safetensors file stores no device)")
     else:
-        print(f"wrote {out} (tensors load on {args.to})")
+        print(f"wrote {out} (tensors load on {_parse_target(args.to)})")
     return 0
 
 
