@@ -269,6 +269,48 @@ def test_bad_files(tmp_path: Path, content: bytes | None, message: str) -> None:
     assert "ckpt.pt" in str(info.value)
 
 
+def _safetensors_bytes(header: bytes, data: bytes = bytes(8)) -> bytes:
+    return len(header).to_bytes(8, "little") + header + data
+
+
+_DEEP = b"[" * 100_000 + b"]" * 100_000
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        (b'{"a": ' + _DEEP + b"}", "RecursionError"),
+        (b'{"a": {"dtype": "F32", "shape": [Infinity], "data_offsets": [0, 4]}}', r"\[inf\]"),
+        (b'{"a": {"dtype": "F32", "shape": "12", "data_offsets": [0, 4]}}', "'12'"),
+        (b'{"a": {"dtype": "F32", "shape": [2.7], "data_offsets": [0, 8]}}', r"\[2\.7\]"),
+        (b'{"a": {"dtype": "F32", "shape": [true, 2], "data_offsets": [0, 8]}}', "True"),
+        (
+            b'{"a": {"dtype": "F32", "shape": [0, 1180591620717411303424], '
+            b'"data_offsets": [0, 0]}}',
+            "non-negative integers",
+        ),
+        (b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8.0]}}', "data_offsets"),
+    ],
+    ids=["deep", "infinite", "string", "float", "bool", "huge", "float-offset"],
+)
+def test_malformed_safetensors_headers(
+    tmp_path: Path, header: bytes, message: str, device: str
+) -> None:
+    """Every header the safetensors library itself would refuse is a CheckpointError, on meta
+    (where torchplace reads the header alone) as on the CPU."""
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(_safetensors_bytes(header))
+    with pytest.raises(CheckpointError, match=message):
+        load(path, device)
+
+
+def test_a_deeply_nested_shard_index_is_a_checkpoint_error(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors.index.json").write_bytes(b'{"weight_map": ' + _DEEP + b"}")
+    with pytest.raises(CheckpointError, match="not a readable JSON shard index"):
+        load(tmp_path / "model.safetensors.index.json")
+
+
 def test_directory_is_refused_with_its_files_named(tmp_path: Path) -> None:
     safetensors_torch.save_file({"a": torch.ones(1)}, tmp_path / "model.safetensors")
     with pytest.raises(CheckpointError, match=r"is a directory.*model\.safetensors"):

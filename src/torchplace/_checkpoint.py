@@ -179,6 +179,11 @@ def _near_misses(p: Path) -> str:
     return f" (found nearby: {', '.join(found[:5])})" if found else ""
 
 
+def _is_count(n: Any) -> bool:
+    """A JSON number that can size a dimension: an int (not a bool, float or string), >= 0."""
+    return type(n) is int and 0 <= n < 1 << 63  # what a torch size can hold
+
+
 def safetensors_header(path: PathLike, /) -> dict[str, Any]:
     """The JSON header of a ``.safetensors`` file, checked for shape and offsets; no library."""
     p = Path(path)
@@ -197,8 +202,10 @@ def safetensors_header(path: PathLike, /) -> dict[str, Any]:
             header = json.loads(f.read(header_len))
     except OSError as exc:
         raise CheckpointError(f"{p}: cannot be read ({exc.strerror or exc})") from exc
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{p}: has a corrupt safetensors header ({exc})") from exc
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # nesting past any limit
+        raise CheckpointError(
+            f"{p}: has a corrupt safetensors header ({type(exc).__name__}: {exc})"
+        ) from exc
     if not isinstance(header, dict):
         raise CheckpointError(f"{p}: has a corrupt safetensors header (not a JSON object)")
     data_len = size - 8 - header_len
@@ -213,12 +220,16 @@ def safetensors_header(path: PathLike, /) -> dict[str, Any]:
             )
         try:
             dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-            shape = [int(n) for n in entry["shape"]]
-            start, end = (int(n) for n in entry["data_offsets"])
+            shape, offsets = entry["shape"], entry["data_offsets"]
+            if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
+                raise ValueError(f"shape {shape!r} is not a list of non-negative integers")
+            if not (
+                isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))
+            ):
+                raise ValueError(f"data_offsets {offsets!r} is not two non-negative integers")
+            start, end = offsets
             numel = 1
             for n in shape:
-                if n < 0:
-                    raise ValueError("negative dimension")
                 numel *= n
             itemsize = torch.empty((), dtype=dtype).element_size()
             ok = 0 <= start <= end <= data_len and end - start == numel * itemsize
@@ -426,7 +437,7 @@ def shards(p: Path, weight_map: Mapping[str, str]) -> list[tuple[str, Path, list
 def _load_index(p: Path, target: torch.device, *, mmap: bool, trusted: bool) -> dict[str, Any]:
     try:
         index = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise CheckpointError(f"{p}: is not a readable JSON shard index ({exc})") from exc
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(

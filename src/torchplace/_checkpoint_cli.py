@@ -404,7 +404,7 @@ def describe(path: str | os.PathLike[str], /) -> list[TensorRecord]:
 def _describe_index(p: Path) -> list[TensorRecord]:
     try:
         weight_map = json.loads(p.read_text(encoding="utf-8")).get("weight_map")
-    except (OSError, ValueError, AttributeError) as exc:
+    except (OSError, ValueError, AttributeError, RecursionError) as exc:
         raise CheckpointError(f"{p}: is not a readable JSON shard index ({exc})") from exc
     if not isinstance(weight_map, dict):
         raise CheckpointError(f'{p}: is JSON but not a shard index (no "weight_map")')
