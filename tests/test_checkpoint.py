@@ -598,6 +598,54 @@ def test_extra_state_round_trip(tmp_path: Path) -> None:
     assert model.note == "v2" and torch.equal(model.lin.weight, src.lin.weight)
 
 
+class _Picky(nn.Module):
+    """Two modules with extra state; the second refuses any state but "ok"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = _WithExtra()
+        self.second = _WithExtra()
+        self.second.set_extra_state = self._refuse  # type: ignore[method-assign]
+
+    def _refuse(self, state: object) -> None:
+        if state != "ok":
+            raise ValueError(f"version {state!r} is not supported")
+        self.second.note = "ok"
+
+
+def test_a_refused_extra_state_leaves_the_model_untouched(tmp_path: Path) -> None:
+    src = _Picky()
+    src.first.note, src.second.note = "new", "v9"
+    path = save(src.state_dict(), tmp_path / "x.pt")
+    model = _Picky()
+    before = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(CheckpointError, match=r"second\._extra_state.*v9.*untouched"):
+        load_into(model, path)
+    assert model.first.note == "unset"  # set, then put back
+    after = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_load_into_gives_the_model_its_own_layout(tmp_path: Path) -> None:
+    """A weight saved as a transposed view loads contiguous, as load_state_dict's copy does."""
+    src = nn.Linear(3, 2)
+    state = {"weight": src.weight.detach().t().contiguous().t(), "bias": src.bias.detach()}
+    assert not state["weight"].is_contiguous()
+    path = save(state, tmp_path / "t.pt")
+    for model in (load_into(nn.Linear(3, 2), path), load_into(skeleton(nn.Linear, 3, 2), path)):
+        assert model.weight.is_contiguous()
+        assert torch.equal(model.weight.view(-1), src.weight.detach().reshape(-1))
+
+
+def test_load_into_keeps_a_channels_last_model_channels_last(tmp_path: Path) -> None:
+    src = nn.Conv2d(3, 4, 3)
+    path = save(src.state_dict(), tmp_path / "conv.pt")  # saved contiguous
+    built = skeleton(nn.Conv2d, 3, 4, 3).to(memory_format=torch.channels_last)
+    model = load_into(built, path)  # swaps new tensors in (a skeleton holds no memory)
+    assert model.weight.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(model.weight, src.weight)
+
+
 def test_load_into_bad_file_names_it(tmp_path: Path) -> None:
     path = tmp_path / "nothing.pt"
     with pytest.raises(CheckpointError, match=r"nothing\.pt"):

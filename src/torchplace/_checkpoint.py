@@ -675,6 +675,38 @@ def _place(slot: _Slot, value: torch.Tensor) -> None:
     slot.tensor = replacement
 
 
+_MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+
+
+def _in_layout_of(model_tensor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` laid out as ``model_tensor`` is (contiguous, or channels-last), when it is."""
+    for memory_format in _MEMORY_FORMATS:
+        if model_tensor.is_contiguous(memory_format=memory_format):
+            return value.contiguous(memory_format=memory_format)
+    return value
+
+
+def _set_extra_states(
+    p: Path, model: nn.Module, extra: Mapping[str, nn.Module], state: Mapping[str, Any]
+) -> None:
+    """``set_extra_state`` for each module whose extra state the file holds; all or none."""
+    done: list[tuple[nn.Module, Any]] = []
+    key = ""
+    try:
+        for key, module in extra.items():
+            if key in state:
+                before = module.get_extra_state()
+                module.set_extra_state(state[key])
+                done.append((module, before))
+    except Exception as exc:
+        for module, before in reversed(done):
+            module.set_extra_state(before)
+        raise CheckpointError(
+            f"{p}: {key} was refused by {type(extra[key]).__name__}.set_extra_state "
+            f"({type(exc).__name__}: {_first_sentence(str(exc))}); the model is untouched"
+        ) from exc
+
+
 def load_into(
     model: ModuleT, path: PathLike, device: DeviceSpec = None, /, *, strict: bool = True
 ) -> ModuleT:
@@ -694,7 +726,9 @@ def load_into(
     it: save to a new name and rename). A parameter that already holds memory on the target is
     filled in place. Parameter objects are kept, so tied weights stay tied and optimizers stay
     valid; a tied parameter saved under any one of its names counts as present. The model's
-    declared dtypes are kept (the file's tensors are converted). With ``strict``, missing and
+    declared dtypes and memory layouts are kept (the file's tensors are converted, and one saved
+    as a transposed view loads contiguous). A module whose ``set_extra_state`` refuses the file's
+    extra state raises ``CheckpointError`` with the model untouched. With ``strict``, missing and
     unexpected keys and shape mismatches raise ``CheckpointError`` listing them by name, and
     the model is left untouched; without it, keys that do not match are skipped (a shape
     mismatch still raises).
@@ -778,6 +812,10 @@ def load_into(
                 fills.append((slot, value))
                 continue
             placed = value.to(device=dev, dtype=current.dtype)
+            if placed.stride() != current.stride():
+                # The file keeps the layout it was saved in (a transposed view, say); the model
+                # keeps its own, as load_state_dict's copy would, so .view() works as before.
+                placed = _in_layout_of(current, placed)
             if placed.device.type != "meta":
                 # A file saved from a tied model holds one storage under two names; a model
                 # that keeps those weights apart must not end up sharing it.
@@ -794,6 +832,9 @@ def load_into(
             f"{p}: could not be placed into {type(model).__name__} ({type(exc).__name__}: "
             f"{_first_sentence(str(exc))}); the model is untouched"
         ) from exc
+    # Extra state goes first: a module's set_extra_state may refuse what the file holds, and
+    # the states already set are put back, so the refusal leaves the model untouched.
+    _set_extra_states(p, model, extra, state)
     # Phase 2: fill and swap in. Copies into memory that exists and swaps of tensors that are
     # ready do not run out of memory; should one fail all the same, the message says so.
     try:
@@ -802,9 +843,6 @@ def load_into(
                 slot.tensor.copy_(value)  # copy_ converts the dtype
         for slot, value in places:
             _place(slot, value)
-        for key, module in extra.items():
-            if key in state:
-                module.set_extra_state(state[key])
     except Exception as exc:
         raise CheckpointError(
             f"{p}: could not be placed into {type(model).__name__} ({type(exc).__name__}: "
