@@ -166,3 +166,18 @@ def test_bad_inputs() -> None:
     cyclic.append(cyclic)
     with pytest.raises(torchplace.TorchplaceError, match="cycle"):
         torchplace.devices_of(cyclic)
+
+
+def test_torch_return_types_and_list_subclasses_are_looked_into() -> None:
+    """torch.max returns a tuple subclass: its tensors are seen, not passed over as a leaf."""
+
+    class Batch(list):  # type: ignore[type-arg]
+        pass
+
+    out = torch.max(torch.randn(3, 4), 0)
+    batch = {"max": out, "extra": Batch([torch.ones(1)])}
+    assert torchplace.where(batch) == torch.device("cpu")
+    names = [s.name for s in torchplace.stragglers(batch, "meta")]
+    assert names == ["batch['max'][0]", "batch['max'][1]", "batch['extra'][0]"]
+    with pytest.raises(torchplace.PlacementError, match=r"batch\['max'\]\[0\]"):
+        torchplace.verify(batch, "meta")

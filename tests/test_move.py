@@ -751,3 +751,19 @@ def test_modules_inside_a_batch_are_named_by_their_place() -> None:
     model = nn.Linear(2, 2, device="meta")
     with pytest.raises(torchplace.MoveError, match=r"^batch\['model'\]\.weight is on meta"):
         torchplace.move({"model": model}, "cpu")
+
+
+class _TwoArgs(tuple):  # type: ignore[type-arg]
+    def __new__(cls, a: Any, b: Any) -> _TwoArgs:
+        return super().__new__(cls, (a, b))
+
+
+def test_tuple_subclasses_are_rebuilt_or_named() -> None:
+    out = torchplace.move(torch.max(torch.arange(6.0).reshape(2, 3), 1), "meta")
+    assert type(out) is torch.return_types.max
+    assert out.values.device.type == "meta" and out.indices.dtype == torch.int64
+    kept = torch.ones(1)
+    odd = {"ok": kept, "odd": _TwoArgs(torch.ones(1), 2)}
+    with pytest.raises(torchplace.MoveError, match=r"_TwoArgs.*constructor that takes one"):
+        torchplace.move(odd, "meta")
+    assert odd["ok"] is kept and odd["odd"][0].device.type == "cpu"

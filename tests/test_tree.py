@@ -7,7 +7,7 @@ every machine) and after a round trip through CUDA (values bit for bit) where a 
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict, defaultdict, namedtuple
+from collections import OrderedDict, UserList, defaultdict, namedtuple
 from typing import Any
 
 import pytest
@@ -18,6 +18,22 @@ from hypothesis import strategies as st
 import torchplace
 
 Point = namedtuple("Point", ["x", "y"])
+
+
+class Tagged(list):  # type: ignore[type-arg]
+    """A list subclass with an attribute, which a move must keep."""
+
+    tag = "class"
+
+
+def tagged(items: list[Any]) -> Tagged:
+    out = Tagged(items)
+    out.tag = "instance"
+    return out
+
+
+class Pair(tuple):  # type: ignore[type-arg]
+    """A tuple subclass that is not a namedtuple."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +64,10 @@ def containers(children: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
         st.dictionaries(keys, children, max_size=4).map(OrderedDict),
         st.dictionaries(keys, children, max_size=4).map(lambda d: defaultdict(list, d)),
         st.tuples(children, children).map(lambda t: Point(*t)),
+        st.tuples(children, children).map(torch.return_types.max),  # what torch.max returns
+        st.lists(children, max_size=4).map(tagged),
+        st.lists(children, max_size=4).map(Pair),
+        st.lists(children, max_size=4).map(UserList),
         children.map(Box),
     )
 
@@ -77,7 +97,9 @@ def assert_same_shape(before: Any, after: Any, device: torch.device, memo: dict[
             assert after.default_factory is before.default_factory
         for key in before:
             assert_same_shape(before[key], after[key], device, memo)
-    elif isinstance(before, (list, tuple)):
+    elif isinstance(before, (list, tuple, UserList)):
+        if isinstance(before, Tagged):
+            assert after.tag == before.tag
         assert len(after) == len(before)
         for x, y in zip(before, after, strict=True):
             assert_same_shape(x, y, device, memo)

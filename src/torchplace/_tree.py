@@ -1,7 +1,9 @@
 """Walking nested batches: which containers torchplace looks into, and how it rebuilds them.
 
 Containers (DESIGN.md §2): dict, OrderedDict, defaultdict (factory kept), other Mappings that can
-be rebuilt, list, tuple, namedtuple (exact class), dataclasses (a new instance, frozen ones and
+be rebuilt, list, tuple, namedtuple (exact class), subclasses of list and tuple (exact class:
+``torch.return_types`` such as ``torch.max``'s, a list subclass with its attributes) and
+``UserList``, dataclasses (a new instance, frozen ones and
 ``init=False`` fields included), and any object with its own ``.to(device)`` method. Modules and
 optimizers inside a batch are handed to the caller. Everything else is a leaf and passes unchanged.
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +32,10 @@ __all__ = ["Located", "format_path", "iter_leaves", "map_tensors"]
 MAX_DEPTH = 200
 
 _LEAF, _TENSOR, _DICT, _LIST, _TUPLE, _NAMEDTUPLE, _MAPPING, _DATACLASS, _TO, _OWNER = range(10)
+# Subclasses of list (and mutable sequences that say how to copy themselves, like UserList) and
+# of tuple (torch.return_types such as torch.max's (values, indices), and users' own).
+_LIST_LIKE, _TUPLE_LIKE = 10, 11
+_SEQUENCES = (_LIST, _TUPLE, _NAMEDTUPLE, _LIST_LIKE, _TUPLE_LIKE)
 
 _kinds: dict[type, int] = {
     torch.Tensor: _TENSOR,
@@ -60,6 +66,12 @@ def _classify(cls: type) -> int:
         kind = _TO
     elif issubclass(cls, tuple) and hasattr(cls, "_fields"):
         kind = _NAMEDTUPLE
+    elif issubclass(cls, tuple):
+        kind = _TUPLE_LIKE
+    elif issubclass(cls, list) or (
+        issubclass(cls, MutableSequence) and getattr(cls, "__copy__", None) is not None
+    ):
+        kind = _LIST_LIKE
     elif dataclasses.is_dataclass(cls):
         kind = _DATACLASS
     elif issubclass(cls, Mapping):
@@ -121,6 +133,22 @@ def _rebuild_mapping(obj: Mapping[Any, Any], changed: dict[Any, Any]) -> Mapping
             f"{type(obj).__name__}(dict) failed ({exc}); use a dict, give the class a __copy__ "
             "or a constructor that takes a dict"
         ) from exc
+
+
+def _rebuild_sequence(obj: Sequence[Any], values: list[Any]) -> Sequence[Any]:
+    """A new sequence of ``obj``'s exact type holding ``values``, ``obj`` left untouched."""
+    if isinstance(obj, tuple):
+        try:
+            return type(obj)(values)  # torch.return_types take one sequence, as tuple does
+        except Exception as exc:
+            raise TypeError(
+                f"cannot rebuild the {type(obj).__name__} tuple with moved tensors: "
+                f"{type(obj).__name__}([...]) failed ({exc}); use a tuple or a namedtuple, or "
+                "give the class a constructor that takes one sequence"
+            ) from exc
+    new = copy.copy(obj)  # a list subclass keeps its attributes; UserList copies its items
+    new[:] = values  # type: ignore[index]
+    return new
 
 
 def map_tensors(
@@ -186,7 +214,7 @@ def map_tensors(
                 else:
                     key = None
                     result = _rebuild_mapping(node, changed)
-            elif kind in (_LIST, _TUPLE, _NAMEDTUPLE):
+            elif kind in _SEQUENCES:
                 values = None
                 for key, value in enumerate(node):
                     new = walk(value, depth)
@@ -196,12 +224,15 @@ def map_tensors(
                         values[key] = new
                 if values is None:
                     return node
+                key = None
                 if kind == _LIST:
                     result = values
                 elif kind == _TUPLE:
                     result = tuple(values)
-                else:
+                elif kind == _NAMEDTUPLE:
                     result = cls(*values)
+                else:
+                    result = _rebuild_sequence(node, values)
             elif kind == _DATACLASS:
                 is_attr = True
                 updates = {}
@@ -279,7 +310,7 @@ def _children(node: Any) -> Iterator[tuple[bool, Any, Any]]:
     if isinstance(node, Mapping):
         for key, value in node.items():
             yield False, key, value
-    elif isinstance(node, (list, tuple)):
+    elif isinstance(node, Sequence):  # only containers reach here: never str or bytes
         for index, value in enumerate(node):
             yield False, index, value
     elif dataclasses.is_dataclass(node) and not isinstance(node, type):
