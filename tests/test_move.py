@@ -767,3 +767,18 @@ def test_tuple_subclasses_are_rebuilt_or_named() -> None:
     with pytest.raises(torchplace.MoveError, match=r"_TwoArgs.*constructor that takes one"):
         torchplace.move(odd, "meta")
     assert odd["ok"] is kept and odd["odd"][0].device.type == "cpu"
+
+
+def test_an_optimizer_of_another_model_is_refused_before_anything_moves() -> None:
+    model, other = nn.Linear(2, 2), nn.Linear(2, 2)
+    opt = torch.optim.SGD(other.parameters(), lr=0.1, momentum=0.9)
+    other(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    weight = model.weight
+    with pytest.raises(torchplace.MoveError, match=r"holds none of the parameters.*2 belong"):
+        torchplace.move(model, "meta", optimizer=opt)
+    assert model.weight is weight and weight.device.type == "cpu"
+    # one optimizer over two models (a GAN's, say) moves the state of the model being moved
+    both = torch.optim.SGD([*model.parameters(), *other.parameters()], lr=0.1, momentum=0.9)
+    torchplace.move(model, "meta", optimizer=both)
+    assert model.weight.device.type == "meta" and other.weight.device.type == "cpu"

@@ -605,6 +605,7 @@ def _plan_optimizer_states(
     result: list[_StatePlan] = []
     for opt_index, opt in enumerate(optimizers):
         label = "optimizer" if len(optimizers) == 1 else f"optimizer[{opt_index}]"
+        held = 0  # parameters of the moved model(s) that this optimizer holds
         for group in opt.param_groups:
             for i, p in enumerate(group["params"]):
                 pid = id(p)
@@ -612,6 +613,7 @@ def _plan_optimizer_states(
                     pid = id(current(p))
                     if pid not in final:
                         continue  # not a parameter of the model being moved
+                held += 1
                 fresh = final[pid]
                 state = opt.state.get(p)
                 new_state = None
@@ -624,6 +626,14 @@ def _plan_optimizer_states(
                     new_state = dict(state)  # re-keyed even when empty: state_dict() needs it
                 if fresh is not p or new_state is not None:
                     result.append((opt, group["params"], i, p, fresh, new_state))
+        count = sum(len(group["params"]) for group in opt.param_groups)
+        if not held and count:
+            raise MoveError(
+                f"{label} ({type(opt).__name__}) holds none of the parameters being moved (its "
+                f"{count} belong to another model), so its state would stay where it is; pass "
+                "the optimizer built on this model's parameters, or move that optimizer with "
+                "its own model. Nothing was moved"
+            )
     return result
 
 
