@@ -202,3 +202,10 @@ def test_device_does_not_initialise_cuda(gpus: FakeGPUs, monkeypatch: pytest.Mon
     monkeypatch.setattr(torch.cuda, "current_device", forbidden)
     assert torchplace.device() == torch.device("cuda:0")
     assert torchplace.device("cuda") == torch.device("cuda:0")
+
+
+@pytest.mark.parametrize("spec", ["hpu", "xla:0", "fpga", "ve", "ipu", "privateuseone"])
+def test_backends_this_torch_lacks_are_unavailable(spec: str) -> None:
+    """A device type torch can parse but has no backend for here fails now, not at the copy."""
+    with pytest.raises(torchplace.DeviceUnavailableError, match=r"no \w+ backend loaded.* cpu"):
+        torchplace.device(spec)

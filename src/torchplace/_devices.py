@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import sys
 
 import torch
 
@@ -166,19 +167,26 @@ def _checked(kind: str, index: int | None, spec: object, check: bool = True) -> 
         if check and index >= count:
             raise DeviceUnavailableError(f"{kind}:{index} requested but {_visible(kind)}")
         return torch.device(kind, index)
-    # Other backends (hpu, xla, privateuse1...): trust torch, but make the index explicit.
+    # Other backends (hpu, mtia, a plug-in's privateuse1...) answer through torch.<kind> once
+    # their plug-in is imported; XLA through torch_xla. Without either, no such device exists.
+    index = 0 if index is None else index
     module = getattr(torch, kind, None)
     if module is not None and hasattr(module, "device_count"):
         try:
             count = int(module.device_count()) if module.is_available() else 0
         except Exception:
             count = 0
-        index = 0 if index is None else index
         if check and index >= count:
             raise DeviceUnavailableError(
                 f"{kind}:{index} requested but {count} {kind} device(s) are visible"
             )
-    return torch.device(kind, 0 if index is None else index)
+    elif check and not (kind == "xla" and "torch_xla" in sys.modules):
+        raise DeviceUnavailableError(
+            f"{spec!r}: this PyTorch has no {kind} backend loaded (no torch.{kind}), so no "
+            f"{kind} device exists here; import the backend's PyTorch plug-in first, or pick one "
+            f"of {', '.join(map(str, available()))}"
+        )
+    return torch.device(kind, index)
 
 
 def _auto() -> torch.device:
