@@ -67,13 +67,23 @@ def test_explicit_cpu(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.parametrize(
     ("spec", "message"),
-    [("meta", "--device meta: meta tensors have no data"), ("cdua", "--device cdua: unknown")],
+    [
+        ("meta", "--device meta: meta tensors have no data"),
+        ("cdua", "--device cdua: unknown"),
+        ("hpu", "--device hpu: 'hpu': this PyTorch has no hpu backend"),
+    ],
 )
 def test_devices_that_cannot_be_measured(
     spec: str, message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["bench", "--device", spec]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_size_too_large_to_allocate_is_explained(capsys: pytest.CaptureFixture[str]) -> None:
+    # 100 TB: more than any host has, so the first allocation fails at once
+    assert main(["bench", "--device", "cpu", "--size", str(100 << 20)]) == 1
+    assert "could not run on cpu" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("option", ["--size", "--tensors", "--repeat"])

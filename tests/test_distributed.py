@@ -53,12 +53,27 @@ def test_nccl_without_cuda_is_refused_before_starting(outside_torchrun: None) ->
 
 
 @pytest.mark.parametrize(
+    ("backend", "message"),
+    [
+        ("bogus", r"'bogus' is not a torch.distributed backend; use one of gloo"),
+        (5, r"backend=5 is not a backend name"),
+    ],
+)
+def test_bad_backends_are_named(outside_torchrun: None, backend: object, message: str) -> None:
+    with pytest.raises(DeviceSpecError, match=message):
+        torchplace.distributed.setup(backend, single_process=True)  # type: ignore[arg-type]
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
     ("variables", "message"),
     [
         ({"LOCAL_RANK": "zero"}, r"LOCAL_RANK='zero' is not an integer"),
         ({"RANK": "-1"}, r"RANK=-1 is negative"),
         ({"RANK": "2"}, r"RANK=2 is not below WORLD_SIZE=2"),
         ({"LOCAL_RANK": "5", "LOCAL_WORLD_SIZE": "2"}, r"LOCAL_RANK=5 does not fit"),
+        ({"MASTER_PORT": "notaport"}, r"MASTER_PORT='notaport' is not an integer"),
+        ({"MASTER_PORT": "999999"}, r"MASTER_PORT=999999 is not a TCP port"),
     ],
 )
 def test_malformed_torchrun_variables_are_named(

@@ -55,6 +55,16 @@ def test_cpu_only_torch_beside_an_nvidia_driver_is_diagnosed(
     assert any("CUDA_VISIBLE_DEVICES='' hides every GPU" in p for p in found.problems)
 
 
+def test_a_broken_local_rank_is_diagnosed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What a script's torchplace.device() would fail on, doctor reports (with markup intact)."""
+    monkeypatch.setenv("LOCAL_RANK", "[abc]")
+    assert main(["doctor", "--no-bandwidth"]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "torchplace.device('auto') fails here: LOCAL_RANK='[abc]' is not an integer" in out
+
+
 def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
     assert main([]) == 2
     assert "doctor" in capsys.readouterr().out

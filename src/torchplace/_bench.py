@@ -88,13 +88,23 @@ def _positive(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``torchplace bench`` with parsed arguments; 0 when measured, 2 for a bad device."""
+    """Run ``torchplace bench`` with parsed arguments: 0 when measured, 1 when the copies could
+    not run (out of memory), 2 for a bad device."""
     try:
         target, note = _choose(args.device)
     except TorchplaceError as exc:
         print(f"torchplace bench: {exc}", file=sys.stderr)
         return 2
-    results = measure(target, size=args.size << 20, tensors=args.tensors, repeat=args.repeat)
+    try:
+        results = measure(target, size=args.size << 20, tensors=args.tensors, repeat=args.repeat)
+    except (RuntimeError, MemoryError) as exc:  # out of host or device memory, a failing device
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(
+            f"torchplace bench: the copies of --size {args.size} MiB and --tensors "
+            f"{args.tensors} could not run on {target} ({first}); try a smaller --size",
+            file=sys.stderr,
+        )
+        return 1
     if args.json:
         payload = {
             "device": str(target),

@@ -225,6 +225,13 @@ def _environment_problems() -> list[str]:
         problems.append(
             f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU; unset it or list the GPUs to use"
         )
+    from ._devices import device
+    from ._errors import TorchplaceError
+
+    try:
+        device("auto")  # what a script's torchplace.device() would pick, LOCAL_RANK included
+    except TorchplaceError as exc:
+        problems.append(f"torchplace.device('auto') fails here: {exc}")
     if torch.cuda.is_available():
         try:
             torch.empty(1).pin_memory()

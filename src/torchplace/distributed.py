@@ -53,12 +53,32 @@ def _local_device(local_rank: int) -> torch.device:
     return torch.device(auto.type, local_rank)
 
 
-def _check_backend(backend: str, dev: torch.device) -> str:
+def _check_backend(backend: object, dev: torch.device) -> str:
+    import torch.distributed as dist
+
+    if not isinstance(backend, str):
+        raise DeviceSpecError(
+            f"backend={backend!r} is not a backend name; pass a str such as 'nccl' or 'gloo', "
+            "or None to choose by device"
+        )
     name = backend.lower()
+    known = [b for b in dist.Backend.backend_list if b not in ("undefined", "fake")]
+    if name not in dist.Backend.backend_list and ":" not in name:  # "cpu:gloo,cuda:nccl" maps
+        raise DeviceSpecError(
+            f"backend={backend!r} is not a torch.distributed backend; use one of "
+            f"{', '.join(known)}, or None to choose by device"
+        )
     if name == "nccl" and dev.type != "cuda":
         raise DeviceSpecError(
             f"backend={backend!r} needs CUDA devices but this process runs on {dev}; "
             "use backend='gloo' (or None to choose)"
+        )
+    available = getattr(dist, "is_backend_available", None)  # torch 2.5 and later
+    if ":" not in name and available is not None and not available(name):
+        usable = [b for b in known if available(b)]
+        raise DeviceSpecError(
+            f"backend={backend!r} is not available in this PyTorch build; usable here: "
+            f"{', '.join(usable) or 'none'}"
         )
     return name
 
@@ -107,6 +127,12 @@ def setup(backend: str | None = None, *, single_process: bool = False) -> torch.
         )
     local_rank = _env_int("LOCAL_RANK") if under_torchrun else 0
     if under_torchrun:
+        port = _env_int("MASTER_PORT")
+        if not 0 < port < 65536:
+            raise DeviceSpecError(
+                f"MASTER_PORT={port} is not a TCP port (1 to 65535); torchrun sets it from "
+                "--master-port or --rdzv-endpoint"
+            )
         world_size, rank = _env_int("WORLD_SIZE"), _env_int("RANK")
         if rank >= world_size:
             raise DeviceSpecError(
@@ -129,14 +155,28 @@ def setup(backend: str | None = None, *, single_process: bool = False) -> torch.
     options: dict[str, object] = {}
     if dev.type == "cuda":
         options["device_id"] = dev  # binds NCCL to this device from the start
-    if under_torchrun:
-        dist.init_process_group(backend=name, **options)  # type: ignore[arg-type]
-    else:
-        dist.init_process_group(
-            backend=name,
-            store=dist.HashStore(),  # type: ignore[attr-defined]
-            rank=0,
-            world_size=1,
-            **options,  # type: ignore[arg-type]
+    try:
+        if under_torchrun:
+            dist.init_process_group(backend=name, **options)  # type: ignore[arg-type]
+        else:
+            dist.init_process_group(
+                backend=name,
+                store=dist.HashStore(),  # type: ignore[attr-defined]
+                rank=0,
+                world_size=1,
+                **options,  # type: ignore[arg-type]
+            )
+    except Exception as exc:  # a rendezvous that failed or timed out, a backend that broke
+        where = (
+            f"MASTER_ADDR={os.environ.get('MASTER_ADDR')!r}, "
+            f"MASTER_PORT={os.environ.get('MASTER_PORT')!r}"
+            if under_torchrun
+            else "a group of one process"
         )
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise TorchplaceError(
+            f"torch.distributed could not start the {name} process group for {dev} ({where}): "
+            f"{type(exc).__name__}: {first}. Check that every rank can reach MASTER_ADDR on "
+            "MASTER_PORT and that all were started with the same torchrun arguments"
+        ) from exc
     return dev
