@@ -559,16 +559,47 @@ def test_non_strict_loads_what_matches(tmp_path: Path) -> None:
         load_into(skeleton(Net), save(sd, tmp_path / "partial.pt"), strict=False)
 
 
-def test_prefixed_keys_get_a_hint(tmp_path: Path) -> None:
-    sd = {f"module.{k}": v for k, v in reference().state_dict().items()}
-    with pytest.raises(CheckpointError, match=r"extra prefix 'module\.'"):
-        load_into(skeleton(Net), save(sd, tmp_path / "ddp.pt"))
+def test_prefixed_keys_get_a_hint_that_works(tmp_path: Path) -> None:
+    class Tied(nn.Module):  # the tied weight comes first, as in a language model
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = nn.Linear(4, 4, bias=False)
+            self.emb = nn.Embedding(4, 4)
+            self.emb.weight = self.head.weight
+
+    src = Tied()
+    path = save({f"module.{k}": v for k, v in src.state_dict().items()}, tmp_path / "ddp.pt")
+    with pytest.raises(CheckpointError, match=r"extra prefix 'module\.': save them without"):
+        load_into(skeleton(Tied), path)
+    # the hint, followed word for word
+    fixed_path = tmp_path / "fixed.pt"
+    torch.save({k.removeprefix("module."): v for k, v in load(path).items()}, fixed_path)
+    model = load_into(skeleton(Tied), fixed_path)
+    assert torch.equal(model.head.weight, src.head.weight) and model.emb.weight is model.head.weight
+
+
+def test_keys_that_merely_end_alike_get_no_prefix_hint(tmp_path: Path) -> None:
+    path = save(reference().state_dict(), tmp_path / "net.pt")  # emb.weight, body.0.weight, ...
+    with pytest.raises(CheckpointError, match="does not fit Linear") as info:
+        load_into(nn.Linear(8, 8), path)
+    assert "prefix" not in str(info.value)
+
+
+def test_a_file_of_one_part_of_the_model_gets_a_hint_that_works(tmp_path: Path) -> None:
+    path = save(reference().body.state_dict(), tmp_path / "body.pt")
+    with pytest.raises(CheckpointError, match=r"prefix 'body\.'.*get_submodule\('body'\)"):
+        load_into(reference(), path)
+    model = reference()
+    load_into(model.get_submodule("body"), path)
 
 
 def test_whole_training_checkpoint_gets_a_hint(tmp_path: Path) -> None:
     path = save({"model": reference().state_dict(), "epoch": 3}, tmp_path / "all.pt")
-    with pytest.raises(CheckpointError, match=r"not a state dict.*\['model'\]"):
+    with pytest.raises(CheckpointError, match=r"not a state dict.*\['model'\], weights_path"):
         load_into(skeleton(Net), path)
+    torch.save(load(path)["model"], tmp_path / "weights.pt")  # the hint, followed
+    model = load_into(skeleton(Net), tmp_path / "weights.pt")
+    assert torch.equal(model.emb.weight, reference().emb.weight)
 
 
 def test_meta_model_loses_non_persistent_buffers(ckpt: Path) -> None:

@@ -628,22 +628,32 @@ def _listing(items: list[str], limit: int = 10) -> str:
 
 
 def _prefix_hint(missing: list[str], unexpected: list[str]) -> str:
-    """Says when the file's keys differ from the model's by a prefix (``module.`` from DDP)."""
-    if not missing or not unexpected:
+    """Says when the file's keys differ from the model's by one prefix (``module.`` from DDP).
+
+    The prefix must account for every missing key, so that a file of another model whose keys
+    merely end alike (``emb.weight`` against ``weight``) gets no false hint.
+    """
+    names = [m.split(" (tied to ")[0] for m in missing]  # missing keys as listed, ties noted
+    if not names or not unexpected:
         return ""
-    m, u = missing[0], next((k for k in unexpected if k.endswith(missing[0])), None)
-    if u is not None and u != m:
-        extra = u[: len(u) - len(m)]
-        return (
-            f"; the file's keys carry an extra prefix {extra!r} (strip it: "
-            f"{{k.removeprefix({extra!r}): v for k, v in load(path).items()}})"
-        )
-    u = unexpected[0]
-    shorter = next((k for k in missing if k.endswith(u) and k != u), None)
-    if shorter is not None:
-        return (
-            f"; the model's keys carry a prefix {shorter[: len(shorter) - len(u)]!r} the file lacks"
-        )
+    files = set(unexpected)
+    u = next((k for k in unexpected if k.endswith(names[0]) and k != names[0]), None)
+    if u is not None:
+        extra = u[: len(u) - len(names[0])]
+        if all(extra + n in files for n in names):
+            return (
+                f"; the file's keys carry an extra prefix {extra!r}: save them without it, "
+                f"torch.save({{k.removeprefix({extra!r}): v for k, v in "
+                "torchplace.load(path).items()}, fixed_path), and load fixed_path"
+            )
+    m = next((n for n in names if n.endswith(unexpected[0]) and n != unexpected[0]), None)
+    if m is not None:
+        prefix = m[: len(m) - len(unexpected[0])]
+        if all(prefix + k in set(names) for k in unexpected):
+            return (
+                f"; the model's keys carry a prefix {prefix!r} the file lacks: load into that "
+                f"part of the model, load_into(model.get_submodule({prefix.rstrip('.')!r}), path)"
+            )
     return ""
 
 
@@ -748,8 +758,9 @@ def load_into(
     nested = [k for k, v in state.items() if isinstance(v, Mapping)]
     if nested and not any(isinstance(v, torch.Tensor) for v in state.values()):
         raise CheckpointError(
-            f"{p}: holds a dict of {_listing(sorted(nested), 5)}, not a state dict; load the part "
-            f"you need, e.g. model.load_state_dict(load(path)[{nested[0]!r}])"
+            f"{p}: holds a dict of {_listing(sorted(nested), 5)}, not a state dict; save the "
+            f"part you need on its own, torch.save(torchplace.load(path)[{nested[0]!r}], "
+            "weights_path), and load_into the model from weights_path"
         )
 
     known: set[str] = set(extra)

@@ -660,7 +660,17 @@ def remap(
         raise CheckpointError(f"{dst}: cannot be written ({exc.strerror or exc})") from exc
     total = src.stat().st_size
     show = (sys.stderr.isatty() and total >= PROGRESS_MIN_BYTES) if progress is None else progress
-    obj = None if kind == "safetensors" else load(src, "cpu")
+    try:
+        obj = None if kind == "safetensors" else load(src, "cpu")
+    except CheckpointError as exc:
+        if "trusted=True" not in str(exc):
+            raise
+        calls = ", ".join(code_globals(src)) or "pickled code"
+        raise CheckpointError(
+            f"{src}: would run code when loaded ({calls}), "
+            "and remap never runs a file's code. If you trust its source, rewrite it yourself: "
+            "torch.save(torchplace.load(path, 'cpu', trusted=True), out), then remap out"
+        ) from exc
     try:
         fd, tmp_name = tempfile.mkstemp(dir=dst.parent, prefix=f".{dst.name}.", suffix=".tmp")
     except OSError as exc:
