@@ -395,7 +395,7 @@ def test_attributes_warn_by_default() -> None:
     model = WithAttribute()
     with pytest.warns(
         UserWarning,
-        match=r"left 3 plain tensor attribute\(s\) off meta \(helpers\[0\], scale, tables\)",
+        match=r"left 3 plain attribute\(s\) holding tensors off meta \(helpers\[0\], scale, tab",
     ) as record:
         torchplace.move(model, "meta")
     assert record[0].filename == __file__  # the warning points at the caller's line
@@ -408,6 +408,12 @@ def test_attributes_warn_by_default() -> None:
         "helpers[0].weight": "attribute",
         "helpers[0].bias": "attribute",
     }
+    with pytest.raises(torchplace.PlacementError) as info:
+        torchplace.verify(model, "meta")
+    lines = {line.split()[1]: line for line in str(info.value).splitlines()[1:]}
+    assert "register_buffer('scale'" in lines["scale"]
+    for name in ("helpers[0].weight", "tables[0]"):  # no register_buffer('weight') here
+        assert "nn.ModuleList" in lines[name] and "register_buffer('" not in lines[name]
 
 
 def test_attributes_move_and_ignore() -> None:

@@ -360,6 +360,12 @@ def fix_for(s: Straggler, target: torch.device, host: bool = False) -> str:
     dev = f"'{target}'"
     if s.kind == "attribute":
         attr = s.name.rpartition(".")[2]
+        if "[" in s.name:  # in a plain list, tuple or dict attribute (a module's, or a tensor)
+            return (
+                "held in a plain list or dict attribute, which Module.to() does not walk; keep "
+                "modules in nn.ModuleList / nn.ModuleDict and tensors as registered buffers "
+                "(one register_buffer each), or pass attributes='move' to torchplace.move"
+            )
         return (
             f"a plain tensor attribute, which Module.to() does not move; register it with "
             f"self.register_buffer('{attr}', ...) or pass attributes='move' to torchplace.move"

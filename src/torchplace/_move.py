@@ -717,9 +717,10 @@ def move(
     if left_behind and attributes == "warn":
         names = ", ".join(left_behind[:5]) + (", ..." if len(left_behind) > 5 else "")
         warnings.warn(
-            f"torchplace.move left {len(left_behind)} plain tensor attribute(s) off {target} "
-            f"({names}): Module.to() does not move unregistered tensors either. Register them "
-            "with self.register_buffer(name, tensor), or pass attributes='move' (or 'ignore').",
+            f"torchplace.move left {len(left_behind)} plain attribute(s) holding tensors off "
+            f"{target} ({names}): Module.to() does not move unregistered tensors either. "
+            "Register tensors with self.register_buffer(name, tensor), keep modules in "
+            "nn.ModuleList / nn.ModuleDict, or pass attributes='move' (or 'ignore').",
             UserWarning,
             stacklevel=2,
         )
