@@ -788,3 +788,28 @@ def test_an_optimizer_of_another_model_is_refused_before_anything_moves() -> Non
     both = torch.optim.SGD([*model.parameters(), *other.parameters()], lr=0.1, momentum=0.9)
     torchplace.move(model, "meta", optimizer=both)
     assert model.weight.device.type == "meta" and other.weight.device.type == "cpu"
+
+
+def test_an_own_to_without_non_blocking_is_called_plainly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Towards an accelerator move asks .to(device, non_blocking=True); a .to(device) of an
+    object's own that takes no such argument is then called with the device alone."""
+    monkeypatch.setattr(_move, "_is_accelerator", lambda dev: True)  # meta stands in for a GPU
+    encoding = InPlace()  # def to(self, device)
+    moved = torchplace.move({"enc": encoding}, "meta", non_blocking=True)
+    assert moved["enc"] is encoding and encoding.ids.device == META
+
+
+def test_tensors_without_plain_sizes_fail_with_their_name() -> None:
+    """A nested tensor cannot go to meta; the error still names it (its sizes cannot be read)
+    and gives the gist of PyTorch's error, not the dispatcher's list of every backend."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # nested tensors warn that they are a prototype
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    with pytest.raises(torchplace.MoveError) as info:
+        torchplace.move({"n": nested}, "meta")
+    message = str(info.value)
+    assert "batch['n'] (a nested float32 tensor)" in message
+    assert "full error chained" in message and len(message) < 400
+    assert "Could not run" in str(info.value.__cause__)

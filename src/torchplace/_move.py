@@ -102,11 +102,32 @@ def _meta_message(name: str, target: torch.device) -> str:
     )
 
 
+def _describe_tensor(t: torch.Tensor) -> str:
+    """``4x8 float32, 128 B``; for a tensor with no plain shape (nested), its layout instead."""
+    dtype = str(t.dtype).replace("torch.", "")
+    try:
+        shape = "x".join(str(s) for s in t.shape) or "scalar"
+        return f"{shape} {dtype}, {format_bytes(nbytes(t))}"
+    except Exception:  # a nested tensor has no sizes, and says so by raising
+        kind = "nested" if t.is_nested else str(t.layout).replace("torch.", "")
+        return f"a {kind} {dtype} tensor"
+
+
+def _first_line(exc: BaseException) -> str:
+    """The gist of an error: its first line, or first sentence when that line runs long (a
+    dispatcher error lists every backend it knows); the whole error stays chained."""
+    lines = str(exc).strip().splitlines()
+    line = lines[0] if lines else type(exc).__name__
+    if len(line) > 300:
+        end = line.find(". ", 40)
+        line = (line[: end + 1] if end > 0 else line[:300] + "...") + " (full error chained)"
+    return line
+
+
 def _failure(name: str, t: torch.Tensor, target: torch.device, exc: BaseException) -> str:
-    shape = "x".join(str(s) for s in t.shape) or "scalar"
     text = (
-        f"could not move {name} ({shape} {str(t.dtype).replace('torch.', '')}, "
-        f"{format_bytes(nbytes(t))}) from {t.device} to {target}: {exc}"
+        f"could not move {name} ({_describe_tensor(t)}) from {t.device} to {target}: "
+        f"{_first_line(exc)}"
     )
     free = free_memory(target) if _is_accelerator(target) else None
     if free is not None:
@@ -819,7 +840,11 @@ def _move_collection(
     def to(node: Any) -> Any:
         # Asynchronous only towards an accelerator: nothing here could wait for a host copy.
         if copier.non_blocking and _is_accelerator(target):
-            return node.to(target, non_blocking=True)
+            try:
+                return node.to(target, non_blocking=True)
+            except TypeError as exc:  # a .to(device) of its own that takes no non_blocking
+                if "non_blocking" not in str(exc):
+                    raise
         return node.to(target)
 
     # Batch tensors move with autograd, as Tensor.to does: activations keep their graph.
