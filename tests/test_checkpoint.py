@@ -346,6 +346,29 @@ def test_a_pipe_is_refused_not_read_for_ever(tmp_path: Path) -> None:
         load(tmp_path / "model.pt")
 
 
+@pytest.mark.parametrize(
+    ("error", "message"),
+    [
+        (RuntimeError("DefaultCPUAllocator: can't allocate memory"), "ran out of memory while"),
+        (MemoryError(), "ran out of memory while"),
+        (RuntimeError("CUDA error: unspecified launch failure"), "the device failing"),
+    ],
+    ids=["allocator", "memory-error", "device"],
+)
+def test_failures_that_are_not_the_files_fault_say_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: Exception, message: str
+) -> None:
+    path = save({"w": torch.ones(2)}, tmp_path / "good.pt")
+
+    def failing(*args: object, **kwargs: object) -> object:
+        raise error
+
+    monkeypatch.setattr(torch, "load", failing)
+    with pytest.raises(CheckpointError, match=message) as info:
+        load(path)
+    assert "good.pt" in str(info.value) and "truncated" not in str(info.value)
+
+
 def _fuzz_cases(data: bytes, seed: int, count: int) -> list[bytes]:
     rng = random.Random(seed)
     cases = [data[:n] for n in sorted({rng.randrange(1, len(data)) for _ in range(count)})]

@@ -308,7 +308,7 @@ def _load_torch(
             ) from exc
         raise CheckpointError(f"{p}: is corrupt ({_first_sentence(text)})") from exc
     except Exception as exc:
-        raise CheckpointError(f"{p}: {_diagnose(exc, zip_format)}") from exc
+        raise CheckpointError(f"{p}: {_diagnose(exc, zip_format, target)}") from exc
 
 
 # torch's legacy (non-zip) files open with this number, pickled on its own.
@@ -343,9 +343,40 @@ def _refusal_reason(text: str) -> str:
     return "it holds objects beyond tensors and containers"
 
 
-def _diagnose(exc: BaseException, zip_format: bool) -> str:
+_OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # torch < 2.5
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    text = str(exc)
+    return (
+        isinstance(exc, (MemoryError, _OUT_OF_MEMORY))
+        or "can't allocate memory" in text
+        or "out of memory" in text.lower()
+    )
+
+
+def _device_failure(exc: BaseException) -> bool:
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        marker in text for marker in ("CUDA error", "CUDA driver", "HIP error", "XPU error")
+    )
+
+
+def _diagnose(exc: BaseException, zip_format: bool, target: torch.device) -> str:
     text = _first_sentence(str(exc) or type(exc).__name__)
-    if isinstance(exc, (EOFError, MemoryError)) or "failed finding central directory" in text:
+    if _out_of_memory(exc):
+        return (
+            f"ran out of memory while being read onto {target} ({type(exc).__name__}: {text}); "
+            "free memory, read it with mmap=True (the file is then mapped, not copied), or load "
+            "it onto another device. If the file is far smaller than the free memory, a length "
+            "in it is damaged"
+        )
+    if _device_failure(exc):
+        return (
+            f"could not be placed onto {target} ({text}); the file may be sound and the device "
+            "failing: run torchplace doctor, or load it onto the CPU"
+        )
+    if isinstance(exc, EOFError) or "failed finding central directory" in text:
         return f"is truncated ({text}); the save was probably interrupted, save it again"
     if "TorchScript" in text:
         return (
@@ -396,6 +427,8 @@ def _load_safetensors(p: Path, target: torch.device, *, mmap: bool) -> dict[str,
         with safetensors.safe_open(str(p), framework="pt", device=_safetensors_device(target)) as f:
             return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
     except Exception as exc:
+        if _out_of_memory(exc) or _device_failure(exc):
+            raise CheckpointError(f"{p}: {_diagnose(exc, True, target)}") from exc
         raise CheckpointError(
             f"{p}: cannot be read as safetensors ({_first_sentence(str(exc))}); it is truncated "
             "or corrupt"
