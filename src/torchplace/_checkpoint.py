@@ -743,7 +743,8 @@ def _set_extra_states(
                 done.append((module, before))
     except Exception as exc:
         for module, before in reversed(done):
-            module.set_extra_state(before)
+            with contextlib.suppress(Exception):  # it took this state a moment ago
+                module.set_extra_state(before)
         raise CheckpointError(
             f"{p}: {key} was refused by {type(extra[key]).__name__}.set_extra_state "
             f"({type(exc).__name__}: {_first_sentence(str(exc))}); the model is untouched"
