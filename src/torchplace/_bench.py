@@ -21,7 +21,7 @@ import torch
 
 from ._consolidate import _consolidate, consolidated_copy
 from ._devices import device as _parse_device
-from ._errors import TorchplaceError
+from ._errors import TorchplaceError, first_line
 
 __all__ = ["Measurement", "measure", "register"]
 
@@ -98,10 +98,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         results = measure(target, size=args.size << 20, tensors=args.tensors, repeat=args.repeat)
     except (RuntimeError, MemoryError) as exc:  # out of host or device memory, a failing device
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(
             f"torchplace bench: the copies of --size {args.size} MiB and --tensors "
-            f"{args.tensors} could not run on {target} ({first}); try a smaller --size",
+            f"{args.tensors} could not run on {target} ({first_line(exc)}); try a smaller --size",
             file=sys.stderr,
         )
         return 1

@@ -119,25 +119,25 @@ def detect_format(path: PathLike, /) -> str:
     """
     p = as_path(path)
     try:
-        mode = p.stat().st_mode
+        info = p.stat()
     except FileNotFoundError:
         hint = _near_misses(p)
         raise CheckpointError(f"{p}: no such file; check the path{hint}") from None
     except OSError as exc:  # a name too long, a permission on a parent directory, ...
         raise CheckpointError(f"{p}: cannot be read ({exc.strerror or exc})") from exc
-    if stat.S_ISDIR(mode):
+    if stat.S_ISDIR(info.st_mode):
         found = sorted(
             q.name for q in p.iterdir() if q.is_file() and q.name.endswith(_CHECKPOINT_SUFFIXES)
         )
         which = f": pass one of its files ({', '.join(found[:5])})" if found else ""
         raise CheckpointError(f"{p}: is a directory, not a checkpoint file{which}")
-    if not stat.S_ISREG(mode):
+    if not stat.S_ISREG(info.st_mode):
         raise CheckpointError(
             f"{p}: is not a regular file (a pipe, socket or device); save the checkpoint to a "
             "file and pass its path"
         )
+    size = info.st_size
     try:
-        size = p.stat().st_size
         with p.open("rb") as f:
             head = f.read(16)
     except OSError as exc:

@@ -23,7 +23,13 @@ import torch
 from torch import nn
 
 from ._devices import device as _device
-from ._errors import DeviceMismatchError, DeviceSpecError, MoveError, TorchplaceError
+from ._errors import (
+    DeviceMismatchError,
+    DeviceSpecError,
+    MoveError,
+    TorchplaceError,
+    first_line,
+)
 from ._plan import _display, _Tree, _walk
 from ._tree import Located, map_tensors
 
@@ -264,12 +270,7 @@ class _ExplainClash:
         except RuntimeError as err:
             if not _DEVICE_ERROR.search(str(err)):
                 raise
-            raise DeviceMismatchError(self.message.replace("{error}", _first_line(err))) from err
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
+            raise DeviceMismatchError(self.message.replace("{error}", first_line(err))) from err
 
 
 def _split_message(path: str, name: str, spread: str) -> str:

@@ -65,3 +65,10 @@ class MoveError(TorchplaceError):
 
 class CheckpointError(TorchplaceError):
     """A checkpoint that cannot be read or does not fit the model."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an error's message (its type's name when it has none), for quoting
+    PyTorch's errors inside torchplace's own; the whole error stays chained as the cause."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -15,6 +15,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from ._consolidate import _PLAIN
 from ._devices import DeviceSpec, normalize
 from ._errors import MixedDevicesError, NoTensorsError, PlacementError, TorchplaceError
 from ._tree import iter_leaves
@@ -76,9 +77,6 @@ def format_bytes(n: int) -> str:
             return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
-
-
-_PLAIN = (torch.Tensor, nn.Parameter)
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ._consolidate import consolidated_copy, should_consolidate, small_host_tensors
 from ._devices import DeviceSpec, free_memory
 from ._devices import device as _device
-from ._errors import MoveError, TorchplaceError
+from ._errors import MoveError, TorchplaceError, first_line
 from ._inspect import (
     MODULE_INTERNALS,
     current,
@@ -116,8 +116,7 @@ def _describe_tensor(t: torch.Tensor) -> str:
 def _first_line(exc: BaseException) -> str:
     """The gist of an error: its first line, or first sentence when that line runs long (a
     dispatcher error lists every backend it knows); the whole error stays chained."""
-    lines = str(exc).strip().splitlines()
-    line = lines[0] if lines else type(exc).__name__
+    line = first_line(exc)
     if len(line) > 300:
         end = line.find(". ", 40)
         line = (line[: end + 1] if end > 0 else line[:300] + "...") + " (full error chained)"

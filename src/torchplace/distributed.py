@@ -15,7 +15,7 @@ import torch
 
 from ._devices import _count, _visible
 from ._devices import device as _device
-from ._errors import DeviceSpecError, DeviceUnavailableError, TorchplaceError
+from ._errors import DeviceSpecError, DeviceUnavailableError, TorchplaceError, first_line
 
 __all__ = ["setup"]
 
@@ -173,10 +173,10 @@ def setup(backend: str | None = None, *, single_process: bool = False) -> torch.
             if under_torchrun
             else "a group of one process"
         )
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise TorchplaceError(
             f"torch.distributed could not start the {name} process group for {dev} ({where}): "
-            f"{type(exc).__name__}: {first}. Check that every rank can reach MASTER_ADDR on "
-            "MASTER_PORT and that all were started with the same torchrun arguments"
+            f"{type(exc).__name__}: {first_line(exc)}. Check that every rank can reach "
+            "MASTER_ADDR on MASTER_PORT and that all were started with the same torchrun "
+            "arguments"
         ) from exc
     return dev
