@@ -6,11 +6,18 @@ than with one ``.to()`` each.
     python benchmarks/bench_copies.py            # the 500-tensor comparison, as a ratio
     python benchmarks/bench_copies.py --sweep    # counts x sizes; prints MIN_COUNT and
                                                  # MAX_TENSOR_BYTES for torchplace/_consolidate.py
+    python benchmarks/bench_copies.py --host     # the host-side work alone, on any machine
     pytest benchmarks/bench_copies.py -s         # the same comparison, skipped without CUDA
 
 It also times the alternative way of splitting on the device (one ``clone`` per slice of the
-landed buffer) against the fused split torchplace uses, so that choice stays measured.
+landed buffer) against the fused split torchplace uses, so that choice stays measured, and the
+same comparison with 500 tensors of 500 different shapes, which the split cannot cut shape by
+shape (the 500 tensors of the target come in three shapes, as a model's layers repeat theirs).
 Without CUDA it says so and exits 0: the figures only mean something on a GPU.
+
+``--host`` times what a consolidated copy does on the host (checks, grouping, packing, cutting
+views, one ``clone`` per view) by copying to ``meta``, which moves no bytes; it runs anywhere
+and is how a change to that bookkeeping is measured on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from torchplace._consolidate import MAX_TENSOR_BYTES, MIN_COUNT, consolidated_copy
+from torchplace._consolidate import MAX_TENSOR_BYTES, MIN_COUNT, _consolidate, consolidated_copy
 
 TARGET_RATIO = 4.0
 SIZES = (256, 1024, 4096)  # float32 elements per small tensor, in turn: 1, 4 and 16 KiB
@@ -67,9 +74,18 @@ def _clone_slices(tensors: Sequence[torch.Tensor], device: torch.device) -> list
     ]
 
 
-def compare(device: torch.device, count: int = 500, repeat: int = 40) -> dict[str, float]:
+def small_tensors(count: int, *, distinct: bool = False) -> list[torch.Tensor]:
+    """``count`` small float32 tensors of 1, 4 and 16 KiB in turn, or of ``count`` shapes."""
+    if distinct:  # as many shapes as tensors, about the same sizes
+        return [torch.rand(SIZES[i % len(SIZES)] + i // len(SIZES) + 1) for i in range(count)]
+    return [torch.rand(SIZES[i % len(SIZES)]) for i in range(count)]
+
+
+def compare(
+    device: torch.device, count: int = 500, repeat: int = 40, *, distinct: bool = False
+) -> dict[str, float]:
     """Seconds for ``count`` small tensors: per-tensor ``.to()``, consolidated, clone split."""
-    tensors = [torch.rand(SIZES[i % len(SIZES)]) for i in range(count)]
+    tensors = small_tensors(count, distinct=distinct)
     pinned = [t.pin_memory() for t in tensors]
     best = _interleaved(
         {
@@ -124,10 +140,32 @@ def sweep(device: torch.device, repeat: int = 10) -> tuple[int, int]:
     return min_count, max_bytes
 
 
-def report(figures: dict[str, float]) -> bool:
+def host_side(count: int = 500, repeat: int = 200) -> dict[str, float]:
+    """Seconds of host-side work for ``count`` small tensors, consolidated onto ``meta``."""
+    meta = torch.device("meta")
+    cases = {
+        "three_shapes": small_tensors(count),
+        "distinct_shapes": small_tensors(count, distinct=True),
+        "steps_and_biases": [torch.rand(()) if i % 2 else torch.rand(512) for i in range(count)],
+    }
+    best = {}
+    for name, tensors in cases.items():
+        _consolidate(tensors, meta, pin=False, non_blocking=False)
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            _consolidate(tensors, meta, pin=False, non_blocking=False)
+            times.append(time.perf_counter() - start)
+        best[name] = min(times)
+    for name, seconds in best.items():
+        print(f"host side, {count} tensors, {name.replace('_', ' ')}: {seconds * 1e3:.3f} ms")
+    return best
+
+
+def report(figures: dict[str, float], label: str = "500 small tensors") -> bool:
     met = figures["ratio"] >= TARGET_RATIO
     print(
-        f"500 small tensors: per-tensor .to() {figures['per_tensor_s'] * 1e3:.2f} ms, "
+        f"{label}: per-tensor .to() {figures['per_tensor_s'] * 1e3:.2f} ms, "
         f"from pinned {figures['per_tensor_pinned_s'] * 1e3:.2f} ms, "
         f"consolidated {figures['consolidated_s'] * 1e3:.2f} ms, "
         f"clone split {figures['clone_split_s'] * 1e3:.2f} ms"
@@ -146,7 +184,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="measure the threshold")
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--count", type=int, default=500)
+    parser.add_argument("--host", action="store_true", help="host-side work only, any machine")
     args = parser.parse_args(argv)
+    if args.host:
+        host_side(args.count)
+        return 0
     if not torch.cuda.is_available():
         print("bench_copies: skipped, no CUDA device (the targets apply to a GPU)")
         return 0
@@ -154,7 +196,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.sweep:
         sweep(device)
         return 0
-    return 0 if report(compare(device, args.count)) else 1
+    met = report(compare(device, args.count))
+    report(compare(device, args.count, distinct=True), f"{args.count} shapes (not the target)")
+    return 0 if met else 1
 
 
 def test_consolidated_copies_against_per_tensor() -> None:

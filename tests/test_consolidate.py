@@ -170,6 +170,17 @@ def test_groups_of_every_rank_keep_their_shapes() -> None:
     assert_owns_storage(out)
 
 
+def test_shared_and_lone_shapes_interleaved_come_back_in_order() -> None:
+    # Tensors of one shape are packed back to back and cut by one unbind, lone shapes in runs
+    # between them: every result must still land at its own index.
+    shapes = [(2,), (3,), (2,), (), (5,), (3, 3), (2,), (), (7, 1), (3,), (4,)]
+    tensors = [random_bits(shape, torch.float32, seed=i) for i, shape in enumerate(shapes)]
+    out = _consolidate(tensors, CPU, pin=False, non_blocking=False)
+    for a, b in zip(out, tensors, strict=True):
+        assert_same(a, b)
+    assert_owns_storage(out)
+
+
 # --- the public entry points ----------------------------------------------------------------
 
 
