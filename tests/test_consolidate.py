@@ -99,6 +99,18 @@ def test_each_dtype_bit_identical(dtype: torch.dtype) -> None:
         assert_same(a, b)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_each_dtype_bit_identical_when_shapes_repeat(dtype: torch.dtype) -> None:
+    # Six tensors of one shape are packed by one stack (or a memmove each where the dtype has
+    # no CPU copy kernel in every PyTorch), two of another shape one by one.
+    shapes = [(2, 3)] * 6 + [(5,)] * 2
+    tensors = [random_bits(shape, dtype, seed=i) for i, shape in enumerate(shapes)]
+    out = _consolidate(tensors, CPU, pin=False, non_blocking=False)
+    for a, b in zip(out, tensors, strict=True):
+        assert_same(a, b)
+    assert_owns_storage(out)
+
+
 def test_mixed_bit_identical_with_the_strides_of_to() -> None:
     tensors = mixed()
     out = _consolidate(tensors, CPU, pin=False, non_blocking=False)

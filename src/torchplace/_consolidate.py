@@ -7,11 +7,11 @@ pays it once::
     host tensors --pack--> one staging buffer --one copy--> one device buffer --split--> results
                  (pinned, offsets aligned to 16 bytes)            (a few fused kernels)
 
-Packing copies each host tensor's bytes into the pinned staging buffer with one ``memmove``
-(no tensor operation, so no per-tensor dispatch), grouped by dtype and, inside a dtype, by shape.
-Splitting cuts each dtype's region into views shaped like the inputs (tensors of one shape lie
-back to back, so one ``unbind`` makes all their views, the usual case for biases, norms and
-optimizer steps) and makes owned results with one fused
+Packing copies host tensors into the pinned staging buffer grouped by dtype and, inside a dtype,
+by shape: one ``torch.stack`` for each shape held by several tensors (the usual case: a model's
+layers repeat their shapes), and one ``memmove`` (no tensor operation, so no dispatch) for each
+of the others. Splitting cuts each dtype's region into views shaped like the inputs (one
+``unbind`` for each shape's tensors, lying back to back) and makes owned results with one fused
 ``torch._foreach_add(views, 0)``, which CUDA runs as a handful of multi-tensor kernels that also
 allocate every result. Floating dtypes that CUDA's fused kernels compute in their own type
 (float32, float64, complex64) get a fused ``_foreach_copy_`` on top, since ``x + 0`` turns -0.0
@@ -182,6 +182,29 @@ _FUSED_EXACT = frozenset(
 )
 
 
+# From this many host tensors of one shape, one `torch.stack` into the staging buffer packs
+# them faster than a `memmove` each (a C++ loop against a Python one: on a 2-core CPU, 0.24 ms
+# against 0.49 for 500 tensors in three shapes, and a tie at 2-3 tensors). Only dtypes whose CPU
+# copy kernel moves bytes as they are in every PyTorch from 2.4 take it; the rest (float8,
+# sub-byte integers, which have no CPU copy kernel) keep the memmove.
+_STACK_FROM = 4
+_STACKABLE = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+    }
+)
+
+
 def _packable(t: torch.Tensor) -> bool:
     """Whether ``t``'s bytes can be packed as they lie and unpacked by its shape alone."""
     return (
@@ -223,7 +246,15 @@ def _consolidate(
     with torch.no_grad():
         for i, t in enumerate(tensors):
             if _packable(t):
-                groups.setdefault(t.dtype, {}).setdefault(t.shape, []).append(i)
+                shapes = groups.get(t.dtype)
+                if shapes is None:
+                    shapes = groups[t.dtype] = {}
+                shape = t.shape
+                indices = shapes.get(shape)
+                if indices is None:
+                    shapes[shape] = [i]
+                else:
+                    indices.append(i)
             else:
                 results[i] = t.to(
                     device, non_blocking=non_blocking and device.type != "cpu", copy=True
@@ -259,12 +290,17 @@ def _pack_and_split(
     packed = torch.empty(
         total, dtype=torch.uint8, device=source, pin_memory=pin and source.type == "cpu"
     )
-    if source.type == "cpu":  # one memmove per tensor: no tensor op, so no dispatch cost
+    if source.type == "cpu":
         base, memmove = packed.data_ptr(), ctypes.memmove
         for dtype, shapes, offset, _ in regions:
             for shape, indices in shapes.items():
                 nbytes = shape.numel() * dtype.itemsize
-                for i in indices:
+                if len(indices) >= _STACK_FROM and dtype in _STACKABLE:
+                    block = packed.narrow(0, offset, nbytes * len(indices)).view(dtype)
+                    torch.stack([tensors[i] for i in indices], out=block.view(-1, *shape))
+                    offset += nbytes * len(indices)
+                    continue
+                for i in indices:  # one memmove each: no tensor op, so no dispatch cost
                     memmove(base + offset, tensors[i].data_ptr(), nbytes)
                     offset += nbytes
     else:
@@ -302,8 +338,11 @@ def _views(
     tensor each with one ``unflatten_dense_tensors``. Both loop in C++, where a slice and a
     view per tensor from Python would cost about two microseconds each.
     """
+    if len(shapes) == len(tensors) or all(len(indices) == 1 for indices in shapes.values()):
+        lone = [tensors[indices[0]] for indices in shapes.values()]  # no shape repeats
+        return list(_unflatten_dense_tensors(flat, lone))  # type: ignore[no-untyped-call]
     views: list[torch.Tensor] = []
-    lone: list[torch.Tensor] = []  # tensors of shapes held once, not yet cut
+    lone = []  # tensors of shapes held once, not yet cut
     start = offset = 0
     for shape, indices in shapes.items():
         numel = shape.numel()
