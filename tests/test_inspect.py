@@ -181,3 +181,43 @@ def test_torch_return_types_and_list_subclasses_are_looked_into() -> None:
     assert names == ["batch['max'][0]", "batch['max'][1]", "batch['extra'][0]"]
     with pytest.raises(torchplace.PlacementError, match=r"batch\['max'\]\[0\]"):
         torchplace.verify(batch, "meta")
+
+
+class _Graph:
+    """A batch class with its own .to() that holds its tensors in plain attributes."""
+
+    __slots__ = ("edges", "parent", "x")
+
+    def __init__(self, x: torch.Tensor, edges: torch.Tensor) -> None:
+        self.x, self.edges, self.parent = x, edges, None
+
+    def to(self, device: object) -> _Graph:
+        return _Graph(self.x.to(device), self.edges.to(device))  # type: ignore[arg-type]
+
+
+class _Node:
+    def __init__(self, x: torch.Tensor) -> None:
+        self.x = x
+        self.children: list[_Node] = []
+        self.up: _Node | None = None
+
+    def to(self, device: object) -> _Node:
+        return _Node(self.x.to(device))  # type: ignore[arg-type]
+
+
+def test_objects_with_their_own_to_are_looked_into() -> None:
+    graph = _Graph(torch.randn(4, 3), torch.zeros(2, 5, dtype=torch.long))
+    batch = {"g": graph}
+    assert torchplace.devices_of(batch) == {torch.device("cpu")}
+    assert torchplace.where(graph) == torch.device("cpu")
+    names = [s.name for s in torchplace.stragglers(batch, "meta")]
+    assert names == ["batch['g'].edges", "batch['g'].x"]
+    with pytest.raises(torchplace.PlacementError, match=r"batch\['g'\]\.edges"):
+        torchplace.verify(batch, "meta")
+    torchplace.verify(torchplace.move(batch, "meta"), "meta")
+    # A link back to a parent is not a cycle worth refusing: it is not followed.
+    root = _Node(torch.ones(1))
+    child = _Node(torch.ones(2))
+    root.children.append(child)
+    child.up = root
+    assert len(torchplace.stragglers(root, "meta", optimizer=None)) == 2

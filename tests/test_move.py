@@ -197,6 +197,61 @@ def test_every_container_kind_is_rebuilt_faithfully() -> None:
     assert moved["od"]["b"] is moved["list"][0] is moved["pair"].left is moved["frozen"].image
 
 
+@dataclasses.dataclass
+class _Output(OrderedDict):  # type: ignore[type-arg]
+    """What Hugging Face's ModelOutput is: a dataclass and an OrderedDict kept in step by its
+    own item and attribute assignment."""
+
+    logits: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if value is not None:
+                super().__setitem__(field.name, value)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        super().__setattr__(key, value)
+
+    def to_tuple(self) -> tuple[Any, ...]:
+        return tuple(self.values())
+
+
+def test_a_mapping_dataclass_is_rebuilt_through_its_items() -> None:
+    out = _Output(logits=torch.ones(2, 3))
+    moved = torchplace.move(out, "meta")
+    assert type(moved) is _Output and moved is not out
+    assert moved.logits is moved["logits"] is moved.to_tuple()[0]
+    assert moved.logits.device == META and moved.loss is None
+    assert out.logits.device == CPU and out["logits"].device == CPU  # the original untouched
+
+
+def test_a_real_model_output_moves_whole() -> None:
+    outputs = pytest.importorskip("transformers.modeling_outputs")
+    out = outputs.CausalLMOutputWithPast(logits=torch.ones(2, 3))
+    moved = torchplace.move(out, "meta")
+    assert moved.logits.device == moved["logits"].device == moved[0].device == META
+    assert moved.to_tuple()[0] is moved.logits
+
+
+def test_deques_and_unset_dataclass_fields() -> None:
+    from collections import deque
+
+    @dataclasses.dataclass
+    class Lazy:
+        x: torch.Tensor
+        cache: torch.Tensor = dataclasses.field(init=False)
+
+    t = torch.ones(2)
+    moved = torchplace.move({"q": deque([t, 1], maxlen=3), "lazy": Lazy(t)}, "meta")
+    assert type(moved["q"]) is deque and moved["q"].maxlen == 3
+    assert moved["q"][0].device == META and moved["q"][1] == 1
+    assert moved["lazy"].x.device == META and not hasattr(moved["lazy"], "cache")
+    assert torchplace.devices_of(moved) == {META}
+
+
 def test_shared_containers_stay_shared() -> None:
     inner = [torch.ones(1)]
     moved = torchplace.move({"a": inner, "b": inner}, "meta")
@@ -764,13 +819,28 @@ class _TwoArgs(tuple):  # type: ignore[type-arg]
         return super().__new__(cls, (a, b))
 
 
+class _Star(tuple):  # type: ignore[type-arg]
+    def __new__(cls, *items: Any) -> _Star:
+        return super().__new__(cls, items)
+
+
+class _Scaled(tuple):  # type: ignore[type-arg]
+    def __new__(cls, items: Any, scale: float) -> _Scaled:
+        return super().__new__(cls, items)
+
+
 def test_tuple_subclasses_are_rebuilt_or_named() -> None:
     out = torchplace.move(torch.max(torch.arange(6.0).reshape(2, 3), 1), "meta")
     assert type(out) is torch.return_types.max
     assert out.values.device.type == "meta" and out.indices.dtype == torch.int64
+    # Constructors that take the items one by one: Star(*items) would wrap a list in one item.
+    for odd_class in (_TwoArgs, _Star):
+        moved = torchplace.move(odd_class(torch.ones(2), 7), "meta")
+        assert type(moved) is odd_class and len(moved) == 2
+        assert moved[0].device.type == "meta" and moved[1] == 7
     kept = torch.ones(1)
-    odd = {"ok": kept, "odd": _TwoArgs(torch.ones(1), 2)}
-    with pytest.raises(torchplace.MoveError, match=r"_TwoArgs.*constructor that takes one"):
+    odd = {"ok": kept, "odd": _Scaled((torch.ones(1), 2), 0.5)}
+    with pytest.raises(torchplace.MoveError, match=r"_Scaled.*constructor that takes one"):
         torchplace.move(odd, "meta")
     assert odd["ok"] is kept and odd["odd"][0].device.type == "cpu"
 

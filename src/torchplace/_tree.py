@@ -72,10 +72,12 @@ def _classify(cls: type) -> int:
         issubclass(cls, MutableSequence) and getattr(cls, "__copy__", None) is not None
     ):
         kind = _LIST_LIKE
+    elif issubclass(cls, Mapping):
+        # Before dataclasses: a Hugging Face ModelOutput is both, and only its item assignment
+        # keeps its items, its attributes and to_tuple() in step.
+        kind = _MAPPING
     elif dataclasses.is_dataclass(cls):
         kind = _DATACLASS
-    elif issubclass(cls, Mapping):
-        kind = _MAPPING
     else:
         kind = _LEAF
     _kinds[cls] = kind
@@ -111,6 +113,9 @@ class _TooDeep(Exception):
     pass
 
 
+_UNSET = object()
+
+
 def _rebuild_mapping(obj: Mapping[Any, Any], changed: dict[Any, Any]) -> Mapping[Any, Any]:
     """A new mapping of ``obj``'s exact type with the changed values, ``obj`` left untouched."""
     if isinstance(obj, dict) or (
@@ -138,16 +143,29 @@ def _rebuild_mapping(obj: Mapping[Any, Any], changed: dict[Any, Any]) -> Mapping
 def _rebuild_sequence(obj: Sequence[Any], values: list[Any]) -> Sequence[Any]:
     """A new sequence of ``obj``'s exact type holding ``values``, ``obj`` left untouched."""
     if isinstance(obj, tuple):
-        try:
-            return type(obj)(values)  # torch.return_types take one sequence, as tuple does
-        except Exception as exc:
-            raise TypeError(
-                f"cannot rebuild the {type(obj).__name__} tuple with moved tensors: "
-                f"{type(obj).__name__}([...]) failed ({exc}); use a tuple or a namedtuple, or "
-                "give the class a constructor that takes one sequence"
-            ) from exc
+        # torch.return_types take one sequence, as tuple does; a subclass whose constructor
+        # takes its items one by one would wrap them instead, so the result is checked.
+        cls: Any = type(obj)
+        for star in (False, True):
+            try:
+                rebuilt = cls(*values) if star else cls(values)
+            except Exception:
+                continue
+            if len(rebuilt) == len(values) and all(
+                a is b for a, b in zip(rebuilt, values, strict=True)
+            ):
+                return rebuilt  # type: ignore[no-any-return]
+        raise TypeError(
+            f"cannot rebuild the {cls.__name__} tuple with moved tensors: neither "
+            f"{cls.__name__}([...]) nor {cls.__name__}(*items) gives back the items; use a "
+            "tuple or a namedtuple, or give the class a constructor that takes one sequence"
+        )
     new = copy.copy(obj)  # a list subclass keeps its attributes; UserList copies its items
-    new[:] = values  # type: ignore[index]
+    if isinstance(new, list):
+        new[:] = values
+    else:  # UserList, deque (maxlen kept) and other mutable sequences
+        new.clear()  # type: ignore[attr-defined]
+        new.extend(values)  # type: ignore[attr-defined]
     return new
 
 
@@ -238,7 +256,9 @@ def map_tensors(
                 updates = {}
                 for field in dataclasses.fields(node):
                     key = field.name
-                    value = getattr(node, key)
+                    value = getattr(node, key, _UNSET)  # an init=False field may be unset
+                    if value is _UNSET:
+                        continue
                     new = walk(value, depth)
                     if new is not value:
                         updates[key] = new
@@ -315,7 +335,26 @@ def _children(node: Any) -> Iterator[tuple[bool, Any, Any]]:
             yield False, index, value
     elif dataclasses.is_dataclass(node) and not isinstance(node, type):
         for field in dataclasses.fields(node):
-            yield True, field.name, getattr(node, field.name)
+            value = getattr(node, field.name, _UNSET)
+            if value is not _UNSET:
+                yield True, field.name, value
+    elif _classify(type(node)) == _TO:  # its own .to() moves what its attributes hold
+        for name, value in _attributes(node):
+            yield True, name, value
+
+
+def _attributes(obj: Any) -> Iterator[tuple[str, Any]]:
+    """The instance attributes of ``obj``: its ``__dict__`` and the slots of its classes."""
+    names: dict[str, None] = dict.fromkeys(getattr(obj, "__dict__", {}))
+    for klass in type(obj).__mro__:
+        slots = klass.__dict__.get("__slots__", ())
+        names.update(dict.fromkeys((slots,) if isinstance(slots, str) else slots))
+    for name in names:
+        if name in ("__dict__", "__weakref__"):
+            continue
+        value = getattr(obj, name, _UNSET)
+        if value is not _UNSET:
+            yield name, value
 
 
 def iter_leaves(
@@ -323,8 +362,9 @@ def iter_leaves(
 ) -> Iterator[tuple[str, Any]]:
     """Every tensor, module and optimizer in ``obj`` with its path, each object once.
 
-    Looks inside objects with their own ``.to`` method when they are mappings, sequences or
-    dataclasses (tokenizer outputs, TensorDict), so nothing that can be seen is missed.
+    Looks inside objects with their own ``.to`` method: into their items when they are mappings,
+    sequences or dataclasses (tokenizer outputs, TensorDict), else into their attributes (a
+    graph batch class), so that nothing ``move`` moves goes unseen.
     A cycle raises ``TorchplaceError``, unless ``skip_cycles`` (a module's own attributes, which
     ``Module.to`` never walks, may be cyclic configuration): then the way back is not followed.
 
@@ -346,8 +386,8 @@ def iter_leaves(
                 seen.add(id(node))
                 yield path, node
             return
-        if skip_cycles and id(node) in on_path:
-            return
+        if id(node) in on_path and (skip_cycles or kind == _TO):
+            return  # a .to() object's attributes may point back at it (a parent link)
         if id(node) in on_path or depth > MAX_DEPTH:
             raise TorchplaceError(_depth_message(obj, root))
         if id(node) in seen:
