@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -221,3 +222,93 @@ def test_objects_with_their_own_to_are_looked_into() -> None:
     root.children.append(child)
     child.up = root
     assert len(torchplace.stragglers(root, "meta", optimizer=None)) == 2
+
+
+def test_an_optimizer_holding_replaced_parameters_fails_verify_even_without_state() -> None:
+    # Trap 2 before the first step: nothing in the state would give the stale parameters away.
+    model = nn.Linear(3, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    torchplace.move(model, "meta")  # replaces the parameters; the optimizer was not passed
+    names = [s.name for s in torchplace.stragglers(model, "meta", optimizer=opt)]
+    assert names == [
+        "optimizer.param_groups[0]['params'][0]",
+        "optimizer.param_groups[0]['params'][1]",
+    ]
+    with pytest.raises(torchplace.PlacementError, match="held for a replaced parameter") as info:
+        torchplace.verify(model, "meta", optimizer=opt)
+    assert "torchplace.move(model, 'meta', optimizer=opt)" in str(info.value)
+    torchplace.move(model, "meta", optimizer=opt)  # re-binds
+    torchplace.verify(model, "meta", optimizer=opt)
+    assert opt.param_groups[0]["params"][0] is model.weight
+
+
+def test_state_moved_apart_from_its_replaced_parameters_is_still_reported() -> None:
+    model = nn.Linear(3, 3)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    torchplace.move(model, "meta")
+    torchplace.move(opt, "meta")  # the state is on meta now, but still keyed by stale tensors
+    found = torchplace.stragglers(model, "meta", optimizer=opt)
+    assert {s.name for s in found} >= {"optimizer.state[weight].exp_avg"}
+    assert all(s.kind == "optimizer_state" for s in found)
+    torchplace.move(model, "meta", optimizer=opt)
+    assert torchplace.stragglers(model, "meta", optimizer=opt) == []
+
+
+@pytest.mark.fake_cuda
+def test_asgd_keeps_its_step_beside_the_parameter() -> None:
+    with FakeTensorMode():
+        model = nn.Linear(4, 4, device="meta")
+        model.weight = nn.Parameter(torch.empty(4, 4, device="cuda:0"))
+        model.bias = nn.Parameter(torch.empty(4, device="cuda:0"))
+        for p in model.parameters():
+            p.grad = torch.empty_like(p)
+        opt = torch.optim.ASGD(model.parameters())
+        opt._init_group(opt.param_groups[0], [], [], [], [], [], [])  # as step() begins
+        assert opt.state[model.weight]["step"].device.type == "cuda"
+        torchplace.verify(model, torch.device("cuda:0"), optimizer=opt)
+        adam = torch.optim.Adam(model.parameters())  # Adam's step on the GPU is still wrong
+        for p in model.parameters():
+            adam.state[p]["step"] = torch.zeros((), device="cuda:0")
+        with pytest.raises(torchplace.PlacementError, match="expected cpu"):
+            torchplace.verify(model, torch.device("cuda:0"), optimizer=adam)
+
+
+def test_lazy_modules_can_be_looked_at() -> None:
+    model = nn.Sequential(nn.LazyLinear(4), nn.ReLU())
+    assert torchplace.where(model) == CPU
+    assert [s.nbytes for s in torchplace.stragglers(model, "meta")] == [0, 0]
+    assert "0 B" in str(torchplace.report(model))
+    with pytest.raises(torchplace.PlacementError, match=r"0\.weight"):
+        torchplace.verify(model, "meta")
+
+
+def test_bytes_count_the_memory_a_tensor_holds() -> None:
+    emb = nn.Embedding(1000, 16, sparse=True)
+    emb(torch.tensor([1, 2, 3])).sum().backward()
+    grad = emb.weight.grad
+    assert grad is not None and grad.is_sparse
+    held = grad._indices().nbytes + grad._values().nbytes
+    found = {s.name: s.nbytes for s in torchplace.stragglers(emb, "meta")}
+    assert found == {"weight": 1000 * 16 * 4, "weight.grad": held}
+    expanded = torchplace.stragglers({"mask": torch.zeros(1).expand(10**6)}, "meta")
+    assert [s.nbytes for s in expanded] == [4]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "sparse CSR support is in beta"
+        csr = torch.eye(50).to_sparse_csr()
+    assert torchplace.stragglers(csr, "meta")[0].nbytes == sum(
+        t.nbytes for t in (csr.crow_indices(), csr.col_indices(), csr.values())
+    )
+
+
+@pytest.mark.parametrize("norm", ["weight_norm", "spectral_norm"])
+def test_old_style_weight_norm_weight_is_not_a_straggler(norm: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # weight_norm is deprecated
+        model = getattr(torch.nn.utils, norm)(nn.Conv1d(2, 2, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "plain tensor attribute" warning from move
+        torchplace.move(model, "meta")
+    torchplace.verify(model, "meta")
+    assert all(s.kind != "attribute" for s in torchplace.stragglers(model, "cpu"))

@@ -883,3 +883,21 @@ def test_tensors_without_plain_sizes_fail_with_their_name() -> None:
     assert "batch['n'] (a nested float32 tensor)" in message
     assert "full error chained" in message and len(message) < 400
     assert "Could not run" in str(info.value.__cause__)
+
+
+def test_buffers_and_attributes_that_require_grad_keep_it() -> None:
+    model = nn.Linear(2, 2)
+    model.register_buffer("mask", torch.ones(2, requires_grad=True))
+    model.scale = torch.ones(1, requires_grad=True)
+    torchplace.move(model, "meta", attributes="move")
+    assert model.mask.device == META and model.mask.requires_grad and model.mask.is_leaf
+    assert model.scale.device == META and model.scale.requires_grad and model.scale.is_leaf
+
+
+def test_tags_on_a_replaced_parameter_survive() -> None:
+    model = nn.Linear(2, 2)
+    model.weight.no_weight_decay = True  # type: ignore[attr-defined]
+    before = model.weight
+    torchplace.move(model, "meta")  # cpu -> meta replaces the Parameter objects
+    assert model.weight is not before and model.weight.device == META
+    assert getattr(model.weight, "no_weight_decay", None) is True

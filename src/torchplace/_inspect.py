@@ -89,13 +89,67 @@ def local_part(t: torch.Tensor) -> torch.Tensor:
 
 
 def numel(t: torch.Tensor) -> int:
-    """Elements of ``t`` held by this process (a DTensor's local shard)."""
+    """Elements of ``t`` held by this process (a DTensor's local shard); none for a lazy
+    module's parameter that has no shape yet."""
+    if isinstance(t, (nn.UninitializedParameter, nn.UninitializedBuffer)):
+        return 0
     return int(local_part(t).numel())
 
 
 def nbytes(t: torch.Tensor) -> int:
-    """Bytes of ``t`` held by this process (a DTensor's local shard)."""
-    return numel(t) * int(t.element_size())
+    """Bytes of memory ``t`` holds in this process (a DTensor's local shard).
+
+    A sparse tensor holds its indices and values, not its dense size; a view that repeats
+    elements (``expand``, stride 0) holds at most the span of memory it covers.
+
+    >>> import torch
+    >>> from torchplace._inspect import nbytes
+    >>> nbytes(torch.zeros(3, 4)), nbytes(torch.zeros(1).expand(1000)), nbytes(torch.zeros(0))
+    (48, 4, 0)
+    """
+    count = numel(t)
+    if count == 0:
+        return 0
+    t = local_part(t)
+    size = int(t.element_size())
+    if t.layout is not torch.strided:
+        return _sparse_nbytes(t, count * size)
+    if 0 in t.stride():  # some element repeats: count the memory the view spans
+        span = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
+        return min(count, span) * size
+    return count * size
+
+
+def _sparse_nbytes(t: torch.Tensor, dense: int) -> int:
+    """Bytes of a sparse tensor's indices and values (``dense`` when they cannot be read)."""
+    parts: tuple[torch.Tensor, ...]
+    try:
+        if t.layout is torch.sparse_coo:
+            parts = (t._indices(), t._values())
+        elif t.layout in (torch.sparse_csr, torch.sparse_bsr):
+            parts = (t.crow_indices(), t.col_indices(), t.values())
+        elif t.layout in (torch.sparse_csc, torch.sparse_bsc):
+            parts = (t.ccol_indices(), t.row_indices(), t.values())
+        else:
+            return dense
+        return sum(int(part.numel()) * int(part.element_size()) for part in parts)
+    except (RuntimeError, NotImplementedError):
+        return dense
+
+
+def derived_attributes(module: nn.Module) -> frozenset[str]:
+    """Tensor attributes that the module's own forward pre-hooks recompute on every call.
+
+    ``torch.nn.utils.weight_norm`` and ``spectral_norm`` (the old, hook-based ones) keep
+    ``weight`` as a plain attribute rebuilt from registered parameters before each forward, so
+    it is neither a straggler nor something to register.
+    """
+    names = [
+        getattr(hook, "name", None)
+        for hook in module._forward_pre_hooks.values()
+        if type(hook).__name__ in ("WeightNorm", "SpectralNorm")
+    ]
+    return frozenset(name for name in names if isinstance(name, str))
 
 
 @dataclass(frozen=True)
@@ -113,6 +167,9 @@ class Entry:
     host: bool = False
     flexible: bool = False  # may live on the CPU or with its parameter (NAdam's mu_product)
     module: str | None = None
+    # Held by an optimizer for a parameter that an earlier move replaced: the optimizer would
+    # update a tensor the model no longer uses, wherever it lies.
+    stale: bool = False
 
 
 @dataclass(frozen=True)
@@ -166,8 +223,11 @@ def module_entries(module: nn.Module, prefix: str = "") -> Iterator[Entry]:
         yield Entry(prefix + name, "buffer", b, module=(prefix + name).rpartition(".")[0])
     modules = {id(m) for m in module.modules()}
     for mod_name, mod in module.named_modules():
+        derived = derived_attributes(mod)
         for key, value in vars(mod).items():
             if key in MODULE_INTERNALS or isinstance(value, (int, float, str, bool, type(None))):
+                continue
+            if key in derived:
                 continue
             base = f"{prefix}{mod_name}.{key}" if mod_name else f"{prefix}{key}"
             for path, leaf in iter_leaves(value, root=base, skip_cycles=True):
@@ -191,30 +251,45 @@ def optimizer_entries(
     """State tensors of an optimizer, named by the parameter they belong to.
 
     ``names`` maps id(parameter) to its name in the model being looked at. Parameters that a
-    move replaced are named after their replacement. Parameters the optimizer holds that are not
-    in ``names`` are yielded as parameters of the optimizer.
+    move replaced are named after their replacement, and their entries are ``stale``: the state
+    tensors, or the parameter itself when it has no state yet (plain SGD, Adam before its first
+    step). Parameters the optimizer holds that are not in ``names`` are yielded as parameters
+    of the optimizer.
     """
+    # ASGD keeps `step` (with `eta` and `mu`) beside its parameter whatever the group's flags.
+    step_anywhere = isinstance(optimizer, torch.optim.ASGD)
     for g, group in enumerate(optimizer.param_groups):
         device_hosted = _group_is_device_hosted(group)
         for i, p in enumerate(group["params"]):
+            slot = f"param_groups[{g}]['params'][{i}]"
             name = names.get(id(p))
+            stale = False
             if name is None:
                 name = names.get(id(current(p)))
+                stale = name is not None
             if name is None:
-                name = f"param_groups[{g}]['params'][{i}]"
+                name = slot
                 yield Entry(f"{label}.{name}", "parameter", p)
             state = optimizer.state.get(p)
-            if not state:
-                continue
-            for key, value in state.items():
+            reported = False
+            for key, value in (state or {}).items():
                 base = f"{label}.state[{name}].{key}"
-                host = key == "step" and not device_hosted
-                flexible = key in HOST_STATE_KEYS and key != "step" and not device_hosted
+                host = key == "step" and not device_hosted and not step_anywhere
+                flexible = key in HOST_STATE_KEYS and not device_hosted and not host
                 for path, leaf in iter_leaves(value, root=base, skip_cycles=True):
                     if isinstance(leaf, torch.Tensor):
+                        reported = True
                         yield Entry(
-                            path, "optimizer_state", leaf, host, flexible, module=f"{label}.state"
+                            path,
+                            "optimizer_state",
+                            leaf,
+                            host,
+                            flexible,
+                            module=f"{label}.state",
+                            stale=stale,
                         )
+            if stale and not reported:
+                yield Entry(f"{label}.{slot}", "optimizer_state", p, stale=True)
 
 
 def entries(obj: Any, /, *, optimizer: Any = None, root: str = "batch") -> list[Entry]:
@@ -259,6 +334,8 @@ def entries(obj: Any, /, *, optimizer: Any = None, root: str = "batch") -> list[
 
 def _expected(entry: Entry, target: torch.device) -> bool:
     """Whether an entry is where it belongs, given the device everything should be on."""
+    if entry.stale:
+        return False
     dev = entry.tensor.device
     if entry.host:
         return dev.type == "cpu"
@@ -353,9 +430,15 @@ def stragglers(obj: Any, device: DeviceSpec, /, *, optimizer: Any = None) -> lis
     ]
 
 
-def fix_for(s: Straggler, target: torch.device, host: bool = False) -> str:
+def fix_for(s: Straggler, target: torch.device, host: bool = False, stale: bool = False) -> str:
     """What to do about one straggler, in words."""
     dev = f"'{target}'"
+    if stale:
+        return (
+            "the optimizer still holds a parameter that an earlier move replaced (it was not "
+            "passed to that move), so its steps would change a tensor the model no longer "
+            f"uses; re-bind it: torchplace.move(model, {dev}, optimizer=opt)"
+        )
     if s.kind == "attribute":
         attr = s.name.rpartition(".")[2]
         if "[" in s.name:  # in a plain list, tuple or dict attribute (a module's, or a tensor)
@@ -404,9 +487,11 @@ def verify(obj: Any, device: DeviceSpec, /, *, optimizer: Any = None) -> None:
     for e in bad[:10]:
         s = Straggler(e.name, e.kind, e.tensor.device, nbytes(e.tensor))
         where_text = f"is on {s.device}" + (", expected cpu" if e.host else "")
+        if e.stale:
+            where_text = f"is on {s.device}, held for a replaced parameter"
         lines.append(
             f"  - {s.name} ({s.kind}, {format_bytes(s.nbytes)}) {where_text}; "
-            f"fix: {fix_for(s, target, e.host)}"
+            f"fix: {fix_for(s, target, e.host, e.stale)}"
         )
     if len(bad) > 10:
         lines.append(f"  ... and {len(bad) - 10} more (torchplace.stragglers lists them all)")

@@ -33,6 +33,7 @@ from ._errors import MoveError, TorchplaceError, first_line
 from ._inspect import (
     MODULE_INTERNALS,
     current,
+    derived_attributes,
     format_bytes,
     nbytes,
     optimizer_list,
@@ -324,9 +325,14 @@ class _Plan:
 
 
 def _user_attributes(mod: nn.Module) -> Iterator[tuple[str, Any]]:
+    derived = derived_attributes(mod)  # rebuilt by the module's own hooks at each forward
     for key, value in vars(mod).items():
-        if key not in MODULE_INTERNALS and not isinstance(
-            value, (int, float, str, bool, type(None), torch.device, torch.dtype)
+        if (
+            key not in MODULE_INTERNALS
+            and key not in derived
+            and not isinstance(
+                value, (int, float, str, bool, type(None), torch.device, torch.dtype)
+            )
         ):
             yield key, value
 
@@ -398,14 +404,27 @@ def _swap(a: torch.Tensor, b: torch.Tensor) -> Callable[[], None]:
 def _new_parameter(p: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
     """A replacement for ``p`` holding ``data``: same class, requires_grad and attributes.
 
-    Only a Parameter subclass's own class and attributes are carried over: a tensor subclass
-    (a fake tensor) keeps its device among its attributes, which must come from ``data``.
+    Attributes come from a Parameter or a Parameter subclass, never from a tensor subclass
+    (a fake tensor), which keeps its device among them: that must come from ``data``.
     """
     new = nn.Parameter(data, requires_grad=p.requires_grad)
-    if type(p) is not nn.Parameter and issubclass(type(p), nn.Parameter):
+    if type(p) is nn.Parameter and type(new) is nn.Parameter:
+        new.__dict__.update(p.__dict__)  # the user's tags, such as no_weight_decay
+    elif type(p) is not nn.Parameter and issubclass(type(p), nn.Parameter):
         with contextlib.suppress(TypeError):  # another layout stays a plain Parameter
             new.__class__ = type(p)
         new.__dict__.update(p.__dict__)
+    return new
+
+
+def _keep_requires_grad(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``new``, a copy of ``old`` made under ``no_grad``, requiring grad when ``old`` did.
+
+    ``Module.to`` keeps a buffer's ``requires_grad`` (PyTorch copies buffers with autograd on);
+    here the copy is a leaf that requires grad, as the buffer was.
+    """
+    if old.requires_grad and new is not old and not new.requires_grad:
+        new.requires_grad_(True)
     return new
 
 
@@ -488,6 +507,8 @@ def _move_modules(
             if p.grad is not None
         }
         new_buffers = {bid: copier(b, name, dest(b)) for bid, (name, b) in plan.buffers.items()}
+    for bid, (_, b) in plan.buffers.items():  # copied without autograd: a leaf, as it was
+        _keep_requires_grad(b, new_buffers[bid])
 
     replaced: dict[int, torch.Tensor] = {}  # id(old tensor) -> the object that replaces it
     final: dict[int, torch.Tensor] = {}  # id(parameter) -> the parameter after the move
@@ -533,7 +554,7 @@ def _move_modules(
             if id(t) in plan.params or id(t) in plan.buffers or t.device == target:
                 return t
             if attributes == "move":
-                return copier.copy(t, target)
+                return _keep_requires_grad(t, copier.copy(t, target))
             if _name not in left_behind:
                 left_behind.append(_name)
             return t
