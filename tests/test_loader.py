@@ -374,7 +374,7 @@ def test_stream_protocol(monkeypatch: pytest.MonkeyPatch, non_blocking: bool) ->
     already = torch.empty(2, device="meta")
     batches = [{"x": torch.ones(3), "y": [torch.zeros(1)], "z": already, "i": i} for i in range(5)]
     seen = 0
-    for batch in _loader._Prefetcher(iter(batches), copier, 2):
+    for batch in _loader._Prefetcher(iter(batches), copier, 2, close_source=True):
         assert len(consumer.waited) == seen + 1  # waited before the batch was handed over
         event = consumer.waited[-1]
         assert event.stream is copier.stream
@@ -386,6 +386,109 @@ def test_stream_protocol(monkeypatch: pytest.MonkeyPatch, non_blocking: bool) ->
         seen += 1
     assert seen == 5
     assert len(recorded) == 10
+
+
+class _MovesInPlace:
+    """Like Hugging Face's BatchEncoding: .to() moves its tensors and returns the same object."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> _MovesInPlace:
+        self.t = self.t.to(device)
+        return self
+
+
+def test_objects_moved_in_place_are_marked_for_the_consumer_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torchplace import _loader
+
+    consumer = FakeStream()
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: consumer)
+    recorded: list[Any] = []
+    monkeypatch.setattr(_loader, "_record_stream", lambda obj, s: recorded.append(obj))
+    copier = _loader._Copier(torch.device("meta"), pin=False, non_blocking=True, side=True)
+    batches = [{"enc": _MovesInPlace(torch.ones(2, 8)), "labels": torch.zeros(2)}]
+    for batch in _loader._Prefetcher(iter(batches), copier, 2, close_source=True):
+        assert batch["enc"].t.device == torch.device("meta")
+        assert any(obj is batch["enc"] for obj in recorded)
+        assert any(obj is batch["labels"] for obj in recorded)
+
+
+def test_the_source_runs_with_the_callers_grad_mode_and_inference_mode() -> None:
+    w = torch.ones(3, requires_grad=True)
+    with torch.no_grad():
+        for device, prefetch in (("cpu", 2), ("meta", 0), ("meta", 2)):
+            batch = next(iter(DeviceLoader((w * i for i in range(3)), device, prefetch=prefetch)))
+            assert not batch.requires_grad, (device, prefetch)
+    with torch.inference_mode():
+        batch = next(iter(DeviceLoader((torch.ones(2) * i for i in range(3)), "meta")))
+        assert batch.is_inference()
+
+
+def test_a_users_generator_is_left_open_after_a_break() -> None:
+    def numbers() -> Iterator[torch.Tensor]:
+        for i in range(10):
+            yield torch.tensor([float(i)])
+
+    for device, prefetch in (("cpu", 2), ("meta", 0), ("meta", 2)):
+        source = numbers()
+        for taken, _ in enumerate(DeviceLoader(source, device, prefetch=prefetch), start=1):
+            if taken == 3:
+                break
+        left = sum(1 for _ in source)
+        # The thread reads up to `prefetch` batches ahead; the rest stay in the generator.
+        assert 10 - 3 - prefetch <= left <= 7, (device, prefetch, left)
+
+
+def test_two_live_iterators_over_a_generator_are_refused() -> None:
+    loader = DeviceLoader((torch.ones(1) for _ in range(100)), "meta")
+    first = iter(loader)
+    next(first)
+    with pytest.raises(TorchplaceError, match=r"one-shot iterator.*another live"):
+        iter(loader)
+    del first
+    gc.collect()
+    assert sum(1 for _ in loader) > 0  # the first one is gone: a new pass may start
+    again = DeviceLoader([torch.ones(1)] * 3, "meta")  # re-iterable: any number at once
+    assert sum(1 for _ in zip(iter(again), iter(again), strict=True)) == 3
+
+
+def test_ctrl_c_while_waiting_for_a_stalled_source_is_handed_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torchplace import _loader
+
+    class Stuck(threading.Thread):
+        def join(self, timeout: float | None = None) -> None:
+            raise KeyboardInterrupt  # Ctrl-C while the finalizer waits for the thread
+
+    interrupted: list[bool] = []
+    monkeypatch.setattr(_loader._thread, "interrupt_main", lambda: interrupted.append(True))
+    thread = Stuck(target=lambda: None)
+    thread.start()
+    closed: list[bool] = []
+
+    class Source:
+        def close(self) -> None:
+            closed.append(True)
+
+    stop = threading.Event()
+    _loader._shut_down(thread, Source(), _loader.queue.SimpleQueue(), threading.Semaphore(0), stop)
+    assert stop.is_set() and interrupted == [True] and closed == []
+
+
+def test_prefetch_accepts_any_integer() -> None:
+    numpy = pytest.importorskip("numpy")
+    assert DeviceLoader([], "meta", prefetch=numpy.int64(3)).prefetch == 3
+    for bad in (True, 2.5, "2", -1):
+        with pytest.raises(TorchplaceError, match="prefetch="):
+            DeviceLoader([], "meta", prefetch=bad)  # type: ignore[arg-type]
 
 
 # --- CUDA ---------------------------------------------------------------------------------

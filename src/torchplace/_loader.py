@@ -21,6 +21,9 @@ asked for. The thread never holds a reference to the iterator, so an iterator dr
 
 from __future__ import annotations
 
+import _thread
+import contextlib
+import operator
 import queue
 import threading
 import weakref
@@ -41,8 +44,9 @@ __all__ = ["DeviceLoader"]
 T = TypeVar("T")
 
 # How long closing an iterator waits for the thread, which may be inside the source's __next__.
-# A thread still running after that stops on its own as soon as that call returns.
-_JOIN_SECONDS = 30.0
+# A thread still running after that stops on its own as soon as that call returns, dropping its
+# batch; waiting longer would only hold up a consumer that is leaving (a break, Ctrl-C).
+_JOIN_SECONDS = 2.0
 _THREAD_NAME = "torchplace-DeviceLoader"
 
 
@@ -68,9 +72,19 @@ class DeviceLoader(Generic[T]):
     it). ``non_blocking=False`` hands a batch over only once its copy has finished.
 
     ``len()`` is the source's. Each ``iter()`` starts a new pass over the source, so the loader
-    is re-iterable when the source is. An exception raised by the source reaches the consumer
-    after the batches before it, and ends the pass; a failed copy raises ``MoveError`` naming
-    the batch and the tensor. Leaving a loop early releases the thread and its batches at once.
+    is re-iterable when the source is; a one-shot source (a generator) can have one live
+    iterator at a time. An exception raised by the source reaches the consumer after the
+    batches before it, and ends the pass; a failed copy raises ``MoveError`` naming the batch
+    and the tensor. Leaving a loop early releases the thread and its batches at once; a
+    generator passed in stays open, short of the batches already read ahead.
+
+    With a thread (``meta``, or CUDA with ``prefetch > 0``), the source is read and its
+    batches copied with the consumer's grad mode, inference mode and current CUDA device. The
+    global random generator is shared by both threads, so random transforms done by the source
+    in this process (``DataLoader(num_workers=0)``) draw in an order that varies from run to
+    run; give them a ``torch.Generator`` of their own, use DataLoader workers, or
+    ``prefetch=0`` for seeded runs. Modules and optimizers inside a batch pass unchanged (move
+    them once, with ``move``).
     """
 
     def __init__(
@@ -94,7 +108,11 @@ class DeviceLoader(Generic[T]):
             raise DeviceSpecError(f"DeviceLoader(device={device!r}): {exc}") from exc
         except DeviceUnavailableError as exc:
             raise DeviceUnavailableError(f"DeviceLoader(device={device!r}): {exc}") from exc
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        try:
+            count = -1 if isinstance(prefetch, bool) else operator.index(prefetch)
+        except TypeError:
+            count = -1
+        if count < 0:
             raise TorchplaceError(
                 f"DeviceLoader(prefetch={prefetch!r}): prefetch is how many batches are copied "
                 "ahead of the consumer, a whole number 0 or more (2 is usual, 0 copies each "
@@ -111,7 +129,8 @@ class DeviceLoader(Generic[T]):
             )
         self.iterable = iterable
         self.device = target
-        self.prefetch = prefetch
+        self.prefetch = count
+        self._live: weakref.ref[_Prefetcher] | None = None  # the last threaded iterator
         self.pin_memory = pin_memory
         self.non_blocking = non_blocking
 
@@ -126,8 +145,19 @@ class DeviceLoader(Generic[T]):
             # Other accelerators have no stream protocol here: copy when asked, blocking.
             copier = _Copier(target, pin=pin, non_blocking=cuda and self.non_blocking, side=False)
             return _synchronous(source, copier)
+        one_shot = source is self.iterable  # a generator or another iterator: the user's own
+        live = self._live() if self._live is not None else None
+        if one_shot and live is not None and live.running:
+            raise TorchplaceError(
+                f"DeviceLoader({_short(self.iterable)}): this source is a one-shot iterator, "
+                "already being read by another live iterator of this loader in its thread; "
+                "finish or break out of the first loop before starting another, or pass a "
+                "source that can be iterated again (a list, a DataLoader)"
+            )
         copier = _Copier(target, pin=pin, non_blocking=self.non_blocking, side=cuda)
-        return _Prefetcher(source, copier, self.prefetch)
+        prefetcher = _Prefetcher(source, copier, self.prefetch, close_source=not one_shot)
+        self._live = weakref.ref(prefetcher)
+        return prefetcher
 
     def __len__(self) -> int:
         try:
@@ -236,8 +266,7 @@ class _Copier:
                 out = obj.to(device, non_blocking=self.non_blocking)
             except TypeError:  # a .to() without non_blocking (older tokenizer outputs)
                 out = obj.to(device)
-            if out is not obj:
-                created.append(out)
+            created.append(out)  # a new object, or the same one moved in place (BatchEncoding)
             return out
 
         return _located(index, device, batch, lambda: map_tensors(batch, one, to=to))
@@ -315,21 +344,34 @@ class _Prefetcher(Iterator[Any]):
     takes one before each batch and the consumer gives one back for each batch it takes.
     """
 
-    def __init__(self, source: Iterator[Any], copier: _Copier, depth: int) -> None:
+    def __init__(
+        self, source: Iterator[Any], copier: _Copier, depth: int, *, close_source: bool
+    ) -> None:
         self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._slots = threading.Semaphore(depth)
         self._stop = threading.Event()
         self._finish = copier.finish
         thread = threading.Thread(
             target=_produce,
-            args=(source, copier.prepare, self._items, self._slots, self._stop),
+            args=(source, copier.prepare, self._items, self._slots, self._stop, _caller_state()),
             name=_THREAD_NAME,
             daemon=True,
         )
         self._closer = weakref.finalize(
-            self, _shut_down, thread, source, self._items, self._slots, self._stop
+            self,
+            _shut_down,
+            thread,
+            source if close_source else None,
+            self._items,
+            self._slots,
+            self._stop,
         )
         thread.start()
+
+    @property
+    def running(self) -> bool:
+        """Whether this iterator may still read its source (not exhausted, failed or closed)."""
+        return self._closer.alive
 
     def __iter__(self) -> _Prefetcher:
         return self
@@ -352,14 +394,44 @@ class _Prefetcher(Iterator[Any]):
         self._closer()
 
 
+def _caller_state() -> Callable[[], contextlib.AbstractContextManager[None]]:
+    """The thread-local state of the calling thread that a source's code may depend on, as a
+    context manager factory that sets it up in another thread: grad mode, inference mode and
+    the current CUDA device (asked only where CUDA is already initialised)."""
+    grad = torch.is_grad_enabled()
+    inference = torch.is_inference_mode_enabled()
+    cuda = (
+        torch.cuda.current_device()
+        if torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+        else None
+    )
+
+    @contextlib.contextmanager
+    def state() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch.set_grad_enabled(grad))
+            if inference:
+                stack.enter_context(torch.inference_mode())
+            if cuda is not None:
+                stack.enter_context(torch.cuda.device(cuda))
+            yield
+
+    return state
+
+
 def _produce(
     source: Iterator[Any],
     prepare: Callable[[Any, int], Any],
     items: queue.SimpleQueue[Any],
     slots: threading.Semaphore,
     stop: threading.Event,
+    state: Callable[[], contextlib.AbstractContextManager[None]],
 ) -> None:
-    """The loader's thread: takes a permit, then a batch from the source, copies, queues it."""
+    """The loader's thread: takes a permit, then a batch from the source, copies, queues it.
+
+    The source is read, and its batches copied, with the consumer's grad mode, inference mode
+    and CUDA device.
+    """
     index = 0
     try:
         while True:
@@ -367,7 +439,8 @@ def _produce(
             if stop.is_set():
                 return
             try:
-                batch = next(source)
+                with state():
+                    batch = next(source)
             except StopIteration:
                 items.put(_End())
                 return
@@ -376,7 +449,8 @@ def _produce(
                 return
             if stop.is_set():
                 return
-            items.put(prepare(batch, index))
+            with state():  # copies made as the consumer would make them (autograd, inference)
+                items.put(prepare(batch, index))
             del batch  # hold no batch while waiting for the next permit
             index += 1
     except BaseException as exc:  # a copy failed (MoveError), or something unforeseen
@@ -385,18 +459,25 @@ def _produce(
 
 def _shut_down(
     thread: threading.Thread,
-    source: Iterator[Any],
+    source: Iterator[Any] | None,
     items: queue.SimpleQueue[Any],
     slots: threading.Semaphore,
     stop: threading.Event,
 ) -> None:
-    """Stops and joins the thread, drops the queued batches, closes the source iterator."""
+    """Stops and joins the thread, drops the queued batches, closes the source iterator (when
+    ``iter()`` made it: a generator the user passed stays theirs, open)."""
     stop.set()
     slots.release()  # wakes the thread if it waits for a permit
     if thread is threading.current_thread():  # finalized by a garbage collection in the thread
         return
     if thread.ident is not None:
-        thread.join(_JOIN_SECONDS)
+        try:
+            thread.join(_JOIN_SECONDS)
+        except KeyboardInterrupt:
+            # A finalizer swallows exceptions: hand the Ctrl-C back to the main thread, which
+            # raises it as soon as this returns, and stop waiting.
+            _thread.interrupt_main()
+            return
     while True:
         try:
             items.get_nowait()
