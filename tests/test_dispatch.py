@@ -179,6 +179,44 @@ class Wrapper(nn.Module):
         return Result(y, [y])
 
 
+@dataclasses.dataclass
+class Batch:
+    pixels: torch.Tensor
+
+
+class TakesBatch(nn.Module):
+    """Two layers on two devices; the input is a collection, never a bare tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, batch: Any) -> torch.Tensor:
+        if isinstance(batch, dict):
+            batch = batch["inner"][0]
+        pixels = batch.tensor if isinstance(batch, WithTo) else batch.pixels
+        return self.b(self.a(pixels))
+
+
+@pytest.mark.fake_cuda
+@pytest.mark.parametrize(
+    "make",
+    [Batch, WithTo, lambda t: {"inner": [Batch(t)]}],
+    ids=["dataclass", "own-to", "dataclass-in-a-dict"],
+)
+def test_output_returns_to_the_device_of_an_input_inside_any_collection(
+    monkeypatch: pytest.MonkeyPatch, make: Callable[[torch.Tensor], Any]
+) -> None:
+    # The origin is found by the same walk that moves the input: a dataclass or an object
+    # with its own .to() hides its tensor from a walk of lists, tuples and dicts only.
+    monkeypatch.setattr(dispatch_module, "_device", torch.device)
+    with FakeTensorMode(), torch.no_grad():
+        model = dispatch(TakesBatch(), {"a": "cuda:0", "b": "cuda:1"})
+        out = model(make(torch.empty(2, 4)))
+    assert out.device == CPU
+
+
 def test_dispatch_keeps_ties_and_rejects_maps_that_split_them() -> None:
     model = TiedLM()
     dispatch(model, {"embed": "meta", "body": "cpu", "lm_head": "meta"})
@@ -222,6 +260,79 @@ def test_dispatch_again_replaces_the_hooks() -> None:
     dispatch(model, {"": "cpu", "head": "meta"})
     assert len(model._forward_pre_hooks) == 1
     assert len(model.head._forward_pre_hooks) == 1
+
+
+def test_a_guarded_model_dispatched_again_sees_its_inputs_moved() -> None:
+    from torchplace._guard import guard
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    device_map = {"0": "cpu", "2": "meta"}
+    dispatch(model, device_map)
+    # dispatch gave model.2 a forward of its own instance, so the guard checks it with a
+    # forward pre-hook, registered after dispatch's; dispatching again must not put its
+    # input-moving hook behind the guard's check.
+    with guard(model):
+        dispatch(model, device_map)
+        order = list(model[2]._forward_pre_hooks.values())
+        assert isinstance(order[0], dispatch_module._MoveInputs)
+        assert model(torch.ones(3, 4)).device == META
+
+
+class Cached(nn.Module):
+    """Writes its input into a cache it is given, as a KV cache is filled."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.linear = nn.Linear(4, 4)
+        self.seen: list[Any] = []
+
+    def forward(self, x: torch.Tensor, cache: dict[int, Any], log: list[int]) -> torch.Tensor:
+        self.seen.append((cache, log))
+        cache[self.index] = x
+        log.append(self.index)
+        return self.linear(x)
+
+
+class CachedStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Cached(i) for i in range(3))
+
+    def forward(self, x: torch.Tensor, cache: dict[int, Any], log: list[int]) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x, cache, log)
+        return x
+
+
+def test_a_container_with_nothing_to_move_is_the_callers_own_object() -> None:
+    model = dispatch(CachedStack(), {"layers.0": "cpu", "layers.1": "meta", "layers.2": "meta"})
+    cache: dict[int, Any] = {}
+    log: list[int] = []
+    model(torch.ones(2, 4), cache, log)
+    # The first layer gets the empty cache itself and fills it; the list holds no tensor, so
+    # every layer appends to the caller's own.
+    assert model.layers[0].seen[0][0] is cache
+    assert all(layer.seen[0][1] is log for layer in model.layers)
+    assert log == [0, 1, 2]
+    # A cache whose tensors are already on a layer's device reaches that layer as itself.
+    ready = {0: torch.zeros(2, 4, device="meta")}
+    model.layers[1](torch.ones(2, 4), ready, [])
+    assert model.layers[1].seen[-1][0] is ready
+    assert ready[1].device == META
+
+
+def test_a_container_with_tensors_to_move_reaches_the_part_as_a_copy() -> None:
+    # Documented: the submodule on meta gets a moved copy of the cache, because the caller's
+    # dict holds a cpu tensor that must not move under its feet; its writes stay in the copy.
+    model = dispatch(CachedStack(), {"layers.0": "cpu", "layers.1": "meta", "layers.2": "meta"})
+    cache: dict[int, Any] = {}
+    model(torch.ones(2, 4), cache, [])
+    copied = model.layers[1].seen[0][0]
+    assert copied is not cache
+    assert copied[0].device == META and copied[1].device == META
+    assert list(cache) == [0]  # the caller's cache: only the write of the part on cpu
+    assert cache[0].device == CPU
 
 
 def test_a_dispatched_model_can_be_copied_and_pickled() -> None:

@@ -395,6 +395,29 @@ def test_nested_and_double_guards_check_once_and_clean_up() -> None:
     assert leftovers(model) == []
 
 
+@pytest.mark.parametrize("inner_first", [True, False], ids=["inner-first", "outer-first"])
+def test_shared_check_names_the_module_from_the_outermost_guard(inner_first: bool) -> None:
+    model = Net()
+    model.head.to("meta")
+    x = torch.ones(1, 4)
+    if inner_first:
+        inner, outer = guard(model.head), guard(model)
+    else:
+        outer, inner = guard(model), guard(model.head)
+    try:
+        # One check serves both guards; it names model.head from the outermost model guarded,
+        # whichever guard came first.
+        with pytest.raises(DeviceMismatchError, match=r"^model\.head \(Linear\) got input"):
+            model(x)
+        outer.remove()  # left alone, the inner guard names it from where it stands
+        with pytest.raises(DeviceMismatchError, match=r"^model \(Linear\) got input"):
+            model.head(x)
+    finally:
+        outer.remove()
+        inner.remove()
+    assert leftovers(model) == []
+
+
 def test_removed_guard_can_be_entered_again() -> None:
     model = Net("meta")
     g = guard(model)

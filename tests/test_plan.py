@@ -67,7 +67,12 @@ def test_sizes_are_read_as_given(text: int | str, expected: int) -> None:
         ("10G", r"max_memory\['cpu'\].*'10GiB'.*'10GB'"),
         ("ten", r"max_memory\['cpu'\]: cannot read the size 'ten'"),
         ("5 parsecs", r"cannot read the size"),
-        (-1, r"negative"),
+        (-1, r"the budget -1 is negative"),
+        ("-5", r"the budget '-5' is negative"),
+        ("-2GiB", r"the budget '-2GiB' is negative"),
+        (-2.0, r"the budget -2.0 is negative"),
+        (1.5, r"1.5 is not a whole number of bytes"),
+        (float("inf"), r"cannot read the size inf"),
         (True, r"not True"),
         (None, r"cannot read the size None"),
     ],
@@ -75,6 +80,14 @@ def test_sizes_are_read_as_given(text: int | str, expected: int) -> None:
 def test_malformed_sizes_name_the_entry(value: object, message: str) -> None:
     with pytest.raises(DeviceSpecError, match=message):
         plan(nn.Linear(2, 2), {"cpu": value})  # type: ignore[dict-item]
+
+
+def test_any_integral_or_whole_real_budget_is_bytes() -> None:
+    np = pytest.importorskip("numpy")
+    # Budgets computed with numpy or torch (a fraction of total memory) are integers too.
+    for budget in (np.int64(10**9), np.uint32(10**9), torch.tensor(10**9), 1e9, np.float32(1e9)):
+        assert plan_module._parse_size(budget, "here") == 10**9, repr(budget)
+    assert plan(nn.Linear(2, 2), {"cpu": np.int64(10**9)}) == {"": CPU}
 
 
 @pytest.mark.parametrize(
@@ -109,7 +122,7 @@ def test_plan_fills_devices_in_order_on_a_skeleton() -> None:
     with cuda_forbidden():
         device_map = plan(model, {"cuda:0": 2 * LINEAR_BYTES, "cuda:1": "2KiB", "cpu": "1GiB"})
     assert device_map == {"0": CUDA0, "1": CUDA0, "2": CUDA1, "3": CPU, "4": CPU}
-    assert list(device_map) == ["0", "1", "2", "3", "4"]  # execution order
+    assert list(device_map) == ["0", "1", "2", "3", "4"]  # registration order
     assert all(p.device == META for p in model.parameters())  # the model is untouched
 
 
@@ -155,6 +168,56 @@ def test_plan_splits_a_module_unless_it_is_in_no_split(kind: str) -> None:
         assert whole == {"embed": CUDA0, "blocks": CUDA1, "head": CUDA1}
 
 
+class Head(nn.Module):
+    """A model whose head is registered first but runs last."""
+
+    def __init__(self, device: str | None = None) -> None:
+        super().__init__()
+        self.head = nn.Linear(16, 16, device=device)
+        self.body = nn.Sequential(*(nn.Linear(16, 16, device=device) for _ in range(2)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def test_plan_takes_submodules_in_registration_order_not_running_order() -> None:
+    # plan never runs the model: the head, registered first, fills cuda:0 first although
+    # forward calls it last. The map is still a valid one for dispatch.
+    device_map = plan(Head(device="meta"), {"cuda:0": LINEAR_BYTES, "cuda:1": "1MiB"})
+    assert device_map == {"head": CUDA0, "body": CUDA1}
+    assert list(device_map) == ["head", "body"]
+
+
+class SpecialBlock(Block):
+    """A subclass of Block: a class entry in no_split covers it, the name 'Block' does not."""
+
+
+def test_plan_class_entries_in_no_split_match_by_class_and_subclass() -> None:
+    model = Net(blocks=2, device="meta")
+    model.blocks[1] = SpecialBlock(device="meta")
+    embed_bytes = (8 * 16 + 16) * 4
+    budgets = {"cuda:0": embed_bytes + 3 * LINEAR_BYTES, "cuda:1": "1MiB"}
+    assert plan(model, budgets)["blocks.1.b"] == CUDA1  # split by default
+    # The class keeps its subclass whole; its name matches only modules of exactly that class.
+    assert plan(model, budgets, no_split=[Block])["blocks.1"] == CUDA1
+    assert plan(model, budgets, no_split=["Block"])["blocks.1.b"] == CUDA1
+    head_bytes = (16 * 4 + 4) * 4
+    tight = {"cuda:0": embed_bytes + 3 * LINEAR_BYTES, "cpu": LINEAR_BYTES + head_bytes + 10}
+    with pytest.raises(TorchplaceError, match=r"SpecialBlock is a Block, in no_split.*take Block"):
+        plan(model, tight, no_split=[Block])
+
+
+def test_plan_refuses_class_entries_that_match_no_module() -> None:
+    namesake = type("Block", (nn.Module,), {})  # another class that happens to share the name
+    # Matched by name, it kept the real Block whole; now it is refused like an unknown name.
+    with pytest.raises(DeviceSpecError, match=r"not the model's toy_models.Block.*name 'Block'"):
+        plan(Net(device="meta"), {"cpu": "1GiB"}, no_split=[namesake])
+    with pytest.raises(DeviceSpecError, match=r"no module of the model is a Conv2d.*Linear"):
+        plan(Net(device="meta"), {"cpu": "1GiB"}, no_split=[nn.Conv2d])
+    with pytest.raises(DeviceSpecError, match=r"neither a module class nor a class name"):
+        plan(Net(device="meta"), {"cpu": "1GiB"}, no_split=[int])
+
+
 def test_plan_rejects_unknown_no_split_names() -> None:
     with pytest.raises(DeviceSpecError, match=r"'Blok'.*did you mean 'Block'"):
         plan(Net(device="meta"), {"cpu": "1GiB"}, no_split=["Blok"])
@@ -195,6 +258,11 @@ def test_plan_model_larger_than_all_budgets_reports_the_shortfall(kind: str) -> 
     with pytest.raises(TorchplaceError, match=r"budgets hold 2.0 KiB .*short") as info:
         plan(model, {"cuda:0": "1KiB", "cpu": "1KiB"})
     assert plan_module._format_bytes(total - 2048) in str(info.value)
+    # The cpu is budgeted already: the advice is to raise its budget, not to add it.
+    assert "add a device" not in str(info.value)
+    assert "the cpu's, if the machine has the memory" in str(info.value)
+    with pytest.raises(TorchplaceError, match=r"add a device \(for example 'cpu'\)"):
+        plan(model, {"cuda:0": "1KiB", "cuda:1": "1KiB"})
 
 
 @pytest.mark.parametrize("kind", KINDS)

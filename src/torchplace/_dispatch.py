@@ -16,7 +16,7 @@ import dataclasses
 import difflib
 import re
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -31,7 +31,7 @@ from ._errors import (
     first_line,
 )
 from ._plan import _display, _Tree, _walk
-from ._tree import Located, map_tensors
+from ._tree import Located, iter_leaves, map_tensors
 
 __all__ = [
     "dispatch",
@@ -75,18 +75,16 @@ def _to(obj: Any, dev: torch.device, *, keep_meta: bool = False) -> Any:
 
 
 def _first_device(obj: Any) -> torch.device | None:
-    """The device of the first tensor in nested inputs, or None when there is none."""
-    if isinstance(obj, torch.Tensor):
-        return obj.device
-    items: Iterable[Any] = ()
-    if isinstance(obj, (list, tuple)):
-        items = obj
-    elif isinstance(obj, Mapping):
-        items = obj.values()
-    for item in items:
-        found = _first_device(item)
-        if found is not None:
-            return found
+    """The device of the first tensor in nested inputs, or None when there is none.
+
+    It walks with the tree walker of ``move`` (``iter_leaves``), so that every collection the
+    hooks move an input out of (dataclasses, objects with their own ``.to``, mappings of any
+    kind) also gives the output its way back. A cyclic input is not followed round its cycle:
+    the model may accept what torchplace would refuse to move.
+    """
+    for _, leaf in iter_leaves(obj, "input", skip_cycles=True):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
     return None
 
 
@@ -211,7 +209,10 @@ class _MoveInputs:
         self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Any, Any] | None:
         if self.origins is not None:
-            self.origins.stack.append(_first_device((args, kwargs)))
+            if args and isinstance(args[0], torch.Tensor):  # the usual call, without a walk
+                self.origins.stack.append(args[0].device)
+            else:
+                self.origins.stack.append(_first_device((args, kwargs)))
         if self.device is None:
             return None
         try:
@@ -335,6 +336,10 @@ def _hook(tree: _Tree, targets: dict[int, torch.device]) -> None:
             if tree.direct[path]:
                 target = targets[tree.direct[path][0]]
             _wrap(module, installed, _split_message(path, name, _spread(tree, path, targets)))
+        # Prepended, so that the inputs are moved before any other pre-hook looks at them: a
+        # guard installed earlier checks a module whose forward is an instance attribute (as
+        # dispatch's own _ExplainClash is) with a pre-hook, which must see the moved inputs
+        # even when dispatch comes after it (a re-dispatch of a guarded model).
         if parent is None:
             installed.handles.append(
                 module.register_forward_pre_hook(
@@ -346,7 +351,9 @@ def _hook(tree: _Tree, targets: dict[int, torch.device]) -> None:
             )
         elif target is not None:
             installed.handles.append(
-                module.register_forward_pre_hook(_MoveInputs(target, None, path), with_kwargs=True)
+                module.register_forward_pre_hook(
+                    _MoveInputs(target, None, path), with_kwargs=True, prepend=True
+                )
             )
         if installed.handles or installed.wrapped_forward:
             module.__dict__[_MARK] = installed
@@ -366,10 +373,25 @@ def dispatch(model: nn.Module, device_map: DeviceMapSpec, /) -> nn.Module:
     ``device_map`` maps module names (``""`` is the whole model) to devices, as ``plan``
     returns it; a tensor goes to the device of the most specific name that contains it, and
     every tensor must be covered. Tied tensors stay one object, so their holders must share a
-    device. Parameters keep their identity where PyTorch allows it. Inputs (positional,
-    keyword, nested in lists, tuples and dicts) are moved to each submodule's device before it
-    runs, and the model's output comes back to the device of its first tensor input (outputs on
-    ``meta`` hold no data and stay there). Dispatching again replaces the hooks;
+    device. Parameters keep their identity where PyTorch allows it. Inputs (positional and
+    keyword, nested in any collection ``move`` handles: lists, tuples, dicts, dataclasses,
+    objects with their own ``.to``) are moved to each submodule's device before it runs (before
+    any other forward pre-hook, so a ``guard`` sees them moved), and the model's output comes
+    back to the device of its first tensor input, wherever that input is nested (outputs on
+    ``meta`` hold no data and stay there).
+
+    A container passed as an input reaches the submodule as the caller's own object when every
+    tensor in it is already on the submodule's device (a list or dict without tensors always
+    is). When some tensor in it must move, the submodule gets a moved copy, as ``move`` gives
+    one, and the caller's container is left untouched: writes a submodule on another device
+    makes into a mutable input (a cache dict it fills, a list it appends to) land in that copy
+    and are not seen by the caller or by the submodules after it. Return such results from
+    ``forward`` instead, or keep a cache per device (each part writing into a container whose
+    tensors are already on its device), or pass an object torchplace does not walk into (a
+    class that is neither a collection nor has a ``.to``, as Hugging Face's ``Cache`` classes
+    are), which reaches every part as is.
+
+    Dispatching again replaces the hooks;
     ``torchplace.move(model, device)`` gathers the model onto one device and removes them.
     If a parent's own code mixes outputs of children on different devices, the error names it
     and points at ``plan(..., no_split=[...])``.

@@ -27,7 +27,9 @@ guard wraps ``forward`` on the class of each checked module instead: the wrapper
 up in a table of guarded modules (instances not in it pass straight through) and runs after any
 forward pre-hooks, so it sees inputs that a pre-hook has moved. A class is restored when no
 guarded instance of it is left. A module with a ``forward`` of its own instance (as Accelerate
-sets) gets a forward pre-hook instead. Copies and pickles of a guarded model are not guarded.
+and ``dispatch`` set) gets a forward pre-hook instead, which runs after the pre-hooks registered
+before it; ``dispatch`` prepends its input-moving hooks, so they run first even when the model
+is dispatched again under a guard. Copies and pickles of a guarded model are not guarded.
 """
 
 from __future__ import annotations
@@ -79,9 +81,11 @@ def guard(model: nn.Module, /) -> Guard:
 
     The guard is installed when ``guard`` returns and stays until ``.remove()`` or the end of
     the ``with`` block, which takes it off even when the forward raised. Guards on the same
-    modules share their checks, so nesting or installing twice checks each module once. When
-    no guard is installed nothing of it is left; while one is, each checked module pays one
-    extra Python call (see the module docstring for which modules are checked).
+    modules share their checks, so nesting or installing twice checks each module once, and a
+    mismatch names the module by its path from the outermost guarded model (``model.1`` under
+    ``guard(model)``, even when ``guard(model[1])`` came first). When no guard is installed
+    nothing of it is left; while one is, each checked module pays one extra Python call (see
+    the module docstring for which modules are checked).
 
     Raises ``TorchplaceError`` when ``model`` is not an ``nn.Module``; a checked module raises
     ``DeviceMismatchError`` before its forward runs, e.g. "model.head (Linear) got input[0] on
@@ -112,7 +116,8 @@ class Guard:
                 "pass the model (or the submodule) whose inputs should be checked"
             )
         self._model = model
-        self._checks: list[_Check] | None = None
+        # Each check this guard uses, with the path this guard names its module by.
+        self._checks: list[tuple[_Check, str]] | None = None
         self._install()
 
     @property
@@ -123,8 +128,8 @@ class Guard:
     def remove(self) -> None:
         """Take this guard off the model; harmless when already removed."""
         checks, self._checks = self._checks, None
-        for check in checks or ():
-            check.release()
+        for check, path in checks or ():
+            check.release(path)
 
     def __enter__(self) -> Guard:
         if self._checks is None:
@@ -147,15 +152,16 @@ class Guard:
         return f"<Guard on {name}, {count} module{'' if count == 1 else 's'} checked>"
 
     def _install(self) -> None:
-        checks: list[_Check] = []
+        checks: list[tuple[_Check, str]] = []
         try:
             for name, module in self._model.named_modules():
-                check = _Check.install(module, f"model.{name}" if name else "model")
+                path = f"model.{name}" if name else "model"
+                check = _Check.install(module, path)
                 if check is not None:
-                    checks.append(check)
+                    checks.append((check, path))
         except BaseException:
-            for check in checks:
-                check.release()
+            for check, path in checks:
+                check.release(path)
             raise
         self._checks = checks
 
@@ -166,19 +172,27 @@ _CHECKS: dict[int, _Check] = {}
 
 
 class _Check:
-    """The check of one module, shared by every guard installed on it."""
+    """The check of one module, shared by every guard installed on it.
 
-    __slots__ = ("handle", "id", "key", "label", "patched", "ref", "tensors", "users")
+    Each guard names the module by its path from the model that guard was given: ``model.1``
+    for a guard on the whole model, ``model`` for one on ``model[1]`` itself. A mismatch is
+    reported under the longest of these paths, the one from the outermost guarded model, so
+    the message does not depend on which guard came first; it changes when that guard goes.
+    """
+
+    __slots__ = ("class_name", "handle", "id", "key", "label", "patched", "paths", "ref", "tensors")
 
     def __init__(self, path: str, module: nn.Module, owned: tuple[dict[str, Any], str] | None):
-        self.label = f"{path} ({type(module).__name__})"
+        self.class_name = type(module).__name__
+        self.paths = [path]  # one per guard that uses this check, in order of installation
+        self.label = ""
+        self._relabel()
         # The module's own parameter (or buffer) dict and a key in it: the probe whose device
         # the hot path compares inputs with. None for a module that holds no tensor.
         self.tensors: dict[str, Any] | None = None
         self.key = ""
         if owned is not None:
             self.tensors, self.key = owned
-        self.users = 1
         self.handle: RemovableHandle | None = None  # the forward pre-hook, when one is used
         self.patched: type[nn.Module] | None = None  # the class whose forward is wrapped
         self.id = id(module)
@@ -196,7 +210,8 @@ class _Check:
     def _install(cls, module: nn.Module, path: str) -> _Check | None:
         check = _CHECKS.get(id(module))
         if check is not None and check.ref() is module:
-            check.users += 1
+            check.paths.append(path)
+            check._relabel()
             return check
         owned = _probe(module)
         if owned is None and not _takes_several(module):
@@ -209,17 +224,27 @@ class _Check:
         _CHECKS[id(module)] = check
         return check
 
-    def release(self) -> None:
-        """One guard fewer on this module; the last one takes the check off."""
+    def _relabel(self) -> None:
+        """Name the module as the outermost guard does: the longest path (first on ties)."""
+        if self.paths:
+            self.label = f"{max(self.paths, key=len)} ({self.class_name})"
+
+    def release(self, path: str) -> None:
+        """One guard fewer on this module (the one naming it ``path``); the last one takes the
+        check off."""
         with _LOCK:
-            self.users -= 1
-            if self.users == 0:
+            if not self.paths:  # already retired, by garbage collection
+                return
+            self.paths.remove(path)  # equal paths are interchangeable: any one of them
+            if self.paths:
+                self._relabel()
+            else:
                 self._retire()
 
     def _collected(self, ref: weakref.ref[nn.Module]) -> None:
         with _LOCK:  # a garbage collection may run this in any thread
-            if self.users > 0:
-                self.users = 0
+            if self.paths:
+                self.paths.clear()
                 self._retire()
 
     def _retire(self) -> None:

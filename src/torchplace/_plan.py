@@ -1,7 +1,8 @@
 """Where a model goes on several devices: ``plan`` turns budgets into a device map.
 
 ``plan(model, max_memory)`` returns ``{module name: device}``, filling the budgets in the order
-given with submodules in execution order; it never touches a device. The walk of a model (every
+given with submodules in registration order (plan never runs the model, so the order in which
+``forward`` calls them is not known to it); it never touches a device. The walk of a model (every
 module under every name, and who owns each tensor) lives here too, and ``dispatch`` uses it.
 """
 
@@ -9,6 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import numbers
+import operator
 import re
 from collections.abc import Iterable, Mapping
 
@@ -46,16 +50,35 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
 
 
 def _parse_size(value: object, where: str) -> int:
-    """Bytes from ``1024``, ``"500MB"`` (10**6) or ``"10GiB"`` (2**30); ``where`` names it."""
+    """Bytes from ``1024``, ``"500MB"`` (10**6) or ``"10GiB"`` (2**30); ``where`` names it.
+
+    Any integer type counts (``operator.index``: numpy and torch integers too), and so does a
+    real number that is a whole number of bytes (``1e9``, ``np.float32(2**20)``).
+    """
     if isinstance(value, bool):
         raise DeviceSpecError(f"{where}: a budget is a size like '10GiB' or bytes, not {value!r}")
-    if isinstance(value, int):
-        if value < 0:
-            raise DeviceSpecError(f"{where}: the budget {value} is negative; give bytes >= 0")
-        return value
-    if isinstance(value, float) and value.is_integer() and value >= 0:
-        return int(value)
+    negative = f"{where}: the budget {value!r} is negative; give a size >= 0 such as '10GiB'"
+    if not isinstance(value, str):
+        count: int | None = None
+        try:
+            count = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            if isinstance(value, numbers.Real) and math.isfinite(value):
+                if value < 0:
+                    raise DeviceSpecError(negative) from None
+                if not float(value).is_integer():
+                    raise DeviceSpecError(
+                        f"{where}: the budget {value!r} is not a whole number of bytes; give "
+                        "an int, or a string such as '1.5GiB'"
+                    ) from None
+                count = int(float(value))
+        if count is not None:
+            if count < 0:
+                raise DeviceSpecError(negative)
+            return count
     if isinstance(value, str):
+        if value.strip().startswith("-") and _SIZE.match(value.strip()[1:]):
+            raise DeviceSpecError(negative)
         match = _SIZE.match(value)
         if match is not None:
             unit = match.group(2).lower()
@@ -91,7 +114,7 @@ def _display(path: str) -> str:
 class _Tree:
     """A model's modules under every name they have, and the tensors each holds directly."""
 
-    modules: dict[str, nn.Module]  # path -> module, in registration (execution) order
+    modules: dict[str, nn.Module]  # path -> module, in registration order
     children: dict[str, list[str]]  # path -> child paths
     direct: dict[str, list[int]]  # path -> ids of the tensors the module itself holds
     tensors: dict[int, torch.Tensor]  # id -> tensor
@@ -217,15 +240,57 @@ def _parse_budgets(max_memory: object) -> dict[torch.device, int]:
     return budgets
 
 
-def _no_split_classes(model: nn.Module, no_split: Iterable[type | str]) -> set[str]:
-    """Names of the classes never split; a name given as a string must exist in the model."""
+@dataclasses.dataclass(frozen=True)
+class _NoSplit:
+    """The modules never split: a class name matches a module whose class has exactly that
+    name (as Accelerate's ``no_split_module_classes``); a class matches its instances,
+    subclasses included (as ``isinstance``), and never an unrelated class of the same name."""
+
+    names: frozenset[str] = frozenset()
+    classes: tuple[type[nn.Module], ...] = ()
+
+    def entry(self, module: nn.Module) -> str | None:
+        """The name of the entry that keeps ``module`` whole, or None when none does."""
+        name = type(module).__name__
+        if name in self.names or type(module) in self.classes:
+            return name
+        for cls in self.classes:
+            if isinstance(module, cls):
+                return cls.__name__
+        return None
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _no_split_classes(model: nn.Module, no_split: Iterable[type | str]) -> _NoSplit:
+    """The classes never split; each entry, a class or a name, must match a module of the model
+    (a typo or a class from another model would otherwise be ignored without a word)."""
     if isinstance(no_split, (str, type)):
         no_split = [no_split]
-    present = sorted({type(m).__name__ for m in model.modules()})
+    modules = list(model.modules())
+    present = sorted({type(m).__name__ for m in modules})
     names: set[str] = set()
+    classes: list[type[nn.Module]] = []
     for entry in no_split:
-        if isinstance(entry, type):
-            names.add(entry.__name__)
+        if isinstance(entry, type) and issubclass(entry, nn.Module):
+            if not any(isinstance(m, entry) for m in modules):
+                namesake = next(
+                    (type(m) for m in modules if type(m).__name__ == entry.__name__), None
+                )
+                if namesake is not None:
+                    raise DeviceSpecError(
+                        f"no_split: {_qualified(entry)} is not the model's "
+                        f"{_qualified(namesake)}, only a class of the same name, and no module "
+                        f"of the model is an instance of it; pass the model's class or the name "
+                        f"{entry.__name__!r}"
+                    )
+                raise DeviceSpecError(
+                    f"no_split: no module of the model is a {entry.__qualname__} (or a subclass "
+                    f"of it); classes present: {', '.join(present)}"
+                )
+            classes.append(entry)
         elif isinstance(entry, str):
             if entry not in present:
                 guess = difflib.get_close_matches(entry, present, n=1)
@@ -240,7 +305,7 @@ def _no_split_classes(model: nn.Module, no_split: Iterable[type | str]) -> set[s
                 f"no_split: {entry!r} is neither a module class nor a class name; "
                 "pass classes (no_split=[Block]) or their names (no_split=['Block'])"
             )
-    return names
+    return _NoSplit(frozenset(names), tuple(classes))
 
 
 def _dtype(dtype: object) -> torch.dtype | None:
@@ -256,13 +321,13 @@ def _dtype(dtype: object) -> torch.dtype | None:
 
 
 class _Planner:
-    """Fills devices in the order of the budgets with units of tensors in execution order."""
+    """Fills devices in the order of the budgets with units of tensors in registration order."""
 
     def __init__(
         self,
         tree: _Tree,
         budgets: dict[torch.device, int],
-        no_split: set[str],
+        no_split: _NoSplit,
         dtype: torch.dtype | None,
     ) -> None:
         self.tree = tree
@@ -314,7 +379,7 @@ class _Planner:
     def splittable(self, path: str) -> bool:
         module = self.tree.modules[path]
         has_parts = any(self.tree.subtree(child) for child in self.tree.children[path])
-        return has_parts and type(module).__name__ not in self.no_split
+        return has_parts and self.no_split.entry(module) is None
 
     def visit(self, path: str) -> None:
         ids = self.unplaced(self.tree.subtree(path))
@@ -339,14 +404,15 @@ class _Planner:
             return
         module = self.tree.modules[path]
         name = type(module).__name__
+        entry = self.no_split.entry(module)
         what = (
             f"{_display(path)} ({name})"
             if whole
             else f"the tensors {_display(path)} ({name}) holds itself"
         )
         why = (
-            f"{name} is in no_split"
-            if whole and name in self.no_split
+            (f"{name} is in no_split" if entry == name else f"{name} is a {entry}, in no_split")
+            if whole and entry is not None
             else "it has no submodules to split"
             if whole
             else "they cannot be split"
@@ -359,7 +425,7 @@ class _Planner:
             shown = ", ".join(_display(p) for p in partners[:3])
             why += f", and tied tensors bring {shown} along"
         fixes = "or add a device after it" + (
-            f", or take {name} out of no_split" if name in self.no_split else ""
+            f", or take {entry} out of no_split" if entry is not None else ""
         )
         remaining = sum(self.size[key] for key in self.tree.tensors if key not in self.placed)
         last = self.devices[-1]
@@ -410,7 +476,7 @@ def plan(
     no_split: Iterable[type | str] = (),
     dtype: torch.dtype | str | None = None,
 ) -> dict[str, torch.device]:
-    """Assign submodules, in execution order, to devices within budgets: a device map.
+    """Assign submodules, in registration order, to devices within budgets: a device map.
 
     >>> import torch, torchplace
     >>> model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(4)))
@@ -420,13 +486,22 @@ def plan(
     >>> torchplace.plan(model, {"cpu": "10GiB"})
     {'': device(type='cpu')}
 
-    Budgets (``"10GiB"``, ``"512MiB"``, ``"500MB"``, ``"2GB"`` or bytes) count parameters and
-    buffers and are used exactly as given: leave room for activations yourself. Devices fill
-    in the order the budgets are listed; an int key N means ``cuda:N``. Submodules are taken
-    in registration order, which is the order a sequential model or a transformer stack runs
-    them, and a module that does not fit where the last one went is split into its children,
-    unless its class is in ``no_split`` (classes or class names). Modules that hold the same
-    tensor (tied weights) share a device: the group goes where its first member goes. ``dtype``
+    Budgets (``"10GiB"``, ``"512MiB"``, ``"500MB"``, ``"2GB"``, or bytes as any integer or a
+    whole real number) count parameters and buffers and are used exactly as given: leave room
+    for activations yourself. Devices fill in the order the budgets are listed; an int key N
+    means ``cuda:N``.
+
+    Submodules are taken in registration order (the order of ``model.named_modules()``), as
+    Accelerate's ``infer_auto_device_map`` does: plan never runs the model, so it cannot know
+    the order in which ``forward`` calls them. That is the order a sequential model or a
+    transformer stack runs them; a model that registers a module before one it runs earlier
+    (a head defined first) is still planned correctly, each part on its device, only with more
+    device changes per forward than a map in running order. A module that does not fit where
+    the last one went is split into its children, unless it is in ``no_split``: a class name
+    keeps whole the modules whose class has exactly that name (as Accelerate's
+    ``no_split_module_classes``), a class keeps whole its instances, subclasses included; an
+    entry that matches no module of the model is refused. Modules that hold the same tensor
+    (tied weights) share a device: the group goes where its first member goes. ``dtype``
     sizes floating tensors as if cast to it. The map is the smallest that says it: a module
     whose whole subtree shares a device is one entry, and a name covers its submodules unless
     a longer name overrides it. Works on skeletons and fake tensors; no device is touched.
@@ -445,11 +520,18 @@ def plan(
             listed = ", ".join(f"{d}: {_format_bytes(b)}" for d, b in budgets.items())
             cast_to = _dtype(dtype)
             cast = "" if cast_to is None else f" in {str(cast_to).removeprefix('torch.')}"
+            # Host memory is the usual room to grow: suggest adding it, or, when it is already
+            # budgeted, raising it (adding the cpu again is no advice).
+            more = (
+                "raise a budget by that much (the cpu's, if the machine has the memory)"
+                if torch.device("cpu") in budgets
+                else "raise a budget by that much, add a device (for example 'cpu')"
+            )
             raise TorchplaceError(
                 f"the model does not fit: its parameters and buffers need "
                 f"{_format_bytes(total)}{cast} but the budgets hold {_format_bytes(capacity)} "
-                f"({listed}), {_format_bytes(total - capacity)} short; raise a budget by that "
-                "much, add a device (for example 'cpu'), or plan with a smaller dtype"
+                f"({listed}), {_format_bytes(total - capacity)} short; {more}, or plan with "
+                "a smaller dtype"
             )
         planner.visit("")
         return planner.device_map()
