@@ -65,6 +65,28 @@ def test_explicit_cpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert "the CPU was asked for" in report["note"]
 
 
+@pytest.mark.usefixtures("no_accelerator")
+def test_auto_and_a_number_without_an_accelerator(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--device", "auto", "--json", *QUICK]) == 0
+    assert "no accelerator was found" in json.loads(capsys.readouterr().out)["note"]
+    assert main(["bench", "--device", "0", *QUICK]) == 2  # accelerator 0, which is absent
+    assert "--device 0: accelerator 0 requested" in capsys.readouterr().err
+
+
+def test_only_the_large_copies_set_the_best() -> None:
+    from torchplace._bench import _rates
+
+    rows = _rates(
+        [
+            ("host", "pageable", 1 << 20, 1, 1e-3),
+            ("host", "per-tensor", 1024, 1, 1e-7),  # one small tensor (--tensors 1), fast
+            ("host", "consolidated", 1024, 1, 1e-6),
+        ]
+    )
+    assert rows[0].fraction == 1.0
+    assert rows[1].fraction > 1.0  # faster than the large copy, and shown as such
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [

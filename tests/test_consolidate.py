@@ -85,6 +85,7 @@ def mixed() -> list[torch.Tensor]:
         base[:, ::3],  # with gaps: arrives contiguous
         base[1:4, 2:7],  # a window with a storage offset
         torch.ones(3, 1).expand(3, 4),  # overlapping (stride 0)
+        torch.arange(3.0).as_strided((3, 1), (1, 100)),  # contiguous, odd stride of a size 1
         random_bits((2, 3, 4, 5), torch.float16, seed=4).to(memory_format=torch.channels_last),
         random_bits((4,), torch.complex64, seed=5).conj(),  # lazy conjugate
         random_bits((4,), torch.float32, seed=6)._neg_view(),  # lazy negation

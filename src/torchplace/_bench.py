@@ -121,11 +121,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _choose(spec: str | None) -> tuple[torch.device, str | None]:
     """The device to measure and, when there is no accelerator, a note saying so."""
+    auto = spec is None or spec.strip().lower() == "auto"
     if spec is None:
         target = _parse_device("auto")
     else:
         try:
-            target = _parse_device(spec)
+            # "0" on a command line means accelerator 0, as the int 0 does in Python.
+            target = _parse_device(int(spec) if spec.strip().isdigit() else spec)
         except TorchplaceError as exc:
             raise type(exc)(f"--device {spec}: {exc}") from exc
     if target.type == "meta":
@@ -135,7 +137,7 @@ def _choose(spec: str | None) -> tuple[torch.device, str | None]:
         )
     if target.type != "cpu":
         return target, None
-    why = "no accelerator was found" if spec is None else "the CPU was asked for"
+    why = "no accelerator was found" if auto else "the CPU was asked for"
     return target, (
         f"{why}: only host memory copies were measured (a large copy, small tensors cloned one "
         "by one and packed/split as in a consolidated copy); pinned memory needs an accelerator"
@@ -246,8 +248,8 @@ def _time(fn: Callable[[], object], sync: Callable[[], None], repeat: int) -> fl
 
 def _rates(rows: list[tuple[str, str, int, int, float]]) -> list[Measurement]:
     best: dict[str, float] = {}
-    for direction, _, nbytes, count, seconds in rows:
-        if count == 1:
+    for direction, copy, nbytes, _, seconds in rows:
+        if copy in ("pageable", "pinned"):  # the large copies (--tensors 1 makes others single)
             best[direction] = max(best.get(direction, 0.0), nbytes / seconds / 1e9)
     out = []
     for direction, copy, nbytes, count, seconds in rows:

@@ -213,7 +213,20 @@ def _packable(t: torch.Tensor) -> bool:
         and t.element_size() in _CARRIERS
         and not t.is_conj()
         and not t.is_neg()
+        and (1 not in t.shape or _plain_strides(t))
     )
+
+
+def _plain_strides(t: torch.Tensor) -> bool:
+    """Whether a contiguous ``t`` has the strides its shape alone gives. ``is_contiguous``
+    overlooks the stride of a dimension of size 1, which ``Tensor.to`` keeps (a (3, 1) tensor
+    with strides (1, 100)), while a view of the landed buffer would not."""
+    expected = 1
+    for size, stride in zip(reversed(t.shape), reversed(t.stride()), strict=True):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _consolidate(
