@@ -964,3 +964,394 @@ def test_inspect_walks_shared_objects_once(tmp_path: Path) -> None:
     torch.save(shared, path)
     records = describe(path)
     assert len(records) == 1
+
+
+# ------------------------------------------------------------------ overlapping views in a file
+
+
+class _Two(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.zeros(4, 3))
+        self.b = nn.Parameter(torch.zeros(2, 3))
+
+
+def _byte_range(t: torch.Tensor) -> range:
+    return range(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+
+
+@pytest.mark.parametrize("rows", [slice(0, 2), slice(1, 3)], ids=["head", "middle"])
+def test_overlapping_views_in_the_file_load_into_separate_memory(
+    tmp_path: Path, rows: slice
+) -> None:
+    big = torch.arange(12.0).reshape(4, 3)
+    path = save({"a": big, "b": big[rows]}, tmp_path / "overlap.pt")  # b shares a's storage
+    model = load_into(skeleton(_Two), path)
+    assert torch.equal(model.a, big) and torch.equal(model.b, big[rows])
+    a, b = _byte_range(model.a), _byte_range(model.b)
+    assert a.stop <= b.start or b.stop <= a.start  # no byte in common
+    b_before = model.b.detach().clone()
+    with torch.no_grad():
+        model.a.add_(100.0)  # a step on a alone
+    assert torch.equal(model.b, b_before)
+
+
+def test_views_of_disjoint_parts_of_one_storage_are_not_copied(tmp_path: Path) -> None:
+    if not Path("/proc/self/maps").exists():
+        pytest.skip("needs /proc/self/maps (Linux)")
+
+    class Halves(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Parameter(torch.zeros(2, 3))
+            self.b = nn.Parameter(torch.zeros(2, 3))
+
+    big = torch.arange(12.0).reshape(4, 3)
+    path = save({"a": big[:2], "b": big[2:]}, tmp_path / "halves.pt")
+    model = load_into(skeleton(Halves), path)
+    assert torch.equal(model.a, big[:2]) and torch.equal(model.b, big[2:])
+    # Their bytes do not overlap, so both stay in the mapping: no second copy.
+    assert _maps_file(model.a, path) and _maps_file(model.b, path)
+    assert model.a.untyped_storage().data_ptr() == model.b.untyped_storage().data_ptr()
+
+
+# ------------------------------------------------------- Parameter subclasses and attributes
+
+
+class _TaggedParam(nn.Parameter):
+    """A Parameter subclass, as some libraries use to mark special weights."""
+
+
+class _SlottedParam(nn.Parameter):
+    __slots__ = ("group",)
+
+
+class _Tagged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.lin.weight.no_decay = True  # type: ignore[attr-defined]  # set after init touched it
+        self.scale = _TaggedParam(torch.ones(2))  # untouched by torch calls: swept to meta
+        self.scale.role = "scale"  # type: ignore[attr-defined]
+        self.shift = _SlottedParam(torch.empty(2))
+        self.shift.group = 7
+        self.shift.note = "set before init"  # type: ignore[attr-defined]
+        nn.init.zeros_(self.shift)  # init touches it after the attributes were set
+
+
+def _check_tags(model: _Tagged) -> None:
+    assert type(model.lin.weight) is nn.Parameter
+    assert model.lin.weight.no_decay is True  # type: ignore[attr-defined]
+    assert type(model.scale) is _TaggedParam and model.scale.role == "scale"  # type: ignore[attr-defined]
+    assert type(model.shift) is _SlottedParam and model.shift.group == 7
+    assert model.shift.note == "set before init"  # type: ignore[attr-defined]
+
+
+def test_skeleton_keeps_parameter_subclasses_and_attributes() -> None:
+    model = skeleton(_Tagged)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    _check_tags(model)
+
+
+@pytest.mark.parametrize("build", ["skeleton", "real"])
+def test_load_into_keeps_parameter_subclasses_and_attributes(tmp_path: Path, build: str) -> None:
+    torch.manual_seed(0)
+    source = _Tagged()
+    with torch.no_grad():
+        source.shift.add_(3.0)
+    path = save(source.state_dict(), tmp_path / "tagged.pt")
+    model = skeleton(_Tagged) if build == "skeleton" else _Tagged()
+    before = dict(model.named_parameters())
+    load_into(model, path)
+    for name, p in model.named_parameters():
+        assert p is before[name] and torch.equal(p, source.state_dict()[name])
+    _check_tags(model)
+
+
+# ------------------------------------------------------- load_state_dict hooks and versions
+
+
+def _old_batchnorm_file(tmp_path: Path, version: int | None) -> Path:
+    torch.manual_seed(0)
+    source = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    source.train()(torch.randn(5, 2))  # running stats that are not the defaults
+    sd = source.state_dict()
+    del sd["1.num_batches_tracked"]  # a file saved before PyTorch 1.0 has none
+    if version is None:
+        del sd._metadata  # type: ignore[attr-defined]
+    else:
+        sd._metadata["1"]["version"] = version  # type: ignore[attr-defined]
+    return save(sd, tmp_path / "old_bn.pt")
+
+
+@pytest.mark.parametrize("version", [None, 1])
+@pytest.mark.parametrize("build", ["skeleton", "real"])
+def test_an_old_batchnorm_file_loads_as_load_state_dict_loads_it(
+    tmp_path: Path, version: int | None, build: str
+) -> None:
+    path = _old_batchnorm_file(tmp_path, version)
+
+    def factory() -> nn.Module:
+        return nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+
+    expected = factory()
+    expected.load_state_dict(torch.load(path, weights_only=True))
+    model = load_into(skeleton(factory) if build == "skeleton" else factory(), path)
+    got, want = model.state_dict(), expected.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype, k
+    assert model[1].num_batches_tracked.item() == 0
+
+
+def test_a_current_batchnorm_file_still_needs_num_batches_tracked(tmp_path: Path) -> None:
+    path = _old_batchnorm_file(tmp_path, 2)  # version 2 files have it: its absence is real
+    with pytest.raises(RuntimeError, match="num_batches_tracked"):
+        nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)).load_state_dict(torch.load(path))
+    with pytest.raises(CheckpointError, match=r"missing keys: 1\.num_batches_tracked"):
+        load_into(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)), path)
+
+
+def test_old_instance_norm_running_stats_are_refused_as_load_state_dict_refuses(
+    tmp_path: Path,
+) -> None:
+    path = save({"running_mean": torch.zeros(3), "running_var": torch.ones(3)}, tmp_path / "in.pt")
+    with pytest.raises(RuntimeError, match="track_running_stats=False"):
+        nn.InstanceNorm1d(3).load_state_dict(torch.load(path), strict=False)
+    with pytest.raises(CheckpointError, match=r"running_mean and running_var.*InstanceNorm1d"):
+        load_into(nn.InstanceNorm1d(3), path, strict=False)
+
+
+class _OldLayout(nn.Module):
+    """A layer whose early files stored ``w`` transposed, upgraded by a load pre-hook."""
+
+    def __init__(self, public: bool = False) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(2, 3))
+        if public:
+            self.register_load_state_dict_pre_hook(
+                lambda module, sd, prefix, *rest: self._upgrade(sd, prefix, *rest)
+            )
+        else:
+            self._register_load_state_dict_pre_hook(self._upgrade)
+
+    def _upgrade(self, sd: dict[str, torch.Tensor], prefix: str, *rest: object) -> None:
+        key = prefix + "w"
+        if key in sd and sd[key].shape == (3, 2):
+            sd[key] = sd[key].t()
+        if prefix + "old_w" in sd:  # an even older name for it
+            sd[key] = sd.pop(prefix + "old_w").t()
+
+
+class _Holder(nn.Module):
+    def __init__(self, public: bool = False) -> None:
+        super().__init__()
+        self.inner = _OldLayout(public)
+
+
+@pytest.mark.parametrize("public", [False, True], ids=["private", "public"])
+@pytest.mark.parametrize("build", ["skeleton", "real"])
+@pytest.mark.parametrize("key", ["w", "old_w"])
+def test_load_state_dict_pre_hooks_run_as_load_state_dict_runs_them(
+    tmp_path: Path, public: bool, build: str, key: str
+) -> None:
+    old = torch.arange(6.0).reshape(3, 2)
+    path = save({f"inner.{key}": old}, tmp_path / "old.pt")
+    expected = _Holder(public)
+    expected.load_state_dict(torch.load(path, weights_only=True))  # strict: old_w is renamed
+    model = skeleton(_Holder, public) if build == "skeleton" else _Holder(public)
+    load_into(model, path)
+    assert torch.equal(model.inner.w, expected.inner.w) and torch.equal(model.inner.w, old.t())
+    assert model.inner.w.is_contiguous()
+
+
+def test_pre_hooks_get_the_arguments_load_state_dict_gives(tmp_path: Path) -> None:
+    calls: dict[str, list[tuple[object, ...]]] = {"torch": [], "torchplace": []}
+    who = "torch"
+
+    def build() -> nn.Module:
+        model = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2)))
+
+        def hook(
+            module: nn.Module, sd: dict[str, torch.Tensor], prefix: str, *rest: object
+        ) -> None:
+            local_metadata, strict = rest[0], rest[1]
+            calls[who].append((type(module).__name__, prefix, sorted(sd), local_metadata, strict))
+
+        for m in model.modules():
+            m.register_load_state_dict_pre_hook(hook)
+        return model
+
+    path = save(build().state_dict(), tmp_path / "nested.pt")
+    build().load_state_dict(torch.load(path, weights_only=True))
+    who = "torchplace"
+    load_into(skeleton(build), path)
+    assert calls["torchplace"] == calls["torch"] and len(calls["torch"]) == 4
+
+
+def test_a_pre_hook_that_reports_an_error_refuses_the_file(tmp_path: Path) -> None:
+    model = skeleton(nn.Linear, 2, 2)
+    model.register_load_state_dict_pre_hook(
+        lambda module, sd, prefix, meta, strict, missing, unexpected, errors: errors.append(
+            "weight: saved by an incompatible release"
+        )
+    )
+    path = save(nn.Linear(2, 2).state_dict(), tmp_path / "lin.pt")
+    with pytest.raises(CheckpointError, match="incompatible release"):
+        load_into(model, path, strict=False)
+    assert model.weight.device.type == "meta"
+
+    def raising(*args: object) -> None:
+        raise KeyError("no such layout")
+
+    model = skeleton(nn.Linear, 2, 2)
+    model._register_load_state_dict_pre_hook(raising)
+    with pytest.raises(CheckpointError, match=r"pre-hook .*raising.*KeyError.*nothing was loaded"):
+        load_into(model, path)
+    assert model.weight.device.type == "meta"
+
+
+def test_post_hooks_run_after_the_weights_are_in_place(tmp_path: Path) -> None:
+    source = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    path = save(source.state_dict(), tmp_path / "two.pt")
+    seen: list[tuple[str, bool, list[str], list[str]]] = []
+
+    def build() -> nn.Module:
+        model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+        for name, m in model.named_modules():
+
+            def hook(module: nn.Module, keys: object, name: str = name) -> None:
+                loaded = all(p.device.type == "cpu" for p in module.parameters())
+                seen.append((name, loaded, list(keys.missing_keys), list(keys.unexpected_keys)))  # type: ignore[attr-defined]
+
+            m.register_load_state_dict_post_hook(hook)
+        return model
+
+    build().load_state_dict(torch.load(path, weights_only=True), strict=False)
+    from_torch, seen[:] = list(seen), []
+    model = load_into(skeleton(build), path, strict=False)
+    assert [s[0] for s in seen] == [s[0] for s in from_torch] == ["0", "1", "2", ""]
+    assert torch.equal(model[1].weight, source[1].weight)
+    assert seen[0][1] and seen[1][1]  # the loaded layers hold their weights when their hook runs
+    assert seen[-1][2] == from_torch[-1][2] == ["2.weight", "2.bias"]
+
+
+class _SelfLoading(nn.Linear):
+    def _load_from_state_dict(self, state_dict, prefix, *args):  # type: ignore[no-untyped-def]
+        state_dict[prefix + "weight"] = state_dict[prefix + "weight"] * 2
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+def test_a_module_that_loads_itself_is_refused_with_the_way_out(tmp_path: Path) -> None:
+    path = save({"0.weight": torch.ones(2, 2), "0.bias": torch.ones(2)}, tmp_path / "lin.pt")
+    model = skeleton(lambda: nn.Sequential(_SelfLoading(2, 2)))
+    before = dict(model.named_parameters())
+    with pytest.raises(CheckpointError) as info:
+        load_into(model, path)
+    message = str(info.value)
+    assert "0 (_SelfLoading)" in message and "_load_from_state_dict" in message
+    assert "model.load_state_dict(torchplace.load(path))" in message
+    for name, p in model.named_parameters():
+        assert p is before[name] and p.device.type == "meta"
+    real = nn.Sequential(_SelfLoading(2, 2))
+    real.load_state_dict(load(path))  # the way out works
+    assert torch.equal(real[0].weight, torch.full((2, 2), 2.0))
+
+
+# ------------------------------------------------------------------------------- lazy modules
+
+
+@pytest.mark.parametrize("device", [None, "cpu"])
+def test_load_into_a_lazy_module_materializes_it_as_load_state_dict_does(
+    tmp_path: Path, device: str | None
+) -> None:
+    torch.manual_seed(0)
+    source = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    path = save(source.state_dict(), tmp_path / "lin.pt")
+    expected = nn.Sequential(nn.LazyLinear(2), nn.LazyBatchNorm1d())
+    expected.load_state_dict(torch.load(path, weights_only=True))
+    model = nn.Sequential(nn.LazyLinear(2), nn.LazyBatchNorm1d())
+    weight = model[0].weight
+    load_into(model, path, device)
+    assert model[0].weight is weight and type(weight) is nn.Parameter
+    got, want = model.state_dict(), expected.state_dict()
+    for k in want:
+        assert torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype, k
+    x = torch.randn(4, 3)
+    assert torch.equal(model.eval()(x), expected.eval()(x))
+    assert type(model[0]) is nn.Linear  # the first forward finishes it, as after load_state_dict
+
+
+def test_a_refused_load_leaves_a_lazy_module_lazy(tmp_path: Path) -> None:
+    path = save({"weight": torch.ones(2, 3)}, tmp_path / "no_bias.pt")
+    model = nn.LazyLinear(2)
+    with pytest.raises(CheckpointError, match="missing keys: bias"):
+        load_into(model, path)
+    assert nn.parameter.is_lazy(model.weight) and nn.parameter.is_lazy(model.bias)
+
+
+# --------------------------------------------------------------- tied weights saved apart
+
+
+class _TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(3, 2)
+        self.head = nn.Linear(2, 3, bias=False)
+        self.head.weight = self.emb.weight
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_tied_weights_saved_with_different_values_are_refused(tmp_path: Path, strict: bool) -> None:
+    path = save(
+        {"emb.weight": torch.ones(3, 2), "head.weight": torch.zeros(3, 2)}, tmp_path / "c.pt"
+    )
+    model = skeleton(_TiedLM)
+    with pytest.raises(CheckpointError, match=r"emb\.weight and head\.weight .*keeps them apart"):
+        load_into(model, path, strict=strict)
+    assert model.emb.weight.device.type == "meta"
+
+
+def test_tied_weights_saved_twice_with_equal_values_load(tmp_path: Path) -> None:
+    w = torch.tensor([[1.0, float("nan")], [2.0, 3.0], [4.0, 5.0]])
+    path = save({"emb.weight": w, "head.weight": w.clone()}, tmp_path / "same.pt")
+    model = load_into(skeleton(_TiedLM), path)
+    assert model.head.weight is model.emb.weight
+    assert torch.equal(model.emb.weight.nan_to_num(), w.nan_to_num())
+
+
+# ----------------------------------------------------------------------- shards and zip files
+
+
+def test_a_shard_spelt_two_ways_is_read_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchplace import _checkpoint
+
+    safetensors_torch.save_file(
+        {"a": torch.ones(2), "b": torch.arange(3.0)}, tmp_path / "s1.safetensors"
+    )
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "s1.safetensors", "b": "./s1.safetensors"}}))
+    reads: list[Path] = []
+    real = _checkpoint.load
+
+    def counting(path: Path, *args: object, **kwargs: object) -> object:
+        reads.append(Path(path))
+        return real(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_checkpoint, "load", counting)
+    out = real(index)
+    assert reads == [(tmp_path / "s1.safetensors").resolve()]
+    assert torch.equal(out["a"], torch.ones(2)) and torch.equal(out["b"], torch.arange(3.0))
+
+
+@pytest.mark.parametrize("member", ["foo.txt", "archive/foo.txt"])
+def test_a_zip_that_is_not_a_torch_file_is_named_as_such(tmp_path: Path, member: str) -> None:
+    import zipfile
+
+    path = tmp_path / "weights.pt"
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr(member, "not weights")
+    with pytest.raises(CheckpointError, match=r"a zip archive but not a torch\.save file"):
+        load(path)

@@ -361,3 +361,36 @@ def test_remap_to_an_unwritable_place_is_a_checkpoint_error(
     assert main(["remap", str(tmp_path / "a.pt"), "--to", "cpu", "-o", str(out)]) == 1
     assert "cannot be written" in capsys.readouterr().err
     assert [p.name for p in tmp_path.iterdir()] == ["a.pt"]
+
+
+def test_inspect_counts_a_shard_spelt_two_ways_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    safetensors_torch.save_file(
+        {"a": torch.ones(2, 2), "b": torch.ones(3)}, tmp_path / "s1.safetensors"
+    )
+    safetensors_torch.save_file({"c": torch.ones(4)}, tmp_path / "s2.safetensors")
+    index = tmp_path / "model.safetensors.index.json"
+    weight_map = {"a": "s1.safetensors", "b": "./s1.safetensors", "c": "sub/../s2.safetensors"}
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    assert [(r.name, r.file) for r in describe(index)] == [
+        ("a", "s1.safetensors"),
+        ("b", "s1.safetensors"),
+        ("c", "s2.safetensors"),
+    ]
+    assert main(["inspect", str(index), "--json"]) == 0
+    totals = json.loads(capsys.readouterr().out)["totals"]
+    assert (totals["count"], totals["bytes"]) == (3, 16 + 12 + 16)
+
+
+@pytest.mark.parametrize("member", ["foo.txt", "archive/foo.txt"])
+def test_remap_of_a_zip_that_is_not_a_torch_file_says_so(tmp_path: Path, member: str) -> None:
+    import zipfile
+
+    src = tmp_path / "weights.pt"
+    with zipfile.ZipFile(src, "w") as archive:
+        archive.writestr(member, "not weights")
+    with pytest.raises(CheckpointError, match=r"a zip archive but not a torch\.save file") as info:
+        remap(src, tmp_path / "out.pt", to="cpu")
+    assert "truncated" not in str(info.value)
+    assert not (tmp_path / "out.pt").exists()

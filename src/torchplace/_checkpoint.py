@@ -14,25 +14,34 @@ A checkpoint's journey here has three steps, each a public function:
     through a thread-local ``TorchFunctionMode``: nothing global is patched.
 ``load_into(model, path, device)``
     Fills a skeleton (or a real model) from a file. Weights are memory-mapped and assigned rather
-    than copied, tied parameters stay one object, and a strict load lists every missing,
-    unexpected and mis-shaped key.
+    than copied, tied parameters stay one object, modules' load hooks run as in
+    ``load_state_dict``, and a strict load lists every missing, unexpected and mis-shaped key.
 """
 
 from __future__ import annotations
 
+import bisect
+import collections
 import contextlib
+import copyreg
 import json
 import os
 import pickle
 import stat
 import struct
 import warnings
+import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar, Union, cast
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+from torch.nn.modules.instancenorm import _InstanceNorm
+from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.modules.module import _IncompatibleKeys
+from torch.nn.parameter import is_lazy
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
@@ -308,7 +317,25 @@ def _load_torch(
             ) from exc
         raise CheckpointError(f"{p}: is corrupt ({_first_sentence(text)})") from exc
     except Exception as exc:
+        if zip_format and not _has_data_pkl(p):
+            raise CheckpointError(
+                f"{p}: is a zip archive but not a torch.save file (no data.pkl); torchplace "
+                "reads torch.save files, .safetensors files and *.index.json shard maps"
+            ) from exc
         raise CheckpointError(f"{p}: {_diagnose(exc, zip_format, target)}") from exc
+
+
+def _has_data_pkl(p: Path) -> bool:
+    """Whether a zip file holds a pickle as torch.save writes one (so it is not someone else's).
+
+    An archive that cannot be read at all says nothing either way, and counts as having one: its
+    failure is then described as a truncated or corrupt file.
+    """
+    try:
+        with zipfile.ZipFile(p) as archive:
+            return any(n.endswith("data.pkl") for n in archive.namelist())
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError):
+        return True
 
 
 # torch's legacy (non-zip) files open with this number, pickled on its own.
@@ -439,15 +466,22 @@ def shards(p: Path, weight_map: Mapping[str, str]) -> list[tuple[str, Path, list
     """The shards an index names, checked: (name in the index, path, tensor names) each.
 
     A shard must be a file inside the index's own directory and not an index itself (an index
-    naming itself, or two naming each other, would never end).
+    naming itself, or two naming each other, would never end). A shard spelt two ways
+    (``s1.safetensors`` and ``./s1.safetensors``) is one file, listed (and read) once under the
+    first spelling.
     """
     root = p.parent.resolve()
-    by_shard: dict[str, list[str]] = {}
+    by_shard: dict[Path, tuple[str, list[str]]] = {}
     for name, shard in weight_map.items():
-        by_shard.setdefault(str(shard), []).append(name)
+        try:
+            where = (p.parent / str(shard)).resolve()
+        except (OSError, ValueError) as exc:  # a NUL in the name, a loop of links
+            raise CheckpointError(
+                f"{p}: names shard {shard!r}, which is not a usable file name ({exc})"
+            ) from exc
+        by_shard.setdefault(where, (str(shard), []))[1].append(name)
     found = []
-    for shard, names in by_shard.items():
-        shard_path = (p.parent / shard).resolve()
+    for shard_path, (shard, names) in by_shard.items():
         if root not in shard_path.parents:
             raise CheckpointError(
                 f"{p}: names shard {shard!r} outside its own directory; refusing to read it"
@@ -505,18 +539,36 @@ def _storage_ptr(t: torch.Tensor) -> int:
         return 0
 
 
-def _view(t: torch.Tensor) -> tuple[int, int, tuple[int, ...]]:
-    """Which bytes a tensor shows: its storage, offset and shape."""
-    return _storage_ptr(t), int(t.storage_offset()), tuple(t.shape)
-
-
 # swap_tensors exchanges two tensors' contents in place, so a Parameter object (and every tie
 # and optimizer that holds it) survives a change of device that .data cannot make (meta <-> cpu).
 _swap = cast(Callable[[torch.Tensor, torch.Tensor], None], torch.utils.swap_tensors)
 
 
+def _parameter_like(model_param: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+    """A Parameter holding ``data`` (not copied), of ``model_param``'s class, with its attributes.
+
+    swap_tensors exchanges ``__class__``, ``__dict__`` and slots along with the data, so swapping
+    in a plain ``nn.Parameter`` would strip a Parameter subclass and the attributes set on the
+    parameter (``p.no_decay = True``, read by optimizer grouping): the new one carries them over.
+    A lazy parameter becomes the class its ``materialize`` would make it.
+    """
+    cls = type(model_param)
+    if is_lazy(model_param):
+        cls = cast(Any, model_param).cls_to_become
+    if not issubclass(cls, nn.Parameter) or type(data) not in (torch.Tensor, nn.Parameter):
+        # A tensor subclass made a parameter (nn.Parameter(DTensor) keeps the DTensor's class,
+        # and its attributes are its own) or a subclass in the file: nn.Parameter decides.
+        return nn.Parameter(data, requires_grad=model_param.requires_grad)
+    new = torch.Tensor._make_subclass(cls, data, model_param.requires_grad)
+    new.__dict__.update(model_param.__dict__)
+    for slot in copyreg._slotnames(cls):  # type: ignore[attr-defined]
+        if hasattr(model_param, slot):
+            setattr(new, slot, getattr(model_param, slot))
+    return new
+
+
 def _meta_copy(p: nn.Parameter) -> nn.Parameter:
-    return nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    return _parameter_like(p, torch.empty_like(p, device="meta"))
 
 
 class _SkeletonMode(TorchFunctionMode):
@@ -702,7 +754,7 @@ def _place(slot: _Slot, value: torch.Tensor) -> None:
     current = slot.tensor
     if slot.is_param:
         assert isinstance(current, nn.Parameter)
-        new = nn.Parameter(value, requires_grad=current.requires_grad)
+        new = _parameter_like(current, value)
         try:
             _swap(current, new)
             return
@@ -751,6 +803,238 @@ def _set_extra_states(
         ) from exc
 
 
+# Classes whose _load_from_state_dict load_into follows: Module's own (pre-hooks, then each
+# parameter and persistent buffer by name) and the norm layers' versioned upgrades, which
+# _upgrade_norm repeats. Any other override does its own loading, which load_into cannot run
+# without it touching the model.
+_FOLLOWED_LOADERS = (nn.Module, _NormBase, _InstanceNorm)
+
+
+def _loader_class(module: nn.Module) -> type:
+    """The class whose ``_load_from_state_dict`` a module runs."""
+    for klass in type(module).__mro__:
+        if "_load_from_state_dict" in vars(klass):
+            return klass
+    return nn.Module
+
+
+def _refuse_own_loaders(p: Path, model: nn.Module) -> None:
+    """A ``CheckpointError`` for a module that loads itself in a way load_into cannot follow."""
+    for name, module in model.named_modules():
+        klass = _loader_class(module)
+        if klass in _FOLLOWED_LOADERS and "_load_from_state_dict" not in vars(module):
+            continue
+        where = f"{name} ({type(module).__name__})" if name else type(module).__name__
+        owner = "on the instance" if "_load_from_state_dict" in vars(module) else klass.__qualname__
+        raise CheckpointError(
+            f"{p}: cannot be loaded by load_into: {where} overrides _load_from_state_dict (in "
+            f"{owner}), and load_into assigns tensors itself, so it cannot follow "
+            "that code. Build the model without skeleton and load it with "
+            "model.load_state_dict(torchplace.load(path)); the model is untouched"
+        )
+
+
+def _hook_name(hook: Any) -> str:
+    inner = getattr(hook, "hook", hook)  # _register_load_state_dict_pre_hook wraps it
+    return str(getattr(inner, "__qualname__", None) or type(inner).__name__)
+
+
+def _is_lazy_hook(hook: Any) -> bool:
+    """Whether a pre-hook is a lazy module's: load_into does its work itself, after the checks.
+
+    The hook materializes uninitialized parameters at once, so running it would change the
+    model before a refusal; load_into instead gives a lazy parameter the file's shape when it
+    swaps the weight in, which is what the hook and the copy after it amount to.
+    """
+    inner = getattr(hook, "hook", hook)
+    return getattr(inner, "__func__", None) is LazyModuleMixin._lazy_load_hook
+
+
+class _Seen:
+    """The state dict as ``load_state_dict`` would hand it to each module, after its hooks.
+
+    ``own`` holds each module's parameters, persistent buffers and extra state by full name,
+    taken from that module's view of the file once its version upgrade and pre-hooks ran;
+    ``unexpected`` the keys no module takes, found as each module finds them; ``missing`` and
+    ``errors`` what pre-hooks (and the norm layers' upgrade) reported.
+    """
+
+    __slots__ = ("errors", "missing", "own", "unexpected")
+
+    def __init__(self) -> None:
+        self.own: dict[str, Any] = {}
+        self.unexpected: list[str] = []
+        self.missing: list[str] = []
+        self.errors: list[str] = []
+
+
+def _upgrade_norm(
+    module: _NormBase, local: dict[str, Any], prefix: str, version: Any, errors: list[str]
+) -> None:
+    """What ``_InstanceNorm`` and ``_NormBase._load_from_state_dict`` do to an older file."""
+    if isinstance(module, _InstanceNorm) and version is None and not module.track_running_stats:
+        # Before 0.4 instance norms kept running stats by default; loading them would be wrong.
+        stats = [prefix + n for n in ("running_mean", "running_var") if prefix + n in local]
+        if stats:
+            errors.append(
+                f"{' and '.join(stats)}: running stats for {type(module).__name__} with "
+                "track_running_stats=False (a file saved before PyTorch 0.4); remove these keys, "
+                "or build the layer with track_running_stats=True"
+            )
+            for key in stats:
+                local.pop(key)
+    if (version is None or version < 2) and module.track_running_stats:
+        # num_batches_tracked came with version 2: an older file starts it from 0.
+        key = prefix + "num_batches_tracked"
+        if key not in local:
+            current = module.num_batches_tracked
+            ok = current is not None and current.device.type != "meta"
+            local[key] = current if ok else torch.tensor(0, dtype=torch.long)
+
+
+def _as_load_state_dict_sees(
+    p: Path, model: nn.Module, state: Mapping[str, Any], extra: Mapping[str, nn.Module]
+) -> _Seen:
+    """Walk the model as ``load_state_dict`` does, running each module's pre-hooks on its view.
+
+    Each module gets the keys under its prefix (a fresh dict, so a hook's changes reach the
+    module and its children only), its metadata (the ``version`` that norm layers upgrade by)
+    and the same arguments PyTorch passes, strict included (PyTorch always passes True there).
+    """
+    seen = _Seen()
+    metadata = getattr(state, "_metadata", None)
+    top: dict[str, Any] = collections.OrderedDict(state)
+    if metadata is not None:
+        top._metadata = metadata  # type: ignore[attr-defined]
+
+    def visit(module: nn.Module, local: dict[str, Any], prefix: str) -> None:
+        local_metadata = {} if metadata is None else metadata.get(prefix[:-1], {})
+        if isinstance(module, _NormBase):
+            _upgrade_norm(module, local, prefix, local_metadata.get("version"), seen.errors)
+        for hook in module._load_state_dict_pre_hooks.values():
+            if _is_lazy_hook(hook):
+                continue
+            try:
+                hook(
+                    local, prefix, local_metadata, True, seen.missing, seen.unexpected, seen.errors
+                )
+            except Exception as exc:
+                where = prefix[:-1] or "the model"
+                raise CheckpointError(
+                    f"{p}: the load_state_dict pre-hook {_hook_name(hook)} of {where} "
+                    f"({type(module).__name__}) raised {type(exc).__name__}: "
+                    f"{_first_sentence(str(exc))}; nothing was loaded"
+                ) from exc
+        names = {n for n, t in module._parameters.items() if t is not None}
+        names.update(
+            n
+            for n, b in module._buffers.items()
+            if b is not None and n not in module._non_persistent_buffers_set
+        )
+        for name in names:
+            if prefix + name in local:
+                seen.own[prefix + name] = local[prefix + name]
+        extra_key = prefix + "_extra_state"
+        if extra_key in extra:
+            if extra_key in local:
+                seen.own[extra_key] = local[extra_key]
+        elif extra_key in local:
+            seen.unexpected.append(extra_key)
+        children: dict[str, dict[str, Any]] = {}
+        for key, value in local.items():
+            if not key.startswith(prefix) or key == extra_key:
+                continue
+            head, dot, _ = key[len(prefix) :].partition(".")
+            if dot and head in module._modules:
+                children.setdefault(head, {})[key] = value
+            elif dot or head not in names:
+                seen.unexpected.append(key)
+        for name, child in module._modules.items():
+            if child is not None:
+                visit(child, children.get(name, {}), f"{prefix}{name}.")
+
+    visit(model, top, "")
+    return seen
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of a file hold the same values (NaN equal to NaN); meta ones match."""
+    if a.shape != b.shape:
+        return False
+    if a.device.type == "meta" or b.device.type == "meta":
+        return True  # no data to compare: a load onto meta checks shapes only
+    if (a.dtype, a.device, a.stride()) == (b.dtype, b.device, b.stride()) and (
+        a.data_ptr() == b.data_ptr()
+    ):
+        return True  # one tensor saved under both names, as a tied model saves it: not read
+    if torch.equal(a, b):
+        return True
+    return (
+        a.dtype == b.dtype
+        and (a.is_floating_point() or a.is_complex())
+        and bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all())
+    )
+
+
+class _Spans:
+    """The bytes already given to the model's tensors, per device, kept sorted and disjoint.
+
+    A file may hold one storage under several names (tied weights) or overlapping views of it
+    (``{"a": big, "b": big[:2]}``); assigned as they are, weights the model keeps apart would
+    share memory, and a step on one would change the other. Bytes are compared by address, so
+    tensors mapped from one file, each on its own storage, are told apart by their ranges.
+    """
+
+    def __init__(self) -> None:
+        self.starts: dict[torch.device, list[int]] = {}
+        self.ends: dict[torch.device, list[int]] = {}
+
+    def claim(self, t: torch.Tensor) -> bool:
+        """Record the bytes ``t`` shows; False (nothing recorded) when another tensor has some."""
+        if t.device.type == "meta" or t.numel() == 0:
+            return True
+        try:
+            start = t.data_ptr()
+        except (RuntimeError, NotImplementedError):  # no addressable storage: nothing to share
+            return True
+        extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+        end = start + (extent + 1) * t.element_size()
+        starts = self.starts.setdefault(t.device, [])
+        ends = self.ends.setdefault(t.device, [])
+        i = bisect.bisect_right(starts, start)
+        if (i > 0 and ends[i - 1] > start) or (i < len(starts) and starts[i] < end):
+            return False
+        starts.insert(i, start)
+        ends.insert(i, end)
+        return True
+
+
+def _run_post_hooks(p: Path, model: nn.Module, missing: list[str], unexpected: list[str]) -> None:
+    """Every module's load_state_dict post-hooks, children first, as load_state_dict runs them."""
+    keys = _IncompatibleKeys(missing, unexpected)
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for name, child in module._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{name}.")
+        for hook in module._load_state_dict_post_hooks.values():
+            where = f"{prefix[:-1] or 'the model'} ({type(module).__name__})"
+            try:
+                out = hook(module, keys)
+            except Exception as exc:
+                raise CheckpointError(
+                    f"{p}: the load_state_dict post-hook {_hook_name(hook)} of {where} raised "
+                    f"{type(exc).__name__}: {_first_sentence(str(exc))}; the weights are loaded"
+                ) from exc
+            if out is not None:
+                raise CheckpointError(
+                    f"{p}: the load_state_dict post-hook {_hook_name(hook)} of {where} returned "
+                    "a value; post-hooks change the incompatible keys in place and return None"
+                )
+
+    visit(model, "")
+
+
 def load_into(
     model: ModuleT, path: PathLike, device: DeviceSpec = None, /, *, strict: bool = True
 ) -> ModuleT:
@@ -768,14 +1052,21 @@ def load_into(
     parameters. On the CPU the file is memory-mapped and assigned, copy-on-write, so no second
     copy of the weights is made (the file must not be rewritten in place while the model uses
     it: save to a new name and rename). A parameter that already holds memory on the target is
-    filled in place. Parameter objects are kept, so tied weights stay tied and optimizers stay
-    valid; a tied parameter saved under any one of its names counts as present. The model's
-    declared dtypes and memory layouts are kept (the file's tensors are converted, and one saved
-    as a transposed view loads contiguous). A module whose ``set_extra_state`` refuses the file's
-    extra state raises ``CheckpointError`` with the model untouched. With ``strict``, missing and
-    unexpected keys and shape mismatches raise ``CheckpointError`` listing them by name, and
-    the model is left untouched; without it, keys that do not match are skipped (a shape
-    mismatch still raises).
+    filled in place. Parameter objects are kept, with their class and attributes, so tied
+    weights stay tied and optimizers stay valid; a tied parameter saved under any one of its
+    names counts as present, and one saved under two names with different values raises. Weights
+    the model keeps apart never share memory, even where the file holds them in one storage
+    (those, and only those, are copied). The model's declared dtypes and memory layouts are kept
+    (the file's tensors are converted, and one saved as a transposed view loads contiguous).
+
+    As ``load_state_dict`` does, each module's load pre-hooks run on its part of the file, older
+    BatchNorm files without ``num_batches_tracked`` load, lazy modules take the file's shapes,
+    and load post-hooks run once the weights are in place. A module that overrides
+    ``_load_from_state_dict`` (beyond PyTorch's norm layers) is refused before anything changes.
+    A module whose ``set_extra_state`` refuses the file's extra state raises ``CheckpointError``
+    with the model untouched. With ``strict``, missing and unexpected keys and shape mismatches
+    raise ``CheckpointError`` listing them by name, and the model is left untouched; without it,
+    keys that do not match are skipped (a shape mismatch still raises).
     """
     if not isinstance(model, nn.Module):
         raise TorchplaceError(
@@ -784,6 +1075,7 @@ def load_into(
         )
     target = None if device is None else _device(device)
     p = as_path(path)
+    _refuse_own_loaders(p, model)
     loadable, transient, extra = _slots(model)
     read_on = target if target is not None and target.type == "meta" else torch.device("cpu")
     state = load(p, read_on)
@@ -796,31 +1088,53 @@ def load_into(
             f"part you need on its own, torch.save(torchplace.load(path)[{nested[0]!r}], "
             "weights_path), and load_into the model from weights_path"
         )
+    # What each module would be given by load_state_dict: older norm layers upgraded, every
+    # pre-hook run (a layout converted, a key renamed), so values and shapes match its result.
+    seen = _as_load_state_dict_sees(p, model, state, extra)
+    own = seen.own
 
-    known: set[str] = set(extra)
     missing: list[str] = []
+    not_loaded: list[str] = []  # every name of what stays as it was, for post-hooks
     mismatched: list[str] = []
+    conflicts: list[str] = []
     plan: list[tuple[_Slot, torch.Tensor]] = []
     for slot in loadable:
-        known.update(slot.names)
-        present = [n for n in slot.names if n in state]
+        present = [n for n in slot.names if n in own]
         if not present:
             also = f" (tied to {', '.join(slot.names[1:])})" if len(slot.names) > 1 else ""
             missing.append(slot.names[0] + also)
+            not_loaded += slot.names
             continue
-        value = state[present[0]]
-        if not isinstance(value, torch.Tensor):
-            mismatched.append(f"{present[0]}: the file holds a {type(value).__name__}")
+        # A lazy parameter takes the file's shape, as its load_state_dict pre-hook (which
+        # load_into does not run: it would materialize before the checks) lets it.
+        lazy = is_lazy(slot.tensor)
+        bad = False
+        for name in present:
+            value = own[name]
+            if not isinstance(value, torch.Tensor):
+                mismatched.append(f"{name}: the file holds a {type(value).__name__}")
+                bad = True
+            elif not lazy and value.shape != slot.tensor.shape:
+                mismatched.append(
+                    f"{name}: file {tuple(value.shape)}, model {tuple(slot.tensor.shape)}"
+                )
+                bad = True
+        if bad:
             continue
-        if value.shape != slot.tensor.shape:
-            mismatched.append(
-                f"{present[0]}: file {tuple(value.shape)}, model {tuple(slot.tensor.shape)}"
-            )
-            continue
+        value = own[present[0]]
+        # A tied parameter is one tensor: a file that gives its names different values was
+        # saved from a model that kept them apart, and either value would be a guess.
+        conflicts += [
+            f"{present[0]} and {n}" for n in present[1:] if not _same_values(value, own[n])
+        ]
         plan.append((slot, value))
-    missing_extra = [k for k in extra if k not in state]
+    missing_extra = [k for k in extra if k not in own]
     missing += missing_extra
-    unexpected = [k for k in state if k not in known]
+    not_loaded += missing_extra
+    listed = {m.split(" (tied to ")[0] for m in missing} | set(not_loaded)
+    missing += [k for k in seen.missing if k not in listed]  # what pre-hooks reported
+    not_loaded += [k for k in seen.missing if k not in listed]
+    unexpected = seen.unexpected
     no_data = [
         s.names[0] for s in transient if s.tensor.device.type == "meta" and read_on.type != "meta"
     ]
@@ -832,6 +1146,16 @@ def load_into(
         problems.append(f"unexpected keys: {_listing(unexpected)}")
     if mismatched:
         problems.append(f"shape mismatches: {_listing(mismatched)}")
+    if conflicts:
+        drop = conflicts[0].split(" and ")[1]
+        problems.append(
+            f"tied weights saved with different values: {_listing(conflicts)} (the file was "
+            "saved from a model that keeps them apart; keep the value you want, e.g. "
+            f"torch.save({{k: v for k, v in torchplace.load(path).items() if k != {drop!r}}}, "
+            "fixed_path), and load fixed_path)"
+        )
+    if seen.errors:
+        problems.append(f"refused by the model: {_listing(seen.errors)}")
     if strict and no_data:
         problems.append(
             f"non-persistent buffers on meta that no checkpoint holds: {_listing(no_data)} "
@@ -839,7 +1163,8 @@ def load_into(
         )
     if problems:
         hint = _prefix_hint(missing, unexpected) if strict else ""
-        fix = "" if mismatched or no_data else "; pass strict=False to load what matches"
+        only_keys = not (mismatched or no_data or conflicts or seen.errors)
+        fix = "; pass strict=False to load what matches" if only_keys else ""
         raise CheckpointError(
             f"{p}: does not fit {type(model).__name__}: {'; '.join(problems)}{hint}{fix}"
         )
@@ -848,25 +1173,25 @@ def load_into(
     # conversions) happens before the model changes, so a failure leaves it untouched.
     fills: list[tuple[_Slot, torch.Tensor]] = []  # memory already on the target: filled in place
     places: list[tuple[_Slot, torch.Tensor]] = []  # a new tensor swapped in
-    taken: set[tuple[int, int, tuple[int, ...]]] = set()  # views already given to a slot
+    spans = _Spans()  # the bytes given to a slot so far
     try:
         for slot, value in plan:
             dev = _target_for(slot, target)
             current = slot.tensor
-            if current.device == dev and dev.type != "meta":
+            lazy = is_lazy(current)
+            if current.device == dev and dev.type != "meta" and not lazy:
                 fills.append((slot, value))
                 continue
             placed = value.to(device=dev, dtype=current.dtype)
-            if placed.stride() != current.stride():
+            if not lazy and placed.stride() != current.stride():
                 # The file keeps the layout it was saved in (a transposed view, say); the model
                 # keeps its own, as load_state_dict's copy would, so .view() works as before.
                 placed = _in_layout_of(current, placed)
-            if placed.device.type != "meta":
-                # A file saved from a tied model holds one storage under two names; a model
-                # that keeps those weights apart must not end up sharing it.
-                if _view(placed)[0] and _view(placed) in taken:
-                    placed = placed.clone()
-                taken.add(_view(placed))
+            if not spans.claim(placed):
+                # The file holds these bytes under another name too (tied in the file, or a
+                # view of a bigger tensor): a model that keeps the two apart gets its own copy.
+                placed = placed.clone()
+                spans.claim(placed)
             places.append((slot, placed))
         for slot in transient:
             here = slot.tensor.device
@@ -879,7 +1204,7 @@ def load_into(
         ) from exc
     # Extra state goes first: a module's set_extra_state may refuse what the file holds, and
     # the states already set are put back, so the refusal leaves the model untouched.
-    _set_extra_states(p, model, extra, state)
+    _set_extra_states(p, model, extra, own)
     # Phase 2: fill and swap in. Copies into memory that exists and swaps of tensors that are
     # ready do not run out of memory; should one fail all the same, the message says so.
     try:
@@ -893,4 +1218,5 @@ def load_into(
             f"{p}: could not be placed into {type(model).__name__} ({type(exc).__name__}: "
             f"{_first_sentence(str(exc))}); the model is partly filled, so build it again"
         ) from exc
+    _run_post_hooks(p, model, not_loaded, list(unexpected))
     return model
