@@ -1355,3 +1355,34 @@ def test_a_zip_that_is_not_a_torch_file_is_named_as_such(tmp_path: Path, member:
         archive.writestr(member, "not weights")
     with pytest.raises(CheckpointError, match=r"a zip archive but not a torch\.save file"):
         load(path)
+
+
+class FrozenBatchNorm2d(nn.Module):
+    """As torchvision (and Hugging Face's DETR family) write it: fixed statistics, and a
+    _load_from_state_dict that drops the num_batches_tracked an ordinary BatchNorm saves."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        for name, value in (("weight", 1.0), ("bias", 0.0), ("running_mean", 0.0)):
+            self.register_buffer(name, torch.full((n,), value))
+        self.register_buffer("running_var", torch.ones(n))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):  # type: ignore[no-untyped-def]
+        state_dict.pop(prefix + "num_batches_tracked", None)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+def test_frozen_batch_norms_load_a_batch_norm_file(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    source = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
+    source[1].running_mean.uniform_()
+    path = save(source.state_dict(), tmp_path / "bn.pt")  # holds 1.num_batches_tracked
+    expected = nn.Sequential(nn.Conv2d(3, 4, 1), FrozenBatchNorm2d(4))
+    expected.load_state_dict(torch.load(path, weights_only=True))
+    model = load_into(
+        skeleton(lambda: nn.Sequential(nn.Conv2d(3, 4, 1), FrozenBatchNorm2d(4))), path
+    )
+    for (name, a), (_, b) in zip(
+        model.state_dict().items(), expected.state_dict().items(), strict=True
+    ):
+        assert torch.equal(a, b), name

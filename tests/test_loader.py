@@ -450,7 +450,7 @@ def test_two_live_iterators_over_a_generator_are_refused() -> None:
     loader = DeviceLoader((torch.ones(1) for _ in range(100)), "meta")
     first = iter(loader)
     next(first)
-    with pytest.raises(TorchplaceError, match=r"one-shot iterator.*another live"):
+    with pytest.raises(TorchplaceError, match=r"one-shot iterator.*earlier iterator"):
         iter(loader)
     del first
     gc.collect()
@@ -597,3 +597,26 @@ def test_cuda_consumer_on_another_stream() -> None:
             checks.append((batch == float(i)).all())
     stream.synchronize()
     assert torch.stack(checks).all().item()
+
+
+def test_a_second_loop_while_the_thread_still_reads_the_generator_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torchplace import _loader
+
+    monkeypatch.setattr(_loader, "_JOIN_SECONDS", 0.05)
+    release = threading.Event()
+
+    def slow() -> Iterator[torch.Tensor]:
+        yield torch.ones(1)
+        release.wait(10)  # the thread is inside next() when the first loop breaks
+        yield torch.ones(1)
+
+    loader = DeviceLoader(slow(), "meta")
+    for _ in loader:
+        break
+    try:
+        with pytest.raises(TorchplaceError, match="one-shot iterator"):
+            iter(loader)
+    finally:
+        release.set()

@@ -901,3 +901,25 @@ def test_tags_on_a_replaced_parameter_survive() -> None:
     torchplace.move(model, "meta")  # cpu -> meta replaces the Parameter objects
     assert model.weight is not before and model.weight.device == META
     assert getattr(model.weight, "no_weight_decay", None) is True
+
+
+@dataclasses.dataclass
+class _FieldsAsMapping(Mapping):  # type: ignore[type-arg]
+    """A dataclass that reads as a mapping but is no dict: rebuilt field by field."""
+
+    x: torch.Tensor
+    y: int = 0
+
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(("x", "y"))
+
+    def __len__(self) -> int:
+        return 2
+
+
+def test_a_mapping_dataclass_that_is_no_dict_is_rebuilt_by_its_fields() -> None:
+    moved = torchplace.move(_FieldsAsMapping(torch.ones(2), 5), "meta")
+    assert type(moved) is _FieldsAsMapping and moved.y == 5 and moved.x.device == META

@@ -818,11 +818,20 @@ def _loader_class(module: nn.Module) -> type:
     return nn.Module
 
 
+def _is_frozen_norm(module: nn.Module) -> bool:
+    """torchvision's ``FrozenBatchNorm2d`` and the copies of it in Hugging Face models (DETR and
+    its family): their ``_load_from_state_dict`` only drops ``num_batches_tracked``, which a
+    file saved from an ordinary BatchNorm holds, and ``_as_load_state_dict_sees`` does that."""
+    return _loader_class(module).__name__.endswith("FrozenBatchNorm2d")
+
+
 def _refuse_own_loaders(p: Path, model: nn.Module) -> None:
     """A ``CheckpointError`` for a module that loads itself in a way load_into cannot follow."""
     for name, module in model.named_modules():
         klass = _loader_class(module)
-        if klass in _FOLLOWED_LOADERS and "_load_from_state_dict" not in vars(module):
+        if "_load_from_state_dict" not in vars(module) and (
+            klass in _FOLLOWED_LOADERS or _is_frozen_norm(module)
+        ):
             continue
         where = f"{name} ({type(module).__name__})" if name else type(module).__name__
         owner = "on the instance" if "_load_from_state_dict" in vars(module) else klass.__qualname__
@@ -911,6 +920,8 @@ def _as_load_state_dict_sees(
         local_metadata = {} if metadata is None else metadata.get(prefix[:-1], {})
         if isinstance(module, _NormBase):
             _upgrade_norm(module, local, prefix, local_metadata.get("version"), seen.errors)
+        elif _is_frozen_norm(module):
+            local.pop(prefix + "num_batches_tracked", None)
         for hook in module._load_state_dict_pre_hooks.values():
             if _is_lazy_hook(hook):
                 continue
@@ -1061,8 +1072,10 @@ def load_into(
 
     As ``load_state_dict`` does, each module's load pre-hooks run on its part of the file, older
     BatchNorm files without ``num_batches_tracked`` load, lazy modules take the file's shapes,
-    and load post-hooks run once the weights are in place. A module that overrides
-    ``_load_from_state_dict`` (beyond PyTorch's norm layers) is refused before anything changes.
+    and load post-hooks run once the weights are in place (after the strict check, so they
+    cannot clear a missing key). A module that overrides ``_load_from_state_dict`` (beyond
+    PyTorch's norm layers and the ``FrozenBatchNorm2d`` of torchvision and Hugging Face, whose
+    override only drops ``num_batches_tracked``) is refused before anything changes.
     A module whose ``set_extra_state`` refuses the file's extra state raises ``CheckpointError``
     with the model untouched. With ``strict``, missing and unexpected keys and shape mismatches
     raise ``CheckpointError`` listing them by name, and the model is left untouched; without it,

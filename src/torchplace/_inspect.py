@@ -99,13 +99,14 @@ def numel(t: torch.Tensor) -> int:
 def nbytes(t: torch.Tensor) -> int:
     """Bytes of memory ``t`` holds in this process (a DTensor's local shard).
 
-    A sparse tensor holds its indices and values, not its dense size; a view that repeats
-    elements (``expand``, stride 0) holds at most the span of memory it covers.
+    A sparse tensor holds its indices and values, not its dense size. A strided tensor counts
+    every element, an expanded view too: that is what it takes once moved (``.to()`` makes it
+    dense), which is what ``plan`` and ``estimate`` must budget for.
 
     >>> import torch
     >>> from torchplace._inspect import nbytes
-    >>> nbytes(torch.zeros(3, 4)), nbytes(torch.zeros(1).expand(1000)), nbytes(torch.zeros(0))
-    (48, 4, 0)
+    >>> nbytes(torch.zeros(3, 4)), nbytes(torch.zeros(0))
+    (48, 0)
     """
     count = numel(t)
     if count == 0:
@@ -114,9 +115,6 @@ def nbytes(t: torch.Tensor) -> int:
     size = int(t.element_size())
     if t.layout is not torch.strided:
         return _sparse_nbytes(t, count * size)
-    if 0 in t.stride():  # some element repeats: count the memory the view spans
-        span = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
-        return min(count, span) * size
     return count * size
 
 

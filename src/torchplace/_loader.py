@@ -130,7 +130,8 @@ class DeviceLoader(Generic[T]):
         self.iterable = iterable
         self.device = target
         self.prefetch = count
-        self._live: weakref.ref[_Prefetcher] | None = None  # the last threaded iterator
+        # The last threaded iterator and its thread, which may outlive it inside next(source).
+        self._live: tuple[weakref.ref[_Prefetcher], threading.Thread] | None = None
         self.pin_memory = pin_memory
         self.non_blocking = non_blocking
 
@@ -146,17 +147,20 @@ class DeviceLoader(Generic[T]):
             copier = _Copier(target, pin=pin, non_blocking=cuda and self.non_blocking, side=False)
             return _synchronous(source, copier)
         one_shot = source is self.iterable  # a generator or another iterator: the user's own
-        live = self._live() if self._live is not None else None
-        if one_shot and live is not None and live.running:
-            raise TorchplaceError(
-                f"DeviceLoader({_short(self.iterable)}): this source is a one-shot iterator, "
-                "already being read by another live iterator of this loader in its thread; "
-                "finish or break out of the first loop before starting another, or pass a "
-                "source that can be iterated again (a list, a DataLoader)"
-            )
+        if one_shot and self._live is not None:
+            last, thread = self._live
+            live = last()
+            if (live is not None and live.running) or thread.is_alive():
+                raise TorchplaceError(
+                    f"DeviceLoader({_short(self.iterable)}): this source is a one-shot "
+                    "iterator, still being read by an earlier iterator of this loader in its "
+                    "thread (a loop left early waits for it 2 s at most); finish the first "
+                    "loop before starting another, or pass a source that can be iterated "
+                    "again (a list, a DataLoader)"
+                )
         copier = _Copier(target, pin=pin, non_blocking=self.non_blocking, side=cuda)
         prefetcher = _Prefetcher(source, copier, self.prefetch, close_source=not one_shot)
-        self._live = weakref.ref(prefetcher)
+        self._live = (weakref.ref(prefetcher), prefetcher._thread)
         return prefetcher
 
     def __len__(self) -> int:
@@ -367,6 +371,7 @@ class _Prefetcher(Iterator[Any]):
             self._stop,
         )
         thread.start()
+        self._thread = thread
 
     @property
     def running(self) -> bool:

@@ -72,9 +72,10 @@ def _classify(cls: type) -> int:
         issubclass(cls, MutableSequence) and getattr(cls, "__copy__", None) is not None
     ):
         kind = _LIST_LIKE
-    elif issubclass(cls, Mapping):
-        # Before dataclasses: a Hugging Face ModelOutput is both, and only its item assignment
-        # keeps its items, its attributes and to_tuple() in step.
+    elif issubclass(cls, Mapping) and (not dataclasses.is_dataclass(cls) or issubclass(cls, dict)):
+        # A dict that is a dataclass (Hugging Face's ModelOutput) is rebuilt as a mapping: only
+        # its item assignment keeps its items, its attributes and to_tuple() in step. Other
+        # mapping dataclasses are rebuilt field by field, as dataclasses.
         kind = _MAPPING
     elif dataclasses.is_dataclass(cls):
         kind = _DATACLASS
