@@ -620,3 +620,5 @@ def test_a_second_loop_while_the_thread_still_reads_the_generator_is_refused(
             iter(loader)
     finally:
         release.set()
+        for thread in loader_threads():  # it stops on its own once next() returns
+            thread.join(10)
