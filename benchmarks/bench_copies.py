@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from torchplace._bench import _no_sync, _time
 from torchplace._consolidate import MAX_TENSOR_BYTES, MIN_COUNT, _consolidate, consolidated_copy
 
 TARGET_RATIO = 4.0
@@ -148,15 +149,14 @@ def host_side(count: int = 500, repeat: int = 200) -> dict[str, float]:
         "distinct_shapes": small_tensors(count, distinct=True),
         "steps_and_biases": [torch.rand(()) if i % 2 else torch.rand(512) for i in range(count)],
     }
-    best = {}
-    for name, tensors in cases.items():
-        _consolidate(tensors, meta, pin=False, non_blocking=False)
-        times = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            _consolidate(tensors, meta, pin=False, non_blocking=False)
-            times.append(time.perf_counter() - start)
-        best[name] = min(times)
+    best = {
+        name: _time(
+            functools.partial(_consolidate, tensors, meta, pin=False, non_blocking=False),
+            _no_sync,
+            repeat,
+        )
+        for name, tensors in cases.items()
+    }
     for name, seconds in best.items():
         print(f"host side, {count} tensors, {name.replace('_', ' ')}: {seconds * 1e3:.3f} ms")
     return best

@@ -353,19 +353,27 @@ class FakeStream:
         self.waited.append(event)
 
 
+@pytest.fixture
+def consumer(monkeypatch: pytest.MonkeyPatch) -> FakeStream:
+    """CUDA's stream protocol replaced by stand-ins that record it; the consumer's stream."""
+    stream = FakeStream()
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    return stream
+
+
 @pytest.mark.parametrize("non_blocking", [True, False])
-def test_stream_protocol(monkeypatch: pytest.MonkeyPatch, non_blocking: bool) -> None:
+def test_stream_protocol(
+    monkeypatch: pytest.MonkeyPatch, consumer: FakeStream, non_blocking: bool
+) -> None:
     """Each batch is copied under the side stream and its event recorded there; the consumer's
     stream waits on that event before the batch is handed over, and every tensor the loader
     allocated is marked as used by the consumer's stream."""
     from torchplace import _loader
 
-    consumer = FakeStream()
-    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: consumer)
     recorded: list[tuple[Any, Any]] = []
     monkeypatch.setattr(_loader, "_record_stream", lambda obj, s: recorded.append((obj, s)))
 
@@ -400,16 +408,10 @@ class _MovesInPlace:
 
 
 def test_objects_moved_in_place_are_marked_for_the_consumer_stream(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, consumer: FakeStream
 ) -> None:
     from torchplace import _loader
 
-    consumer = FakeStream()
-    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: consumer)
     recorded: list[Any] = []
     monkeypatch.setattr(_loader, "_record_stream", lambda obj, s: recorded.append(obj))
     copier = _loader._Copier(torch.device("meta"), pin=False, non_blocking=True, side=True)

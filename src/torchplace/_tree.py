@@ -16,6 +16,7 @@ object (moving a batch to the device it is already on returns the batch itself).
 from __future__ import annotations
 
 import copy
+import copyreg
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence, Sequence
 from typing import Any
@@ -346,13 +347,9 @@ def _children(node: Any) -> Iterator[tuple[bool, Any, Any]]:
 
 def _attributes(obj: Any) -> Iterator[tuple[str, Any]]:
     """The instance attributes of ``obj``: its ``__dict__`` and the slots of its classes."""
-    names: dict[str, None] = dict.fromkeys(getattr(obj, "__dict__", {}))
-    for klass in type(obj).__mro__:
-        slots = klass.__dict__.get("__slots__", ())
-        names.update(dict.fromkeys((slots,) if isinstance(slots, str) else slots))
+    names = dict.fromkeys(getattr(obj, "__dict__", {}))
+    names.update(dict.fromkeys(copyreg._slotnames(type(obj))))  # type: ignore[attr-defined]
     for name in names:
-        if name in ("__dict__", "__weakref__"):
-            continue
         value = getattr(obj, name, _UNSET)
         if value is not _UNSET:
             yield name, value
