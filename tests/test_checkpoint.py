@@ -10,7 +10,9 @@ import pickle
 import random
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -1234,6 +1236,97 @@ def test_post_hooks_run_after_the_weights_are_in_place(tmp_path: Path) -> None:
     assert torch.equal(model[1].weight, source[1].weight)
     assert seen[0][1] and seen[1][1]  # the loaded layers hold their weights when their hook runs
     assert seen[-1][2] == from_torch[-1][2] == ["2.weight", "2.bias"]
+
+
+def _forgiving(*names: str) -> Callable[[nn.Module, Any], None]:
+    """A post-hook that clears the named keys from the missing and unexpected ones."""
+
+    def hook(module: nn.Module, keys: Any) -> None:
+        for name in names:
+            for listed in (keys.missing_keys, keys.unexpected_keys):
+                if name in listed:
+                    listed.remove(name)
+
+    return hook
+
+
+def _with_extra_layer() -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+
+
+def test_post_hooks_may_clear_keys_before_the_strict_check(tmp_path: Path) -> None:
+    source = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    path = save({**source.state_dict(), "old.scale": torch.ones(1)}, tmp_path / "two.pt")
+    forgive = _forgiving("2.weight", "2.bias", "old.scale")
+    reference = _with_extra_layer()
+    reference.register_load_state_dict_post_hook(forgive)
+    reference.load_state_dict(torch.load(path, weights_only=True))  # strict: torch lets it
+
+    for model in (_with_extra_layer(), skeleton(_with_extra_layer)):
+        model.register_load_state_dict_post_hook(forgive)
+        assert load_into(model, path) is model
+        for name, value in source.state_dict().items():
+            assert torch.equal(model.state_dict()[name], value)
+        if model[2].weight.device.type == "meta":  # a skeleton's unloaded layer stays meta
+            continue
+        assert torch.equal(model[2].weight, reference[2].weight)  # the real one as it was
+
+
+def test_keys_a_post_hook_leaves_undo_the_load(tmp_path: Path) -> None:
+    source = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    path = save(source.state_dict(), tmp_path / "two.pt")
+
+    model = _with_extra_layer()
+    model.register_load_state_dict_post_hook(_forgiving("2.weight"))  # not 2.bias
+    params = dict(model.named_parameters())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=r"missing keys: 2\.bias$|missing keys: 2\.bias;"):
+        load_into(model, path)
+    for name, p in model.named_parameters():
+        assert p is params[name] and torch.equal(p, before[name])  # filled in place, put back
+
+    model = skeleton(_with_extra_layer)
+    model.register_load_state_dict_post_hook(_forgiving("2.weight"))
+    params = dict(model.named_parameters())
+    with pytest.raises(CheckpointError, match=r"missing keys: 2\.bias"):
+        load_into(model, path, "cpu")
+    for name, p in model.named_parameters():
+        assert p is params[name] and p.device.type == "meta"  # swapped in, swapped back
+
+    def failing(module: nn.Module, keys: Any) -> None:
+        raise ValueError("cannot map the old layout")
+
+    model = skeleton(_with_extra_layer)
+    model.register_load_state_dict_post_hook(failing)
+    with pytest.raises(CheckpointError, match=r"failing.*ValueError.*put back as it was"):
+        load_into(model, path)
+    assert all(p.device.type == "meta" for p in model.parameters())
+
+
+def test_a_swap_that_fails_midway_puts_back_the_ones_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torchplace._checkpoint as checkpoint
+
+    path = save(nn.Linear(2, 2).state_dict(), tmp_path / "lin.pt")
+    model = skeleton(nn.Linear, 2, 2)
+    params = dict(model.named_parameters())
+    real = checkpoint._parameter_like
+    calls = []
+
+    def second_fails(p: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+        calls.append(p)
+        if len(calls) == 2:
+            raise RuntimeError("simulated failure")
+        return real(p, data)
+
+    monkeypatch.setattr(checkpoint, "_parameter_like", second_fails)
+    with pytest.raises(CheckpointError, match=r"simulated failure.*the model is untouched"):
+        load_into(model, path)
+    assert len(calls) == 2
+    for name, p in model.named_parameters():
+        assert p is params[name] and p.device.type == "meta"
 
 
 class _SelfLoading(nn.Linear):

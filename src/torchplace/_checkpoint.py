@@ -749,25 +749,33 @@ def _target_for(slot: _Slot, target: torch.device | None) -> torch.device:
     return torch.device("cpu") if here.type == "meta" else here
 
 
-def _place(slot: _Slot, value: torch.Tensor) -> None:
-    """Put ``value`` in the slot, keeping the Parameter object (and so ties and optimizers)."""
+def _place(slot: _Slot, value: torch.Tensor) -> Callable[[], None]:
+    """Put ``value`` in the slot, keeping the Parameter object (and so ties and optimizers).
+
+    Returns what puts the slot back as it was.
+    """
     current = slot.tensor
     if slot.is_param:
         assert isinstance(current, nn.Parameter)
         new = _parameter_like(current, value)
         try:
             _swap(current, new)
-            return
+            return lambda: _swap(current, new)  # new holds what current held
         except (RuntimeError, TypeError):  # weak references or autograd holds it: rebind
             replacement: torch.Tensor = new
     else:
         replacement = value
-    for module, name in slot.homes:
-        if slot.is_param:
-            module._parameters[name] = replacement  # type: ignore[assignment]
-        else:
-            module._buffers[name] = replacement
-    slot.tensor = replacement
+
+    def rebind(to: torch.Tensor) -> None:
+        for module, name in slot.homes:
+            if slot.is_param:
+                module._parameters[name] = to  # type: ignore[assignment]
+            else:
+                module._buffers[name] = to
+        slot.tensor = to
+
+    rebind(replacement)
+    return lambda: rebind(current)
 
 
 _MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
@@ -783,9 +791,18 @@ def _in_layout_of(model_tensor: torch.Tensor, value: torch.Tensor) -> torch.Tens
 
 def _set_extra_states(
     p: Path, model: nn.Module, extra: Mapping[str, nn.Module], state: Mapping[str, Any]
-) -> None:
-    """``set_extra_state`` for each module whose extra state the file holds; all or none."""
+) -> Callable[[], None]:
+    """``set_extra_state`` for each module whose extra state the file holds; all or none.
+
+    Returns what sets the states back as they were.
+    """
     done: list[tuple[nn.Module, Any]] = []
+
+    def undo() -> None:
+        for module, before in reversed(done):
+            with contextlib.suppress(Exception):  # it took this state a moment ago
+                module.set_extra_state(before)
+
     key = ""
     try:
         for key, module in extra.items():
@@ -794,13 +811,12 @@ def _set_extra_states(
                 module.set_extra_state(state[key])
                 done.append((module, before))
     except Exception as exc:
-        for module, before in reversed(done):
-            with contextlib.suppress(Exception):  # it took this state a moment ago
-                module.set_extra_state(before)
+        undo()
         raise CheckpointError(
             f"{p}: {key} was refused by {type(extra[key]).__name__}.set_extra_state "
             f"({type(exc).__name__}: {_first_sentence(str(exc))}); the model is untouched"
         ) from exc
+    return undo
 
 
 # Classes whose _load_from_state_dict load_into follows: Module's own (pre-hooks, then each
@@ -1020,8 +1036,18 @@ class _Spans:
         return True
 
 
-def _run_post_hooks(p: Path, model: nn.Module, missing: list[str], unexpected: list[str]) -> None:
-    """Every module's load_state_dict post-hooks, children first, as load_state_dict runs them."""
+def _has_post_hooks(model: nn.Module) -> bool:
+    return any(m._load_state_dict_post_hooks for m in model.modules())
+
+
+def _run_post_hooks(
+    p: Path, model: nn.Module, missing: list[str], unexpected: list[str], then: str
+) -> None:
+    """Every module's load_state_dict post-hooks, children first, as load_state_dict runs them.
+
+    They may change ``missing`` and ``unexpected`` in place. ``then`` says what state a hook's
+    failure leaves the model in.
+    """
     keys = _IncompatibleKeys(missing, unexpected)
 
     def visit(module: nn.Module, prefix: str) -> None:
@@ -1035,12 +1061,13 @@ def _run_post_hooks(p: Path, model: nn.Module, missing: list[str], unexpected: l
             except Exception as exc:
                 raise CheckpointError(
                     f"{p}: the load_state_dict post-hook {_hook_name(hook)} of {where} raised "
-                    f"{type(exc).__name__}: {_first_sentence(str(exc))}; the weights are loaded"
+                    f"{type(exc).__name__}: {_first_sentence(str(exc))}; {then}"
                 ) from exc
             if out is not None:
                 raise CheckpointError(
                     f"{p}: the load_state_dict post-hook {_hook_name(hook)} of {where} returned "
-                    "a value; post-hooks change the incompatible keys in place and return None"
+                    "a value; post-hooks change the incompatible keys in place and return "
+                    f"None; {then}"
                 )
 
     visit(model, "")
@@ -1072,10 +1099,13 @@ def load_into(
 
     As ``load_state_dict`` does, each module's load pre-hooks run on its part of the file, older
     BatchNorm files without ``num_batches_tracked`` load, lazy modules take the file's shapes,
-    and load post-hooks run once the weights are in place (after the strict check, so they
-    cannot clear a missing key). A module that overrides ``_load_from_state_dict`` (beyond
-    PyTorch's norm layers and the ``FrozenBatchNorm2d`` of torchvision and Hugging Face, whose
-    override only drops ``num_batches_tracked``) is refused before anything changes.
+    and load post-hooks run once the weights are in place. As with ``load_state_dict``, they may
+    clear missing or unexpected keys before the strict check; when keys are missing or
+    unexpected and the model has post-hooks, the load goes ahead (keeping a copy of the weights
+    it fills in place) and is undone if any key is left after them. A module that overrides
+    ``_load_from_state_dict`` (beyond PyTorch's norm layers and the ``FrozenBatchNorm2d`` of
+    torchvision and Hugging Face, whose override only drops ``num_batches_tracked``) is refused
+    before anything changes.
     A module whose ``set_extra_state`` refuses the file's extra state raises ``CheckpointError``
     with the model untouched. With ``strict``, missing and unexpected keys and shape mismatches
     raise ``CheckpointError`` listing them by name, and the model is left untouched; without it,
@@ -1153,10 +1183,6 @@ def load_into(
     ]
 
     problems = []
-    if strict and missing:
-        problems.append(f"missing keys: {_listing(missing)}")
-    if strict and unexpected:
-        problems.append(f"unexpected keys: {_listing(unexpected)}")
     if mismatched:
         problems.append(f"shape mismatches: {_listing(mismatched)}")
     if conflicts:
@@ -1174,19 +1200,19 @@ def load_into(
             f"non-persistent buffers on meta that no checkpoint holds: {_listing(no_data)} "
             "(build the model with torchplace.skeleton so buffers stay real)"
         )
-    if problems:
-        hint = _prefix_hint(missing, unexpected) if strict else ""
-        only_keys = not (mismatched or no_data or conflicts or seen.errors)
-        fix = "; pass strict=False to load what matches" if only_keys else ""
-        raise CheckpointError(
-            f"{p}: does not fit {type(model).__name__}: {'; '.join(problems)}{hint}{fix}"
-        )
+    # Keys alone: post-hooks may clear them, as load_state_dict lets them (its strict check
+    # comes after its post-hooks). Then the load goes ahead, and is undone if any key is left.
+    keys_only = strict and bool(missing or unexpected) and not problems
+    deferred = keys_only and _has_post_hooks(model)
+    if (strict and (missing or unexpected) and not deferred) or problems:
+        raise _does_not_fit(p, model, problems, missing if strict else [], unexpected, strict)
 
     # Phase 1: everything that can fail for lack of memory or a bad device (the transfers and
     # conversions) happens before the model changes, so a failure leaves it untouched.
     fills: list[tuple[_Slot, torch.Tensor]] = []  # memory already on the target: filled in place
     places: list[tuple[_Slot, torch.Tensor]] = []  # a new tensor swapped in
     spans = _Spans()  # the bytes given to a slot so far
+    backups: list[tuple[torch.Tensor, torch.Tensor]] = []  # filled tensors' values, if deferred
     try:
         for slot, value in plan:
             dev = _target_for(slot, target)
@@ -1194,6 +1220,8 @@ def load_into(
             lazy = is_lazy(current)
             if current.device == dev and dev.type != "meta" and not lazy:
                 fills.append((slot, value))
+                if deferred:
+                    backups.append((current, current.detach().clone()))
                 continue
             placed = value.to(device=dev, dtype=current.dtype)
             if not lazy and placed.stride() != current.stride():
@@ -1217,19 +1245,64 @@ def load_into(
         ) from exc
     # Extra state goes first: a module's set_extra_state may refuse what the file holds, and
     # the states already set are put back, so the refusal leaves the model untouched.
-    _set_extra_states(p, model, extra, own)
-    # Phase 2: fill and swap in. Copies into memory that exists and swaps of tensors that are
-    # ready do not run out of memory; should one fail all the same, the message says so.
+    undos = [_set_extra_states(p, model, extra, own)]
+
+    def put_back() -> None:
+        with torch.no_grad():
+            for tensor, before in backups:
+                tensor.copy_(before)
+        for undo in reversed(undos):
+            undo()
+
+    # Phase 2: swap in and fill. Swaps of tensors that are ready and copies into memory that
+    # exists do not run out of memory; should one fail all the same, what was done is undone
+    # (the filled tensors only when a deferred check kept their values).
+    filled = False
     try:
+        for slot, value in places:
+            undos.append(_place(slot, value))
         with torch.no_grad():
             for slot, value in fills:
+                filled = True
                 slot.tensor.copy_(value)  # copy_ converts the dtype
-        for slot, value in places:
-            _place(slot, value)
     except Exception as exc:
+        put_back()
+        state = "untouched" if deferred or not filled else "partly filled, so build it again"
         raise CheckpointError(
             f"{p}: could not be placed into {type(model).__name__} ({type(exc).__name__}: "
-            f"{_first_sentence(str(exc))}); the model is partly filled, so build it again"
+            f"{_first_sentence(str(exc))}); the model is {state}"
         ) from exc
-    _run_post_hooks(p, model, not_loaded, list(unexpected))
+    if not deferred:
+        _run_post_hooks(p, model, not_loaded, list(unexpected), "the weights are loaded")
+        return model
+    left_missing, left_unexpected = list(not_loaded), list(unexpected)
+    try:
+        _run_post_hooks(p, model, left_missing, left_unexpected, "the model is put back as it was")
+    except BaseException:
+        put_back()
+        raise
+    if left_missing or left_unexpected:
+        put_back()
+        raise _does_not_fit(p, model, [], left_missing, left_unexpected, strict)
     return model
+
+
+def _does_not_fit(
+    p: Path,
+    model: nn.Module,
+    problems: list[str],
+    missing: list[str],
+    unexpected: list[str],
+    strict: bool,
+) -> CheckpointError:
+    """The error for a file that does not fit: missing and unexpected keys first."""
+    keys = []
+    if missing:
+        keys.append(f"missing keys: {_listing(missing)}")
+    if strict and unexpected:
+        keys.append(f"unexpected keys: {_listing(unexpected)}")
+    hint = _prefix_hint(missing, unexpected) if strict else ""
+    fix = "; pass strict=False to load what matches" if not problems else ""
+    return CheckpointError(
+        f"{p}: does not fit {type(model).__name__}: {'; '.join(keys + problems)}{hint}{fix}"
+    )
