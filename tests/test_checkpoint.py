@@ -1375,6 +1375,24 @@ def test_load_into_a_lazy_module_materializes_it_as_load_state_dict_does(
     assert type(model[0]) is nn.Linear  # the first forward finishes it, as after load_state_dict
 
 
+def test_a_skeleton_of_lazy_modules_stays_lazy_and_loads(tmp_path: Path) -> None:
+    def build() -> nn.Module:
+        return nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.Linear(4, 2), nn.LazyBatchNorm1d())
+
+    torch.manual_seed(0)
+    source = build()
+    source(torch.randn(8, 3))  # materialized: 3 inputs
+    path = save(source.state_dict(), tmp_path / "lazy.pt")
+    model = skeleton(build)
+    assert nn.parameter.is_lazy(model[0].weight) and model[2].weight.is_meta
+    load_into(model, path)
+    got = model.state_dict()
+    for k, want in source.state_dict().items():
+        assert torch.equal(got[k], want) and got[k].device.type == "cpu", k
+    x = torch.randn(4, 3)
+    assert torch.equal(model.eval()(x), source.eval()(x))
+
+
 def test_a_refused_load_leaves_a_lazy_module_lazy(tmp_path: Path) -> None:
     path = save({"weight": torch.ones(2, 3)}, tmp_path / "no_bias.pt")
     model = nn.LazyLinear(2)

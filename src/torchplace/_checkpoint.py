@@ -533,6 +533,8 @@ def _load_index(p: Path, target: torch.device, *, mmap: bool, trusted: bool) -> 
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
+    if is_lazy(t):  # a lazy module's parameter: no storage until its first forward
+        return 0
     try:
         return int(t.untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError, TypeError, AttributeError):  # no storage
@@ -634,6 +636,7 @@ def skeleton(factory: Callable[..., ModuleT], /, *args: Any, **kwargs: Any) -> M
     (masks, rotary frequencies) survive. Fill the result with ``load_into``. It works through a
     thread-local torch function mode: ``nn.Module`` is not patched, other threads are unaffected.
     Parameters created before the call (a module passed to the factory) are left as they are.
+    Lazy modules stay lazy until ``load_into`` gives them the file's shapes.
     """
     mode = _SkeletonMode()
     with mode:
