@@ -474,15 +474,9 @@ def test_ctrl_c_while_waiting_for_a_stalled_source_is_handed_back(
     monkeypatch.setattr(_loader._thread, "interrupt_main", lambda: interrupted.append(True))
     thread = Stuck(target=lambda: None)
     thread.start()
-    closed: list[bool] = []
-
-    class Source:
-        def close(self) -> None:
-            closed.append(True)
-
     stop = threading.Event()
-    _loader._shut_down(thread, Source(), _loader.queue.SimpleQueue(), threading.Semaphore(0), stop)
-    assert stop.is_set() and interrupted == [True] and closed == []
+    _loader._shut_down(thread, _loader.queue.SimpleQueue(), threading.Semaphore(0), stop)
+    assert stop.is_set() and interrupted == [True]
 
 
 def test_prefetch_accepts_any_integer() -> None:
@@ -599,6 +593,41 @@ def test_cuda_consumer_on_another_stream() -> None:
             checks.append((batch == float(i)).all())
     stream.synchronize()
     assert torch.stack(checks).all().item()
+
+
+def test_a_source_still_in_next_when_the_loop_stops_waiting_is_closed_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torchplace import _loader
+
+    monkeypatch.setattr(_loader, "_JOIN_SECONDS", 0.05)  # as after a Ctrl-C during the join
+    release = threading.Event()
+    closed: list[bool] = []
+
+    class Reader:  # an iterator that holds something until closed (a file, a connection)
+        def __init__(self) -> None:
+            self.n = 0
+
+        def __next__(self) -> torch.Tensor:
+            self.n += 1
+            if self.n == 2:
+                release.wait(10)  # the thread is inside next() when the loop breaks
+            return torch.ones(1)
+
+        def close(self) -> None:
+            closed.append(True)
+
+    class Stalling:
+        def __iter__(self) -> Reader:
+            return Reader()
+
+    for _ in DeviceLoader(Stalling(), "meta"):
+        break
+    assert closed == [] and len(loader_threads()) == 1  # the join gave up waiting
+    release.set()
+    for thread in loader_threads():
+        thread.join(10)
+    assert closed == [True]  # the thread closed the source once next() returned
 
 
 def test_a_second_loop_while_the_thread_still_reads_the_generator_is_refused(

@@ -45,7 +45,8 @@ T = TypeVar("T")
 
 # How long closing an iterator waits for the thread, which may be inside the source's __next__.
 # A thread still running after that stops on its own as soon as that call returns, dropping its
-# batch; waiting longer would only hold up a consumer that is leaving (a break, Ctrl-C).
+# batch and closing the source; waiting longer would only hold up a consumer that is leaving
+# (a break, Ctrl-C).
 _JOIN_SECONDS = 2.0
 _THREAD_NAME = "torchplace-DeviceLoader"
 
@@ -358,17 +359,12 @@ class _Prefetcher(Iterator[Any]):
         thread = threading.Thread(
             target=_produce,
             args=(source, copier.prepare, self._items, self._slots, self._stop, _caller_state()),
+            kwargs={"close_source": close_source},
             name=_THREAD_NAME,
             daemon=True,
         )
         self._closer = weakref.finalize(
-            self,
-            _shut_down,
-            thread,
-            source if close_source else None,
-            self._items,
-            self._slots,
-            self._stop,
+            self, _shut_down, thread, self._items, self._slots, self._stop
         )
         thread.start()
         self._thread = thread
@@ -431,11 +427,15 @@ def _produce(
     slots: threading.Semaphore,
     stop: threading.Event,
     state: Callable[[], contextlib.AbstractContextManager[None]],
+    *,
+    close_source: bool,
 ) -> None:
     """The loader's thread: takes a permit, then a batch from the source, copies, queues it.
 
     The source is read, and its batches copied, with the consumer's grad mode, inference mode
-    and CUDA device.
+    and CUDA device. Once told to stop, the thread closes the source iterator (when ``iter()``
+    made it: a generator the user passed stays theirs, open) on its way out: it alone may, as
+    it may be inside ``next()`` on it when the consumer gives up waiting for it.
     """
     index = 0
     try:
@@ -460,17 +460,21 @@ def _produce(
             index += 1
     except BaseException as exc:  # a copy failed (MoveError), or something unforeseen
         items.put(_Failed(exc))
+    finally:
+        close = getattr(source, "close", None) if close_source and stop.is_set() else None
+        if callable(close):
+            with state():
+                close()
 
 
 def _shut_down(
     thread: threading.Thread,
-    source: Iterator[Any] | None,
     items: queue.SimpleQueue[Any],
     slots: threading.Semaphore,
     stop: threading.Event,
 ) -> None:
-    """Stops and joins the thread, drops the queued batches, closes the source iterator (when
-    ``iter()`` made it: a generator the user passed stays theirs, open)."""
+    """Stops the thread (which closes the source on its way out), waits for it a while and
+    drops the queued batches."""
     stop.set()
     slots.release()  # wakes the thread if it waits for a permit
     if thread is threading.current_thread():  # finalized by a garbage collection in the thread
@@ -488,6 +492,3 @@ def _shut_down(
             items.get_nowait()
         except queue.Empty:
             break
-    close = getattr(source, "close", None)
-    if callable(close) and not thread.is_alive():
-        close()
