@@ -7,6 +7,10 @@ bandwidth of a single pinned host-to-device copy of the same number of bytes. Si
     python benchmarks/bench_move.py [--layers 24] [--width 2048] [--sweep]
 
 ``--sweep`` times chunk sizes and ring lengths of the staged copies (``torchplace._staging``).
+``--parts`` looks for where a move's time goes: the move beside its pieces timed alone on the
+same tensors (the staging ring; the host-side packing into pinned memory without any transfer;
+device allocations), beside the other way to copy pageable memory at full speed (pinning the
+source pages in place with ``cudaHostRegister``), then a profile of one move.
 
 Needs a CUDA device; without one it says so and exits 0.
 """
@@ -104,11 +108,94 @@ def sweep(layers: int, width: int, best_copy: float) -> None:
     _with(*saved)
 
 
+def _tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """What a move of ``model`` and ``opt`` copies: parameters, grads and Adam state."""
+    out = [p.detach() for p in model.parameters()]
+    out += [p.grad for p in model.parameters() if p.grad is not None]
+    out += [v for s in opt.state.values() for v in s.values() if v.dim() > 0]
+    return out
+
+
+def _ring(tensors: list[torch.Tensor]) -> None:
+    stager = _staging.Stager(torch.device("cuda", torch.cuda.current_device()))
+    for t in tensors:
+        stager.copy(t) if _staging.stageable(t, stager.device) else t.to("cuda")
+
+
+def _host_packing(tensors: list[torch.Tensor]) -> None:
+    """The ring's host side alone: every byte copied into pinned buffers, nothing sent."""
+    buffers = [
+        torch.empty(_staging.STAGE_CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
+        for _ in range(_staging.STAGE_BUFFERS)
+    ]
+    i = 0
+    for t in tensors:
+        flat = t.reshape(-1).view(torch.uint8)
+        for start in range(0, flat.numel(), _staging.STAGE_CHUNK_BYTES):
+            chunk = flat[start : start + _staging.STAGE_CHUNK_BYTES]
+            buffers[i % len(buffers)][: chunk.numel()].copy_(chunk)
+            i += 1
+
+
+def _allocations(tensors: list[torch.Tensor]) -> None:
+    kept = [torch.empty_like(t, device="cuda") for t in tensors]
+    del kept
+
+
+def _registered(tensors: list[torch.Tensor]) -> None:
+    """Pin each source tensor's pages in place, copy from them directly, unpin: no staging."""
+    cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+    done = []
+    try:
+        for t in tensors:
+            err = cudart.cudaHostRegister(t.data_ptr(), t.nbytes, 0)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister failed: {err}")
+            done.append(t)
+        out = [t.to("cuda", non_blocking=True) for t in tensors]
+        torch.cuda.synchronize()
+        del out
+    finally:
+        for t in done:
+            cudart.cudaHostUnregister(t.data_ptr())
+
+
+def parts(layers: int, width: int, best_copy: float, rounds: int = 5) -> None:
+    """Each way on the tensors of a fresh model, the ways taking turns round after round."""
+    ways: dict[str, Callable[[nn.Module, torch.optim.Optimizer], object]] = {
+        "torchplace.move": _move,
+        "the staging ring alone": lambda m, o: _ring(_tensors(m, o)),
+        "host packing alone (nothing sent)": lambda m, o: _host_packing(_tensors(m, o)),
+        "device allocations alone": lambda m, o: _allocations(_tensors(m, o)),
+        "cudaHostRegister + direct copies": lambda m, o: _registered(_tensors(m, o)),
+    }
+    best: dict[str, float] = {}
+    for _ in range(rounds):
+        for name, fn in ways.items():
+            m, o, _ = build(layers, width)
+            try:
+                seconds = timed(lambda fn=fn, m=m, o=o: fn(m, o))
+            except Exception as exc:  # an experiment, not the library: say and go on
+                print(f"{name}: failed, {type(exc).__name__}: {exc}")
+                continue
+            best[name] = min(best.get(name, seconds), seconds)
+            del m, o
+    for name, seconds in best.items():
+        print(f"{name:36s} {seconds * 1e3:8.1f} ms = {best_copy / seconds:.2f} of the pinned copy")
+    m, o, _ = build(layers, width)
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as prof:
+        _move(m, o)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--sweep", action="store_true", help="chunk size x ring length")
+    parser.add_argument("--parts", action="store_true", help="where a move's time goes")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench_move: skipped, no CUDA device (the target applies to a GPU)")
@@ -121,6 +208,9 @@ def main() -> None:
     best_copy = pinned_copy_seconds(nbytes)
     if args.sweep:
         sweep(args.layers, args.width, best_copy)
+        return
+    if args.parts:
+        parts(args.layers, args.width, best_copy)
         return
     saved = (_staging.STAGE_MIN_BYTES, _staging.STAGE_CHUNK_BYTES, _staging.STAGE_BUFFERS)
     results: dict[str, float] = {"torchplace.move": _seconds(args.layers, args.width)}
