@@ -205,15 +205,25 @@ _STACKABLE = frozenset(
 )
 
 
-def _packable(t: torch.Tensor) -> bool:
-    """Whether ``t``'s bytes can be packed as they lie and unpacked by its shape alone."""
+# Whether a dtype's element size has an integer carrier, by dtype: asked of every packed tensor,
+# where a dict lookup costs less than ``element_size()``.
+_CARRIED: dict[torch.dtype, bool] = {}
+
+
+def _packable(t: torch.Tensor, dtype: torch.dtype, shape: torch.Size) -> bool:
+    """Whether ``t`` (of ``dtype`` and ``shape``) can be packed as its bytes lie and unpacked by
+    its shape alone: contiguous, not empty, of a size that has a carrier, no lazy conjugation or
+    negation, and plain strides. Asked of every tensor, cheapest and likeliest tests first."""
+    carried = _CARRIED.get(dtype)
+    if carried is None:
+        carried = _CARRIED[dtype] = t.element_size() in _CARRIERS
     return (
-        t.is_contiguous()
-        and t.numel() > 0
-        and t.element_size() in _CARRIERS
-        and not t.is_conj()
+        carried
+        and t.is_contiguous()
+        and 0 not in shape
         and not t.is_neg()
-        and (1 not in t.shape or _plain_strides(t))
+        and not (dtype.is_complex and t.is_conj())  # only complex tensors carry the conj bit
+        and (1 not in shape or _plain_strides(t))
     )
 
 
@@ -258,11 +268,11 @@ def _consolidate(
     groups: dict[torch.dtype, dict[torch.Size, list[int]]] = {}
     with torch.no_grad():
         for i, t in enumerate(tensors):
-            if _packable(t):
-                shapes = groups.get(t.dtype)
+            dtype, shape = t.dtype, t.shape
+            if _packable(t, dtype, shape):
+                shapes = groups.get(dtype)
                 if shapes is None:
-                    shapes = groups[t.dtype] = {}
-                shape = t.shape
+                    shapes = groups[dtype] = {}
                 indices = shapes.get(shape)
                 if indices is None:
                     shapes[shape] = [i]
