@@ -86,6 +86,14 @@ def test_bad_local_rank_is_named(gpus: FakeGPUs, monkeypatch: pytest.MonkeyPatch
         torchplace.device()
 
 
+def test_negative_local_rank_is_refused(gpus: FakeGPUs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """-1 % 4 is 3: a negative LOCAL_RANK must not silently pick the last GPU."""
+    gpus(4)
+    monkeypatch.setenv("LOCAL_RANK", "-1")
+    with pytest.raises(torchplace.DeviceSpecError, match="LOCAL_RANK='-1' is negative"):
+        torchplace.device()
+
+
 def test_ints_and_indices(gpus: FakeGPUs) -> None:
     gpus(2)
     assert torchplace.device(1) == torch.device("cuda:1")

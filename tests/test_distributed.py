@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import torchplace.distributed
-from torchplace._errors import DeviceSpecError, TorchplaceError
+from torchplace._errors import DeviceSpecError, DeviceUnavailableError, TorchplaceError
 
 TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -62,6 +62,52 @@ def test_nccl_without_cuda_is_refused_before_starting(outside_torchrun: None) ->
 def test_bad_backends_are_named(outside_torchrun: None, backend: object, message: str) -> None:
     with pytest.raises(DeviceSpecError, match=message):
         torchplace.distributed.setup(backend, single_process=True)  # type: ignore[arg-type]
+    assert not dist.is_initialized()
+
+
+def test_a_failed_start_leaves_no_process_group(
+    outside_torchrun: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """init_process_group can fail after it made the group (its barrier): nothing is left."""
+    from torch.distributed import distributed_c10d
+
+    def timed_out(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("Timed out initializing process group in store based barrier")
+
+    monkeypatch.setenv("TORCH_DIST_INIT_BARRIER", "1")
+    monkeypatch.setattr(distributed_c10d, "_store_based_barrier", timed_out)
+    with pytest.raises(TorchplaceError, match=r"could not start the .* process group"):
+        torchplace.distributed.setup(single_process=True)
+    assert not dist.is_initialized()
+
+
+def test_a_group_of_one_that_fails_is_not_blamed_on_master_addr(
+    outside_torchrun: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without torchrun there is no MASTER_ADDR to check: the hint names the backend instead."""
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("Unable to find address for: eth9")
+
+    monkeypatch.setattr(dist, "init_process_group", broken)
+    with pytest.raises(TorchplaceError, match="a group of one process") as info:
+        torchplace.distributed.setup(single_process=True)
+    assert "MASTER_ADDR" not in str(info.value)
+    assert "GLOO_SOCKET_IFNAME" in str(info.value)
+
+
+def test_a_device_that_cannot_be_made_current_is_named(
+    outside_torchrun: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def busy(device: object) -> None:
+        raise RuntimeError("CUDA error: CUDA-capable device(s) is/are busy or unavailable")
+
+    monkeypatch.setattr(
+        torchplace.distributed, "_local_device", lambda rank: torch.device("cuda:0")
+    )
+    monkeypatch.setattr(torch.cuda, "set_device", busy)
+    with pytest.raises(DeviceUnavailableError, match=r"could not make cuda:0 the current.*busy"):
+        torchplace.distributed.setup(single_process=True)
     assert not dist.is_initialized()
 
 

@@ -43,6 +43,65 @@ def test_a_failing_check_becomes_a_verdict_line(
     assert "round trip failed: CUDA error: an illegal memory access" in out
 
 
+def test_a_failing_hop_names_its_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hops that worked stay reported, and the problem names the device that broke."""
+    from torchplace import _devices, _move
+
+    real_move = _move.move
+
+    def move(obj: object, device: object, /, **kwargs: object) -> object:
+        if torch.device(device).type == "meta":  # type: ignore[arg-type]
+            raise RuntimeError("CUDA error: no kernel image is available for execution")
+        return real_move(obj, device, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_devices, "available", lambda: [torch.device("meta"), torch.device("cpu")])
+    monkeypatch.setattr(_move, "move", move)
+    found = _doctor.diagnose(bandwidth=False)
+    checks = {c["check"]: c for c in found.checks}
+    assert checks["round trip -> cpu"]["ok"]
+    assert not checks["round trip -> meta"]["ok"]
+    assert any(
+        p.startswith("round trip -> meta: RuntimeError: CUDA error: no kernel image")
+        for p in found.problems
+    )
+
+
+def test_bandwidth_is_measured_on_every_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not only CUDA: an MPS (or XPU) machine gets its copy bandwidth too."""
+    from torchplace import _devices
+
+    mps = torch.device("mps:0")
+    monkeypatch.setattr(_devices, "available", lambda: [mps, torch.device("cpu")])
+    monkeypatch.setattr(_doctor, "_round_trip", lambda hops: [])
+    monkeypatch.setattr(_doctor, "_bandwidth", lambda dev: [{"device": str(dev)}])
+    found = _doctor.diagnose(bandwidth=True)
+    assert found.bandwidth == [{"device": "mps:0"}]
+
+
+def test_a_device_that_cannot_be_read_hides_no_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One broken GPU: the others keep their memory figures and the problem names the GPU."""
+    from types import SimpleNamespace
+
+    from torchplace import _devices
+
+    def properties(dev: torch.device) -> object:
+        if dev.index == 1:
+            raise RuntimeError("CUDA error: uncorrectable ECC error encountered")
+        return SimpleNamespace(name="GPU", major=9, minor=0)
+
+    cuda = [torch.device("cuda:0"), torch.device("cuda:1")]
+    monkeypatch.setattr(_devices, "available", lambda: [*cuda, torch.device("cpu")])
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (1 << 30, 2 << 30))
+    monkeypatch.setattr(_doctor, "_round_trip", lambda hops: [])
+    found = _doctor.diagnose(bandwidth=False)
+    assert [row["device"] for row in found.devices] == ["cuda:0", "cuda:1", "cpu"]
+    assert found.devices[0]["memory_free"] == 1 << 30
+    assert any(
+        p.startswith("reading cuda:1 failed: CUDA error: uncorrectable") for p in found.problems
+    )
+
+
 def test_cpu_only_torch_beside_an_nvidia_driver_is_diagnosed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -53,6 +112,25 @@ def test_cpu_only_torch_beside_an_nvidia_driver_is_diagnosed(
     assert not found.healthy
     assert any("CPU-only build; install a CUDA build" in p for p in found.problems)
     assert any("CUDA_VISIBLE_DEVICES='' hides every GPU" in p for p in found.problems)
+
+
+def test_a_gpu_torch_cannot_use_is_diagnosed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A driver and a CUDA build of torch, yet no GPU: not healthy, and doctor says why."""
+
+    def too_old() -> None:
+        raise RuntimeError("The NVIDIA driver on your system is too old (found version 11040).")
+
+    monkeypatch.setattr(_doctor, "_nvidia_driver", lambda: "470.57")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "init", too_old)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    found = _doctor.diagnose(bandwidth=False)
+    assert not found.healthy
+    assert any(
+        "sees no GPU (RuntimeError: The NVIDIA driver on your system is too old" in p
+        for p in found.problems
+    )
 
 
 def test_a_broken_local_rank_is_diagnosed(

@@ -200,6 +200,11 @@ def _auto() -> torch.device:
                 f"LOCAL_RANK={local_rank!r} is not an integer; torchrun sets it to the process's "
                 "rank on this machine, so unset it or launch with torchrun"
             ) from None
+        if rank < 0:  # -1 % count would silently pick the last accelerator
+            raise DeviceSpecError(
+                f"LOCAL_RANK={local_rank!r} is negative; torchrun counts ranks from 0, so unset "
+                "it or launch with torchrun"
+            )
         if kind is None:
             return torch.device("cpu")
         return torch.device(kind, rank % _count(kind))

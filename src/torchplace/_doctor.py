@@ -139,21 +139,27 @@ def _round_trip(hops: list[torch.device]) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     for dev in hops:
         began = time.perf_counter()
-        move(model, dev, optimizer=opt)
-        batch = move(batch, dev)  # the batch travels hop to hop too, device to host included
-        left = stragglers(model, dev, optimizer=opt) + stragglers(batch, dev)
-        tie = model.embed.weight is model.head.weight
-        ok = not left and tie
-        detail = "placement verified, tie kept"
-        if left:
-            detail = f"{len(left)} tensor(s) left behind: {', '.join(s.name for s in left[:3])}"
-        elif not tie:
-            detail = "the tied embedding/head weight came apart"
-        if ok and dev.type != "meta":
-            model.eval()  # the model really runs there (eval: running stats stay as they were)
-            with torch.no_grad():
-                model(batch)
-            model.train()
+        try:
+            move(model, dev, optimizer=opt)
+            batch = move(batch, dev)  # the batch travels hop to hop too, device to host included
+            left = stragglers(model, dev, optimizer=opt) + stragglers(batch, dev)
+            tie = model.embed.weight is model.head.weight
+            ok = not left and tie
+            detail = "placement verified, tie kept"
+            if left:
+                names = ", ".join(s.name for s in left[:3])
+                detail = f"{len(left)} tensor(s) left behind: {names}"
+            elif not tie:
+                detail = "the tied embedding/head weight came apart"
+            if ok and dev.type != "meta":
+                model.eval()  # the model really runs there (eval: running stats stay as they were)
+                with torch.no_grad():
+                    model(batch)
+                model.train()
+        except Exception as exc:  # name the device that broke; the later hops cannot run
+            detail = f"{type(exc).__name__}: {exc}"
+            results.append({"check": f"round trip -> {dev}", "ok": False, "detail": detail})
+            return results
         results.append(
             {
                 "check": f"round trip -> {dev}",
@@ -212,6 +218,10 @@ def _bandwidth_of(dev: torch.device) -> Callable[[], list[dict[str, Any]]]:
     return lambda: _bandwidth(dev)
 
 
+def _rows_of(dev: torch.device) -> Callable[[], list[dict[str, Any]]]:
+    return lambda: _device_rows([dev])
+
+
 def _environment_problems() -> list[str]:
     problems: list[str] = []
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -221,9 +231,21 @@ def _environment_problems() -> list[str]:
             f"an NVIDIA driver is installed but torch {torch.__version__} is a CPU-only build; "
             "install a CUDA build of torch (see pytorch.org for the right index URL)"
         )
-    if visible is not None and visible.strip() in ("", "-1") and driver:
+    hidden = visible is not None and visible.strip() in ("", "-1")
+    if hidden and driver:
         problems.append(
             f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU; unset it or list the GPUs to use"
+        )
+    elif driver and torch.version.cuda is not None and not torch.cuda.is_available():
+        try:  # fails without a usable GPU, saying why (a driver too old for this build, ...)
+            torch.cuda.init()  # type: ignore[no-untyped-call]
+            why = "torch.cuda.is_available() is False"
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        problems.append(
+            f"an NVIDIA driver is installed but torch {torch.__version__} (CUDA "
+            f"{torch.version.cuda}) sees no GPU ({why}); check nvidia-smi, and that the driver "
+            "supports this CUDA version and CUDA_VISIBLE_DEVICES names existing GPUs"
         )
     from ._devices import device
     from ._errors import TorchplaceError
@@ -267,9 +289,9 @@ def diagnose(*, bandwidth: bool = True) -> Diagnosis:
     diagnosis = Diagnosis()
     diagnosis.versions = _fenced(diagnosis, "reading versions", _versions) or {}
     devices = _fenced(diagnosis, "listing devices", available) or [torch.device("cpu")]
-    diagnosis.devices = (
-        _fenced(diagnosis, "reading device properties", lambda: _device_rows(devices)) or []
-    )
+    for dev in devices:  # one device that cannot be read keeps its row and hides no other
+        rows = _fenced(diagnosis, f"reading {dev}", _rows_of(dev))
+        diagnosis.devices.extend(rows or [{"device": str(dev)}])
     hops: list[torch.device] = []
     for dev in devices:
         if dev.type != "cpu":
@@ -286,7 +308,7 @@ def diagnose(*, bandwidth: bool = True) -> Diagnosis:
             diagnosis.problems.append(f"{check['check']}: {check['detail']}")
     if bandwidth:
         for dev in devices:
-            if dev.type == "cuda":
+            if dev.type != "cpu":  # every accelerator: cuda, mps, xpu
                 rows = _fenced(diagnosis, f"bandwidth on {dev}", _bandwidth_of(dev))
                 diagnosis.bandwidth.extend(rows or [])
     diagnosis.problems.extend(_fenced(diagnosis, "environment", _environment_problems) or [])

@@ -149,7 +149,14 @@ def setup(backend: str | None = None, *, single_process: bool = False) -> torch.
     name = _check_backend(backend, dev) if backend is not None else _BACKENDS.get(dev.type)
     if name is None:
         name = dist.Backend.default_device_backend_map.get(dev.type, "gloo")
-    _set_current(dev)
+    try:
+        _set_current(dev)
+    except Exception as exc:  # a busy GPU (exclusive compute mode), a broken driver
+        raise DeviceUnavailableError(
+            f"setup() could not make {dev} the current device for LOCAL_RANK={local_rank}: "
+            f"{type(exc).__name__}: {first_line(exc)}; check with nvidia-smi that no other "
+            "process holds it and that CUDA_VISIBLE_DEVICES lists this machine's GPUs"
+        ) from exc
     if dist.is_initialized():
         return dev
     options: dict[str, object] = {}
@@ -167,16 +174,26 @@ def setup(backend: str | None = None, *, single_process: bool = False) -> torch.
                 **options,  # type: ignore[arg-type]
             )
     except Exception as exc:  # a rendezvous that failed or timed out, a backend that broke
-        where = (
-            f"MASTER_ADDR={os.environ.get('MASTER_ADDR')!r}, "
-            f"MASTER_PORT={os.environ.get('MASTER_PORT')!r}"
-            if under_torchrun
-            else "a group of one process"
-        )
+        if dist.is_initialized():  # it failed after the group was made (TORCH_DIST_INIT_BARRIER)
+            dist.destroy_process_group()
+        if under_torchrun:
+            where = (
+                f"MASTER_ADDR={os.environ.get('MASTER_ADDR')!r}, "
+                f"MASTER_PORT={os.environ.get('MASTER_PORT')!r}"
+            )
+            fix = (
+                "Check that every rank can reach MASTER_ADDR on MASTER_PORT and that all were "
+                "started with the same torchrun arguments"
+            )
+        else:  # no rendezvous, no MASTER_ADDR: the backend itself failed
+            where = "a group of one process"
+            fix = (
+                "A group of one needs no other process, so the backend itself failed: for gloo, "
+                "set GLOO_SOCKET_IFNAME to an interface this machine has (lo), for nccl, run "
+                "with NCCL_DEBUG=INFO to see why"
+            )
         raise TorchplaceError(
             f"torch.distributed could not start the {name} process group for {dev} ({where}): "
-            f"{type(exc).__name__}: {first_line(exc)}. Check that every rank can reach "
-            "MASTER_ADDR on MASTER_PORT and that all were started with the same torchrun "
-            "arguments"
+            f"{type(exc).__name__}: {first_line(exc)}. {fix}"
         ) from exc
     return dev
