@@ -124,6 +124,20 @@ def test_verify_explains_attributes_and_optimizer_state() -> None:
     assert "torchplace.move(model, 'meta', optimizer=opt)" in message
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="says so only where CUDA is absent")
+def test_verify_says_when_its_fixes_cannot_run_here() -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(torchplace.PlacementError) as info:
+        torchplace.verify(model, "cuda")
+    message = str(info.value)
+    assert "fix: torchplace.move(model, 'cuda:0')" in message
+    assert message.count("note: the fixes above cannot run here (cuda:0 requested but") == 1
+    assert "torchplace.device('auto')" in message
+    with pytest.raises(torchplace.PlacementError) as info:
+        torchplace.verify(model, "meta")  # meta exists everywhere: no note
+    assert "note:" not in str(info.value)
+
+
 @pytest.mark.fake_cuda
 def test_verify_on_fake_cuda_names_the_device() -> None:
     model = split_model()

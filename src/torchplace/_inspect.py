@@ -17,7 +17,14 @@ from torch import nn
 
 from ._consolidate import _PLAIN
 from ._devices import DeviceSpec, normalize
-from ._errors import MixedDevicesError, NoTensorsError, PlacementError, TorchplaceError
+from ._devices import device as _device
+from ._errors import (
+    DeviceUnavailableError,
+    MixedDevicesError,
+    NoTensorsError,
+    PlacementError,
+    TorchplaceError,
+)
 from ._tree import iter_leaves
 
 __all__ = [
@@ -493,6 +500,14 @@ def verify(obj: Any, device: DeviceSpec, /, *, optimizer: Any = None) -> None:
         )
     if len(bad) > 10:
         lines.append(f"  ... and {len(bad) - 10} more (torchplace.stragglers lists them all)")
+    if target.type not in ("cpu", "meta"):  # the fixes move there: say when they cannot
+        try:
+            _device(target)
+        except DeviceUnavailableError as exc:
+            lines.append(
+                f"  note: the fixes above cannot run here ({exc}); check against a device "
+                "this machine has, e.g. torchplace.device('auto')"
+            )
     count = f"{len(bad)} tensor{'s' if len(bad) != 1 else ''}"
     raise PlacementError(
         f"{count} of {describe(obj)} {'are' if len(bad) != 1 else 'is'} not on {target}:\n"
