@@ -577,6 +577,8 @@ def test_non_strict_loads_what_matches(tmp_path: Path) -> None:
     sd = reference().state_dict()
     del sd["body.0.bias"]
     sd["extra.weight"] = torch.ones(1)
+    with pytest.raises(CheckpointError, match="pass strict=False to load what matches"):
+        load_into(skeleton(Net), save(sd, tmp_path / "partial.pt"))
     model = load_into(skeleton(Net), save(sd, tmp_path / "partial.pt"), strict=False)
     assert model.emb.weight.device.type == "cpu" and model.body[0].bias.device.type == "meta"
     sd["body.1.weight"] = torch.ones(3)
@@ -594,8 +596,13 @@ def test_prefixed_keys_get_a_hint_that_works(tmp_path: Path) -> None:
 
     src = Tied()
     path = save({f"module.{k}": v for k, v in src.state_dict().items()}, tmp_path / "ddp.pt")
-    with pytest.raises(CheckpointError, match=r"extra prefix 'module\.': save them without"):
+    with pytest.raises(CheckpointError, match=r"extra prefix 'module\.': save them without") as e:
         load_into(skeleton(Tied), path)
+    assert "strict=False" not in str(e.value)  # which would load nothing
+    model = skeleton(Tied)
+    with pytest.raises(CheckpointError, match=r"strict=False would load nothing.*'module\.'"):
+        load_into(model, path, strict=False)
+    assert model.head.weight.is_meta
     # the hint, followed word for word
     fixed_path = tmp_path / "fixed.pt"
     torch.save({k.removeprefix("module."): v for k, v in load(path).items()}, fixed_path)

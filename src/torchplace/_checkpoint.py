@@ -1112,7 +1112,8 @@ def load_into(
     A module whose ``set_extra_state`` refuses the file's extra state raises ``CheckpointError``
     with the model untouched. With ``strict``, missing and unexpected keys and shape mismatches
     raise ``CheckpointError`` listing them by name, and the model is left untouched; without it,
-    keys that do not match are skipped (a shape mismatch still raises).
+    keys that do not match are skipped (a shape mismatch still raises, and so does a file of
+    which not one key matches, unless the model has load post-hooks).
     """
     if not isinstance(model, nn.Module):
         raise TorchplaceError(
@@ -1206,9 +1207,19 @@ def load_into(
     # Keys alone: post-hooks may clear them, as load_state_dict lets them (its strict check
     # comes after its post-hooks). Then the load goes ahead, and is undone if any key is left.
     keys_only = strict and bool(missing or unexpected) and not problems
-    deferred = keys_only and _has_post_hooks(model)
+    hooked = _has_post_hooks(model)
+    deferred = keys_only and hooked
+    matched = bool(plan) or any(k in own for k in extra)  # whether strict=False would load any
     if (strict and (missing or unexpected) and not deferred) or problems:
-        raise _does_not_fit(p, model, problems, missing if strict else [], unexpected, strict)
+        raise _does_not_fit(
+            p, model, problems, missing if strict else [], unexpected, strict, matched
+        )
+    if not strict and not matched and loadable and not hooked:
+        raise CheckpointError(
+            f"{p}: not one of its keys matches {type(model).__name__}, so strict=False would "
+            f"load nothing: the model has {_listing(missing, 5)}; the file has "
+            f"{_listing(unexpected, 5)}{_prefix_hint(missing, unexpected)}"
+        )
 
     # Phase 1: everything that can fail for lack of memory or a bad device (the transfers and
     # conversions) happens before the model changes, so a failure leaves it untouched.
@@ -1286,7 +1297,7 @@ def load_into(
         raise
     if left_missing or left_unexpected:
         put_back()
-        raise _does_not_fit(p, model, [], left_missing, left_unexpected, strict)
+        raise _does_not_fit(p, model, [], left_missing, left_unexpected, strict, matched)
     return model
 
 
@@ -1297,15 +1308,19 @@ def _does_not_fit(
     missing: list[str],
     unexpected: list[str],
     strict: bool,
+    matched: bool,
 ) -> CheckpointError:
-    """The error for a file that does not fit: missing and unexpected keys first."""
+    """The error for a file that does not fit: missing and unexpected keys first.
+
+    ``matched``: some key matches, so ``strict=False`` would load something.
+    """
     keys = []
     if missing:
         keys.append(f"missing keys: {_listing(missing)}")
     if strict and unexpected:
         keys.append(f"unexpected keys: {_listing(unexpected)}")
     hint = _prefix_hint(missing, unexpected) if strict else ""
-    fix = "; pass strict=False to load what matches" if not problems else ""
+    fix = "; pass strict=False to load what matches" if matched and not problems else ""
     return CheckpointError(
         f"{p}: does not fit {type(model).__name__}: {'; '.join(keys + problems)}{hint}{fix}"
     )
