@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from torchplace import _bench
 from torchplace._bench import measure
 from torchplace.cli import main
 
@@ -93,6 +94,7 @@ def test_only_the_large_copies_set_the_best() -> None:
         ("meta", "--device meta: meta tensors have no data"),
         ("cdua", "--device cdua: unknown"),
         ("hpu", "--device hpu: 'hpu': this PyTorch has no hpu backend"),
+        ("²", "--device ²: unknown"),  # a digit to str.isdigit, but no number to int()
     ],
 )
 def test_devices_that_cannot_be_measured(
@@ -124,3 +126,20 @@ def test_cuda_measures_both_directions() -> None:
         for copy in ("pageable", "pinned", "per-tensor", "consolidated"):
             assert (direction, copy) in kinds
     assert max(m.fraction for m in rows if m.tensors == 1) == 1.0
+
+
+def test_a_size_past_any_tensor_is_bad_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    # 2**60 MiB: more bytes than a tensor's size can count (it was a raw TypeError)
+    assert main(["bench", "--device", "cpu", "--size", str(1 << 60)]) == 2
+    assert "--size 1152921504606846976 MiB" in capsys.readouterr().err
+
+
+def test_interrupted_bench_says_so(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_bench, "measure", interrupted)
+    assert main(["bench", "--device", "cpu", *QUICK]) == 130
+    assert capsys.readouterr().err == "torchplace bench: interrupted\n"

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
+import os
 import pickle
 import random
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -394,3 +397,169 @@ def test_remap_of_a_zip_that_is_not_a_torch_file_says_so(tmp_path: Path, member:
         remap(src, tmp_path / "out.pt", to="cpu")
     assert "truncated" not in str(info.value)
     assert not (tmp_path / "out.pt").exists()
+
+
+def _quantized() -> torch.Tensor:
+    with warnings.catch_warnings():  # quantized tensors are deprecated in recent releases
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.quantize_per_tensor(torch.ones(4), 0.5, 0, torch.qint8)
+
+
+def _safe_but_unusual() -> dict[str, torch.Tensor]:
+    """Tensors torch's weights-only loader reads through globals beyond the usual storages."""
+    with warnings.catch_warnings():  # sparse CSR and nested tensors warn that they are new
+        warnings.simplefilter("ignore", UserWarning)
+        return {
+            "coo": torch.eye(3).to_sparse(),
+            "csr": torch.eye(3).to_sparse_csr(),
+            "q": _quantized(),
+            "nested": torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+            "u16": torch.ones(2, dtype=torch.uint16),  # saved on an UntypedStorage
+            "f8": torch.ones(2, dtype=torch.float8_e4m3fn),
+        }
+
+
+def test_inspect_warns_only_of_code_a_safe_load_would_refuse(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Sparse, quantized, nested and new-dtype tensors load with weights_only: no warning."""
+    path = tmp_path / "unusual.pt"
+    torch.save(_safe_but_unusual(), path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        load(path)  # torchplace.load reads it without trusted=True
+    assert _checkpoint_cli.code_globals(path) == []
+    assert main(["inspect", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["code_globals"] == []
+
+
+def test_inspect_lists_quantized_and_sparse_tensors_by_their_names(tmp_path: Path) -> None:
+    path = tmp_path / "unusual.pt"
+    torch.save(_safe_but_unusual(), path)
+    records = {r.name: r for r in describe(path)}
+    q = records["q"]  # was left out: no tensor, no bytes
+    assert (q.dtype, q.shape, q.nbytes) == ("qint8", (4,), 4)
+    assert (records["coo.indices"].shape, records["coo.values"].nbytes) == ((2, 3), 12)
+    assert {"csr.crow_indices", "csr.col_indices", "csr.values"} <= set(records)
+    assert records["nested.buffer"].nbytes == 20
+    assert (records["u16"].dtype, records["f8"].nbytes) == ("uint16", 2)
+
+
+def test_inspect_refuses_an_index_its_shards_contradict(tmp_path: Path) -> None:
+    safetensors_torch.save_file({"a": torch.ones(2)}, tmp_path / "s1.safetensors")
+    torch.save({"b": torch.ones(3), "c": {"d": torch.ones(1)}}, tmp_path / "s2.bin")
+    index = tmp_path / "model.safetensors.index.json"
+    weight_map = {"a": "s1.safetensors", "b": "s2.bin", "c": "s2.bin"}
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    assert [r.name for r in describe(index)] == ["a", "b", "c.d"]
+    index.write_text(json.dumps({"weight_map": {"a": "s1.safetensors", "zz": "s1.safetensors"}}))
+    with pytest.raises(CheckpointError, match=r"'zz' is in 's1\.safetensors'.*does not hold it"):
+        describe(index)
+    for bad in ({"weight_map": {"a": 5}}, {"weight_map": {"a": None}}, [1, 2]):
+        index.write_text(json.dumps(bad))
+        with pytest.raises(CheckpointError, match="not a shard index"):
+            describe(index)
+
+
+def test_inspect_table_of_names_no_terminal_can_print(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A lone surrogate in a name (any pickle can hold one) is shown escaped, not a crash."""
+    torch.save({"\ud800w": torch.ones(1)}, tmp_path / "m.pt")
+    assert main(["inspect", str(tmp_path / "m.pt")]) == 0
+    assert "\\ud800w" in capsys.readouterr().out
+    out = tmp_path / os.fsdecode(b"\xff.pt")  # a file name that is not UTF-8
+    assert main(["remap", str(tmp_path / "m.pt"), "--to", "cpu", "-o", str(out)]) == 0
+    assert "\\udcff.pt" in capsys.readouterr().out
+    assert main(["inspect", str(out)]) == 0
+
+
+class _ClosedPipe(io.StringIO):
+    """stdout whose reader went away (`torchplace inspect big.pt | head -1`)."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self.fd = fd
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def fileno(self) -> int:
+        return self.fd
+
+
+def test_inspect_into_a_closed_pipe_is_not_a_failure(
+    gpu_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with (tmp_path / "sink").open("w") as sink:
+        monkeypatch.setattr(sys, "stdout", _ClosedPipe(sink.fileno()))
+        assert main(["inspect", str(gpu_file)]) == 0  # rich exits 1 on a broken pipe
+        assert main(["inspect", str(gpu_file), "--json"]) == 0
+
+
+def test_interrupted_inspect_says_so_without_a_traceback(
+    gpu_file: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def interrupted(path: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_checkpoint_cli, "describe", interrupted)
+    assert main(["inspect", str(gpu_file)]) == 130
+    assert "torchplace inspect: interrupted" in capsys.readouterr().err
+
+
+def test_remap_of_a_newer_pickle_protocol_is_not_called_code(tmp_path: Path) -> None:
+    """torch's safe loader refuses protocol 4's opcodes: that is no code to run."""
+    src = tmp_path / "p4.pt"
+    torch.save({"w": torch.ones(2)}, src, pickle_protocol=4)
+    assert _checkpoint_cli.code_globals(src) == []
+    with pytest.raises(CheckpointError, match=r"p4\.pt") as info:
+        remap(src, tmp_path / "out.pt", to="cpu")
+    assert "would run code" not in str(info.value)
+    assert not (tmp_path / "out.pt").exists()
+
+
+def test_inspect_of_an_index_names_the_code_its_shards_would_run(tmp_path: Path) -> None:
+    marker = tmp_path / "ran.txt"
+    torch.save({"w": torch.ones(1), "evil": _RunsCode(marker)}, tmp_path / "s1.bin")
+    torch.save({"v": torch.ones(1)}, tmp_path / "s2.bin")
+    index = tmp_path / "pytorch_model.bin.index.json"
+    index.write_text(json.dumps({"weight_map": {"w": "s1.bin", "v": "s2.bin"}}))
+    assert _checkpoint_cli.code_globals(index) == ["builtins.exec"]
+    assert not marker.exists()
+
+
+def test_inspect_lists_tensors_nested_deeper_than_any_limit(tmp_path: Path) -> None:
+    """torch.load reads any depth; tensors past a walk's depth limit were silently left out."""
+    deep: dict[str, object] = {"w": torch.ones(1)}
+    for _ in range(300):
+        deep = {"x": deep}
+    torch.save({"top": torch.ones(2), "deep": deep}, tmp_path / "deep.pt")
+    assert [r.name for r in describe(tmp_path / "deep.pt")] == ["top", "deep" + ".x" * 300 + ".w"]
+
+
+def test_remap_refuses_a_corrupt_safetensors_file(tmp_path: Path) -> None:
+    """A corrupt torch file is refused; a corrupt safetensors file was copied as if fine."""
+    src = tmp_path / "w.safetensors"
+    safetensors_torch.save_file({"a": torch.ones(2)}, src)
+    data = bytearray(src.read_bytes())
+    data[9] = ord("!")  # the header's JSON no longer parses
+    src.write_bytes(bytes(data))
+    assert main(["remap", str(src), "--to", "cpu", "-o", str(tmp_path / "o.safetensors")]) == 1
+    assert not (tmp_path / "o.safetensors").exists()
+
+
+def test_remap_to_a_number_means_accelerator_n(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The usage error lists "an int" as a device, and bench takes "0": so does remap."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    for backend in (getattr(torch.backends, "mps", None), getattr(torch, "xpu", None)):
+        if backend is not None:
+            monkeypatch.setattr(backend, "is_available", lambda: False)
+    torch.save({"w": torch.ones(1)}, tmp_path / "a.pt")
+    assert main(["remap", str(tmp_path / "a.pt"), "--to", "0", "-o", str(tmp_path / "b.pt")]) == 1
+    err = capsys.readouterr().err
+    assert "accelerator 0 requested" in err and "unknown device spec" not in err
+    assert not (tmp_path / "b.pt").exists()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchplace._errors import DeviceSpecError
+from torchplace._errors import DeviceSpecError, TorchplaceError
 from torchplace._estimate import Estimate, estimate
 from toy_models import CPU, CUDA0, CUDA1, LINEAR_BYTES, META, Net, TiedLM, on_fake_cuda
 
@@ -133,3 +133,12 @@ def test_estimate_sizes_the_local_shard_of_fsdp2_parameters(fake_world: object) 
     est = estimate(model, optimizer="sgd")
     assert est.parameter_count == 72  # the whole model
     assert est.parameters == (16 + 2) * 4  # this rank's quarter of the weight and bias
+
+
+def test_estimate_of_a_lazy_module_says_its_size_is_not_known_yet() -> None:
+    """A lazy module's parameters have no shape before the first forward (a raw ValueError)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.LazyLinear(4))
+    with pytest.raises(TorchplaceError, match=r"estimate\(\): 1\.weight .*LazyLinear.*forward"):
+        estimate(model)
+    model(torch.ones(1, 4))  # initialized: sized as usual
+    assert estimate(model, optimizer=None, grads=False).parameters == 2 * (4 * 4 + 4) * 4

@@ -89,11 +89,18 @@ def _positive(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``torchplace bench`` with parsed arguments: 0 when measured, 1 when the copies could
-    not run (out of memory), 2 for a bad device."""
+    not run (out of memory), 2 for a bad device or size."""
     try:
         target, note = _choose(args.device)
     except TorchplaceError as exc:
         print(f"torchplace bench: {exc}", file=sys.stderr)
+        return 2
+    if args.size << 20 >= 1 << 63:  # torch sizes are 64-bit: past that, not even an allocation
+        print(
+            f"torchplace bench: --size {args.size} MiB is more bytes than a tensor can hold; "
+            "try a smaller --size",
+            file=sys.stderr,
+        )
         return 2
     try:
         results = measure(target, size=args.size << 20, tensors=args.tensors, repeat=args.repeat)
@@ -127,7 +134,7 @@ def _choose(spec: str | None) -> tuple[torch.device, str | None]:
     else:
         try:
             # "0" on a command line means accelerator 0, as the int 0 does in Python.
-            target = _parse_device(int(spec) if spec.strip().isdigit() else spec)
+            target = _parse_device(int(spec) if spec.strip().isdecimal() else spec)
         except TorchplaceError as exc:
             raise type(exc)(f"--device {spec}: {exc}") from exc
     if target.type == "meta":

@@ -38,7 +38,6 @@ __all__ = ["TensorRecord", "describe", "register", "remap"]
 # Progress is shown for files at least this large (when the output is a terminal).
 PROGRESS_MIN_BYTES = 16 * 1024 * 1024
 _LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
-_MAX_DEPTH = 200
 
 
 @dataclass(frozen=True)
@@ -121,7 +120,7 @@ def _dtype_info(name: str) -> tuple[str, int]:
 
     dt = vars(torch).get(name)  # no getattr: torch's module __getattr__ imports submodules
     if isinstance(dt, torch.dtype):
-        return str(dt).removeprefix("torch."), torch.empty((), dtype=dt).element_size()
+        return str(dt).removeprefix("torch."), dt.itemsize  # no tensor: quantized ones warn
     return name, 1
 
 
@@ -151,6 +150,46 @@ def _rebuild_meta(dtype: Any, size: Any, *rest: Any) -> _TensorRef:
     return _TensorRef(_StorageRef(name, "", "meta", 0), name, _shape(size))
 
 
+@dataclass
+class _WithParts:
+    """A tensor that the file saves with tensors of its own (a per-channel quantized tensor's
+    scales and zero points), listed as ``name`` and ``name.part``."""
+
+    main: _TensorRef
+    parts: dict[str, Any]
+
+
+def _rebuild_qtensor(
+    storage: Any, offset: Any, size: Any, stride: Any = None, qparams: Any = (), *rest: Any
+) -> _TensorRef | _WithParts:
+    ref = _rebuild_tensor(storage, offset, size)
+    if isinstance(qparams, tuple) and len(qparams) == 4:  # (qscheme, scales, zero_points, axis)
+        return _WithParts(ref, {"scales": qparams[1], "zero_points": qparams[2]})
+    return ref
+
+
+# The tensors a sparse tensor is saved as, named as its accessors are (``crow_indices()``, ...).
+_SPARSE_PARTS = {
+    "torch.sparse_coo": ("indices", "values"),
+    "torch.sparse_csr": ("crow_indices", "col_indices", "values"),
+    "torch.sparse_bsr": ("crow_indices", "col_indices", "values"),
+    "torch.sparse_csc": ("ccol_indices", "row_indices", "values"),
+    "torch.sparse_bsc": ("ccol_indices", "row_indices", "values"),
+}
+
+
+def _rebuild_sparse(layout: Any, data: Any, *rest: Any) -> Any:
+    name = layout.args[0] if isinstance(layout, _Opaque) and layout.args else None
+    parts = _SPARSE_PARTS.get(name) if isinstance(name, str) else None
+    if parts is None or not isinstance(data, tuple):
+        return _Opaque(layout, data)
+    return dict(zip(parts, data, strict=False))
+
+
+def _rebuild_nested(*data: Any) -> dict[str, Any]:
+    return dict(zip(("buffer", "sizes", "strides", "storage_offsets"), data, strict=False))
+
+
 @dataclass(frozen=True)
 class _DType:
     name: str
@@ -166,6 +205,9 @@ class _InertUnpickler(pickle._Unpickler):  # pure Python: corrupt lengths fail c
         "_rebuild_parameter": _rebuild_parameter,
         "_rebuild_parameter_with_state": _rebuild_parameter,
         "_rebuild_meta_tensor_no_storage": _rebuild_meta,
+        "_rebuild_qtensor": _rebuild_qtensor,
+        "_rebuild_sparse_tensor": _rebuild_sparse,
+        "_rebuild_nested_tensor": _rebuild_nested,
     }
 
     def find_class(self, module: str, name: str) -> Any:
@@ -173,6 +215,8 @@ class _InertUnpickler(pickle._Unpickler):  # pure Python: corrupt lengths fail c
             return OrderedDict
         if module == "torch._utils" and name in self._TORCH_REBUILDERS:
             return self._TORCH_REBUILDERS[name]
+        if (module, name) == ("torch.storage", "UntypedStorage"):  # dtypes with no Storage
+            return _StorageType("uint8", 1)
         if module == "torch" and name.endswith("Storage"):
             import torch
 
@@ -182,7 +226,7 @@ class _InertUnpickler(pickle._Unpickler):  # pure Python: corrupt lengths fail c
                 dt = torch.storage._get_dtype_from_pickle_storage_type(name)
             except (KeyError, AttributeError):
                 return _StorageType("?", 1)
-            return _StorageType(str(dt).removeprefix("torch."), torch.empty((), dtype=dt).itemsize)
+            return _StorageType(str(dt).removeprefix("torch."), dt.itemsize)
         if module == "torch" and name == "Size":
             return tuple
         if module == "torch":
@@ -206,19 +250,36 @@ class _InertUnpickler(pickle._Unpickler):  # pure Python: corrupt lengths fail c
         return _Opaque(pid)
 
 
+def _loadable_globals() -> frozenset[str]:
+    """The globals torch's weights-only loader accepts, which ``torchplace.load`` reads safely
+    (sparse, quantized and nested tensors need some beyond the rebuilders stood in for here)."""
+    from torch import _weights_only_unpickler as safe
+
+    found: set[str] = set()
+    for getter in ("_get_allowed_globals", "_get_user_allowed_globals"):
+        allowed = getattr(safe, getter, None)
+        if callable(allowed):
+            found.update(allowed())
+    return frozenset(found)
+
+
 class _Recorder(_InertUnpickler):
-    """The inert unpickler, noting every global it stood in for (what loading would run)."""
+    """The inert unpickler, noting every global it stood in for that a safe load would refuse
+    (what loading would run)."""
 
     def __init__(self, f: Any) -> None:
         super().__init__(f)
         self.found: list[str] = []
+        self.loadable = _loadable_globals()
 
     def find_class(self, module: str, name: str) -> Any:
         found = super().find_class(module, name)
         if isinstance(found, type) and issubclass(found, _Opaque):
             # Protocol 2 pickles name Python 2 modules (__builtin__): say what Python 3 runs.
             module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
-            self.found.append(f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{name}")
+            full = f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{name}"
+            if full not in self.loadable:
+                self.found.append(full)
         return found
 
 
@@ -226,13 +287,16 @@ def code_globals(path: str | os.PathLike[str], /) -> list[str]:
     """The globals a torch file's pickle names beyond tensors and containers, read inertly.
 
     Loading the file with ``trusted=True`` would import and call these; ``inspect`` lists them.
-    Safetensors files and shard indexes hold none.
+    Safetensors files hold none; a shard index, those of its shards.
     """
     from ._checkpoint import detect_format
 
     p = Path(path)
     kind = detect_format(p)
     found: list[str] = []
+    if kind == "index":
+        for _, shard_path, _ in _index_shards(p):
+            found += code_globals(shard_path)
     with _readable(p):
         if kind == "zip":
             with zipfile.ZipFile(p) as archive:
@@ -255,29 +319,36 @@ def _latin1_encode(text: Any, encoding: Any = "latin1") -> bytes:
     return str(text).encode("latin1") if encoding == "latin1" else b""
 
 
-def _walk(
-    obj: Any, path: str, depth: int = 0, seen: set[int] | None = None
-) -> Iterator[tuple[str, _TensorRef]]:
-    """Every tensor reference under ``obj``, each container visited once: a pickle that shares
-    one object across many branches (or holds itself) cannot make the walk run for ever."""
-    seen = set() if seen is None else seen
-    if depth > _MAX_DEPTH:
-        return
-    if isinstance(obj, _TensorRef):
-        yield path, obj
-        return
-    if not isinstance(obj, (dict, list, tuple, _Opaque)) or id(obj) in seen:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _walk(v, f"{path}.{k}" if path else str(k), depth + 1, seen)
-    elif isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
-            yield from _walk(v, f"{path}.{i}" if path else str(i), depth + 1, seen)
-    else:
-        for part in (obj.args, obj.state, obj.items, obj.values):
-            yield from _walk(part, path, depth + 1, seen)
+def _walk(obj: Any, path: str) -> Iterator[tuple[str, _TensorRef]]:
+    """Every tensor reference under ``obj`` in order, each container visited once: a pickle
+    that shares one object across many branches (or holds itself) cannot make the walk run for
+    ever, and a stack instead of recursion reads any depth that ``torch.load`` reads."""
+    seen: set[int] = set()
+    stack: list[tuple[str, Any]] = [(path, obj)]
+
+    def under(path: str, key: Any) -> str:
+        return f"{path}.{key}" if path else str(key)
+
+    while stack:
+        path, obj = stack.pop()
+        if isinstance(obj, _TensorRef):
+            yield path, obj
+            continue
+        children: list[tuple[str, Any]]
+        if isinstance(obj, _WithParts):
+            yield path, obj.main
+            children = [(under(path, k), v) for k, v in obj.parts.items()]
+        elif not isinstance(obj, (dict, list, tuple, _Opaque)) or id(obj) in seen:
+            continue
+        else:
+            seen.add(id(obj))
+            if isinstance(obj, dict):
+                children = [(under(path, k), v) for k, v in obj.items()]
+            elif isinstance(obj, (list, tuple)):
+                children = [(under(path, i), v) for i, v in enumerate(obj)]
+            else:
+                children = [(path, part) for part in (obj.args, obj.state, obj.items, obj.values)]
+        stack.extend(reversed(children))
 
 
 def _records(root: Any, file: str) -> list[TensorRecord]:
@@ -401,18 +472,36 @@ def describe(path: str | os.PathLike[str], /) -> list[TensorRecord]:
     return _describe_index(p)
 
 
-def _describe_index(p: Path) -> list[TensorRecord]:
+def _index_shards(p: Path) -> list[tuple[str, Path, list[str]]]:
+    """The shards a shard index lists: (name in the index, path, tensor names) each."""
     try:
-        weight_map = json.loads(p.read_text(encoding="utf-8")).get("weight_map")
-    except (OSError, ValueError, AttributeError, RecursionError) as exc:
+        index = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{p}: is not a readable JSON shard index ({exc})") from exc
-    if not isinstance(weight_map, dict):
-        raise CheckpointError(f'{p}: is JSON but not a shard index (no "weight_map")')
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise CheckpointError(
+            f"{p}: is JSON but not a shard index; a sharded checkpoint's index maps every tensor "
+            'name to its file under "weight_map"'
+        )
     from ._checkpoint import shards
 
+    return shards(p, weight_map)
+
+
+def _describe_index(p: Path) -> list[TensorRecord]:
     out: list[TensorRecord] = []
-    for _, shard_path, _ in shards(p, {str(k): str(v) for k, v in weight_map.items()}):
-        out.extend(describe(shard_path))
+    for shard, shard_path, names in _index_shards(p):
+        records = describe(shard_path)
+        # A name holds a tensor, or (sparse, quantized) tensors listed under name.part.
+        held = {r.name.rsplit(".", n)[0] for r in records for n in range(r.name.count(".") + 1)}
+        for name in names:
+            if name not in held:
+                raise CheckpointError(
+                    f"{p}: says {name!r} is in {shard!r}, but that shard does not hold it; the "
+                    "index and its shards do not match"
+                )
+        out.extend(records)
     return out
 
 
@@ -436,6 +525,12 @@ def _note(r: TensorRecord) -> str:
     if r.stored > r.nbytes:
         return f"a view of {format_bytes(r.stored)}, all stored"
     return ""
+
+
+def _printable(text: Any) -> str:
+    """``text`` as stdout can encode it: a lone surrogate (a pickle's string, or a file name
+    that is not UTF-8) is shown escaped instead of failing the print."""
+    return str(text).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -470,7 +565,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
     # Names come from the file, which may be anyone's: shown as plain text, never as markup.
     sharded = len({r.file for r in records}) > 1
-    table = Table(title=Text(f"{args.file} ({kind}, {len(records)} tensors)"))
+    table = Table(title=Text(_printable(f"{args.file} ({kind}, {len(records)} tensors)")))
     table.add_column("name")
     if sharded:
         table.add_column("file")
@@ -483,20 +578,23 @@ def _inspect(args: argparse.Namespace) -> int:
         shape = "[" + ", ".join(map(str, r.shape)) + "]"
         cells = [r.name, *([r.file] if sharded else []), r.device, r.dtype, shape]
         extra = [note] if any(notes) else []
-        table.add_row(*map(Text, [*cells, format_bytes(r.nbytes), *extra]))
+        table.add_row(*(Text(_printable(c)) for c in [*cells, format_bytes(r.nbytes), *extra]))
     totals = Table(title="totals")
     for col in ("by", "", "tensors", "bytes"):
         totals.add_column(col, justify="right" if col in ("tensors", "bytes") else "left")
     for key, label in (("device", "device"), ("dtype", "dtype")):
         for value, entry in _totals(records, key).items():
-            totals.add_row(label, Text(value), str(entry["count"]), format_bytes(entry["bytes"]))
+            totals.add_row(
+                label, Text(_printable(value)), str(entry["count"]), format_bytes(entry["bytes"])
+            )
     total = sum(_stored(r) for r in records)
     totals.add_row("all", "", str(len(records)), format_bytes(total))
     console = Console(emoji=False)
     if code:
         console.print(
             f"[bold red]Warning:[/bold red] loading this file would import and call "
-            f"{escape(', '.join(code))}; torchplace.load refuses it unless trusted=True"
+            f"{escape(_printable(', '.join(code)))}; torchplace.load refuses it unless "
+            "trusted=True"
         )
     console.print(table)
     console.print(totals)
@@ -522,6 +620,8 @@ def _parse_target(spec: str) -> Any:
     text = spec.strip().lower()
     if text in ("auto", "best", "gpu"):
         return resolve(text)
+    if text.isdecimal():  # accelerator N, as the int N is to torchplace.device
+        return resolve(int(text))
     try:
         dev = torch.device(text)
     except (RuntimeError, ValueError):
@@ -641,7 +741,7 @@ def remap(
     ``out`` and renamed only when complete: an interrupted or failed remap leaves ``out`` as it
     was. A safetensors file stores no device, so it is copied unchanged.
     """
-    from ._checkpoint import as_path, detect_format, load
+    from ._checkpoint import as_path, detect_format, load, safetensors_header
 
     src, dst = as_path(path), as_path(out)
     target = _parse_target(to) if isinstance(to, str) else to
@@ -661,11 +761,15 @@ def remap(
     total = src.stat().st_size
     show = (sys.stderr.isatty() and total >= PROGRESS_MIN_BYTES) if progress is None else progress
     try:
-        obj = None if kind == "safetensors" else load(src, "cpu")
+        # A safetensors file is copied as it is, once its header shows it whole.
+        obj = safetensors_header(src) if kind == "safetensors" else load(src, "cpu")
     except CheckpointError as exc:
-        if "trusted=True" not in str(exc):
+        # Refused for the code it would run, or for pickle opcodes the safe loader does not
+        # read (a newer protocol), which load's own message already explains.
+        found = code_globals(src) if "trusted=True" in str(exc) else []
+        if not found:
             raise
-        calls = ", ".join(code_globals(src)) or "pickled code"
+        calls = ", ".join(found)
         raise CheckpointError(
             f"{src}: would run code when loaded ({calls}), "
             "and remap never runs a file's code. If you trust its source, rewrite it yourself: "
@@ -726,9 +830,9 @@ def _remap(args: argparse.Namespace) -> int:
         print(f"torchplace remap: interrupted; {args.output} was not written", file=sys.stderr)
         return 130
     if str(args.file).endswith(".safetensors") or _is_safetensors(Path(args.file)):
-        print(f"wrote {out} (copied unchanged: a safetensors file stores no device)")
+        print(f"wrote {_printable(out)} (copied unchanged: a safetensors file stores no device)")
     else:
-        print(f"wrote {out} (tensors load on {_parse_target(args.to)})")
+        print(f"wrote {_printable(out)} (tensors load on {_parse_target(args.to)})")
     return 0
 
 

@@ -198,6 +198,18 @@ def _optimizer_name(optimizer: str | None) -> str | None:
     return name
 
 
+def _refuse_lazy(model: nn.Module) -> None:
+    """A lazy module's tensors have no shape before its first forward: nothing to size."""
+    named = [*model.named_parameters(), *model.named_buffers()]
+    for name, tensor in named:
+        if isinstance(tensor, (nn.UninitializedParameter, nn.UninitializedBuffer)):
+            owner = model.get_submodule(name.rpartition(".")[0])
+            raise TorchplaceError(
+                f"{name} belongs to a lazy module ({type(owner).__name__}) and has no shape until "
+                "its first forward; run one batch through the model, then estimate it"
+            )
+
+
 def estimate(
     model: nn.Module, /, *, optimizer: str | None = "adam", grads: bool = True
 ) -> Estimate:
@@ -236,6 +248,7 @@ def estimate(
 
         count = trainable = 0
         step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+        _refuse_lazy(model)
         for param in model.parameters():  # each tied parameter once
             nbytes = _nbytes(param)
             count += param.numel()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -39,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (0 healthy, 1 needs fixing, 2 bad usage)."""
+    """Run the command line; returns the exit status (0 healthy, 1 needs fixing, 2 bad usage,
+    130 interrupted)."""
     parser = _parser()
     args = parser.parse_args(argv)
     func = getattr(args, "func", None)
@@ -49,9 +51,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         status: int = func(args)
     except BrokenPipeError:  # `torchplace doctor --json | head` closed the pipe: not an error
-        sys.stderr.close()
+        _silence_stdout()
         return 0
+    except SystemExit as exc:
+        if isinstance(exc.__context__, BrokenPipeError):  # rich's way of saying the same
+            return 0
+        raise
+    except KeyboardInterrupt:  # Ctrl-C: a line, not a traceback (remap leaves no output)
+        print(f"torchplace {args.command}: interrupted", file=sys.stderr)
+        return 130
     return status
+
+
+def _silence_stdout() -> None:
+    """Point stdout at the null device, so that the interpreter's last flush into the closed
+    pipe neither fails nor prints (Python's "Note on SIGPIPE"); stderr stays open."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no file descriptor behind stdout
+        pass
 
 
 if __name__ == "__main__":  # pragma: no cover
