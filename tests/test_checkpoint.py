@@ -307,6 +307,15 @@ def test_malformed_safetensors_headers(
         load(path, device)
 
 
+def test_a_safetensors_file_cut_inside_its_header_is_called_so(tmp_path: Path) -> None:
+    whole = tmp_path / "whole.safetensors"
+    safetensors_torch.save_file({"a": torch.ones(100)}, whole)
+    cut = tmp_path / "model.safetensors"
+    cut.write_bytes(whole.read_bytes()[:60])
+    with pytest.raises(CheckpointError, match=r"safetensors file cut short.*has 60; the save"):
+        load(cut)
+
+
 def test_a_deeply_nested_shard_index_is_a_checkpoint_error(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors.index.json").write_bytes(b'{"weight_map": ' + _DEEP + b"}")
     with pytest.raises(CheckpointError, match="not a readable JSON shard index"):

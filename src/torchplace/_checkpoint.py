@@ -161,6 +161,12 @@ def detect_format(path: PathLike, /) -> str:
         (header_len,) = struct.unpack("<Q", head[:8])
         if head[8:9] == b"{" and header_len <= size - 8:
             return "safetensors"
+        if head[8:9] == b"{" and p.name.endswith(".safetensors"):
+            raise CheckpointError(
+                f"{p}: is a safetensors file cut short: its header alone should take "
+                f"{header_len + 8} bytes, and the file has {size}; the save or download was "
+                "interrupted, so write or fetch it again"
+            )
     if head[:1] == b"\x80":  # a pickle: torch's legacy format (torch checks its magic number)
         return "legacy"
     for magic, what in _FOREIGN_MAGIC:
