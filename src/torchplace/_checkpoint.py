@@ -421,6 +421,13 @@ def _diagnose(exc: BaseException, zip_format: bool, target: torch.device) -> str
             f"is not a torch.save file ({text}); a plain pickle or a foreign file is not a "
             "checkpoint"
         )
+    if not zip_format and "UntypedStorage' has no attribute 'dtype'" in text:
+        return (
+            "is a legacy-format file (torch.save with _use_new_zipfile_serialization=False) "
+            "holding a dtype that PyTorch cannot read back from that format (uint16, uint32, "
+            "uint64 or a float8); the file may be sound: save it again in the default zip "
+            "format where it was written"
+        )
     fmt = "zip" if zip_format else "legacy"
     return f"is truncated or corrupt ({type(exc).__name__}: {text}); this {fmt} file cannot be read"
 
