@@ -86,11 +86,16 @@ def test_bad_local_rank_is_named(gpus: FakeGPUs, monkeypatch: pytest.MonkeyPatch
         torchplace.device()
 
 
-def test_negative_local_rank_is_refused(gpus: FakeGPUs, monkeypatch: pytest.MonkeyPatch) -> None:
-    """-1 % 4 is 3: a negative LOCAL_RANK must not silently pick the last GPU."""
+def test_negative_local_rank_picks_no_gpu_by_its_value(
+    gpus: FakeGPUs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """-1 % 4 is 3: a negative LOCAL_RANK must not silently pick the last GPU. -1 is the usual
+    way to say "not distributed" and counts as unset; below that it is refused."""
     gpus(4)
     monkeypatch.setenv("LOCAL_RANK", "-1")
-    with pytest.raises(torchplace.DeviceSpecError, match="LOCAL_RANK='-1' is negative"):
+    assert torchplace.device() == torch.device("cuda:0")  # the current one, not cuda:3
+    monkeypatch.setenv("LOCAL_RANK", "-2")
+    with pytest.raises(torchplace.DeviceSpecError, match="LOCAL_RANK='-2' is negative"):
         torchplace.device()
 
 

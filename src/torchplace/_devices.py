@@ -200,14 +200,15 @@ def _auto() -> torch.device:
                 f"LOCAL_RANK={local_rank!r} is not an integer; torchrun sets it to the process's "
                 "rank on this machine, so unset it or launch with torchrun"
             ) from None
-        if rank < 0:  # -1 % count would silently pick the last accelerator
+        if rank < -1:  # -2 % count would silently pick an accelerator
             raise DeviceSpecError(
                 f"LOCAL_RANK={local_rank!r} is negative; torchrun counts ranks from 0, so unset "
                 "it or launch with torchrun"
             )
-        if kind is None:
-            return torch.device("cpu")
-        return torch.device(kind, rank % _count(kind))
+        if rank >= 0:  # -1: the common way to say "not distributed", as if unset
+            if kind is None:
+                return torch.device("cpu")
+            return torch.device(kind, rank % _count(kind))
     if kind is None:
         return torch.device("cpu")
     return torch.device(kind, _current_index(kind))
