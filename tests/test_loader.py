@@ -263,6 +263,45 @@ def test_failed_copy_names_batch_and_path() -> None:
         next(it)
 
 
+@pytest.mark.parametrize("end", ["exhausted", "source fails", "copy fails"])
+def test_the_source_iterator_is_closed_however_the_pass_ends(end: str) -> None:
+    closed: list[bool] = []
+
+    class Broken:
+        def to(self, device: torch.device, non_blocking: bool = False) -> Broken:
+            raise RuntimeError("no room")
+
+    class Reader:  # an iterator that holds something until closed, and no __del__
+        def __init__(self) -> None:
+            self.n = 0
+
+        def __next__(self) -> Any:
+            self.n += 1
+            if self.n == 3:
+                if end == "exhausted":
+                    raise StopIteration
+                if end == "source fails":
+                    raise KeyError("corrupt sample")
+                return Broken()
+            return torch.ones(1)
+
+        def close(self) -> None:
+            closed.append(True)
+
+    class Source:
+        def __iter__(self) -> Reader:
+            return Reader()
+
+    it = iter(DeviceLoader(Source(), "meta"))
+    got = []
+    with contextlib.suppress(KeyError, MoveError):
+        got.extend(it)
+    assert len(got) == 2
+    for thread in loader_threads():
+        thread.join(10)
+    assert closed == [True]
+
+
 # --- DataLoader with workers ----------------------------------------------------------------
 
 

@@ -433,9 +433,10 @@ def _produce(
     """The loader's thread: takes a permit, then a batch from the source, copies, queues it.
 
     The source is read, and its batches copied, with the consumer's grad mode, inference mode
-    and CUDA device. Once told to stop, the thread closes the source iterator (when ``iter()``
-    made it: a generator the user passed stays theirs, open) on its way out: it alone may, as
-    it may be inside ``next()`` on it when the consumer gives up waiting for it.
+    and CUDA device. However the pass ends (the source exhausted or failed, a copy failed, or
+    the consumer said stop), the thread closes the source iterator (when ``iter()`` made it: a
+    generator the user passed stays theirs, open) on its way out: it alone may, as it may be
+    inside ``next()`` on it when the consumer gives up waiting for it.
     """
     index = 0
     try:
@@ -460,8 +461,8 @@ def _produce(
             index += 1
     except BaseException as exc:  # a copy failed (MoveError), or something unforeseen
         items.put(_Failed(exc))
-    finally:
-        close = getattr(source, "close", None) if close_source and stop.is_set() else None
+    finally:  # the pass is over however it ended: exhausted, failed, or told to stop
+        close = getattr(source, "close", None) if close_source else None
         if callable(close):
             with state():
                 close()
