@@ -1337,6 +1337,53 @@ def test_keys_a_post_hook_leaves_undo_the_load(tmp_path: Path) -> None:
     assert all(p.device.type == "meta" for p in model.parameters())
 
 
+class _HookedPair(nn.Module):
+    """Two layers and a post-hook that keeps a view of a loaded weight (a cached transpose)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(2, 2)
+        self.b = nn.Linear(2, 2)
+        self.register_load_state_dict_post_hook(_HookedPair.cache)
+
+    @staticmethod
+    def cache(module: nn.Module, keys: Any) -> None:
+        module.cached = module.a.weight.t()  # type: ignore[union-attr]
+
+
+def test_an_undo_a_post_hook_made_impossible_is_said_not_raised_raw(tmp_path: Path) -> None:
+    sd = _HookedPair().state_dict()
+    del sd["b.bias"]
+    path = save(sd, tmp_path / "pair.pt")
+    with pytest.raises(CheckpointError, match=r"missing keys: b\.bias.*could not be put back"):
+        load_into(skeleton(_HookedPair), path)
+
+
+def test_keys_a_post_hook_adds_to_a_clean_strict_load_raise_as_in_torch(tmp_path: Path) -> None:
+    path = save(nn.Linear(2, 2).state_dict(), tmp_path / "lin.pt")
+
+    def demanding(module: nn.Module, keys: Any) -> None:
+        keys.missing_keys.append("calibration")
+
+    reference = nn.Linear(2, 2)
+    reference.register_load_state_dict_post_hook(demanding)
+    with pytest.raises(RuntimeError, match="calibration"):
+        reference.load_state_dict(torch.load(path, weights_only=True))
+    model = nn.Linear(2, 2)
+    model.register_load_state_dict_post_hook(demanding)
+    with pytest.raises(CheckpointError, match=r"missing keys: calibration.*post-hooks"):
+        load_into(model, path)
+    model = nn.Linear(2, 2)
+    model.register_load_state_dict_post_hook(demanding)
+    load_into(model, path, strict=False)  # as torch: not strict, not raised
+
+
+def test_an_empty_file_under_strict_false_says_it_holds_nothing(tmp_path: Path) -> None:
+    path = save({}, tmp_path / "empty.pt")
+    with pytest.raises(CheckpointError, match=r"the model has weight, bias; the file holds none"):
+        load_into(nn.Linear(2, 2), path, strict=False)
+
+
 def test_a_swap_that_fails_midway_puts_back_the_ones_done(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1228,10 +1228,11 @@ def load_into(
             p, model, problems, missing if strict else [], unexpected, strict, matched
         )
     if not strict and not matched and loadable and not hooked:
+        held = f"the file has {_listing(unexpected, 5)}" if unexpected else "the file holds none"
         raise CheckpointError(
             f"{p}: not one of its keys matches {type(model).__name__}, so strict=False would "
-            f"load nothing: the model has {_listing(missing, 5)}; the file has "
-            f"{_listing(unexpected, 5)}{_prefix_hint(missing, unexpected)}"
+            f"load nothing: the model has {_listing(missing, 5)}; {held}"
+            f"{_prefix_hint(missing, unexpected)}"
         )
 
     # Phase 1: everything that can fail for lack of memory or a bad device (the transfers and
@@ -1274,12 +1275,27 @@ def load_into(
     # the states already set are put back, so the refusal leaves the model untouched.
     undos = [_set_extra_states(p, model, extra, own)]
 
-    def put_back() -> None:
+    def put_back() -> str:
+        """Undo what phase 2 did, every step tried; what could not be undone ("" if nothing)."""
+        failures = []
         with torch.no_grad():
             for tensor, before in backups:
-                tensor.copy_(before)
+                try:
+                    tensor.copy_(before)
+                except Exception as exc:
+                    failures.append(f"{type(exc).__name__}: {_first_sentence(str(exc))}")
         for undo in reversed(undos):
-            undo()
+            try:
+                undo()
+            except Exception as exc:  # a post-hook made a view of a swapped parameter, ...
+                failures.append(f"{type(exc).__name__}: {_first_sentence(str(exc))}")
+        return failures[0] if failures else ""
+
+    def state_after_put_back() -> str:
+        failure = put_back()
+        if failure:
+            return f"the model could not be put back as it was ({failure}), so build it again"
+        return "the model is put back as it was"
 
     # Phase 2: swap in and fill. Swaps of tensors that are ready and copies into memory that
     # exists do not run out of memory; should one fail all the same, what was done is undone
@@ -1293,24 +1309,36 @@ def load_into(
                 filled = True
                 slot.tensor.copy_(value)  # copy_ converts the dtype
     except Exception as exc:
-        put_back()
-        state = "untouched" if deferred or not filled else "partly filled, so build it again"
+        failure = put_back()
+        state = "the model is untouched"
+        if failure or (filled and not deferred):
+            state = "the model is partly filled, so build it again"
         raise CheckpointError(
             f"{p}: could not be placed into {type(model).__name__} ({type(exc).__name__}: "
-            f"{_first_sentence(str(exc))}); the model is {state}"
+            f"{_first_sentence(str(exc))}); {state}"
         ) from exc
-    if not deferred:
-        _run_post_hooks(p, model, not_loaded, list(unexpected), "the weights are loaded")
-        return model
     left_missing, left_unexpected = list(not_loaded), list(unexpected)
+    if not deferred:
+        _run_post_hooks(p, model, left_missing, left_unexpected, "the weights are loaded")
+        if strict and (left_missing or left_unexpected):  # a hook added keys: as torch, raise
+            raise CheckpointError(
+                f"{_does_not_fit(p, model, [], left_missing, left_unexpected, strict, True)} "
+                "(reported by the model's load post-hooks once the weights were loaded, so "
+                "they are loaded)"
+            )
+        return model
     try:
-        _run_post_hooks(p, model, left_missing, left_unexpected, "the model is put back as it was")
-    except BaseException:
+        _run_post_hooks(p, model, left_missing, left_unexpected, "the model is put back")
+    except CheckpointError as exc:  # a hook raised
+        raise CheckpointError(
+            str(exc).replace("the model is put back", state_after_put_back())
+        ) from exc.__cause__
+    except BaseException:  # Ctrl-C inside a hook
         put_back()
         raise
     if left_missing or left_unexpected:
-        put_back()
-        raise _does_not_fit(p, model, [], left_missing, left_unexpected, strict, matched)
+        error = _does_not_fit(p, model, [], left_missing, left_unexpected, strict, matched)
+        raise CheckpointError(f"{error}; {state_after_put_back()}")
     return model
 
 
