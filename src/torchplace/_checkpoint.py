@@ -24,6 +24,7 @@ import bisect
 import collections
 import contextlib
 import copyreg
+import functools
 import json
 import os
 import pickle
@@ -1057,12 +1058,16 @@ def _has_post_hooks(model: nn.Module) -> bool:
 
 
 def _run_post_hooks(
-    p: Path, model: nn.Module, missing: list[str], unexpected: list[str], then: str
+    p: Path,
+    model: nn.Module,
+    missing: list[str],
+    unexpected: list[str],
+    then: Callable[[], str],
 ) -> None:
     """Every module's load_state_dict post-hooks, children first, as load_state_dict runs them.
 
-    They may change ``missing`` and ``unexpected`` in place. ``then`` says what state a hook's
-    failure leaves the model in.
+    They may change ``missing`` and ``unexpected`` in place. When a hook fails, ``then`` deals
+    with the model (puts it back, say) and says what state it is left in.
     """
     keys = _IncompatibleKeys(missing, unexpected)
 
@@ -1077,13 +1082,13 @@ def _run_post_hooks(
             except Exception as exc:
                 raise CheckpointError(
                     f"{p}: the load_state_dict post-hook {_hook_name(hook)} of {where} raised "
-                    f"{type(exc).__name__}: {_first_sentence(str(exc))}; {then}"
+                    f"{type(exc).__name__}: {_first_sentence(str(exc))}; {then()}"
                 ) from exc
             if out is not None:
                 raise CheckpointError(
                     f"{p}: the load_state_dict post-hook {_hook_name(hook)} of {where} returned "
                     "a value; post-hooks change the incompatible keys in place and return "
-                    f"None; {then}"
+                    f"None; {then()}"
                 )
 
     visit(model, "")
@@ -1277,18 +1282,16 @@ def load_into(
 
     def put_back() -> str:
         """Undo what phase 2 did, every step tried; what could not be undone ("" if nothing)."""
+        restores: list[Callable[[], object]] = [
+            functools.partial(torch.Tensor.copy_, t, before) for t, before in backups
+        ]
         failures = []
         with torch.no_grad():
-            for tensor, before in backups:
+            for undo in [*restores, *reversed(undos)]:
                 try:
-                    tensor.copy_(before)
-                except Exception as exc:
+                    undo()
+                except Exception as exc:  # a post-hook made a view of a swapped parameter, ...
                     failures.append(f"{type(exc).__name__}: {_first_sentence(str(exc))}")
-        for undo in reversed(undos):
-            try:
-                undo()
-            except Exception as exc:  # a post-hook made a view of a swapped parameter, ...
-                failures.append(f"{type(exc).__name__}: {_first_sentence(str(exc))}")
         return failures[0] if failures else ""
 
     def state_after_put_back() -> str:
@@ -1319,7 +1322,7 @@ def load_into(
         ) from exc
     left_missing, left_unexpected = list(not_loaded), list(unexpected)
     if not deferred:
-        _run_post_hooks(p, model, left_missing, left_unexpected, "the weights are loaded")
+        _run_post_hooks(p, model, left_missing, left_unexpected, lambda: "the weights are loaded")
         if strict and (left_missing or left_unexpected):  # a hook added keys: as torch, raise
             raise CheckpointError(
                 f"{_does_not_fit(p, model, [], left_missing, left_unexpected, strict, True)} "
@@ -1328,11 +1331,9 @@ def load_into(
             )
         return model
     try:
-        _run_post_hooks(p, model, left_missing, left_unexpected, "the model is put back")
-    except CheckpointError as exc:  # a hook raised
-        raise CheckpointError(
-            str(exc).replace("the model is put back", state_after_put_back())
-        ) from exc.__cause__
+        _run_post_hooks(p, model, left_missing, left_unexpected, state_after_put_back)
+    except CheckpointError:  # a hook failed, and the model is put back already
+        raise
     except BaseException:  # Ctrl-C inside a hook
         put_back()
         raise
