@@ -7,7 +7,7 @@ import dataclasses
 import gc
 import threading
 from collections import namedtuple
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -63,6 +63,42 @@ class Counting:
                 yield {"x": torch.full((4,), float(i)), "i": i}
         finally:
             self.closed += 1
+
+
+class Closing:
+    """A re-iterable source whose iterators hold something until closed (a file, a connection)
+    and have no ``__del__``; ``closed`` counts their ``close()`` calls. ``item(n)`` gives the
+    n-th item, counted from 1, or raises."""
+
+    def __init__(self, item: Callable[[int], Any]) -> None:
+        self.item = item
+        self.closed = 0
+
+    def __iter__(self) -> _ClosingReader:
+        return _ClosingReader(self)
+
+
+class _ClosingReader:
+    def __init__(self, source: Closing) -> None:
+        self.source = source
+        self.n = 0
+
+    def __iter__(self) -> _ClosingReader:
+        return self
+
+    def __next__(self) -> Any:
+        self.n += 1
+        return self.source.item(self.n)
+
+    def close(self) -> None:
+        self.source.closed += 1
+
+
+class Broken:
+    """A batch object that cannot be moved."""
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> Broken:
+        raise RuntimeError("no room")
 
 
 # --- CPU: passthrough ---------------------------------------------------------------------
@@ -252,10 +288,6 @@ def test_source_exception_is_the_same_object() -> None:
 
 
 def test_failed_copy_names_batch_and_path() -> None:
-    class Broken:
-        def to(self, device: torch.device, non_blocking: bool = False) -> Broken:
-            raise RuntimeError("no room")
-
     batches: list[dict[str, Any]] = [{"ok": torch.ones(1)}, {"ok": torch.ones(1), "bad": Broken()}]
     it = iter(DeviceLoader(batches, "meta"))
     assert next(it)["ok"].device.type == "meta"
@@ -265,41 +297,24 @@ def test_failed_copy_names_batch_and_path() -> None:
 
 @pytest.mark.parametrize("end", ["exhausted", "source fails", "copy fails"])
 def test_the_source_iterator_is_closed_however_the_pass_ends(end: str) -> None:
-    closed: list[bool] = []
-
-    class Broken:
-        def to(self, device: torch.device, non_blocking: bool = False) -> Broken:
-            raise RuntimeError("no room")
-
-    class Reader:  # an iterator that holds something until closed, and no __del__
-        def __init__(self) -> None:
-            self.n = 0
-
-        def __next__(self) -> Any:
-            self.n += 1
-            if self.n == 3:
-                if end == "exhausted":
-                    raise StopIteration
-                if end == "source fails":
-                    raise KeyError("corrupt sample")
-                return Broken()
+    def item(n: int) -> Any:
+        if n < 3:
             return torch.ones(1)
+        if end == "exhausted":
+            raise StopIteration
+        if end == "source fails":
+            raise KeyError("corrupt sample")
+        return Broken()
 
-        def close(self) -> None:
-            closed.append(True)
-
-    class Source:
-        def __iter__(self) -> Reader:
-            return Reader()
-
-    it = iter(DeviceLoader(Source(), "meta"))
+    source = Closing(item)
+    it = iter(DeviceLoader(source, "meta"))
     got = []
     with contextlib.suppress(KeyError, MoveError):
         got.extend(it)
     assert len(got) == 2
     for thread in loader_threads():
         thread.join(10)
-    assert closed == [True]
+    assert source.closed == 1
 
 
 # --- DataLoader with workers ----------------------------------------------------------------
@@ -641,32 +656,20 @@ def test_a_source_still_in_next_when_the_loop_stops_waiting_is_closed_after(
 
     monkeypatch.setattr(_loader, "_JOIN_SECONDS", 0.05)  # as after a Ctrl-C during the join
     release = threading.Event()
-    closed: list[bool] = []
 
-    class Reader:  # an iterator that holds something until closed (a file, a connection)
-        def __init__(self) -> None:
-            self.n = 0
+    def item(n: int) -> torch.Tensor:
+        if n == 2:
+            release.wait(10)  # the thread is inside next() when the loop breaks
+        return torch.ones(1)
 
-        def __next__(self) -> torch.Tensor:
-            self.n += 1
-            if self.n == 2:
-                release.wait(10)  # the thread is inside next() when the loop breaks
-            return torch.ones(1)
-
-        def close(self) -> None:
-            closed.append(True)
-
-    class Stalling:
-        def __iter__(self) -> Reader:
-            return Reader()
-
-    for _ in DeviceLoader(Stalling(), "meta"):
+    source = Closing(item)
+    for _ in DeviceLoader(source, "meta"):
         break
-    assert closed == [] and len(loader_threads()) == 1  # the join gave up waiting
+    assert source.closed == 0 and len(loader_threads()) == 1  # the join gave up waiting
     release.set()
     for thread in loader_threads():
         thread.join(10)
-    assert closed == [True]  # the thread closed the source once next() returned
+    assert source.closed == 1  # the thread closed the source once next() returned
 
 
 def test_a_second_loop_while_the_thread_still_reads_the_generator_is_refused(
