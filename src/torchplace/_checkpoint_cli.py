@@ -15,6 +15,7 @@ from __future__ import annotations
 import _compat_pickle
 import argparse
 import contextlib
+import functools
 import io
 import json
 import os
@@ -250,6 +251,7 @@ class _InertUnpickler(pickle._Unpickler):  # pure Python: corrupt lengths fail c
         return _Opaque(pid)
 
 
+@functools.cache
 def _loadable_globals() -> frozenset[str]:
     """The globals torch's weights-only loader accepts, which ``torchplace.load`` reads safely
     (sparse, quantized and nested tensors need some beyond the rebuilders stood in for here)."""
@@ -270,7 +272,6 @@ class _Recorder(_InertUnpickler):
     def __init__(self, f: Any) -> None:
         super().__init__(f)
         self.found: list[str] = []
-        self.loadable = _loadable_globals()
 
     def find_class(self, module: str, name: str) -> Any:
         found = super().find_class(module, name)
@@ -278,7 +279,7 @@ class _Recorder(_InertUnpickler):
             # Protocol 2 pickles name Python 2 modules (__builtin__): say what Python 3 runs.
             module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
             full = f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{name}"
-            if full not in self.loadable:
+            if full not in _loadable_globals():
                 self.found.append(full)
         return found
 
