@@ -10,6 +10,7 @@ never a traceback.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -214,14 +215,6 @@ def _bandwidth(dev: torch.device) -> list[dict[str, Any]]:
     ]
 
 
-def _bandwidth_of(dev: torch.device) -> Callable[[], list[dict[str, Any]]]:
-    return lambda: _bandwidth(dev)
-
-
-def _rows_of(dev: torch.device) -> Callable[[], list[dict[str, Any]]]:
-    return lambda: _device_rows([dev])
-
-
 def _environment_problems() -> list[str]:
     problems: list[str] = []
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -290,7 +283,7 @@ def diagnose(*, bandwidth: bool = True) -> Diagnosis:
     diagnosis.versions = _fenced(diagnosis, "reading versions", _versions) or {}
     devices = _fenced(diagnosis, "listing devices", available) or [torch.device("cpu")]
     for dev in devices:  # one device that cannot be read keeps its row and hides no other
-        rows = _fenced(diagnosis, f"reading {dev}", _rows_of(dev))
+        rows = _fenced(diagnosis, f"reading {dev}", functools.partial(_device_rows, [dev]))
         diagnosis.devices.extend(rows or [{"device": str(dev)}])
     hops: list[torch.device] = []
     for dev in devices:
@@ -309,7 +302,7 @@ def diagnose(*, bandwidth: bool = True) -> Diagnosis:
     if bandwidth:
         for dev in devices:
             if dev.type != "cpu":  # every accelerator: cuda, mps, xpu
-                rows = _fenced(diagnosis, f"bandwidth on {dev}", _bandwidth_of(dev))
+                rows = _fenced(diagnosis, f"bandwidth on {dev}", functools.partial(_bandwidth, dev))
                 diagnosis.bandwidth.extend(rows or [])
     diagnosis.problems.extend(_fenced(diagnosis, "environment", _environment_problems) or [])
     return diagnosis
