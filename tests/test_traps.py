@@ -117,7 +117,7 @@ def test_trap_06_param_data_assignment_leaves_grad_behind() -> None:
     assert all(torch.equal(g.cpu(), v) for g, v in zip(moved, values, strict=True) if g is not None)
 
 
-def test_trap_07_non_persistent_buffers_are_not_in_the_state_dict() -> None:
+def test_trap_07_non_persistent_buffers_are_not_in_the_state_dict(tmp_path: Path) -> None:
     class Rotary(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -125,9 +125,20 @@ def test_trap_07_non_persistent_buffers_are_not_in_the_state_dict() -> None:
 
     model = Rotary()
     assert "freqs" not in model.state_dict()
-    torchplace.move(model, "meta")
+    with pytest.warns(UserWarning, match=r"discarded the values of 1 non-persistent.*freqs"):
+        torchplace.move(model, "meta")
     assert model.freqs.device == META  # moved like any buffer, found by looking
     assert {s.name for s in torchplace.stragglers(Rotary(), "meta")} == {"freqs"}
+    # no way back but a rebuild: the error and verify say so, and the fix they give works
+    with pytest.raises(torchplace.MoveError, match=r"freqs: a non-persistent.*skeleton"):
+        torchplace.move(model, "cpu")
+    with pytest.raises(torchplace.PlacementError, match=r"freqs.*fix: a non-persistent.*skel"):
+        torchplace.verify(model, "cpu")
+    torch.save(model.state_dict(), tmp_path / "rotary.pt")  # nothing in it: freqs is not saved
+    rebuilt = torchplace.skeleton(Rotary)
+    torchplace.load_into(rebuilt, tmp_path / "rotary.pt", "cpu")
+    torchplace.verify(rebuilt, "cpu")
+    assert torch.equal(rebuilt.freqs, torch.arange(4.0))
 
 
 def test_trap_08_meta_to_real_needs_to_empty() -> None:

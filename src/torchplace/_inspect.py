@@ -8,7 +8,7 @@ would look it up (``encoder.weight`` as in ``named_parameters()``, ``encoder.wei
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -25,6 +25,7 @@ from ._errors import (
     PlacementError,
     TorchplaceError,
 )
+from ._own_moves import covered_modules, moves_itself
 from ._tree import iter_leaves
 
 __all__ = [
@@ -55,10 +56,31 @@ HOST_STATE_KEYS = frozenset({"step", "mu_product"})
 _replaced: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
 
 
-def record_replacement(old: torch.Tensor, new: torch.Tensor) -> None:
+def record_replacement(
+    old: torch.Tensor, new: torch.Tensor
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The step that records ``old`` as replaced by ``new``, and its undo (for a move's log)."""
     key = id(old)
-    _replaced[key] = (weakref.ref(old), new)
-    weakref.finalize(old, _replaced.pop, key, None)
+    before = _replaced.get(key)
+
+    def do() -> None:
+        _replaced[key] = (weakref.ref(old), new)
+        weakref.finalize(old, _forget, key, new)
+
+    def undo() -> None:
+        if before is None:
+            _replaced.pop(key, None)
+        else:
+            _replaced[key] = before
+
+    return do, undo
+
+
+def _forget(key: int, new: torch.Tensor) -> None:
+    """Drop the record of a replaced parameter once it dies (if it still says ``new``)."""
+    found = _replaced.get(key)
+    if found is not None and found[1] is new:
+        del _replaced[key]
 
 
 def current(param: torch.Tensor) -> torch.Tensor:
@@ -175,6 +197,10 @@ class Entry:
     # Held by an optimizer for a parameter that an earlier move replaced: the optimizer would
     # update a tensor the model no longer uses, wherever it lies.
     stale: bool = False
+    # A buffer left out of the state dict: no checkpoint holds its values.
+    non_persistent: bool = False
+    # An attribute of a module that moves it itself ("MulticlassAccuracy's _apply").
+    own: str | None = None
 
 
 @dataclass(frozen=True)
@@ -223,12 +249,22 @@ def module_entries(module: nn.Module, prefix: str = "") -> Iterator[Entry]:
         if p.grad is not None:
             registered.add(id(p.grad))
             yield Entry(f"{prefix}{name}.grad", "grad", p.grad, module=owner)
+    non_persistent = {
+        id(b)
+        for m in module.modules()
+        for key, b in m._buffers.items()
+        if key in m._non_persistent_buffers_set
+    }
     for name, b in module.named_buffers():
         registered.add(id(b))
-        yield Entry(prefix + name, "buffer", b, module=(prefix + name).rpartition(".")[0])
+        owner = (prefix + name).rpartition(".")[0]
+        lost = id(b) in non_persistent
+        yield Entry(prefix + name, "buffer", b, module=owner, non_persistent=lost)
     modules = {id(m) for m in module.modules()}
+    covered = covered_modules([module])
     for mod_name, mod in module.named_modules():
         derived = derived_attributes(mod)
+        own = _own_move(mod) if id(mod) in covered else None
         for key, value in vars(mod).items():
             if key in MODULE_INTERNALS or isinstance(value, (int, float, str, bool, type(None))):
                 continue
@@ -239,7 +275,13 @@ def module_entries(module: nn.Module, prefix: str = "") -> Iterator[Entry]:
                 if isinstance(leaf, torch.Tensor):
                     if id(leaf) not in registered:
                         registered.add(id(leaf))
-                        yield Entry(path, "attribute", leaf, module=(prefix + mod_name).rstrip("."))
+                        yield Entry(
+                            path,
+                            "attribute",
+                            leaf,
+                            module=(prefix + mod_name).rstrip("."),
+                            own=own,
+                        )
                 elif isinstance(leaf, nn.Module) and id(leaf) not in modules:
                     # A module kept in a plain list or dict is not registered: Module.to()
                     # never reaches its tensors, so they count as attributes of the owner.
@@ -250,8 +292,59 @@ def module_entries(module: nn.Module, prefix: str = "") -> Iterator[Entry]:
                             yield Entry(entry.name, "attribute", entry.tensor, module=path)
 
 
+def _own_move(mod: nn.Module) -> str:
+    """Which module's override moves ``mod``'s state: ``MulticlassAccuracy's _apply``."""
+    for owner in [mod, *mod.modules()]:
+        own = moves_itself(type(owner))
+        if own:
+            return f"{type(owner).__name__}'s {'/'.join(sorted(own))}"
+    return f"{type(mod).__name__}'s own move"
+
+
+def _replaced_by_conversion(old: torch.Tensor, new: torch.Tensor) -> bool:
+    """Whether ``Module.to`` from ``old``'s device to ``new``'s replaces the Parameter object."""
+    if torch.__future__.get_overwrite_module_params_on_conversion():
+        return True
+    return not torch._has_compatible_shallow_copy_type(old, new)
+
+
+def replaced_outside(
+    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]
+) -> dict[int, torch.Tensor]:
+    """The parameters of ``optimizer`` that a plain ``model.to()`` replaced, matched to the
+    model's ``params`` (id(old) -> new); empty when they are not that.
+
+    ``Module.to`` between cpu and meta replaces every Parameter object, so an optimizer built
+    before holds none of the model's parameters and torchplace never saw the replacement. They
+    are taken as replaced when the optimizer holds none of ``params`` and its parameters line up
+    one for one with them (all, or those that require grad) in shape, dtype and requires_grad,
+    each on a device from which PyTorch replaces rather than moves. Another model's optimizer,
+    on the same device, is not.
+    """
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    if not held or not params:
+        return {}
+    ids = {id(p) for p in params}
+    if any(id(p) in ids or id(current(p)) in ids for p in held):
+        return {}
+    for candidates in (params, [p for p in params if p.requires_grad]):
+        if len(candidates) == len(held) and all(
+            old.shape == new.shape
+            and old.dtype == new.dtype
+            and old.requires_grad == new.requires_grad
+            and old.device != new.device
+            and _replaced_by_conversion(old, new)
+            for old, new in zip(held, candidates, strict=True)
+        ):
+            return {id(old): new for old, new in zip(held, candidates, strict=True)}
+    return {}
+
+
 def optimizer_entries(
-    optimizer: torch.optim.Optimizer, label: str, names: dict[int, str]
+    optimizer: torch.optim.Optimizer,
+    label: str,
+    names: dict[int, str],
+    params: Sequence[torch.Tensor] = (),
 ) -> Iterator[Entry]:
     """State tensors of an optimizer, named by the parameter they belong to.
 
@@ -259,8 +352,10 @@ def optimizer_entries(
     move replaced are named after their replacement, and their entries are ``stale``: the state
     tensors, or the parameter itself when it has no state yet (plain SGD, Adam before its first
     step). Parameters the optimizer holds that are not in ``names`` are yielded as parameters
-    of the optimizer.
+    of the optimizer. ``params`` (the model's parameters in order) lets parameters that a plain
+    ``model.to()`` replaced be recognised (``replaced_outside``).
     """
+    adopted = replaced_outside(optimizer, params)
     # ASGD keeps `step` (with `eta` and `mu`) beside its parameter whatever the group's flags.
     step_anywhere = isinstance(optimizer, torch.optim.ASGD)
     for g, group in enumerate(optimizer.param_groups):
@@ -271,6 +366,8 @@ def optimizer_entries(
             stale = False
             if name is None:
                 name = names.get(id(current(p)))
+                if name is None and id(p) in adopted:
+                    name = names.get(id(adopted[id(p)]))
                 stale = name is not None
             if name is None:
                 name = slot
@@ -302,14 +399,16 @@ def entries(obj: Any, /, *, optimizer: Any = None, root: str = "batch") -> list[
     optimizers = optimizer_list(optimizer)
     found: list[Entry] = []
     names: dict[int, str] = {}
+    params: list[torch.Tensor] = []
     seen: set[int] = set()
 
     def add(entry: Entry) -> None:
         if id(entry.tensor) not in seen:
             seen.add(id(entry.tensor))
             found.append(entry)
-            if entry.kind == "parameter":
-                names.setdefault(id(entry.tensor), entry.name)
+            if entry.kind == "parameter" and id(entry.tensor) not in names:
+                names[id(entry.tensor)] = entry.name
+                params.append(entry.tensor)
 
     def visit(node: Any, label: str) -> None:
         if isinstance(node, nn.Module):
@@ -330,9 +429,10 @@ def entries(obj: Any, /, *, optimizer: Any = None, root: str = "batch") -> list[
             optimizers.insert(0, obj)
     else:
         visit(obj, "")
+    model_params = list(params)  # the optimizers' own parameters are not the model's
     for index, opt in enumerate(optimizers):
         label = "optimizer" if len(optimizers) == 1 else f"optimizer[{index}]"
-        for entry in optimizer_entries(opt, label, names):
+        for entry in optimizer_entries(opt, label, names, model_params):
             add(entry)
     return found
 
@@ -435,18 +535,35 @@ def stragglers(obj: Any, device: DeviceSpec, /, *, optimizer: Any = None) -> lis
     ]
 
 
-def fix_for(s: Straggler, target: torch.device, host: bool = False, stale: bool = False) -> str:
-    """What to do about one straggler, in words."""
+def fix_for(entry: Entry, target: torch.device, *, rebuild: bool = False) -> str:
+    """What to do about one misplaced tensor, in words that work when followed to the letter.
+
+    ``rebuild``: the model also has non-persistent buffers on meta, which only rebuilding it
+    brings back, so that is the fix for its parameters and buffers on meta too.
+    """
     dev = f"'{target}'"
-    if stale:
+    if entry.tensor.is_meta and target.type != "meta":
+        if rebuild and entry.kind in ("parameter", "buffer") and not entry.non_persistent:
+            return (
+                "on meta it has no values, and the model's non-persistent buffers on meta "
+                f"cannot be loaded back; {REBUILD.format(dev=dev)}"
+            )
+        return _lost_on_meta(entry, dev)
+    if entry.stale:
         return (
-            "the optimizer still holds a parameter that an earlier move replaced (it was not "
-            "passed to that move), so its steps would change a tensor the model no longer "
-            f"uses; re-bind it: torchplace.move(model, {dev}, optimizer=opt)"
+            "the optimizer still holds a parameter that the model no longer uses (a move it "
+            "was not passed to replaced it), so its steps would change the wrong tensor; "
+            f"re-bind it: torchplace.move(model, {dev}, optimizer=opt)"
         )
-    if s.kind == "attribute":
-        attr = s.name.rpartition(".")[2]
-        if "[" in s.name:  # in a plain list, tuple or dict attribute (a module's, or a tensor)
+    kind = entry.kind
+    if kind == "attribute" and entry.own is not None:
+        return (
+            f"kept by a module that moves it itself ({entry.own}), as Module.to() would; "
+            f"torchplace.move(model, {dev}) runs that"
+        )
+    if kind == "attribute":
+        attr = entry.name.rpartition(".")[2]
+        if "[" in entry.name:  # in a plain list, tuple or dict attribute (a module's, or a tensor)
             return (
                 "held in a plain list or dict attribute, which Module.to() does not walk; keep "
                 "modules in nn.ModuleList / nn.ModuleDict and tensors as registered buffers "
@@ -456,21 +573,62 @@ def fix_for(s: Straggler, target: torch.device, host: bool = False, stale: bool 
             f"a plain tensor attribute, which Module.to() does not move; register it with "
             f"self.register_buffer('{attr}', ...) or pass attributes='move' to torchplace.move"
         )
-    if s.kind == "optimizer_state":
-        if host:
+    if kind == "optimizer_state":
+        if entry.host:
             return (
                 "'step' must stay on the CPU unless the optimizer is fused or capturable; "
-                f"torchplace.move(model, {dev}, optimizer=optimizer) puts it back"
+                f"torchplace.move(model, {dev}, optimizer=opt) puts it back"
             )
         return f"move the optimizer with its model: torchplace.move(model, {dev}, optimizer=opt)"
-    if s.kind == "grad":
+    if kind == "grad":
         return (
             "a gradient left behind (param.data = ... moves data, not .grad); "
             f"torchplace.move(model, {dev}) moves both"
         )
-    if s.kind == "tensor":
+    if kind == "tensor":
         return f"torchplace.move(batch, {dev})"
     return f"torchplace.move(model, {dev})"
+
+
+def _lost_on_meta(entry: Entry, dev: str) -> str:
+    """The fix for a tensor on meta (no values) that belongs on a real device: what was lost,
+    and the way to get it back that works."""
+    kind = entry.kind
+    if kind == "optimizer_state":
+        return (
+            "its values were lost when the optimizer's state moved to meta (meta holds shapes, "
+            "no data); clear it with opt.state.clear() (the optimizer starts afresh at its next "
+            "step) or load a saved one with opt.load_state_dict(saved)"
+        )
+    if kind == "grad":
+        return "a gradient on meta has no values; drop it with model.zero_grad(), compute it again"
+    if kind == "buffer" and entry.non_persistent:
+        return NON_PERSISTENT_LOST.format(dev=dev)
+    if kind in ("parameter", "buffer"):
+        return (
+            "on meta it has no values; load them with "
+            f"torchplace.load_into(model, checkpoint, {dev})"
+        )
+    if kind == "attribute" and entry.own is not None:
+        return (
+            f"kept by a module that moves it itself ({entry.own}); its values were lost on meta: "
+            f"build that module again on {dev}"
+        )
+    if kind == "attribute":
+        return f"a plain attribute on meta has no values; assign it again on {dev}"
+    return f"a tensor on meta has no values; build it again on {dev}"
+
+
+# Said wherever a non-persistent buffer on meta is met on the way back to a real device.
+REBUILD = (
+    "build the model again with torchplace.skeleton(YourModel, ...), which keeps such buffers "
+    "real, then torchplace.load_into(model, checkpoint, {dev})"
+)
+NON_PERSISTENT_LOST = (
+    "a non-persistent buffer (not in the state dict) on meta: its values were lost when it "
+    "moved there and no checkpoint holds them, so neither load_into nor to_empty brings them "
+    "back; " + REBUILD
+)
 
 
 def verify(obj: Any, device: DeviceSpec, /, *, optimizer: Any = None) -> None:
@@ -489,14 +647,14 @@ def verify(obj: Any, device: DeviceSpec, /, *, optimizer: Any = None) -> None:
     if not bad:
         return
     lines = []
+    rebuild = target.type != "meta" and any(e.non_persistent and e.tensor.is_meta for e in bad)
     for e in bad[:10]:
-        s = Straggler(e.name, e.kind, e.tensor.device, nbytes(e.tensor))
-        where_text = f"is on {s.device}" + (", expected cpu" if e.host else "")
+        where_text = f"is on {e.tensor.device}" + (", expected cpu" if e.host else "")
         if e.stale:
-            where_text = f"is on {s.device}, held for a replaced parameter"
+            where_text = f"is on {e.tensor.device}, held for a replaced parameter"
         lines.append(
-            f"  - {s.name} ({s.kind}, {format_bytes(s.nbytes)}) {where_text}; "
-            f"fix: {fix_for(s, target, e.host, e.stale)}"
+            f"  - {e.name} ({e.kind}, {format_bytes(nbytes(e.tensor))}) {where_text}; "
+            f"fix: {fix_for(e, target, rebuild=rebuild)}"
         )
     if len(bad) > 10:
         lines.append(f"  ... and {len(bad) - 10} more (torchplace.stragglers lists them all)")

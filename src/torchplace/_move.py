@@ -15,6 +15,7 @@ the replacement is remembered so that ``stragglers`` can still name an optimizer
 from __future__ import annotations
 
 import contextlib
+import copy
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -32,12 +33,20 @@ from ._devices import device as _device
 from ._errors import MoveError, TorchplaceError, first_line
 from ._inspect import (
     MODULE_INTERNALS,
+    NON_PERSISTENT_LOST,
     current,
     derived_attributes,
     format_bytes,
     nbytes,
     optimizer_list,
     record_replacement,
+    replaced_outside,
+)
+from ._own_moves import (
+    conversion_flags,
+    covered_modules,
+    run_own_moves,
+    set_conversion_flags,
 )
 from ._staging import Stager, stageable
 from ._tree import Located, iter_leaves, map_tensors
@@ -95,11 +104,24 @@ class _CopyFailed(Exception):
 
 
 def _meta_message(name: str, target: torch.device) -> str:
-    return (
+    head = (
         f"{name} is on meta, which holds shapes but no data, so it cannot be copied to "
-        f"{target} ('Cannot copy out of meta tensor'); load its values with "
-        "torchplace.load_into(model, checkpoint, device) or allocate it with "
-        f"model.to_empty(device='{target}') and initialise it"
+        f"{target} ('Cannot copy out of meta tensor')"
+    )
+    if ".state[" in name:  # an optimizer's: load_into does not fill those
+        return (
+            f"{head}; its values were lost when the optimizer's state moved to meta: clear it "
+            "with opt.state.clear() (the optimizer starts afresh at its next step) or load a "
+            "saved one with opt.load_state_dict(saved), then move again. Nothing was moved"
+        )
+    if name.endswith(".grad"):
+        return (
+            f"{head}; a gradient on meta has no values: drop it with model.zero_grad(), then "
+            "move again. Nothing was moved"
+        )
+    return (
+        f"{head}; load its values with torchplace.load_into(model, checkpoint, '{target}') or "
+        f"allocate it with model.to_empty(device='{target}') and initialise it. Nothing was moved"
     )
 
 
@@ -147,6 +169,8 @@ class _Copier:
         # both a model and one of its parameters gets the model's own parameter back.
         self.finals: dict[int, torch.Tensor] = {}
         self.stagers: dict[torch.device, Stager] = {}
+        # Non-persistent buffers whose values a move to meta discards, to warn about.
+        self.discarded: list[str] = []
 
     def _stager(self, target: torch.device) -> Stager:
         stager = self.stagers.get(target)
@@ -242,18 +266,38 @@ class _Copier:
 
 
 class _UndoLog:
-    """Applies commit steps one by one and can take them all back, newest first."""
+    """Applies commit steps one by one and can take them all back, newest first.
+
+    Each undo is recorded *before* its step runs, so an interrupt (Ctrl-C) arriving anywhere
+    cannot leave a step done without its undo. Every undo is therefore written to be safe
+    whether or not its step ran: it puts back a value read before the step, or checks that the
+    step happened (a swap) before reversing it.
+    """
 
     def __init__(self) -> None:
         self.undos: list[Callable[[], None]] = []
 
     def apply(self, do: Callable[[], None], undo: Callable[[], None]) -> None:
-        do()
         self.undos.append(undo)
+        do()
 
     def rollback(self) -> None:
+        """Run every undo, newest first. An interrupt or failure in one does not stop the rest:
+        an interrupted undo is run again (each is idempotent), and the first problem is raised
+        once everything is back."""
+        pending: BaseException | None = None
         while self.undos:
-            self.undos.pop()()
+            try:
+                self.undos[-1]()
+            except KeyboardInterrupt as exc:
+                if pending is None:
+                    pending = exc
+                    continue  # run it again: undos are idempotent
+            except Exception as exc:
+                pending = pending or exc
+            self.undos.pop()
+        if pending is not None:
+            raise pending
 
 
 def _set_data(p: torch.Tensor, data: torch.Tensor) -> Callable[[], None]:
@@ -369,6 +413,41 @@ def _plan(roots: list[tuple[str, nn.Module]], follow_unregistered: bool) -> _Pla
     return plan
 
 
+def _non_persistent(roots: list[tuple[str, nn.Module]]) -> dict[int, str]:
+    """The buffers left out of the state dict (rotary frequencies, masks), by id, named."""
+    found: dict[int, str] = {}
+    for prefix, root in roots:
+        for mod_name, mod in root.named_modules():
+            path = f"{prefix}{mod_name}" if mod_name else prefix.rstrip(".")
+            for key in mod._non_persistent_buffers_set:
+                b = mod._buffers.get(key)
+                if b is not None:
+                    found.setdefault(id(b), f"{path}.{key}" if path else key)
+    return found
+
+
+def _check_non_persistent(
+    roots: list[tuple[str, nn.Module]], plan: _Plan, target: torch.device, copier: _Copier
+) -> None:
+    """Non-persistent buffers cannot come back from meta: no checkpoint holds them.
+
+    Towards meta, their values are about to be lost: they are noted for a warning. From meta
+    towards a real device, the move cannot work and the error says how to rebuild them.
+    """
+    buffers = _non_persistent(roots)
+    if not buffers:
+        return
+    if target.type == "meta":
+        copier.discarded += [n for bid, n in buffers.items() if not plan.buffers[bid][1].is_meta]
+        return
+    lost = [n for bid, n in buffers.items() if plan.buffers[bid][1].is_meta]
+    if lost:
+        names = ", ".join(lost[:5]) + (", ..." if len(lost) > 5 else "")
+        raise MoveError(
+            f"{names}: {NON_PERSISTENT_LOST.format(dev=repr(str(target)))}. Nothing was moved"
+        )
+
+
 def _swaps() -> bool:
     """Whether PyTorch is asked to swap whole tensors (keeping identity across any move)."""
     swap = getattr(torch.__future__, "get_swap_module_params_on_conversion", None)
@@ -394,11 +473,19 @@ def _swappable(p: torch.Tensor, shell: torch.Tensor) -> bool:
     return not weakref.getweakrefs(p) and not weakref.getweakrefs(shell)
 
 
-def _swap(a: torch.Tensor, b: torch.Tensor) -> Callable[[], None]:
+def _swap(a: torch.Tensor, b: torch.Tensor) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The step that swaps ``a`` and ``b`` (two devices), and its undo, which swaps them back
+    only if ``a`` is where the step put it: safe to run whether or not the step ran."""
+    arrived = b.device
+
     def do() -> None:
         torch.utils.swap_tensors(a, b)  # type: ignore[no-untyped-call]
 
-    return do
+    def undo() -> None:
+        if a.device == arrived and b.device != arrived:
+            torch.utils.swap_tensors(a, b)  # type: ignore[no-untyped-call]
+
+    return do, undo
 
 
 def _new_parameter(p: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
@@ -477,6 +564,11 @@ def _move_modules(
     as ``dispatch`` needs; tensors it does not name stay where they are.
     """
     plan = _plan(roots, follow_unregistered=attributes == "move")
+    if destinations is None:
+        _check_non_persistent(roots, plan, target, copier)
+    # Modules whose own overrides (torchmetrics' _apply, Lightning's to) move their extra state:
+    # their plain attributes are theirs to move, and are judged after those overrides ran.
+    covered = covered_modules([m for _, m in roots]) if destinations is None else {}
 
     def dest(t: torch.Tensor) -> torch.device:
         return target if destinations is None else destinations.get(id(t), t.device)
@@ -546,6 +638,8 @@ def _move_modules(
                     break
     new_attributes: list[tuple[nn.Module, str, Any]] = []
     for mod, key, name, value in plan.attributes:
+        if attributes != "move" and id(mod) in covered:
+            continue
 
         def fix(t: torch.Tensor, _name: str = name) -> torch.Tensor:
             alias = replaced.get(id(t))
@@ -583,9 +677,9 @@ def _move_modules(
             grad = p.grad
             if grad is not None:
                 log.apply(_set_attr(p, "grad", None), _set_attr(p, "grad", grad))
-            log.apply(_swap(p, swapped[pid]), _swap(p, swapped[pid]))
+            log.apply(*_swap(p, swapped[pid]))
             if grad is not None:
-                log.apply(_swap(grad, new_grads[pid]), _swap(grad, new_grads[pid]))
+                log.apply(*_swap(grad, new_grads[pid]))
                 log.apply(_set_attr(p, "grad", grad), _set_attr(p, "grad", None))
         elif pid in replaced:
             for mod, key in plan.param_slots[pid]:
@@ -622,8 +716,29 @@ def _move_modules(
         log.apply(rnn._init_flat_weights, _restore(rnn.__dict__, saved))
     for pid, (_, p) in plan.params.items():
         if pid in replaced:
-            record_replacement(p, replaced[pid])
+            log.apply(*record_replacement(p, replaced[pid]))
+    if covered:
+        run_own_moves(roots, target, log.apply)
+        left_behind += _still_behind(plan, covered, target)
     return left_behind
+
+
+def _still_behind(plan: _Plan, covered: dict[int, nn.Module], target: torch.device) -> list[str]:
+    """Attributes of self-moving modules that their own overrides left off ``target``."""
+    registered = plan.params.keys() | plan.buffers.keys()
+    behind = []
+    for mod, key, name, _ in plan.attributes:
+        if id(mod) not in covered:
+            continue
+        for _, leaf in iter_leaves(mod.__dict__.get(key), name, skip_cycles=True):
+            if (
+                isinstance(leaf, torch.Tensor)
+                and id(leaf) not in registered
+                and leaf.device != target
+            ):
+                behind.append(name)
+                break
+    return behind
 
 
 _StatePlan = tuple[
@@ -644,14 +759,18 @@ def _plan_optimizer_states(
     its replacement here, with its state.
     """
     result: list[_StatePlan] = []
+    model_params = [p for _, p in plan.params.values()]
     for opt_index, opt in enumerate(optimizers):
         label = "optimizer" if len(optimizers) == 1 else f"optimizer[{opt_index}]"
         held = 0  # parameters of the moved model(s) that this optimizer holds
+        adopted = replaced_outside(opt, model_params)  # a plain model.to() replaced them
         for group in opt.param_groups:
             for i, p in enumerate(group["params"]):
                 pid = id(p)
                 if pid not in final:
                     pid = id(current(p))
+                    if pid not in final and id(p) in adopted:
+                        pid = id(adopted[id(p)])
                     if pid not in final:
                         continue  # not a parameter of the model being moved
                 held += 1
@@ -736,6 +855,9 @@ def move(
     copier = _Copier(target, non_blocking)
     log = _UndoLog()
     left_behind: list[str] = []
+    # Process-wide modes a step may set for a moment; an interrupt at any line must not leave
+    # them changed (a `with` can be interrupted after its body, before its __exit__).
+    grad_mode, flags = torch.is_grad_enabled(), conversion_flags()
     try:
         if isinstance(obj, nn.Module):
             left_behind = _move_owners([("", obj)], optimizers, target, copier, attributes, log)
@@ -751,10 +873,24 @@ def move(
             result, left_behind = _move_collection(obj, target, optimizers, copier, attributes, log)
         copier.synchronize()
     except BaseException as exc:
+        torch.set_grad_enabled(grad_mode)
+        if conversion_flags() != flags:
+            set_conversion_flags(flags)
         log.rollback()
         if isinstance(exc, TorchplaceError) or not isinstance(exc, Exception):
             raise
         raise MoveError(f"could not move {type(obj).__name__} to {target}: {exc}") from exc
+    if copier.discarded:
+        names = ", ".join(copier.discarded[:5]) + (", ..." if len(copier.discarded) > 5 else "")
+        warnings.warn(
+            f"torchplace.move to meta discarded the values of {len(copier.discarded)} "
+            f"non-persistent buffer(s) ({names}): they are not in the state dict, so no "
+            "checkpoint can bring them back. To use the model again, build it anew with "
+            "torchplace.skeleton(YourModel, ...), which keeps such buffers real, and fill it "
+            "with torchplace.load_into(model, checkpoint, device)",
+            UserWarning,
+            stacklevel=2,
+        )
     if left_behind and attributes == "warn":
         names = ", ".join(left_behind[:5]) + (", ..." if len(left_behind) > 5 else "")
         warnings.warn(
@@ -824,6 +960,39 @@ def _tensor_mover(target: torch.device, copier: _Copier) -> Callable[[torch.Tens
     return lambda t: copy(t, target, batch=True)
 
 
+def _own_to(node: Any, target: torch.device, *, asynchronous: bool) -> Any:
+    """``node.to(target)`` for an object with its own ``.to``, called on a shallow copy.
+
+    Some such methods work in place and return ``self`` (a tokenizer's BatchEncoding): the
+    copy keeps the caller's object as it was, as for any other batch. A result that is not of
+    the object's kind (``None``, from a ``.to`` that forgot to return) is refused.
+    """
+    try:
+        subject = copy.copy(node)
+    except Exception:  # an object that cannot be copied is asked as it is
+        subject = node
+    # Asynchronous only towards an accelerator: nothing here could wait for a host copy.
+    result: Any = _UNSET
+    if asynchronous and _is_accelerator(target):
+        try:
+            result = subject.to(target, non_blocking=True)
+        except TypeError as exc:  # a .to(device) of its own that takes no non_blocking
+            if "non_blocking" not in str(exc):
+                raise
+    if result is _UNSET:
+        result = subject.to(target)
+    if not isinstance(result, type(node)):
+        cls = type(node).__name__
+        raise TypeError(
+            f"its own {cls}.to() returned {type(result).__name__} instead of the moved "
+            f"{cls}; a .to() must return the moved object (return self when it works in place)"
+        )
+    return result
+
+
+_UNSET: Any = object()
+
+
 def _move_collection(
     obj: Any,
     target: torch.device,
@@ -858,14 +1027,7 @@ def _move_collection(
         return node
 
     def to(node: Any) -> Any:
-        # Asynchronous only towards an accelerator: nothing here could wait for a host copy.
-        if copier.non_blocking and _is_accelerator(target):
-            try:
-                return node.to(target, non_blocking=True)
-            except TypeError as exc:  # a .to(device) of its own that takes no non_blocking
-                if "non_blocking" not in str(exc):
-                    raise
-        return node.to(target)
+        return _own_to(node, target, asynchronous=bool(copier.non_blocking))
 
     # Batch tensors move with autograd, as Tensor.to does: activations keep their graph.
     tensor = _tensor_mover(target, copier)

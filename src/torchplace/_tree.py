@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import copyreg
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence, Sequence
 from typing import Any
 
@@ -256,11 +257,7 @@ def map_tensors(
             elif kind == _DATACLASS:
                 is_attr = True
                 updates = {}
-                for field in dataclasses.fields(node):
-                    key = field.name
-                    value = getattr(node, key, _UNSET)  # an init=False field may be unset
-                    if value is _UNSET:
-                        continue
+                for key, value in _dataclass_items(node):
                     new = walk(value, depth)
                     if new is not value:
                         updates[key] = new
@@ -336,13 +333,44 @@ def _children(node: Any) -> Iterator[tuple[bool, Any, Any]]:
         for index, value in enumerate(node):
             yield False, index, value
     elif dataclasses.is_dataclass(node) and not isinstance(node, type):
-        for field in dataclasses.fields(node):
-            value = getattr(node, field.name, _UNSET)
-            if value is not _UNSET:
-                yield True, field.name, value
+        for key, value in _dataclass_items(node):
+            yield True, key, value
     elif _classify(type(node)) == _TO:  # its own .to() moves what its attributes hold
         for name, value in _attributes(node):
             yield True, name, value
+
+
+_cached_names: dict[type, tuple[str, ...]] = {}
+
+
+def _cached_properties(cls: type) -> tuple[str, ...]:
+    """The names of ``cls``'s ``functools.cached_property`` attributes (their values live in
+    the instance's ``__dict__`` once computed)."""
+    names = _cached_names.get(cls)
+    if names is None:
+        names = tuple(
+            name
+            for name in dict.fromkeys(n for klass in cls.__mro__ for n in vars(klass))
+            if isinstance(getattr(cls, name, None), functools.cached_property)
+        )
+        _cached_names[cls] = names
+    return names
+
+
+def _dataclass_items(node: Any) -> Iterator[tuple[str, Any]]:
+    """A dataclass's fields that are set (an ``init=False`` field may not be), then the values
+    its ``cached_property`` attributes computed, so that no cached tensor stays behind."""
+    for field in dataclasses.fields(node):
+        value = getattr(node, field.name, _UNSET)
+        if value is not _UNSET:
+            yield field.name, value
+    cached = _cached_properties(type(node))
+    if cached:
+        attrs = getattr(node, "__dict__", {})
+        for name in cached:
+            value = attrs.get(name, _UNSET)
+            if value is not _UNSET:
+                yield name, value
 
 
 def _attributes(obj: Any) -> Iterator[tuple[str, Any]]:
