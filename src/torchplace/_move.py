@@ -944,16 +944,34 @@ def _undispatch(module: nn.Module) -> None:
 
 
 def _tensor_mover(target: torch.device, copier: _Copier) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The per-tensor step of a batch move, with the cheapest "already there?" test per device.
+    """The per-tensor step of a batch move, decided once per target rather than per tensor.
 
-    Moving a batch to where it already is must cost next to nothing, so the test avoids building
-    a ``torch.device`` per tensor (``t.device`` is the slowest way to ask).
+    Moving a batch to where it already is must cost next to nothing, so the "already there?"
+    test avoids building a ``torch.device`` per tensor (``t.device`` is the slowest way to ask).
+    Towards meta no bytes travel: nothing to stage, pack or wait for, so a tensor seen for the
+    first time is copied straight away, and one seen before (a batch may hold it twice) comes
+    back as the same copy.
     """
     copy = copier.copy
     if target.type == "cpu":
         return lambda t: t if t.is_cpu else copy(t, target, batch=True)
     if target.type == "meta":
-        return lambda t: t if t.is_meta else copy(t, target, batch=True)
+        copies = copier.copies
+        copy_tensor = _copy_tensor
+
+        def to_meta(t: torch.Tensor) -> torch.Tensor:
+            if t.is_meta:
+                return t
+            key = id(t)
+            done = copies.get(key)
+            if done is None:
+                try:
+                    done = copies[key] = copy_tensor(t, target, False)
+                except Exception as exc:
+                    raise _CopyFailed(t, target, exc) from exc
+            return done
+
+        return to_meta
     if target.type == "cuda":
         index = target.index
         return lambda t: t if t.is_cuda and t.get_device() == index else copy(t, target, batch=True)

@@ -223,7 +223,16 @@ def map_tensors(
             if kind in (_DICT, _MAPPING):
                 changed: dict[Any, Any] | None = None  # allocated only when something moves
                 for key, value in node.items():
-                    new = walk(value, depth)
+                    leaf = type(value)  # the common leaves, without a call to walk
+                    if leaf is torch.Tensor:
+                        try:
+                            new = fn(value)
+                        except Exception as exc:
+                            raise Located(exc) from exc
+                    elif kinds.get(leaf) == _LEAF:
+                        continue
+                    else:
+                        new = walk(value, depth)
                     if new is not value:
                         if changed is None:
                             changed = {}
@@ -238,7 +247,16 @@ def map_tensors(
             elif kind in _SEQUENCES:
                 values = None
                 for key, value in enumerate(node):
-                    new = walk(value, depth)
+                    leaf = type(value)  # the common leaves, without a call to walk
+                    if leaf is torch.Tensor:
+                        try:
+                            new = fn(value)
+                        except Exception as exc:
+                            raise Located(exc) from exc
+                    elif kinds.get(leaf) == _LEAF:
+                        continue
+                    else:
+                        new = walk(value, depth)
                     if new is not value:
                         if values is None:
                             values = list(node)
