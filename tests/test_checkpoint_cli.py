@@ -863,3 +863,108 @@ def test_safetensors_sniffed_without_torch_as_detect_format_says(tmp_path: Path)
         except CheckpointError:
             kind = "refused"
         assert _checkpoint_cli._sniff_safetensors(path) == (kind == "safetensors"), path.name
+
+
+# ------------------------------------------------------------------------- remap of a shard index
+
+
+def _sharded(tmp_path: Path) -> Path:
+    """A shard index over a safetensors shard, a torch shard saved "on a GPU" and a torch shard
+    in a sub-directory; returns the index."""
+    src = tmp_path / "src"
+    (src / "more").mkdir(parents=True)
+    safetensors_torch.save_file({"a": torch.arange(4.0)}, src / "s1.safetensors")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        torch.save({"b": torch.arange(6.0).reshape(2, 3)}, src / "s2.bin")
+    torch.save({"c": torch.ones(2, dtype=torch.bfloat16)}, src / "more" / "s3.bin")
+    index = src / "model.index.json"
+    weight_map = {"a": "s1.safetensors", "b": "s2.bin", "c": "more/s3.bin"}
+    index.write_text(json.dumps({"metadata": {"total_size": 36}, "weight_map": weight_map}))
+    return index
+
+
+@pytest.mark.parametrize("output", ["directory", "index-file"])
+def test_remap_rewrites_every_shard_of_an_index(
+    tmp_path: Path, output: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """remap refused a shard index ("remap each shard it lists")."""
+    index = _sharded(tmp_path)
+    (tmp_path / "out").mkdir()
+    out = tmp_path / "out" if output == "directory" else tmp_path / "out" / "new.index.json"
+    assert main(["remap", str(index), "--to", "cpu", "-o", str(out)]) == 0
+    new = out / index.name if output == "directory" else out
+    assert "wrote" in capsys.readouterr().out
+    assert new.read_bytes() == index.read_bytes()
+    assert (tmp_path / "out" / "s1.safetensors").read_bytes() == (
+        index.parent / "s1.safetensors"
+    ).read_bytes()
+    assert {r.name: r.device for r in describe_file(new)} == {"a": "-", "b": "cpu", "c": "cpu"}
+    plain = torch.load(tmp_path / "out" / "s2.bin", weights_only=True)  # no map_location
+    assert torch.equal(plain["b"], torch.arange(6.0).reshape(2, 3))
+    loaded = load(new, "cpu")
+    assert torch.equal(loaded["c"], torch.ones(2, dtype=torch.bfloat16))
+    assert sorted(p.name for p in (tmp_path / "out").rglob("*")) == sorted(
+        [new.name, "s1.safetensors", "s2.bin", "more", "s3.bin"]
+    )
+
+
+def test_remap_of_an_index_writes_nothing_unless_every_shard_is_written(tmp_path: Path) -> None:
+    index = _sharded(tmp_path)
+    (index.parent / "more" / "s3.bin").write_bytes(b"PK\x03\x04" + bytes(64))  # corrupt, last
+    (tmp_path / "out").mkdir()
+    with pytest.raises(CheckpointError, match=r"s3\.bin"):
+        remap(index, tmp_path / "out", to="cpu")
+    assert list((tmp_path / "out").iterdir()) == []  # no shard, no temporary, no sub-directory
+
+
+def test_remap_of_an_index_refuses_to_write_over_what_it_reads(tmp_path: Path) -> None:
+    index = _sharded(tmp_path)
+    before = {p: p.read_bytes() for p in index.parent.rglob("*") if p.is_file()}
+    for out in (index.parent, index.parent / "other.index.json"):
+        with pytest.raises(CheckpointError, match="would write over"):
+            remap(index, out, to="cpu")
+    assert {p: p.read_bytes() for p in index.parent.rglob("*") if p.is_file()} == before
+
+
+def _dead_pid() -> int:
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return int(done.stdout)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="tells dead processes by os.kill(pid, 0)")
+def test_remap_sweeps_the_temporary_files_of_a_killed_run(tmp_path: Path) -> None:
+    """A remap killed mid-write (SIGKILL: no clean-up runs) left its temporary file for ever."""
+    import subprocess
+
+    src = tmp_path / "a.pt"
+    torch.save(STATE, src)
+    out = tmp_path / "b.pt"
+    killed_mid_write = (
+        "import contextlib, os, signal, sys\n"
+        "from torchplace import _checkpoint_cli\n"
+        "@contextlib.contextmanager\n"
+        "def progress(total, label, enabled):\n"
+        "    yield lambda n: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "_checkpoint_cli._progress = progress\n"
+        "_checkpoint_cli.remap(sys.argv[1], sys.argv[2], to='cpu')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run([sys.executable, "-c", killed_mid_write, str(src), str(out)], env=env)
+    assert run.returncode == -9
+    (left,) = [p.name for p in tmp_path.iterdir() if p.name.startswith(".b.pt.torchplace-tmp-")]
+    alive = tmp_path / f".b.pt.torchplace-tmp-{os.getppid()}"  # a running remap's: kept
+    alive.write_bytes(b"in progress")
+    other = tmp_path / f".notes.torchplace-tmp-{_dead_pid()}"  # remap's too, for another output
+    other.write_bytes(b"stale")
+    assert main(["remap", str(src), "--to", "cpu", "-o", str(out)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["a.pt", "b.pt", alive.name])
+    assert left not in {p.name for p in tmp_path.iterdir()}
+    assert torch.equal(torch.load(out, weights_only=True)["model"]["w"], STATE["model"]["w"])
