@@ -968,3 +968,23 @@ def test_remap_sweeps_the_temporary_files_of_a_killed_run(tmp_path: Path) -> Non
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["a.pt", "b.pt", alive.name])
     assert left not in {p.name for p in tmp_path.iterdir()}
     assert torch.equal(torch.load(out, weights_only=True)["model"]["w"], STATE["model"]["w"])
+
+
+@pytest.mark.parametrize("names", [LONG_NAMES, ["w", "重み.权重"]], ids=["ascii", "wide"])
+def test_inspect_table_fills_a_terminal_exactly_as_wide_as_it(
+    tmp_path: Path, names: list[str]
+) -> None:
+    """The table is drawn at the terminal's width when it fits to the column, else as lines."""
+    path = tmp_path / "m.pt"
+    torch.save({name: torch.ones(2, 2) for name in names}, path)
+    records = describe_file(path)
+    console, out = _narrow_terminal(1000)
+    _checkpoint_cli._render(console, "m.pt", records, [])
+    from rich.cells import cell_len
+
+    width = max(cell_len(line) for line in out.getvalue().splitlines())
+    for fits in (width, width - 1):
+        console, out = _narrow_terminal(fits)
+        _checkpoint_cli._render(console, "m.pt", records, [])
+        assert ("┃ name" in out.getvalue()) == (fits == width)
+        assert "…" not in out.getvalue()

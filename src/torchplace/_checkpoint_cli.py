@@ -845,7 +845,7 @@ def _print_rows(
     console: Any, title: str, headers: list[str], rows: list[list[str]], right: tuple[str, ...]
 ) -> None:
     """One table, printed whole: see ``_render``."""
-    from rich.measure import Measurement
+    from rich.cells import cell_len
     from rich.table import Table
     from rich.text import Text
 
@@ -855,8 +855,12 @@ def _print_rows(
         table.add_column(col, justify="right" if col in right else "left", no_wrap=True)
     for row in rows:
         table.add_row(*(Text(_printable(c)) for c in row))
-    # The width the table takes with no cell wrapped (squeezing it is what cut names short).
-    needed = Measurement.get(console, console.options.update_width(1 << 16), table).maximum
+    # The width the table takes with no cell wrapped (squeezing it is what cut names short):
+    # each column's widest cell and a space either side, and a border between and around them.
+    widths = [
+        max(cell_len(_printable(c)) for c in column) for column in zip(headers, *rows, strict=True)
+    ]
+    needed = sum(widths) + 3 * len(widths) + 1
     if needed <= console.width or not console.is_terminal:  # a pipe or a file: no width to keep
         console.width = max(needed, console.width)
         console.print(table)
