@@ -2,12 +2,17 @@
 
 ``inspect`` reads a file's tensor table without running any of its pickled code and without a
 GPU: torch files are read by an unpickler that builds inert records for every global it meets
-(so a malicious file is described, never executed), safetensors files by their JSON header.
+(so a malicious file is described, never executed), safetensors files by their JSON header,
+without importing torch (so ``torchplace inspect FILE.safetensors`` starts at once). Whatever
+``load`` refuses, inspect refuses: a legacy file cut short in its storages, a safetensors header
+whose tensors overlap, leave gaps or overflow.
 
 ``remap`` rewrites a torch file so that a plain ``torch.load`` puts its tensors on another
-device. It reads the file safely (``weights_only=True``, memory-mapped), writes a temporary file
-beside the output with every storage tagged for the new device, and renames it into place only
-when complete, so an interrupted run leaves no partial output.
+device, or every shard of a shard index. It reads files safely (``weights_only=True``,
+memory-mapped), writes temporary files (``.NAME.torchplace-tmp-PID``) beside the outputs with
+every storage tagged for the new device, and renames them into place only when all are
+complete, so an interrupted run leaves no partial output; the temporary files of a run that was
+killed outright are swept by the next remap into the same directory.
 """
 
 from __future__ import annotations
@@ -770,7 +775,7 @@ def _printable(text: Any) -> str:
     return str(text).encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _inspect(args: argparse.Namespace) -> int:
+def _run_inspect(args: argparse.Namespace) -> int:
     path = Path(args.file)
     try:
         kind = _format_of(path)
@@ -1056,6 +1061,8 @@ class _Staging:
         raise FileExistsError(f"{out.parent}: too many temporary files named for {out.name}")
 
     def commit(self, modes_from: list[Path]) -> None:
+        """Rename every file into place, in order. Only a failing rename (the files are on one
+        file system, so hardly ever) can leave some renamed: shards, never the index after."""
         for (tmp, out), source in zip(self.files, modes_from, strict=True):
             shutil.copymode(out if out.exists() else source, tmp)  # not O_CREAT's private 0600
         for tmp, out in self.files:
@@ -1233,7 +1240,7 @@ def remap(
     return dst
 
 
-def _remap(args: argparse.Namespace) -> int:
+def _run_remap(args: argparse.Namespace) -> int:
     try:
         out = remap(args.file, args.output, to=args.to)
     except DeviceSpecError as exc:  # bad usage, not a bad file
@@ -1278,7 +1285,7 @@ def register(subparsers: Any) -> None:
         "file", metavar="FILE", help="a torch.save file, a .safetensors file or an *.index.json"
     )
     inspect.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    inspect.set_defaults(func=_inspect)
+    inspect.set_defaults(func=_run_inspect)
 
     remap_cmd = subparsers.add_parser(
         "remap",
@@ -1303,4 +1310,4 @@ def register(subparsers: Any) -> None:
         help="file to write; for an index, the new index file, or a directory to write it "
         "into under its own name (not the directory its shards are read from)",
     )
-    remap_cmd.set_defaults(func=_remap)
+    remap_cmd.set_defaults(func=_run_remap)
