@@ -1000,3 +1000,33 @@ def test_inspect_table_fills_a_terminal_exactly_as_wide_as_it(
         _checkpoint_cli._render(console, "m.pt", records, [])
         assert ("┃ name" in out.getvalue()) == (fits == width)
         assert "…" not in out.getvalue()
+
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+@pytest.mark.parametrize(
+    ("golden", "width", "terminal"),
+    [("inspect_pipe.txt", 40, False), ("inspect_narrow.txt", 40, True)],
+    ids=["pipe", "narrow-terminal"],
+)
+def test_inspect_output_golden(
+    tmp_path: Path, golden: str, width: int, terminal: bool, regen_golden: bool
+) -> None:
+    """inspect's output as a pipe and a 40-column terminal see it (`pytest --regen-golden`)."""
+    from rich.console import Console
+
+    path = tmp_path / "model.safetensors"
+    tensors = {name: torch.ones(2, 2, dtype=torch.bfloat16) for name in LONG_NAMES[:2]}
+    safetensors_torch.save_file({**tensors, "lm_head.bias": torch.zeros(3)}, path)
+    out = io.StringIO()
+    console = Console(
+        file=out, width=width, force_terminal=terminal, color_system=None, emoji=False
+    )
+    _checkpoint_cli._render(
+        console, "model.safetensors (safetensors, 3 tensors)", describe_file(path), []
+    )
+    text = out.getvalue()
+    if regen_golden:
+        (GOLDEN / golden).write_text(text)
+    assert text == (GOLDEN / golden).read_text(), f"{golden} changed; run pytest --regen-golden"
