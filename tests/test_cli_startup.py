@@ -101,9 +101,25 @@ def test_help_lines_are_the_ones_the_commands_register() -> None:
 
 
 def test_the_lazy_names_are_the_public_names() -> None:
-    assert set(torchplace._HOMES) | {n for n in torchplace.__all__ if n.endswith("Error")} == set(
-        torchplace.__all__
-    )
+    """``__init__``'s table of homes says what its TYPE_CHECKING imports (what mypy sees) say."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(torchplace))
+    (checking,) = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+    ]
+    seen = {
+        alias.name: node.module
+        for node in checking.body
+        if isinstance(node, ast.ImportFrom) and node.module
+        for alias in node.names
+    }
+    assert seen == torchplace._HOMES
+    errors = {n for n in torchplace.__all__ if n.endswith("Error")}
+    assert set(torchplace._HOMES) | errors == set(torchplace.__all__)
     assert set(torchplace.__all__) <= set(dir(torchplace))
     assert "distributed" in dir(torchplace)
     with pytest.raises(AttributeError, match="no attribute 'lod'"):

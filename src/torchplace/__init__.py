@@ -107,6 +107,9 @@ def _claim(module: str, names: list[str]) -> None:
         globals()[name] = obj
 
 
+_claim("_errors", [n for n in __all__ if n not in _HOMES])
+
+
 def __getattr__(name: str) -> object:
     home = _HOMES.get(name)
     if home is not None:  # every public name of that module at once, so they agree
@@ -115,9 +118,6 @@ def __getattr__(name: str) -> object:
     if name == "distributed":  # imports torch.distributed, so only when first used
         return importlib.import_module("torchplace.distributed")
     raise AttributeError(f"module 'torchplace' has no attribute {name!r}")
-
-
-_claim("_errors", [n for n in __all__ if n not in _HOMES])
 
 
 def __dir__() -> list[str]:
