@@ -40,7 +40,14 @@ from typing import IO, Any, cast
 from ._errors import CheckpointError, DeviceSpecError, TorchplaceError
 from ._sizes import format_bytes
 
-__all__ = ["TensorRecord", "code_globals", "describe_file", "register", "remap"]
+__all__ = [
+    "TensorRecord",
+    "code_globals",
+    "describe_file",
+    "register",
+    "remap",
+    "sweep_stale_temporaries",
+]
 
 # Progress is shown for files at least this large (when the output is a terminal).
 PROGRESS_MIN_BYTES = 16 * 1024 * 1024
@@ -1035,7 +1042,7 @@ def sweep_stale_temporaries(directory: str | os.PathLike[str], /) -> list[Path]:
     return removed
 
 
-class _Staging:
+class _PendingOutputs:
     """Files written under temporary names beside their outputs, and renamed into place only
     once every one of them is complete (in the order added: an index after its shards). On any
     failure, every temporary file is removed and no output is touched."""
@@ -1211,14 +1218,14 @@ def remap(
     show = (sys.stderr.isatty() and total >= PROGRESS_MIN_BYTES) if progress is None else progress
     for d in {job[1].parent for job in jobs}:
         sweep_stale_temporaries(d)
-    staging = _Staging()
+    pending = _PendingOutputs()
     try:
         with _progress(total, f"remap {src.name}", show) as advance:
             for source, output, fmt in jobs:
                 # the index itself is copied as it is: its shards keep their names
                 obj = None if fmt == "index" else _read_for_remap(source, fmt)
                 try:
-                    _, fd = staging.open(output)
+                    _, fd = pending.open(output)
                 except OSError as exc:
                     raise CheckpointError(
                         f"{output}: cannot be written ({exc.strerror or exc}: no file could be "
@@ -1226,9 +1233,9 @@ def remap(
                         "was written"
                     ) from exc
                 _write_remapped(source, obj, fd, target, advance)
-        staging.commit([job[0] for job in jobs])
+        pending.commit([job[0] for job in jobs])
     except BaseException as exc:
-        staging.discard()
+        pending.discard()
         if isinstance(exc, (TorchplaceError, KeyboardInterrupt, SystemExit)):
             raise
         if isinstance(exc, Exception):
