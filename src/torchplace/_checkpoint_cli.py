@@ -35,7 +35,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, Any, ClassVar, cast
 
 from ._errors import CheckpointError, DeviceSpecError, TorchplaceError
 from ._sizes import format_bytes
@@ -299,13 +299,40 @@ class _Recorder(_InertUnpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         found = super().find_class(module, name)
-        if isinstance(found, type) and issubclass(found, _Opaque):
-            # Protocol 2 pickles name Python 2 modules (__builtin__): say what Python 3 runs.
-            module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
-            full = f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{name}"
-            if full not in _loadable_globals():
-                self.found.append(full)
+        full = _stand_in_for(found)
+        if full is not None and full not in _loadable_globals():
+            self.found.append(full)
         return found
+
+    def _load_reduce(self) -> None:
+        """REDUCE, noting what ``getattr(module, "name")`` reaches (``os.system`` where the
+        pickle builds ``getattr(__import__("os"), "system")``): the call that would run."""
+        unpickler = cast(Any, self)  # the pure-Python unpickler's stack, which typeshed omits
+        func, args = unpickler.stack[-2], unpickler.stack[-1]
+        if _stand_in_for(func) == "builtins.getattr" and isinstance(args, tuple) and len(args) > 1:
+            owner = args[0]
+            if _stand_in_for(type(owner)) == "builtins.__import__" and owner.args:
+                owner = owner.args[0]  # __import__("os") is the module os
+            else:
+                owner = _stand_in_for(owner)
+            if isinstance(owner, str) and isinstance(args[1], str):
+                self.found.append(f"{owner}.{args[1]}")
+        unpickler.load_reduce()
+
+    dispatch: ClassVar[dict[int, Callable[[Any], None]]] = {
+        **pickle._Unpickler.dispatch,
+        pickle.REDUCE[0]: _load_reduce,
+    }
+
+
+def _stand_in_for(obj: Any) -> str | None:
+    """The global that ``obj`` stands in for, if it is a stand-in, as Python 3 names it
+    (protocol 2 pickles name Python 2's modules: ``__builtin__.exec``)."""
+    if not (isinstance(obj, type) and issubclass(obj, _Opaque)):
+        return None
+    module, _, name = obj.qualname.rpartition(".")
+    module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+    return f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{name}"
 
 
 def code_globals(path: str | os.PathLike[str], /) -> list[str]:
