@@ -12,13 +12,14 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from torchplace import _checkpoint_cli
 from torchplace._checkpoint import load
-from torchplace._checkpoint_cli import describe, remap
+from torchplace._checkpoint_cli import describe_file, remap
 from torchplace._errors import CheckpointError, DeviceSpecError
 from torchplace.cli import main
 
@@ -47,7 +48,7 @@ def test_describe_torch_file(gpu_file: Path, tmp_path: Path, legacy: bool) -> No
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
             torch.save(STATE, path, _use_new_zipfile_serialization=False)
-    records = {r.name: r for r in describe(path)}
+    records = {r.name: r for r in describe_file(path)}
     assert set(records) == {"model.w", "model.h", "steps.0"}
     w = records["model.w"]
     assert (w.device, w.dtype, w.shape, w.nbytes) == ("cuda:0", "float32", (2, 3), 24)
@@ -77,7 +78,7 @@ def test_inspect_safetensors_and_index(tmp_path: Path, capsys: pytest.CaptureFix
     index = tmp_path / "model.safetensors.index.json"
     weight_map = {"a": "part-1.safetensors", "b": "part-2.safetensors"}
     index.write_text(json.dumps({"weight_map": weight_map}))
-    records = describe(index)
+    records = describe_file(index)
     assert [(r.name, r.device, r.dtype, r.nbytes, r.file) for r in records] == [
         ("a", "-", "float32", 16, "part-1.safetensors"),
         ("b", "-", "float32", 12, "part-2.safetensors"),
@@ -103,7 +104,7 @@ def test_inspect_never_runs_pickled_code(tmp_path: Path, legacy: bool) -> None:
         path,
         _use_new_zipfile_serialization=not legacy,
     )
-    assert [r.name for r in describe(path)] == ["w"]
+    assert [r.name for r in describe_file(path)] == ["w"]
     assert main(["inspect", str(path), "--json"]) == 0
     assert not marker.exists()
 
@@ -144,7 +145,7 @@ def test_inspect_bad_files(
 def test_remap_gpu_file_to_cpu(gpu_file: Path, tmp_path: Path) -> None:
     out = tmp_path / "cpu.pt"
     assert main(["remap", str(gpu_file), "--to", "cpu", "-o", str(out)]) == 0
-    assert {r.device for r in describe(out)} == {"cpu"}
+    assert {r.device for r in describe_file(out)} == {"cpu"}
     assert out.stat().st_mode == gpu_file.stat().st_mode  # permissions follow the source
     plain = torch.load(out, weights_only=True)  # no map_location needed any more
     assert torch.equal(plain["model"]["w"], STATE["model"]["w"])
@@ -156,7 +157,7 @@ def test_remap_to_a_gpu_without_one(tmp_path: Path, legacy: bool) -> None:
     src = tmp_path / "src.pt"
     torch.save(STATE, src, _use_new_zipfile_serialization=not legacy)
     out = remap(src, tmp_path / "out.pt", to="cuda")
-    assert {r.device for r in describe(out)} == {"cuda:0"}
+    assert {r.device for r in describe_file(out)} == {"cuda:0"}
     back = load(out, "cpu")
     assert torch.equal(back["model"]["w"], STATE["model"]["w"])
 
@@ -165,7 +166,7 @@ def test_remap_shows_progress_when_asked(tmp_path: Path) -> None:
     src = tmp_path / "src.pt"
     torch.save(STATE, src)
     out = remap(src, tmp_path / "out.pt", to="meta", progress=True)
-    assert {r.device for r in describe(out)} == {"meta"}
+    assert {r.device for r in describe_file(out)} == {"meta"}
 
 
 def test_remap_safetensors_is_copied(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -258,7 +259,7 @@ def test_describe_fuzzed_files(tmp_path: Path, fmt: str) -> None:
                 case[rng.randrange(len(case))] = rng.randrange(256)
         path.write_bytes(bytes(case))
         try:
-            describe(path)
+            describe_file(path)
         except CheckpointError:  # any other exception type fails the test
             refused += 1
     assert refused > 0
@@ -280,7 +281,7 @@ def test_torchscript_archive_is_described_not_loaded(tmp_path: Path) -> None:
     scripted.save(str(path))
     with pytest.raises(CheckpointError, match="TorchScript"):
         load(path)
-    shapes = sorted(r.shape for r in describe(path))
+    shapes = sorted(r.shape for r in describe_file(path))
     assert shapes == [(3,), (3, 2)]
 
 
@@ -300,7 +301,7 @@ def test_inspect_counts_tied_weights_and_views_once(
     path = tmp_path / "tied.pt"
     torch.save(state, path, _use_new_zipfile_serialization=not legacy)
 
-    records = {r.name: r for r in describe(path)}
+    records = {r.name: r for r in describe_file(path)}
     assert records["head.weight"].shares == "linear.weight"
     assert records["linear.weight"].shares is None
     assert (records["head.weight"].nbytes, records["head.weight"].stored) == (64, 64)
@@ -376,7 +377,7 @@ def test_inspect_counts_a_shard_spelt_two_ways_once(
     index = tmp_path / "model.safetensors.index.json"
     weight_map = {"a": "s1.safetensors", "b": "./s1.safetensors", "c": "sub/../s2.safetensors"}
     index.write_text(json.dumps({"weight_map": weight_map}))
-    assert [(r.name, r.file) for r in describe(index)] == [
+    assert [(r.name, r.file) for r in describe_file(index)] == [
         ("a", "s1.safetensors"),
         ("b", "s1.safetensors"),
         ("c", "s2.safetensors"),
@@ -436,7 +437,7 @@ def test_inspect_warns_only_of_code_a_safe_load_would_refuse(
 def test_inspect_lists_quantized_and_sparse_tensors_by_their_names(tmp_path: Path) -> None:
     path = tmp_path / "unusual.pt"
     torch.save(_safe_but_unusual(), path)
-    records = {r.name: r for r in describe(path)}
+    records = {r.name: r for r in describe_file(path)}
     q = records["q"]  # was left out: no tensor, no bytes
     assert (q.dtype, q.shape, q.nbytes) == ("qint8", (4,), 4)
     assert (records["coo.indices"].shape, records["coo.values"].nbytes) == ((2, 3), 12)
@@ -451,14 +452,14 @@ def test_inspect_refuses_an_index_its_shards_contradict(tmp_path: Path) -> None:
     index = tmp_path / "model.safetensors.index.json"
     weight_map = {"a": "s1.safetensors", "b": "s2.bin", "c": "s2.bin"}
     index.write_text(json.dumps({"weight_map": weight_map}))
-    assert [r.name for r in describe(index)] == ["a", "b", "c.d"]
+    assert [r.name for r in describe_file(index)] == ["a", "b", "c.d"]
     index.write_text(json.dumps({"weight_map": {"a": "s1.safetensors", "zz": "s1.safetensors"}}))
     with pytest.raises(CheckpointError, match=r"'zz' is in 's1\.safetensors'.*does not hold it"):
-        describe(index)
+        describe_file(index)
     for bad in ({"weight_map": {"a": 5}}, {"weight_map": {"a": None}}, [1, 2]):
         index.write_text(json.dumps(bad))
         with pytest.raises(CheckpointError, match="not a shard index"):
-            describe(index)
+            describe_file(index)
 
 
 def test_inspect_table_of_names_no_terminal_can_print(
@@ -503,7 +504,7 @@ def test_interrupted_inspect_says_so_without_a_traceback(
     def interrupted(path: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_checkpoint_cli, "describe", interrupted)
+    monkeypatch.setattr(_checkpoint_cli, "describe_file", interrupted)
     assert main(["inspect", str(gpu_file)]) == 130
     assert "torchplace inspect: interrupted" in capsys.readouterr().err
 
@@ -535,7 +536,10 @@ def test_inspect_lists_tensors_nested_deeper_than_any_limit(tmp_path: Path) -> N
     for _ in range(300):
         deep = {"x": deep}
     torch.save({"top": torch.ones(2), "deep": deep}, tmp_path / "deep.pt")
-    assert [r.name for r in describe(tmp_path / "deep.pt")] == ["top", "deep" + ".x" * 300 + ".w"]
+    assert [r.name for r in describe_file(tmp_path / "deep.pt")] == [
+        "top",
+        "deep" + ".x" * 300 + ".w",
+    ]
 
 
 def test_remap_refuses_a_corrupt_safetensors_file(tmp_path: Path) -> None:
@@ -563,3 +567,469 @@ def test_remap_to_a_number_means_accelerator_n(
     err = capsys.readouterr().err
     assert "accelerator 0 requested" in err and "unknown device spec" not in err
     assert not (tmp_path / "b.pt").exists()
+
+
+# --------------------------------------------------------------- inspect and remap agree with load
+
+LONG_NAMES = [f"model.layers.0.self_attn.{x}_proj.weight" for x in "qkvo"]
+
+
+def _narrow_terminal(width: int) -> tuple[object, io.StringIO]:
+    from rich.console import Console
+
+    out = io.StringIO()
+    console = Console(file=out, width=width, force_terminal=True, color_system=None, emoji=False)
+    return console, out
+
+
+@pytest.mark.parametrize("width", [30, 60, 200])
+def test_inspect_never_cuts_a_name_on_a_terminal(tmp_path: Path, width: int) -> None:
+    """Names were cut at the terminal's width (``model.layers.0.self_a…`` for q, k, v and o)."""
+    path = tmp_path / "m.pt"
+    torch.save({name: torch.ones(2, 2) for name in LONG_NAMES}, path)
+    console, out = _narrow_terminal(width)
+    records = describe_file(path)
+    _checkpoint_cli._render(console, "m.pt", records, [])
+    text = out.getvalue()
+    assert "…" not in text
+    lines = text.splitlines()
+    for name in LONG_NAMES:  # whole, on one line
+        assert any(name in line for line in lines), name
+    assert ("┃ name" in text) == (width == 200)  # the table where it fits, plain lines elsewhere
+
+
+def test_inspect_into_a_pipe_prints_names_whole(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "40")  # a narrow default: a pipe keeps to no width
+    path = tmp_path / "m.safetensors"
+    safetensors_torch.save_file({name: torch.ones(2, 2) for name in LONG_NAMES}, path)
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out
+    for name in LONG_NAMES:
+        assert any(name in line and "[2, 2]" in line for line in out.splitlines()), name
+
+
+def _truncations(data: bytes, start: int) -> list[bytes]:
+    return [data[:n] for n in sorted({start, start + 4, len(data) - 20, len(data) - 1})]
+
+
+def test_inspect_refuses_a_legacy_file_cut_short_in_its_data(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A legacy file cut in its storages (after the pickles) was listed as whole, exit 0."""
+    src = tmp_path / "whole.pt"
+    torch.save(STATE, src, _use_new_zipfile_serialization=False)
+    data = src.read_bytes()
+    pickles_end = data.index(b"]q\x00(X")  # the list of storage keys, just before the data
+    path = tmp_path / "cut.pt"
+    for cut in _truncations(data, pickles_end + 60):
+        path.write_bytes(cut)
+        with pytest.raises(CheckpointError):
+            load(path)
+        assert main(["inspect", str(path)]) == 1
+        err = capsys.readouterr().err
+        assert "cut.pt" in err and "truncated" in err
+        assert main(["inspect", str(path), "--json"]) == 1
+        capsys.readouterr()
+    path.write_bytes(data + b"\0" * 8)  # bytes beyond the last storage: torch.load reads it
+    assert {r.name for r in describe_file(path)} == {"model.w", "model.h", "steps.0"}
+
+
+class _Import:
+    def __init__(self, module: str) -> None:
+        self.module = module
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (__import__, (self.module,))
+
+
+class _Attribute:
+    """Pickles as ``getattr(__import__(module), name)``: a call whose result is called."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def __call__(self, *args: object) -> None:  # pickle wants the function callable
+        raise AssertionError("never called here")
+
+    def __reduce__(self) -> tuple[object, tuple[object, str]]:
+        return (getattr, (_Import(self.module), self.name))
+
+
+class _RunsShell:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (_Attribute("os", "system"), (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_inspect_names_code_that_calls_what_it_built(
+    tmp_path: Path, legacy: bool, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``getattr(__import__('os'), 'system')(...)`` was called "truncated or corrupt"; what it
+    reaches (``os.system``) is named with the globals it calls."""
+    marker = tmp_path / "ran.txt"
+    path = tmp_path / "evil.pt"
+    state = {"w": torch.ones(2), "evil": _RunsShell(marker)}
+    torch.save(state, path, _use_new_zipfile_serialization=not legacy)
+    assert [r.name for r in describe_file(path)] == ["w"]
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    calls = "builtins.getattr, builtins.__import__, os.system"
+    assert f"would import and call {calls}" in " ".join(out.split())
+    assert main(["inspect", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["code_globals"] == [
+        "builtins.getattr",
+        "builtins.__import__",
+        "os.system",
+    ]
+    with pytest.raises(CheckpointError, match=r"would run code .*getattr.*os\.system") as info:
+        remap(path, tmp_path / "out.pt", to="cpu")
+    assert "truncated" not in str(info.value)
+    assert not marker.exists() and not (tmp_path / "out.pt").exists()
+
+
+def _deep_zip(path: Path, depth: int) -> None:
+    """A torch zip file holding ``{"x": {"x": ... {"w": tensor}}}`` ``depth`` dicts deep, its
+    pickle written directly (torch.save would recurse past any limit)."""
+    import zipfile
+
+    torch.save({"w": torch.ones(1)}, path)
+    with zipfile.ZipFile(path) as archive:
+        members = {name: archive.read(name) for name in archive.namelist()}
+    key = next(name for name in members if name.endswith("/data.pkl"))
+    inner = members[key]
+    assert inner[:2] == b"\x80\x02" and inner[-1:] == b"."
+    dict_and_key = b"}X\x01\x00\x00\x00x"  # EMPTY_DICT, BINUNICODE "x"
+    members[key] = b"\x80\x02" + dict_and_key * depth + inner[2:-1] + b"s" * depth + b"."
+    with zipfile.ZipFile(path, "w") as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+
+
+def test_inspect_reads_a_very_deep_file_quickly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Paths were spelt out at every level, in time and memory growing with the square of the
+    depth: 1,000,000 nested dicts took 97 s. Now a path is spelt once, for a tensor found."""
+    spelt: list[str] = []
+    spell = _checkpoint_cli._spell
+
+    def counted(path: Any) -> str:
+        spelt.append(spell(path))
+        return spelt[-1]
+
+    monkeypatch.setattr(_checkpoint_cli, "_spell", counted)
+    depth = 200_000
+    _deep_zip(tmp_path / "deep.pt", depth)
+    (record,) = describe_file(tmp_path / "deep.pt")
+    assert record.name == "x." * depth + "w"
+    assert (record.shape, record.nbytes) == ((1,), 4)
+    assert spelt == [record.name]  # one path spelt, not one per level
+
+
+# Each damaged safetensors header and the tensor its error must name.
+_BAD_LAYOUTS = {
+    "overlap": (
+        {
+            "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+            "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+        },
+        12,
+        "'b'",
+    ),
+    "gap": (
+        {
+            "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+            "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]},
+        },
+        12,
+        "'b'",
+    ),
+    "gap-at-start": ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, 8, "'a'"),
+    "gap-at-end": ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, 8, "'a'"),
+    "overflow": (
+        {
+            "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+            "big": {"dtype": "F32", "shape": [0, 2**62, 4], "data_offsets": [4, 4]},
+        },
+        4,
+        "'big'",
+    ),
+    "metadata": (
+        {
+            "__metadata__": {"format": "pt", "step": 3},
+            "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+        },
+        4,
+        "__metadata__",
+    ),
+}
+
+
+def _write_safetensors(path: Path, header: dict[str, object], data_len: int) -> None:
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(data_len))
+
+
+@pytest.mark.parametrize("case", list(_BAD_LAYOUTS))
+def test_inspect_and_remap_refuse_a_safetensors_layout_load_refuses(
+    tmp_path: Path, case: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """These were listed by inspect and copied by remap as if sound."""
+    header, data_len, culprit = _BAD_LAYOUTS[case]
+    path = tmp_path / "bad.safetensors"
+    _write_safetensors(path, header, data_len)
+    with pytest.raises(CheckpointError, match=r"bad\.safetensors") as info:
+        describe_file(path)
+    assert culprit in str(info.value)
+    assert main(["inspect", str(path), "--json"]) == 1
+    assert culprit in capsys.readouterr().err
+    out = tmp_path / "out.safetensors"
+    assert main(["remap", str(path), "--to", "cpu", "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "bad.safetensors" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.safetensors"]
+
+
+# needs the _checkpoint validation from the ckpt branch: `load` and `safetensors_header` refuse
+# every layout that inspect and remap refuse (today the safetensors library catches some of them
+# inside load, and safetensors_header none). Strict: once merged, drop the marker.
+@pytest.mark.xfail(reason="needs the _checkpoint validation from the ckpt branch", strict=True)
+@pytest.mark.parametrize("case", list(_BAD_LAYOUTS))
+def test_load_refuses_the_layouts_inspect_refuses(tmp_path: Path, case: str) -> None:
+    header, data_len, culprit = _BAD_LAYOUTS[case]
+    path = tmp_path / "bad.safetensors"
+    _write_safetensors(path, header, data_len)
+    with pytest.raises(CheckpointError, match=r"bad\.safetensors"):
+        load(path)
+    from torchplace._checkpoint import safetensors_header
+
+    with pytest.raises(CheckpointError, match=culprit):
+        safetensors_header(path)
+
+
+def test_safetensors_read_without_torch_matches_load_on_damaged_files(tmp_path: Path) -> None:
+    """inspect reads safetensors headers without torch: whatever load refuses, it refuses."""
+    src = tmp_path / "src.safetensors"
+    safetensors_torch.save_file(
+        {"a": torch.ones(2, 3), "b": torch.arange(4, dtype=torch.int64), "e": torch.ones(0)},
+        src,
+        metadata={"format": "pt"},
+    )
+    data = src.read_bytes()
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    rng = random.Random(11)
+    path = tmp_path / "fuzzed.safetensors"
+    outcomes = {"both refuse": 0, "both read": 0}
+    for i in range(150):
+        case = bytearray(data)
+        if i % 5 == 0:
+            case = case[: rng.randrange(1, len(case))]
+        else:
+            for _ in range(rng.randint(1, 3)):
+                case[rng.randrange(8, header_end)] = ord(rng.choice('0123456789,:[]{}" xF'))
+        path.write_bytes(bytes(case))
+        try:
+            load(path)
+            loaded = True
+        except CheckpointError:
+            loaded = False
+        try:
+            describe_file(path)
+            described = True
+        except CheckpointError:  # any other exception fails the test
+            described = False
+        assert described <= loaded, bytes(case[: header_end + 8])  # never list what load refuses
+        if described == loaded:
+            outcomes["both read" if loaded else "both refuse"] += 1
+    assert min(outcomes.values()) > 0
+
+
+def test_safetensors_dtypes_without_torch_are_loads() -> None:
+    from torchplace import _checkpoint
+
+    loads = {
+        name: (str(dtype).removeprefix("torch."), dtype.itemsize)
+        for name, dtype in _checkpoint.SAFETENSORS_DTYPES.items()
+    }
+    assert loads == _checkpoint_cli._SAFETENSORS_DTYPES
+    assert _checkpoint_cli._MAX_SAFETENSORS_HEADER == _checkpoint._MAX_HEADER
+
+
+def test_safetensors_sniffed_without_torch_as_detect_format_says(tmp_path: Path) -> None:
+    from torchplace._checkpoint import detect_format
+
+    safetensors_torch.save_file({"a": torch.ones(2)}, tmp_path / "a.safetensors")
+    whole = (tmp_path / "a.safetensors").read_bytes()
+    torch.save(STATE, tmp_path / "z.pt")
+    torch.save(STATE, tmp_path / "l.pt", _use_new_zipfile_serialization=False)
+    (tmp_path / "cut.safetensors").write_bytes(whole[:20])
+    (tmp_path / "cut.bin").write_bytes(whole[:20])
+    (tmp_path / "st.json").write_bytes(whole)
+    (tmp_path / "text.txt").write_bytes(b"hello world, no checkpoint")
+    for path in sorted(tmp_path.iterdir()):
+        try:
+            kind = detect_format(path)
+        except CheckpointError:
+            kind = "refused"
+        assert _checkpoint_cli._sniff_safetensors(path) == (kind == "safetensors"), path.name
+
+
+# ------------------------------------------------------------------------- remap of a shard index
+
+
+def _sharded(tmp_path: Path) -> Path:
+    """A shard index over a safetensors shard, a torch shard saved "on a GPU" and a torch shard
+    in a sub-directory; returns the index."""
+    src = tmp_path / "src"
+    (src / "more").mkdir(parents=True)
+    safetensors_torch.save_file({"a": torch.arange(4.0)}, src / "s1.safetensors")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        torch.save({"b": torch.arange(6.0).reshape(2, 3)}, src / "s2.bin")
+    torch.save({"c": torch.ones(2, dtype=torch.bfloat16)}, src / "more" / "s3.bin")
+    index = src / "model.index.json"
+    weight_map = {"a": "s1.safetensors", "b": "s2.bin", "c": "more/s3.bin"}
+    index.write_text(json.dumps({"metadata": {"total_size": 36}, "weight_map": weight_map}))
+    return index
+
+
+@pytest.mark.parametrize("output", ["directory", "index-file"])
+def test_remap_rewrites_every_shard_of_an_index(
+    tmp_path: Path, output: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """remap refused a shard index ("remap each shard it lists")."""
+    index = _sharded(tmp_path)
+    (tmp_path / "out").mkdir()
+    out = tmp_path / "out" if output == "directory" else tmp_path / "out" / "new.index.json"
+    assert main(["remap", str(index), "--to", "cpu", "-o", str(out)]) == 0
+    new = out / index.name if output == "directory" else out
+    assert "wrote" in capsys.readouterr().out
+    assert new.read_bytes() == index.read_bytes()
+    assert (tmp_path / "out" / "s1.safetensors").read_bytes() == (
+        index.parent / "s1.safetensors"
+    ).read_bytes()
+    assert {r.name: r.device for r in describe_file(new)} == {"a": "-", "b": "cpu", "c": "cpu"}
+    plain = torch.load(tmp_path / "out" / "s2.bin", weights_only=True)  # no map_location
+    assert torch.equal(plain["b"], torch.arange(6.0).reshape(2, 3))
+    loaded = load(new, "cpu")
+    assert torch.equal(loaded["c"], torch.ones(2, dtype=torch.bfloat16))
+    assert sorted(p.name for p in (tmp_path / "out").rglob("*")) == sorted(
+        [new.name, "s1.safetensors", "s2.bin", "more", "s3.bin"]
+    )
+
+
+def test_remap_of_an_index_writes_nothing_unless_every_shard_is_written(tmp_path: Path) -> None:
+    index = _sharded(tmp_path)
+    (index.parent / "more" / "s3.bin").write_bytes(b"PK\x03\x04" + bytes(64))  # corrupt, last
+    (tmp_path / "out").mkdir()
+    with pytest.raises(CheckpointError, match=r"s3\.bin"):
+        remap(index, tmp_path / "out", to="cpu")
+    assert list((tmp_path / "out").iterdir()) == []  # no shard, no temporary, no sub-directory
+
+
+def test_remap_of_an_index_refuses_to_write_over_what_it_reads(tmp_path: Path) -> None:
+    index = _sharded(tmp_path)
+    before = {p: p.read_bytes() for p in index.parent.rglob("*") if p.is_file()}
+    for out in (index.parent, index.parent / "other.index.json"):
+        with pytest.raises(CheckpointError, match="would write over"):
+            remap(index, out, to="cpu")
+    assert {p: p.read_bytes() for p in index.parent.rglob("*") if p.is_file()} == before
+
+
+def _dead_pid() -> int:
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return int(done.stdout)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="tells dead processes by os.kill(pid, 0)")
+def test_remap_sweeps_the_temporary_files_of_a_killed_run(tmp_path: Path) -> None:
+    """A remap killed mid-write (SIGKILL: no clean-up runs) left its temporary file for ever."""
+    import subprocess
+
+    src = tmp_path / "a.pt"
+    torch.save(STATE, src)
+    out = tmp_path / "b.pt"
+    killed_mid_write = (
+        "import contextlib, os, signal, sys\n"
+        "from torchplace import _checkpoint_cli\n"
+        "@contextlib.contextmanager\n"
+        "def progress(total, label, enabled):\n"
+        "    yield lambda n: os.kill(os.getpid(), signal.SIGKILL)\n"
+        "_checkpoint_cli._progress = progress\n"
+        "_checkpoint_cli.remap(sys.argv[1], sys.argv[2], to='cpu')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run([sys.executable, "-c", killed_mid_write, str(src), str(out)], env=env)
+    assert run.returncode == -9
+    (left,) = [p.name for p in tmp_path.iterdir() if p.name.startswith(".b.pt.torchplace-tmp-")]
+    alive = tmp_path / f".b.pt.torchplace-tmp-{os.getppid()}"  # a running remap's: kept
+    alive.write_bytes(b"in progress")
+    other = tmp_path / f".notes.torchplace-tmp-{_dead_pid()}"  # remap's too, for another output
+    other.write_bytes(b"stale")
+    assert main(["remap", str(src), "--to", "cpu", "-o", str(out)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["a.pt", "b.pt", alive.name])
+    assert left not in {p.name for p in tmp_path.iterdir()}
+    assert torch.equal(torch.load(out, weights_only=True)["model"]["w"], STATE["model"]["w"])
+
+
+@pytest.mark.parametrize("names", [LONG_NAMES, ["w", "重み.权重"]], ids=["ascii", "wide"])
+def test_inspect_table_fills_a_terminal_exactly_as_wide_as_it(
+    tmp_path: Path, names: list[str]
+) -> None:
+    """The table is drawn at the terminal's width when it fits to the column, else as lines."""
+    path = tmp_path / "m.pt"
+    torch.save({name: torch.ones(2, 2) for name in names}, path)
+    records = describe_file(path)
+    console, out = _narrow_terminal(1000)
+    _checkpoint_cli._render(console, "m.pt", records, [])
+    from rich.cells import cell_len
+
+    width = max(cell_len(line) for line in out.getvalue().splitlines())
+    for fits in (width, width - 1):
+        console, out = _narrow_terminal(fits)
+        _checkpoint_cli._render(console, "m.pt", records, [])
+        assert ("┃ name" in out.getvalue()) == (fits == width)
+        assert "…" not in out.getvalue()
+
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+@pytest.mark.parametrize(
+    ("golden", "width", "terminal"),
+    [("inspect_pipe.txt", 40, False), ("inspect_narrow.txt", 40, True)],
+    ids=["pipe", "narrow-terminal"],
+)
+def test_inspect_output_golden(
+    tmp_path: Path, golden: str, width: int, terminal: bool, regen_golden: bool
+) -> None:
+    """inspect's output as a pipe and a 40-column terminal see it (`pytest --regen-golden`)."""
+    from rich.console import Console
+
+    path = tmp_path / "model.safetensors"
+    tensors = {name: torch.ones(2, 2, dtype=torch.bfloat16) for name in LONG_NAMES[:2]}
+    safetensors_torch.save_file({**tensors, "lm_head.bias": torch.zeros(3)}, path)
+    out = io.StringIO()
+    console = Console(
+        file=out, width=width, force_terminal=terminal, color_system=None, emoji=False
+    )
+    _checkpoint_cli._render(
+        console, "model.safetensors (safetensors, 3 tensors)", describe_file(path), []
+    )
+    text = out.getvalue()
+    if regen_golden:
+        (GOLDEN / golden).write_text(text)
+    assert text == (GOLDEN / golden).read_text(), f"{golden} changed; run pytest --regen-golden"

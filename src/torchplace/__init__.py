@@ -1,10 +1,17 @@
-"""torchplace puts every tensor of a PyTorch program in its place, and proves it."""
+"""torchplace puts every tensor of a PyTorch program in its place, and proves it.
+
+Public names are resolved on first use (a module ``__getattr__``), so ``import torchplace``
+imports no torch: the ``torchplace`` command starts at once, and ``torchplace.load`` costs the
+torch import only when it is first touched.
+"""
 
 from __future__ import annotations
 
-from ._checkpoint import load, load_into, skeleton
-from ._devices import available, device
-from ._dispatch import dispatch
+import importlib
+from typing import TYPE_CHECKING
+
+# The exception tree is plain Python (no torch): imported at once, so that an error raised from
+# any module says torchplace.CheckpointError even before anyone asked torchplace for it.
 from ._errors import (
     CheckpointError,
     DeviceMismatchError,
@@ -16,13 +23,19 @@ from ._errors import (
     PlacementError,
     TorchplaceError,
 )
-from ._estimate import Estimate, estimate
-from ._guard import Guard, guard
-from ._inspect import Straggler, devices_of, stragglers, verify, where
-from ._loader import DeviceLoader
-from ._move import move
-from ._plan import plan
-from ._report import Report, report
+
+if TYPE_CHECKING:  # what type checkers and editors see; nothing more is imported at run time
+    from . import distributed as distributed
+    from ._checkpoint import load, load_into, skeleton
+    from ._devices import available, device
+    from ._dispatch import dispatch
+    from ._estimate import Estimate, estimate
+    from ._guard import Guard, guard
+    from ._inspect import Straggler, devices_of, stragglers, verify, where
+    from ._loader import DeviceLoader
+    from ._move import move
+    from ._plan import plan
+    from ._report import Report, report
 
 __version__ = "0.1.0.dev0"
 
@@ -58,17 +71,54 @@ __all__ = [
     "where",
 ]
 
-for _name in __all__:
-    _obj = globals()[_name]
-    if getattr(_obj, "__module__", "").startswith("torchplace."):
-        _obj.__module__ = "torchplace"
-del _name, _obj
+# Where each public name lives. A test checks this table against the TYPE_CHECKING imports.
+_HOMES = {
+    "DeviceLoader": "_loader",
+    "Estimate": "_estimate",
+    "estimate": "_estimate",
+    "Guard": "_guard",
+    "guard": "_guard",
+    "Report": "_report",
+    "report": "_report",
+    "Straggler": "_inspect",
+    "devices_of": "_inspect",
+    "stragglers": "_inspect",
+    "verify": "_inspect",
+    "where": "_inspect",
+    "available": "_devices",
+    "device": "_devices",
+    "dispatch": "_dispatch",
+    "load": "_checkpoint",
+    "load_into": "_checkpoint",
+    "skeleton": "_checkpoint",
+    "move": "_move",
+    "plan": "_plan",
+}
+
+
+def _claim(module: str, names: list[str]) -> None:
+    """Bind ``names`` from ``torchplace.<module>`` here, saying they are torchplace's (tracebacks
+    and reprs show ``torchplace.load``), so that later look-ups skip ``__getattr__``."""
+    source = importlib.import_module(f"torchplace.{module}")
+    for name in names:
+        obj = getattr(source, name)
+        if getattr(obj, "__module__", "").startswith("torchplace."):
+            obj.__module__ = "torchplace"
+        globals()[name] = obj
+
+
+_claim("_errors", [n for n in __all__ if n not in _HOMES])
 
 
 def __getattr__(name: str) -> object:
-    # torchplace.distributed imports torch.distributed only when first used.
-    if name == "distributed":
-        import importlib
-
+    home = _HOMES.get(name)
+    if home is not None:  # every public name of that module at once, so they agree
+        _claim(home, [n for n, m in _HOMES.items() if m == home])
+        return globals()[name]
+    if name == "distributed":  # imports torch.distributed, so only when first used
         return importlib.import_module("torchplace.distributed")
     raise AttributeError(f"module 'torchplace' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__, "distributed"})

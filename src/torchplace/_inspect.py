@@ -26,6 +26,7 @@ from ._errors import (
     TorchplaceError,
 )
 from ._own_moves import covered_modules, moves_itself
+from ._sizes import format_bytes  # its home; imported from here by several modules
 from ._tree import iter_leaves
 
 __all__ = [
@@ -91,21 +92,6 @@ def current(param: torch.Tensor) -> torch.Tensor:
             return param
         param = found[1]
     return param
-
-
-def format_bytes(n: int) -> str:
-    """Bytes in binary units.
-
-    >>> from torchplace._inspect import format_bytes
-    >>> format_bytes(512), format_bytes(4096), format_bytes(3 * 2**30)
-    ('512 B', '4.0 KiB', '3.0 GiB')
-    """
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{n} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def local_part(t: torch.Tensor) -> torch.Tensor:

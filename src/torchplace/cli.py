@@ -2,7 +2,9 @@
 
 Each sub-command lives beside the code it drives and registers itself here through a
 ``register(subparsers)`` function that sets ``func`` (taking the parsed arguments, returning the
-exit status). Heavy imports happen inside those functions, so ``torchplace --help`` stays quick.
+exit status). Only the module of the command being run is imported, and ``import torchplace``
+imports no torch, so ``torchplace --help`` and ``torchplace inspect FILE.safetensors`` start at
+once.
 """
 
 from __future__ import annotations
@@ -15,11 +17,24 @@ from collections.abc import Sequence
 
 __all__ = ["main"]
 
-# Modules that contribute sub-commands, in the order ``--help`` lists them.
-_COMMAND_MODULES = ("_doctor", "_checkpoint_cli", "_bench")
+# The sub-commands, in the order ``--help`` lists them: the module that registers each (and
+# imports what it needs, torch included), and its line in ``--help``. Only the module of the
+# command being run is imported, so ``torchplace --help`` and argument errors import no torch; a
+# test checks these lines against the ones the modules register.
+_COMMANDS = {
+    "doctor": ("_doctor", "check devices, placement and copies on this machine (the main job)"),
+    "inspect": (
+        "_checkpoint_cli",
+        "list a checkpoint's tensors by saved device, dtype and size (runs no code)",
+    ),
+    "remap": ("_checkpoint_cli", "rewrite a checkpoint (or every shard of one) to load elsewhere"),
+    "bench": ("_bench", "copy bandwidth: pageable, pinned, per-tensor and consolidated"),
+}
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The command line, with ``command`` (or, when ``None``, every command) fully registered
+    by its module; the others are listed by name and help line only."""
     parser = argparse.ArgumentParser(
         prog="torchplace",
         description="Put every tensor of a PyTorch program in its place, and prove it.",
@@ -28,22 +43,40 @@ def _parser() -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"torchplace {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in _COMMAND_MODULES:
-        try:
-            module = importlib.import_module(f"torchplace.{name}")
-        except ModuleNotFoundError as exc:  # a command still being built is simply not offered
-            if exc.name != f"torchplace.{name}":
-                raise
+    registered: set[str] = set()
+    for name, (module_name, help_line) in _COMMANDS.items():
+        if module_name in registered:
             continue
-        module.register(subparsers)
+        if command is None or _COMMANDS.get(command, ("",))[0] == module_name:
+            try:
+                module = importlib.import_module(f"torchplace.{module_name}")
+            except ModuleNotFoundError as exc:  # a command still being built is not offered
+                if exc.name != f"torchplace.{module_name}":
+                    raise
+                continue
+            module.register(subparsers)
+            registered.add(module_name)
+        else:
+            subparsers.add_parser(name, help=help_line)
     return parser
+
+
+def _command_in(argv: Sequence[str]) -> str | None:
+    """The sub-command ``argv`` names: its first word that is not an option."""
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg
+        if arg == "--":
+            break
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 healthy, 1 needs fixing, 2 bad usage,
     130 interrupted)."""
-    parser = _parser()
-    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser(_command_in(words) or "")
+    args = parser.parse_args(words)
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()

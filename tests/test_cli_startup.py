@@ -1,0 +1,126 @@
+"""The command line starts at once: ``import torchplace``, ``torchplace --help``, an argument
+error and ``torchplace inspect FILE.safetensors`` import no torch (it takes seconds)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import torchplace
+from torchplace import cli
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+
+def _run(code: str) -> list[str]:
+    """Run ``code`` in a fresh interpreter; its stdout's lines."""
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code], capture_output=True, text=True, check=True
+    )
+    return done.stdout.splitlines()
+
+
+def _cli_then_modules(argv: list[str]) -> str:
+    """Code that runs ``torchplace ARGV`` and then prints, last, which heavy modules it
+    imported."""
+    return (
+        "import contextlib, io, sys\n"
+        "from torchplace.cli import main\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):\n"
+        "    try:\n"
+        f"        status = main({argv!r})\n"
+        "    except SystemExit as exc:\n"
+        "        status = exc.code\n"
+        "print(out.getvalue())\n"
+        "print(status, sorted(m for m in ('torch', 'rich') if m in sys.modules))\n"
+    )
+
+
+def test_import_torchplace_imports_no_torch() -> None:
+    assert _run("import sys, torchplace; print('torch' in sys.modules)") == ["False"]
+    # a public name is torch's the first time it is used, and says it is torchplace's
+    assert _run(
+        "import sys, torchplace; f = torchplace.load; print('torch' in sys.modules, f.__module__)"
+    ) == ["True torchplace"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "status"),
+    [
+        (["--help"], 0),
+        ([], 2),
+        (["inspect"], 2),  # missing FILE: an argument error
+        (["no-such-command"], 2),
+        (["inspect", "--help"], 0),
+        (["remap", "--help"], 0),
+    ],
+    ids=["help", "nothing", "inspect-no-file", "unknown", "inspect-help", "remap-help"],
+)
+def test_help_and_argument_errors_import_no_torch(argv: list[str], status: int) -> None:
+    lines = _run(_cli_then_modules(argv))
+    assert lines[-1] == f"{status} []"
+    if argv == ["--help"]:
+        text = "\n".join(lines)
+        for command in ("doctor", "inspect", "remap", "bench"):
+            assert command in text
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["table", "json"])
+def test_inspect_of_a_safetensors_file_imports_no_torch(tmp_path: Path, as_json: bool) -> None:
+    import torch
+
+    path = tmp_path / "m.safetensors"
+    safetensors_torch.save_file({"w": torch.ones(2, 3), "b": torch.zeros(3)}, path)
+    argv = ["inspect", str(path), *(["--json"] if as_json else [])]
+    lines = _run(_cli_then_modules(argv))
+    assert lines[-1] == ("0 []" if as_json else "0 ['rich']")  # rich only to draw the table
+    text = "\n".join(lines[:-1])
+    if as_json:
+        report = json.loads(text)
+        assert {t["name"]: t["shape"] for t in report["tensors"]} == {"w": [2, 3], "b": [3]}
+    else:
+        assert "[2, 3]" in text and "float32" in text
+
+
+def test_help_lines_are_the_ones_the_commands_register() -> None:
+    """``--help`` lists each command by the line in cli.py, without importing its module."""
+
+    def help_lines(parser: argparse.ArgumentParser) -> dict[str, str | None]:
+        (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        return {a.dest: a.help for a in action._choices_actions}
+
+    registered = help_lines(cli._parser(None))
+    assert registered == help_lines(cli._parser(""))
+    assert list(registered) == ["doctor", "inspect", "remap", "bench"]
+
+
+def test_the_lazy_names_are_the_public_names() -> None:
+    """``__init__``'s table of homes says what its TYPE_CHECKING imports (what mypy sees) say."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(torchplace))
+    (checking,) = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+    ]
+    seen = {
+        alias.name: node.module
+        for node in checking.body
+        if isinstance(node, ast.ImportFrom) and node.module
+        for alias in node.names
+    }
+    assert seen == torchplace._HOMES
+    errors = {n for n in torchplace.__all__ if n.endswith("Error")}
+    assert set(torchplace._HOMES) | errors == set(torchplace.__all__)
+    assert set(torchplace.__all__) <= set(dir(torchplace))
+    assert "distributed" in dir(torchplace)
+    with pytest.raises(AttributeError, match="no attribute 'lod'"):
+        torchplace.lod  # noqa: B018
