@@ -389,6 +389,25 @@ def test_step_follows_pytorchs_policy(fused: bool) -> None:
     assert torchplace.stragglers(model, "meta", optimizer=opt) == []
 
 
+def test_optimizer_state_lands_where_verify_expects_it() -> None:
+    """move and verify read one rule book (_optim_state): NAdam's mu_product stays on the CPU,
+    where NAdam makes it; ASGD's step goes with its parameter, where ASGD makes it."""
+    model = nn.Linear(3, 3)
+    nadam = torch.optim.NAdam([model.weight])
+    asgd = torch.optim.ASGD([model.bias])
+    model(torch.ones(2, 3)).sum().backward()
+    nadam.step()
+    asgd.step()
+    mu = nadam.state[model.weight]["mu_product"].clone()
+    torchplace.move(model, "meta", optimizer=[nadam, asgd])
+    assert nadam.state[model.weight]["mu_product"].device == CPU
+    assert torch.equal(nadam.state[model.weight]["mu_product"], mu)
+    assert nadam.state[model.weight]["step"].device == CPU
+    assert asgd.state[model.bias]["step"].device == META
+    assert asgd.state[model.bias]["eta"].device == META
+    torchplace.verify(model, "meta", optimizer=[nadam, asgd])
+
+
 def test_capturable_group_moves_step_with_parameters() -> None:
     model, opt = trained()
     opt.param_groups[0]["capturable"] = True

@@ -25,6 +25,7 @@ from ._errors import (
     PlacementError,
     TorchplaceError,
 )
+from ._optim_state import rule_for
 from ._own_moves import covered_modules, moves_itself
 from ._sizes import format_bytes  # its home; imported from here by several modules
 from ._tree import iter_leaves
@@ -45,10 +46,6 @@ Kind = Literal["parameter", "buffer", "grad", "attribute", "optimizer_state", "t
 
 # Attributes every nn.Module has; anything else in a module's __dict__ is the user's own.
 MODULE_INTERNALS = frozenset(vars(nn.Module()))
-
-# Optimizer state that PyTorch's optimizers keep on the CPU unless the group is fused or
-# capturable (Adam's `step`; NAdam also keeps `mu_product` there).
-HOST_STATE_KEYS = frozenset({"step", "mu_product"})
 
 # Parameters that a move replaced (cpu<->meta): id(old) -> (weak old, new), so that an optimizer
 # that was not passed to that move can still be named and re-bound later. The new parameter is
@@ -221,10 +218,6 @@ def optimizer_list(optimizer: Any) -> list[torch.optim.Optimizer]:
     )
 
 
-def _group_is_device_hosted(group: dict[str, Any]) -> bool:
-    return bool(group.get("fused")) or bool(group.get("capturable"))
-
-
 def module_entries(module: nn.Module, prefix: str = "") -> Iterator[Entry]:
     """Parameters, gradients, buffers and plain tensor attributes of a module and its children."""
     registered: set[int] = set()
@@ -342,10 +335,7 @@ def optimizer_entries(
     ``model.to()`` replaced be recognised (``replaced_outside``).
     """
     adopted = replaced_outside(optimizer, params)
-    # ASGD keeps `step` (with `eta` and `mu`) beside its parameter whatever the group's flags.
-    step_anywhere = isinstance(optimizer, torch.optim.ASGD)
     for g, group in enumerate(optimizer.param_groups):
-        device_hosted = _group_is_device_hosted(group)
         for i, p in enumerate(group["params"]):
             slot = f"param_groups[{g}]['params'][{i}]"
             name = names.get(id(p))
@@ -362,8 +352,7 @@ def optimizer_entries(
             reported = False
             for key, value in (state or {}).items():
                 base = f"{label}.state[{name}].{key}"
-                host = key == "step" and not device_hosted and not step_anywhere
-                flexible = key in HOST_STATE_KEYS and not device_hosted and not host
+                rule = rule_for(optimizer, group, key)
                 for path, leaf in iter_leaves(value, root=base, skip_cycles=True):
                     if isinstance(leaf, torch.Tensor):
                         reported = True
@@ -371,8 +360,8 @@ def optimizer_entries(
                             path,
                             "optimizer_state",
                             leaf,
-                            host,
-                            flexible,
+                            rule.host,
+                            rule.flexible,
                             module=f"{label}.state",
                             stale=stale,
                         )

@@ -42,6 +42,7 @@ from ._inspect import (
     record_replacement,
     replaced_outside,
 )
+from ._optim_state import rule_for
 from ._own_moves import (
     conversion_flags,
     covered_modules,
@@ -515,28 +516,26 @@ def _keep_requires_grad(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
     return new
 
 
-def _device_hosted(group: dict[str, Any]) -> bool:
-    """Whether a param group keeps ``step`` with its parameters (fused or capturable)."""
-    return bool(group.get("fused")) or bool(group.get("capturable"))
-
-
 def _moved_state(
     state: dict[Any, Any],
     label: str,
     name: str,
-    device_hosted: bool,
+    optimizer: torch.optim.Optimizer,
+    group: dict[str, Any],
     target: torch.device,
     copier: _Copier,
 ) -> dict[Any, Any] | None:
     """A parameter's state with its tensors copied per PyTorch's policy; None if none moved.
 
-    ``step`` stays on the CPU unless the group is fused or capturable; everything else goes with
-    its parameter. No dtype changes.
+    Each key goes where ``_optim_state.rule_for`` says (the rules ``verify`` checks): ``step``
+    stays on the CPU unless the group is fused or capturable (ASGD's goes with its parameter),
+    NAdam's ``mu_product`` stays on the CPU, everything else goes with its parameter. No dtype
+    changes.
     """
     new_state: dict[Any, Any] = {}
     changed = False
     for key, value in state.items():
-        dest = torch.device("cpu") if key == "step" and not device_hosted else target
+        dest = rule_for(optimizer, group, key).destination(target)
         root = f"{label}.state[{name}].{key}"
 
         def fn(t: torch.Tensor, _dest: torch.device = dest) -> torch.Tensor:
@@ -779,9 +778,7 @@ def _plan_optimizer_states(
                 new_state = None
                 if state:
                     name = plan.params[pid][0]
-                    new_state = _moved_state(
-                        state, label, name, _device_hosted(group), devices[pid], copier
-                    )
+                    new_state = _moved_state(state, label, name, opt, group, devices[pid], copier)
                 if new_state is None and fresh is not p and state is not None:
                     new_state = dict(state)  # re-keyed even when empty: state_dict() needs it
                 if fresh is not p or new_state is not None:
@@ -807,7 +804,7 @@ def _move_optimizer_state(
             state = opt.state.get(p)
             if state:
                 name = f"param_groups[{g}]['params'][{i}]"
-                new_state = _moved_state(state, label, name, _device_hosted(group), target, copier)
+                new_state = _moved_state(state, label, name, opt, group, target, copier)
                 if new_state is not None:
                     updates.append((p, new_state))
     for p, new_state in updates:
