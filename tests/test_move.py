@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_sequence
 
 import torchplace
-from torchplace import _move
+from torchplace import _identity, _move
 
 META = torch.device("meta")
 _COPY = _move._copy_tensor
@@ -575,7 +575,7 @@ def test_failure_at_every_copy_leaves_everything_as_it_was(monkeypatch: pytest.M
 
 def test_failure_at_every_commit_step_is_rolled_back(monkeypatch: pytest.MonkeyPatch) -> None:
     applied = 0
-    real_apply = _move._UndoLog.apply
+    real_apply = _identity.UndoLog.apply
 
     def counting(self: Any, do: Any, undo: Any) -> None:
         nonlocal applied
@@ -583,7 +583,7 @@ def test_failure_at_every_commit_step_is_rolled_back(monkeypatch: pytest.MonkeyP
         real_apply(self, do, undo)
 
     probe, probe_opt = trained()
-    monkeypatch.setattr(_move._UndoLog, "apply", counting)
+    monkeypatch.setattr(_identity.UndoLog, "apply", counting)
     torchplace.move(probe, "meta", optimizer=probe_opt)
     total = applied
     assert total > 10
@@ -599,7 +599,7 @@ def test_failure_at_every_commit_step_is_rolled_back(monkeypatch: pytest.MonkeyP
                 raise RuntimeError(f"injected commit failure {k}")
             real_apply(self, do, undo)
 
-        monkeypatch.setattr(_move._UndoLog, "apply", failing)
+        monkeypatch.setattr(_identity.UndoLog, "apply", failing)
         with pytest.raises(torchplace.MoveError, match=f"injected commit failure {k}"):
             torchplace.move(model, "meta", optimizer=opt)
         assert_unchanged(model, before, opt)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import torchplace._plan as plan_module
+from torchplace import _sizes
 from torchplace._dispatch import dispatch
 from torchplace._errors import DeviceSpecError, TorchplaceError
 from torchplace._estimate import estimate
@@ -58,7 +59,7 @@ def built(kind: str, factory: Callable[..., nn.Module], **kwargs: Any) -> nn.Mod
     ],
 )
 def test_sizes_are_read_as_given(text: int | str, expected: int) -> None:
-    assert plan_module._parse_size(text, "here") == expected
+    assert _sizes.parse_size(text, "here") == expected
 
 
 @pytest.mark.parametrize(
@@ -86,7 +87,7 @@ def test_any_integral_or_whole_real_budget_is_bytes() -> None:
     np = pytest.importorskip("numpy")
     # Budgets computed with numpy or torch (a fraction of total memory) are integers too.
     for budget in (np.int64(10**9), np.uint32(10**9), torch.tensor(10**9), 1e9, np.float32(1e9)):
-        assert plan_module._parse_size(budget, "here") == 10**9, repr(budget)
+        assert _sizes.parse_size(budget, "here") == 10**9, repr(budget)
     assert plan(nn.Linear(2, 2), {"cpu": np.int64(10**9)}) == {"": CPU}
 
 

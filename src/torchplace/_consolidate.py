@@ -31,8 +31,9 @@ import ctypes
 from collections.abc import Iterable, Sequence
 
 import torch
-from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from ._tensor_size import PLAIN_TYPES
 
 __all__ = [
     "MAX_TENSOR_BYTES",
@@ -55,8 +56,6 @@ MAX_TENSOR_BYTES = 1 << 20
 # dtype (complex128 is 16 bytes), so a slice can be viewed as its dtype, and vector loads apply.
 _ALIGN = 16
 
-_PLAIN = (torch.Tensor, nn.Parameter)
-
 
 def _eligible(t: torch.Tensor) -> bool:
     """A tensor whose bytes can travel in a staging buffer: plain, strided, no autograd history.
@@ -65,7 +64,7 @@ def _eligible(t: torch.Tensor) -> bool:
     (``t.is_meta``, not ``t.device.type``, which builds a device object: 0.8 us against 0.1).
     """
     return (
-        type(t) in _PLAIN
+        type(t) in PLAIN_TYPES
         and not t.requires_grad
         and t.layout is torch.strided
         and not t.is_meta

@@ -12,11 +12,10 @@ model back onto one device with these two.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import re
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -30,7 +29,9 @@ from ._errors import (
     TorchplaceError,
     first_line,
 )
-from ._plan import _display, _Tree, _walk
+from ._hooks import MARK, Installed, is_dispatched, undispatch
+from ._model_walk import ModelTree, display, walk_model
+from ._move import place
 from ._tree import Located, iter_leaves, map_tensors
 
 __all__ = [
@@ -41,21 +42,11 @@ __all__ = [
 
 DeviceMapSpec = Mapping[str, str | int | torch.device]  # module name -> device
 
-_MARK = "_torchplace_dispatch"
 _DEVICE_ERROR = re.compile(
     r"same device|expected device|two devices|different devices|wrong device|"
     r"expected all tensors|to be on the device|is on device",
     re.IGNORECASE,
 )
-
-
-@dataclasses.dataclass
-class _Installed:
-    """What dispatch put on one module, so that undispatch can take it all away."""
-
-    handles: list[torch.utils.hooks.RemovableHandle]
-    wrapped_forward: bool = False
-    previous_forward: Any = None  # an instance-level forward that was there before, if any
 
 
 def _to(obj: Any, dev: torch.device, *, keep_meta: bool = False) -> Any:
@@ -88,7 +79,7 @@ def _first_device(obj: Any) -> torch.device | None:
     return None
 
 
-def _parse_device_map(tree: _Tree, device_map: object) -> dict[str, torch.device]:
+def _parse_device_map(tree: ModelTree, device_map: object) -> dict[str, torch.device]:
     if not isinstance(device_map, Mapping):
         raise DeviceSpecError(
             f"device_map must be a dict of module name -> device such as "
@@ -106,7 +97,7 @@ def _parse_device_map(tree: _Tree, device_map: object) -> dict[str, torch.device
             if owned:
                 module = name.rpartition(".")[0]
                 raise DeviceSpecError(
-                    f"{where}: {_display(name)} is a tensor, not a module; map the module that "
+                    f"{where}: {display(name)} is a tensor, not a module; map the module that "
                     f"holds it, {module!r}"
                 )
             guess = difflib.get_close_matches(name, names, n=3)
@@ -133,7 +124,7 @@ def _resolve(path: str, entries: dict[str, torch.device]) -> torch.device | None
         probe = probe.rpartition(".")[0]
 
 
-def _targets(tree: _Tree, entries: dict[str, torch.device]) -> dict[int, torch.device]:
+def _targets(tree: ModelTree, entries: dict[str, torch.device]) -> dict[int, torch.device]:
     """Each tensor's device under the map; errors for uncovered tensors and split ties."""
     targets: dict[int, torch.device] = {}
     uncovered: list[str] = []
@@ -142,9 +133,9 @@ def _targets(tree: _Tree, entries: dict[str, torch.device]) -> dict[int, torch.d
         found = {dev for dev in devices.values() if dev is not None}
         if len(found) > 1:
             names = tree.owners[key]
-            placed = ", ".join(f"{_display(p)} on {d}" for p, d in devices.items())
+            placed = ", ".join(f"{display(p)} on {d}" for p, d in devices.items())
             raise DeviceSpecError(
-                f"{_display(names[0])} is tied to {', '.join(map(_display, names[1:]))} but the "
+                f"{display(names[0])} is tied to {', '.join(map(display, names[1:]))} but the "
                 f"map splits its holders ({placed}); one tensor has one device, so map "
                 f"{' and '.join(repr(p) for p in owners)} to the same device"
             )
@@ -153,7 +144,7 @@ def _targets(tree: _Tree, entries: dict[str, torch.device]) -> dict[int, torch.d
             continue
         (targets[key],) = found
     if uncovered:
-        shown = ", ".join(_display(n) for n in uncovered[:5])
+        shown = ", ".join(display(n) for n in uncovered[:5])
         more = f" and {len(uncovered) - 5} more" if len(uncovered) > 5 else ""
         first = uncovered[0].rpartition(".")[0]
         raise DeviceSpecError(
@@ -163,10 +154,8 @@ def _targets(tree: _Tree, entries: dict[str, torch.device]) -> dict[int, torch.d
     return targets
 
 
-def _place(tree: _Tree, targets: dict[int, torch.device]) -> None:
+def _place(tree: ModelTree, targets: dict[int, torch.device]) -> None:
     """Move each tensor once to its target, keeping ties and identity; all or nothing."""
-    from ._move import place
-
     place(tree.modules[""], targets)
 
 
@@ -221,7 +210,7 @@ class _MoveInputs:
             if _first_device((args, kwargs)) != torch.device("meta"):
                 raise
             raise MoveError(
-                f"{_display(self.path)} ({type(module).__name__}) runs on {self.device} but got "
+                f"{display(self.path)} ({type(module).__name__}) runs on {self.device} but got "
                 "an input on meta, which holds no data (an earlier part of the model is on "
                 f"meta); map the parts before it to meta as well, or load real weights"
             ) from err
@@ -277,7 +266,7 @@ class _ExplainClash:
 def _split_message(path: str, name: str, spread: str) -> str:
     where = f"map '{path}' to a single device" if path else "give the model one device ('')"
     return (
-        f"{_display(path)} ({name}) is split across devices ({spread}) and its own forward "
+        f"{display(path)} ({name}) is split across devices ({spread}) and its own forward "
         "combined tensors from different devices ({error}). dispatch moves the inputs of each "
         "submodule, not the results a parent mixes itself; keep "
         f"{name} on one device with plan(model, max_memory, no_split=[{name!r}]), or {where}"
@@ -286,7 +275,7 @@ def _split_message(path: str, name: str, spread: str) -> str:
 
 def _whole_message(path: str, name: str, dev: torch.device) -> str:
     return (
-        f"{_display(path)} ({name}) runs on {dev}, where dispatch put its parameters and "
+        f"{display(path)} ({name}) runs on {dev}, where dispatch put its parameters and "
         "buffers and moved its inputs, yet its forward met a tensor on another device "
         "({error}). That tensor is one dispatch cannot see: a plain tensor attribute "
         "(register it with self.register_buffer(...)), or a tensor made on a fixed device "
@@ -294,7 +283,7 @@ def _whole_message(path: str, name: str, dev: torch.device) -> str:
     )
 
 
-def _wrap(module: nn.Module, installed: _Installed, message: str) -> None:
+def _wrap(module: nn.Module, installed: Installed, message: str) -> None:
     if type(module).forward is nn.Module.forward:  # containers such as ModuleList never run
         return
     installed.previous_forward = module.__dict__.get("forward")
@@ -302,7 +291,7 @@ def _wrap(module: nn.Module, installed: _Installed, message: str) -> None:
     installed.wrapped_forward = True
 
 
-def _spread(tree: _Tree, path: str, targets: dict[int, torch.device]) -> str:
+def _spread(tree: ModelTree, path: str, targets: dict[int, torch.device]) -> str:
     parts: list[str] = []
     for child in tree.children[path]:
         devices = sorted({str(targets[k]) for k in tree.subtree(child)})
@@ -314,7 +303,7 @@ def _spread(tree: _Tree, path: str, targets: dict[int, torch.device]) -> str:
     return ", ".join(shown)
 
 
-def _hook(tree: _Tree, targets: dict[int, torch.device]) -> None:
+def _hook(tree: ModelTree, targets: dict[int, torch.device]) -> None:
     """Hooks where devices change: the top of each one-device subtree inside a split parent,
     each split parent that holds tensors itself, and the model (to bring the output back)."""
     devices_of = {path: {targets[key] for key in tree.subtree(path)} for path in tree.modules}
@@ -326,7 +315,7 @@ def _hook(tree: _Tree, targets: dict[int, torch.device]) -> None:
         done.add(id(module))
         parent = path.rpartition(".")[0] if path else None
         devices = devices_of[path]
-        installed = _Installed(handles=[])
+        installed = Installed(handles=[])
         target: torch.device | None = None
         name = type(module).__name__
         if len(devices) == 1 and (parent is None or len(devices_of[parent]) > 1):
@@ -356,7 +345,7 @@ def _hook(tree: _Tree, targets: dict[int, torch.device]) -> None:
                 )
             )
         if installed.handles or installed.wrapped_forward:
-            module.__dict__[_MARK] = installed
+            module.__dict__[MARK] = installed
 
 
 def dispatch(model: nn.Module, device_map: DeviceMapSpec, /) -> nn.Module:
@@ -401,7 +390,7 @@ def dispatch(model: nn.Module, device_map: DeviceMapSpec, /) -> nn.Module:
             raise TorchplaceError(
                 f"dispatch() places an nn.Module, not {type(model).__name__}; pass the model"
             )
-        tree = _walk(model)
+        tree = walk_model(model)
         entries = _parse_device_map(tree, device_map)
         targets = _targets(tree, entries)
         _place(tree, targets)  # all or nothing: on failure the model and its hooks are as they were
@@ -410,42 +399,3 @@ def dispatch(model: nn.Module, device_map: DeviceMapSpec, /) -> nn.Module:
         return model
     except TorchplaceError as err:
         raise type(err)(f"dispatch(): {err}") from err.__cause__
-
-
-def _marked(module: nn.Module) -> Iterator[nn.Module]:
-    for sub in module.modules():
-        if _MARK in sub.__dict__:
-            yield sub
-
-
-def is_dispatched(module: nn.Module, /) -> bool:
-    """Whether ``dispatch`` left hooks on ``module`` or any of its submodules.
-
-    >>> import torch, torchplace
-    >>> from torchplace._dispatch import is_dispatched
-    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2))
-    >>> is_dispatched(model), is_dispatched(torchplace.dispatch(model, {"": "cpu"}))
-    (False, True)
-    """
-    return next(_marked(module), None) is not None
-
-
-def undispatch(module: nn.Module, /) -> None:
-    """Remove every hook and marker ``dispatch`` installed, moving no tensor.
-
-    >>> import torch, torchplace
-    >>> from torchplace._dispatch import is_dispatched, undispatch
-    >>> model = torchplace.dispatch(torch.nn.Sequential(torch.nn.Linear(2, 2)), {"": "cpu"})
-    >>> undispatch(model)
-    >>> is_dispatched(model)
-    False
-    """
-    for sub in list(_marked(module)):
-        installed: _Installed = sub.__dict__.pop(_MARK)
-        for handle in installed.handles:
-            handle.remove()
-        if installed.wrapped_forward:
-            if installed.previous_forward is None:
-                sub.__dict__.pop("forward", None)
-            else:
-                sub.__dict__["forward"] = installed.previous_forward

@@ -326,7 +326,7 @@ def _render(diagnosis: Diagnosis) -> None:
     present = [c for c in columns if any(c in row for row in diagnosis.devices)]
     for column in present:
         devices.add_column(column)
-    from ._inspect import format_bytes
+    from ._sizes import format_bytes
 
     for row in diagnosis.devices:
         devices.add_row(

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from ._errors import DeviceSpecError, TorchplaceError
-from ._inspect import format_bytes as _format_bytes
-from ._inspect import nbytes, numel
+from ._sizes import format_bytes as _format_bytes
+from ._tensor_size import nbytes_as
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -27,14 +27,6 @@ __all__ = [
     "EstimateRow",
     "estimate",
 ]
-
-
-def _nbytes(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> int:
-    """Bytes a tensor takes, or would take in ``dtype`` (floating tensors only); of a sharded
-    tensor (DTensor), the shard this process holds."""
-    if dtype is not None and tensor.is_floating_point():
-        return numel(tensor) * dtype.itemsize
-    return nbytes(tensor)
 
 
 # Optimizer name -> (state tensors shaped like each parameter, whether a scalar ``step`` is kept)
@@ -250,7 +242,7 @@ def estimate(
         step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
         _refuse_lazy(model)
         for param in model.parameters():  # each tied parameter once
-            nbytes = _nbytes(param)
+            nbytes = nbytes_as(param)
             count += param.numel()
             add(param.device, param.dtype, "parameters", nbytes)
             if not param.requires_grad:
@@ -263,7 +255,7 @@ def estimate(
             if has_step:
                 add(torch.device("cpu"), step_dtype, "optimizer_state", step_dtype.itemsize)
         for buffer in model.buffers():
-            add(buffer.device, buffer.dtype, "buffers", _nbytes(buffer))
+            add(buffer.device, buffer.dtype, "buffers", nbytes_as(buffer))
         return Estimate(
             rows=tuple(EstimateRow(dev, dtype, **fields) for (dev, dtype), fields in rows.items()),
             optimizer=name,

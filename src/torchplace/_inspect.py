@@ -7,15 +7,13 @@ would look it up (``encoder.weight`` as in ``named_parameters()``, ``encoder.wei
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from ._consolidate import _PLAIN
 from ._devices import DeviceSpec, normalize
 from ._devices import device as _device
 from ._errors import (
@@ -25,9 +23,11 @@ from ._errors import (
     PlacementError,
     TorchplaceError,
 )
+from ._identity import current, replaced_outside
 from ._optim_state import rule_for
 from ._own_moves import covered_modules, moves_itself
 from ._sizes import format_bytes  # its home; imported from here by several modules
+from ._tensor_size import nbytes
 from ._tree import iter_leaves
 
 __all__ = [
@@ -46,105 +46,6 @@ Kind = Literal["parameter", "buffer", "grad", "attribute", "optimizer_state", "t
 
 # Attributes every nn.Module has; anything else in a module's __dict__ is the user's own.
 MODULE_INTERNALS = frozenset(vars(nn.Module()))
-
-# Parameters that a move replaced (cpu<->meta): id(old) -> (weak old, new), so that an optimizer
-# that was not passed to that move can still be named and re-bound later. The new parameter is
-# held strongly (while the stale one lives): a weak reference to it would stop swap_tensors,
-# which refuses tensors that have any. (A WeakKeyDictionary would compare tensors with ==.)
-_replaced: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
-
-
-def record_replacement(
-    old: torch.Tensor, new: torch.Tensor
-) -> tuple[Callable[[], None], Callable[[], None]]:
-    """The step that records ``old`` as replaced by ``new``, and its undo (for a move's log)."""
-    key = id(old)
-    before = _replaced.get(key)
-
-    def do() -> None:
-        _replaced[key] = (weakref.ref(old), new)
-        weakref.finalize(old, _forget, key, new)
-
-    def undo() -> None:
-        if before is None:
-            _replaced.pop(key, None)
-        else:
-            _replaced[key] = before
-
-    return do, undo
-
-
-def _forget(key: int, new: torch.Tensor) -> None:
-    """Drop the record of a replaced parameter once it dies (if it still says ``new``)."""
-    found = _replaced.get(key)
-    if found is not None and found[1] is new:
-        del _replaced[key]
-
-
-def current(param: torch.Tensor) -> torch.Tensor:
-    """The parameter that now stands for ``param``, following replacements made by moves."""
-    for _ in range(1000):
-        found = _replaced.get(id(param))
-        if found is None or found[0]() is not param:
-            return param
-        param = found[1]
-    return param
-
-
-def local_part(t: torch.Tensor) -> torch.Tensor:
-    """The part of ``t`` this process holds: a DTensor's local shard (FSDP2, tensor parallel),
-    any other tensor itself. A DTensor's ``numel()`` is the global count, over every rank."""
-    if type(t) in _PLAIN:
-        return t
-    inner = getattr(t, "_local_tensor", None)
-    return inner if isinstance(inner, torch.Tensor) else t
-
-
-def numel(t: torch.Tensor) -> int:
-    """Elements of ``t`` held by this process (a DTensor's local shard); none for a lazy
-    module's parameter that has no shape yet."""
-    if isinstance(t, (nn.UninitializedParameter, nn.UninitializedBuffer)):
-        return 0
-    return int(local_part(t).numel())
-
-
-def nbytes(t: torch.Tensor) -> int:
-    """Bytes of memory ``t`` holds in this process (a DTensor's local shard).
-
-    A sparse tensor holds its indices and values, not its dense size. A strided tensor counts
-    every element, an expanded view too: that is what it takes once moved (``.to()`` makes it
-    dense), which is what ``plan`` and ``estimate`` must budget for.
-
-    >>> import torch
-    >>> from torchplace._inspect import nbytes
-    >>> nbytes(torch.zeros(3, 4)), nbytes(torch.zeros(0))
-    (48, 0)
-    """
-    count = numel(t)
-    if count == 0:
-        return 0
-    t = local_part(t)
-    size = int(t.element_size())
-    if t.layout is not torch.strided:
-        return _sparse_nbytes(t, count * size)
-    return count * size
-
-
-def _sparse_nbytes(t: torch.Tensor, dense: int) -> int:
-    """Bytes of a sparse tensor's indices and values (``dense`` when they cannot be read)."""
-    parts: tuple[torch.Tensor, ...]
-    try:
-        if t.layout is torch.sparse_coo:
-            parts = (t._indices(), t._values())
-        elif t.layout in (torch.sparse_csr, torch.sparse_bsr):
-            parts = (t.crow_indices(), t.col_indices(), t.values())
-        elif t.layout in (torch.sparse_csc, torch.sparse_bsc):
-            parts = (t.ccol_indices(), t.row_indices(), t.values())
-        else:
-            return dense
-        return sum(int(part.numel()) * int(part.element_size()) for part in parts)
-    except (RuntimeError, NotImplementedError):
-        return dense
 
 
 def derived_attributes(module: nn.Module) -> frozenset[str]:
@@ -278,45 +179,6 @@ def _own_move(mod: nn.Module) -> str:
         if own:
             return f"{type(owner).__name__}'s {'/'.join(sorted(own))}"
     return f"{type(mod).__name__}'s own move"
-
-
-def _replaced_by_conversion(old: torch.Tensor, new: torch.Tensor) -> bool:
-    """Whether ``Module.to`` from ``old``'s device to ``new``'s replaces the Parameter object."""
-    if torch.__future__.get_overwrite_module_params_on_conversion():
-        return True
-    return not torch._has_compatible_shallow_copy_type(old, new)
-
-
-def replaced_outside(
-    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]
-) -> dict[int, torch.Tensor]:
-    """The parameters of ``optimizer`` that a plain ``model.to()`` replaced, matched to the
-    model's ``params`` (id(old) -> new); empty when they are not that.
-
-    ``Module.to`` between cpu and meta replaces every Parameter object, so an optimizer built
-    before holds none of the model's parameters and torchplace never saw the replacement. They
-    are taken as replaced when the optimizer holds none of ``params`` and its parameters line up
-    one for one with them (all, or those that require grad) in shape, dtype and requires_grad,
-    each on a device from which PyTorch replaces rather than moves. Another model's optimizer,
-    on the same device, is not.
-    """
-    held = [p for group in optimizer.param_groups for p in group["params"]]
-    if not held or not params:
-        return {}
-    ids = {id(p) for p in params}
-    if any(id(p) in ids or id(current(p)) in ids for p in held):
-        return {}
-    for candidates in (params, [p for p in params if p.requires_grad]):
-        if len(candidates) == len(held) and all(
-            old.shape == new.shape
-            and old.dtype == new.dtype
-            and old.requires_grad == new.requires_grad
-            and old.device != new.device
-            and _replaced_by_conversion(old, new)
-            for old, new in zip(held, candidates, strict=True)
-        ):
-            return {id(old): new for old, new in zip(held, candidates, strict=True)}
-    return {}
 
 
 def optimizer_entries(

@@ -36,7 +36,7 @@ from ._consolidate import consolidated_copy, should_consolidate, small_host_tens
 from ._devices import DeviceSpec
 from ._devices import device as _parse_device
 from ._errors import DeviceSpecError, DeviceUnavailableError, MoveError, TorchplaceError
-from ._inspect import format_bytes
+from ._sizes import format_bytes
 from ._tree import Located, iter_leaves, map_tensors
 
 __all__ = ["DeviceLoader"]

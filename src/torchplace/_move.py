@@ -17,30 +17,41 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
-import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn, TypeVar
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ._consolidate import consolidated_copy, should_consolidate, small_host_tensors
 from ._devices import DeviceSpec, free_memory
 from ._devices import device as _device
 from ._errors import MoveError, TorchplaceError, first_line
+from ._hooks import is_dispatched, undispatch
+from ._identity import (
+    UndoLog,
+    current,
+    del_item,
+    keep_requires_grad,
+    needs_swap,
+    parameter_like,
+    record_replacement,
+    replaced_outside,
+    replaces,
+    restore,
+    set_attr,
+    set_data,
+    set_item,
+    swap_step,
+    swappable,
+    swaps,
+)
 from ._inspect import (
     MODULE_INTERNALS,
     NON_PERSISTENT_LOST,
-    current,
     derived_attributes,
-    format_bytes,
-    nbytes,
     optimizer_list,
-    record_replacement,
-    replaced_outside,
 )
 from ._optim_state import rule_for
 from ._own_moves import (
@@ -49,7 +60,9 @@ from ._own_moves import (
     run_own_moves,
     set_conversion_flags,
 )
+from ._sizes import format_bytes
 from ._staging import Stager, stageable
+from ._tensor_size import nbytes
 from ._tree import Located, iter_leaves, map_tensors
 
 __all__ = ["move"]
@@ -266,76 +279,6 @@ class _Copier:
                     module.synchronize(source)
 
 
-class _UndoLog:
-    """Applies commit steps one by one and can take them all back, newest first.
-
-    Each undo is recorded *before* its step runs, so an interrupt (Ctrl-C) arriving anywhere
-    cannot leave a step done without its undo. Every undo is therefore written to be safe
-    whether or not its step ran: it puts back a value read before the step, or checks that the
-    step happened (a swap) before reversing it.
-    """
-
-    def __init__(self) -> None:
-        self.undos: list[Callable[[], None]] = []
-
-    def apply(self, do: Callable[[], None], undo: Callable[[], None]) -> None:
-        self.undos.append(undo)
-        do()
-
-    def rollback(self) -> None:
-        """Run every undo, newest first. An interrupt or failure in one does not stop the rest:
-        an interrupted undo is run again (each is idempotent), and the first problem is raised
-        once everything is back."""
-        pending: BaseException | None = None
-        while self.undos:
-            try:
-                self.undos[-1]()
-            except KeyboardInterrupt as exc:
-                if pending is None:
-                    pending = exc
-                    continue  # run it again: undos are idempotent
-            except Exception as exc:
-                pending = pending or exc
-            self.undos.pop()
-        if pending is not None:
-            raise pending
-
-
-def _set_data(p: torch.Tensor, data: torch.Tensor) -> Callable[[], None]:
-    def do() -> None:
-        p.data = data
-
-    return do
-
-
-def _set_item(container: Any, key: Any, value: Any) -> Callable[[], None]:
-    def do() -> None:
-        container[key] = value
-
-    return do
-
-
-def _set_attr(obj: Any, name: str, value: Any) -> Callable[[], None]:
-    def do() -> None:
-        setattr(obj, name, value)
-
-    return do
-
-
-def _restore(container: dict[str, Any], saved: dict[str, Any]) -> Callable[[], None]:
-    def do() -> None:
-        container.update(saved)
-
-    return do
-
-
-def _del_item(container: Any, key: Any) -> Callable[[], None]:
-    def do() -> None:
-        container.pop(key, None)
-
-    return do
-
-
 def _reraise(located: Located, root: str, target: torch.device) -> NoReturn:
     """Turn an exception found at some path of a walk into the error a user should see."""
     cause = located.cause
@@ -449,73 +392,6 @@ def _check_non_persistent(
         )
 
 
-def _swaps() -> bool:
-    """Whether PyTorch is asked to swap whole tensors (keeping identity across any move)."""
-    swap = getattr(torch.__future__, "get_swap_module_params_on_conversion", None)
-    return bool(swap()) if swap is not None else False
-
-
-def _replaces(p: torch.Tensor, new: torch.Tensor) -> bool:
-    """Whether PyTorch would replace the Parameter object rather than swap its data."""
-    if torch.__future__.get_overwrite_module_params_on_conversion():
-        return True
-    return not torch._has_compatible_shallow_copy_type(p, new)
-
-
-def _needs_swap(p: torch.Tensor, new: torch.Tensor) -> bool:
-    """Tensors whose device lives in a Python subclass (fake tensors, traceable wrappers): only
-    swap_tensors moves them in place, as in Module._apply. When a weak reference blocks the
-    swap (fake tensors made inside FakeTensorMode have one), the Parameter is replaced."""
-    return isinstance(p, FakeTensor) or is_traceable_wrapper_subclass(new)
-
-
-def _swappable(p: torch.Tensor, shell: torch.Tensor) -> bool:
-    """swap_tensors refuses tensors with weak references (FakeTensorMode keeps some)."""
-    return not weakref.getweakrefs(p) and not weakref.getweakrefs(shell)
-
-
-def _swap(a: torch.Tensor, b: torch.Tensor) -> tuple[Callable[[], None], Callable[[], None]]:
-    """The step that swaps ``a`` and ``b`` (two devices), and its undo, which swaps them back
-    only if ``a`` is where the step put it: safe to run whether or not the step ran."""
-    arrived = b.device
-
-    def do() -> None:
-        torch.utils.swap_tensors(a, b)  # type: ignore[no-untyped-call]
-
-    def undo() -> None:
-        if a.device == arrived and b.device != arrived:
-            torch.utils.swap_tensors(a, b)  # type: ignore[no-untyped-call]
-
-    return do, undo
-
-
-def _new_parameter(p: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
-    """A replacement for ``p`` holding ``data``: same class, requires_grad and attributes.
-
-    Attributes come from a Parameter or a Parameter subclass, never from a tensor subclass
-    (a fake tensor), which keeps its device among them: that must come from ``data``.
-    """
-    new = nn.Parameter(data, requires_grad=p.requires_grad)
-    if type(p) is nn.Parameter and type(new) is nn.Parameter:
-        new.__dict__.update(p.__dict__)  # the user's tags, such as no_weight_decay
-    elif type(p) is not nn.Parameter and issubclass(type(p), nn.Parameter):
-        with contextlib.suppress(TypeError):  # another layout stays a plain Parameter
-            new.__class__ = type(p)
-        new.__dict__.update(p.__dict__)
-    return new
-
-
-def _keep_requires_grad(old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """``new``, a copy of ``old`` made under ``no_grad``, requiring grad when ``old`` did.
-
-    ``Module.to`` keeps a buffer's ``requires_grad`` (PyTorch copies buffers with autograd on);
-    here the copy is a leaf that requires grad, as the buffer was.
-    """
-    if old.requires_grad and new is not old and not new.requires_grad:
-        new.requires_grad_(True)
-    return new
-
-
 def _moved_state(
     state: dict[Any, Any],
     label: str,
@@ -554,7 +430,7 @@ def _move_modules(
     optimizers: list[torch.optim.Optimizer],
     copier: _Copier,
     attributes: Attributes,
-    log: _UndoLog,
+    log: UndoLog,
     destinations: dict[int, torch.device] | None = None,
 ) -> list[str]:
     """Copy then commit every tensor of ``roots``; returns the attributes left where they were.
@@ -599,25 +475,25 @@ def _move_modules(
         }
         new_buffers = {bid: copier(b, name, dest(b)) for bid, (name, b) in plan.buffers.items()}
     for bid, (_, b) in plan.buffers.items():  # copied without autograd: a leaf, as it was
-        _keep_requires_grad(b, new_buffers[bid])
+        keep_requires_grad(b, new_buffers[bid])
 
     replaced: dict[int, torch.Tensor] = {}  # id(old tensor) -> the object that replaces it
     final: dict[int, torch.Tensor] = {}  # id(parameter) -> the parameter after the move
     swapped: dict[int, nn.Parameter] = {}  # id(parameter) -> a shell to swap its contents with
-    swap = _swaps()
+    swap = swaps()
     for pid, (_, p) in plan.params.items():
         final[pid] = p
         new = new_params[pid]
         if new is p:
             continue
-        subclass = _needs_swap(p, new)
+        subclass = needs_swap(p, new)
         if swap or subclass:
-            shell = _new_parameter(p, new)
-            if swap or _swappable(p, shell):
+            shell = parameter_like(p, new)
+            if swap or swappable(p, shell):
                 swapped[pid] = shell
                 continue
-        if subclass or _replaces(p, new):
-            fresh = _new_parameter(p, new)
+        if subclass or replaces(p, new):
+            fresh = parameter_like(p, new)
             if pid in new_grads:
                 fresh.grad = new_grads[pid]
             replaced[pid] = final[pid] = fresh
@@ -647,7 +523,7 @@ def _move_modules(
             if id(t) in plan.params or id(t) in plan.buffers or t.device == target:
                 return t
             if attributes == "move":
-                return _keep_requires_grad(t, copier.copy(t, target))
+                return keep_requires_grad(t, copier.copy(t, target))
             if _name not in left_behind:
                 left_behind.append(_name)
             return t
@@ -675,44 +551,42 @@ def _move_modules(
         if pid in swapped:  # swap_tensors keeps the Python objects of parameter and grad
             grad = p.grad
             if grad is not None:
-                log.apply(_set_attr(p, "grad", None), _set_attr(p, "grad", grad))
-            log.apply(*_swap(p, swapped[pid]))
+                log.apply(set_attr(p, "grad", None), set_attr(p, "grad", grad))
+            log.apply(*swap_step(p, swapped[pid]))
             if grad is not None:
-                log.apply(*_swap(grad, new_grads[pid]))
-                log.apply(_set_attr(p, "grad", grad), _set_attr(p, "grad", None))
+                log.apply(*swap_step(grad, new_grads[pid]))
+                log.apply(set_attr(p, "grad", grad), set_attr(p, "grad", None))
         elif pid in replaced:
             for mod, key in plan.param_slots[pid]:
                 params = mod._parameters
-                log.apply(_set_item(params, key, replaced[pid]), _set_item(params, key, p))
+                log.apply(set_item(params, key, replaced[pid]), set_item(params, key, p))
         else:  # in place; the parameter may already be there (`p.data = ...` left .grad behind)
             if new_params[pid] is not p:
-                log.apply(_set_data(p, new_params[pid]), _set_data(p, p.data))
+                log.apply(set_data(p, new_params[pid]), set_data(p, p.data))
             grad = p.grad
             if grad is not None and new_grads[pid] is not grad:
-                log.apply(_set_data(grad, new_grads[pid]), _set_data(grad, grad.data))
+                log.apply(set_data(grad, new_grads[pid]), set_data(grad, grad.data))
     for bid, (_, b) in plan.buffers.items():
         if bid in replaced:
             for mod, key in plan.buffer_slots[bid]:
                 buffers = mod._buffers
-                log.apply(_set_item(buffers, key, replaced[bid]), _set_item(buffers, key, b))
+                log.apply(set_item(buffers, key, replaced[bid]), set_item(buffers, key, b))
     for mod, key, new_value in new_attributes:
         attrs = mod.__dict__
-        log.apply(_set_item(attrs, key, new_value), _set_item(attrs, key, attrs[key]))
+        log.apply(set_item(attrs, key, new_value), set_item(attrs, key, attrs[key]))
     for opt, group_params, index, old, bound, new_state in states:
         if bound is not old:
-            log.apply(_set_item(group_params, index, bound), _set_item(group_params, index, old))
+            log.apply(set_item(group_params, index, bound), set_item(group_params, index, old))
         if new_state is not None:
             old_state = opt.state.get(old)
             if bound is not old:
-                log.apply(_del_item(opt.state, old), _set_item(opt.state, old, old_state))
-                log.apply(_set_item(opt.state, bound, new_state), _del_item(opt.state, bound))
+                log.apply(del_item(opt.state, old), set_item(opt.state, old, old_state))
+                log.apply(set_item(opt.state, bound, new_state), del_item(opt.state, bound))
             else:
-                log.apply(
-                    _set_item(opt.state, old, new_state), _set_item(opt.state, old, old_state)
-                )
+                log.apply(set_item(opt.state, old, new_state), set_item(opt.state, old, old_state))
     for rnn in rnns:  # rebuild the RNN's cached list of its weights, as RNNBase._apply does
         saved = {k: rnn.__dict__.get(k) for k in ("_flat_weights", "_flat_weight_refs")}
-        log.apply(rnn._init_flat_weights, _restore(rnn.__dict__, saved))
+        log.apply(rnn._init_flat_weights, restore(rnn.__dict__, saved))
     for pid, (_, p) in plan.params.items():
         if pid in replaced:
             log.apply(*record_replacement(p, replaced[pid]))
@@ -795,7 +669,7 @@ def _plan_optimizer_states(
 
 
 def _move_optimizer_state(
-    opt: torch.optim.Optimizer, label: str, target: torch.device, copier: _Copier, log: _UndoLog
+    opt: torch.optim.Optimizer, label: str, target: torch.device, copier: _Copier, log: UndoLog
 ) -> None:
     """Move one optimizer's state on its own (its parameters stay where they are)."""
     updates: list[tuple[torch.Tensor, dict[Any, Any]]] = []
@@ -809,7 +683,7 @@ def _move_optimizer_state(
                     updates.append((p, new_state))
     for p, new_state in updates:
         old_state = opt.state[p]
-        log.apply(_set_item(opt.state, p, new_state), _set_item(opt.state, p, old_state))
+        log.apply(set_item(opt.state, p, new_state), set_item(opt.state, p, old_state))
 
 
 _ATTRIBUTE_MODES = ("warn", "move", "ignore")
@@ -850,7 +724,7 @@ def move(
     target = _device(device)
     optimizers = optimizer_list(optimizer)
     copier = _Copier(target, non_blocking)
-    log = _UndoLog()
+    log = UndoLog()
     left_behind: list[str] = []
     # Process-wide modes a step may set for a moment; an interrupt at any line must not leave
     # them changed (a `with` can be interrupted after its body, before its __exit__).
@@ -908,7 +782,7 @@ def place(model: nn.Module, destinations: dict[int, torch.device], /) -> None:
     RNN weight caches are kept as in any move, and a failure leaves every tensor where it was.
     """
     copier = _Copier(torch.device("cpu"), None)
-    log = _UndoLog()
+    log = UndoLog()
     try:
         _move_modules([("", model)], copier.target, [], copier, "ignore", log, destinations)
         copier.synchronize()
@@ -923,7 +797,7 @@ def _move_owners(
     target: torch.device,
     copier: _Copier,
     attributes: Attributes,
-    log: _UndoLog,
+    log: UndoLog,
 ) -> list[str]:
     """Move modules with the optimizers that hold their parameters; gather dispatched ones."""
     left_behind = _move_modules(modules, target, optimizers, copier, attributes, log)
@@ -934,8 +808,6 @@ def _move_owners(
 
 def _undispatch(module: nn.Module) -> None:
     """Remove the hooks of ``torchplace.dispatch`` once a model is gathered onto one device."""
-    from ._dispatch import is_dispatched, undispatch
-
     if is_dispatched(module):
         undispatch(module)
 
@@ -1014,7 +886,7 @@ def _move_collection(
     optimizers: list[torch.optim.Optimizer],
     copier: _Copier,
     attributes: Attributes,
-    log: _UndoLog,
+    log: UndoLog,
 ) -> tuple[Any, list[str]]:
     """Move a batch: tensors copied into a rebuilt structure, modules and optimizers in place.
 

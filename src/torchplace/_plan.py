@@ -2,26 +2,24 @@
 
 ``plan(model, max_memory)`` returns ``{module name: device}``, filling the budgets in the order
 given with submodules in registration order (plan never runs the model, so the order in which
-``forward`` calls them is not known to it); it never touches a device. The walk of a model (every
-module under every name, and who owns each tensor) lives here too, and ``dispatch`` uses it.
+``forward`` calls them is not known to it); it never touches a device. The walk of a model lives in
+``_model_walk``, sizes such as ``"10GiB"`` are read by ``_sizes.parse_size``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
-import numbers
-import operator
-import re
 from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
 
 from ._errors import DeviceSpecError, TorchplaceError
-from ._estimate import _nbytes
-from ._inspect import format_bytes as _format_bytes
+from ._model_walk import ModelTree, display, walk_model
+from ._sizes import format_bytes as _format_bytes
+from ._sizes import parse_size
+from ._tensor_size import nbytes_as
 
 __all__ = [
     "plan",
@@ -29,146 +27,6 @@ __all__ = [
 
 Size = int | str  # bytes, or "10GiB", "500MB"
 MemorySpec = Mapping[str | int | torch.device, Size]  # device -> budget
-
-# ---------------------------------------------------------------------------------------------
-# Sizes
-# ---------------------------------------------------------------------------------------------
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
-
-
-def _parse_size(value: object, where: str) -> int:
-    """Bytes from ``1024``, ``"500MB"`` (10**6) or ``"10GiB"`` (2**30); ``where`` names it.
-
-    Any integer type counts (``operator.index``: numpy and torch integers too), and so does a
-    real number that is a whole number of bytes (``1e9``, ``np.float32(2**20)``).
-    """
-    if isinstance(value, bool):
-        raise DeviceSpecError(f"{where}: a budget is a size like '10GiB' or bytes, not {value!r}")
-    negative = f"{where}: the budget {value!r} is negative; give a size >= 0 such as '10GiB'"
-    if not isinstance(value, str):
-        count: int | None = None
-        try:
-            count = operator.index(value)  # type: ignore[arg-type]
-        except TypeError:
-            if isinstance(value, numbers.Real) and math.isfinite(value):
-                if value < 0:
-                    raise DeviceSpecError(negative) from None
-                if not float(value).is_integer():
-                    raise DeviceSpecError(
-                        f"{where}: the budget {value!r} is not a whole number of bytes; give "
-                        "an int, or a string such as '1.5GiB'"
-                    ) from None
-                count = int(float(value))
-        if count is not None:
-            if count < 0:
-                raise DeviceSpecError(negative)
-            return count
-    if isinstance(value, str):
-        if value.strip().startswith("-") and _SIZE.match(value.strip()[1:]):
-            raise DeviceSpecError(negative)
-        match = _SIZE.match(value)
-        if match is not None:
-            unit = match.group(2).lower()
-            if unit in _UNITS:
-                return int(float(match.group(1)) * _UNITS[unit])
-            if unit in ("k", "m", "g", "t"):
-                raise DeviceSpecError(
-                    f"{where}: the size {value!r} has no unit in bytes; write "
-                    f"'{match.group(1)}{unit.upper()}iB' (powers of 1024) or "
-                    f"'{match.group(1)}{unit.upper()}B' (powers of 1000)"
-                )
-    raise DeviceSpecError(
-        f"{where}: cannot read the size {value!r}; write bytes as an int or a string such as "
-        "'10GiB', '512MiB' (powers of 1024) or '500MB', '2GB' (powers of 1000)"
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# Walking a model: every module under every name, and who owns each tensor
-# ---------------------------------------------------------------------------------------------
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _display(path: str) -> str:
-    """How messages name a module or tensor: ``model.encoder.0`` (``model`` for the root)."""
-    return f"model.{path}" if path else "model"
-
-
-@dataclasses.dataclass
-class _Tree:
-    """A model's modules under every name they have, and the tensors each holds directly."""
-
-    modules: dict[str, nn.Module]  # path -> module, in registration order
-    children: dict[str, list[str]]  # path -> child paths
-    direct: dict[str, list[int]]  # path -> ids of the tensors the module itself holds
-    tensors: dict[int, torch.Tensor]  # id -> tensor
-    owners: dict[int, list[str]]  # id -> qualified names (``lm_head.weight``), first first
-    owner_modules: dict[int, list[str]]  # id -> paths of the modules that hold it directly
-
-    subtrees: dict[str, frozenset[int]] = dataclasses.field(default_factory=dict)
-
-    def subtree(self, path: str) -> frozenset[int]:
-        """Ids of every tensor held by the module at ``path`` or any module under it."""
-        found = self.subtrees.get(path)
-        if found is None:
-            ids = set(self.direct[path])
-            for child in self.children[path]:
-                ids |= self.subtree(child)
-            found = self.subtrees[path] = frozenset(ids)
-        return found
-
-
-def _walk(model: nn.Module) -> _Tree:
-    tree = _Tree({}, {}, {}, {}, {}, {})
-    active: set[int] = set()
-
-    def visit(path: str, module: nn.Module) -> None:
-        if id(module) in active:  # a module that contains itself; Module.to() would loop too
-            raise TorchplaceError(f"{_display(path)} contains itself; a model must be a tree")
-        active.add(id(module))
-        tree.modules[path] = module
-        tree.children[path] = []
-        tree.direct[path] = []
-        for kind in ("_parameters", "_buffers"):
-            slots: dict[str, torch.Tensor | None] = getattr(module, kind)
-            for name, tensor in slots.items():
-                if tensor is None:
-                    continue
-                key = id(tensor)
-                tree.tensors[key] = tensor
-                tree.owners.setdefault(key, []).append(_join(path, name))
-                owners = tree.owner_modules.setdefault(key, [])
-                if path not in owners:
-                    owners.append(path)
-                if key not in tree.direct[path]:
-                    tree.direct[path].append(key)
-        for name, child in module._modules.items():
-            if child is None:
-                continue
-            child_path = _join(path, name)
-            tree.children[path].append(child_path)
-            visit(child_path, child)
-        active.discard(id(module))
-
-    visit("", model)
-    return tree
-
 
 # ---------------------------------------------------------------------------------------------
 # plan
@@ -235,7 +93,7 @@ def _parse_budgets(max_memory: object) -> dict[torch.device, int]:
             raise DeviceSpecError(
                 f"max_memory names {dev} twice ({spelled[dev]!r} and {key!r}); give it one budget"
             )
-        budgets[dev] = _parse_size(value, f"max_memory[{key!r}]")
+        budgets[dev] = parse_size(value, f"max_memory[{key!r}]")
         spelled[dev] = key
     return budgets
 
@@ -325,7 +183,7 @@ class _Planner:
 
     def __init__(
         self,
-        tree: _Tree,
+        tree: ModelTree,
         budgets: dict[torch.device, int],
         no_split: _NoSplit,
         dtype: torch.dtype | None,
@@ -336,7 +194,7 @@ class _Planner:
         self.left = [budgets[d] for d in self.devices]
         self.current = 0
         self.no_split = no_split
-        self.size = {key: _nbytes(t, dtype) for key, t in tree.tensors.items()}
+        self.size = {key: nbytes_as(t, dtype) for key, t in tree.tensors.items()}
         self.placed: dict[int, int] = {}  # tensor id -> index into self.devices
         self.tied = self._tied_closures()
 
@@ -406,9 +264,9 @@ class _Planner:
         name = type(module).__name__
         entry = self.no_split.entry(module)
         what = (
-            f"{_display(path)} ({name})"
+            f"{display(path)} ({name})"
             if whole
-            else f"the tensors {_display(path)} ({name}) holds itself"
+            else f"the tensors {display(path)} ({name}) holds itself"
         )
         why = (
             (f"{name} is in no_split" if entry == name else f"{name} is a {entry}, in no_split")
@@ -422,7 +280,7 @@ class _Planner:
             {p for key in ids - outside for p in self.tree.owner_modules[key]} - {path}
         )
         if partners:
-            shown = ", ".join(_display(p) for p in partners[:3])
+            shown = ", ".join(display(p) for p in partners[:3])
             why += f", and tied tensors bring {shown} along"
         fixes = "or add a device after it" + (
             f", or take {entry} out of no_split" if entry is not None else ""
@@ -513,7 +371,7 @@ def plan(
             )
         budgets = _parse_budgets(max_memory)
         classes = _no_split_classes(model, no_split)
-        planner = _Planner(_walk(model), budgets, classes, _dtype(dtype))
+        planner = _Planner(walk_model(model), budgets, classes, _dtype(dtype))
         total = sum(planner.size.values())
         capacity = sum(budgets.values())
         if total > capacity:

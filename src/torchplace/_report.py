@@ -10,7 +10,9 @@ import io
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._inspect import describe, entries, format_bytes, nbytes, numel
+from ._inspect import describe, entries
+from ._sizes import format_bytes
+from ._tensor_size import nbytes, numel
 
 if TYPE_CHECKING:
     from rich.table import Table

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from ._consolidate import _PLAIN
+from ._tensor_size import PLAIN_TYPES
 
 __all__ = ["STAGE_BUFFERS", "STAGE_CHUNK_BYTES", "STAGE_MIN_BYTES", "Stager", "stageable"]
 
@@ -54,7 +54,7 @@ def stageable(t: torch.Tensor, target: torch.device) -> bool:
     return (
         target.type == "cuda"
         and t.is_cpu
-        and type(t) in _PLAIN
+        and type(t) in PLAIN_TYPES
         and t.layout is torch.strided
         and t.nbytes >= STAGE_MIN_BYTES
         and t.is_contiguous()

@@ -1,0 +1,79 @@
+"""How big a tensor is: the elements and bytes this process holds of it.
+
+One count for every report, estimate and plan: a DTensor counts its local shard, a sparse
+tensor its indices and values, a lazy module's parameter nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["PLAIN_TYPES", "local_part", "nbytes", "nbytes_as", "numel"]
+
+# Tensors whose data is their own storage (no subclass between them and it).
+PLAIN_TYPES = (torch.Tensor, nn.Parameter)
+
+
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """The part of ``t`` this process holds: a DTensor's local shard (FSDP2, tensor parallel),
+    any other tensor itself. A DTensor's ``numel()`` is the global count, over every rank."""
+    if type(t) in PLAIN_TYPES:
+        return t
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
+
+
+def numel(t: torch.Tensor) -> int:
+    """Elements of ``t`` held by this process (a DTensor's local shard); none for a lazy
+    module's parameter that has no shape yet."""
+    if isinstance(t, (nn.UninitializedParameter, nn.UninitializedBuffer)):
+        return 0
+    return int(local_part(t).numel())
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """Bytes of memory ``t`` holds in this process (a DTensor's local shard).
+
+    A sparse tensor holds its indices and values, not its dense size. A strided tensor counts
+    every element, an expanded view too: that is what it takes once moved (``.to()`` makes it
+    dense), which is what ``plan`` and ``estimate`` must budget for.
+
+    >>> import torch
+    >>> from torchplace._tensor_size import nbytes
+    >>> nbytes(torch.zeros(3, 4)), nbytes(torch.zeros(0))
+    (48, 0)
+    """
+    count = numel(t)
+    if count == 0:
+        return 0
+    t = local_part(t)
+    size = int(t.element_size())
+    if t.layout is not torch.strided:
+        return _sparse_nbytes(t, count * size)
+    return count * size
+
+
+def _sparse_nbytes(t: torch.Tensor, dense: int) -> int:
+    """Bytes of a sparse tensor's indices and values (``dense`` when they cannot be read)."""
+    parts: tuple[torch.Tensor, ...]
+    try:
+        if t.layout is torch.sparse_coo:
+            parts = (t._indices(), t._values())
+        elif t.layout in (torch.sparse_csr, torch.sparse_bsr):
+            parts = (t.crow_indices(), t.col_indices(), t.values())
+        elif t.layout in (torch.sparse_csc, torch.sparse_bsc):
+            parts = (t.ccol_indices(), t.row_indices(), t.values())
+        else:
+            return dense
+        return sum(int(part.numel()) * int(part.element_size()) for part in parts)
+    except (RuntimeError, NotImplementedError):
+        return dense
+
+
+def nbytes_as(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+    """Bytes a tensor takes, or would take in ``dtype`` (floating tensors only); of a sharded
+    tensor (DTensor), the shard this process holds."""
+    if dtype is not None and tensor.is_floating_point():
+        return numel(tensor) * dtype.itemsize
+    return nbytes(tensor)
