@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from torchplace._consolidate import (
     MAX_TENSOR_BYTES,
     MIN_COUNT,
-    _consolidate,
     consolidated_copy,
+    pack_and_copy,
     should_consolidate,
 )
 
@@ -95,7 +95,7 @@ def mixed() -> list[torch.Tensor]:
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_each_dtype_bit_identical(dtype: torch.dtype) -> None:
     tensors = [random_bits((n,), dtype, seed=n) for n in (1, 3, 17, 64)]
-    out = _consolidate(tensors, CPU, pin=False, non_blocking=False)
+    out = pack_and_copy(tensors, CPU, pin=False, non_blocking=False)
     for a, b in zip(out, tensors, strict=True):
         assert_same(a, b)
 
@@ -106,7 +106,7 @@ def test_each_dtype_bit_identical_when_shapes_repeat(dtype: torch.dtype) -> None
     # no CPU copy kernel in every PyTorch), two of another shape one by one.
     shapes = [(2, 3)] * 6 + [(5,)] * 2
     tensors = [random_bits(shape, dtype, seed=i) for i, shape in enumerate(shapes)]
-    out = _consolidate(tensors, CPU, pin=False, non_blocking=False)
+    out = pack_and_copy(tensors, CPU, pin=False, non_blocking=False)
     for a, b in zip(out, tensors, strict=True):
         assert_same(a, b)
     assert_owns_storage(out)
@@ -114,7 +114,7 @@ def test_each_dtype_bit_identical_when_shapes_repeat(dtype: torch.dtype) -> None
 
 def test_mixed_bit_identical_with_the_strides_of_to() -> None:
     tensors = mixed()
-    out = _consolidate(tensors, CPU, pin=False, non_blocking=False)
+    out = pack_and_copy(tensors, CPU, pin=False, non_blocking=False)
     assert len(out) == len(tensors)
     for a, b in zip(out, tensors, strict=True):
         assert_same(a, b)
@@ -124,7 +124,7 @@ def test_mixed_bit_identical_with_the_strides_of_to() -> None:
 
 def test_results_own_their_storage() -> None:
     tensors = mixed()
-    out = _consolidate(tensors, CPU, pin=False, non_blocking=False)
+    out = pack_and_copy(tensors, CPU, pin=False, non_blocking=False)
     assert_owns_storage(out)
     first = out[0].clone()
     out[1].zero_()  # writing one result leaves the others alone
@@ -134,20 +134,20 @@ def test_results_own_their_storage() -> None:
 def test_sources_are_untouched() -> None:
     tensors = mixed()
     before = [raw_bytes(t) for t in tensors]
-    _consolidate(tensors, CPU, pin=False, non_blocking=False)
+    pack_and_copy(tensors, CPU, pin=False, non_blocking=False)
     assert [raw_bytes(t) for t in tensors] == before
 
 
 def test_to_meta_keeps_dtype_shape_and_strides() -> None:
     tensors = mixed()
-    out = _consolidate(tensors, torch.device("meta"), pin=False, non_blocking=True)
+    out = pack_and_copy(tensors, torch.device("meta"), pin=False, non_blocking=True)
     for a, b in zip(out, tensors, strict=True):
         assert a.device.type == "meta"
         assert (a.dtype, a.shape, a.stride()) == (b.dtype, b.shape, b.clone().stride())
 
 
 def test_empty_input() -> None:
-    assert _consolidate([], CPU, pin=False, non_blocking=False) == []
+    assert pack_and_copy([], CPU, pin=False, non_blocking=False) == []
     assert consolidated_copy([], torch.device("meta")) == []
 
 
@@ -168,7 +168,7 @@ def test_any_list_survives(specs: list[tuple[torch.dtype, list[int], bool]]) -> 
     for i, (dtype, shape, transpose) in enumerate(specs):
         t = random_bits(tuple(shape), dtype, seed=i)
         tensors.append(t.t() if transpose and t.dim() == 2 else t)
-    out = _consolidate(tensors, CPU, pin=False, non_blocking=False)
+    out = pack_and_copy(tensors, CPU, pin=False, non_blocking=False)
     for a, b in zip(out, tensors, strict=True):
         assert_same(a, b)
     assert_owns_storage(out)
@@ -177,7 +177,7 @@ def test_any_list_survives(specs: list[tuple[torch.dtype, list[int], bool]]) -> 
 def test_groups_of_every_rank_keep_their_shapes() -> None:
     ranks = [(), (3,), (2, 3), (2, 1, 3), (1, 1, 1, 2)]
     tensors = [random_bits(shape, torch.int16, seed=i) for i, shape in enumerate(ranks * 3)]
-    out = _consolidate(tensors, CPU, pin=False, non_blocking=False)
+    out = pack_and_copy(tensors, CPU, pin=False, non_blocking=False)
     for a, b in zip(out, tensors, strict=True):
         assert_same(a, b)
     assert_owns_storage(out)
@@ -188,7 +188,7 @@ def test_shared_and_lone_shapes_interleaved_come_back_in_order() -> None:
     # between them: every result must still land at its own index.
     shapes = [(2,), (3,), (2,), (), (5,), (3, 3), (2,), (), (7, 1), (3,), (4,)]
     tensors = [random_bits(shape, torch.float32, seed=i) for i, shape in enumerate(shapes)]
-    out = _consolidate(tensors, CPU, pin=False, non_blocking=False)
+    out = pack_and_copy(tensors, CPU, pin=False, non_blocking=False)
     for a, b in zip(out, tensors, strict=True):
         assert_same(a, b)
     assert_owns_storage(out)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ._consolidate import _consolidate, consolidated_copy
+from ._consolidate import consolidated_copy, pack_and_copy
 from ._devices import device as _parse_device
 from ._errors import TorchplaceError, first_line
 
@@ -183,7 +183,7 @@ def measure(
                 _time(lambda: [t.clone() for t in small], sync, repeat),
             )
         )
-        pack = lambda: _consolidate(small, target, pin=False, non_blocking=False)  # noqa: E731
+        pack = lambda: pack_and_copy(small, target, pin=False, non_blocking=False)  # noqa: E731
         rows.append(("host", "consolidated", small_bytes, tensors, _time(pack, sync, repeat)))
         return _rates(rows)
 

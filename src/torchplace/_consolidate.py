@@ -163,7 +163,7 @@ def consolidated_copy(
             (source.type == "cpu" and device.type == "cuda")
             or (source.type == "cuda" and device.type == "cpu")
         )
-        moved = _consolidate(group, device, pin=pin, non_blocking=non_blocking)
+        moved = pack_and_copy(group, device, pin=pin, non_blocking=non_blocking)
         for i, out in zip(indices, moved, strict=True):
             results[i] = out
     return [t for t in results if t is not None]
@@ -238,7 +238,7 @@ def _plain_strides(t: torch.Tensor) -> bool:
     return True
 
 
-def _consolidate(
+def pack_and_copy(
     tensors: Sequence[torch.Tensor], device: torch.device, *, pin: bool, non_blocking: bool
 ) -> list[torch.Tensor]:
     """Pack ``tensors`` (all on one device) into one buffer, copy it, split it on ``device``.
@@ -256,7 +256,7 @@ def _consolidate(
     >>> import torch
     >>> from torchplace._consolidate import _consolidate
     >>> x = torch.arange(6.0).reshape(2, 3)
-    >>> out = _consolidate([x, x.t(), torch.tensor(7)], torch.device("cpu"), pin=False,
+    >>> out = pack_and_copy([x, x.t(), torch.tensor(7)], torch.device("cpu"), pin=False,
     ...                    non_blocking=False)
     >>> [torch.equal(a, b) for a, b in zip(out, [x, x.t(), torch.tensor(7)])], out[1].stride()
     ([True, True, True], (1, 3))
