@@ -1,0 +1,429 @@
+"""load_into on sharded models: slices read from the file, and 2 ranks under torchrun (Gloo)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from torchplace import _sharded
+from torchplace._errors import CheckpointError
+
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _boxes(shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Every box that halves or keeps each dim, plus a one-element one: all run patterns."""
+    choices = [[(0, n), (0, n // 2), (n // 2, n - n // 2), (1, max(n - 2, 0))] for n in shape]
+    found = []
+    for picks in itertools.product(*choices):
+        found.append((tuple(o for o, _ in picks), tuple(n for _, n in picks)))
+    return found
+
+
+@pytest.mark.parametrize("direct_run", [0, 1 << 40], ids=["runs-read-directly", "buffered"])
+@pytest.mark.parametrize("buffer", [1 << 20, 64], ids=["big-buffer", "64-byte-buffer"])
+def test_every_box_of_a_safetensors_tensor_reads_bit_for_bit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct_run: int, buffer: int
+) -> None:
+    monkeypatch.setattr(_sharded, "_DIRECT_RUN", direct_run)
+    monkeypatch.setattr(_sharded, "_BUFFER", buffer)
+    tensors = {
+        "three": torch.randn(4, 5, 6),
+        "matrix": torch.randn(7, 9).to(torch.bfloat16),
+        "vector": torch.arange(11, dtype=torch.int64),
+        "scalar": torch.tensor(2.5),
+    }
+    path = tmp_path / "m.safetensors"
+    save_file(tensors, str(path))
+    entries = _sharded._file_entries(path)
+    reader = _sharded._Reader()
+    try:
+        for name, full in tensors.items():
+            for offsets, lengths in _boxes(tuple(full.shape)):
+                dest = torch.full(lengths, -1, dtype=full.dtype)
+                _sharded._fill(reader, entries[name], (offsets, lengths), dest)
+                index = tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))
+                assert torch.equal(dest, full[index]), (name, offsets, lengths)
+                # Into another dtype (the model's), through the buffer.
+                wide = torch.zeros(lengths, dtype=torch.float64)
+                _sharded._fill(reader, entries[name], (offsets, lengths), wide)
+                assert torch.equal(wide, full[index].double()), (name, offsets, lengths)
+    finally:
+        reader.close()
+
+
+def test_torch_zip_files_are_located_without_running_code(tmp_path: Path) -> None:
+    """Offsets into shared storages and transposed views come back bit for bit."""
+    base = torch.randn(10, 6)
+    state = {
+        "whole": base,
+        "rows": base[3:7],  # a view at an offset into the same storage
+        "transposed": torch.randn(6, 4).t(),  # saved with strides (1, 4)
+        "half": torch.randn(5, 3).half(),
+    }
+    path = tmp_path / "m.pt"
+    torch.save(state, path)
+    entries = _sharded._file_entries(path)
+    assert entries["rows"].start == entries["whole"].start + 3 * 6 * 4
+    reader = _sharded._Reader()
+    try:
+        for name, full in state.items():
+            for offsets, lengths in _boxes(tuple(full.shape)):
+                dest = torch.empty(lengths, dtype=full.dtype)
+                _sharded._fill(reader, entries[name], (offsets, lengths), dest)
+                index = tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))
+                assert torch.equal(dest, full[index]), (name, offsets, lengths)
+    finally:
+        reader.close()
+
+
+def test_a_strided_view_that_is_not_dense_is_refused_by_name(tmp_path: Path) -> None:
+    path = tmp_path / "m.pt"
+    torch.save({"every_other": torch.randn(8, 4)[::2]}, path)
+    with pytest.raises(CheckpointError, match=r"'every_other' is saved as a view.*contiguous"):
+        _sharded._file_entries(path)
+
+
+def test_a_legacy_torch_file_is_refused_with_the_fix(tmp_path: Path) -> None:
+    path = tmp_path / "old.pt"
+    torch.save({"w": torch.ones(2)}, path, _use_new_zipfile_serialization=False)
+    with pytest.raises(CheckpointError, match=r"legacy.*save it again in the zip format"):
+        _sharded._file_entries(path)
+
+
+def test_an_index_that_names_a_tensor_its_shard_lacks_is_refused(tmp_path: Path) -> None:
+    save_file({"a": torch.ones(2)}, str(tmp_path / "s1.safetensors"))
+    index = {"weight_map": {"a": "s1.safetensors", "b": "s1.safetensors"}}
+    (tmp_path / "m.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"says 'b' is in 's1.safetensors'"):
+        _sharded._file_entries(tmp_path / "m.index.json")
+
+
+def test_a_plain_model_does_not_take_the_sharded_path() -> None:
+    assert not _sharded.has_dtensors(torch.nn.Linear(2, 2))
+
+
+# ------------------------------------------------------------------------ 2 ranks, torchrun
+
+WORKER = r"""
+import os, sys, traceback
+import torch
+import torch.distributed as dist
+from torch import nn
+from safetensors.torch import load_file
+
+import torchplace
+from torchplace._errors import CheckpointError
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, RowwiseParallel, parallelize_module,
+)
+
+folder = sys.argv[1]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+mesh = init_device_mesh("cpu", (2,))
+reference = load_file(os.path.join(folder, "net.safetensors"))
+mlp_reference = load_file(os.path.join(folder, "mlp.safetensors"))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 7)  # 7 rows: uneven over 2 ranks (FSDP2 pads rank 1)
+        self.b = nn.Linear(7, 3)  # 3 rows: uneven too
+        self.register_buffer("scale", torch.ones(3))  # a plain tensor in a sharded model
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))) * self.scale
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(9, 4)
+        self.head = nn.Linear(4, 9, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x):
+        return self.head(self.embed(x))
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def fsdp(model):
+    for child in list(model.children()):
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def tp(model):
+    return parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+
+
+def check_equal(model, expected, what):
+    names = dict(model.named_parameters()) | dict(model.named_buffers())
+    for name, t in names.items():
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        want = expected[name].to(full.dtype)
+        assert torch.equal(full, want), f"{what}: {name} differs"
+        if isinstance(t, DTensor):
+            local = t.to_local()
+            assert local.device.type == "cpu" and not local.is_meta, (name, local.device)
+    return names
+
+
+def train_step(model, x):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(x).float().sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+results = []
+
+
+def case(name):
+    def run(fn):
+        try:
+            fn()
+            results.append(f"CASE {name} rank {rank}: ok")
+        except Exception:
+            trace = traceback.format_exc().replace("\n", " | ")
+            results.append(f"CASE {name} rank {rank}: FAIL {trace}")
+        return fn
+    return run
+
+
+@case("fsdp2-safetensors-to_empty")
+def _():
+    with torch.device("meta"):
+        model = fsdp(Net())
+    model.to_empty(device="cpu")
+    torchplace.load_into(model, os.path.join(folder, "net.safetensors"))
+    check_equal(model, reference, "loaded")
+    train_step(model, torch.randn(4, 6))
+    stepped = model.a.weight.full_tensor()
+    assert not torch.equal(stepped, reference["a.weight"]), "the step changed nothing"
+
+
+@case("fsdp2-index-after-forward")
+def _():
+    torch.manual_seed(1)
+    model = fsdp(Net())
+    model(torch.randn(2, 6))  # lazy init done: FSDP2's padded storage is in use
+    torchplace.load_into(model, os.path.join(folder, "net.index.json"))
+    check_equal(model, reference, "loaded")
+    train_step(model, torch.randn(4, 6))
+
+
+@case("fsdp2-torch-zip-skeleton")
+def _():
+    model = fsdp(torchplace.skeleton(Net))  # meta parameters, real buffer
+    torchplace.load_into(model, os.path.join(folder, "net.pt"))
+    check_equal(model, reference, "loaded")
+    train_step(model, torch.randn(4, 6))
+
+
+@case("fsdp2-tied-skeleton")
+def _():
+    tied_reference = load_file(os.path.join(folder, "tied.safetensors"))
+    model = torchplace.skeleton(Tied)
+    fully_shard(model, mesh=mesh)
+    torchplace.load_into(model, os.path.join(folder, "tied.safetensors"))
+    assert model.head.weight is model.embed.weight, "the tie is broken"
+    full = model.embed.weight.full_tensor()
+    assert torch.equal(full, tied_reference["embed.weight"]), "tied weight differs"
+    train_step(model, torch.tensor([[1, 2, 3]]))
+
+
+@case("fsdp2-bf16-file-into-float32")
+def _():
+    with torch.device("meta"):
+        model = fsdp(Net())
+    model.to_empty(device="cpu")
+    torchplace.load_into(model, os.path.join(folder, "net-bf16.safetensors"))
+    expected = {k: v.to(torch.bfloat16).float() for k, v in reference.items()}
+    check_equal(model, expected, "loaded")
+
+
+@case("fsdp2-mapping")
+def _():
+    with torch.device("meta"):
+        model = fsdp(Net())
+    model.to_empty(device="cpu")
+    torchplace.load_into(model, dict(reference))
+    check_equal(model, reference, "loaded")
+
+
+@case("tp-safetensors")
+def _():
+    torch.manual_seed(2)
+    model = tp(MLP())
+    torchplace.load_into(model, os.path.join(folder, "mlp.safetensors"))
+    names = check_equal(model, mlp_reference, "loaded")
+    assert names["down.weight"].placements[0].dim == 1, "down is not row-wise"
+    model(torch.randn(3, 8)).sum().backward()
+
+
+@case("tp-zip-skeleton")
+def _():
+    model = tp(torchplace.skeleton(MLP))
+    torchplace.load_into(model, os.path.join(folder, "mlp.pt"))
+    check_equal(model, mlp_reference, "loaded")
+    model(torch.randn(3, 8)).sum().backward()
+
+
+@case("missing-key")
+def _():
+    with torch.device("meta"):
+        model = fsdp(Net())
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().fill_(7.0)
+    try:
+        torchplace.load_into(model, os.path.join(folder, "net-no-bias.safetensors"))
+    except CheckpointError as exc:
+        results.append(f"ERROR {exc}")
+        assert "missing keys: a.bias" in str(exc), str(exc)
+    else:
+        raise AssertionError("a missing key loaded")
+    for p in model.parameters():
+        assert bool((p.to_local() == 7.0).all()), "the model changed"
+
+
+@case("wrong-shape")
+def _():
+    model = fsdp(torchplace.skeleton(Net))
+    try:
+        torchplace.load_into(model, os.path.join(folder, "net-wide.safetensors"))
+    except CheckpointError as exc:
+        assert "shape mismatches: a.weight: file (7, 5), model (7, 6)" in str(exc), str(exc)
+    else:
+        raise AssertionError("a mis-shaped file loaded")
+    try:
+        torchplace.load_into(model, os.path.join(folder, "mlp.safetensors"))
+    except CheckpointError as exc:
+        assert "missing keys: scale, a.weight" in str(exc), str(exc)
+        assert "unexpected keys: down.bias, down.weight" in str(exc), str(exc)
+    else:
+        raise AssertionError("a foreign file loaded")
+    assert model.a.weight.is_meta, "the model changed"
+
+
+with open(os.path.join(folder, f"results-{rank}.txt"), "w") as f:
+    f.write("\n".join(results))
+dist.barrier()
+dist.destroy_process_group()
+os._exit(0)
+"""
+
+CASES = (
+    "fsdp2-safetensors-to_empty",
+    "fsdp2-index-after-forward",
+    "fsdp2-torch-zip-skeleton",
+    "fsdp2-tied-skeleton",
+    "fsdp2-bf16-file-into-float32",
+    "fsdp2-mapping",
+    "tp-safetensors",
+    "tp-zip-skeleton",
+    "missing-key",
+    "wrong-shape",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _checkpoints(folder: Path) -> None:
+    torch.manual_seed(0)
+    net = {
+        "a.weight": torch.randn(7, 6),
+        "a.bias": torch.randn(7),
+        "b.weight": torch.randn(3, 7),
+        "b.bias": torch.randn(3),
+        "scale": torch.randn(3),
+    }
+    save_file(net, str(folder / "net.safetensors"))
+    save_file(
+        {k: v.to(torch.bfloat16) for k, v in net.items()}, str(folder / "net-bf16.safetensors")
+    )
+    save_file(
+        {k: v for k, v in net.items() if k != "a.bias"}, str(folder / "net-no-bias.safetensors")
+    )
+    save_file(net | {"a.weight": torch.randn(7, 5)}, str(folder / "net-wide.safetensors"))
+    torch.save(net, folder / "net.pt")
+    first = {k: net[k] for k in ("a.weight", "scale")}
+    second = {k: net[k] for k in ("a.bias", "b.weight", "b.bias")}
+    save_file(first, str(folder / "net-1.safetensors"))
+    save_file(second, str(folder / "net-2.safetensors"))
+    weight_map = dict.fromkeys(first, "net-1.safetensors") | dict.fromkeys(
+        second, "net-2.safetensors"
+    )
+    (folder / "net.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    save_file({"embed.weight": torch.randn(9, 4)}, str(folder / "tied.safetensors"))
+    mlp = {
+        "up.weight": torch.randn(16, 8),
+        "up.bias": torch.randn(16),
+        "down.weight": torch.randn(8, 16),
+        "down.bias": torch.randn(8),
+    }
+    save_file(mlp, str(folder / "mlp.safetensors"))
+    torch.save(mlp, folder / "mlp.pt")
+
+
+def test_two_ranks_fill_fsdp2_and_tensor_parallel_models_bit_for_bit(tmp_path: Path) -> None:
+    _checkpoints(tmp_path)
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(WORKER))
+    env = {name: value for name, value in os.environ.items() if name not in TORCHRUN_VARIABLES}
+    env |= {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    if sys.platform == "linux":
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+        str(script), str(tmp_path),
+    ]  # fmt: skip
+    try:
+        done = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=180, check=False
+        )
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"torchrun did not finish in 180 s: {err.stdout!r} {err.stderr!r}")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    lines = [(tmp_path / f"results-{rank}.txt").read_text().splitlines() for rank in (0, 1)]
+    failures = [line for found in lines for line in found if "FAIL" in line]
+    assert not failures, "\n".join(failures)
+    for name in CASES:
+        for rank in (0, 1):
+            assert f"CASE {name} rank {rank}: ok" in lines[rank], output
+    errors = [[line for line in found if line.startswith("ERROR")] for found in lines]
+    assert errors[0] == errors[1] and len(errors[0]) == 1, errors  # the same error on each rank
