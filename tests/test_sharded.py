@@ -1,4 +1,7 @@
-"""load_into on sharded models: slices read from the file, and 2 ranks under torchrun (Gloo)."""
+"""load_into on sharded models: slices read from the file, and 2 ranks under torchrun (Gloo).
+
+The 2-rank job also checks ``torchplace.distributed.verify``, which needs real ranks.
+"""
 
 from __future__ import annotations
 
@@ -334,6 +337,33 @@ def _():
     assert model.a.weight.is_meta, "the model changed"
 
 
+@case("verify-names-stragglers-by-rank")
+def _():
+    import torchplace.distributed
+    from torchplace._errors import DeviceSpecError, PlacementError
+
+    model = Net()
+    torchplace.distributed.verify(model, "cpu")  # every rank in place: every rank returns
+    if rank == 1:
+        model.scale = torch.empty(3, device="meta")
+    pair = dist.new_group([0, 1])
+    try:
+        torchplace.distributed.verify(model, "cpu", group=pair)
+    except PlacementError as exc:
+        results.append(f"ERROR {exc}")
+        assert "rank 1: scale (buffer) is on meta" in str(exc), str(exc)
+        assert "rank 0" not in str(exc), str(exc)
+    else:
+        raise AssertionError("a straggler on rank 1 passed")
+    try:  # rank 0's own check fails: rank 1 must not hang, and both raise the same error
+        torchplace.distributed.verify(Net(), "cdua" if rank == 0 else "cpu")
+    except DeviceSpecError as exc:
+        results.append(f"ERROR {exc}")
+        assert "rank 0: the check itself failed: DeviceSpecError" in str(exc), str(exc)
+    else:
+        raise AssertionError("a failed check passed")
+
+
 with open(os.path.join(folder, f"results-{rank}.txt"), "w") as f:
     f.write("\n".join(results))
 dist.barrier()
@@ -352,6 +382,7 @@ CASES = (
     "tp-zip-skeleton",
     "missing-key",
     "wrong-shape",
+    "verify-names-stragglers-by-rank",
 )
 
 
@@ -426,4 +457,4 @@ def test_two_ranks_fill_fsdp2_and_tensor_parallel_models_bit_for_bit(tmp_path: P
         for rank in (0, 1):
             assert f"CASE {name} rank {rank}: ok" in lines[rank], output
     errors = [[line for line in found if line.startswith("ERROR")] for found in lines]
-    assert errors[0] == errors[1] and len(errors[0]) == 1, errors  # the same error on each rank
+    assert errors[0] == errors[1] and len(errors[0]) == 3, errors  # the same errors on each rank
