@@ -83,7 +83,7 @@ def worker(way: str, folder: Path, layers: int, width: int, rounds: int) -> None
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     path = folder / "model.safetensors"
-    seconds, extra = [], []
+    seconds, extra, floor = [], [], []
     for _ in range(rounds):
         with torch.device("meta"):
             model = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
@@ -123,8 +123,18 @@ def worker(way: str, folder: Path, layers: int, width: int, rounds: int) -> None
                 start_row = rank * -(-p.shape[0] // dist.get_world_size())
                 want = whole[start_row : start_row + rows]
                 assert torch.equal(local, want), f"{way}: {name} differs on rank {rank}"
-        del model
-    figures = {"way": way, "rank": rank, "seconds": seconds, "extra": extra, "shard": shard}
+        # The floor: one copy of the shard's bytes from memory into the shards, timed alike.
+        sources = [torch.randn_like(p.to_local()) for p in model.parameters()]
+        dist.barrier()
+        start = time.perf_counter()
+        with torch.no_grad():
+            for p, source in zip(model.parameters(), sources, strict=True):
+                p.to_local().copy_(source)
+        took = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        floor.append(float(took))
+        del model, sources
+    figures = {"way": way, "seconds": seconds, "extra": extra, "shard": shard, "floor": floor}
     (folder / f"{way}-{rank}.json").write_text(json.dumps(figures))
     dist.barrier()
     dist.destroy_process_group()
@@ -171,6 +181,7 @@ def main() -> None:
         warm: dict[str, list[float]] = {way: [] for way in WAYS}  # fills after it
         extra: dict[str, int] = dict.fromkeys(WAYS, 0)
         shard = 0
+        floor: list[float] = []
         mib = 2**20
         print(
             f"{args.layers} x Linear({args.width}, {args.width}), file {size / mib:.0f} MiB, "
@@ -194,12 +205,17 @@ def main() -> None:
                 warm[way] += ranks[0]["seconds"][1:]
                 extra[way] = max(extra[way], *(max(r["extra"]) for r in ranks))
                 shard = max(shard, *(r["shard"] for r in ranks))
+                floor += ranks[0]["floor"]
         for way in WAYS:
             print(
                 f"{way:>11}: first fill {min(fresh[way]):.3f} s (of {len(fresh[way])}), "
                 f"second fill {min(warm[way]):.3f} s, extra peak memory per rank "
                 f"{extra[way] / mib:.0f} MiB (shard {shard / mib:.0f} MiB)"
             )
+        print(
+            f"{'memcpy':>11}: {min(floor):.3f} s (one copy of each rank's shard from memory "
+            "into the shards, 2 ranks at once: the floor for any way that copies)"
+        )
         rival = min(min(fresh["dcp"]), min(fresh["broadcast"]))
         ratio = min(fresh["torchplace"]) / rival
         warm_ratio = min(warm["torchplace"]) / min(min(warm["dcp"]), min(warm["broadcast"]))
