@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import torchplace
 from torchplace import _sharded
 from torchplace._errors import CheckpointError
 
@@ -112,8 +113,21 @@ def test_an_index_that_names_a_tensor_its_shard_lacks_is_refused(tmp_path: Path)
         _sharded._file_entries(tmp_path / "m.index.json")
 
 
-def test_a_plain_model_does_not_take_the_sharded_path() -> None:
+def test_a_plain_model_does_not_take_the_sharded_path(tmp_path: Path) -> None:
+    """Nor does it pay for importing DTensor: a process that never imported it has none."""
     assert not _sharded.has_dtensors(torch.nn.Linear(2, 2))
+    path = tmp_path / "linear.pt"
+    torch.save(torch.nn.Linear(3, 2).state_dict(), path)
+    code = (
+        "import sys, torch, torchplace\n"
+        f"torchplace.load_into(torchplace.skeleton(torch.nn.Linear, 3, 2), {str(path)!r})\n"
+        "print('torch.distributed.tensor' in sys.modules)\n"
+    )
+    env = os.environ | {"PYTHONPATH": str(Path(torchplace.__file__).parent.parent)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    assert done.stdout.strip() == "False", done.stdout + done.stderr
 
 
 # ------------------------------------------------------------------------ 2 ranks, torchrun
@@ -318,6 +332,15 @@ def _():
         assert bool((p.to_local() == 7.0).all()), "the model changed"
 
 
+@case("strict-false-leaves-what-the-file-lacks-on-meta")
+def _():
+    model = fsdp(torchplace.skeleton(Net))
+    torchplace.load_into(model, os.path.join(folder, "net-no-bias.safetensors"), strict=False)
+    assert model.a.bias.is_meta, "a parameter the file lacks got uninitialized memory"
+    assert torch.equal(model.a.weight.full_tensor(), reference["a.weight"]), "a.weight differs"
+    assert torch.equal(model.b.bias.full_tensor(), reference["b.bias"]), "b.bias differs"
+
+
 @case("wrong-shape")
 def _():
     model = fsdp(torchplace.skeleton(Net))
@@ -381,6 +404,7 @@ CASES = (
     "tp-safetensors",
     "tp-zip-skeleton",
     "missing-key",
+    "strict-false-leaves-what-the-file-lacks-on-meta",
     "wrong-shape",
     "verify-names-stragglers-by-rank",
 )

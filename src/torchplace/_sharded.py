@@ -33,6 +33,7 @@ import math
 import os
 import re
 import struct
+import sys
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -55,10 +56,10 @@ Rename = Callable[[str], "str | None"] | Mapping[str, str] | None
 
 def has_dtensors(model: nn.Module) -> bool:
     """Whether any parameter or buffer of ``model`` is a DTensor (a sharded model)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a build without torch.distributed
+    module = sys.modules.get("torch.distributed.tensor")
+    if module is None:  # never imported, so no DTensor exists (and plain models pay no import)
         return False
+    DTensor = module.DTensor
     tensors = itertools.chain(model.parameters(), model.buffers())
     return any(isinstance(t, DTensor) for t in tensors)
 
@@ -525,8 +526,10 @@ def _fill(
 def _materialize(model: nn.Module, slots: list[_Slot], target: torch.device) -> None:
     """Give meta tensors empty memory on ``target`` as ``to_empty`` would, keeping real ones."""
 
+    loading = {id(slot.tensor) for slot in slots}  # what stays on meta (strict=False) stays
+
     def empty(t: torch.Tensor) -> torch.Tensor:
-        return torch.empty_like(t, device=target) if t.is_meta else t
+        return torch.empty_like(t, device=target) if t.is_meta and id(t) in loading else t
 
     model._apply(empty)  # type: ignore[no-untyped-call]  # FSDP2's own _apply re-pads and re-registers its sharded parameters
     for slot in slots:  # _apply made one tensor per place: tied parameters are one again
