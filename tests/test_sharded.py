@@ -161,10 +161,11 @@ class Net(nn.Module):
         super().__init__()
         self.a = nn.Linear(6, 7)  # 7 rows: uneven over 2 ranks (FSDP2 pads rank 1)
         self.b = nn.Linear(7, 3)  # 3 rows: uneven too
+        self.c = nn.Linear(3, 1)  # 1 row: rank 1 holds none of it
         self.register_buffer("scale", torch.ones(3))  # a plain tensor in a sharded model
 
     def forward(self, x):
-        return self.b(torch.relu(self.a(x))) * self.scale
+        return self.c(self.b(torch.relu(self.a(x))) * self.scale)
 
 
 class Tied(nn.Module):
@@ -423,6 +424,8 @@ def _checkpoints(folder: Path) -> None:
         "a.bias": torch.randn(7),
         "b.weight": torch.randn(3, 7),
         "b.bias": torch.randn(3),
+        "c.weight": torch.randn(1, 3),
+        "c.bias": torch.randn(1),
         "scale": torch.randn(3),
     }
     save_file(net, str(folder / "net.safetensors"))
@@ -435,7 +438,7 @@ def _checkpoints(folder: Path) -> None:
     save_file(net | {"a.weight": torch.randn(7, 5)}, str(folder / "net-wide.safetensors"))
     torch.save(net, folder / "net.pt")
     first = {k: net[k] for k in ("a.weight", "scale")}
-    second = {k: net[k] for k in ("a.bias", "b.weight", "b.bias")}
+    second = {k: net[k] for k in ("a.bias", "b.weight", "b.bias", "c.weight", "c.bias")}
     save_file(first, str(folder / "net-1.safetensors"))
     save_file(second, str(folder / "net-2.safetensors"))
     weight_map = dict.fromkeys(first, "net-1.safetensors") | dict.fromkeys(

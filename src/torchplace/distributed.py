@@ -4,7 +4,10 @@ PyTorch's own ``torch.distributed`` is the engine (torchrun starts the processes
 train); torchplace does not re-implement any of it. ``setup()`` does the part that goes wrong
 by hand: it reads what torchrun set, picks this process's device from ``LOCAL_RANK``, makes it
 the current device, and initializes the process group with the backend that device needs
-(NCCL for CUDA, Gloo for the CPU). See ``docs/distributed.md`` for a whole training script.
+(NCCL for CUDA, Gloo for the CPU). ``verify()`` is ``torchplace.verify`` as a collective: every
+rank raises the same error, naming the stragglers by rank, or every rank returns. See
+``docs/distributed.md`` for whole training scripts (DDP, FSDP2 from a pretrained checkpoint,
+tensor parallelism).
 """
 
 from __future__ import annotations
