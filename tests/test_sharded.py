@@ -130,6 +130,59 @@ def test_a_plain_model_does_not_take_the_sharded_path(tmp_path: Path) -> None:
     assert done.stdout.strip() == "False", done.stdout + done.stderr
 
 
+class _MeshAt:
+    """A 2 x 2 mesh seen from one coordinate (the fake world plays rank 0 only)."""
+
+    def __init__(self, coordinate: tuple[int, int]) -> None:
+        self.coordinate = coordinate
+
+    def get_coordinate(self) -> list[int]:
+        return list(self.coordinate)
+
+    def size(self, mesh_dim: int) -> int:
+        return 2
+
+
+def test_fsdp2_over_tensor_parallel_slices_match_dtensor_on_every_rank(fake_world: object) -> None:
+    """A 2 x 2 mesh (FSDP2 over TP on the same dim): strided shards of uneven sizes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Linear(10, 7))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    strided = 0
+    for name, p in model.named_parameters():
+        strided += "_StridedShard" in str(p.placements)
+        full = torch.arange(p.numel(), dtype=torch.float32).view(p.shape)
+        # Rank 0, as this process is: the very values DTensor gives it.
+        shape, pieces = _sharded._pieces(p, name)
+        got = torch.full(shape, -1.0)
+        for (offsets, lengths), into in pieces:
+            index = tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))
+            (got[into] if into else got).copy_(full[index])
+        expected = distribute_tensor(full, mesh, p.placements, src_data_rank=None)
+        assert torch.equal(got, expected.to_local()), (name, p.placements, pieces)
+        # Every coordinate: the shape and first offsets DTensor computes for it.
+        for coordinate in itertools.product(range(2), range(2)):
+            shape, pieces = _sharded._strided_pieces(p, name, p.placements, _MeshAt(coordinate))
+            want_shape, want_offsets = _compute_local_shape_and_global_offset(
+                p.shape, (2, 2), list(coordinate), p.placements
+            )
+            assert shape == tuple(want_shape), (name, coordinate)
+            assert [box[0] for box, _ in pieces][:1] == [tuple(want_offsets)], (name, coordinate)
+    assert strided == 2  # the column-parallel weight and bias
+
+
 # ------------------------------------------------------------------------ 2 ranks, torchrun
 
 WORKER = r"""

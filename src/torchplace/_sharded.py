@@ -12,8 +12,8 @@ with ``parallelize_module``) is filled here instead of by the general ``load_int
    on the file and on the model's global shapes, so every rank raises the same error, and they
    all come before anything changes.
 3. *Plan*: the box each rank holds of each tensor, from the DTensor's mesh and placements
-   (``Shard(d)`` and ``Replicate()`` on any mesh, uneven shards included); a plain tensor in a
-   sharded model is held whole.
+   (``Shard(d)`` and ``Replicate()`` on any mesh, uneven shards included, and the strided
+   shards of FSDP2 over tensor parallelism); a plain tensor in a sharded model is held whole.
 4. *Fill*: meta tensors (a skeleton) are first given empty memory on the device, as
    ``to_empty`` would, leaving real buffers alone; then each rank reads its boxes straight into
    its local shards. A box that is one run of the file is read into the shard with no copy in
@@ -359,26 +359,81 @@ def _slots(model: nn.Module) -> tuple[list[_Slot], list[str]]:
     return list(by_id.values()), meta_transient
 
 
-def _box(t: torch.Tensor, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(offsets, lengths) of the part of ``t``'s global tensor that this rank holds."""
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (global offsets, lengths), one per dim
+Piece = tuple[Box, tuple[slice, ...]]  # a box of the file, and where it goes in the shard
+
+
+def _pieces(t: torch.Tensor, name: str) -> tuple[tuple[int, ...], list[Piece]]:
+    """The shape of the part of ``t`` this rank holds, and the boxes of the file it is made of.
+
+    One box for ``Shard(d)`` and ``Replicate()`` placements; FSDP2's ``_StridedShard`` (FSDP2
+    over tensor parallelism on the same dim) may hold several, one per run of global indices.
+    """
     if not _is_dtensor(t):
-        return (0,) * t.dim(), tuple(t.shape)
+        return tuple(t.shape), [(((0,) * t.dim(), tuple(t.shape)), ())]
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     placements = t.placements  # type: ignore[attr-defined]
-    odd = [p for p in placements if type(p) not in (Shard, Replicate)]
+    mesh = t.device_mesh  # type: ignore[attr-defined]
+    strided = [p for p in placements if type(p).__name__ == "_StridedShard"]
+    odd = [p for p in placements if type(p) not in (Shard, Replicate) and p not in strided]
     if odd:
         raise CheckpointError(
-            f"{name} is a DTensor placed as {odd[0]}; load_into fills Shard(d) and Replicate() "
-            "placements (FSDP2 with tensor parallelism on another dim, or either alone)"
+            f"{name} is a DTensor placed as {odd[0]}; load_into fills Shard(d), Replicate() "
+            "and FSDP2's strided shards"
         )
-    local_shape, offsets = compute_local_shape_and_global_offset(
-        t.shape,
-        t.device_mesh,  # type: ignore[attr-defined]
-        placements,
-    )
-    return tuple(offsets), tuple(local_shape)
+    if strided:
+        return _strided_pieces(t, name, placements, mesh)
+    local_shape, offsets = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+    return tuple(local_shape), [((tuple(offsets), tuple(local_shape)), ())]
+
+
+def _strided_pieces(
+    t: torch.Tensor, name: str, placements: Any, mesh: Any
+) -> tuple[tuple[int, ...], list[Piece]]:
+    """The global indices this rank holds on each dim, sharding left to right as DTensor does."""
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # not in the mesh: holds nothing
+        return (0,) * t.dim(), []
+    indices = [list(range(n)) for n in t.shape]
+    try:
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.placement_types import _StridedShardOffsetMode
+
+        for mesh_dim, placement in enumerate(placements):
+            if not hasattr(placement, "dim"):  # Replicate
+                continue
+            here = indices[placement.dim]
+            chunks, rank = mesh.size(mesh_dim), coordinate[mesh_dim]
+            if type(placement) is Shard:
+                size, first = Shard.local_shard_size_and_offset(len(here), chunks, rank)
+                indices[placement.dim] = here[first : first + size]
+            else:
+                size, where = placement.local_shard_size_and_offset(
+                    len(here), chunks, rank, _StridedShardOffsetMode.ALL
+                )
+                indices[placement.dim] = [here[i] for i in where] if size else []
+    except (ImportError, AttributeError, TypeError) as exc:
+        raise CheckpointError(
+            f"{name} is placed as {placements}, whose slices this version of torch "
+            f"({torch.__version__}) does not tell ({type(exc).__name__}: {exc}); load it "
+            "with torch.distributed.checkpoint instead"
+        ) from exc
+    runs_per_dim = []
+    for dim_indices in indices:
+        runs: list[tuple[int, int, int]] = []  # (global start, length, local start)
+        for local, index in enumerate(dim_indices):
+            if runs and runs[-1][0] + runs[-1][1] == index:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1, runs[-1][2])
+            else:
+                runs.append((index, 1, local))
+        runs_per_dim.append(runs)
+    pieces: list[Piece] = []
+    for combo in itertools.product(*runs_per_dim):
+        box = (tuple(r[0] for r in combo), tuple(r[1] for r in combo))
+        pieces.append((box, tuple(slice(r[2], r[2] + r[1]) for r in combo)))
+    return tuple(len(i) for i in indices), pieces
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -491,9 +546,7 @@ def _read_box(
         dest[r0 : r0 + n].copy_(block[inside])
 
 
-def _fill(
-    reader: _Reader, entry: _Entry, box: tuple[tuple[int, ...], tuple[int, ...]], dest: torch.Tensor
-) -> None:
+def _fill(reader: _Reader, entry: _Entry, box: Box, dest: torch.Tensor) -> None:
     offsets, lengths = box
     if entry.tensor is not None:
         index = tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))
@@ -620,12 +673,12 @@ def load_sharded(
             f"load nothing: the model has {_listing(missing, 5)}"
         )
 
-    boxes = []
+    pieces = []
     materialize_on: torch.device | None = None
     for slot, _ in plan:
         t = slot.tensor
         name = slot.names[0]
-        boxes.append(_box(t, name))
+        pieces.append(_pieces(t, name))
         if t.is_meta:
             here = target
             if here is None:
@@ -657,12 +710,13 @@ def load_sharded(
             changed = True
             _materialize(model, [slot for slot, _ in plan], materialize_on)
         with torch.no_grad():
-            for (slot, entry), box in zip(plan, boxes, strict=True):
+            for (slot, entry), (shape, parts) in zip(plan, pieces, strict=True):
                 dest = _local(slot.tensor)
-                if tuple(dest.shape) != box[1]:  # FSDP2 may keep a padded shard: fill its part
-                    dest = dest[tuple(slice(0, n) for n in box[1])]
+                if tuple(dest.shape) != shape:  # FSDP2 may keep a padded shard: fill its part
+                    dest = dest[tuple(slice(0, n) for n in shape)]
                 changed = True
-                _fill(reader, entry, box, dest)
+                for box, into in parts:
+                    _fill(reader, entry, box, dest[into] if into else dest)
     except TorchplaceError:
         raise
     except Exception as exc:
