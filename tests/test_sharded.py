@@ -183,6 +183,29 @@ def test_fsdp2_over_tensor_parallel_slices_match_dtensor_on_every_rank(fake_worl
     assert strided == 2  # the column-parallel weight and bias
 
 
+def test_a_sharded_model_is_filled_where_it_is_or_refused_untouched(
+    fake_world: object, tmp_path: Path
+) -> None:
+    """Rank 0 of 4 (fake world): a quarter of each weight, and device= cannot move shards."""
+    from torch.distributed.fsdp import fully_shard
+
+    path = tmp_path / "m.safetensors"
+    state = {"weight": torch.randn(10, 3), "bias": torch.randn(10)}
+    save_file(state, str(path))
+    with torch.device("meta"):
+        model = torch.nn.Linear(3, 10)
+    fully_shard(model, mesh=fake_world)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.weight.to_local().fill_(7.0)
+    with pytest.raises(CheckpointError, match=r"weight is on cpu, not on device=meta.*to_empty"):
+        torchplace.load_into(model, path, "meta")
+    assert bool((model.weight.to_local() == 7.0).all())
+    torchplace.load_into(model, path)
+    assert torch.equal(model.weight.to_local(), state["weight"][:3])  # rows 0-2 of 10 on rank 0
+    assert torch.equal(model.bias.to_local(), state["bias"][:3])
+
+
 # ------------------------------------------------------------------------ 2 ranks, torchrun
 
 WORKER = r"""
