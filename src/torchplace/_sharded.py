@@ -673,6 +673,15 @@ def load_sharded(
             f"load nothing: the model has {_listing(missing, 5)}"
         )
 
+    if target is not None and target.type == "meta":
+        raise CheckpointError(
+            f"{where}: device='meta' holds no data, so a sharded model cannot be filled there; "
+            "pass device=None to fill each rank's shards where they are"
+        )
+    # Meta tensors get memory on ``device``; by default on the device type of the mesh.
+    meshes = [getattr(slot.tensor, "device_mesh", None) for slot, _ in plan]
+    mesh_types = [mesh.device_type for mesh in meshes if mesh is not None]
+    new_home = target or (_device(mesh_types[0]) if mesh_types else torch.device("cpu"))
     pieces = []
     materialize_on: torch.device | None = None
     for slot, _ in plan:
@@ -680,13 +689,7 @@ def load_sharded(
         name = slot.names[0]
         pieces.append(_pieces(t, name))
         if t.is_meta:
-            here = target
-            if here is None:
-                mesh = getattr(t, "device_mesh", None)
-                here = _device(mesh.device_type) if mesh is not None else torch.device("cpu")
-            if materialize_on is not None and here != materialize_on:
-                raise CheckpointError(f"{name}: cannot go to {here} and {materialize_on} at once")
-            materialize_on = here
+            materialize_on = new_home
         elif target is not None and t.device != target:
             raise CheckpointError(
                 f"{name} is on {t.device}, not on device={target}: load_into fills a sharded "
