@@ -206,6 +206,24 @@ def test_a_sharded_model_is_filled_where_it_is_or_refused_untouched(
     assert torch.equal(model.bias.to_local(), state["bias"][:3])
 
 
+class _SelfLoading(torch.nn.Linear):
+    def _load_from_state_dict(self, *args: object, **kwargs: object) -> None:
+        raise AssertionError("never called")
+
+
+def test_a_module_that_loads_itself_is_refused_by_name(fake_world: object, tmp_path: Path) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    path = tmp_path / "m.safetensors"
+    save_file({"0.weight": torch.ones(4, 2), "0.bias": torch.ones(4)}, str(path))
+    with torch.device("meta"):
+        model = torch.nn.Sequential(_SelfLoading(2, 4))
+    fully_shard(model, mesh=fake_world)
+    with pytest.raises(CheckpointError, match=r"0 \(_SelfLoading\) overrides _load_from"):
+        torchplace.load_into(model, path)
+    assert model[0].weight.is_meta
+
+
 # ------------------------------------------------------------------------ 2 ranks, torchrun
 
 WORKER = r"""

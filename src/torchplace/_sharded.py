@@ -596,6 +596,26 @@ def _materialize(model: nn.Module, slots: list[_Slot], target: torch.device) -> 
         slot.tensor = first  # type: ignore[assignment]
 
 
+def _refuse_own_loaders(where: str, model: nn.Module) -> None:
+    """A module that loads itself (its own ``_load_from_state_dict``) cannot be followed here."""
+    from torch.nn.modules.batchnorm import _NormBase
+    from torch.nn.modules.instancenorm import _InstanceNorm
+
+    followed = (nn.Module, _NormBase, _InstanceNorm)  # theirs only upgrade old norm files
+    for name, module in model.named_modules():
+        owner = next(
+            (k for k in type(module).__mro__ if "_load_from_state_dict" in vars(k)), nn.Module
+        )
+        if owner in followed and "_load_from_state_dict" not in vars(module):
+            continue
+        what = f"{name} ({type(module).__name__})" if name else type(module).__name__
+        raise CheckpointError(
+            f"{where}: cannot be loaded into this sharded model: {what} overrides "
+            "_load_from_state_dict, and load_into reads each rank's slices itself, so it cannot "
+            "follow that code; the model is untouched"
+        )
+
+
 def _reshard(model: nn.Module) -> None:
     """FSDP2 modules hold their sharded parameters (as before a load_state_dict)."""
     try:
@@ -627,6 +647,7 @@ def load_sharded(
         where = str(p)
         entries = _renamed(_file_entries(p), rename, where)
     target = None if device is None else _device(device)
+    _refuse_own_loaders(where, model)
     slots, meta_transient = _slots(model)
 
     missing: list[str] = []
