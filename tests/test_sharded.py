@@ -341,11 +341,15 @@ def _():
     assert not torch.equal(stepped, reference["a.weight"]), "the step changed nothing"
 
 
-@case("fsdp2-index-after-forward")
+@case("fsdp2-index-after-training-unsharded")
 def _():
     torch.manual_seed(1)
-    model = fsdp(Net())
-    model(torch.randn(2, 6))  # lazy init done: FSDP2's padded storage is in use
+    for child in (Net_a := Net()).children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh, reshard_after_forward=False)
+    model = fully_shard(Net_a, mesh=mesh, reshard_after_forward=False)
+    train_step(model, torch.randn(2, 6))  # lazy init done: FSDP2's padded storage is in use
+    model(torch.randn(2, 6))  # and the parameters are left unsharded
     torchplace.load_into(model, os.path.join(folder, "net.index.json"))
     check_equal(model, reference, "loaded")
     train_step(model, torch.randn(4, 6))
@@ -491,7 +495,7 @@ os._exit(0)
 
 CASES = (
     "fsdp2-safetensors-to_empty",
-    "fsdp2-index-after-forward",
+    "fsdp2-index-after-training-unsharded",
     "fsdp2-torch-zip-skeleton",
     "fsdp2-tied-skeleton",
     "fsdp2-bf16-file-into-float32",

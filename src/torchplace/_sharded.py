@@ -59,6 +59,9 @@ def has_dtensors(model: nn.Module) -> bool:
     module = sys.modules.get("torch.distributed.tensor")
     if module is None:  # never imported, so no DTensor exists (and plain models pay no import)
         return False
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules()):
+        return True  # FSDP2, even while it holds its parameters unsharded (plain tensors)
     DTensor = module.DTensor
     tensors = itertools.chain(model.parameters(), model.buffers())
     return any(isinstance(t, DTensor) for t in tensors)
@@ -454,6 +457,9 @@ def _listing(items: list[str], limit: int = 10) -> str:
 def _writable(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, writable (any dtype: no numpy)."""
     n = t.numel() * t.element_size()
+    held = t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
+    if n > held:  # a storage FSDP2 freed (resized to 0): writing there would crash the process
+        raise RuntimeError(f"a tensor of {n} bytes has only {held} bytes of storage")
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
@@ -648,6 +654,13 @@ def load_sharded(
         entries = _renamed(_file_entries(p), rename, where)
     target = None if device is None else _device(device)
     _refuse_own_loaders(where, model)
+    try:
+        _reshard(model)  # FSDP2 registers its sharded parameters again (values unchanged)
+    except Exception as exc:
+        raise CheckpointError(
+            f"{where}: FSDP2 could not reshard {type(model).__name__} before the load "
+            f"({type(exc).__name__}: {exc}); the model is untouched"
+        ) from exc
     slots, meta_transient = _slots(model)
 
     missing: list[str] = []
@@ -729,7 +742,6 @@ def load_sharded(
     reader = _Reader()
     changed = False
     try:
-        _reshard(model)
         if materialize_on is not None:
             changed = True
             _materialize(model, [slot for slot, _ in plan], materialize_on)
