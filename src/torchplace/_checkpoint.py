@@ -1138,6 +1138,10 @@ def load_into(
             f"load_into() fills an nn.Module, not {type(model).__name__}; build the model "
             "first, e.g. load_into(torchplace.skeleton(MyModel, ...), path)"
         )
+    from ._sharded import has_dtensors, load_sharded
+
+    if has_dtensors(model):  # FSDP2, tensor parallelism: each rank reads its own slices
+        return cast(ModuleT, load_sharded(model, path, device, strict=strict))
     target = None if device is None else _device(device)
     p = as_path(path)
     _refuse_own_loaders(p, model)
