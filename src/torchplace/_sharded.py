@@ -42,7 +42,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ._checkpoint_cli import _InertUnpickler, _rebuild_tensor, _shape, _TensorRef, _walk
+from ._checkpoint_cli import _InertUnpickler, _rebuild_tensor, _shape, _tensor_refs, _TensorRef
 from ._devices import device as _device
 from ._errors import CheckpointError, TorchplaceError
 
@@ -141,7 +141,7 @@ def _zip_entries(p: Path) -> dict[str, _Entry]:
             records = {info.filename: info for info in archive.infolist()}
             starts: dict[str, tuple[int, int]] = {}  # storage key -> (first byte, bytes)
             entries: dict[str, _Entry] = {}
-            for name, ref in _walk(root, ""):
+            for name, ref in _tensor_refs(root):
                 storage = ref.storage
                 if not isinstance(ref, _Located) or storage is None or storage.location == "meta":
                     raise CheckpointError(

@@ -217,17 +217,21 @@ _SHOWN = 20  # straggler lines an error shows, over all ranks
 def _local_report(obj: Any, device: Any, optimizer: Any) -> tuple[str, list[str]]:
     """("", []) when this rank's objects are in place; else (error class, lines)."""
     from ._devices import normalize
-    from ._inspect import Straggler, _misplaced, fix_for, nbytes
+    from ._inspect import _misplaced, fix_for
 
     try:
         target = normalize(device)
         lines = []
-        for e in _misplaced(obj, target, optimizer):
-            s = Straggler(e.name, e.kind, e.tensor.device, nbytes(e.tensor))
-            where = f"is on {s.device}" + (", expected cpu" if e.host else f", expected {target}")
+        bad = _misplaced(obj, target, optimizer)
+        rebuild = target.type != "meta" and any(e.non_persistent and e.tensor.is_meta for e in bad)
+        for e in bad:
+            where = f"is on {e.tensor.device}" + (
+                ", expected cpu" if e.host else f", expected {target}"
+            )
             if e.stale:
-                where = f"is on {s.device}, held for a replaced parameter"
-            lines.append(f"{s.name} ({s.kind}) {where}; fix: {fix_for(s, target, e.host, e.stale)}")
+                where = f"is on {e.tensor.device}, held for a replaced parameter"
+            fix = fix_for(e, target, rebuild=rebuild)
+            lines.append(f"{e.name} ({e.kind}) {where}; fix: {fix}")
     except Exception as exc:  # the check itself failed here: every rank must still hear of it
         kind = type(exc).__name__ if isinstance(exc, TorchplaceError) else "TorchplaceError"
         return kind, [f"the check itself failed: {type(exc).__name__}: {first_line(exc)}"]
