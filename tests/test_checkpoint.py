@@ -1387,7 +1387,7 @@ def test_an_empty_file_under_strict_false_says_it_holds_nothing(tmp_path: Path) 
 def test_a_swap_that_fails_midway_puts_back_the_ones_done(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import torchplace._checkpoint as checkpoint
+    import torchplace._fill as checkpoint
 
     path = save(nn.Linear(2, 2).state_dict(), tmp_path / "lin.pt")
     model = skeleton(nn.Linear, 2, 2)
@@ -1517,7 +1517,7 @@ def test_tied_weights_saved_twice_with_equal_values_load(tmp_path: Path) -> None
 def test_a_shard_spelt_two_ways_is_read_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from torchplace import _checkpoint
+    from torchplace import _read as _checkpoint
 
     safetensors_torch.save_file(
         {"a": torch.ones(2), "b": torch.arange(3.0)}, tmp_path / "s1.safetensors"
