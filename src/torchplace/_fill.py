@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import bisect
 import functools
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -16,6 +18,7 @@ from ._devices import device as _device
 from ._errors import CheckpointError, TorchplaceError
 from ._formats import PathLike, _first_sentence, as_path
 from ._read import load
+from ._rename import Rename, as_renamer, renamed
 from ._skeleton import ModuleT, _parameter_like, _swap
 from ._statedict import (
     _as_load_state_dict_sees,
@@ -89,9 +92,8 @@ def _prefix_hint(missing: list[str], unexpected: list[str]) -> str:
         extra = u[: len(u) - len(names[0])]
         if all(extra + n in files for n in names):
             return (
-                f"; the file's keys carry an extra prefix {extra!r}: save them without it, "
-                f"torch.save({{k.removeprefix({extra!r}): v for k, v in "
-                "torchplace.load(path).items()}, fixed_path), and load fixed_path"
+                f"; the file's keys carry an extra prefix {extra!r}: drop it as they load, "
+                f'load_into(model, path, rename={{{_pattern("^" + re.escape(extra))}: ""}})'
             )
     m = next((n for n in names if n.endswith(unexpected[0]) and n != unexpected[0]), None)
     if m is not None:
@@ -104,6 +106,11 @@ def _prefix_hint(missing: list[str], unexpected: list[str]) -> str:
     return ""
 
 
+def _pattern(regex: str) -> str:
+    """A regular expression as Python source, raw where that reads better."""
+    return f'r"{regex}"' if '"' not in regex and not regex.endswith("\\") else repr(regex)
+
+
 def _target_for(slot: _Slot, target: torch.device | None) -> torch.device:
     if target is not None:
         return target
@@ -111,19 +118,28 @@ def _target_for(slot: _Slot, target: torch.device | None) -> torch.device:
     return torch.device("cpu") if here.type == "meta" else here
 
 
-def _place(slot: _Slot, value: torch.Tensor) -> Callable[[], None]:
+def _place(slot: _Slot, value: torch.Tensor, undos: list[Callable[[], object]]) -> None:
     """Put ``value`` in the slot, keeping the Parameter object (and so ties and optimizers).
 
-    Returns what puts the slot back as it was.
+    What puts the slot back is appended to ``undos`` before anything changes, and it checks
+    whether the change was made, so an interrupt at any point leaves an undo that is right.
     """
     current = slot.tensor
     if slot.is_param:
         assert isinstance(current, nn.Parameter)
         new = _parameter_like(current, value)
+        before = current._cdata  # swap_tensors exchanges the tensors' implementations
+
+        def unswap() -> None:
+            if current._cdata != before:
+                _swap(current, new)  # new holds what current held
+
+        undos.append(unswap)
         try:
             _swap(current, new)
-            return lambda: _swap(current, new)  # new holds what current held
+            return
         except (RuntimeError, TypeError):  # weak references or autograd holds it: rebind
+            undos.pop()
             replacement: torch.Tensor = new
     else:
         replacement = value
@@ -136,8 +152,8 @@ def _place(slot: _Slot, value: torch.Tensor) -> Callable[[], None]:
                 module._buffers[name] = to
         slot.tensor = to
 
+    undos.append(functools.partial(rebind, current))
     rebind(replacement)
-    return lambda: rebind(current)
 
 
 _MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
@@ -204,7 +220,14 @@ class _Spans:
 
 
 def load_into(
-    model: ModuleT, path: PathLike, device: DeviceSpec = None, /, *, strict: bool = True
+    model: ModuleT,
+    source: PathLike | Mapping[str, Any],
+    device: DeviceSpec = None,
+    /,
+    *,
+    strict: bool = True,
+    mmap: bool = False,
+    rename: Rename | None = None,
 ) -> ModuleT:
     """Fill ``model`` (a skeleton or a real model) from a checkpoint, weights on ``device``.
 
@@ -216,16 +239,28 @@ def load_into(
     >>> model.weight.device, model.weight.requires_grad
     (device(type='cpu'), True)
 
+    ``source`` is a path (a file, a shard index, or a directory as ``save_pretrained`` writes
+    it, as for ``load``) or a mapping of names to tensors already in memory (a state dict, a
+    Lightning checkpoint's ``["state_dict"]``); the model gets its own copy of a mapping's
+    tensors, so the two never share memory. ``rename`` fits another program's names to the
+    model's before anything is checked: a callable ``str -> str | None`` (None drops the key) or
+    a dict of regular expressions to replacements applied in order, e.g. ``{r"^module\\.": ""}``
+    for a file saved from DDP or ``{r"^model\\.": ""}`` for a Lightning module's state dict.
+
     ``device`` defaults to where each tensor already is, or the CPU for a skeleton's ``meta``
-    parameters. On the CPU the file is memory-mapped and assigned, copy-on-write, so no second
-    copy of the weights is made (the file must not be rewritten in place while the model uses
-    it: save to a new name and rename). A parameter that already holds memory on the target is
-    filled in place. Parameter objects are kept, with their class and attributes, so tied
-    weights stay tied and optimizers stay valid; a tied parameter saved under any one of its
-    names counts as present, and one saved under two names with different values raises. Weights
-    the model keeps apart never share memory, even where the file holds them in one storage
-    (those, and only those, are copied). The model's declared dtypes and memory layouts are kept
-    (the file's tensors are converted, and one saved as a transposed view loads contiguous).
+    parameters. A file's bytes are read straight into the memory the model keeps (onto a GPU,
+    through pinned buffers), with no second copy of the weights, so the file may be rewritten at
+    once (``torch.save(model.state_dict(), path)`` to the path it came from is safe).
+    ``mmap=True`` assigns pages of the memory-mapped file instead (zero-copy, copy-on-write): the
+    model then dies with the file, and **rewriting or truncating it while the model lives crashes
+    the process** (SIGBUS, exit -7), so use it only for files nothing writes to. A parameter that
+    already holds memory on the target is filled in place. Parameter objects are kept, with
+    their class and attributes, so tied weights stay tied and optimizers stay valid; a tied
+    parameter saved under any one of its names counts as present, and one saved under two names
+    with different values raises. Weights the model keeps apart never share memory, even where
+    the file holds them in one storage (those, and only those, are copied). The model's declared
+    dtypes and memory layouts are kept (the file's tensors are converted, and one saved as a
+    transposed view loads contiguous).
 
     As ``load_state_dict`` does, each module's load pre-hooks run on its part of the file, older
     BatchNorm files without ``num_batches_tracked`` load, lazy modules take the file's shapes,
@@ -241,6 +276,12 @@ def load_into(
     raise ``CheckpointError`` listing them by name, and the model is left untouched; without it,
     keys that do not match are skipped (a shape mismatch still raises, and so does a file of
     which not one key matches, unless the model has load post-hooks).
+
+    All or nothing: a failure, or a ``KeyboardInterrupt``, while a skeleton (or any model whose
+    tensors are swapped in) is being filled puts every parameter and buffer back as it was
+    before the error goes on. Values filled in place into a real model's memory are put back
+    only when a post-hook's check kept a copy of them; otherwise the error says the model is
+    partly filled.
     """
     if not isinstance(model, nn.Module):
         raise TorchplaceError(
@@ -248,124 +289,204 @@ def load_into(
             "first, e.g. load_into(torchplace.skeleton(MyModel, ...), path)"
         )
     target = None if device is None else _device(device)
-    p = as_path(path)
+    renamer = None if rename is None else as_renamer(rename)
+    from_memory = isinstance(source, Mapping)
+    p: Path | str = "the state dict given to load_into" if from_memory else as_path(source)
     _refuse_own_loaders(p, model)
     loadable, transient, extra = _slots(model)
-    read_on = target if target is not None and target.type == "meta" else torch.device("cpu")
-    state = load(p, read_on)
+    read_on = _read_on(loadable, target)
+    if isinstance(source, Mapping):
+        state: Any = source
+    else:
+        assert isinstance(p, Path)
+        state = load(p, read_on, mmap=mmap)
+    _check_state_dict(p, model, state, loadable)
+    if renamer is not None:
+        state = renamed(str(p), state, renamer)
+    # What each module would be given by load_state_dict: older norm layers upgraded, every
+    # pre-hook run (a layout converted, a key renamed), so values and shapes match its result.
+    seen = _as_load_state_dict_sees(p, model, state, extra)
+    fit = _Fit(p, model, seen, loadable, transient, extra, read_on, strict)
+    prepared = _prepare(fit, target, copy=from_memory)
+    _apply(fit, prepared, extra, seen.own)
+    return model
+
+
+def _read_on(loadable: list[_Slot], target: torch.device | None) -> torch.device:
+    """Where a file is read to: the one device every tensor goes to, unless that means a copy.
+
+    Onto ``meta`` nothing is read. Onto a CUDA device that no tensor of the model is on yet (a
+    skeleton), the bytes go through pinned buffers straight there. Otherwise the file is read
+    into host memory, and tensors are filled or moved from it.
+    """
+    devices = {target} if target is not None else {_target_for(s, None) for s in loadable}
+    if len(devices) != 1:
+        return torch.device("cpu")
+    (dev,) = devices
+    if dev.type == "meta":
+        return dev
+    if dev.type == "cuda" and not any(s.tensor.device == dev for s in loadable):
+        return dev
+    return torch.device("cpu")
+
+
+def _check_state_dict(p: Path | str, model: nn.Module, state: Any, loadable: list[_Slot]) -> None:
+    """A ``CheckpointError`` for what is not a state dict, with the way to the one inside."""
     if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
         raise CheckpointError(f"{p}: holds a {type(state).__name__}, not a state dict")
     nested = [k for k, v in state.items() if isinstance(v, Mapping)]
     if nested and not any(isinstance(v, torch.Tensor) for v in state.values()):
+        key = "state_dict" if "state_dict" in nested else nested[0]
+        inner = state[key]
+        names = {n for slot in loadable for n in slot.names}
+        rename = ""
+        if inner and not any(k in names for k in inner):
+            first = next(iter(inner))
+            head = first.split(".", 1)[0] + "." if "." in first else ""
+            fits = any(k[len(head) :] in names for k in inner)
+            if head and fits and all(k.startswith(head) for k in inner):
+                rename = f', rename={{r"^{re.escape(head)}": ""}}'
+        where = "state" if isinstance(p, str) else "torchplace.load(path)"
         raise CheckpointError(
-            f"{p}: holds a dict of {_listing(sorted(nested), 5)}, not a state dict; save the "
-            f"part you need on its own, torch.save(torchplace.load(path)[{nested[0]!r}], "
-            "weights_path), and load_into the model from weights_path"
+            f"{p}: holds a dict of {_listing(sorted(nested), 5)}, not a state dict; load the "
+            f"part that holds the weights, load_into(model, {where}[{key!r}]{rename})"
         )
-    # What each module would be given by load_state_dict: older norm layers upgraded, every
-    # pre-hook run (a layout converted, a key renamed), so values and shapes match its result.
-    seen = _as_load_state_dict_sees(p, model, state, extra)
-    own = seen.own
 
-    missing: list[str] = []
-    not_loaded: list[str] = []  # every name of what stays as it was, for post-hooks
-    mismatched: list[str] = []
-    conflicts: list[str] = []
-    plan: list[tuple[_Slot, torch.Tensor]] = []
-    for slot in loadable:
-        present = [n for n in slot.names if n in own]
-        if not present:
-            also = f" (tied to {', '.join(slot.names[1:])})" if len(slot.names) > 1 else ""
-            missing.append(slot.names[0] + also)
-            not_loaded += slot.names
-            continue
-        # A lazy parameter takes the file's shape, as its load_state_dict pre-hook (which
-        # load_into does not run: it would materialize before the checks) lets it.
-        lazy = is_lazy(slot.tensor)
-        bad = False
-        for name in present:
-            value = own[name]
-            if not isinstance(value, torch.Tensor):
-                mismatched.append(f"{name}: the file holds a {type(value).__name__}")
-                bad = True
-            elif not lazy and value.shape != slot.tensor.shape:
-                mismatched.append(
-                    f"{name}: file {tuple(value.shape)}, model {tuple(slot.tensor.shape)}"
-                )
-                bad = True
-        if bad:
-            continue
-        value = own[present[0]]
-        # A tied parameter is one tensor: a file that gives its names different values was
-        # saved from a model that kept them apart, and either value would be a guess.
-        conflicts += [
-            f"{present[0]} and {n}" for n in present[1:] if not _same_values(value, own[n])
+
+class _Fit:
+    """How a state dict fits the model: what goes where, and what is missing or refused.
+
+    Raises ``CheckpointError`` (the model untouched) for a file that does not fit, unless the
+    model's post-hooks may yet clear its missing or unexpected keys (``deferred``).
+    """
+
+    def __init__(
+        self,
+        p: Path | str,
+        model: nn.Module,
+        seen: Any,
+        loadable: list[_Slot],
+        transient: list[_Slot],
+        extra: Mapping[str, nn.Module],
+        read_on: torch.device,
+        strict: bool,
+    ) -> None:
+        self.p, self.model, self.strict, self.transient = p, model, strict, transient
+        own = seen.own
+        missing: list[str] = []
+        not_loaded: list[str] = []  # every name of what stays as it was, for post-hooks
+        mismatched: list[str] = []
+        conflicts: list[str] = []
+        self.plan: list[tuple[_Slot, torch.Tensor]] = []
+        for slot in loadable:
+            present = [n for n in slot.names if n in own]
+            if not present:
+                also = f" (tied to {', '.join(slot.names[1:])})" if len(slot.names) > 1 else ""
+                missing.append(slot.names[0] + also)
+                not_loaded += slot.names
+                continue
+            # A lazy parameter takes the file's shape, as its load_state_dict pre-hook (which
+            # load_into does not run: it would materialize before the checks) lets it.
+            lazy = is_lazy(slot.tensor)
+            bad = False
+            for name in present:
+                value = own[name]
+                if not isinstance(value, torch.Tensor):
+                    mismatched.append(f"{name}: the file holds a {type(value).__name__}")
+                    bad = True
+                elif not lazy and value.shape != slot.tensor.shape:
+                    mismatched.append(
+                        f"{name}: file {tuple(value.shape)}, model {tuple(slot.tensor.shape)}"
+                    )
+                    bad = True
+            if bad:
+                continue
+            value = own[present[0]]
+            # A tied parameter is one tensor: a file that gives its names different values was
+            # saved from a model that kept them apart, and either value would be a guess.
+            conflicts += [
+                f"{present[0]} and {n}" for n in present[1:] if not _same_values(value, own[n])
+            ]
+            self.plan.append((slot, value))
+        missing_extra = [k for k in extra if k not in own]
+        missing += missing_extra
+        not_loaded += missing_extra
+        listed = {m.split(" (tied to ")[0] for m in missing} | set(not_loaded)
+        missing += [k for k in seen.missing if k not in listed]  # what pre-hooks reported
+        not_loaded += [k for k in seen.missing if k not in listed]
+        self.not_loaded, self.unexpected = not_loaded, list(seen.unexpected)
+        no_data = [
+            s.names[0]
+            for s in transient
+            if s.tensor.device.type == "meta" and read_on.type != "meta"
         ]
-        plan.append((slot, value))
-    missing_extra = [k for k in extra if k not in own]
-    missing += missing_extra
-    not_loaded += missing_extra
-    listed = {m.split(" (tied to ")[0] for m in missing} | set(not_loaded)
-    missing += [k for k in seen.missing if k not in listed]  # what pre-hooks reported
-    not_loaded += [k for k in seen.missing if k not in listed]
-    unexpected = seen.unexpected
-    no_data = [
-        s.names[0] for s in transient if s.tensor.device.type == "meta" and read_on.type != "meta"
-    ]
+        problems = []
+        if mismatched:
+            problems.append(f"shape mismatches: {_listing(mismatched)}")
+        if conflicts:
+            drop = conflicts[0].split(" and ")[1]
+            problems.append(
+                f"tied weights saved with different values: {_listing(conflicts)} (the file was "
+                "saved from a model that keeps them apart; keep the value you want and drop the "
+                f"other, e.g. rename=lambda k: None if k == {drop!r} else k)"
+            )
+        if seen.errors:
+            problems.append(f"refused by the model: {_listing(seen.errors)}")
+        if strict and no_data:
+            problems.append(
+                f"non-persistent buffers on meta that no checkpoint holds: {_listing(no_data)} "
+                "(build the model with torchplace.skeleton so buffers stay real)"
+            )
+        unexpected = self.unexpected
+        # Keys alone: post-hooks may clear them, as load_state_dict lets them (its strict check
+        # comes after its post-hooks). Then the load goes ahead, and is undone if any is left.
+        keys_only = strict and bool(missing or unexpected) and not problems
+        self.hooked = _has_post_hooks(model)
+        self.deferred = keys_only and self.hooked
+        self.matched = bool(self.plan) or any(k in own for k in extra)  # strict=False loads any
+        if (strict and (missing or unexpected) and not self.deferred) or problems:
+            raise _does_not_fit(
+                p, model, problems, missing if strict else [], unexpected, strict, self.matched
+            )
+        if not strict and not self.matched and loadable and not self.hooked:
+            held = f"the file has {_listing(unexpected, 5)}" if unexpected else "it holds none"
+            raise CheckpointError(
+                f"{p}: not one of its keys matches {type(model).__name__}, so strict=False "
+                f"would load nothing: the model has {_listing(missing, 5)}; {held}"
+                f"{_prefix_hint(missing, unexpected)}"
+            )
 
-    problems = []
-    if mismatched:
-        problems.append(f"shape mismatches: {_listing(mismatched)}")
-    if conflicts:
-        drop = conflicts[0].split(" and ")[1]
-        problems.append(
-            f"tied weights saved with different values: {_listing(conflicts)} (the file was "
-            "saved from a model that keeps them apart; keep the value you want, e.g. "
-            f"torch.save({{k: v for k, v in torchplace.load(path).items() if k != {drop!r}}}, "
-            "fixed_path), and load fixed_path)"
-        )
-    if seen.errors:
-        problems.append(f"refused by the model: {_listing(seen.errors)}")
-    if strict and no_data:
-        problems.append(
-            f"non-persistent buffers on meta that no checkpoint holds: {_listing(no_data)} "
-            "(build the model with torchplace.skeleton so buffers stay real)"
-        )
-    # Keys alone: post-hooks may clear them, as load_state_dict lets them (its strict check
-    # comes after its post-hooks). Then the load goes ahead, and is undone if any key is left.
-    keys_only = strict and bool(missing or unexpected) and not problems
-    hooked = _has_post_hooks(model)
-    deferred = keys_only and hooked
-    matched = bool(plan) or any(k in own for k in extra)  # whether strict=False would load any
-    if (strict and (missing or unexpected) and not deferred) or problems:
-        raise _does_not_fit(
-            p, model, problems, missing if strict else [], unexpected, strict, matched
-        )
-    if not strict and not matched and loadable and not hooked:
-        held = f"the file has {_listing(unexpected, 5)}" if unexpected else "the file holds none"
-        raise CheckpointError(
-            f"{p}: not one of its keys matches {type(model).__name__}, so strict=False would "
-            f"load nothing: the model has {_listing(missing, 5)}; {held}"
-            f"{_prefix_hint(missing, unexpected)}"
-        )
 
-    # Phase 1: everything that can fail for lack of memory or a bad device (the transfers and
-    # conversions) happens before the model changes, so a failure leaves it untouched.
-    fills: list[tuple[_Slot, torch.Tensor]] = []  # memory already on the target: filled in place
-    places: list[tuple[_Slot, torch.Tensor]] = []  # a new tensor swapped in
+class _Prepared:
+    """Phase 1's result: tensors to fill in place, tensors to swap in, values kept for undo."""
+
+    __slots__ = ("backups", "fills", "places")
+
+    def __init__(self) -> None:
+        self.fills: list[tuple[_Slot, torch.Tensor]] = []  # memory on the target: filled
+        self.places: list[tuple[_Slot, torch.Tensor]] = []  # a new tensor swapped in
+        self.backups: list[tuple[torch.Tensor, torch.Tensor]] = []  # filled tensors' values
+
+
+def _prepare(fit: _Fit, target: torch.device | None, *, copy: bool) -> _Prepared:
+    """Phase 1: every transfer and conversion, which may fail for lack of memory or a bad
+    device, done before the model changes, so that such a failure leaves it untouched.
+
+    ``copy``: the values are the caller's (a mapping), so the model gets copies of its own.
+    """
+    out = _Prepared()
     spans = _Spans()  # the bytes given to a slot so far
-    backups: list[tuple[torch.Tensor, torch.Tensor]] = []  # filled tensors' values, if deferred
     try:
-        for slot, value in plan:
+        for slot, value in fit.plan:
             dev = _target_for(slot, target)
             current = slot.tensor
             lazy = is_lazy(current)
             if current.device == dev and dev.type != "meta" and not lazy:
-                fills.append((slot, value))
-                if deferred:
-                    backups.append((current, current.detach().clone()))
+                out.fills.append((slot, value))
+                if fit.deferred:
+                    out.backups.append((current, current.detach().clone()))
                 continue
-            placed = value.to(device=dev, dtype=current.dtype)
+            placed = value.to(device=dev, dtype=current.dtype, copy=copy)
             if not lazy and placed.stride() != current.stride():
                 # The file keeps the layout it was saved in (a transposed view, say); the model
                 # keeps its own, as load_state_dict's copy would, so .view() works as before.
@@ -375,24 +496,35 @@ def load_into(
                 # view of a bigger tensor): a model that keeps the two apart gets its own copy.
                 placed = placed.clone()
                 spans.claim(placed)
-            places.append((slot, placed))
-        for slot in transient:
+            out.places.append((slot, placed))
+        for slot in fit.transient:
             here = slot.tensor.device
             if target is not None and here.type != "meta" and here != target:
-                places.append((slot, slot.tensor.to(target)))
+                out.places.append((slot, slot.tensor.to(target)))
     except Exception as exc:
         raise CheckpointError(
-            f"{p}: could not be placed into {type(model).__name__} ({type(exc).__name__}: "
-            f"{_first_sentence(str(exc))}); the model is untouched"
+            f"{fit.p}: could not be placed into {type(fit.model).__name__} ({type(exc).__name__}"
+            f": {_first_sentence(str(exc))}); the model is untouched"
         ) from exc
-    # Extra state goes first: a module's set_extra_state may refuse what the file holds, and
-    # the states already set are put back, so the refusal leaves the model untouched.
-    undos = [_set_extra_states(p, model, extra, own)]
+    return out
+
+
+def _apply(
+    fit: _Fit, ready: _Prepared, extra: Mapping[str, nn.Module], own: Mapping[str, Any]
+) -> None:
+    """Phase 2: extra state set, tensors swapped in and filled, post-hooks run; all or nothing.
+
+    Each step records how to undo it before it is taken (and the undo checks whether it was),
+    so an error or a ``KeyboardInterrupt`` at any point puts the model back as it was, except
+    values filled in place into a real model's memory with no copy kept (then said).
+    """
+    p, model = fit.p, fit.model
+    undos: list[Callable[[], object]] = []
 
     def put_back() -> str:
         """Undo what phase 2 did, every step tried; what could not be undone ("" if nothing)."""
         restores: list[Callable[[], object]] = [
-            functools.partial(torch.Tensor.copy_, t, before) for t, before in backups
+            functools.partial(torch.Tensor.copy_, t, before) for t, before in ready.backups
         ]
         failures = []
         with torch.no_grad():
@@ -409,51 +541,55 @@ def load_into(
             return f"the model could not be put back as it was ({failure}), so build it again"
         return "the model is put back as it was"
 
-    # Phase 2: swap in and fill. Swaps of tensors that are ready and copies into memory that
-    # exists do not run out of memory; should one fail all the same, what was done is undone
-    # (the filled tensors only when a deferred check kept their values).
     filled = False
     try:
-        for slot, value in places:
-            undos.append(_place(slot, value))
-        with torch.no_grad():
-            for slot, value in fills:
-                filled = True
-                slot.tensor.copy_(value)  # copy_ converts the dtype
-    except Exception as exc:
-        failure = put_back()
-        state = "the model is untouched"
-        if failure or (filled and not deferred):
-            state = "the model is partly filled, so build it again"
-        raise CheckpointError(
-            f"{p}: could not be placed into {type(model).__name__} ({type(exc).__name__}: "
-            f"{_first_sentence(str(exc))}); {state}"
-        ) from exc
-    left_missing, left_unexpected = list(not_loaded), list(unexpected)
-    if not deferred:
-        _run_post_hooks(p, model, left_missing, left_unexpected, lambda: "the weights are loaded")
-        if strict and (left_missing or left_unexpected):  # a hook added keys: as torch, raise
+        # Extra state first: a module's set_extra_state may refuse what the file holds, and the
+        # states already set are put back, so the refusal leaves the model untouched.
+        _set_extra_states(p, model, extra, own, undos)
+        try:
+            for slot, value in ready.places:
+                _place(slot, value, undos)
+            with torch.no_grad():
+                for slot, value in ready.fills:
+                    filled = True
+                    slot.tensor.copy_(value)  # copy_ converts the dtype
+        except Exception as exc:
+            failure = put_back()
+            state = "the model is untouched"
+            if failure or (filled and not fit.deferred):
+                state = "the model is partly filled, so build it again"
             raise CheckpointError(
-                f"{_does_not_fit(p, model, [], left_missing, left_unexpected, strict, True)} "
-                "(reported by the model's load post-hooks once the weights were loaded, so "
-                "they are loaded)"
+                f"{p}: could not be placed into {type(model).__name__} ({type(exc).__name__}: "
+                f"{_first_sentence(str(exc))}); {state}"
+            ) from exc
+        left_missing, left_unexpected = list(fit.not_loaded), list(fit.unexpected)
+        if not fit.deferred:
+            _run_post_hooks(
+                p, model, left_missing, left_unexpected, lambda: "the weights are loaded"
             )
-        return model
-    try:
+            if fit.strict and (left_missing or left_unexpected):  # a hook added keys: as torch
+                raise CheckpointError(
+                    f"{_does_not_fit(p, model, [], left_missing, left_unexpected, True, True)} "
+                    "(reported by the model's load post-hooks once the weights were loaded, so "
+                    "they are loaded)"
+                )
+            return
         _run_post_hooks(p, model, left_missing, left_unexpected, state_after_put_back)
-    except CheckpointError:  # a hook failed, and the model is put back already
+        if left_missing or left_unexpected:
+            error = _does_not_fit(
+                p, model, [], left_missing, left_unexpected, fit.strict, fit.matched
+            )
+            raise CheckpointError(f"{error}; {state_after_put_back()}")
+        return
+    except CheckpointError:  # said what state the model is in, and put it back where it could
         raise
-    except BaseException:  # Ctrl-C inside a hook
+    except BaseException:  # Ctrl-C (or a bug): the model goes back as it was
         put_back()
         raise
-    if left_missing or left_unexpected:
-        error = _does_not_fit(p, model, [], left_missing, left_unexpected, strict, matched)
-        raise CheckpointError(f"{error}; {state_after_put_back()}")
-    return model
 
 
 def _does_not_fit(
-    p: Path,
+    p: Path | str,
     model: nn.Module,
     problems: list[str],
     missing: list[str],

@@ -15,6 +15,7 @@ import pickle
 import stat
 import struct
 import zipfile
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Union
@@ -192,38 +193,79 @@ def safetensors_header(path: PathLike, /) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise CheckpointError(f"{p}: has a corrupt safetensors header (not a JSON object)")
     data_len = size - 8 - header_len
+    metadata = header.get("__metadata__")
+    if metadata is not None and not (
+        isinstance(metadata, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+    ):
+        bad = (
+            next((k for k, v in metadata.items() if not isinstance(v, str)), None)
+            if isinstance(metadata, dict)
+            else None
+        )
+        which = f" ({bad!r} is a {type(metadata[bad]).__name__})" if bad is not None else ""
+        raise CheckpointError(
+            f"{p}: has a corrupt safetensors header: __metadata__ must map strings to strings"
+            f"{which}"
+        )
+    spans: list[tuple[int, int, str]] = []
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        dtype_name = entry.get("dtype") if isinstance(entry, dict) else None
-        if isinstance(dtype_name, str) and dtype_name not in SAFETENSORS_DTYPES:
+        spans.append((*_entry_span(p, name, entry, data_len), name))
+    # The tensors' bytes tile the data section: each starts where the one before it ends, from
+    # byte 0 to the last, as the safetensors library checks before it reads a byte.
+    cursor, before = 0, ""
+    for start, end, name in sorted(spans):
+        if start != cursor:
+            what = f"overlaps {before!r}" if start < cursor else "leaves a gap before it"
             raise CheckpointError(
-                f"{p}: tensor {name!r} has dtype {dtype_name!r}, which this version of "
-                f"torch cannot hold (supported: {', '.join(sorted(SAFETENSORS_DTYPES))})"
+                f"{p}: is corrupt: tensor {name!r} starts at data offset {start}, where "
+                f"{'the data begins at 0' if not before else f'{before!r} ends at {cursor}'}, so "
+                f"it {what}; write the file again"
             )
-        try:
-            dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-            shape, offsets = entry["shape"], entry["data_offsets"]
-            if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
-                raise ValueError(f"shape {shape!r} is not a list of non-negative integers")
-            if not (
-                isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))
-            ):
-                raise ValueError(f"data_offsets {offsets!r} is not two non-negative integers")
-            start, end = offsets
-            numel = 1
-            for n in shape:
-                numel *= n
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            ok = 0 <= start <= end <= data_len and end - start == numel * itemsize
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{p}: has a corrupt safetensors entry {name!r} ({exc})") from exc
-        if not ok:
-            raise CheckpointError(
-                f"{p}: is truncated or corrupt: tensor {name!r} ({entry['dtype']}, shape {shape}) "
-                f"does not fit the file's data offsets {entry['data_offsets']}"
-            )
+        cursor, before = end, name
+    if cursor != data_len:
+        raise CheckpointError(
+            f"{p}: is truncated or corrupt: its tensors' data ends at offset {cursor} "
+            f"({before!r} is the last) but the file holds {data_len} bytes of data"
+        )
     return header
+
+
+def _entry_span(p: Path, name: str, entry: Any, data_len: int) -> tuple[int, int]:
+    """A header entry's data offsets, checked against its dtype, shape and the data's length."""
+    dtype_name = entry.get("dtype") if isinstance(entry, dict) else None
+    if isinstance(dtype_name, str) and dtype_name not in SAFETENSORS_DTYPES:
+        raise CheckpointError(
+            f"{p}: tensor {name!r} has dtype {dtype_name!r}, which this version of "
+            f"torch cannot hold (supported: {', '.join(sorted(SAFETENSORS_DTYPES))})"
+        )
+    try:
+        dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+        shape, offsets = entry["shape"], entry["data_offsets"]
+        if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
+            raise ValueError(f"shape {shape!r} is not a list of non-negative integers")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
+            raise ValueError(f"data_offsets {offsets!r} is not two non-negative integers")
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{p}: has a corrupt safetensors entry {name!r} ({exc})") from exc
+    start, end = offsets
+    nbytes = torch.empty((), dtype=dtype).element_size()
+    for n in shape:
+        nbytes *= n
+    if nbytes >= 1 << 63:
+        raise CheckpointError(
+            f"{p}: is corrupt: tensor {name!r} ({entry['dtype']}, shape {shape}) would take "
+            f"{nbytes} bytes, more than any tensor can hold (its size overflows)"
+        )
+    if not (start <= end <= data_len and end - start == nbytes):
+        raise CheckpointError(
+            f"{p}: is truncated or corrupt: tensor {name!r} ({entry['dtype']}, shape {shape}, "
+            f"{nbytes} bytes) does not fit the file's data offsets {offsets} "
+            f"({data_len} bytes of data)"
+        )
+    return start, end
 
 
 def _has_data_pkl(p: Path) -> bool:
@@ -369,3 +411,104 @@ def shards(p: Path, weight_map: Mapping[str, str]) -> list[tuple[str, Path, list
             )
         found.append((shard, shard_path, names))
     return found
+
+
+# The files save_pretrained writes, in the order a directory is searched for its one model file.
+_MODEL_FILE_KINDS = (".safetensors.index.json", ".index.json", ".safetensors")
+
+
+def model_file(p: Path, /) -> Path:
+    """The checkpoint a directory holds, as ``save_pretrained`` writes one: its index or its file.
+
+    An index (``*.index.json``) names the shards beside it, so a directory with one index means
+    that index; without one, a directory with one checkpoint file means that file. Where several
+    could be meant, one safetensors index (or, without any index, one ``.safetensors`` file) is
+    what ``save_pretrained`` would have written; anything else is a ``CheckpointError`` that lists
+    the files to choose from.
+    """
+    try:
+        found = sorted(
+            q for q in p.iterdir() if q.name.endswith(_CHECKPOINT_SUFFIXES) and q.is_file()
+        )
+    except OSError as exc:
+        raise CheckpointError(f"{p}: cannot be read ({exc.strerror or exc})") from exc
+    indexes = [q for q in found if q.name.endswith(".index.json")]
+    candidates = indexes or found
+    if len(candidates) == 1:
+        return candidates[0]
+    for suffix in _MODEL_FILE_KINDS:
+        preferred = [q for q in candidates if q.name.endswith(suffix)]
+        if len(preferred) == 1:
+            return preferred[0]
+    if not candidates:
+        raise CheckpointError(
+            f"{p}: is a directory holding no checkpoint (no *.safetensors, *.bin, *.pt, *.pth, "
+            "*.ckpt or *.index.json file); pass the checkpoint's own path"
+        )
+    names = ", ".join(q.name for q in candidates[:6])
+    raise CheckpointError(
+        f"{p}: is a directory holding several checkpoints ({names}), and which one is meant "
+        f"cannot be told; pass its path, e.g. {str(p / candidates[0].name)!r}"
+    )
+
+
+class ZipLayout:
+    """Where a torch zip file's records lie, and its pickle record, its CRC-32 checked.
+
+    ``prefix`` is the archive's top folder (``archive/``), ``pickle`` the bytes of ``data.pkl``,
+    ``records`` every entry by name; ``record_start`` says where a record's bytes begin.
+    """
+
+    __slots__ = ("path", "pickle", "prefix", "records")
+
+    def __init__(self, path: Path, prefix: str, pickle: bytes, records: dict[str, Any]) -> None:
+        self.path = path
+        self.prefix = prefix
+        self.pickle = pickle
+        self.records: dict[str, zipfile.ZipInfo] = records
+
+
+def record_start(f: Any, info: zipfile.ZipInfo) -> int:
+    """Where a zip record's bytes begin in the open file ``f``, read from its local header.
+
+    The local header's name and extra field may differ in length from the central directory's,
+    so the header itself is read: 30 bytes, then the name, then the extra field.
+    """
+    f.seek(info.header_offset)
+    local = f.read(30)
+    if len(local) != 30 or not local.startswith(_ZIP_MAGIC):
+        raise zipfile.BadZipFile(f"record {info.filename} has no local header")
+    name_len, extra_len = struct.unpack("<HH", local[26:30])
+    return int(info.header_offset) + 30 + int(name_len) + int(extra_len)
+
+
+def zip_layout(p: Path, /) -> ZipLayout | None:
+    """The layout of a torch zip file, or None where it is not one zipfile can read.
+
+    Raises ``CheckpointError`` when the pickle record fails its CRC-32 (a damaged byte there
+    would otherwise unpickle into other names or values). A CRC of 0 is taken as "not recorded"
+    (torch writes none with ``compute_crc32`` off).
+    """
+    try:
+        with zipfile.ZipFile(p) as archive:
+            infos = archive.infolist()
+            pickles = [i for i in infos if i.filename.rpartition("/")[2] == "data.pkl"]
+            if len(pickles) != 1 or pickles[0].compress_type != zipfile.ZIP_STORED:
+                return None
+            info = pickles[0]
+            with p.open("rb") as f:
+                start = record_start(f, info)
+                f.seek(start)
+                data = f.read(info.file_size)
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError, struct.error):
+        return None
+    if len(data) != info.file_size:
+        return None
+    if info.CRC and zlib.crc32(data) != info.CRC:
+        raise CheckpointError(
+            f"{p}: is corrupt: its pickle record {info.filename} fails its CRC-32 check (the "
+            "bytes that name and shape the tensors were damaged after it was written); save or "
+            "fetch it again"
+        )
+    prefix = info.filename[: -len("data.pkl")]
+    return ZipLayout(p, prefix, data, {i.filename: i for i in infos})

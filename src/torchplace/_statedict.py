@@ -25,11 +25,16 @@ from ._formats import _first_sentence
 
 
 def _set_extra_states(
-    p: Path, model: nn.Module, extra: Mapping[str, nn.Module], state: Mapping[str, Any]
-) -> Callable[[], None]:
+    p: Path | str,
+    model: nn.Module,
+    extra: Mapping[str, nn.Module],
+    state: Mapping[str, Any],
+    undos: list[Callable[[], object]],
+) -> None:
     """``set_extra_state`` for each module whose extra state the file holds; all or none.
 
-    Returns what sets the states back as they were.
+    What sets the states back is appended to ``undos`` before any is set; a refusal puts back
+    the ones set and raises ``CheckpointError``.
     """
     done: list[tuple[nn.Module, Any]] = []
 
@@ -38,20 +43,20 @@ def _set_extra_states(
             with contextlib.suppress(Exception):  # it took this state a moment ago
                 module.set_extra_state(before)
 
+    undos.append(undo)
     key = ""
     try:
         for key, module in extra.items():
             if key in state:
-                before = module.get_extra_state()
+                # Recorded first: setting back a state a module still holds changes nothing.
+                done.append((module, module.get_extra_state()))
                 module.set_extra_state(state[key])
-                done.append((module, before))
     except Exception as exc:
         undo()
         raise CheckpointError(
             f"{p}: {key} was refused by {type(extra[key]).__name__}.set_extra_state "
             f"({type(exc).__name__}: {_first_sentence(str(exc))}); the model is untouched"
         ) from exc
-    return undo
 
 
 # Classes whose _load_from_state_dict load_into follows: Module's own (pre-hooks, then each
@@ -76,7 +81,7 @@ def _is_frozen_norm(module: nn.Module) -> bool:
     return _loader_class(module).__name__.endswith("FrozenBatchNorm2d")
 
 
-def _refuse_own_loaders(p: Path, model: nn.Module) -> None:
+def _refuse_own_loaders(p: Path | str, model: nn.Module) -> None:
     """A ``CheckpointError`` for a module that loads itself in a way load_into cannot follow."""
     for name, module in model.named_modules():
         klass = _loader_class(module)
@@ -153,7 +158,7 @@ def _upgrade_norm(
 
 
 def _as_load_state_dict_sees(
-    p: Path, model: nn.Module, state: Mapping[str, Any], extra: Mapping[str, nn.Module]
+    p: Path | str, model: nn.Module, state: Mapping[str, Any], extra: Mapping[str, nn.Module]
 ) -> _Seen:
     """Walk the model as ``load_state_dict`` does, running each module's pre-hooks on its view.
 
@@ -224,7 +229,7 @@ def _has_post_hooks(model: nn.Module) -> bool:
 
 
 def _run_post_hooks(
-    p: Path,
+    p: Path | str,
     model: nn.Module,
     missing: list[str],
     unexpected: list[str],
