@@ -449,7 +449,9 @@ class _Fit:
                 p, model, problems, missing if strict else [], unexpected, strict, self.matched
             )
         if not strict and not self.matched and loadable and not self.hooked:
-            held = f"the file has {_listing(unexpected, 5)}" if unexpected else "it holds none"
+            held = (
+                f"the file has {_listing(unexpected, 5)}" if unexpected else "the file holds none"
+            )
             raise CheckpointError(
                 f"{p}: not one of its keys matches {type(model).__name__}, so strict=False "
                 f"would load nothing: the model has {_listing(missing, 5)}; {held}"
