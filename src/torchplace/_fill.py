@@ -308,8 +308,7 @@ def load_into(
     seen = _as_load_state_dict_sees(p, model, state, extra)
     fit = _Fit(p, model, seen, loadable, transient, extra, read_on, strict)
     prepared = _prepare(fit, target, copy=from_memory)
-    _apply(fit, prepared, extra, seen.own)
-    return model
+    return _apply(fit, prepared, extra, seen.own)  # type: ignore[return-value]
 
 
 def _read_on(loadable: list[_Slot], target: torch.device | None) -> torch.device:
@@ -485,7 +484,10 @@ def _prepare(fit: _Fit, target: torch.device | None, *, copy: bool) -> _Prepared
             lazy = is_lazy(current)
             if current.device == dev and dev.type != "meta" and not lazy:
                 out.fills.append((slot, value))
-                if fit.deferred:
+                if fit.deferred or not slot.is_param:
+                    # Kept to put back: all that is filled when post-hooks may yet undo the
+                    # load, and buffers always (a skeleton's are real, and they are small), so
+                    # that only a real model's parameters can be left partly filled.
                     out.backups.append((current, current.detach().clone()))
                 continue
             placed = value.to(device=dev, dtype=current.dtype, copy=copy)
@@ -513,14 +515,15 @@ def _prepare(fit: _Fit, target: torch.device | None, *, copy: bool) -> _Prepared
 
 def _apply(
     fit: _Fit, ready: _Prepared, extra: Mapping[str, nn.Module], own: Mapping[str, Any]
-) -> None:
+) -> nn.Module:
     """Phase 2: extra state set, tensors swapped in and filled, post-hooks run; all or nothing.
 
     Each step records how to undo it before it is taken (and the undo checks whether it was),
     so an error or a ``KeyboardInterrupt`` at any point puts the model back as it was, except
-    values filled in place into a real model's memory with no copy kept (then said).
+    values filled in place into a real model's memory with no copy kept (then said). The steps
+    run in a frame of their own, so that wherever an interrupt lands in them, it reaches the
+    handler here through a call.
     """
-    p, model = fit.p, fit.model
     undos: list[Callable[[], object]] = []
 
     def put_back() -> str:
@@ -537,57 +540,66 @@ def _apply(
                     failures.append(f"{type(exc).__name__}: {_first_sentence(str(exc))}")
         return failures[0] if failures else ""
 
+    try:
+        _apply_steps(fit, ready, extra, own, undos, put_back)
+        return fit.model
+    except CheckpointError:  # said what state the model is in, and put it back where it could
+        raise
+    except BaseException:  # Ctrl-C (or a bug): the model goes back as it was
+        put_back()
+        raise
+
+
+def _apply_steps(
+    fit: _Fit,
+    ready: _Prepared,
+    extra: Mapping[str, nn.Module],
+    own: Mapping[str, Any],
+    undos: list[Callable[[], object]],
+    put_back: Callable[[], str],
+) -> None:
+    p, model = fit.p, fit.model
+
     def state_after_put_back() -> str:
         failure = put_back()
         if failure:
             return f"the model could not be put back as it was ({failure}), so build it again"
         return "the model is put back as it was"
 
+    # Extra state first: a module's set_extra_state may refuse what the file holds, and the
+    # states already set are put back, so the refusal leaves the model untouched.
+    _set_extra_states(p, model, extra, own, undos)
     filled = False
     try:
-        # Extra state first: a module's set_extra_state may refuse what the file holds, and the
-        # states already set are put back, so the refusal leaves the model untouched.
-        _set_extra_states(p, model, extra, own, undos)
-        try:
-            for slot, value in ready.places:
-                _place(slot, value, undos)
-            with torch.no_grad():
-                for slot, value in ready.fills:
-                    filled = True
-                    slot.tensor.copy_(value)  # copy_ converts the dtype
-        except Exception as exc:
-            failure = put_back()
-            state = "the model is untouched"
-            if failure or (filled and not fit.deferred):
-                state = "the model is partly filled, so build it again"
+        for slot, value in ready.places:
+            _place(slot, value, undos)
+        with torch.no_grad():
+            for slot, value in ready.fills:
+                filled = filled or (slot.is_param and not fit.deferred)  # no copy to put back
+                slot.tensor.copy_(value)  # copy_ converts the dtype
+    except Exception as exc:
+        failure = put_back()
+        state = "the model is untouched"
+        if failure or filled:
+            state = "the model is partly filled, so build it again"
+        raise CheckpointError(
+            f"{p}: could not be placed into {type(model).__name__} ({type(exc).__name__}: "
+            f"{_first_sentence(str(exc))}); {state}"
+        ) from exc
+    left_missing, left_unexpected = list(fit.not_loaded), list(fit.unexpected)
+    if not fit.deferred:
+        _run_post_hooks(p, model, left_missing, left_unexpected, lambda: "the weights are loaded")
+        if fit.strict and (left_missing or left_unexpected):  # a hook added keys: as torch does
             raise CheckpointError(
-                f"{p}: could not be placed into {type(model).__name__} ({type(exc).__name__}: "
-                f"{_first_sentence(str(exc))}); {state}"
-            ) from exc
-        left_missing, left_unexpected = list(fit.not_loaded), list(fit.unexpected)
-        if not fit.deferred:
-            _run_post_hooks(
-                p, model, left_missing, left_unexpected, lambda: "the weights are loaded"
+                f"{_does_not_fit(p, model, [], left_missing, left_unexpected, True, True)} "
+                "(reported by the model's load post-hooks once the weights were loaded, so "
+                "they are loaded)"
             )
-            if fit.strict and (left_missing or left_unexpected):  # a hook added keys: as torch
-                raise CheckpointError(
-                    f"{_does_not_fit(p, model, [], left_missing, left_unexpected, True, True)} "
-                    "(reported by the model's load post-hooks once the weights were loaded, so "
-                    "they are loaded)"
-                )
-            return
-        _run_post_hooks(p, model, left_missing, left_unexpected, state_after_put_back)
-        if left_missing or left_unexpected:
-            error = _does_not_fit(
-                p, model, [], left_missing, left_unexpected, fit.strict, fit.matched
-            )
-            raise CheckpointError(f"{error}; {state_after_put_back()}")
         return
-    except CheckpointError:  # said what state the model is in, and put it back where it could
-        raise
-    except BaseException:  # Ctrl-C (or a bug): the model goes back as it was
-        put_back()
-        raise
+    _run_post_hooks(p, model, left_missing, left_unexpected, state_after_put_back)
+    if left_missing or left_unexpected:
+        error = _does_not_fit(p, model, [], left_missing, left_unexpected, fit.strict, fit.matched)
+        raise CheckpointError(f"{error}; {state_after_put_back()}")
 
 
 def _does_not_fit(
