@@ -3,19 +3,23 @@
 A checkpoint's journey here has three steps, each a public function:
 
 ``load(path, device)``
-    Reads a torch file (zip or legacy pickle), a ``.safetensors`` file or a sharded checkpoint
-    (a Hugging Face ``*.index.json`` weight map) and puts its tensors on ``device``, whatever
-    device they were saved from. Untrusted files are read with ``weights_only=True``, so loading
-    never runs code. Every failure (missing, truncated, corrupt, foreign or unsafe file) is a
-    ``CheckpointError`` that names the file.
+    Reads a torch file (zip or legacy pickle), a ``.safetensors`` file, a sharded checkpoint
+    (a Hugging Face ``*.index.json`` weight map) or a ``save_pretrained`` directory and puts its
+    tensors on ``device``, whatever device they were saved from, read into the process's own
+    memory (``mmap=True`` maps the file instead). Untrusted files are read with
+    ``weights_only=True``, so loading never runs code. Every failure (missing, truncated,
+    corrupt, foreign or unsafe file) is a ``CheckpointError`` that names the file.
+    (``_formats``: what a file is; ``_read``: ``load``; ``_readinto``: bytes into tensors.)
 ``skeleton(factory, *args, **kwargs)``
     Builds a model whose parameters live on ``meta`` (no memory, no random init) while buffers
     stay real, so non-persistent buffers such as masks and rotary frequencies survive. It works
-    through a thread-local ``TorchFunctionMode``: nothing global is patched.
-``load_into(model, path, device)``
-    Fills a skeleton (or a real model) from a file. Weights are memory-mapped and assigned rather
-    than copied, tied parameters stay one object, modules' load hooks run as in
-    ``load_state_dict``, and a strict load lists every missing, unexpected and mis-shaped key.
+    through a thread-local ``TorchFunctionMode``: nothing global is patched (``_skeleton``).
+``load_into(model, source, device)``
+    Fills a skeleton (or a real model) from a file, a directory or a mapping, names fitted by
+    ``rename=``. Weights read are assigned rather than copied again, tied parameters stay one
+    object, modules' load hooks run as in ``load_state_dict`` (``_statedict``), a strict load
+    lists every missing, unexpected and mis-shaped key, and a failure or Ctrl-C puts the model
+    back (``_fill``, ``_rename``).
 """
 
 from __future__ import annotations
