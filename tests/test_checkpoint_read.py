@@ -619,3 +619,14 @@ def test_ctrl_c_at_any_point_of_load_into_leaves_the_skeleton_as_it_was(tmp_path
         warnings.simplefilter("ignore", ResourceWarning)
         gc.collect()
     assert not broken, f"{len(broken)} of {clean.count}: {broken[:5]}"
+
+
+def test_the_names_others_import_stay_importable_from_checkpoint() -> None:
+    import torchplace._checkpoint as checkpoint
+
+    names = [
+        "load", "load_into", "skeleton", "as_path", "detect_format", "safetensors_header",
+        "shards", "SAFETENSORS_DTYPES", "SAFETENSORS_HINT", "PathLike",
+    ]  # fmt: skip
+    assert all(hasattr(checkpoint, n) for n in names)
+    assert checkpoint.load is torchplace.load and checkpoint.load_into is torchplace.load_into

@@ -22,6 +22,7 @@ from ._formats import (
     SAFETENSORS_DTYPES,
     SAFETENSORS_HINT,
     PathLike,
+    ZipLayout,
     _device_failure,
     _diagnose,
     _first_sentence,
@@ -143,7 +144,7 @@ class _Unusual(Exception):
     """A zip file laid out in a way _read_zip does not read (torch.load reads it instead)."""
 
 
-def _read_zip(layout: Any, target: torch.device) -> Any:
+def _read_zip(layout: ZipLayout, target: torch.device) -> Any:
     """A torch zip file's objects, each record read into a storage on ``target``.
 
     Returns ``_UNUSUAL`` for anything it does not read itself, or that fails: a refused
@@ -151,7 +152,7 @@ def _read_zip(layout: Any, target: torch.device) -> Any:
     reads it, or raises the error the caller turns into a sentence about the file. Only a lack
     of memory or a failing device is reported here, since it would fail there again.
     """
-    p: Path = layout.path
+    p = layout.path
     order = layout.records.get(layout.prefix + "byteorder")
     try:
         with p.open("rb") as f:
