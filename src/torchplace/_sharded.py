@@ -31,7 +31,6 @@ import itertools
 import json
 import math
 import os
-import re
 import struct
 import sys
 import zipfile
@@ -45,13 +44,12 @@ from torch import nn
 from ._checkpoint_cli import _InertUnpickler, _rebuild_tensor, _shape, _tensor_refs, _TensorRef
 from ._devices import device as _device
 from ._errors import CheckpointError, TorchplaceError
+from ._rename import Rename, as_renamer, renamed
 
 __all__ = ["has_dtensors", "load_sharded"]
 
 _BUFFER = 16 * 1024 * 1024  # the most a non-contiguous slice reads ahead of its copy
 _DIRECT_RUN = 256 * 1024  # runs at least this long are read straight into the shard
-
-Rename = Callable[[str], "str | None"] | Mapping[str, str] | None
 
 
 def has_dtensors(model: nn.Module) -> bool:
@@ -291,39 +289,11 @@ def _is_dtensor(t: object) -> bool:
     return isinstance(t, DTensor)
 
 
-def _renamed(entries: dict[str, _Entry], rename: Rename, where: str) -> dict[str, _Entry]:
+def _renamed(entries: dict[str, _Entry], rename: Rename | None, where: str) -> dict[str, _Entry]:
+    """``entries`` under the names ``rename=`` gives them, by the one set of rename rules."""
     if rename is None:
         return entries
-    if callable(rename):
-        function = rename
-    elif isinstance(rename, Mapping):
-        try:
-            patterns = [(re.compile(k), v) for k, v in rename.items()]
-        except (re.error, TypeError) as exc:
-            raise CheckpointError(f"rename: {exc}; give regular expressions as str keys") from exc
-
-        def function(key: str) -> str | None:
-            for pattern, replacement in patterns:
-                key = pattern.sub(replacement, key)
-            return key
-
-    else:
-        raise CheckpointError(
-            f"rename is a callable or a dict of regular expressions, not {type(rename).__name__}"
-        )
-    out: dict[str, _Entry] = {}
-    for key, entry in entries.items():
-        new = function(key)
-        if new is None:
-            continue
-        if not isinstance(new, str):
-            raise CheckpointError(f"{where}: rename({key!r}) gave {new!r}, not a str or None")
-        if new in out:
-            raise CheckpointError(
-                f"{where}: rename gives two keys the name {new!r} ({out[new].name!r} and {key!r})"
-            )
-        out[new] = entry
-    return out
+    return renamed(where, entries, as_renamer(rename))
 
 
 # ------------------------------------------------------------------------------ the model side
@@ -640,7 +610,7 @@ def load_sharded(
     /,
     *,
     strict: bool = True,
-    rename: Rename = None,
+    rename: Rename | None = None,
 ) -> nn.Module:
     """Fill a model holding DTensors from ``source``, each rank reading only its own slices."""
     from ._checkpoint import as_path
