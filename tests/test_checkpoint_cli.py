@@ -796,10 +796,8 @@ def test_inspect_and_remap_refuse_a_safetensors_layout_load_refuses(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.safetensors"]
 
 
-# needs the _checkpoint validation from the ckpt branch: `load` and `safetensors_header` refuse
-# every layout that inspect and remap refuse (today the safetensors library catches some of them
-# inside load, and safetensors_header none). Strict: once merged, drop the marker.
-@pytest.mark.xfail(reason="needs the _checkpoint validation from the ckpt branch", strict=True)
+# `load` and `safetensors_header` refuse every layout that inspect and remap refuse: all read
+# the header through torchplace._safetensors.
 @pytest.mark.parametrize("case", list(_BAD_LAYOUTS))
 def test_load_refuses_the_layouts_inspect_refuses(tmp_path: Path, case: str) -> None:
     header, data_len, culprit = _BAD_LAYOUTS[case]
@@ -851,14 +849,13 @@ def test_safetensors_read_without_torch_matches_load_on_damaged_files(tmp_path: 
 
 
 def test_safetensors_dtypes_without_torch_are_loads() -> None:
-    from torchplace import _checkpoint
+    from torchplace import _checkpoint, _safetensors
 
     loads = {
         name: (str(dtype).removeprefix("torch."), dtype.itemsize)
         for name, dtype in _checkpoint.SAFETENSORS_DTYPES.items()
     }
-    assert loads == _checkpoint_cli._SAFETENSORS_DTYPES
-    assert _checkpoint_cli._MAX_SAFETENSORS_HEADER == _checkpoint._MAX_HEADER
+    assert loads == {k: v for k, v in _safetensors.DTYPES.items() if k in loads}
 
 
 def test_safetensors_sniffed_without_torch_as_detect_format_says(tmp_path: Path) -> None:
@@ -877,7 +874,7 @@ def test_safetensors_sniffed_without_torch_as_detect_format_says(tmp_path: Path)
             kind = detect_format(path)
         except CheckpointError:
             kind = "refused"
-        assert _checkpoint_cli._sniff_safetensors(path) == (kind == "safetensors"), path.name
+        assert _checkpoint_cli.sniff_safetensors(path) == (kind == "safetensors"), path.name
 
 
 # ------------------------------------------------------------------------- remap of a shard index

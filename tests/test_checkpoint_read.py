@@ -398,44 +398,44 @@ def _safetensors(path: Path, header: dict[str, Any], data: bytes) -> Path:
             {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
              "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}},
             bytes(12),
-            r"tensor 'b' starts at data offset 4, where 'a' ends at 8, so it overlaps 'a'",
+            r"tensor 'b' \(bytes 4 to 12\) overlaps tensor 'a' \(which ends at byte 8\)",
         ),
         (
             {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
              "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}},
             bytes(12),
-            r"tensor 'b' starts at data offset 8, where 'a' ends at 4, so it leaves a gap",
+            r"tensor 'b' starts at byte 8, leaving 4 bytes after tensor 'a' that no tensor",
         ),
         (
             {"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}},
             bytes(8),
-            r"tensor 'a' starts at data offset 4, where the data begins at 0",
+            r"tensor 'a' starts at byte 4, leaving 4 bytes at the start of the data",
         ),
         (
             {"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}},
             bytes(8),
-            r"tensors' data ends at offset 4 \('a' is the last\) but the file holds 8",
+            r"holds 8 bytes of data, and 4 bytes after tensor 'a' are no tensor's",
         ),
         (
             {"a": {"dtype": "F64", "shape": [1 << 40, 1 << 22], "data_offsets": [0, 0]}},
             b"",
-            r"tensor 'a' \(F64, shape \[1099511627776, 4194304\]\) would take .* overflows",
+            r"tensor 'a' has shape \[1099511627776, 4194304\], .* \(its size overflows\)",
         ),
         (
             {"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}},
             bytes(8),
-            r"tensor 'a' \(F32, shape \[3\], 12 bytes\) does not fit",
+            r"tensor 'a' \(F32, shape \[3\]\) takes 12 bytes, which do not fit",
         ),
         (
             {"__metadata__": {"format": "pt", "epoch": 3},
              "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}},
             bytes(4),
-            r"__metadata__ must map strings to strings \('epoch' is a int\)",
+            r"corrupt __metadata__ \(\{'format': 'pt', 'epoch': 3\}\): safetensors metadata",
         ),
         (
             {"__metadata__": ["pt"], "a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}},
             bytes(4),
-            r"__metadata__ must map strings to strings",
+            r"corrupt __metadata__ \(\['pt'\]\): safetensors metadata maps strings",
         ),
     ],
     ids=["overlap", "gap", "not-from-0", "trailing", "overflow", "size", "meta-int", "meta-list"],
@@ -448,7 +448,7 @@ def test_safetensors_header_refuses_what_a_loader_refuses(
         safetensors_header(path)
     with pytest.raises(CheckpointError, match=message):
         load(path)
-    if message.startswith("tensor"):  # the safetensors library refuses it too
+    if "tensor '" in message[:12]:  # the safetensors library refuses it too
         with pytest.raises(Exception):  # noqa: B017, PT011
             safetensors_torch.load_file(path)
 

@@ -9,7 +9,6 @@ it. The ``_diagnose`` family turns what torch raised into a sentence about the f
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import stat
@@ -22,35 +21,19 @@ from typing import Any, Union
 
 import torch
 
+from . import _safetensors
 from ._errors import CheckpointError
 
 PathLike = Union[str, "os.PathLike[str]"]
 
 SAFETENSORS_HINT = "pip install safetensors (torchplace's [safetensors] extra)"
 
-# safetensors dtype names, as written in a file's JSON header.
+# safetensors dtype names, as written in a file's JSON header, that this torch can hold.
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "C64": torch.complex64,
+    name: getattr(torch, torch_name)
+    for name, (torch_name, _) in _safetensors.DTYPES.items()
+    if hasattr(torch, torch_name)
 }
-for _name, _attr in (
-    ("U16", "uint16"),
-    ("U32", "uint32"),
-    ("U64", "uint64"),
-    ("F8_E4M3", "float8_e4m3fn"),
-    ("F8_E5M2", "float8_e5m2"),
-):
-    if hasattr(torch, _attr):
-        SAFETENSORS_DTYPES[_name] = getattr(torch, _attr)
 
 # The first bytes of formats people mistake for checkpoints, to say what a foreign file is.
 _FOREIGN_MAGIC = (
@@ -62,7 +45,6 @@ _FOREIGN_MAGIC = (
 )
 _ZIP_MAGIC = b"PK\x03\x04"
 _CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".index.json")
-_MAX_HEADER = 100 * 1024 * 1024  # a safetensors header larger than this is corrupt
 
 
 def as_path(path: Any, /) -> Path:
@@ -163,109 +145,18 @@ def _near_misses(p: Path) -> str:
     return f" (found nearby: {', '.join(found[:5])})" if found else ""
 
 
-def _is_count(n: Any) -> bool:
-    """A JSON number that can size a dimension: an int (not a bool, float or string), >= 0."""
-    return type(n) is int and 0 <= n < 1 << 63  # what a torch size can hold
-
-
 def safetensors_header(path: PathLike, /) -> dict[str, Any]:
-    """The JSON header of a ``.safetensors`` file, checked for shape and offsets; no library."""
+    """The JSON header of a ``.safetensors`` file, checked whole (offsets tile the data, shapes
+    fit their bytes and torch's indices, metadata is strings), with dtypes this torch holds."""
     p = Path(path)
-    try:
-        size = p.stat().st_size
-        with p.open("rb") as f:
-            raw_len = f.read(8)
-            if len(raw_len) < 8:
-                raise CheckpointError(f"{p}: is truncated (shorter than a safetensors header)")
-            (header_len,) = struct.unpack("<Q", raw_len)
-            if header_len > min(size - 8, _MAX_HEADER):
-                raise CheckpointError(
-                    f"{p}: is truncated or corrupt: its safetensors header claims {header_len} "
-                    f"bytes but the file holds {size} bytes"
-                )
-            header = json.loads(f.read(header_len))
-    except OSError as exc:
-        raise CheckpointError(f"{p}: cannot be read ({exc.strerror or exc})") from exc
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # nesting past any limit
-        raise CheckpointError(
-            f"{p}: has a corrupt safetensors header ({type(exc).__name__}: {exc})"
-        ) from exc
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{p}: has a corrupt safetensors header (not a JSON object)")
-    data_len = size - 8 - header_len
-    metadata = header.get("__metadata__")
-    if metadata is not None and not (
-        isinstance(metadata, dict)
-        and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
-    ):
-        bad = (
-            next((k for k, v in metadata.items() if not isinstance(v, str)), None)
-            if isinstance(metadata, dict)
-            else None
-        )
-        which = f" ({bad!r} is a {type(metadata[bad]).__name__})" if bad is not None else ""
-        raise CheckpointError(
-            f"{p}: has a corrupt safetensors header: __metadata__ must map strings to strings"
-            f"{which}"
-        )
-    spans: list[tuple[int, int, str]] = []
+    header = _safetensors.read_header(p)
     for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        spans.append((*_entry_span(p, name, entry, data_len), name))
-    # The tensors' bytes tile the data section: each starts where the one before it ends, from
-    # byte 0 to the last, as the safetensors library checks before it reads a byte.
-    cursor, before = 0, ""
-    for start, end, name in sorted(spans):
-        if start != cursor:
-            what = f"overlaps {before!r}" if start < cursor else "leaves a gap before it"
+        if name != "__metadata__" and entry["dtype"] not in SAFETENSORS_DTYPES:
             raise CheckpointError(
-                f"{p}: is corrupt: tensor {name!r} starts at data offset {start}, where "
-                f"{'the data begins at 0' if not before else f'{before!r} ends at {cursor}'}, so "
-                f"it {what}; write the file again"
+                f"{p}: tensor {name!r} has dtype {entry['dtype']!r}, which this version of "
+                f"torch cannot hold (supported: {', '.join(sorted(SAFETENSORS_DTYPES))})"
             )
-        cursor, before = end, name
-    if cursor != data_len:
-        raise CheckpointError(
-            f"{p}: is truncated or corrupt: its tensors' data ends at offset {cursor} "
-            f"({before!r} is the last) but the file holds {data_len} bytes of data"
-        )
     return header
-
-
-def _entry_span(p: Path, name: str, entry: Any, data_len: int) -> tuple[int, int]:
-    """A header entry's data offsets, checked against its dtype, shape and the data's length."""
-    dtype_name = entry.get("dtype") if isinstance(entry, dict) else None
-    if isinstance(dtype_name, str) and dtype_name not in SAFETENSORS_DTYPES:
-        raise CheckpointError(
-            f"{p}: tensor {name!r} has dtype {dtype_name!r}, which this version of "
-            f"torch cannot hold (supported: {', '.join(sorted(SAFETENSORS_DTYPES))})"
-        )
-    try:
-        dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-        shape, offsets = entry["shape"], entry["data_offsets"]
-        if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
-            raise ValueError(f"shape {shape!r} is not a list of non-negative integers")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
-            raise ValueError(f"data_offsets {offsets!r} is not two non-negative integers")
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{p}: has a corrupt safetensors entry {name!r} ({exc})") from exc
-    start, end = offsets
-    nbytes = torch.empty((), dtype=dtype).element_size()
-    for n in shape:
-        nbytes *= n
-    if nbytes >= 1 << 63:
-        raise CheckpointError(
-            f"{p}: is corrupt: tensor {name!r} ({entry['dtype']}, shape {shape}) would take "
-            f"{nbytes} bytes, more than any tensor can hold (its size overflows)"
-        )
-    if not (start <= end <= data_len and end - start == nbytes):
-        raise CheckpointError(
-            f"{p}: is truncated or corrupt: tensor {name!r} ({entry['dtype']}, shape {shape}, "
-            f"{nbytes} bytes) does not fit the file's data offsets {offsets} "
-            f"({data_len} bytes of data)"
-        )
-    return start, end
 
 
 def _has_data_pkl(p: Path) -> bool:
