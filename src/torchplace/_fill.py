@@ -15,15 +15,15 @@ from torch.nn.parameter import is_lazy
 
 from ._devices import DeviceSpec
 from ._devices import device as _device
-from ._errors import CheckpointError, TorchplaceError
+from ._errors import CheckpointError, MoveError, TorchplaceError
 from ._formats import PathLike, _first_sentence, as_path
+from ._own_moves import AttributeSnapshot, run_own_moves
 from ._read import load
 from ._rename import Rename, as_renamer, renamed
 from ._skeleton import ModuleT, _parameter_like, _swap
 from ._statedict import (
     _as_load_state_dict_sees,
     _has_post_hooks,
-    _refuse_own_loaders,
     _run_post_hooks,
     _set_extra_states,
 )
@@ -296,7 +296,6 @@ def load_into(
     renamer = None if rename is None else as_renamer(rename)
     from_memory = isinstance(source, Mapping)
     p: Path | str = "the state dict given to load_into" if from_memory else as_path(source)
-    _refuse_own_loaders(p, model)
     loadable, transient, extra = _slots(model)
     read_on = _read_on(loadable, target)
     if isinstance(source, Mapping):
@@ -375,6 +374,7 @@ class _Fit:
         strict: bool,
     ) -> None:
         self.p, self.model, self.strict, self.transient = p, model, strict, transient
+        self.loaders = seen.loaders
         own = seen.own
         missing: list[str] = []
         not_loaded: list[str] = []  # every name of what stays as it was, for post-hooks
@@ -546,6 +546,7 @@ def _apply(
 
     try:
         _apply_steps(fit, ready, extra, own, undos, put_back)
+        _own_moves_after(fit, undos, put_back)
         return fit.model
     except CheckpointError:  # said what state the model is in, and put it back where it could
         raise
@@ -591,6 +592,10 @@ def _apply_steps(
             f"{_first_sentence(str(exc))}); {state}"
         ) from exc
     left_missing, left_unexpected = list(fit.not_loaded), list(fit.unexpected)
+    _run_own_loaders(fit, undos, left_missing, left_unexpected, put_back)
+    if fit.strict and not fit.deferred and left_unexpected:  # keys a self-loader did not take
+        error = _does_not_fit(p, model, [], left_missing, left_unexpected, True, True)
+        raise CheckpointError(f"{error}; {state_after_put_back()}")
     if not fit.deferred:
         _run_post_hooks(p, model, left_missing, left_unexpected, lambda: "the weights are loaded")
         if fit.strict and (left_missing or left_unexpected):  # a hook added keys: as torch does
@@ -604,6 +609,79 @@ def _apply_steps(
     if left_missing or left_unexpected:
         error = _does_not_fit(p, model, [], left_missing, left_unexpected, fit.strict, fit.matched)
         raise CheckpointError(f"{error}; {state_after_put_back()}")
+
+
+def _own_moves_after(
+    fit: _Fit, undos: list[Callable[[], object]], put_back: Callable[[], str]
+) -> None:
+    """Once every tensor is in place on one device, the overrides of modules that move state of
+    their own run as ``Module.to`` would run them: metric states follow the weights, and
+    Lightning's ``.device`` says where they are."""
+    model = fit.model
+    devices = {t.device for t in (*model.parameters(), *model.buffers())}
+    if len(devices) != 1:
+        return
+
+    def apply(do: Callable[[], None], undo: Callable[[], None]) -> None:
+        undos.append(undo)
+        do()
+
+    try:
+        run_own_moves([("", model)], next(iter(devices)), apply)
+    except MoveError as exc:
+        failure = put_back()
+        state = (
+            "the model is put back as it was"
+            if not failure
+            else (f"the model could not be put back as it was ({failure}), so build it again")
+        )
+        raise CheckpointError(f"{fit.p}: the weights fit, but {exc}; {state}") from exc
+
+
+def _run_own_loaders(
+    fit: _Fit,
+    undos: list[Callable[[], object]],
+    missing: list[str],
+    unexpected: list[str],
+    put_back: Callable[[], str],
+) -> None:
+    """Run the ``_load_from_state_dict`` of each module that loads itself, as ``load_state_dict``
+    would, now that its parameters and buffers hold memory: it is handed its own keys (a
+    metric's states, a weight it converts on load) and does what it does with them. Its
+    attributes and its own tensors' values are saved first, so that a failure puts them back."""
+    with torch.no_grad():
+        for module, prefix, metadata, handed in fit.loaders:
+            saved = AttributeSnapshot([module])
+            tensors = [
+                (t, t.detach().clone())
+                for t in [*module._parameters.values(), *module._buffers.values()]
+                if t is not None and t.device.type != "meta"
+            ]
+            undos.append(saved.restore)
+            undos.extend(functools.partial(torch.Tensor.copy_, t, before) for t, before in tensors)
+            reported: list[str] = []
+            errors: list[str] = []
+            try:
+                module._load_from_state_dict(
+                    dict(handed), prefix, metadata, True, reported, unexpected, errors
+                )
+            except Exception as exc:
+                errors.append(f"{type(exc).__name__}: {_first_sentence(str(exc))}")
+            where = prefix[:-1] or type(fit.model).__name__
+            if errors:
+                failure = put_back()
+                state = (
+                    "the model is put back as it was"
+                    if not failure
+                    else (
+                        f"the model could not be put back as it was ({failure}), so build it again"
+                    )
+                )
+                raise CheckpointError(
+                    f"{fit.p}: {where} ({type(module).__name__}) loads itself "
+                    f"(_load_from_state_dict) and refused the file: {_listing(errors)}; {state}"
+                )
+            missing += [k for k in reported if k not in missing and k not in fit.not_loaded]
 
 
 def _does_not_fit(

@@ -1,8 +1,8 @@
 """What ``load_state_dict`` does around the copies, done the same way by ``load_into``.
 
-Each module's view of the file after its version upgrade and load pre-hooks, the modules whose
-own ``_load_from_state_dict`` cannot be followed, extra state set all or none, and the load
-post-hooks run children first.
+Each module's view of the file after its version upgrade and load pre-hooks, the modules that
+load themselves (an ``_load_from_state_dict`` of their own, run once their tensors are in place),
+extra state set all or none, and the load post-hooks run children first.
 """
 
 from __future__ import annotations
@@ -81,22 +81,12 @@ def _is_frozen_norm(module: nn.Module) -> bool:
     return _loader_class(module).__name__.endswith("FrozenBatchNorm2d")
 
 
-def _refuse_own_loaders(p: Path | str, model: nn.Module) -> None:
-    """A ``CheckpointError`` for a module that loads itself in a way load_into cannot follow."""
-    for name, module in model.named_modules():
-        klass = _loader_class(module)
-        if "_load_from_state_dict" not in vars(module) and (
-            klass in _FOLLOWED_LOADERS or _is_frozen_norm(module)
-        ):
-            continue
-        where = f"{name} ({type(module).__name__})" if name else type(module).__name__
-        owner = "on the instance" if "_load_from_state_dict" in vars(module) else klass.__qualname__
-        raise CheckpointError(
-            f"{p}: cannot be loaded by load_into: {where} overrides _load_from_state_dict (in "
-            f"{owner}), and load_into assigns tensors itself, so it cannot follow "
-            "that code. Build the model without skeleton and load it with "
-            "model.load_state_dict(torchplace.load(path)); the model is untouched"
-        )
+def loads_itself(module: nn.Module) -> bool:
+    """Whether ``module`` overrides ``_load_from_state_dict`` in a way load_into must run (its
+    own loading: torchmetrics' metric states, a value converted on load), rather than follow."""
+    if "_load_from_state_dict" in vars(module):
+        return True
+    return _loader_class(module) not in _FOLLOWED_LOADERS and not _is_frozen_norm(module)
 
 
 def _hook_name(hook: Any) -> str:
@@ -124,13 +114,16 @@ class _Seen:
     ``errors`` what pre-hooks (and the norm layers' upgrade) reported.
     """
 
-    __slots__ = ("errors", "missing", "own", "unexpected")
+    __slots__ = ("errors", "loaders", "missing", "own", "unexpected")
 
     def __init__(self) -> None:
         self.own: dict[str, Any] = {}
         self.unexpected: list[str] = []
         self.missing: list[str] = []
         self.errors: list[str] = []
+        # Modules that load themselves (``loads_itself``), each with its prefix, metadata and
+        # its own keys, to be run once their parameters and buffers are in place.
+        self.loaders: list[tuple[nn.Module, str, dict[str, Any], dict[str, Any]]] = []
 
 
 def _upgrade_norm(
@@ -208,14 +201,20 @@ def _as_load_state_dict_sees(
         elif extra_key in local:
             seen.unexpected.append(extra_key)
         children: dict[str, dict[str, Any]] = {}
+        itself = loads_itself(module)
+        handed: dict[str, Any] = {}  # a self-loading module's own keys, all handed to it
         for key, value in local.items():
             if not key.startswith(prefix) or key == extra_key:
                 continue
             head, dot, _ = key[len(prefix) :].partition(".")
             if dot and head in module._modules:
                 children.setdefault(head, {})[key] = value
+            elif itself:
+                handed[key] = value  # what it leaves, it reports as unexpected itself
             elif dot or head not in names:
                 seen.unexpected.append(key)
+        if itself:
+            seen.loaders.append((module, prefix, local_metadata, handed))
         for name, child in module._modules.items():
             if child is not None:
                 visit(child, children.get(name, {}), f"{prefix}{name}.")
