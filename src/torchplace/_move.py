@@ -49,7 +49,7 @@ from ._own_moves import (
     set_conversion_flags,
 )
 from ._staging import Stager, stageable
-from ._tree import Located, iter_leaves, map_tensors
+from ._tree import Located, cached_properties, iter_leaves, map_tensors
 
 __all__ = ["move"]
 
@@ -97,9 +97,12 @@ class _CopyFailed(Exception):
         self.target = target
         self.cause = cause
 
+    note = ""  # said after the message of a tensor on meta (what else the move would lose)
+
     def message(self, name: str) -> str:
-        if self.cause is None:
-            return _meta_message(name, self.target)
+        if self.cause is None:  # the note is for the model's tensors, not the state's own
+            note = "" if ".state[" in name else self.note
+            return _meta_message(name, self.target) + note
         return _failure(name, self.tensor, self.target, self.cause)
 
 
@@ -171,6 +174,8 @@ class _Copier:
         self.stagers: dict[torch.device, Stager] = {}
         # Non-persistent buffers whose values a move to meta discards, to warn about.
         self.discarded: list[str] = []
+        # Said after the error for a model tensor on meta: the optimizers' state lost too.
+        self.meta_note = ""
 
     def _stager(self, target: torch.device) -> Stager:
         stager = self.stagers.get(target)
@@ -218,7 +223,10 @@ class _Copier:
         if done is not None and done.device == target:
             return done
         if t.is_meta:
-            raise _CopyFailed(t, target, None)
+            failed = _CopyFailed(t, target, None)
+            if self.meta_note:
+                failed.note = self.meta_note
+            raise failed
         staged = stageable(t, target)  # asks is_pinned (a driver call) once for both
         asynchronous = not staged and _choose_non_blocking(
             t, target, self.non_blocking, batch=batch
@@ -566,6 +574,17 @@ def _move_modules(
     plan = _plan(roots, follow_unregistered=attributes == "move")
     if destinations is None:
         _check_non_persistent(roots, plan, target, copier)
+        if target.type != "meta" and any(
+            isinstance(v, torch.Tensor) and v.is_meta
+            for opt in optimizers
+            for entries in opt.state.values()
+            for v in entries.values()
+        ):
+            copier.meta_note = (
+                f". The optimizer's state on meta has no values either: once the weights are "
+                f"back, clear it with opt.state.clear() and re-bind the optimizer with "
+                f"torchplace.move(model, '{target}', optimizer=opt)"
+            )
     # Modules whose own overrides (torchmetrics' _apply, Lightning's to) move their extra state:
     # their plain attributes are theirs to move, and are judged after those overrides ran.
     covered = covered_modules([m for _, m in roots]) if destinations is None else {}
@@ -638,16 +657,19 @@ def _move_modules(
                     break
     new_attributes: list[tuple[nn.Module, str, Any]] = []
     for mod, key, name, value in plan.attributes:
-        if attributes != "move" and id(mod) in covered:
+        # A value a functools.cached_property computed is derived state: it goes with the
+        # module whatever `attributes` says, so that it never stays behind.
+        cached = key in cached_properties(type(mod))
+        if attributes != "move" and id(mod) in covered and not cached:
             continue
 
-        def fix(t: torch.Tensor, _name: str = name) -> torch.Tensor:
+        def fix(t: torch.Tensor, _name: str = name, _move: bool = cached) -> torch.Tensor:
             alias = replaced.get(id(t))
             if alias is not None:  # an alias of a parameter or buffer (RNN._flat_weights)
                 return alias
             if id(t) in plan.params or id(t) in plan.buffers or t.device == target:
                 return t
-            if attributes == "move":
+            if attributes == "move" or _move:
                 return _keep_requires_grad(t, copier.copy(t, target))
             if _name not in left_behind:
                 left_behind.append(_name)

@@ -27,7 +27,7 @@ from torch import nn
 
 from ._errors import TorchplaceError
 
-__all__ = ["Located", "format_path", "iter_leaves", "map_tensors"]
+__all__ = ["Located", "cached_properties", "format_path", "iter_leaves", "map_tensors"]
 
 # How deep a batch may nest before torchplace calls it a mistake. Real batches nest a handful of
 # levels; this stays far below Python's recursion limit.
@@ -361,7 +361,7 @@ def _children(node: Any) -> Iterator[tuple[bool, Any, Any]]:
 _cached_names: dict[type, tuple[str, ...]] = {}
 
 
-def _cached_properties(cls: type) -> tuple[str, ...]:
+def cached_properties(cls: type) -> tuple[str, ...]:
     """The names of ``cls``'s ``functools.cached_property`` attributes (their values live in
     the instance's ``__dict__`` once computed)."""
     names = _cached_names.get(cls)
@@ -382,7 +382,7 @@ def _dataclass_items(node: Any) -> Iterator[tuple[str, Any]]:
         value = getattr(node, field.name, _UNSET)
         if value is not _UNSET:
             yield field.name, value
-    cached = _cached_properties(type(node))
+    cached = cached_properties(type(node))
     if cached:
         attrs = getattr(node, "__dict__", {})
         for name in cached:
