@@ -1030,3 +1030,21 @@ def test_inspect_output_golden(
     if regen_golden:
         (GOLDEN / golden).write_text(text)
     assert text == (GOLDEN / golden).read_text(), f"{golden} changed; run pytest --regen-golden"
+
+
+def test_an_index_remapped_to_a_name_without_its_suffix_loads(tmp_path: Path) -> None:
+    """The format is known from the file's bytes, so `-o NAME` need not end in .index.json."""
+    pytest.importorskip("safetensors")
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"a": torch.arange(3.0)}, src / "s1.safetensors")
+    save_file({"b": torch.ones(2)}, src / "s2.safetensors")
+    index = src / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"}}))
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(["remap", str(index), "--to", "cpu", "-o", str(out / "remapped")]) == 0
+    loaded = load(out / "remapped")
+    assert torch.equal(loaded["a"], torch.arange(3.0)) and torch.equal(loaded["b"], torch.ones(2))

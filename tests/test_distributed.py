@@ -43,6 +43,7 @@ def test_single_process_starts_a_group_of_one(outside_torchrun: None) -> None:
     assert (dist.get_rank(), dist.get_world_size()) == (0, 1)
     assert dist.get_backend() == "gloo"
     assert torchplace.distributed.setup(single_process=True) == dev  # a second call is harmless
+    assert torchplace.distributed.setup() == dev  # as the docs say: plain, it returns the device
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="NCCL is valid with a GPU")

@@ -120,6 +120,8 @@ def detect_format(path: PathLike, /) -> str:
             )
     if head[:1] == b"\x80":  # a pickle: torch's legacy format (torch checks its magic number)
         return "legacy"
+    if head.lstrip(b" \t\r\n\xef\xbb\xbf")[:1] == b"{":  # JSON by its bytes: a shard index
+        return "index"
     for magic, what in _FOREIGN_MAGIC:
         if head.startswith(magic):
             raise CheckpointError(f"{p}: is {what}, not a PyTorch or safetensors checkpoint")

@@ -128,6 +128,8 @@ def setup(backend: str | None = None, *, single_process: bool = False) -> torch.
         )
     missing = [name for name in _TORCHRUN_VARIABLES if name not in os.environ]
     under_torchrun = not missing
+    if not under_torchrun and dist.is_initialized() and dist.get_world_size() == 1:
+        return _local_device(0)  # a second call after setup(single_process=True)
     if not under_torchrun and not single_process:
         raise TorchplaceError(
             f"setup() runs under torchrun, which sets {', '.join(_TORCHRUN_VARIABLES)}, but "
