@@ -6,7 +6,10 @@ skipped without a word, so every fence must carry a tag from a known list."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,3 +76,38 @@ def test_blocks_name_no_accelerator_literally(page: Path) -> None:
             f"line {line}: {m}" for m in re.findall(r"[\"'](?:cuda|mps|xpu)\b[^\"']*[\"']", code)
         ]
     assert not found, f"use torchplace.device() instead: {found}"
+
+
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+TORCHRUN_VARIABLES += ("MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def test_the_readme_training_script_trains_under_torchrun(tmp_path: Path) -> None:
+    """The README's torchrun script, which Sybil skips, run as written on two CPU processes."""
+    found = re.search(
+        r'<!-- skip: next "a torchrun script[^\n]*\n```python\n(.*?)^```',
+        (ROOT / "README.md").read_text(),
+        flags=re.S | re.M,
+    )
+    assert found, "README.md's torchrun script (after its skip marker) is gone"
+    script = tmp_path / "train.py"
+    script.write_text(
+        found.group(1)
+        + "\nimport os\nprint(f\"rank {os.environ['RANK']} trained\", flush=True)\n"
+        # Gloo's threads sometimes abort a finished process at interpreter exit on a loaded host.
+        + "os._exit(0)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
+    env |= {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    if sys.platform == "linux":  # containers whose hostname does not resolve to this machine
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1"]
+    command += ["--nproc-per-node=2", str(script)]
+    try:
+        done = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=120, check=False
+        )
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"torchrun did not finish in 120 s: {err.stdout!r} {err.stderr!r}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "rank 0 trained" in done.stdout and "rank 1 trained" in done.stdout
