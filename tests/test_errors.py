@@ -119,6 +119,9 @@ def test_bare_root_error_sites_are_the_ones_the_drawing_describes() -> None:
     described = {
         "_bench",  # --device meta
         "_checkpoint",  # skeleton() factory, load_into() of a non-module
+        "_fill",  # load_into() of a non-module
+        "_rename",  # rename= of the wrong kind
+        "_skeleton",  # a skeleton() factory that returns no module
         "_dispatch",  # a non-module
         "_estimate",  # a non-module, a lazy module
         "_guard",  # a non-module
@@ -200,15 +203,9 @@ def test_checkpoint_error_for_a_strict_load_golden(regen_golden: bool, tmp_path:
     check_golden("error_load_strict.txt", text + "\n", regen_golden)
 
 
-# --- what the raise sites should pass (wired after the module rework; see the notes) ---------
-
-WIRED = pytest.mark.xfail(
-    reason="raise sites not yet passing the data (docs-todo.md); remove this mark once wired",
-    raises=AssertionError,
-)
+# --- what the raise sites pass -----------------------------------------------------------------
 
 
-@WIRED
 def test_verify_passes_every_straggler() -> None:
     model = nn.Sequential(*[nn.Linear(1, 1) for _ in range(6)])  # 12 tensors, more than 10 shown
     with pytest.raises(PlacementError) as info:
@@ -217,7 +214,6 @@ def test_verify_passes_every_straggler() -> None:
     assert len(info.value.stragglers) == 12
 
 
-@WIRED
 def test_strict_load_passes_its_keys(tmp_path: Path) -> None:
     err = _strict_load_error(tmp_path)
     assert err.path == tmp_path / "model.pt"
@@ -226,7 +222,6 @@ def test_strict_load_passes_its_keys(tmp_path: Path) -> None:
     assert err.mismatched == ()
 
 
-@WIRED
 def test_move_error_names_the_tensor() -> None:
     model = nn.Sequential(nn.Linear(2, 2, device="meta"))
     with pytest.raises(MoveError) as info:

@@ -7,7 +7,8 @@ The tree, with when each is raised (every ``raise`` in the package, as of this r
     │                                non_blocking=, optimizer=, DeviceLoader's iterable/prefetch/
     │                                pin_memory/non_blocking, an object that is not an
     │                                nn.Module for plan/dispatch/estimate/guard/load_into, a
-    │                                skeleton factory that returns something else), a cyclic or
+    │                                skeleton factory that returns something else, load_into's
+    │                                rename= that is no callable or dict of patterns), a cyclic or
     │                                absurdly deep object or model, a model that does not fit
     │                                plan()'s budgets, a lazy module estimate() cannot size,
     │                                a one-shot source read by two DeviceLoader loops, bench

@@ -449,7 +449,14 @@ class _Fit:
         self.matched = bool(self.plan) or any(k in own for k in extra)  # strict=False loads any
         if (strict and (missing or unexpected) and not self.deferred) or problems:
             raise _does_not_fit(
-                p, model, problems, missing if strict else [], unexpected, strict, self.matched
+                p,
+                model,
+                problems,
+                missing if strict else [],
+                unexpected,
+                strict,
+                self.matched,
+                [m.split(": ")[0] for m in mismatched],
             )
         if not strict and not self.matched and loadable and not self.hooked:
             held = (
@@ -595,20 +602,20 @@ def _apply_steps(
     _run_own_loaders(fit, undos, left_missing, left_unexpected, put_back)
     if fit.strict and not fit.deferred and left_unexpected:  # keys a self-loader did not take
         error = _does_not_fit(p, model, [], left_missing, left_unexpected, True, True)
-        raise CheckpointError(f"{error}; {state_after_put_back()}")
+        raise _said_more(error, f"; {state_after_put_back()}")
     if not fit.deferred:
         _run_post_hooks(p, model, left_missing, left_unexpected, lambda: "the weights are loaded")
         if fit.strict and (left_missing or left_unexpected):  # a hook added keys: as torch does
-            raise CheckpointError(
-                f"{_does_not_fit(p, model, [], left_missing, left_unexpected, True, True)} "
-                "(reported by the model's load post-hooks once the weights were loaded, so "
-                "they are loaded)"
+            raise _said_more(
+                _does_not_fit(p, model, [], left_missing, left_unexpected, True, True),
+                " (reported by the model's load post-hooks once the weights were loaded, so "
+                "they are loaded)",
             )
         return
     _run_post_hooks(p, model, left_missing, left_unexpected, state_after_put_back)
     if left_missing or left_unexpected:
         error = _does_not_fit(p, model, [], left_missing, left_unexpected, fit.strict, fit.matched)
-        raise CheckpointError(f"{error}; {state_after_put_back()}")
+        raise _said_more(error, f"; {state_after_put_back()}")
 
 
 def _own_moves_after(
@@ -692,6 +699,7 @@ def _does_not_fit(
     unexpected: list[str],
     strict: bool,
     matched: bool,
+    mismatched: list[str] | None = None,
 ) -> CheckpointError:
     """The error for a file that does not fit: missing and unexpected keys first.
 
@@ -705,5 +713,20 @@ def _does_not_fit(
     hint = _prefix_hint(missing, unexpected) if strict else ""
     fix = "; pass strict=False to load what matches" if matched and not problems else ""
     return CheckpointError(
-        f"{p}: does not fit {type(model).__name__}: {'; '.join(keys + problems)}{hint}{fix}"
+        f"{p}: does not fit {type(model).__name__}: {'; '.join(keys + problems)}{hint}{fix}",
+        path=p if isinstance(p, Path) else None,
+        missing=[m.split(" (tied to ")[0] for m in missing],
+        unexpected=unexpected if strict else [],
+        mismatched=mismatched,
+    )
+
+
+def _said_more(error: CheckpointError, more: str) -> CheckpointError:
+    """``error`` with ``more`` said after its message, its data kept."""
+    return CheckpointError(
+        f"{error}{more}",
+        path=error.path,
+        missing=error.missing,
+        unexpected=error.unexpected,
+        mismatched=error.mismatched,
     )

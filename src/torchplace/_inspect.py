@@ -687,5 +687,6 @@ def verify(obj: Any, device: DeviceSpec, /, *, optimizer: Any = None) -> None:
     count = f"{len(bad)} tensor{'s' if len(bad) != 1 else ''}"
     raise PlacementError(
         f"{count} of {describe(obj)} {'are' if len(bad) != 1 else 'is'} not on {target}:\n"
-        + "\n".join(lines)
+        + "\n".join(lines),
+        stragglers=[Straggler(e.name, e.kind, e.tensor.device, nbytes(e.tensor)) for e in bad],
     )

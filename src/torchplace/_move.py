@@ -250,7 +250,7 @@ class _Copier:
         try:
             return self.copy(t, self.target if target is None else target)
         except _CopyFailed as failed:
-            raise MoveError(failed.message(name)) from failed.cause
+            raise MoveError(failed.message(name), name=name) from failed.cause
 
     def synchronize(self) -> None:
         """Wait, by event, for device-to-host copies so no caller reads bytes not yet there.
@@ -348,10 +348,10 @@ def _reraise(located: Located, root: str, target: torch.device) -> NoReturn:
     cause = located.cause
     where = located.path(root)
     if isinstance(cause, _CopyFailed):
-        raise MoveError(cause.message(where)) from cause.cause
+        raise MoveError(cause.message(where), name=where) from cause.cause
     if isinstance(cause, TorchplaceError):
         raise cause from cause.__cause__
-    raise MoveError(f"could not move {where} to {target}: {cause}") from cause
+    raise MoveError(f"could not move {where} to {target}: {cause}", name=where) from cause
 
 
 def _map(

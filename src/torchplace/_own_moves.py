@@ -228,7 +228,7 @@ def run_own_moves(
             try:
                 _call(mover, target, convert)
             except Exception as exc:
-                raise MoveError(_failure(path, mover, target, convert, exc)) from exc
+                raise MoveError(_failure(path, mover, target, convert, exc), name=path) from exc
     finally:
         if conversion_flags() != flags:
             set_conversion_flags(flags)

@@ -669,7 +669,10 @@ def load_sharded(
         fix = "; pass strict=False to load what matches" if plan and not mismatched else ""
         raise CheckpointError(
             f"{where}: does not fit {type(model).__name__}: {'; '.join(problems)}{fix}; the "
-            "model is untouched"
+            "model is untouched",
+            missing=[m.split(" (tied to ")[0] for m in missing] if strict else [],
+            unexpected=unexpected if strict else [],
+            mismatched=[m.split(": ")[0] for m in mismatched],
         )
     if not strict and not plan and slots:
         raise CheckpointError(
