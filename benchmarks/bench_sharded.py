@@ -23,7 +23,7 @@ of processes, taking turns, and fills the model twice in each: the first fill is
 training job pays (it loads once), the second shows the steady state. Every fill is checked
 against the file. Each way is reported by its fastest fills and its largest memory.
 
-Target (DESIGN.md §5): torchplace's first fill at most 0.3x the time of the faster of ``dcp``
+Target (docs/design.md): torchplace's first fill at most 0.3x the time of the faster of ``dcp``
 and ``broadcast``, with extra peak memory per rank at most a quarter of its shard + 64 MiB.
 """
 

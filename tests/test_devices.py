@@ -1,6 +1,6 @@
 """device() and available(): explicit indices, auto/LOCAL_RANK, gpu, best, and clear errors.
 
-GPUs are simulated by monkeypatching torch.cuda (DESIGN.md §4); nothing here needs one.
+GPUs are simulated by monkeypatching torch.cuda (docs/design.md); nothing here needs one.
 """
 
 from __future__ import annotations

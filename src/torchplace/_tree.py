@@ -1,6 +1,6 @@
 """Walking nested batches: which containers torchplace looks into, and how it rebuilds them.
 
-Containers (DESIGN.md §2): dict, OrderedDict, defaultdict (factory kept), other Mappings that can
+Containers (docs/design.md): dict, OrderedDict, defaultdict (factory kept), other Mappings that can
 be rebuilt, list, tuple, namedtuple (exact class), subclasses of list and tuple (exact class:
 ``torch.return_types`` such as ``torch.max``'s, a list subclass with its attributes) and
 ``UserList``, dataclasses (a new instance, frozen ones and
