@@ -1022,3 +1022,20 @@ def test_an_optimizer_shared_with_another_model_is_named_as_such_and_the_fix_wor
     other_model = b
     torchplace.move(other_model, "meta", optimizer=opt)
     torchplace.verify(a, "meta", optimizer=opt)
+
+
+class _Opaque:
+    """Neither a container torchplace walks nor an object with its own .to()."""
+
+    def __init__(self) -> None:
+        self.x = torch.ones(2)
+
+
+def test_an_object_move_cannot_walk_is_said_and_seen() -> None:
+    obj = _Opaque()
+    with pytest.warns(UserWarning, match=r"left the _Opaque as it is.*batch\.x.*\.to\(device\)"):
+        assert torchplace.move(obj, "meta") is obj
+    assert obj.x.device == CPU
+    with pytest.raises(torchplace.PlacementError, match=r"batch\.x .*held by _Opaque"):
+        torchplace.verify(obj, "meta")
+    assert torchplace.where(obj) == CPU  # no longer "holds no tensors"

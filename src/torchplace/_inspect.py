@@ -27,7 +27,7 @@ from ._errors import (
 )
 from ._own_moves import covered_modules, moves_itself
 from ._sizes import format_bytes  # its home; imported from here by several modules
-from ._tree import cached_properties, iter_leaves
+from ._tree import cached_properties, iter_leaves, opaque_tensors
 
 __all__ = [
     "Entry",
@@ -191,6 +191,8 @@ class Entry:
     cached: bool = False
     # An optimizer's parameter (or its state) that is not part of the model looked at.
     foreign: bool = False
+    # Kept in the attributes of an object of this class, which move does not walk.
+    opaque: str | None = None
 
 
 @dataclass(frozen=True)
@@ -422,6 +424,8 @@ def entries(obj: Any, /, *, optimizer: Any = None, root: str = "batch") -> list[
             optimizers.insert(0, obj)
     else:
         visit(obj, "")
+        for path, t in opaque_tensors(obj, root):  # an object move does not walk: said so
+            add(Entry(path, "tensor", t, opaque=type(obj).__name__))
     model_params = list(params)  # the optimizers' own parameters are not the model's
     for index, opt in enumerate(optimizers):
         label = "optimizer" if len(optimizers) == 1 else f"optimizer[{index}]"
@@ -535,6 +539,13 @@ def fix_for(entry: Entry, target: torch.device, *, rebuild: bool = False) -> str
     brings back, so that is the fix for its parameters and buffers on meta too.
     """
     dev = f"'{target}'"
+    if entry.opaque is not None:
+        return (
+            f"held by {entry.opaque}, which is not a container torchplace moves (no "
+            ".to(device) method, not a dict, list, tuple or dataclass), so torchplace.move "
+            f"leaves it as it is; give {entry.opaque} a .to(device) method that returns the "
+            "moved object, or make it a dataclass"
+        )
     if entry.foreign:
         return (
             "the optimizer also holds parameters that are not part of this model (another "

@@ -49,7 +49,7 @@ from ._own_moves import (
     set_conversion_flags,
 )
 from ._staging import Stager, stageable
-from ._tree import Located, cached_properties, iter_leaves, map_tensors
+from ._tree import Located, cached_properties, iter_leaves, map_tensors, opaque_tensors
 
 __all__ = ["move"]
 
@@ -902,6 +902,18 @@ def move(
         if isinstance(exc, TorchplaceError) or not isinstance(exc, Exception):
             raise
         raise MoveError(f"could not move {type(obj).__name__} to {target}: {exc}") from exc
+    opaque = [] if result is not obj else [path for path, _ in opaque_tensors(obj)]
+    if opaque:
+        cls = type(obj).__name__
+        names = ", ".join(opaque[:5]) + (", ..." if len(opaque) > 5 else "")
+        warnings.warn(
+            f"torchplace.move left the {cls} as it is: it is not a container torchplace moves "
+            f"(no .to(device) method, not a dict, list, tuple or dataclass), so its tensors "
+            f"({names}) stay where they are; give {cls} a .to(device) method that returns the "
+            "moved object, or make it a dataclass",
+            UserWarning,
+            stacklevel=2,
+        )
     if copier.discarded:
         names = ", ".join(copier.discarded[:5]) + (", ..." if len(copier.discarded) > 5 else "")
         warnings.warn(

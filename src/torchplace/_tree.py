@@ -27,7 +27,14 @@ from torch import nn
 
 from ._errors import TorchplaceError
 
-__all__ = ["Located", "cached_properties", "format_path", "iter_leaves", "map_tensors"]
+__all__ = [
+    "Located",
+    "cached_properties",
+    "format_path",
+    "iter_leaves",
+    "map_tensors",
+    "opaque_tensors",
+]
 
 # How deep a batch may nest before torchplace calls it a mistake. Real batches nest a handful of
 # levels; this stays far below Python's recursion limit.
@@ -389,6 +396,19 @@ def _dataclass_items(node: Any) -> Iterator[tuple[str, Any]]:
             value = attrs.get(name, _UNSET)
             if value is not _UNSET:
                 yield name, value
+
+
+def opaque_tensors(obj: Any, root: str = "batch") -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors an object of no kind torchplace walks keeps in its attributes (one level,
+    then their contents): ``move`` leaves such an object as it is, so they stay where they are.
+    Nothing for a tensor, a container, a module, an object with its own ``.to``, or a plain
+    value."""
+    if _classify(type(obj)) != _LEAF:
+        return
+    for name, value in _attributes(obj):
+        for path, leaf in iter_leaves(value, f"{root}.{name}", skip_cycles=True):
+            if isinstance(leaf, torch.Tensor):
+                yield path, leaf
 
 
 def _attributes(obj: Any) -> Iterator[tuple[str, Any]]:
