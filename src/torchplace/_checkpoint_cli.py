@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import IO, Any, ClassVar, cast
 
 from ._errors import CheckpointError, DeviceSpecError, TorchplaceError
+from ._index import LEGACY_MAGIC, weight_map
 from ._safetensors import DTYPES as SAFETENSORS_DTYPES
 from ._safetensors import read_header as read_safetensors_header
 from ._safetensors import sniff as sniff_safetensors
@@ -52,7 +53,6 @@ __all__ = [
 
 # Progress is shown for files at least this large (when the output is a terminal).
 PROGRESS_MIN_BYTES = 16 * 1024 * 1024
-_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 
 
 @dataclass(frozen=True)
@@ -486,7 +486,7 @@ def _describe_legacy(p: Path) -> list[TensorRecord]:
     with _readable(p), p.open("rb") as raw:
         f = _BoundedReader(raw, p.stat().st_size)
         magic = _InertUnpickler(f).load()
-        if magic != _LEGACY_MAGIC:
+        if magic != LEGACY_MAGIC:
             raise CheckpointError(
                 f"{p}: is a pickle but not a torch.save file (wrong magic number); a plain "
                 "pickle is not a checkpoint"
@@ -591,19 +591,10 @@ describe = describe_file
 
 def _index_shards(p: Path) -> list[tuple[str, Path, list[str]]]:
     """The shards a shard index lists: (name in the index, path, tensor names) each."""
-    try:
-        index = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{p}: is not a readable JSON shard index ({exc})") from exc
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CheckpointError(
-            f"{p}: is JSON but not a shard index; a sharded checkpoint's index maps every tensor "
-            'name to its file under "weight_map"'
-        )
+    mapping = weight_map(p)
     from ._checkpoint import shards
 
-    return shards(p, weight_map)
+    return shards(p, mapping)
 
 
 def _describe_index(p: Path) -> list[TensorRecord]:

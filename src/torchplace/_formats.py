@@ -23,6 +23,7 @@ import torch
 
 from . import _safetensors
 from ._errors import CheckpointError
+from ._index import LEGACY_MAGIC
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -174,10 +175,6 @@ def _has_data_pkl(p: Path) -> bool:
         return True
 
 
-# torch's legacy (non-zip) files open with this number, pickled on its own.
-_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
-
-
 class _NoGlobals(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         raise pickle.UnpicklingError(f"{module}.{name} is not loaded here")
@@ -190,7 +187,7 @@ def _has_legacy_magic(p: Path) -> bool:
             first = _NoGlobals(f).load()
     except Exception:
         return False
-    return isinstance(first, int) and not isinstance(first, bool) and first == _LEGACY_MAGIC
+    return isinstance(first, int) and not isinstance(first, bool) and first == LEGACY_MAGIC
 
 
 def _refusal_reason(text: str) -> str:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import io
-import json
 import pickle
 import stat
 import struct
@@ -38,6 +37,7 @@ from ._formats import (
     shards,
     zip_layout,
 )
+from ._index import weight_map
 from ._readinto import read_into
 
 # ------------------------------------------------------------------------------------------ load
@@ -276,20 +276,9 @@ def _read_safetensors(
 
 
 def _load_index(p: Path, target: torch.device, *, mmap: bool, trusted: bool) -> dict[str, Any]:
-    try:
-        index = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise CheckpointError(f"{p}: is not a readable JSON shard index ({exc})") from exc
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
-        raise CheckpointError(
-            f"{p}: is JSON but not a shard index; a sharded checkpoint's index maps every tensor "
-            'name to its file under "weight_map"'
-        )
+    mapping = weight_map(p)
     result: dict[str, Any] = {}
-    for shard, shard_path, names in shards(p, weight_map):
+    for shard, shard_path, names in shards(p, mapping):
         part = load(shard_path, target, mmap=mmap, trusted=trusted)
         if not isinstance(part, Mapping):
             raise CheckpointError(f"{shard_path}: holds a {type(part).__name__}, not tensors")

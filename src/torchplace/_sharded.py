@@ -28,7 +28,6 @@ import ctypes
 import dataclasses
 import io
 import itertools
-import json
 import math
 import os
 import struct
@@ -44,6 +43,7 @@ from torch import nn
 from ._checkpoint_cli import _InertUnpickler, _rebuild_tensor, _shape, _tensor_refs, _TensorRef
 from ._devices import device as _device
 from ._errors import CheckpointError, TorchplaceError
+from ._index import weight_map
 from ._rename import Rename, as_renamer, renamed
 
 __all__ = ["has_dtensors", "load_sharded"]
@@ -224,20 +224,9 @@ def _safetensors_entries(p: Path) -> dict[str, _Entry]:
 def _index_entries(p: Path) -> dict[str, _Entry]:
     from ._checkpoint import shards
 
-    try:
-        index = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise CheckpointError(f"{p}: is not a readable JSON shard index ({exc})") from exc
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
-        raise CheckpointError(
-            f"{p}: is JSON but not a shard index; a sharded checkpoint's index maps every tensor "
-            'name to its file under "weight_map"'
-        )
+    mapping = weight_map(p)
     entries: dict[str, _Entry] = {}
-    for shard, shard_path, names in shards(p, weight_map):
+    for shard, shard_path, names in shards(p, mapping):
         part = _file_entries(shard_path)
         for name in names:
             if name not in part:
