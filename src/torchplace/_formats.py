@@ -15,15 +15,15 @@ import stat
 import struct
 import zipfile
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, TypeVar, Union
 
 import torch
 
 from . import _safetensors
 from ._errors import CheckpointError
-from ._index import LEGACY_MAGIC
+from ._index import LEGACY_MAGIC, weight_map
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -37,6 +37,8 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 
 # The first bytes of formats people mistake for checkpoints, to say what a foreign file is.
+T = TypeVar("T")
+
 _FOREIGN_MAGIC = (
     (b"\x93NUMPY", "a NumPy .npy array (load it with numpy.load)"),
     (b"\x89HDF", "an HDF5 file (Keras or h5py; load it with h5py)"),
@@ -304,6 +306,22 @@ def shards(p: Path, weight_map: Mapping[str, str]) -> list[tuple[str, Path, list
 
 
 # The files save_pretrained writes, in the order a directory is searched for its one model file.
+def gather_index(p: Path, read: Callable[[Path], Mapping[str, T]]) -> dict[str, T]:
+    """Every tensor a shard index lists, each read by ``read`` from the shard it names; an
+    index that names a tensor its shard lacks raises ``CheckpointError``."""
+    result: dict[str, T] = {}
+    for shard, shard_path, names in shards(p, weight_map(p)):
+        part = read(shard_path)
+        for name in names:
+            if name not in part:
+                raise CheckpointError(
+                    f"{p}: says {name!r} is in {shard!r}, but that shard does not hold it; the "
+                    "index and its shards do not match"
+                )
+            result[name] = part[name]
+    return result
+
+
 _MODEL_FILE_KINDS = (".safetensors.index.json", ".index.json", ".safetensors")
 
 

@@ -31,13 +31,12 @@ from ._formats import (
     _refusal_reason,
     as_path,
     detect_format,
+    gather_index,
     model_file,
     record_start,
     safetensors_header,
-    shards,
     zip_layout,
 )
-from ._index import weight_map
 from ._readinto import read_into
 
 # ------------------------------------------------------------------------------------------ load
@@ -276,17 +275,10 @@ def _read_safetensors(
 
 
 def _load_index(p: Path, target: torch.device, *, mmap: bool, trusted: bool) -> dict[str, Any]:
-    mapping = weight_map(p)
-    result: dict[str, Any] = {}
-    for shard, shard_path, names in shards(p, mapping):
+    def read(shard_path: Path) -> Mapping[str, Any]:
         part = load(shard_path, target, mmap=mmap, trusted=trusted)
         if not isinstance(part, Mapping):
             raise CheckpointError(f"{shard_path}: holds a {type(part).__name__}, not tensors")
-        for name in names:
-            if name not in part:
-                raise CheckpointError(
-                    f"{p}: says {name!r} is in {shard!r}, but that shard does not hold it; the "
-                    "index and its shards do not match"
-                )
-            result[name] = part[name]
-    return result
+        return part
+
+    return gather_index(p, read)

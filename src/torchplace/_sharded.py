@@ -43,7 +43,6 @@ from torch import nn
 from ._checkpoint_cli import _InertUnpickler, _rebuild_tensor, _shape, _tensor_refs, _TensorRef
 from ._devices import device as _device
 from ._errors import CheckpointError, TorchplaceError
-from ._index import weight_map
 from ._rename import Rename, as_renamer, renamed
 
 __all__ = ["has_dtensors", "load_sharded"]
@@ -222,20 +221,9 @@ def _safetensors_entries(p: Path) -> dict[str, _Entry]:
 
 
 def _index_entries(p: Path) -> dict[str, _Entry]:
-    from ._checkpoint import shards
+    from ._formats import gather_index
 
-    mapping = weight_map(p)
-    entries: dict[str, _Entry] = {}
-    for shard, shard_path, names in shards(p, mapping):
-        part = _file_entries(shard_path)
-        for name in names:
-            if name not in part:
-                raise CheckpointError(
-                    f"{p}: says {name!r} is in {shard!r}, but that shard does not hold it; the "
-                    "index and its shards do not match"
-                )
-            entries[name] = part[name]
-    return entries
+    return gather_index(p, _file_entries)
 
 
 def _file_entries(p: Path) -> dict[str, _Entry]:
