@@ -16,7 +16,7 @@ starts the clock (imports are not timed), and reports the time to the forward's 
 so every way finds it in the page cache, and the ways take turns round by round; each is
 reported by its fastest round.
 
-Targets (DESIGN.md §5): torchplace at most 0.2x the time of ``plain`` and 0.5x that of
+Targets (docs/design.md): torchplace at most 0.2x the time of ``plain`` and 0.5x that of
 ``accelerate``, with peak memory above the bare imports at most 1.1x the file.
 """
 

@@ -1,6 +1,7 @@
 """How fast the command line starts, as a ratio to ``python -c "import torch"``, same run.
 
-Run as ``python benchmarks/bench_cli.py [--rounds N]``. DESIGN.md's target: ``torchplace --help``
+Run as ``python benchmarks/bench_cli.py [--rounds N]``. Target (docs/design.md):
+``torchplace --help``
 and ``torchplace inspect FILE.safetensors`` import no torch and take at most 0.25x the time of
 ``python -c "import torch"``.
 

@@ -1,6 +1,6 @@
 """Consolidated copies against per-tensor ``.to()``, and the sweep that sets the threshold.
 
-Target (DESIGN.md §5): 500 small tensors to a GPU at least 4x faster as one consolidated copy
+Target (docs/design.md): 500 small tensors to a GPU at least 4x faster as one consolidated copy
 than with one ``.to()`` each.
 
     python benchmarks/bench_copies.py            # the 500-tensor comparison, as a ratio

@@ -3,7 +3,7 @@
 Run as ``python benchmarks/bench_guard.py [--rounds N]``. Two models, one thread, no autograd:
 
 * the issue's target: 48 blocks of ``Linear(512)`` + ``ReLU``, batch 16, at most 3% added;
-* DESIGN.md's target: 100 blocks of ``Linear(512)`` + ``ReLU``, batch 1, at most 5% added.
+* The target (docs/design.md): 100 blocks of ``Linear(512)`` + ``ReLU``, batch 1, at most 5% added.
 
 Each round times one bare and one guarded forward (the guard is installed and removed outside
 the timing), so drift in the machine's speed hits both alike. Interference from other processes

@@ -1,6 +1,6 @@
 """How much copy time ``DeviceLoader`` hides behind a compute step.
 
-Target (DESIGN.md §5): on a GPU, at least 90% of the copy time hidden.
+Target (docs/design.md): on a GPU, at least 90% of the copy time hidden.
 
 Three loops over the same batches, each followed by the same compute step on the GPU:
 ``naive`` copies each batch with ``.to(device)`` (pageable, blocking, on the default stream),

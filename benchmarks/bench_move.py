@@ -1,6 +1,6 @@
 """Moving a model with its Adam state to a GPU, as a fraction of one large pinned copy's bandwidth.
 
-Target (DESIGN.md §5): ``torchplace.move(model, "cuda", optimizer=adam)`` reaches 85% of the
+Target (docs/design.md): ``torchplace.move(model, "cuda", optimizer=adam)`` reaches 85% of the
 bandwidth of a single pinned host-to-device copy of the same number of bytes. Side by side:
 ``model.to("cuda")`` plus the by-hand optimizer-state loop people write.
 

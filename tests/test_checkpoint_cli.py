@@ -796,10 +796,8 @@ def test_inspect_and_remap_refuse_a_safetensors_layout_load_refuses(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.safetensors"]
 
 
-# needs the _checkpoint validation from the ckpt branch: `load` and `safetensors_header` refuse
-# every layout that inspect and remap refuse (today the safetensors library catches some of them
-# inside load, and safetensors_header none). Strict: once merged, drop the marker.
-@pytest.mark.xfail(reason="needs the _checkpoint validation from the ckpt branch", strict=True)
+# `load` and `safetensors_header` refuse every layout that inspect and remap refuse: all read
+# the header through torchplace._safetensors.
 @pytest.mark.parametrize("case", list(_BAD_LAYOUTS))
 def test_load_refuses_the_layouts_inspect_refuses(tmp_path: Path, case: str) -> None:
     header, data_len, culprit = _BAD_LAYOUTS[case]
@@ -851,14 +849,13 @@ def test_safetensors_read_without_torch_matches_load_on_damaged_files(tmp_path: 
 
 
 def test_safetensors_dtypes_without_torch_are_loads() -> None:
-    from torchplace import _checkpoint
+    from torchplace import _checkpoint, _safetensors
 
     loads = {
         name: (str(dtype).removeprefix("torch."), dtype.itemsize)
         for name, dtype in _checkpoint.SAFETENSORS_DTYPES.items()
     }
-    assert loads == _checkpoint_cli._SAFETENSORS_DTYPES
-    assert _checkpoint_cli._MAX_SAFETENSORS_HEADER == _checkpoint._MAX_HEADER
+    assert loads == {k: v for k, v in _safetensors.DTYPES.items() if k in loads}
 
 
 def test_safetensors_sniffed_without_torch_as_detect_format_says(tmp_path: Path) -> None:
@@ -877,7 +874,7 @@ def test_safetensors_sniffed_without_torch_as_detect_format_says(tmp_path: Path)
             kind = detect_format(path)
         except CheckpointError:
             kind = "refused"
-        assert _checkpoint_cli._sniff_safetensors(path) == (kind == "safetensors"), path.name
+        assert _checkpoint_cli.sniff_safetensors(path) == (kind == "safetensors"), path.name
 
 
 # ------------------------------------------------------------------------- remap of a shard index
@@ -1033,3 +1030,21 @@ def test_inspect_output_golden(
     if regen_golden:
         (GOLDEN / golden).write_text(text)
     assert text == (GOLDEN / golden).read_text(), f"{golden} changed; run pytest --regen-golden"
+
+
+def test_an_index_remapped_to_a_name_without_its_suffix_loads(tmp_path: Path) -> None:
+    """The format is known from the file's bytes, so `-o NAME` need not end in .index.json."""
+    pytest.importorskip("safetensors")
+    from safetensors.torch import save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    save_file({"a": torch.arange(3.0)}, src / "s1.safetensors")
+    save_file({"b": torch.ones(2)}, src / "s2.safetensors")
+    index = src / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"}}))
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(["remap", str(index), "--to", "cpu", "-o", str(out / "remapped")]) == 0
+    loaded = load(out / "remapped")
+    assert torch.equal(loaded["a"], torch.arange(3.0)) and torch.equal(loaded["b"], torch.ones(2))

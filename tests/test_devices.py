@@ -1,6 +1,6 @@
 """device() and available(): explicit indices, auto/LOCAL_RANK, gpu, best, and clear errors.
 
-GPUs are simulated by monkeypatching torch.cuda (DESIGN.md §4); nothing here needs one.
+GPUs are simulated by monkeypatching torch.cuda (docs/design.md); nothing here needs one.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ FakeGPUs = Callable[..., None]
 def gpus(monkeypatch: pytest.MonkeyPatch) -> FakeGPUs:
     """Pretend this machine has N CUDA GPUs with the given free memory (bytes)."""
     monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
 
     def install(count: int, free: list[int] | None = None, mps: bool = False) -> None:
@@ -64,13 +65,60 @@ def test_auto_picks_cuda_with_explicit_index(gpus: FakeGPUs) -> None:
     assert torchplace.device("gpu") == torch.device("cuda", 0)
 
 
-@pytest.mark.parametrize(("local_rank", "expected"), [("0", 0), ("3", 3), ("5", 1)])
+@pytest.mark.parametrize(("local_rank", "expected"), [("0", 0), ("3", 3)])
 def test_auto_under_torchrun_uses_local_rank(
     gpus: FakeGPUs, monkeypatch: pytest.MonkeyPatch, local_rank: str, expected: int
 ) -> None:
     gpus(4)
     monkeypatch.setenv("LOCAL_RANK", local_rank)
     assert torchplace.device() == torch.device("cuda", expected)
+
+
+@pytest.mark.parametrize("spec", ["auto", "best"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_local_ranks_never_share_an_accelerator(
+    gpus: FakeGPUs, monkeypatch: pytest.MonkeyPatch, spec: str, world: int
+) -> None:
+    """Every local rank of a torchrun machine gets its own device, whatever the free memory."""
+    gib = 1 << 30
+    gpus(4, free=[1 * gib, 2 * gib, 40 * gib, 3 * gib])  # "most free" alone would be cuda:2
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(world))
+    chosen = []
+    for rank in range(world):
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        chosen.append(torchplace.device(spec))
+    assert chosen == [torch.device("cuda", rank) for rank in range(world)]
+
+
+@pytest.mark.parametrize("spec", ["auto", "best"])
+def test_more_local_ranks_than_accelerators_is_refused_on_every_rank(
+    gpus: FakeGPUs, monkeypatch: pytest.MonkeyPatch, spec: str
+) -> None:
+    """4 processes on 2 GPUs: rank 2 would share cuda:0 with rank 0 (LOCAL_RANK % count)."""
+    gpus(2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    for rank in range(4):
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        with pytest.raises(torchplace.DeviceUnavailableError, match=r"--nproc-per-node=2"):
+            torchplace.device(spec)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    with pytest.raises(torchplace.DeviceUnavailableError, match=r"LOCAL_RANK=5 needs cuda:5"):
+        torchplace.device(spec)
+
+
+def test_best_with_one_process_per_machine_still_reads_free_memory(
+    gpus: FakeGPUs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gib = 1 << 30
+    gpus(4, free=[1 * gib, 2 * gib, 40 * gib, 3 * gib])
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert torchplace.device("best") == torch.device("cuda:2")
+    assert torchplace.device("auto") == torch.device("cuda:0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "two")
+    with pytest.raises(torchplace.DeviceSpecError, match=r"LOCAL_WORLD_SIZE='two'"):
+        torchplace.device("best")
 
 
 def test_local_rank_without_gpu_is_cpu(gpus: FakeGPUs, monkeypatch: pytest.MonkeyPatch) -> None:

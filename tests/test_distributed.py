@@ -43,6 +43,7 @@ def test_single_process_starts_a_group_of_one(outside_torchrun: None) -> None:
     assert (dist.get_rank(), dist.get_world_size()) == (0, 1)
     assert dist.get_backend() == "gloo"
     assert torchplace.distributed.setup(single_process=True) == dev  # a second call is harmless
+    assert torchplace.distributed.setup() == dev  # as the docs say: plain, it returns the device
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="NCCL is valid with a GPU")
@@ -191,3 +192,18 @@ def test_two_processes_under_torchrun_train_one_ddp_step(tmp_path: Path) -> None
     assert done.returncode == 0, done.stdout + done.stderr
     assert "rank 0 of 2 trained on cpu" in done.stdout
     assert "rank 1 of 2 trained on cpu" in done.stdout
+
+
+def test_collective_verify_without_a_process_group_says_to_call_setup(
+    outside_torchrun: None,
+) -> None:
+    with pytest.raises(TorchplaceError, match=r"not initialized; call .*setup\(\) first"):
+        torchplace.distributed.verify(torch.nn.Linear(2, 2), "cpu")
+
+
+def test_setup_hint_for_several_machines_names_a_c10d_rendezvous(outside_torchrun: None) -> None:
+    """A static --rdzv-endpoint alone makes every machine think it is node 0."""
+    with pytest.raises(TorchplaceError) as info:
+        torchplace.distributed.setup()
+    assert "--rdzv-backend=c10d" in str(info.value)
+    assert "--rdzv-id=" in str(info.value)

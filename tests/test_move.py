@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections import OrderedDict, defaultdict, namedtuple
 from collections.abc import Iterator, Mapping, MutableMapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -947,3 +949,112 @@ class _FieldsAsMapping(Mapping):  # type: ignore[type-arg]
 def test_a_mapping_dataclass_that_is_no_dict_is_rebuilt_by_its_fields() -> None:
     moved = torchplace.move(_FieldsAsMapping(torch.ones(2), 5), "meta")
     assert type(moved) is _FieldsAsMapping and moved.y == 5 and moved.x.device == META
+
+
+def _adam_trained() -> tuple[nn.Linear, torch.optim.Optimizer]:
+    model = nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _trains(model: nn.Module, opt: torch.optim.Optimizer) -> bool:
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    return all(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("way", ["load_into", "to_empty"])
+def test_the_way_back_from_meta_with_an_optimizer_works_as_written(
+    tmp_path: Path, way: str
+) -> None:
+    """Both ways the error gives, followed with what it says of the optimizer, train again."""
+    model, opt = _adam_trained()
+    torch.save(model.state_dict(), tmp_path / "w.pt")
+    torchplace.move(model, "meta", optimizer=opt)
+    with pytest.raises(torchplace.MoveError) as info:
+        torchplace.move(model, "cpu", optimizer=opt)
+    text = str(info.value)
+    assert "load_into(model, checkpoint, 'cpu')" in text and "to_empty(device='cpu')" in text
+    assert "opt.state.clear()" in text and "torchplace.move(model, 'cpu', optimizer=opt)" in text
+    if way == "load_into":
+        torchplace.load_into(model, tmp_path / "w.pt", "cpu")
+    else:
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            model.reset_parameters()  # "and initialise it"
+    opt.state.clear()
+    torchplace.move(model, "cpu", optimizer=opt)
+    torchplace.verify(model, "cpu", optimizer=opt)
+    assert _trains(model, opt)
+
+
+def test_verify_after_to_empty_and_a_cleared_state_says_to_rebind() -> None:
+    model, opt = _adam_trained()
+    torchplace.move(model, "meta", optimizer=opt)
+    model.to_empty(device="cpu")  # replaces the parameters: the optimizer holds the old ones
+    opt.state.clear()
+    with pytest.raises(torchplace.PlacementError) as info:
+        torchplace.verify(model, "cpu", optimizer=opt)
+    assert "opt.state.clear()" not in str(info.value)  # done already: not asked again
+    assert "re-bind it: torchplace.move(model, 'cpu', optimizer=opt)" in str(info.value)
+    torchplace.move(model, "cpu", optimizer=opt)
+    torchplace.verify(model, "cpu", optimizer=opt)
+    assert opt.param_groups[0]["params"][0] is model.weight
+
+
+class _Masked(nn.Linear):
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        return torch.ones_like(self.weight)
+
+
+def test_a_modules_cached_property_moves_with_it_without_a_warning() -> None:
+    model = _Masked(2, 2)
+    assert model.mask.device == CPU  # computed, cached in the instance
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torchplace.move(model, "meta")
+    assert model.mask.device == META
+    torchplace.verify(model, "meta")
+    model.__dict__["mask"] = torch.ones(2, 2)  # a stale cached value: found, and the fix works
+    with pytest.raises(torchplace.PlacementError, match=r"cached_property.*del model\.mask"):
+        torchplace.verify(model, "meta")
+    del model.mask
+    torchplace.verify(model, "meta")
+
+
+def test_an_optimizer_shared_with_another_model_is_named_as_such_and_the_fix_works() -> None:
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1, momentum=0.9)
+    (a(torch.ones(1, 2)).sum() + b(torch.ones(1, 2)).sum()).backward()
+    opt.step()
+    torchplace.move(a, "meta", optimizer=opt)
+    with pytest.raises(torchplace.PlacementError) as info:
+        torchplace.verify(a, "meta", optimizer=opt)
+    text = str(info.value)
+    assert "not part of this model" in text
+    assert "torchplace.move(other_model, 'meta', optimizer=opt)" in text
+    other_model = b
+    torchplace.move(other_model, "meta", optimizer=opt)
+    torchplace.verify(a, "meta", optimizer=opt)
+
+
+class _Opaque:
+    """Neither a container torchplace walks nor an object with its own .to()."""
+
+    def __init__(self) -> None:
+        self.x = torch.ones(2)
+
+
+def test_an_object_move_cannot_walk_is_said_and_seen() -> None:
+    obj = _Opaque()
+    with pytest.warns(UserWarning, match=r"left the _Opaque as it is.*batch\.x.*\.to\(device\)"):
+        assert torchplace.move(obj, "meta") is obj
+    assert obj.x.device == CPU
+    with pytest.raises(torchplace.PlacementError, match=r"batch\.x .*held by _Opaque"):
+        torchplace.verify(obj, "meta")
+    assert torchplace.where(obj) == CPU  # no longer "holds no tensors"

@@ -8,7 +8,7 @@ import sys
 
 import torchplace
 
-# The names DESIGN.md documents and this release implements.
+# The names docs/design.md documents and this release implements.
 DOCUMENTED = {
     # devices
     "device",

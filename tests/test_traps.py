@@ -1,4 +1,4 @@
-"""One test per device-placement trap of DESIGN.md §3: PyTorch's behaviour, and torchplace's answer.
+"""One test per device-placement trap of docs/design.md: PyTorch's behaviour, torchplace's answer.
 
 Traps that only exist on a real accelerator (4's CUDA error, 9, 10, 11's GPU-saved file) assert
 PyTorch's documented behaviour where a CPU can show it and run for real under ``requires_cuda``.

@@ -61,7 +61,7 @@ class TiedLM(nn.Module):
 
 
 def on_fake_cuda(model: nn.Module, placement: dict[str, str]) -> nn.Module:
-    """Give a meta-built model fake parameters reporting CUDA devices (DESIGN.md §4).
+    """Give a meta-built model fake parameters reporting CUDA devices (docs/design.md).
 
     Tied parameters stay tied: each parameter object is replaced once, everywhere it appears.
     """

@@ -26,8 +26,6 @@ import json
 import os
 import pickle
 import shutil
-import stat
-import struct
 import sys
 import types
 import zipfile
@@ -38,6 +36,10 @@ from pathlib import Path
 from typing import IO, Any, ClassVar, cast
 
 from ._errors import CheckpointError, DeviceSpecError, TorchplaceError
+from ._index import LEGACY_MAGIC, weight_map
+from ._safetensors import DTYPES as SAFETENSORS_DTYPES
+from ._safetensors import read_header as read_safetensors_header
+from ._safetensors import sniff as sniff_safetensors
 from ._sizes import format_bytes
 
 __all__ = [
@@ -51,7 +53,6 @@ __all__ = [
 
 # Progress is shown for files at least this large (when the output is a terminal).
 PROGRESS_MIN_BYTES = 16 * 1024 * 1024
-_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 
 
 @dataclass(frozen=True)
@@ -485,7 +486,7 @@ def _describe_legacy(p: Path) -> list[TensorRecord]:
     with _readable(p), p.open("rb") as raw:
         f = _BoundedReader(raw, p.stat().st_size)
         magic = _InertUnpickler(f).load()
-        if magic != _LEGACY_MAGIC:
+        if magic != LEGACY_MAGIC:
             raise CheckpointError(
                 f"{p}: is a pickle but not a torch.save file (wrong magic number); a plain "
                 "pickle is not a checkpoint"
@@ -538,182 +539,22 @@ def _check_legacy_storages(
 
 # ------------------------------------------------------------------------------------ safetensors
 #
-# Read without torch, so that ``torchplace inspect FILE.safetensors`` starts at once. The checks
-# refuse everything ``load`` refuses (a test holds the two to it on damaged files), and more:
-# tensors that overlap or leave gaps, shapes that overflow, metadata that is not strings.
-
-# safetensors dtype names -> (torch's name for the dtype, bytes per element); a test checks the
-# table against the one ``load`` reads with.
-_SAFETENSORS_DTYPES = {
-    "F64": ("float64", 8),
-    "F32": ("float32", 4),
-    "F16": ("float16", 2),
-    "BF16": ("bfloat16", 2),
-    "I64": ("int64", 8),
-    "I32": ("int32", 4),
-    "I16": ("int16", 2),
-    "I8": ("int8", 1),
-    "U8": ("uint8", 1),
-    "BOOL": ("bool", 1),
-    "C64": ("complex64", 8),
-    "U16": ("uint16", 2),
-    "U32": ("uint32", 4),
-    "U64": ("uint64", 8),
-    "F8_E4M3": ("float8_e4m3fn", 1),
-    "F8_E5M2": ("float8_e5m2", 1),
-}
-_MAX_SAFETENSORS_HEADER = 100 * 1024 * 1024  # as load: a larger header is corrupt
-_MAX_INDEX = 1 << 63  # torch sizes and strides are int64
-
-
-def _sniff_safetensors(p: Path) -> bool:
-    """Whether ``detect_format`` would call ``p`` a safetensors file, found without torch."""
-    try:
-        info = p.stat()
-        if not stat.S_ISREG(info.st_mode) or p.name.endswith(".json"):
-            return False
-        with p.open("rb") as f:
-            head = f.read(9)
-    except OSError:
-        return False
-    if len(head) < 9 or head.startswith(b"PK\x03\x04"):
-        return False
-    (header_len,) = struct.unpack("<Q", head[:8])
-    return head[8:9] == b"{" and header_len <= info.st_size - 8
-
-
 def _format_of(p: Path) -> str:
     """``detect_format(p)``, without importing torch for a safetensors file."""
-    if _sniff_safetensors(p):
+    if sniff_safetensors(p):
         return "safetensors"
     from ._checkpoint import detect_format
 
     return detect_format(p)
 
 
-def _read_safetensors_header(p: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file, checked whole by ``_check_safetensors_layout``."""
-    try:
-        with p.open("rb") as f:
-            raw_len = f.read(8)
-            if len(raw_len) < 8:
-                raise CheckpointError(f"{p}: is truncated (shorter than a safetensors header)")
-            (header_len,) = struct.unpack("<Q", raw_len)
-            size = os.fstat(f.fileno()).st_size
-            if header_len > min(size - 8, _MAX_SAFETENSORS_HEADER):
-                raise CheckpointError(
-                    f"{p}: is truncated or corrupt: its safetensors header claims {header_len} "
-                    f"bytes but the file holds {size} bytes"
-                )
-            header = json.loads(f.read(header_len))
-    except OSError as exc:
-        raise CheckpointError(f"{p}: cannot be read ({exc.strerror or exc})") from exc
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise CheckpointError(
-            f"{p}: has a corrupt safetensors header ({type(exc).__name__}: {exc})"
-        ) from exc
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{p}: has a corrupt safetensors header (not a JSON object)")
-    _check_safetensors_layout(p, header)
-    return header
-
-
-def _is_count(n: Any) -> bool:
-    return type(n) is int and 0 <= n < _MAX_INDEX
-
-
-def _check_safetensors_layout(path: Path, header: dict[str, Any]) -> None:
-    """Refuse a safetensors header that ``load`` refuses, naming the file and the tensor: an
-    entry without a known dtype, a list of counts for its shape and two offsets that hold
-    exactly its bytes; a shape whose sizes overflow torch's 64-bit indices; tensors whose bytes
-    overlap, or leave a gap between them or at the end of the file; ``__metadata__`` that is not
-    a map of strings to strings. (``safetensors_header`` is to make the same checks; this is
-    the one place inspect and remap make them until then.)"""
-    with path.open("rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        data_len = os.fstat(f.fileno()).st_size - 8 - header_len
-    resave = "the file is damaged or was not written by a safetensors writer; save it again"
-    meta = header.get("__metadata__", {})
-    if not isinstance(meta, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
-    ):
-        raise CheckpointError(
-            f"{path}: has corrupt __metadata__ ({_printable(repr(meta))[:200]}): safetensors "
-            f"metadata maps strings to strings; {resave}"
-        )
-    spans: list[tuple[int, int, str]] = []
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        where = f"{path}: tensor {name!r}"
-        if not isinstance(entry, dict):
-            raise CheckpointError(
-                f"{where} has a corrupt entry ({_printable(repr(entry))[:200]}): it should map "
-                f"dtype, shape and data_offsets; {resave}"
-            )
-        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if dtype not in _SAFETENSORS_DTYPES:
-            raise CheckpointError(
-                f"{where} has dtype {dtype!r}, which this version of torch cannot hold "
-                f"(supported: {', '.join(sorted(_SAFETENSORS_DTYPES))})"
-            )
-        if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
-            raise CheckpointError(
-                f"{where} has shape {shape!r}, which is not a list of non-negative integers; "
-                f"{resave}"
-            )
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
-            raise CheckpointError(
-                f"{where} has data_offsets {offsets!r}, which are not two non-negative "
-                f"integers; {resave}"
-            )
-        extent, numel = 1, 1
-        for n in shape:
-            extent *= max(n, 1)  # what torch's strides multiply up to, even beside a 0
-            numel *= n
-        if extent >= _MAX_INDEX:
-            raise CheckpointError(
-                f"{where} has shape {shape}, whose sizes multiply past 2**63: torch cannot "
-                f"index it; {resave}"
-            )
-        start, end = offsets
-        nbytes = numel * _SAFETENSORS_DTYPES[dtype][1]
-        if not start <= end <= data_len or end - start != nbytes:
-            raise CheckpointError(
-                f"{path}: is truncated or corrupt: tensor {name!r} ({dtype}, shape {shape}) "
-                f"takes {nbytes} bytes, which do not fit its data offsets {offsets} in the "
-                f"file's {data_len} bytes of data"
-            )
-        spans.append((start, end, name))
-    spans.sort()
-    reached, last = 0, None  # bytes accounted for so far, by tensor ``last``
-    for start, end, name in spans:
-        if start < reached:
-            raise CheckpointError(
-                f"{path}: tensor {name!r} (bytes {start} to {end}) overlaps tensor {last!r} "
-                f"(which ends at byte {reached}): each tensor owns its bytes; {resave}"
-            )
-        if start > reached:
-            after = f"after tensor {last!r}" if last is not None else "at the start of the data"
-            raise CheckpointError(
-                f"{path}: tensor {name!r} starts at byte {start}, leaving {start - reached} "
-                f"bytes {after} that no tensor holds; {resave}"
-            )
-        reached, last = end, name
-    if reached != data_len:
-        after = f"after tensor {last!r}" if last is not None else "in a file of no tensors"
-        raise CheckpointError(
-            f"{path}: holds {data_len - reached} bytes {after} that no tensor holds; {resave}"
-        )
-
-
 def _describe_safetensors(p: Path) -> list[TensorRecord]:
     out = []
-    for name, entry in _read_safetensors_header(p).items():
+    for name, entry in read_safetensors_header(p).items():
         if name == "__metadata__":
             continue
         start, end = entry["data_offsets"]
-        dtype = _SAFETENSORS_DTYPES[entry["dtype"]][0]
+        dtype = SAFETENSORS_DTYPES[entry["dtype"]][0]
         # safetensors stores no device: the reader chooses one
         nbytes = end - start
         out.append(TensorRecord(name, "-", dtype, tuple(entry["shape"]), nbytes, p.name, nbytes))
@@ -750,19 +591,10 @@ describe = describe_file
 
 def _index_shards(p: Path) -> list[tuple[str, Path, list[str]]]:
     """The shards a shard index lists: (name in the index, path, tensor names) each."""
-    try:
-        index = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"{p}: is not a readable JSON shard index ({exc})") from exc
-    weight_map = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise CheckpointError(
-            f"{p}: is JSON but not a shard index; a sharded checkpoint's index maps every tensor "
-            'name to its file under "weight_map"'
-        )
+    mapping = weight_map(p)
     from ._checkpoint import shards
 
-    return shards(p, weight_map)
+    return shards(p, mapping)
 
 
 def _describe_index(p: Path) -> list[TensorRecord]:
@@ -1118,7 +950,7 @@ def _read_for_remap(src: Path, kind: str) -> Any:
     from ._checkpoint import load, safetensors_header
 
     if kind == "safetensors":
-        _check_safetensors_layout(src, safetensors_header(src))
+        safetensors_header(src)
         return None
     try:
         return load(src, "cpu")

@@ -39,6 +39,7 @@ __all__ = [
     "MAX_TENSOR_BYTES",
     "MIN_COUNT",
     "consolidated_copy",
+    "pack_and_copy",
     "should_consolidate",
     "small_host_tensors",
 ]
@@ -254,7 +255,7 @@ def pack_and_copy(
     by one with the strides ``Tensor.to`` gives them.
 
     >>> import torch
-    >>> from torchplace._consolidate import _consolidate
+    >>> from torchplace._consolidate import pack_and_copy
     >>> x = torch.arange(6.0).reshape(2, 3)
     >>> out = pack_and_copy([x, x.t(), torch.tensor(7)], torch.device("cpu"), pin=False,
     ...                    non_blocking=False)
@@ -297,7 +298,7 @@ def _pack_and_split(
     pin: bool,
     non_blocking: bool,
 ) -> None:
-    """The consolidated part of ``_consolidate``: fills ``results`` at the indices of ``groups``.
+    """The consolidated part of ``pack_and_copy``: fills ``results`` at the indices of ``groups``.
 
     Each dtype's region holds its tensors shape by shape, in the order of ``groups[dtype]``.
     """

@@ -189,26 +189,68 @@ def _checked(kind: str, index: int | None, spec: object, check: bool = True) -> 
     return torch.device(kind, index)
 
 
+def _local_rank() -> int | None:
+    """``LOCAL_RANK`` as torchrun sets it; None when unset or -1 (the usual "not distributed")."""
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is None:
+        return None
+    try:
+        rank = int(local_rank)
+    except ValueError:
+        raise DeviceSpecError(
+            f"LOCAL_RANK={local_rank!r} is not an integer; torchrun sets it to the process's "
+            "rank on this machine, so unset it or launch with torchrun"
+        ) from None
+    if rank < -1:  # -2 % count would silently pick an accelerator
+        raise DeviceSpecError(
+            f"LOCAL_RANK={local_rank!r} is negative; torchrun counts ranks from 0, so unset "
+            "it or launch with torchrun"
+        )
+    return rank if rank >= 0 else None
+
+
+def _local_world() -> int | None:
+    """``LOCAL_WORLD_SIZE`` (processes torchrun started on this machine), None when unset."""
+    text = os.environ.get("LOCAL_WORLD_SIZE")
+    if text is None:
+        return None
+    try:
+        world = int(text)
+    except ValueError:
+        world = 0
+    if world < 1:
+        raise DeviceSpecError(
+            f"LOCAL_WORLD_SIZE={text!r} is not a positive integer; torchrun sets it to the "
+            "number of processes on this machine, so unset it or launch with torchrun"
+        )
+    return world
+
+
+def _rank_device(kind: str, rank: int) -> torch.device:
+    """The accelerator that local rank ``rank`` owns: its own, never one another rank has."""
+    count = _count(kind)
+    world = _local_world()
+    fix = (
+        f"start at most {count} processes per machine (torchrun --nproc-per-node={count}), "
+        "since two ranks cannot share one device"
+    )
+    if rank >= count:
+        raise DeviceUnavailableError(
+            f"LOCAL_RANK={rank} needs {kind}:{rank} but {_visible(kind)}; {fix}"
+        )
+    if world is not None and world > count:
+        raise DeviceUnavailableError(
+            f"LOCAL_WORLD_SIZE={world}: {world} processes on this machine need one "
+            f"{_NAMES.get(kind, kind)} device each, but {_visible(kind)}; {fix}"
+        )
+    return torch.device(kind, rank)
+
+
 def _auto() -> torch.device:
     kind = _accelerator()
-    local_rank = os.environ.get("LOCAL_RANK")
-    if local_rank is not None:
-        try:
-            rank = int(local_rank)
-        except ValueError:
-            raise DeviceSpecError(
-                f"LOCAL_RANK={local_rank!r} is not an integer; torchrun sets it to the process's "
-                "rank on this machine, so unset it or launch with torchrun"
-            ) from None
-        if rank < -1:  # -2 % count would silently pick an accelerator
-            raise DeviceSpecError(
-                f"LOCAL_RANK={local_rank!r} is negative; torchrun counts ranks from 0, so unset "
-                "it or launch with torchrun"
-            )
-        if rank >= 0:  # -1: the common way to say "not distributed", as if unset
-            if kind is None:
-                return torch.device("cpu")
-            return torch.device(kind, rank % _count(kind))
+    rank = _local_rank()
+    if rank is not None:  # under torchrun: the local rank's own accelerator
+        return torch.device("cpu") if kind is None else _rank_device(kind, rank)
     if kind is None:
         return torch.device("cpu")
     return torch.device(kind, _current_index(kind))
@@ -221,6 +263,11 @@ def _best() -> torch.device:
             f"'best' picks the accelerator with most free memory, but {_visible('cuda')}; "
             "use device('auto') to fall back to the CPU"
         )
+    rank = _local_rank()
+    if rank is not None and _local_world() != 1:
+        # Several processes on this machine: each would see the same free memory and pick the
+        # same device, so each takes its own, as "auto" does.
+        return _rank_device(kind, rank)
     best, best_free = 0, -1
     for index in range(_count(kind)):
         free = free_memory(torch.device(kind, index))
@@ -242,9 +289,16 @@ def device(spec: DeviceSpec = "auto", /) -> torch.device:
     ...
     torchplace.DeviceSpecError: unknown device spec 'cdua'; did you mean 'cuda'? ...
 
-    ``"auto"`` (or ``None``) picks ``cuda:LOCAL_RANK % count`` under torchrun, else the current
-    CUDA device, then MPS, then XPU, then the CPU. ``"gpu"`` is the machine's accelerator type,
-    an ``int`` N is accelerator N, and ``"best"`` is the accelerator with most free memory.
+    ``"auto"`` (or ``None``) picks ``cuda:LOCAL_RANK`` under torchrun, else the current CUDA
+    device, then MPS, then XPU, then the CPU. ``"gpu"`` is the machine's accelerator type, an
+    ``int`` N is accelerator N, and ``"best"`` is the accelerator with most free memory.
+
+    Under torchrun no two local ranks share an accelerator: with several processes on the
+    machine (``LOCAL_WORLD_SIZE`` above 1, or unset beside ``LOCAL_RANK``), ``"best"`` is the
+    local rank's own device, as ``"auto"`` is (ranks that each chose by free memory would all
+    choose the same one), and both raise ``DeviceUnavailableError`` when the machine has fewer
+    accelerators than processes; with one process per machine, ``"best"`` still chooses by
+    free memory.
     """
     if spec is None:
         return _auto()

@@ -1,22 +1,61 @@
 """torchplace's exceptions: one root, one subclass per way placement goes wrong.
 
-The tree, with when each is raised::
+The tree, with when each is raised (every ``raise`` in the package, as of this release)::
 
-    TorchplaceError (RuntimeError)   root; also raised alone for cyclic or absurdly deep objects
-    ├── DeviceSpecError (ValueError)  a device spec torchplace cannot parse ("cdua", -1, 3.5)
+    TorchplaceError (RuntimeError)   root, and raised alone for what fits no subclass: an
+    │                                argument of the wrong kind or value (move's attributes= or
+    │                                non_blocking=, optimizer=, DeviceLoader's iterable/prefetch/
+    │                                pin_memory/non_blocking, an object that is not an
+    │                                nn.Module for plan/dispatch/estimate/guard/load_into, a
+    │                                skeleton factory that returns something else, load_into's
+    │                                rename= that is no callable or dict of patterns), a cyclic or
+    │                                absurdly deep object or model, a model that does not fit
+    │                                plan()'s budgets, a lazy module estimate() cannot size,
+    │                                a one-shot source read by two DeviceLoader loops, bench
+    │                                --device meta, and distributed's setup() outside torchrun,
+    │                                without torch.distributed, or when the process group does
+    │                                not start, and its verify() without a process group
+    ├── DeviceSpecError (ValueError)  a device spec torchplace cannot parse ("cdua", -1, 3.5), and
+    │                                 the other settings that name devices or sizes: a budget or
+    │                                 key of plan's max_memory, a dispatch device map, estimate's
+    │                                 optimizer name, remap --to, distributed's backend= and the
+    │                                 torchrun variables (LOCAL_RANK, RANK, MASTER_PORT, ...)
     ├── DeviceUnavailableError        a valid spec naming a device this machine does not have
     ├── MixedDevicesError             where(): the object's tensors live on several devices
     ├── NoTensorsError                where(): the object holds no tensor at all
-    ├── PlacementError                verify(): tensors are not where they should be
-    ├── DeviceMismatchError           guard(): a module got an input on the wrong device
-    ├── MoveError                     move(): a copy failed, or a meta tensor has no data to move
-    └── CheckpointError               load()/load_into(): a missing, corrupt, foreign or unsafe file
+    ├── PlacementError                verify() and distributed.verify(): tensors are not where
+    │                                 they should be (``.stragglers`` lists them)
+    ├── DeviceMismatchError           guard(): a module got an input on the wrong device;
+    │                                 dispatch(): a device clash inside a dispatched part
+    ├── MoveError                     move(): a copy failed, a meta tensor has no data to move, an
+    │                                 object's own .to() misbehaved, an optimizer of another
+    │                                 model; DeviceLoader: a batch's copy failed; dispatch: a
+    │                                 part got an input on meta (``.name`` names the object)
+    └── CheckpointError               load()/load_into()/inspect/remap: a missing, corrupt,
+                                      foreign or unsafe file, or one that does not fit the model
+                                      (``.path``, ``.missing``, ``.unexpected``, ``.mismatched``)
+
+A bare ``TorchplaceError`` is thus common: the subclasses are kept to the ways placement goes
+wrong that the public contract names, and new ones are not added for bad arguments, since each
+class is part of that contract (``docs/design.md``, "Errors"). Catch ``TorchplaceError`` to
+catch them all.
 
 Every message names the offending object by its path (``encoder.layers.3.norm.weight``,
-``batch['images'][2]``), says what was expected and what was found, and suggests the fix.
+``batch['images'][2]``), says what was expected and what was found, and suggests the fix. Some
+errors also carry what they list as attributes, for programs that act on them; each attribute is
+a keyword-only constructor argument with an empty default, so ``raise MoveError("text")`` works
+everywhere and an error raised without the data simply carries none.
 """
 
 from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._inspect import Straggler
 
 __all__ = [
     "CheckpointError",
@@ -32,11 +71,42 @@ __all__ = [
 
 
 class TorchplaceError(RuntimeError):
-    """Root of every error torchplace raises."""
+    """Root of every error torchplace raises.
+
+    Raised as itself for what no subclass names: an argument of the wrong kind or value, a
+    cyclic object, a model that does not fit ``plan``'s budgets, ``distributed.setup`` outside
+    torchrun (the module docstring lists every case).
+
+    >>> import torchplace
+    >>> issubclass(torchplace.PlacementError, torchplace.TorchplaceError)
+    True
+    """
+
+    # Keyword data (attribute name -> value) that pickling must carry besides the message;
+    # subclasses with data override ``_data``.
+    def _data(self) -> dict[str, Any]:
+        return {}
+
+    def __reduce__(self) -> str | tuple[Any, ...]:
+        # BaseException pickles as cls(*args), which would drop keyword-only data: errors cross
+        # processes (torch.multiprocessing, a subprocess' result), so keep it.
+        data = self._data()
+        if not data:
+            return super().__reduce__()
+        return (_rebuild, (type(self), self.args, data), self.__dict__ or None)
+
+
+def _rebuild(cls: type[TorchplaceError], args: tuple[Any, ...], data: dict[str, Any]) -> Any:
+    return cls(*args, **data)
+
+
+def _names(values: Iterable[str] | None) -> tuple[str, ...]:
+    return tuple(values) if values is not None else ()
 
 
 class DeviceSpecError(TorchplaceError, ValueError):
-    """A device spec that is not a device at all (also a ``ValueError``)."""
+    """A device spec that is not a device at all (also a ``ValueError``); also a budget, device
+    map, optimizer name or torchrun variable that cannot be read."""
 
 
 class DeviceUnavailableError(TorchplaceError):
@@ -52,7 +122,24 @@ class NoTensorsError(TorchplaceError):
 
 
 class PlacementError(TorchplaceError):
-    """Tensors that are not on the device they were verified against."""
+    """Tensors that are not on the device they were verified against.
+
+    ``stragglers``: every tensor found misplaced, as ``torchplace.Straggler`` records (the
+    message shows the first ten), or an empty tuple when the raiser did not pass them.
+
+    >>> import torch, torchplace
+    >>> s = torchplace.Straggler("weight", "parameter", torch.device("cpu"), 16)
+    >>> err = torchplace.PlacementError("1 tensor is not on meta", stragglers=[s])
+    >>> err.stragglers[0].name
+    'weight'
+    """
+
+    def __init__(self, *args: object, stragglers: Iterable[Straggler] = ()) -> None:
+        super().__init__(*args)
+        self.stragglers: tuple[Straggler, ...] = tuple(stragglers)
+
+    def _data(self) -> dict[str, Any]:
+        return {"stragglers": self.stragglers} if self.stragglers else {}
 
 
 class DeviceMismatchError(TorchplaceError):
@@ -60,11 +147,64 @@ class DeviceMismatchError(TorchplaceError):
 
 
 class MoveError(TorchplaceError):
-    """A move that could not be done; nothing was left half-moved."""
+    """A move that could not be done; nothing was left half-moved.
+
+    ``name``: the path of the tensor or object that could not be moved
+    (``encoder.weight``, ``batch['images'][2]``), or ``None`` when the raiser did not say.
+
+    >>> import torchplace
+    >>> torchplace.MoveError("weight is on meta", name="weight").name
+    'weight'
+    >>> torchplace.MoveError("could not move").name is None
+    True
+    """
+
+    def __init__(self, *args: object, name: str | None = None) -> None:
+        super().__init__(*args)
+        self.name: str | None = name
+
+    def _data(self) -> dict[str, Any]:
+        return {"name": self.name} if self.name is not None else {}
 
 
 class CheckpointError(TorchplaceError):
-    """A checkpoint that cannot be read or does not fit the model."""
+    """A checkpoint that cannot be read or does not fit the model.
+
+    ``path``: the file (or directory, or shard index) concerned, or ``None``.
+    For a load that does not fit, the keys by name, each an empty tuple when none (or when the
+    raiser did not pass them): ``missing`` (the model's keys the file lacks), ``unexpected``
+    (the file's keys the model does not take) and ``mismatched`` (keys in both whose shapes or
+    types differ).
+
+    >>> import torchplace
+    >>> err = torchplace.CheckpointError("does not fit", path="m.pt", missing=["bias"])
+    >>> err.path.name, err.missing, err.unexpected, err.mismatched
+    ('m.pt', ('bias',), (), ())
+    """
+
+    def __init__(
+        self,
+        *args: object,
+        path: str | os.PathLike[str] | None = None,
+        missing: Iterable[str] | None = None,
+        unexpected: Iterable[str] | None = None,
+        mismatched: Iterable[str] | None = None,
+    ) -> None:
+        super().__init__(*args)
+        self.path: Path | None = Path(path) if path is not None else None
+        self.missing: tuple[str, ...] = _names(missing)
+        self.unexpected: tuple[str, ...] = _names(unexpected)
+        self.mismatched: tuple[str, ...] = _names(mismatched)
+
+    def _data(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "missing": self.missing,
+            "unexpected": self.unexpected,
+            "mismatched": self.mismatched,
+        }
+        if self.path is not None:
+            data["path"] = self.path
+        return {k: v for k, v in data.items() if v}
 
 
 def first_line(exc: BaseException) -> str:

@@ -2,7 +2,7 @@
 
 ``estimate(model)`` gives the bytes of parameters, buffers, gradients and optimizer state, per
 device and dtype, as an ``Estimate``; it works on skeletons (parameters on meta). ``plan`` sizes
-tensors with the same ``_nbytes``, so a budget and an estimate count bytes alike.
+tensors with the same ``_tensor_size.nbytes_as``, so a budget and an estimate count bytes alike.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from ._optim_state import rule_for
 from ._own_moves import covered_modules, moves_itself
 from ._sizes import format_bytes  # its home; imported from here by several modules
 from ._tensor_size import nbytes
-from ._tree import iter_leaves
+from ._tree import cached_properties, iter_leaves, opaque_tensors
 
 __all__ = [
     "Entry",
@@ -85,6 +85,12 @@ class Entry:
     non_persistent: bool = False
     # An attribute of a module that moves it itself ("MulticlassAccuracy's _apply").
     own: str | None = None
+    # A module's value cached by a functools.cached_property of its class.
+    cached: bool = False
+    # An optimizer's parameter (or its state) that is not part of the model looked at.
+    foreign: bool = False
+    # Kept in the attributes of an object of this class, which move does not walk.
+    opaque: str | None = None
 
 
 @dataclass(frozen=True)
@@ -161,6 +167,7 @@ def module_entries(module: nn.Module, prefix: str = "") -> Iterator[Entry]:
                             leaf,
                             module=(prefix + mod_name).rstrip("."),
                             own=own,
+                            cached=key in cached_properties(type(mod)),
                         )
                 elif isinstance(leaf, nn.Module) and id(leaf) not in modules:
                     # A module kept in a plain list or dict is not registered: Module.to()
@@ -207,9 +214,10 @@ def optimizer_entries(
                 if name is None and id(p) in adopted:
                     name = names.get(id(adopted[id(p)]))
                 stale = name is not None
+            foreign = name is None and bool(names)  # held beside a model it is not part of
             if name is None:
                 name = slot
-                yield Entry(f"{label}.{name}", "parameter", p)
+                yield Entry(f"{label}.{name}", "parameter", p, foreign=foreign)
             state = optimizer.state.get(p)
             reported = False
             for key, value in (state or {}).items():
@@ -226,6 +234,7 @@ def optimizer_entries(
                             rule.flexible,
                             module=f"{label}.state",
                             stale=stale,
+                            foreign=foreign,
                         )
             if stale and not reported:
                 yield Entry(f"{label}.{slot}", "optimizer_state", p, stale=True)
@@ -266,6 +275,8 @@ def entries(obj: Any, /, *, optimizer: Any = None, root: str = "batch") -> list[
             optimizers.insert(0, obj)
     else:
         visit(obj, "")
+        for path, t in opaque_tensors(obj, root):  # an object move does not walk: said so
+            add(Entry(path, "tensor", t, opaque=type(obj).__name__))
     model_params = list(params)  # the optimizers' own parameters are not the model's
     for index, opt in enumerate(optimizers):
         label = "optimizer" if len(optimizers) == 1 else f"optimizer[{index}]"
@@ -379,6 +390,32 @@ def fix_for(entry: Entry, target: torch.device, *, rebuild: bool = False) -> str
     brings back, so that is the fix for its parameters and buffers on meta too.
     """
     dev = f"'{target}'"
+    if entry.opaque is not None:
+        return (
+            f"held by {entry.opaque}, which is not a container torchplace moves (no "
+            ".to(device) method, not a dict, list, tuple or dataclass), so torchplace.move "
+            f"leaves it as it is; give {entry.opaque} a .to(device) method that returns the "
+            "moved object, or make it a dataclass"
+        )
+    if entry.foreign:
+        return (
+            "the optimizer also holds parameters that are not part of this model (another "
+            "model's): move that model with its optimizer too, torchplace.move(other_model, "
+            f"{dev}, optimizer=opt), or verify this model alone, without optimizer="
+        )
+    if entry.stale and entry.kind == "optimizer_state" and entry.name.endswith("]"):
+        # the stale parameter itself (its state, if any, is listed on its own lines)
+        return (
+            "the optimizer still holds a parameter that the model no longer uses (a move "
+            "without it, or to_empty, replaced it), so its steps would change the wrong tensor; "
+            f"re-bind it: torchplace.move(model, {dev}, optimizer=opt)"
+        )
+    if entry.stale and entry.tensor.is_meta and target.type != "meta":
+        return (
+            "state held for a parameter the model no longer uses, and on meta it has no values: "
+            "clear it with opt.state.clear(), then re-bind the optimizer with "
+            f"torchplace.move(model, {dev}, optimizer=opt)"
+        )
     if entry.tensor.is_meta and target.type != "meta":
         if rebuild and entry.kind in ("parameter", "buffer") and not entry.non_persistent:
             return (
@@ -405,6 +442,12 @@ def fix_for(entry: Entry, target: torch.device, *, rebuild: bool = False) -> str
                 "held in a plain list or dict attribute, which Module.to() does not walk; keep "
                 "modules in nn.ModuleList / nn.ModuleDict and tensors as registered buffers "
                 "(one register_buffer each), or pass attributes='move' to torchplace.move"
+            )
+        if entry.cached:
+            return (
+                f"a value cached by a functools.cached_property, which torchplace.move "
+                f"moves with its module: torchplace.move(model, {dev}); or drop it with "
+                f"del model.{entry.name} and it is computed again where the model is"
             )
         return (
             f"a plain tensor attribute, which Module.to() does not move; register it with "
@@ -506,5 +549,6 @@ def verify(obj: Any, device: DeviceSpec, /, *, optimizer: Any = None) -> None:
     count = f"{len(bad)} tensor{'s' if len(bad) != 1 else ''}"
     raise PlacementError(
         f"{count} of {describe(obj)} {'are' if len(bad) != 1 else 'is'} not on {target}:\n"
-        + "\n".join(lines)
+        + "\n".join(lines),
+        stragglers=[Straggler(e.name, e.kind, e.tensor.device, nbytes(e.tensor)) for e in bad],
     )

@@ -63,7 +63,7 @@ from ._own_moves import (
 from ._sizes import format_bytes
 from ._staging import Stager, stageable
 from ._tensor_size import nbytes
-from ._tree import Located, iter_leaves, map_tensors
+from ._tree import Located, cached_properties, iter_leaves, map_tensors, opaque_tensors
 
 __all__ = ["move"]
 
@@ -111,9 +111,12 @@ class _CopyFailed(Exception):
         self.target = target
         self.cause = cause
 
+    note = ""  # said after the message of a tensor on meta (what else the move would lose)
+
     def message(self, name: str) -> str:
-        if self.cause is None:
-            return _meta_message(name, self.target)
+        if self.cause is None:  # the note is for the model's tensors, not the state's own
+            note = "" if ".state[" in name else self.note
+            return _meta_message(name, self.target) + note
         return _failure(name, self.tensor, self.target, self.cause)
 
 
@@ -185,6 +188,8 @@ class _Copier:
         self.stagers: dict[torch.device, Stager] = {}
         # Non-persistent buffers whose values a move to meta discards, to warn about.
         self.discarded: list[str] = []
+        # Said after the error for a model tensor on meta: the optimizers' state lost too.
+        self.meta_note = ""
 
     def _stager(self, target: torch.device) -> Stager:
         stager = self.stagers.get(target)
@@ -232,7 +237,10 @@ class _Copier:
         if done is not None and done.device == target:
             return done
         if t.is_meta:
-            raise _CopyFailed(t, target, None)
+            failed = _CopyFailed(t, target, None)
+            if self.meta_note:
+                failed.note = self.meta_note
+            raise failed
         staged = stageable(t, target)  # asks is_pinned (a driver call) once for both
         asynchronous = not staged and _choose_non_blocking(
             t, target, self.non_blocking, batch=batch
@@ -256,7 +264,7 @@ class _Copier:
         try:
             return self.copy(t, self.target if target is None else target)
         except _CopyFailed as failed:
-            raise MoveError(failed.message(name)) from failed.cause
+            raise MoveError(failed.message(name), name=name) from failed.cause
 
     def synchronize(self) -> None:
         """Wait, by event, for device-to-host copies so no caller reads bytes not yet there.
@@ -284,10 +292,10 @@ def _reraise(located: Located, root: str, target: torch.device) -> NoReturn:
     cause = located.cause
     where = located.path(root)
     if isinstance(cause, _CopyFailed):
-        raise MoveError(cause.message(where)) from cause.cause
+        raise MoveError(cause.message(where), name=where) from cause.cause
     if isinstance(cause, TorchplaceError):
         raise cause from cause.__cause__
-    raise MoveError(f"could not move {where} to {target}: {cause}") from cause
+    raise MoveError(f"could not move {where} to {target}: {cause}", name=where) from cause
 
 
 def _map(
@@ -441,6 +449,17 @@ def _move_modules(
     plan = _plan(roots, follow_unregistered=attributes == "move")
     if destinations is None:
         _check_non_persistent(roots, plan, target, copier)
+        if target.type != "meta" and any(
+            isinstance(v, torch.Tensor) and v.is_meta
+            for opt in optimizers
+            for entries in opt.state.values()
+            for v in entries.values()
+        ):
+            copier.meta_note = (
+                f". The optimizer's state on meta has no values either: once the weights are "
+                f"back, clear it with opt.state.clear() and re-bind the optimizer with "
+                f"torchplace.move(model, '{target}', optimizer=opt)"
+            )
     # Modules whose own overrides (torchmetrics' _apply, Lightning's to) move their extra state:
     # their plain attributes are theirs to move, and are judged after those overrides ran.
     covered = covered_modules([m for _, m in roots]) if destinations is None else {}
@@ -513,16 +532,19 @@ def _move_modules(
                     break
     new_attributes: list[tuple[nn.Module, str, Any]] = []
     for mod, key, name, value in plan.attributes:
-        if attributes != "move" and id(mod) in covered:
+        # A value a functools.cached_property computed is derived state: it goes with the
+        # module whatever `attributes` says, so that it never stays behind.
+        cached = key in cached_properties(type(mod))
+        if attributes != "move" and id(mod) in covered and not cached:
             continue
 
-        def fix(t: torch.Tensor, _name: str = name) -> torch.Tensor:
+        def fix(t: torch.Tensor, _name: str = name, _move: bool = cached) -> torch.Tensor:
             alias = replaced.get(id(t))
             if alias is not None:  # an alias of a parameter or buffer (RNN._flat_weights)
                 return alias
             if id(t) in plan.params or id(t) in plan.buffers or t.device == target:
                 return t
-            if attributes == "move":
+            if attributes == "move" or _move:
                 return keep_requires_grad(t, copier.copy(t, target))
             if _name not in left_behind:
                 left_behind.append(_name)
@@ -751,6 +773,18 @@ def move(
         if isinstance(exc, TorchplaceError) or not isinstance(exc, Exception):
             raise
         raise MoveError(f"could not move {type(obj).__name__} to {target}: {exc}") from exc
+    opaque = [] if result is not obj else [path for path, _ in opaque_tensors(obj)]
+    if opaque:
+        cls = type(obj).__name__
+        names = ", ".join(opaque[:5]) + (", ..." if len(opaque) > 5 else "")
+        warnings.warn(
+            f"torchplace.move left the {cls} as it is: it is not a container torchplace moves "
+            f"(no .to(device) method, not a dict, list, tuple or dataclass), so its tensors "
+            f"({names}) stay where they are; give {cls} a .to(device) method that returns the "
+            "moved object, or make it a dataclass",
+            UserWarning,
+            stacklevel=2,
+        )
     if copier.discarded:
         names = ", ".join(copier.discarded[:5]) + (", ..." if len(copier.discarded) > 5 else "")
         warnings.warn(

@@ -26,6 +26,7 @@ from torch import nn
 from ._errors import MoveError, first_line
 
 __all__ = [
+    "AttributeSnapshot",
     "conversion_flags",
     "covered_modules",
     "moves_itself",
@@ -98,7 +99,7 @@ def covered_modules(roots: list[nn.Module]) -> dict[int, nn.Module]:
     return covered
 
 
-class _Snapshot:
+class AttributeSnapshot:
     """Every attribute of some modules, one container deep, to put back after a failed call.
 
     Overrides set attributes (``self._device = ...``) and fill dicts and lists kept in them
@@ -216,7 +217,7 @@ def run_own_moves(
     if not movers:
         return []
     reachable = {id(m): m for _, mover in movers for m in mover.modules()}
-    snapshot = _Snapshot(list(reachable.values()))
+    snapshot = AttributeSnapshot(list(reachable.values()))
     apply(_nothing, snapshot.restore)
     convert = _Converter(target)
     flags = conversion_flags()
@@ -227,7 +228,7 @@ def run_own_moves(
             try:
                 _call(mover, target, convert)
             except Exception as exc:
-                raise MoveError(_failure(path, mover, target, convert, exc)) from exc
+                raise MoveError(_failure(path, mover, target, convert, exc), name=path) from exc
     finally:
         if conversion_flags() != flags:
             set_conversion_flags(flags)

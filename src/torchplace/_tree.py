@@ -1,6 +1,6 @@
 """Walking nested batches: which containers torchplace looks into, and how it rebuilds them.
 
-Containers (DESIGN.md §2): dict, OrderedDict, defaultdict (factory kept), other Mappings that can
+Containers (docs/design.md): dict, OrderedDict, defaultdict (factory kept), other Mappings that can
 be rebuilt, list, tuple, namedtuple (exact class), subclasses of list and tuple (exact class:
 ``torch.return_types`` such as ``torch.max``'s, a list subclass with its attributes) and
 ``UserList``, dataclasses (a new instance, frozen ones and
@@ -27,7 +27,14 @@ from torch import nn
 
 from ._errors import TorchplaceError
 
-__all__ = ["Located", "format_path", "iter_leaves", "map_tensors"]
+__all__ = [
+    "Located",
+    "cached_properties",
+    "format_path",
+    "iter_leaves",
+    "map_tensors",
+    "opaque_tensors",
+]
 
 # How deep a batch may nest before torchplace calls it a mistake. Real batches nest a handful of
 # levels; this stays far below Python's recursion limit.
@@ -361,7 +368,7 @@ def _children(node: Any) -> Iterator[tuple[bool, Any, Any]]:
 _cached_names: dict[type, tuple[str, ...]] = {}
 
 
-def _cached_properties(cls: type) -> tuple[str, ...]:
+def cached_properties(cls: type) -> tuple[str, ...]:
     """The names of ``cls``'s ``functools.cached_property`` attributes (their values live in
     the instance's ``__dict__`` once computed)."""
     names = _cached_names.get(cls)
@@ -382,13 +389,26 @@ def _dataclass_items(node: Any) -> Iterator[tuple[str, Any]]:
         value = getattr(node, field.name, _UNSET)
         if value is not _UNSET:
             yield field.name, value
-    cached = _cached_properties(type(node))
+    cached = cached_properties(type(node))
     if cached:
         attrs = getattr(node, "__dict__", {})
         for name in cached:
             value = attrs.get(name, _UNSET)
             if value is not _UNSET:
                 yield name, value
+
+
+def opaque_tensors(obj: Any, root: str = "batch") -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors an object of no kind torchplace walks keeps in its attributes (one level,
+    then their contents): ``move`` leaves such an object as it is, so they stay where they are.
+    Nothing for a tensor, a container, a module, an object with its own ``.to``, or a plain
+    value."""
+    if _classify(type(obj)) != _LEAF:
+        return
+    for name, value in _attributes(obj):
+        for path, leaf in iter_leaves(value, f"{root}.{name}", skip_cycles=True):
+            if isinstance(leaf, torch.Tensor):
+                yield path, leaf
 
 
 def _attributes(obj: Any) -> Iterator[tuple[str, Any]]:

@@ -4,20 +4,30 @@ PyTorch's own ``torch.distributed`` is the engine (torchrun starts the processes
 train); torchplace does not re-implement any of it. ``setup()`` does the part that goes wrong
 by hand: it reads what torchrun set, picks this process's device from ``LOCAL_RANK``, makes it
 the current device, and initializes the process group with the backend that device needs
-(NCCL for CUDA, Gloo for the CPU). See ``docs/distributed.md`` for a whole training script.
+(NCCL for CUDA, Gloo for the CPU). ``verify()`` is ``torchplace.verify`` as a collective: every
+rank raises the same error, naming the stragglers by rank, or every rank returns. See
+``docs/distributed.md`` for whole training scripts (DDP, FSDP2 from a pretrained checkpoint,
+tensor parallelism).
 """
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 
 from ._devices import _count, _visible
 from ._devices import device as _device
-from ._errors import DeviceSpecError, DeviceUnavailableError, TorchplaceError, first_line
+from ._errors import (
+    DeviceSpecError,
+    DeviceUnavailableError,
+    PlacementError,
+    TorchplaceError,
+    first_line,
+)
 
-__all__ = ["setup"]
+__all__ = ["setup", "verify"]
 
 # What torchrun sets in every process it starts.
 _TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -118,12 +128,16 @@ def setup(backend: str | None = None, *, single_process: bool = False) -> torch.
         )
     missing = [name for name in _TORCHRUN_VARIABLES if name not in os.environ]
     under_torchrun = not missing
+    if not under_torchrun and dist.is_initialized() and dist.get_world_size() == 1:
+        return _local_device(0)  # a second call after setup(single_process=True)
     if not under_torchrun and not single_process:
         raise TorchplaceError(
             f"setup() runs under torchrun, which sets {', '.join(_TORCHRUN_VARIABLES)}, but "
             f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set; launch with "
-            "'torchrun --nproc-per-node=N train.py' (add --nnodes and --rdzv-endpoint for "
-            "several machines), or call setup(single_process=True) to run one process"
+            "'torchrun --nproc-per-node=N train.py' (for several machines, run on each "
+            "'torchrun --nnodes=M --nproc-per-node=N --rdzv-backend=c10d "
+            "--rdzv-endpoint=HOST:29400 --rdzv-id=JOB train.py' with the same HOST and JOB), or "
+            "call setup(single_process=True) to run one process"
         )
     local_rank = _env_int("LOCAL_RANK") if under_torchrun else 0
     if under_torchrun:
@@ -197,3 +211,85 @@ def setup(backend: str | None = None, *, single_process: bool = False) -> torch.
             f"{type(exc).__name__}: {first_line(exc)}. {fix}"
         ) from exc
     return dev
+
+
+_SHOWN = 20  # straggler lines an error shows, over all ranks
+
+
+def _local_report(obj: Any, device: Any, optimizer: Any) -> tuple[str, list[str]]:
+    """("", []) when this rank's objects are in place; else (error class, lines)."""
+    from ._devices import normalize
+    from ._inspect import _misplaced, fix_for
+
+    try:
+        target = normalize(device)
+        lines = []
+        bad = _misplaced(obj, target, optimizer)
+        rebuild = target.type != "meta" and any(e.non_persistent and e.tensor.is_meta for e in bad)
+        for e in bad:
+            where = f"is on {e.tensor.device}" + (
+                ", expected cpu" if e.host else f", expected {target}"
+            )
+            if e.stale:
+                where = f"is on {e.tensor.device}, held for a replaced parameter"
+            fix = fix_for(e, target, rebuild=rebuild)
+            lines.append(f"{e.name} ({e.kind}) {where}; fix: {fix}")
+    except Exception as exc:  # the check itself failed here: every rank must still hear of it
+        kind = type(exc).__name__ if isinstance(exc, TorchplaceError) else "TorchplaceError"
+        return kind, [f"the check itself failed: {type(exc).__name__}: {first_line(exc)}"]
+    return ("PlacementError", lines) if lines else ("", [])
+
+
+def verify(obj: Any, device: Any, /, *, optimizer: Any = None, group: Any = None) -> None:
+    """Collective ``torchplace.verify``: every rank raises the same error, or every rank returns.
+
+    >>> import torch, torch.distributed as dist, torchplace.distributed
+    >>> dev = torchplace.distributed.setup(single_process=True)
+    >>> torchplace.distributed.verify(torch.nn.Linear(2, 2), "cpu")
+    >>> torchplace.distributed.verify(torch.nn.Linear(2, 2), "meta")
+    Traceback (most recent call last):
+    ...
+    torchplace.PlacementError: 2 tensors on 1 of 1 ranks are not where they should be: ...
+    >>> dist.destroy_process_group()
+
+    Each rank checks its own ``obj`` (and ``optimizer``) against its own ``device`` (each rank
+    passes the device ``setup()`` gave it), then the ranks of ``group`` (default: all) share
+    what they found with ``all_gather_object``. If any rank has a tensor out of place, every
+    rank raises the same ``PlacementError``, naming the stragglers by rank
+    (``rank 3: encoder.weight (parameter) is on cpu, expected cuda:3; fix: ...``), so no rank
+    goes on to a collective that the others never reach. A rank whose check itself fails (a
+    bad device spec) is reported the same way, and the error takes its class. Call it on
+    every rank of ``group``, as any collective.
+    """
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise TorchplaceError(
+            "torchplace.distributed.verify() is a collective, but torch.distributed is not "
+            "initialized; call torchplace.distributed.setup() first, or use torchplace.verify "
+            "in a single process"
+        )
+    mine = _local_report(obj, device, optimizer)
+    found: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(found, mine, group=group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(len(found))
+    failing = [(rank, report) for rank, report in zip(ranks, found, strict=True) if report[0]]
+    if not failing:
+        return
+    lines = [f"  - rank {rank}: {line}" for rank, (_, texts) in failing for line in texts]
+    total = len(lines)
+    if total > _SHOWN:
+        lines = [*lines[:_SHOWN], f"  ... and {total - _SHOWN} more"]
+    kinds = [kind for _, (kind, _) in failing if kind != "PlacementError"]
+    if kinds:  # a check failed: the error of the first such rank, on every rank
+        from . import _errors
+
+        error = getattr(_errors, kinds[0], TorchplaceError)
+        raise error(
+            f"the placement check failed on {len(failing)} of {len(found)} ranks:\n"
+            + "\n".join(lines)
+        )
+    raise PlacementError(
+        f"{total} tensor{'s' if total != 1 else ''} on {len(failing)} of {len(found)} ranks "
+        f"{'are' if total != 1 else 'is'} not where they should be:\n" + "\n".join(lines)
+    )

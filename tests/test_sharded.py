@@ -1,0 +1,585 @@
+"""load_into on sharded models: slices read from the file, and 2 ranks under torchrun (Gloo).
+
+The 2-rank job also checks ``torchplace.distributed.verify``, which needs real ranks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import torchplace
+from torchplace import _sharded
+from torchplace._errors import CheckpointError
+
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _boxes(shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Every box that halves or keeps each dim, plus a one-element one: all run patterns."""
+    choices = [[(0, n), (0, n // 2), (n // 2, n - n // 2), (1, max(n - 2, 0))] for n in shape]
+    found = []
+    for picks in itertools.product(*choices):
+        found.append((tuple(o for o, _ in picks), tuple(n for _, n in picks)))
+    return found
+
+
+@pytest.mark.parametrize("direct_run", [0, 1 << 40], ids=["runs-read-directly", "buffered"])
+@pytest.mark.parametrize("buffer", [1 << 20, 64], ids=["big-buffer", "64-byte-buffer"])
+def test_every_box_of_a_safetensors_tensor_reads_bit_for_bit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct_run: int, buffer: int
+) -> None:
+    monkeypatch.setattr(_sharded, "_DIRECT_RUN", direct_run)
+    monkeypatch.setattr(_sharded, "_BUFFER", buffer)
+    tensors = {
+        "three": torch.randn(4, 5, 6),
+        "matrix": torch.randn(7, 9).to(torch.bfloat16),
+        "vector": torch.arange(11, dtype=torch.int64),
+        "scalar": torch.tensor(2.5),
+    }
+    path = tmp_path / "m.safetensors"
+    save_file(tensors, str(path))
+    entries = _sharded._file_entries(path)
+    reader = _sharded._Reader()
+    try:
+        for name, full in tensors.items():
+            for offsets, lengths in _boxes(tuple(full.shape)):
+                dest = torch.full(lengths, -1, dtype=full.dtype)
+                _sharded._fill(reader, entries[name], (offsets, lengths), dest)
+                index = tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))
+                assert torch.equal(dest, full[index]), (name, offsets, lengths)
+                # Into another dtype (the model's), through the buffer.
+                wide = torch.zeros(lengths, dtype=torch.float64)
+                _sharded._fill(reader, entries[name], (offsets, lengths), wide)
+                assert torch.equal(wide, full[index].double()), (name, offsets, lengths)
+    finally:
+        reader.close()
+
+
+def test_torch_zip_files_are_located_without_running_code(tmp_path: Path) -> None:
+    """Offsets into shared storages and transposed views come back bit for bit."""
+    base = torch.randn(10, 6)
+    state = {
+        "whole": base,
+        "rows": base[3:7],  # a view at an offset into the same storage
+        "transposed": torch.randn(6, 4).t(),  # saved with strides (1, 4)
+        "half": torch.randn(5, 3).half(),
+    }
+    path = tmp_path / "m.pt"
+    torch.save(state, path)
+    entries = _sharded._file_entries(path)
+    assert entries["rows"].start == entries["whole"].start + 3 * 6 * 4
+    reader = _sharded._Reader()
+    try:
+        for name, full in state.items():
+            for offsets, lengths in _boxes(tuple(full.shape)):
+                dest = torch.empty(lengths, dtype=full.dtype)
+                _sharded._fill(reader, entries[name], (offsets, lengths), dest)
+                index = tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))
+                assert torch.equal(dest, full[index]), (name, offsets, lengths)
+    finally:
+        reader.close()
+
+
+def test_a_strided_view_that_is_not_dense_is_refused_by_name(tmp_path: Path) -> None:
+    path = tmp_path / "m.pt"
+    torch.save({"every_other": torch.randn(8, 4)[::2]}, path)
+    with pytest.raises(CheckpointError, match=r"'every_other' is saved as a view.*contiguous"):
+        _sharded._file_entries(path)
+
+
+def test_a_legacy_torch_file_is_refused_with_the_fix(tmp_path: Path) -> None:
+    path = tmp_path / "old.pt"
+    torch.save({"w": torch.ones(2)}, path, _use_new_zipfile_serialization=False)
+    with pytest.raises(CheckpointError, match=r"legacy.*save it again in the zip format"):
+        _sharded._file_entries(path)
+
+
+def test_an_index_that_names_a_tensor_its_shard_lacks_is_refused(tmp_path: Path) -> None:
+    save_file({"a": torch.ones(2)}, str(tmp_path / "s1.safetensors"))
+    index = {"weight_map": {"a": "s1.safetensors", "b": "s1.safetensors"}}
+    (tmp_path / "m.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"says 'b' is in 's1.safetensors'"):
+        _sharded._file_entries(tmp_path / "m.index.json")
+
+
+def test_a_plain_model_does_not_take_the_sharded_path(tmp_path: Path) -> None:
+    """Nor does it pay for importing DTensor: a process that never imported it has none."""
+    assert not _sharded.has_dtensors(torch.nn.Linear(2, 2))
+    path = tmp_path / "linear.pt"
+    torch.save(torch.nn.Linear(3, 2).state_dict(), path)
+    code = (
+        "import sys, torch, torchplace\n"
+        f"torchplace.load_into(torchplace.skeleton(torch.nn.Linear, 3, 2), {str(path)!r})\n"
+        "print('torch.distributed.tensor' in sys.modules)\n"
+    )
+    env = os.environ | {"PYTHONPATH": str(Path(torchplace.__file__).parent.parent)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    assert done.stdout.strip() == "False", done.stdout + done.stderr
+
+
+class _MeshAt:
+    """A 2 x 2 mesh seen from one coordinate (the fake world plays rank 0 only)."""
+
+    def __init__(self, coordinate: tuple[int, int]) -> None:
+        self.coordinate = coordinate
+
+    def get_coordinate(self) -> list[int]:
+        return list(self.coordinate)
+
+    def size(self, mesh_dim: int) -> int:
+        return 2
+
+
+def test_fsdp2_over_tensor_parallel_slices_match_dtensor_on_every_rank(fake_world: object) -> None:
+    """A 2 x 2 mesh (FSDP2 over TP on the same dim): strided shards of uneven sizes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with torch.device("meta"):
+        model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Linear(10, 7))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    strided = 0
+    for name, p in model.named_parameters():
+        strided += "_StridedShard" in str(p.placements)
+        full = torch.arange(p.numel(), dtype=torch.float32).view(p.shape)
+        # Rank 0, as this process is: the very values DTensor gives it.
+        shape, pieces = _sharded._pieces(p, name)
+        got = torch.full(shape, -1.0)
+        for (offsets, lengths), into in pieces:
+            index = tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))
+            (got[into] if into else got).copy_(full[index])
+        expected = distribute_tensor(full, mesh, p.placements, src_data_rank=None)
+        assert torch.equal(got, expected.to_local()), (name, p.placements, pieces)
+        # Every coordinate: the shape and first offsets DTensor computes for it.
+        for coordinate in itertools.product(range(2), range(2)):
+            shape, pieces = _sharded._strided_pieces(p, name, p.placements, _MeshAt(coordinate))
+            want_shape, want_offsets = _compute_local_shape_and_global_offset(
+                p.shape, (2, 2), list(coordinate), p.placements
+            )
+            assert shape == tuple(want_shape), (name, coordinate)
+            assert [box[0] for box, _ in pieces][:1] == [tuple(want_offsets)], (name, coordinate)
+    assert strided == 2  # the column-parallel weight and bias
+
+
+def test_a_sharded_model_is_filled_where_it_is_or_refused_untouched(
+    fake_world: object, tmp_path: Path
+) -> None:
+    """Rank 0 of 4 (fake world): a quarter of each weight, and device= cannot move shards."""
+    from torch.distributed.fsdp import fully_shard
+
+    path = tmp_path / "m.safetensors"
+    state = {"weight": torch.randn(10, 3), "bias": torch.randn(10)}
+    save_file(state, str(path))
+    with torch.device("meta"):
+        model = torch.nn.Linear(3, 10)
+    fully_shard(model, mesh=fake_world)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.weight.to_local().fill_(7.0)
+    with pytest.raises(CheckpointError, match=r"device='meta' holds no data.*device=None"):
+        torchplace.load_into(model, path, "meta")
+    assert bool((model.weight.to_local() == 7.0).all())
+    torchplace.load_into(model, path)
+    assert torch.equal(model.weight.to_local(), state["weight"][:3])  # rows 0-2 of 10 on rank 0
+    assert torch.equal(model.bias.to_local(), state["bias"][:3])
+
+
+class _SelfLoading(torch.nn.Linear):
+    def _load_from_state_dict(self, *args: object, **kwargs: object) -> None:
+        raise AssertionError("never called")
+
+
+def test_a_module_that_loads_itself_is_refused_by_name(fake_world: object, tmp_path: Path) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    path = tmp_path / "m.safetensors"
+    save_file({"0.weight": torch.ones(4, 2), "0.bias": torch.ones(4)}, str(path))
+    with torch.device("meta"):
+        model = torch.nn.Sequential(_SelfLoading(2, 4))
+    fully_shard(model, mesh=fake_world)
+    with pytest.raises(CheckpointError, match=r"0 \(_SelfLoading\) overrides _load_from"):
+        torchplace.load_into(model, path)
+    assert model[0].weight.is_meta
+
+
+# ------------------------------------------------------------------------ 2 ranks, torchrun
+
+WORKER = r"""
+import os, sys, traceback
+import torch
+import torch.distributed as dist
+from torch import nn
+from safetensors.torch import load_file
+
+import torchplace
+from torchplace._errors import CheckpointError
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, RowwiseParallel, parallelize_module,
+)
+
+folder = sys.argv[1]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+mesh = init_device_mesh("cpu", (2,))
+reference = load_file(os.path.join(folder, "net.safetensors"))
+mlp_reference = load_file(os.path.join(folder, "mlp.safetensors"))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 7)  # 7 rows: uneven over 2 ranks (FSDP2 pads rank 1)
+        self.b = nn.Linear(7, 3)  # 3 rows: uneven too
+        self.c = nn.Linear(3, 1)  # 1 row: rank 1 holds none of it
+        self.register_buffer("scale", torch.ones(3))  # a plain tensor in a sharded model
+
+    def forward(self, x):
+        return self.c(self.b(torch.relu(self.a(x))) * self.scale)
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(9, 4)
+        self.head = nn.Linear(4, 9, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x):
+        return self.head(self.embed(x))
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def fsdp(model):
+    for child in list(model.children()):
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def tp(model):
+    return parallelize_module(model, mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+
+
+def check_equal(model, expected, what):
+    names = dict(model.named_parameters()) | dict(model.named_buffers())
+    for name, t in names.items():
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        want = expected[name].to(full.dtype)
+        assert torch.equal(full, want), f"{what}: {name} differs"
+        if isinstance(t, DTensor):
+            local = t.to_local()
+            assert local.device.type == "cpu" and not local.is_meta, (name, local.device)
+    return names
+
+
+def train_step(model, x):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(x).float().sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+results = []
+
+
+def case(name):
+    def run(fn):
+        try:
+            fn()
+            results.append(f"CASE {name} rank {rank}: ok")
+        except Exception:
+            trace = traceback.format_exc().replace("\n", " | ")
+            results.append(f"CASE {name} rank {rank}: FAIL {trace}")
+        return fn
+    return run
+
+
+@case("fsdp2-safetensors-to_empty")
+def _():
+    with torch.device("meta"):
+        model = fsdp(Net())
+    model.to_empty(device="cpu")
+    torchplace.load_into(model, os.path.join(folder, "net.safetensors"))
+    check_equal(model, reference, "loaded")
+    train_step(model, torch.randn(4, 6))
+    stepped = model.a.weight.full_tensor()
+    assert not torch.equal(stepped, reference["a.weight"]), "the step changed nothing"
+
+
+@case("fsdp2-index-after-training-unsharded")
+def _():
+    torch.manual_seed(1)
+    for child in (Net_a := Net()).children():
+        if any(True for _ in child.parameters()):
+            fully_shard(child, mesh=mesh, reshard_after_forward=False)
+    model = fully_shard(Net_a, mesh=mesh, reshard_after_forward=False)
+    train_step(model, torch.randn(2, 6))  # lazy init done: FSDP2's padded storage is in use
+    model(torch.randn(2, 6))  # and the parameters are left unsharded
+    torchplace.load_into(model, os.path.join(folder, "net.index.json"))
+    check_equal(model, reference, "loaded")
+    train_step(model, torch.randn(4, 6))
+
+
+@case("fsdp2-torch-zip-skeleton")
+def _():
+    model = fsdp(torchplace.skeleton(Net))  # meta parameters, real buffer
+    torchplace.load_into(model, os.path.join(folder, "net.pt"))
+    check_equal(model, reference, "loaded")
+    train_step(model, torch.randn(4, 6))
+
+
+@case("fsdp2-tied-skeleton")
+def _():
+    tied_reference = load_file(os.path.join(folder, "tied.safetensors"))
+    model = torchplace.skeleton(Tied)
+    fully_shard(model, mesh=mesh)
+    torchplace.load_into(model, os.path.join(folder, "tied.safetensors"))
+    assert model.head.weight is model.embed.weight, "the tie is broken"
+    full = model.embed.weight.full_tensor()
+    assert torch.equal(full, tied_reference["embed.weight"]), "tied weight differs"
+    train_step(model, torch.tensor([[1, 2, 3]]))
+
+
+@case("fsdp2-bf16-file-into-float32")
+def _():
+    with torch.device("meta"):
+        model = fsdp(Net())
+    model.to_empty(device="cpu")
+    torchplace.load_into(model, os.path.join(folder, "net-bf16.safetensors"))
+    expected = {k: v.to(torch.bfloat16).float() for k, v in reference.items()}
+    check_equal(model, expected, "loaded")
+
+
+@case("fsdp2-mapping")
+def _():
+    with torch.device("meta"):
+        model = fsdp(Net())
+    model.to_empty(device="cpu")
+    torchplace.load_into(model, dict(reference))
+    check_equal(model, reference, "loaded")
+
+
+@case("tp-safetensors")
+def _():
+    torch.manual_seed(2)
+    model = tp(MLP())
+    torchplace.load_into(model, os.path.join(folder, "mlp.safetensors"))
+    names = check_equal(model, mlp_reference, "loaded")
+    assert names["down.weight"].placements[0].dim == 1, "down is not row-wise"
+    model(torch.randn(3, 8)).sum().backward()
+
+
+@case("tp-zip-skeleton")
+def _():
+    model = tp(torchplace.skeleton(MLP))
+    torchplace.load_into(model, os.path.join(folder, "mlp.pt"))
+    check_equal(model, mlp_reference, "loaded")
+    model(torch.randn(3, 8)).sum().backward()
+
+
+@case("missing-key")
+def _():
+    with torch.device("meta"):
+        model = fsdp(Net())
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().fill_(7.0)
+    try:
+        torchplace.load_into(model, os.path.join(folder, "net-no-bias.safetensors"))
+    except CheckpointError as exc:
+        results.append(f"ERROR {exc}")
+        assert "missing keys: a.bias" in str(exc), str(exc)
+    else:
+        raise AssertionError("a missing key loaded")
+    for p in model.parameters():
+        assert bool((p.to_local() == 7.0).all()), "the model changed"
+
+
+@case("strict-false-leaves-what-the-file-lacks-on-meta")
+def _():
+    model = fsdp(torchplace.skeleton(Net))
+    torchplace.load_into(model, os.path.join(folder, "net-no-bias.safetensors"), strict=False)
+    assert model.a.bias.is_meta, "a parameter the file lacks got uninitialized memory"
+    assert torch.equal(model.a.weight.full_tensor(), reference["a.weight"]), "a.weight differs"
+    assert torch.equal(model.b.bias.full_tensor(), reference["b.bias"]), "b.bias differs"
+
+
+@case("wrong-shape")
+def _():
+    model = fsdp(torchplace.skeleton(Net))
+    try:
+        torchplace.load_into(model, os.path.join(folder, "net-wide.safetensors"))
+    except CheckpointError as exc:
+        assert "shape mismatches: a.weight: file (7, 5), model (7, 6)" in str(exc), str(exc)
+    else:
+        raise AssertionError("a mis-shaped file loaded")
+    try:
+        torchplace.load_into(model, os.path.join(folder, "mlp.safetensors"))
+    except CheckpointError as exc:
+        assert "missing keys: scale, a.weight" in str(exc), str(exc)
+        assert "unexpected keys: down.bias, down.weight" in str(exc), str(exc)
+    else:
+        raise AssertionError("a foreign file loaded")
+    assert model.a.weight.is_meta, "the model changed"
+
+
+@case("verify-names-stragglers-by-rank")
+def _():
+    import torchplace.distributed
+    from torchplace._errors import DeviceSpecError, PlacementError
+
+    model = Net()
+    torchplace.distributed.verify(model, "cpu")  # every rank in place: every rank returns
+    if rank == 1:
+        model.scale = torch.empty(3, device="meta")
+    pair = dist.new_group([0, 1])
+    try:
+        torchplace.distributed.verify(model, "cpu", group=pair)
+    except PlacementError as exc:
+        results.append(f"ERROR {exc}")
+        assert "rank 1: scale (buffer) is on meta" in str(exc), str(exc)
+        assert "rank 0" not in str(exc), str(exc)
+    else:
+        raise AssertionError("a straggler on rank 1 passed")
+    try:  # rank 0's own check fails: rank 1 must not hang, and both raise the same error
+        torchplace.distributed.verify(Net(), "cdua" if rank == 0 else "cpu")
+    except DeviceSpecError as exc:
+        results.append(f"ERROR {exc}")
+        assert "rank 0: the check itself failed: DeviceSpecError" in str(exc), str(exc)
+    else:
+        raise AssertionError("a failed check passed")
+
+
+with open(os.path.join(folder, f"results-{rank}.txt"), "w") as f:
+    f.write("\n".join(results))
+dist.barrier()
+dist.destroy_process_group()
+os._exit(0)
+"""
+
+CASES = (
+    "fsdp2-safetensors-to_empty",
+    "fsdp2-index-after-training-unsharded",
+    "fsdp2-torch-zip-skeleton",
+    "fsdp2-tied-skeleton",
+    "fsdp2-bf16-file-into-float32",
+    "fsdp2-mapping",
+    "tp-safetensors",
+    "tp-zip-skeleton",
+    "missing-key",
+    "strict-false-leaves-what-the-file-lacks-on-meta",
+    "wrong-shape",
+    "verify-names-stragglers-by-rank",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _checkpoints(folder: Path) -> None:
+    torch.manual_seed(0)
+    net = {
+        "a.weight": torch.randn(7, 6),
+        "a.bias": torch.randn(7),
+        "b.weight": torch.randn(3, 7),
+        "b.bias": torch.randn(3),
+        "c.weight": torch.randn(1, 3),
+        "c.bias": torch.randn(1),
+        "scale": torch.randn(3),
+    }
+    save_file(net, str(folder / "net.safetensors"))
+    save_file(
+        {k: v.to(torch.bfloat16) for k, v in net.items()}, str(folder / "net-bf16.safetensors")
+    )
+    save_file(
+        {k: v for k, v in net.items() if k != "a.bias"}, str(folder / "net-no-bias.safetensors")
+    )
+    save_file(net | {"a.weight": torch.randn(7, 5)}, str(folder / "net-wide.safetensors"))
+    torch.save(net, folder / "net.pt")
+    first = {k: net[k] for k in ("a.weight", "scale")}
+    second = {k: net[k] for k in ("a.bias", "b.weight", "b.bias", "c.weight", "c.bias")}
+    save_file(first, str(folder / "net-1.safetensors"))
+    save_file(second, str(folder / "net-2.safetensors"))
+    weight_map = dict.fromkeys(first, "net-1.safetensors") | dict.fromkeys(
+        second, "net-2.safetensors"
+    )
+    (folder / "net.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    save_file({"embed.weight": torch.randn(9, 4)}, str(folder / "tied.safetensors"))
+    mlp = {
+        "up.weight": torch.randn(16, 8),
+        "up.bias": torch.randn(16),
+        "down.weight": torch.randn(8, 16),
+        "down.bias": torch.randn(8),
+    }
+    save_file(mlp, str(folder / "mlp.safetensors"))
+    torch.save(mlp, folder / "mlp.pt")
+
+
+def test_two_ranks_fill_fsdp2_and_tensor_parallel_models_bit_for_bit(tmp_path: Path) -> None:
+    _checkpoints(tmp_path)
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(WORKER))
+    env = {name: value for name, value in os.environ.items() if name not in TORCHRUN_VARIABLES}
+    env |= {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    if sys.platform == "linux":
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+        str(script), str(tmp_path),
+    ]  # fmt: skip
+    try:
+        done = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=180, check=False
+        )
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"torchrun did not finish in 180 s: {err.stdout!r} {err.stderr!r}")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    lines = [(tmp_path / f"results-{rank}.txt").read_text().splitlines() for rank in (0, 1)]
+    failures = [line for found in lines for line in found if "FAIL" in line]
+    assert not failures, "\n".join(failures)
+    for name in CASES:
+        for rank in (0, 1):
+            assert f"CASE {name} rank {rank}: ok" in lines[rank], output
+    errors = [[line for line in found if line.startswith("ERROR")] for found in lines]
+    assert errors[0] == errors[1] and len(errors[0]) == 3, errors  # the same errors on each rank
