@@ -16,10 +16,10 @@ from torch import nn
 from torch.nn.utils.rnn import pack_sequence
 
 import torchplace
-from torchplace import _identity, _move
+from torchplace import _identity, _move, _transfer
 
 META = torch.device("meta")
-_COPY = _move._copy_tensor
+_COPY = _transfer.copy_tensor
 CPU = torch.device("cpu")
 
 
@@ -292,7 +292,7 @@ def test_failing_copy_in_a_batch_names_path_and_chains_cause(
     def boom(t: torch.Tensor, target: torch.device, non_blocking: bool) -> torch.Tensor:
         raise RuntimeError("CUDA out of memory (simulated)")
 
-    monkeypatch.setattr(_move, "_copy_tensor", boom)
+    monkeypatch.setattr(_transfer, "copy_tensor", boom)
     with pytest.raises(
         torchplace.MoveError, match=r"could not move batch\['x'\] \(2x3 float32, 24 B\)"
     ) as info:
@@ -533,16 +533,16 @@ def _count_copies(
     model: nn.Module, opt: torch.optim.Optimizer, monkeypatch: pytest.MonkeyPatch
 ) -> int:
     calls = 0
-    real = _move._copy_tensor
+    real = _transfer.copy_tensor
 
     def counting(t: torch.Tensor, target: torch.device, non_blocking: bool) -> torch.Tensor:
         nonlocal calls
         calls += 1
         return real(t, target, non_blocking)
 
-    monkeypatch.setattr(_move, "_copy_tensor", counting)
+    monkeypatch.setattr(_transfer, "copy_tensor", counting)
     torchplace.move(model, "meta", optimizer=opt, attributes="move")
-    monkeypatch.setattr(_move, "_copy_tensor", real)
+    monkeypatch.setattr(_transfer, "copy_tensor", real)
     return calls
 
 
@@ -566,10 +566,10 @@ def test_failure_at_every_copy_leaves_everything_as_it_was(monkeypatch: pytest.M
                 raise RuntimeError(f"injected failure at copy {k}")
             return _COPY(t, target, non_blocking)
 
-        monkeypatch.setattr(_move, "_copy_tensor", failing)
+        monkeypatch.setattr(_transfer, "copy_tensor", failing)
         with pytest.raises(torchplace.MoveError, match=f"injected failure at copy {k}") as info:
             torchplace.move(model, "meta", optimizer=opt, attributes="move")
-        monkeypatch.setattr(_move, "_copy_tensor", _COPY)
+        monkeypatch.setattr(_transfer, "copy_tensor", _COPY)
         assert isinstance(info.value.__cause__, RuntimeError)
         assert_unchanged(model, before, opt)
         assert model.emb.weight is model.head.weight
@@ -675,9 +675,10 @@ def test_many_small_tensors_to_an_accelerator_go_as_one_consolidated_copy(
         outputs.extend(moved)
         return moved
 
-    monkeypatch.setattr(_move, "_is_accelerator", lambda dev: dev.type != "cpu")
-    monkeypatch.setattr(_move, "should_consolidate", lambda tensors, dev: len(tensors) >= 8)
-    monkeypatch.setattr(_move, "consolidated_copy", consolidated)
+    for module in (_move, _transfer):
+        monkeypatch.setattr(module, "is_accelerator", lambda dev: dev.type != "cpu")
+    monkeypatch.setattr(_transfer, "should_consolidate", lambda tensors, dev: len(tensors) >= 8)
+    monkeypatch.setattr(_transfer, "consolidated_copy", consolidated)
     model, opt = trained()
     torchplace.move(model, "meta", optimizer=opt)
     assert len(calls) == 1
@@ -702,7 +703,7 @@ def test_host_sync_per_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each accelerator is waited for with its own API: MPS's synchronize takes no argument."""
     calls: list[tuple[Any, ...]] = []
     monkeypatch.setattr(torch.mps, "synchronize", lambda *args: calls.append(("mps", *args)))
-    copier = _move._Copier(CPU, None)
+    copier = _transfer.Copier(CPU, None)
     copier.sync_sources.add(torch.device("mps", 0))
     copier.synchronize()
     assert calls == [("mps",)]
@@ -713,7 +714,7 @@ def test_device_to_host_policy_keeps_models_out_of_pinned_memory() -> None:
 
     with FakeTensorMode():
         on_gpu = torch.empty(4, device="cuda:0")
-    choose = _move._choose_non_blocking
+    choose = _transfer.choose_non_blocking
     assert choose(on_gpu, CPU, None) is False  # a model's tensors: synchronous, not pinned
     assert choose(on_gpu, CPU, None, batch=True) is True  # a batch: async, then event sync
     assert choose(on_gpu, torch.device("cuda:1"), None) is True
@@ -782,11 +783,11 @@ def test_objects_with_their_own_to_move_after_every_tensor(
             raise RuntimeError("injected")
         return _COPY(t, target, non_blocking)
 
-    monkeypatch.setattr(_move, "_copy_tensor", failing_second)
+    monkeypatch.setattr(_transfer, "copy_tensor", failing_second)
     with pytest.raises(torchplace.MoveError, match=r"batch\[2\]"):
         torchplace.move([torch.ones(1), encoding, torch.ones(1)], "meta")
     assert encoding.ids.device == CPU  # never reached: nothing of the batch moved
-    monkeypatch.setattr(_move, "_copy_tensor", _COPY)
+    monkeypatch.setattr(_transfer, "copy_tensor", _COPY)
     moved = torchplace.move([torch.ones(1), encoding], "meta")
     assert moved[1].ids.device == META
     assert moved[1] is not encoding and encoding.ids.device == CPU  # moved as a copy
@@ -890,7 +891,8 @@ def test_an_own_to_without_non_blocking_is_called_plainly(
 ) -> None:
     """Towards an accelerator move asks .to(device, non_blocking=True); a .to(device) of an
     object's own that takes no such argument is then called with the device alone."""
-    monkeypatch.setattr(_move, "_is_accelerator", lambda dev: True)  # meta stands in for a GPU
+    for module in (_move, _transfer):  # meta stands in for a GPU
+        monkeypatch.setattr(module, "is_accelerator", lambda dev: True)
     encoding = InPlace()  # def to(self, device)
     moved = torchplace.move({"enc": encoding}, "meta", non_blocking=True)
     assert moved["enc"].ids.device == META

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import torchplace
-from torchplace import _move, _staging
+from torchplace import _staging, _transfer
 from torchplace._staging import STAGE_MIN_BYTES, Stager, stageable
 
 CUDA = torch.device("cuda", 0)
@@ -58,8 +58,8 @@ class _FakeStager:
 @pytest.fixture
 def fake_stager(monkeypatch: pytest.MonkeyPatch) -> type[_FakeStager]:
     _FakeStager.made = []
-    monkeypatch.setattr(_move, "Stager", _FakeStager)
-    monkeypatch.setattr(_move, "stageable", lambda t, target: t.numel() * 4 >= STAGE_MIN_BYTES)
+    monkeypatch.setattr(_transfer, "Stager", _FakeStager)
+    monkeypatch.setattr(_transfer, "stageable", lambda t, target: t.numel() * 4 >= STAGE_MIN_BYTES)
     return _FakeStager
 
 

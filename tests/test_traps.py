@@ -154,20 +154,20 @@ def test_trap_09_device_to_host_copies_are_synchronised(monkeypatch: pytest.Monk
     """A batch leaving a (fake) GPU is copied asynchronously and waited for before move returns."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from torchplace import _move
+    from torchplace import _transfer
 
     waited: list[set[torch.device]] = []
     monkeypatch.setattr(
-        _move._Copier, "synchronize", lambda self: waited.append(set(self.sync_sources))
+        _transfer.Copier, "synchronize", lambda self: waited.append(set(self.sync_sources))
     )
     modes: list[bool] = []
-    real = _move._copy_tensor
+    real = _transfer.copy_tensor
 
     def spy(t: torch.Tensor, target: torch.device, non_blocking: bool) -> torch.Tensor:
         modes.append(non_blocking)
         return real(t, target, False)
 
-    monkeypatch.setattr(_move, "_copy_tensor", spy)
+    monkeypatch.setattr(_transfer, "copy_tensor", spy)
     with FakeTensorMode():
         batch = {"x": torch.empty(4, device="cuda:0")}
         out = torchplace.move(batch, "cpu")
@@ -186,7 +186,7 @@ def test_trap_09_cuda_non_blocking_to_host_is_synchronised() -> None:
 
 
 def test_trap_10_non_blocking_from_pageable_memory_is_not_chosen() -> None:
-    from torchplace._move import _choose_non_blocking
+    from torchplace._transfer import choose_non_blocking as _choose_non_blocking
 
     host = torch.ones(2)
     assert not host.is_pinned()

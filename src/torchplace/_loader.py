@@ -32,11 +32,12 @@ from typing import Any, Generic, TypeVar
 
 import torch
 
-from ._consolidate import consolidated_copy, should_consolidate, small_host_tensors
+from ._consolidate import small_host_tensors
 from ._devices import DeviceSpec
 from ._devices import device as _parse_device
 from ._errors import DeviceSpecError, DeviceUnavailableError, MoveError, TorchplaceError
 from ._sizes import format_bytes
+from ._transfer import consolidate_small, object_to, pinned_copy
 from ._tree import Located, iter_leaves, map_tensors
 
 __all__ = ["DeviceLoader"]
@@ -240,20 +241,16 @@ class _Copier:
             # stream must not read it before that work is done.
             for source in {t.device for t in found.values() if t.device.type == "cuda"}:
                 self.stream.wait_stream(torch.cuda.current_stream(source))
-        moved: dict[int, torch.Tensor] = {}
         small = small_host_tensors(found.values())
-        if should_consolidate(small, device):
-            try:
-                outs = consolidated_copy(small, device, non_blocking=self.non_blocking)
-            except Exception as exc:
-                raise MoveError(
-                    f"DeviceLoader could not copy batch {index} to {device}: its "
-                    f"{len(small)} small tensors, packed into one consolidated copy of "
-                    f"{format_bytes(sum(t.nbytes for t in small))}, failed: {exc}"
-                ) from exc
-            for t, out in zip(small, outs, strict=True):
-                moved[id(t)] = out
-                created.append(out)
+        try:
+            moved = consolidate_small(small, device, non_blocking=self.non_blocking)
+        except Exception as exc:
+            raise MoveError(
+                f"DeviceLoader could not copy batch {index} to {device}: its "
+                f"{len(small)} small tensors, packed into one consolidated copy of "
+                f"{format_bytes(sum(t.nbytes for t in small))}, failed: {exc}"
+            ) from exc
+        created.extend(moved.values())
 
         def one(t: torch.Tensor) -> torch.Tensor:
             out = moved.get(id(t))
@@ -267,21 +264,14 @@ class _Copier:
         def to(obj: Any) -> Any:
             if self.pin and callable(getattr(obj, "pin_memory", None)):
                 obj = obj.pin_memory()
-            try:
-                out = obj.to(device, non_blocking=self.non_blocking)
-            except TypeError:  # a .to() without non_blocking (older tokenizer outputs)
-                out = obj.to(device)
+            out = object_to(obj, device, non_blocking=self.non_blocking)
             created.append(out)  # a new object, or the same one moved in place (BatchEncoding)
             return out
 
         return _located(index, device, batch, lambda: map_tensors(batch, one, to=to))
 
     def _one(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device == self.device:
-            return t
-        if self.pin and t.is_cpu and not t.is_pinned():
-            t = t.pin_memory()
-        return t.to(self.device, non_blocking=self.non_blocking)
+        return pinned_copy(t, self.device, pin=self.pin, non_blocking=self.non_blocking)
 
 
 def _to_cpu(obj: Any) -> Any:

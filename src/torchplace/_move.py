@@ -15,19 +15,17 @@ the replacement is remembered so that ``stragglers`` can still name an optimizer
 from __future__ import annotations
 
 import contextlib
-import copy
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn, TypeVar
 
 import torch
 from torch import nn
 
-from ._consolidate import consolidated_copy, should_consolidate, small_host_tensors
-from ._devices import DeviceSpec, free_memory
+from ._devices import DeviceSpec
 from ._devices import device as _device
-from ._errors import MoveError, TorchplaceError, first_line
+from ._errors import MoveError, TorchplaceError
 from ._hooks import is_dispatched, undispatch
 from ._identity import (
     UndoLog,
@@ -60,9 +58,7 @@ from ._own_moves import (
     run_own_moves,
     set_conversion_flags,
 )
-from ._sizes import format_bytes
-from ._staging import Stager, stageable
-from ._tensor_size import nbytes
+from ._transfer import Copier, CopyFailed, is_accelerator, own_to, tensor_mover
 from ._tree import Located, cached_properties, iter_leaves, map_tensors, opaque_tensors
 
 __all__ = ["move"]
@@ -71,227 +67,11 @@ T = TypeVar("T")
 Attributes = Literal["warn", "move", "ignore"]
 
 
-def _copy_tensor(t: torch.Tensor, target: torch.device, non_blocking: bool) -> torch.Tensor:
-    """One tensor's copy to ``target``; the single place every byte of a move travels through."""
-    return t.to(target, non_blocking=non_blocking)
-
-
-def _is_accelerator(dev: torch.device) -> bool:
-    return dev.type not in ("cpu", "meta")
-
-
-def _choose_non_blocking(
-    t: torch.Tensor, target: torch.device, requested: bool | None, *, batch: bool = False
-) -> bool:
-    """The ``non_blocking=None`` policy: async from pinned host memory and between devices.
-
-    Device-to-host copies of batch tensors are asynchronous too (``move`` waits for them by
-    event before it returns). Those of a model's or optimizer's tensors are not: PyTorch gives
-    an asynchronous device-to-host copy a pinned result, and a whole model should not land in
-    page-locked memory, which the host allocator rounds up and keeps.
-    """
-    if requested is not None:
-        return requested
-    source = t.device
-    if source.type == "meta" or target.type == "meta":
-        return False
-    if source.type == "cpu":
-        return _is_accelerator(target) and t.is_pinned()
-    if target.type == "cpu":
-        return batch
-    return True  # device-to-device: PyTorch orders it on both devices' streams
-
-
-class _CopyFailed(Exception):
-    """A copy that failed, before anyone knew the tensor's name."""
-
-    def __init__(self, t: torch.Tensor, target: torch.device, cause: BaseException | None) -> None:
-        super().__init__(cause)
-        self.tensor = t
-        self.target = target
-        self.cause = cause
-
-    note = ""  # said after the message of a tensor on meta (what else the move would lose)
-
-    def message(self, name: str) -> str:
-        if self.cause is None:  # the note is for the model's tensors, not the state's own
-            note = "" if ".state[" in name else self.note
-            return _meta_message(name, self.target) + note
-        return _failure(name, self.tensor, self.target, self.cause)
-
-
-def _meta_message(name: str, target: torch.device) -> str:
-    head = (
-        f"{name} is on meta, which holds shapes but no data, so it cannot be copied to "
-        f"{target} ('Cannot copy out of meta tensor')"
-    )
-    if ".state[" in name:  # an optimizer's: load_into does not fill those
-        return (
-            f"{head}; its values were lost when the optimizer's state moved to meta: clear it "
-            "with opt.state.clear() (the optimizer starts afresh at its next step) or load a "
-            "saved one with opt.load_state_dict(saved), then move again. Nothing was moved"
-        )
-    if name.endswith(".grad"):
-        return (
-            f"{head}; a gradient on meta has no values: drop it with model.zero_grad(), then "
-            "move again. Nothing was moved"
-        )
-    return (
-        f"{head}; load its values with torchplace.load_into(model, checkpoint, '{target}') or "
-        f"allocate it with model.to_empty(device='{target}') and initialise it. Nothing was moved"
-    )
-
-
-def _describe_tensor(t: torch.Tensor) -> str:
-    """``4x8 float32, 128 B``; for a tensor with no plain shape (nested), its layout instead."""
-    dtype = str(t.dtype).replace("torch.", "")
-    try:
-        shape = "x".join(str(s) for s in t.shape) or "scalar"
-        return f"{shape} {dtype}, {format_bytes(nbytes(t))}"
-    except Exception:  # a nested tensor has no sizes, and says so by raising
-        kind = "nested" if t.is_nested else str(t.layout).replace("torch.", "")
-        return f"a {kind} {dtype} tensor"
-
-
-def _first_line(exc: BaseException) -> str:
-    """The gist of an error: its first line, or first sentence when that line runs long (a
-    dispatcher error lists every backend it knows); the whole error stays chained."""
-    line = first_line(exc)
-    if len(line) > 300:
-        end = line.find(". ", 40)
-        line = (line[: end + 1] if end > 0 else line[:300] + "...") + " (full error chained)"
-    return line
-
-
-def _failure(name: str, t: torch.Tensor, target: torch.device, exc: BaseException) -> str:
-    text = (
-        f"could not move {name} ({_describe_tensor(t)}) from {t.device} to {target}: "
-        f"{_first_line(exc)}"
-    )
-    free = free_memory(target) if _is_accelerator(target) else None
-    if free is not None:
-        text += f" ({format_bytes(free)} free on {target})"
-    return text + "; nothing was moved"
-
-
-class _Copier:
-    """Copies tensors for one move, each distinct tensor once, remembering host syncs owed."""
-
-    def __init__(self, target: torch.device, non_blocking: bool | None) -> None:
-        self.target = target
-        self.non_blocking = non_blocking
-        self.copies: dict[int, torch.Tensor] = {}
-        self.sync_sources: set[torch.device] = set()
-        # id(copy of a parameter) -> the parameter that now holds it, so that a batch holding
-        # both a model and one of its parameters gets the model's own parameter back.
-        self.finals: dict[int, torch.Tensor] = {}
-        self.stagers: dict[torch.device, Stager] = {}
-        # Non-persistent buffers whose values a move to meta discards, to warn about.
-        self.discarded: list[str] = []
-        # Said after the error for a model tensor on meta: the optimizers' state lost too.
-        self.meta_note = ""
-
-    def _stager(self, target: torch.device) -> Stager:
-        stager = self.stagers.get(target)
-        if stager is None:
-            stager = self.stagers[target] = Stager(target)
-        return stager
-
-    def prefill(self, tensors: Iterable[torch.Tensor], *, detach: bool = False) -> None:
-        """Send many small host tensors bound for an accelerator as one consolidated copy.
-
-        The results wait in ``copies`` for ``copy`` to hand out. ``detach`` (module moves, done
-        without autograd) lets parameters travel as plain data. Any failure here falls back to
-        per-tensor copies, which then name the tensor that cannot travel.
-        """
-        if not _is_accelerator(self.target):
-            return
-        unique: dict[int, torch.Tensor] = {}
-        for t in tensors:
-            if t.is_cpu and id(t) not in self.copies:
-                unique.setdefault(id(t), t)
-        originals = list(unique.values())
-        todo = [t.detach() for t in originals] if detach else originals
-        small = {id(t) for t in small_host_tensors(todo)}  # large ones go through the stager
-        originals = [t for t, d in zip(originals, todo, strict=True) if id(d) in small]
-        todo = [d for d in todo if id(d) in small]
-        if not should_consolidate(todo, self.target):
-            return
-        try:
-            results = consolidated_copy(
-                todo, self.target, non_blocking=self.non_blocking is not False
-            )
-        except Exception:
-            return
-        for t, new in zip(originals, results, strict=True):
-            self.copies[id(t)] = new
-
-    def copy(self, t: torch.Tensor, target: torch.device, *, batch: bool = False) -> torch.Tensor:
-        """``t`` on ``target``; raises ``_CopyFailed`` (no name known here) when it cannot.
-
-        ``batch`` marks tensors of a batch, as opposed to a model's or optimizer's.
-        """
-        if t.device == target:
-            return t
-        done = self.copies.get(id(t))
-        if done is not None and done.device == target:
-            return done
-        if t.is_meta:
-            failed = _CopyFailed(t, target, None)
-            if self.meta_note:
-                failed.note = self.meta_note
-            raise failed
-        staged = stageable(t, target)  # asks is_pinned (a driver call) once for both
-        asynchronous = not staged and _choose_non_blocking(
-            t, target, self.non_blocking, batch=batch
-        )
-        try:
-            if staged:
-                new = self._stager(target).copy(t)
-            else:
-                new = _copy_tensor(t, target, asynchronous)
-        except Exception as exc:
-            raise _CopyFailed(t, target, exc) from exc
-        if asynchronous and target.type == "cpu" and _is_accelerator(t.device):
-            self.sync_sources.add(t.device)
-        self.copies[id(t)] = new
-        return new
-
-    def __call__(
-        self, t: torch.Tensor, name: str, target: torch.device | None = None
-    ) -> torch.Tensor:
-        """``copy`` for a tensor whose name is known: failures become ``MoveError``."""
-        try:
-            return self.copy(t, self.target if target is None else target)
-        except _CopyFailed as failed:
-            raise MoveError(failed.message(name), name=name) from failed.cause
-
-    def synchronize(self) -> None:
-        """Wait, by event, for device-to-host copies so no caller reads bytes not yet there.
-
-        With ``non_blocking=False`` also for staged host-to-device copies, as ``.to()`` would.
-        """
-        if self.non_blocking is False:
-            for stager in self.stagers.values():
-                stager.synchronize()
-        for source in self.sync_sources:
-            if source.type == "cuda":
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record(torch.cuda.current_stream(source))
-                event.synchronize()
-            elif source.type == "mps":
-                torch.mps.synchronize()  # one device, no argument
-            else:
-                module = getattr(torch, source.type, None)
-                if module is not None and hasattr(module, "synchronize"):
-                    module.synchronize(source)
-
-
 def _reraise(located: Located, root: str, target: torch.device) -> NoReturn:
     """Turn an exception found at some path of a walk into the error a user should see."""
     cause = located.cause
     where = located.path(root)
-    if isinstance(cause, _CopyFailed):
+    if isinstance(cause, CopyFailed):
         raise MoveError(cause.message(where), name=where) from cause.cause
     if isinstance(cause, TorchplaceError):
         raise cause from cause.__cause__
@@ -379,7 +159,7 @@ def _non_persistent(roots: list[tuple[str, nn.Module]]) -> dict[int, str]:
 
 
 def _check_non_persistent(
-    roots: list[tuple[str, nn.Module]], plan: _Plan, target: torch.device, copier: _Copier
+    roots: list[tuple[str, nn.Module]], plan: _Plan, target: torch.device, copier: Copier
 ) -> None:
     """Non-persistent buffers cannot come back from meta: no checkpoint holds them.
 
@@ -407,7 +187,7 @@ def _moved_state(
     optimizer: torch.optim.Optimizer,
     group: dict[str, Any],
     target: torch.device,
-    copier: _Copier,
+    copier: Copier,
 ) -> dict[Any, Any] | None:
     """A parameter's state with its tensors copied per PyTorch's policy; None if none moved.
 
@@ -436,7 +216,7 @@ def _move_modules(
     roots: list[tuple[str, nn.Module]],
     target: torch.device,
     optimizers: list[torch.optim.Optimizer],
-    copier: _Copier,
+    copier: Copier,
     attributes: Attributes,
     log: UndoLog,
     destinations: dict[int, torch.device] | None = None,
@@ -646,7 +426,7 @@ def _plan_optimizer_states(
     plan: _Plan,
     final: dict[int, torch.Tensor],
     devices: dict[int, torch.device],
-    copier: _Copier,
+    copier: Copier,
 ) -> list[_StatePlan]:
     """For each optimizer parameter of the moved model: its final parameter and moved state.
 
@@ -691,7 +471,7 @@ def _plan_optimizer_states(
 
 
 def _move_optimizer_state(
-    opt: torch.optim.Optimizer, label: str, target: torch.device, copier: _Copier, log: UndoLog
+    opt: torch.optim.Optimizer, label: str, target: torch.device, copier: Copier, log: UndoLog
 ) -> None:
     """Move one optimizer's state on its own (its parameters stay where they are)."""
     updates: list[tuple[torch.Tensor, dict[Any, Any]]] = []
@@ -745,7 +525,7 @@ def move(
         raise TorchplaceError(f"non_blocking={non_blocking!r} must be True, False or None")
     target = _device(device)
     optimizers = optimizer_list(optimizer)
-    copier = _Copier(target, non_blocking)
+    copier = Copier(target, non_blocking)
     log = UndoLog()
     left_behind: list[str] = []
     # Process-wide modes a step may set for a moment; an interrupt at any line must not leave
@@ -815,7 +595,7 @@ def place(model: nn.Module, destinations: dict[int, torch.device], /) -> None:
     The machinery of ``move`` for a model spread over devices: ties, identity, gradients and
     RNN weight caches are kept as in any move, and a failure leaves every tensor where it was.
     """
-    copier = _Copier(torch.device("cpu"), None)
+    copier = Copier(torch.device("cpu"), None)
     log = UndoLog()
     try:
         _move_modules([("", model)], copier.target, [], copier, "ignore", log, destinations)
@@ -829,7 +609,7 @@ def _move_owners(
     modules: list[tuple[str, nn.Module]],
     optimizers: list[torch.optim.Optimizer],
     target: torch.device,
-    copier: _Copier,
+    copier: Copier,
     attributes: Attributes,
     log: UndoLog,
 ) -> list[str]:
@@ -846,79 +626,11 @@ def _undispatch(module: nn.Module) -> None:
         undispatch(module)
 
 
-def _tensor_mover(target: torch.device, copier: _Copier) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The per-tensor step of a batch move, decided once per target rather than per tensor.
-
-    Moving a batch to where it already is must cost next to nothing, so the "already there?"
-    test avoids building a ``torch.device`` per tensor (``t.device`` is the slowest way to ask).
-    Towards meta no bytes travel: nothing to stage, pack or wait for, so a tensor seen for the
-    first time is copied straight away, and one seen before (a batch may hold it twice) comes
-    back as the same copy.
-    """
-    copy = copier.copy
-    if target.type == "cpu":
-        return lambda t: t if t.is_cpu else copy(t, target, batch=True)
-    if target.type == "meta":
-        copies = copier.copies
-        copy_tensor = _copy_tensor
-
-        def to_meta(t: torch.Tensor) -> torch.Tensor:
-            if t.is_meta:
-                return t
-            key = id(t)
-            done = copies.get(key)
-            if done is None:
-                try:
-                    done = copies[key] = copy_tensor(t, target, False)
-                except Exception as exc:
-                    raise _CopyFailed(t, target, exc) from exc
-            return done
-
-        return to_meta
-    if target.type == "cuda":
-        index = target.index
-        return lambda t: t if t.is_cuda and t.get_device() == index else copy(t, target, batch=True)
-    return lambda t: copy(t, target, batch=True)
-
-
-def _own_to(node: Any, target: torch.device, *, asynchronous: bool) -> Any:
-    """``node.to(target)`` for an object with its own ``.to``, called on a shallow copy.
-
-    Some such methods work in place and return ``self`` (a tokenizer's BatchEncoding): the
-    copy keeps the caller's object as it was, as for any other batch. A result that is not of
-    the object's kind (``None``, from a ``.to`` that forgot to return) is refused.
-    """
-    try:
-        subject = copy.copy(node)
-    except Exception:  # an object that cannot be copied is asked as it is
-        subject = node
-    # Asynchronous only towards an accelerator: nothing here could wait for a host copy.
-    result: Any = _UNSET
-    if asynchronous and _is_accelerator(target):
-        try:
-            result = subject.to(target, non_blocking=True)
-        except TypeError as exc:  # a .to(device) of its own that takes no non_blocking
-            if "non_blocking" not in str(exc):
-                raise
-    if result is _UNSET:
-        result = subject.to(target)
-    if not isinstance(result, type(node)):
-        cls = type(node).__name__
-        raise TypeError(
-            f"its own {cls}.to() returned {type(result).__name__} instead of the moved "
-            f"{cls}; a .to() must return the moved object (return self when it works in place)"
-        )
-    return result
-
-
-_UNSET: Any = object()
-
-
 def _move_collection(
     obj: Any,
     target: torch.device,
     optimizers: list[torch.optim.Optimizer],
-    copier: _Copier,
+    copier: Copier,
     attributes: Attributes,
     log: UndoLog,
 ) -> tuple[Any, list[str]]:
@@ -948,13 +660,13 @@ def _move_collection(
         return node
 
     def to(node: Any) -> Any:
-        return _own_to(node, target, asynchronous=bool(copier.non_blocking))
+        return own_to(node, target, asynchronous=bool(copier.non_blocking))
 
     # Batch tensors move with autograd, as Tensor.to does: activations keep their graph.
-    tensor = _tensor_mover(target, copier)
+    tensor = tensor_mover(target, copier)
 
     root = "tensor" if isinstance(obj, torch.Tensor) else "batch"
-    if _is_accelerator(target):  # gather first, so many small tensors travel in one copy
+    if is_accelerator(target):  # gather first, so many small tensors travel in one copy
         found: list[torch.Tensor] = []
 
         def collect(t: torch.Tensor) -> torch.Tensor:
