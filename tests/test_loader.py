@@ -187,6 +187,31 @@ def test_objects_with_their_own_to() -> None:
     assert out["enc"].ids.device.type == "meta"
 
 
+def test_own_to_follows_the_rule_move_follows() -> None:
+    """One rule (_transfer.object_to): a .to() that takes no non_blocking is asked again
+    without it; a TypeError of its own is not retried and surfaces, naming the batch."""
+
+    class Plain:
+        def __init__(self, ids: torch.Tensor) -> None:
+            self.ids = ids
+
+        def to(self, device: torch.device) -> Plain:
+            return Plain(self.ids.to(device))
+
+    class Picky:
+        calls = 0
+
+        def to(self, device: torch.device, non_blocking: bool = False) -> Picky:
+            Picky.calls += 1
+            raise TypeError("to() got a dtype it does not know")
+
+    (out,) = list(DeviceLoader([{"enc": Plain(torch.ones(2))}], "meta", non_blocking=True))
+    assert out["enc"].ids.device.type == "meta"
+    with pytest.raises(MoveError, match=r"batch 0 .*dtype it does not know"):
+        list(DeviceLoader([{"enc": Picky()}], "meta", non_blocking=True))
+    assert Picky.calls == 1
+
+
 def test_reads_at_most_prefetch_batches_ahead() -> None:
     source = Counting(12)
     taken = 0
