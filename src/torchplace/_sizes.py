@@ -1,4 +1,5 @@
-"""Sizes for people: bytes in binary units. Plain Python, so the command line can show sizes
+"""Sizes for people and from people: bytes in binary units (``format_bytes``) and budgets such as
+``"10GiB"`` read back (``parse_size``). Plain Python, so the command line can show sizes
 without importing torch."""
 
 from __future__ import annotations
