@@ -378,6 +378,21 @@ def test_parameter_subclass_and_attributes_survive_replacement() -> None:
     assert model.weight.requires_grad
 
 
+def test_parameter_subclass_with_slots_survives_replacement() -> None:
+    """_identity.parameter_like keeps a subclass whose slots change its layout, and the slots'
+    values (assigning __class__ to such a class fails, which once left a plain Parameter)."""
+
+    class Slotted(nn.Parameter):
+        __slots__ = ("tag",)
+
+    model = nn.Linear(2, 2)
+    model.weight = Slotted(model.weight.detach())
+    model.weight.tag = "rows"  # type: ignore[attr-defined]
+    torchplace.move(model, "meta")
+    assert type(model.weight) is Slotted and model.weight.tag == "rows"  # type: ignore[attr-defined]
+    assert model.weight.is_meta and model.weight.requires_grad
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_step_follows_pytorchs_policy(fused: bool) -> None:
     model = nn.Linear(3, 3)
