@@ -86,10 +86,7 @@ if Sybil is not None:
 
 # Pages whose blocks do not run yet, while they are rewritten; each is an expected failure, and
 # strict: once a block of such a page passes, the run fails until the page is removed from here.
-_NOT_YET_RUNNABLE = {
-    "docs/checkpoints.md": "being rewritten to run as written (notes: docs-todo.md)",
-    "docs/distributed.md": "being rewritten to run as written (notes: docs-todo.md)",
-}
+_NOT_YET_RUNNABLE: dict[str, str] = {}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

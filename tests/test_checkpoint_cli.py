@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from torchplace import _checkpoint_cli
+from torchplace import _checkpoint_cli, _pickle_reader, _safetensors
 from torchplace._checkpoint import load
 from torchplace._checkpoint_cli import describe_file, remap
 from torchplace._errors import CheckpointError, DeviceSpecError
@@ -717,13 +717,13 @@ def test_inspect_reads_a_very_deep_file_quickly(
     """Paths were spelt out at every level, in time and memory growing with the square of the
     depth: 1,000,000 nested dicts took 97 s. Now a path is spelt once, for a tensor found."""
     spelt: list[str] = []
-    spell = _checkpoint_cli._spell
+    spell = _pickle_reader._spell
 
     def counted(path: Any) -> str:
         spelt.append(spell(path))
         return spelt[-1]
 
-    monkeypatch.setattr(_checkpoint_cli, "_spell", counted)
+    monkeypatch.setattr(_pickle_reader, "_spell", counted)
     depth = 200_000
     _deep_zip(tmp_path / "deep.pt", depth)
     (record,) = describe_file(tmp_path / "deep.pt")
@@ -874,7 +874,7 @@ def test_safetensors_sniffed_without_torch_as_detect_format_says(tmp_path: Path)
             kind = detect_format(path)
         except CheckpointError:
             kind = "refused"
-        assert _checkpoint_cli.sniff_safetensors(path) == (kind == "safetensors"), path.name
+        assert _safetensors.sniff(path) == (kind == "safetensors"), path.name
 
 
 # ------------------------------------------------------------------------- remap of a shard index

@@ -34,7 +34,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "torchplace"
 _PENDING = {
     "_fill": "checkpoint rework: _skeleton._parameter_like/_swap -> _identity.parameter_like",
     "_read": "checkpoint rework: the _formats helpers it shares",
-    "_sharded": "sharded reader: the _checkpoint_cli unpickling helpers it shares",
     "_statedict": "checkpoint rework: _formats._first_sentence",
     "distributed": "distributed rework: _devices._count/_visible, _inspect._misplaced",
 }

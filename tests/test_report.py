@@ -126,3 +126,13 @@ def test_report_shows_names_as_plain_text() -> None:
     text = str(torchplace.report(batch, detail=True))
     for key in batch:
         assert f"batch['{key}']" in text
+
+
+def test_a_view_whose_storage_was_given_back_holds_no_bytes() -> None:
+    """Classic FSDP frees the storage of its unsharded views after each forward; the report's
+    totals are the memory held, so such views count nothing."""
+    model = nn.Linear(4, 4)
+    held = model.bias.numel() * 4
+    with torch.no_grad():
+        model.weight.untyped_storage().resize_(0)
+    assert torchplace.report(model).to_dict()["totals"]["bytes"] == held

@@ -40,9 +40,9 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ._checkpoint_cli import _InertUnpickler, _rebuild_tensor, _shape, _tensor_refs, _TensorRef
 from ._devices import device as _device
 from ._errors import CheckpointError, TorchplaceError
+from ._pickle_reader import InertUnpickler, TensorRef, rebuild_tensor, shape_of, tensor_refs
 from ._rename import Rename, as_renamer, renamed
 
 __all__ = ["has_dtensors", "load_sharded"]
@@ -81,7 +81,7 @@ class _Entry:
 
 
 @dataclasses.dataclass
-class _Located(_TensorRef):
+class _Located(TensorRef):
     """A tensor reference that also keeps the storage offset and strides."""
 
     offset: int = 0
@@ -89,18 +89,18 @@ class _Located(_TensorRef):
 
 
 def _rebuild_located(storage: Any, offset: Any, size: Any, stride: Any = None, *rest: Any) -> Any:
-    ref = _rebuild_tensor(storage, offset, size, stride, *rest)
-    strides = _shape(stride) if isinstance(stride, (tuple, list)) else None
+    ref = rebuild_tensor(storage, offset, size, stride, *rest)
+    strides = shape_of(stride) if isinstance(stride, (tuple, list)) else None
     where = offset if isinstance(offset, int) else -1
     return _Located(ref.storage, ref.dtype, ref.shape, where, strides)
 
 
-class _Locator(_InertUnpickler):
+class _Locator(InertUnpickler):
     """The inert unpickler of ``torchplace inspect``, keeping each tensor's offset and strides."""
 
     _TORCH_REBUILDERS: Mapping[str, Callable[..., Any]] = {
-        **_InertUnpickler._TORCH_REBUILDERS,
-        "_rebuild_tensor": _rebuild_located,
+        **InertUnpickler._TORCH_REBUILDERS,
+        "rebuild_tensor": _rebuild_located,
         "_rebuild_tensor_v2": _rebuild_located,
         "_rebuild_tensor_v3": _rebuild_located,
     }
@@ -138,7 +138,7 @@ def _zip_entries(p: Path) -> dict[str, _Entry]:
             records = {info.filename: info for info in archive.infolist()}
             starts: dict[str, tuple[int, int]] = {}  # storage key -> (first byte, bytes)
             entries: dict[str, _Entry] = {}
-            for name, ref in _tensor_refs(root):
+            for name, ref in tensor_refs(root):
                 storage = ref.storage
                 if not isinstance(ref, _Located) or storage is None or storage.location == "meta":
                     raise CheckpointError(

@@ -51,7 +51,16 @@ def nbytes(t: torch.Tensor) -> int:
     size = int(t.element_size())
     if t.layout is not torch.strided:
         return _sparse_nbytes(t, count * size)
+    if not t.is_meta and _storage_freed(t):
+        return 0  # a view whose storage was given back (classic FSDP's unsharded weights)
     return count * size
+
+
+def _storage_freed(t: torch.Tensor) -> bool:
+    try:
+        return int(t.untyped_storage().nbytes()) == 0
+    except (RuntimeError, NotImplementedError, TypeError):  # fake or wrapper tensors
+        return False
 
 
 def _sparse_nbytes(t: torch.Tensor, dense: int) -> int:
