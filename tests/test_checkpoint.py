@@ -1407,16 +1407,16 @@ def test_a_swap_that_fails_midway_puts_back_the_ones_done(
     path = save(nn.Linear(2, 2).state_dict(), tmp_path / "lin.pt")
     model = skeleton(nn.Linear, 2, 2)
     params = dict(model.named_parameters())
-    real = checkpoint._parameter_like
+    real = checkpoint.parameter_like
     calls = []
 
-    def second_fails(p: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+    def second_fails(p: nn.Parameter, data: torch.Tensor, **kw: bool) -> nn.Parameter:
         calls.append(p)
         if len(calls) == 2:
             raise RuntimeError("simulated failure")
-        return real(p, data)
+        return real(p, data, **kw)
 
-    monkeypatch.setattr(checkpoint, "_parameter_like", second_fails)
+    monkeypatch.setattr(checkpoint, "parameter_like", second_fails)
     with pytest.raises(CheckpointError, match=r"simulated failure.*the model is untouched"):
         load_into(model, path)
     assert len(calls) == 2

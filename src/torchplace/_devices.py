@@ -25,7 +25,7 @@ _KEYWORDS = ("auto", "best", "gpu", "cpu", "meta", "cuda", "mps", "xpu")
 _NAMES = {"cuda": "CUDA", "mps": "MPS", "xpu": "XPU"}
 
 
-def _count(kind: str) -> int:
+def count_of(kind: str) -> int:
     """How many devices of an accelerator type this process can see (0 when none)."""
     try:
         if kind == "cuda":
@@ -44,7 +44,7 @@ def _count(kind: str) -> int:
 def _accelerator() -> str | None:
     """The machine's accelerator type, the first of cuda, mps and xpu that has a device."""
     for kind in _ACCELERATORS:
-        if _count(kind):
+        if count_of(kind):
             return kind
     return None
 
@@ -115,9 +115,9 @@ def free_memory(dev: torch.device) -> int | None:
     return None
 
 
-def _visible(kind: str) -> str:
+def visible_devices(kind: str) -> str:
     """Says which devices of a type are visible, for error messages."""
-    count = _count(kind)
+    count = count_of(kind)
     name = _NAMES.get(kind, kind)
     env_text = ""
     if kind == "cuda":
@@ -161,11 +161,11 @@ def _checked(kind: str, index: int | None, spec: object, check: bool = True) -> 
             raise DeviceSpecError(f"{spec!r}: the {kind} device has no index {index}; use '{kind}'")
         return torch.device(kind)
     if kind in _ACCELERATORS:
-        count = _count(kind)
+        count = count_of(kind)
         if index is None:
             index = _current_index(kind) if count else 0
         if check and index >= count:
-            raise DeviceUnavailableError(f"{kind}:{index} requested but {_visible(kind)}")
+            raise DeviceUnavailableError(f"{kind}:{index} requested but {visible_devices(kind)}")
         return torch.device(kind, index)
     # Other backends (hpu, mtia, a plug-in's privateuse1...) answer through torch.<kind> once
     # their plug-in is imported; XLA through torch_xla. Without either, no such device exists.
@@ -228,7 +228,7 @@ def _local_world() -> int | None:
 
 def _rank_device(kind: str, rank: int) -> torch.device:
     """The accelerator that local rank ``rank`` owns: its own, never one another rank has."""
-    count = _count(kind)
+    count = count_of(kind)
     world = _local_world()
     fix = (
         f"start at most {count} processes per machine (torchrun --nproc-per-node={count}), "
@@ -236,12 +236,12 @@ def _rank_device(kind: str, rank: int) -> torch.device:
     )
     if rank >= count:
         raise DeviceUnavailableError(
-            f"LOCAL_RANK={rank} needs {kind}:{rank} but {_visible(kind)}; {fix}"
+            f"LOCAL_RANK={rank} needs {kind}:{rank} but {visible_devices(kind)}; {fix}"
         )
     if world is not None and world > count:
         raise DeviceUnavailableError(
             f"LOCAL_WORLD_SIZE={world}: {world} processes on this machine need one "
-            f"{_NAMES.get(kind, kind)} device each, but {_visible(kind)}; {fix}"
+            f"{_NAMES.get(kind, kind)} device each, but {visible_devices(kind)}; {fix}"
         )
     return torch.device(kind, rank)
 
@@ -260,7 +260,7 @@ def _best() -> torch.device:
     kind = _accelerator()
     if kind is None:
         raise DeviceUnavailableError(
-            f"'best' picks the accelerator with most free memory, but {_visible('cuda')}; "
+            f"'best' picks the accelerator with most free memory, but {visible_devices('cuda')}; "
             "use device('auto') to fall back to the CPU"
         )
     rank = _local_rank()
@@ -269,7 +269,7 @@ def _best() -> torch.device:
         # same device, so each takes its own, as "auto" does.
         return _rank_device(kind, rank)
     best, best_free = 0, -1
-    for index in range(_count(kind)):
+    for index in range(count_of(kind)):
         free = free_memory(torch.device(kind, index))
         if free is not None and free > best_free:  # strict: the lowest index wins ties
             best, best_free = index, free
@@ -323,7 +323,7 @@ def device(spec: DeviceSpec = "auto", /) -> torch.device:
         if index_text is None:
             kind = _accelerator()
             if kind is None:
-                raise DeviceUnavailableError(f"{spec!r} requested but {_visible('cuda')}")
+                raise DeviceUnavailableError(f"{spec!r} requested but {visible_devices('cuda')}")
             return torch.device(kind, _current_index(kind))
         return _accelerator_index(int(index_text), spec)
     try:
@@ -360,7 +360,7 @@ def _accelerator_index(index: int, spec: object) -> torch.device:
         raise DeviceSpecError(f"device index {spec!r} is negative; accelerators count from 0")
     kind = _accelerator()
     if kind is None:
-        raise DeviceUnavailableError(f"accelerator {index} requested but {_visible('cuda')}")
+        raise DeviceUnavailableError(f"accelerator {index} requested but {visible_devices('cuda')}")
     return _checked(kind, index, spec)
 
 
@@ -371,6 +371,6 @@ def available() -> list[torch.device]:
     >>> torchplace.available()[-1]
     device(type='cpu')
     """
-    devices = [torch.device(kind, i) for kind in _ACCELERATORS for i in range(_count(kind))]
+    devices = [torch.device(kind, i) for kind in _ACCELERATORS for i in range(count_of(kind))]
     devices.append(torch.device("cpu"))
     return devices

@@ -16,16 +16,17 @@ from torch.nn.parameter import is_lazy
 from ._devices import DeviceSpec
 from ._devices import device as _device
 from ._errors import CheckpointError, MoveError, TorchplaceError
-from ._formats import PathLike, _first_sentence, as_path
+from ._formats import PathLike, as_path, first_sentence
+from ._identity import parameter_like
 from ._own_moves import AttributeSnapshot, run_own_moves
 from ._read import load
 from ._rename import Rename, as_renamer, renamed
-from ._skeleton import ModuleT, _parameter_like, _swap
+from ._skeleton import ModuleT, swap
 from ._statedict import (
-    _as_load_state_dict_sees,
-    _has_post_hooks,
-    _run_post_hooks,
-    _set_extra_states,
+    as_load_state_dict_sees,
+    has_post_hooks,
+    run_post_hooks,
+    set_extra_states,
 )
 
 
@@ -127,16 +128,16 @@ def _place(slot: _Slot, value: torch.Tensor, undos: list[Callable[[], object]]) 
     current = slot.tensor
     if slot.is_param:
         assert isinstance(current, nn.Parameter)
-        new = _parameter_like(current, value)
+        new = parameter_like(current, value, materialize=True)
         before = current._cdata  # swap_tensors exchanges the tensors' implementations
 
         def unswap() -> None:
             if current._cdata != before:
-                _swap(current, new)  # new holds what current held
+                swap(current, new)  # new holds what current held
 
         undos.append(unswap)
         try:
-            _swap(current, new)
+            swap(current, new)
             return
         except (RuntimeError, TypeError):  # weak references or autograd holds it: rebind
             undos.pop()
@@ -308,7 +309,7 @@ def load_into(
         state = renamed(str(p), state, renamer)
     # What each module would be given by load_state_dict: older norm layers upgraded, every
     # pre-hook run (a layout converted, a key renamed), so values and shapes match its result.
-    seen = _as_load_state_dict_sees(p, model, state, extra)
+    seen = as_load_state_dict_sees(p, model, state, extra)
     fit = _Fit(p, model, seen, loadable, transient, extra, read_on, strict)
     prepared = _prepare(fit, target, copy=from_memory)
     return _apply(fit, prepared, extra, seen.own)  # type: ignore[return-value]
@@ -444,7 +445,7 @@ class _Fit:
         # Keys alone: post-hooks may clear them, as load_state_dict lets them (its strict check
         # comes after its post-hooks). Then the load goes ahead, and is undone if any is left.
         keys_only = strict and bool(missing or unexpected) and not problems
-        self.hooked = _has_post_hooks(model)
+        self.hooked = has_post_hooks(model)
         self.deferred = keys_only and self.hooked
         self.matched = bool(self.plan) or any(k in own for k in extra)  # strict=False loads any
         if (strict and (missing or unexpected) and not self.deferred) or problems:
@@ -519,7 +520,7 @@ def _prepare(fit: _Fit, target: torch.device | None, *, copy: bool) -> _Prepared
     except Exception as exc:
         raise CheckpointError(
             f"{fit.p}: could not be placed into {type(fit.model).__name__} ({type(exc).__name__}"
-            f": {_first_sentence(str(exc))}); the model is untouched"
+            f": {first_sentence(str(exc))}); the model is untouched"
         ) from exc
     return out
 
@@ -548,7 +549,7 @@ def _apply(
                 try:
                     undo()
                 except Exception as exc:  # a post-hook made a view of a swapped parameter, ...
-                    failures.append(f"{type(exc).__name__}: {_first_sentence(str(exc))}")
+                    failures.append(f"{type(exc).__name__}: {first_sentence(str(exc))}")
         return failures[0] if failures else ""
 
     try:
@@ -580,7 +581,7 @@ def _apply_steps(
 
     # Extra state first: a module's set_extra_state may refuse what the file holds, and the
     # states already set are put back, so the refusal leaves the model untouched.
-    _set_extra_states(p, model, extra, own, undos)
+    set_extra_states(p, model, extra, own, undos)
     filled = False
     try:
         for slot, value in ready.places:
@@ -596,7 +597,7 @@ def _apply_steps(
             state = "the model is partly filled, so build it again"
         raise CheckpointError(
             f"{p}: could not be placed into {type(model).__name__} ({type(exc).__name__}: "
-            f"{_first_sentence(str(exc))}); {state}"
+            f"{first_sentence(str(exc))}); {state}"
         ) from exc
     left_missing, left_unexpected = list(fit.not_loaded), list(fit.unexpected)
     _run_own_loaders(fit, undos, left_missing, left_unexpected, put_back)
@@ -604,7 +605,7 @@ def _apply_steps(
         error = _does_not_fit(p, model, [], left_missing, left_unexpected, True, True)
         raise _said_more(error, f"; {state_after_put_back()}")
     if not fit.deferred:
-        _run_post_hooks(p, model, left_missing, left_unexpected, lambda: "the weights are loaded")
+        run_post_hooks(p, model, left_missing, left_unexpected, lambda: "the weights are loaded")
         if fit.strict and (left_missing or left_unexpected):  # a hook added keys: as torch does
             raise _said_more(
                 _does_not_fit(p, model, [], left_missing, left_unexpected, True, True),
@@ -612,7 +613,7 @@ def _apply_steps(
                 "they are loaded)",
             )
         return
-    _run_post_hooks(p, model, left_missing, left_unexpected, state_after_put_back)
+    run_post_hooks(p, model, left_missing, left_unexpected, state_after_put_back)
     if left_missing or left_unexpected:
         error = _does_not_fit(p, model, [], left_missing, left_unexpected, fit.strict, fit.matched)
         raise _said_more(error, f"; {state_after_put_back()}")
@@ -673,7 +674,7 @@ def _run_own_loaders(
                     dict(handed), prefix, metadata, True, reported, unexpected, errors
                 )
             except Exception as exc:
-                errors.append(f"{type(exc).__name__}: {_first_sentence(str(exc))}")
+                errors.append(f"{type(exc).__name__}: {first_sentence(str(exc))}")
             where = prefix[:-1] or type(fit.model).__name__
             if errors:
                 failure = put_back()

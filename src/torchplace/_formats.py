@@ -4,7 +4,7 @@
 shard index apart by their first bytes (and names what a foreign file is), ``safetensors_header``
 reads and checks a safetensors header as strictly as a loader would, ``shards`` checks what an
 index names, and ``model_file`` finds the model file in a directory as ``save_pretrained`` writes
-it. The ``_diagnose`` family turns what torch raised into a sentence about the file.
+it. The ``diagnose`` family turns what torch raised into a sentence about the file.
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def safetensors_header(path: PathLike, /) -> dict[str, Any]:
     return header
 
 
-def _has_data_pkl(p: Path) -> bool:
+def has_data_pkl(p: Path) -> bool:
     """Whether a zip file holds a pickle as torch.save writes one (so it is not someone else's).
 
     An archive that cannot be read at all says nothing either way, and counts as having one: its
@@ -182,7 +182,7 @@ class _NoGlobals(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not loaded here")
 
 
-def _has_legacy_magic(p: Path) -> bool:
+def has_legacy_magic(p: Path) -> bool:
     """Whether the first pickled object of ``p`` is torch's magic number (nothing is run)."""
     try:
         with p.open("rb") as f:
@@ -192,7 +192,7 @@ def _has_legacy_magic(p: Path) -> bool:
     return isinstance(first, int) and not isinstance(first, bool) and first == LEGACY_MAGIC
 
 
-def _refusal_reason(text: str) -> str:
+def refusal_reason(text: str) -> str:
     """The line of torch's weights-only refusal that names what was blocked."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     for line in lines:
@@ -208,7 +208,7 @@ def _refusal_reason(text: str) -> str:
 _OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # torch < 2.5
 
 
-def _out_of_memory(exc: BaseException) -> bool:
+def out_of_memory(exc: BaseException) -> bool:
     text = str(exc)
     return (
         isinstance(exc, (MemoryError, _OUT_OF_MEMORY))
@@ -217,23 +217,23 @@ def _out_of_memory(exc: BaseException) -> bool:
     )
 
 
-def _device_failure(exc: BaseException) -> bool:
+def device_failure(exc: BaseException) -> bool:
     text = str(exc)
     return isinstance(exc, RuntimeError) and any(
         marker in text for marker in ("CUDA error", "CUDA driver", "HIP error", "XPU error")
     )
 
 
-def _diagnose(exc: BaseException, zip_format: bool, target: torch.device) -> str:
-    text = _first_sentence(str(exc) or type(exc).__name__)
-    if _out_of_memory(exc):
+def diagnose(exc: BaseException, zip_format: bool, target: torch.device) -> str:
+    text = first_sentence(str(exc) or type(exc).__name__)
+    if out_of_memory(exc):
         return (
             f"ran out of memory while being read onto {target} ({type(exc).__name__}: {text}); "
             "free memory, read it with mmap=True (the file is then mapped, not copied), or load "
             "it onto another device. If the file is far smaller than the free memory, a length "
             "in it is damaged"
         )
-    if _device_failure(exc):
+    if device_failure(exc):
         return (
             f"could not be placed onto {target} ({text}); the file may be sound and the device "
             "failing: run torchplace doctor, or load it onto the CPU"
@@ -261,7 +261,7 @@ def _diagnose(exc: BaseException, zip_format: bool, target: torch.device) -> str
     return f"is truncated or corrupt ({type(exc).__name__}: {text}); this {fmt} file cannot be read"
 
 
-def _first_sentence(text: str) -> str:
+def first_sentence(text: str) -> str:
     line = text.strip().splitlines()[0] if text.strip() else ""
     return line[:300]
 

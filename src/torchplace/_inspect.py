@@ -297,7 +297,7 @@ def _expected(entry: Entry, target: torch.device) -> bool:
     return dev == target
 
 
-def _misplaced(obj: Any, target: torch.device, optimizer: Any) -> list[Entry]:
+def misplaced(obj: Any, target: torch.device, optimizer: Any) -> list[Entry]:
     """The entries of ``obj`` that are not where they belong when all should be on ``target``."""
     return [e for e in entries(obj, optimizer=optimizer) if not _expected(e, target)]
 
@@ -379,7 +379,7 @@ def stragglers(obj: Any, device: DeviceSpec, /, *, optimizer: Any = None) -> lis
     """
     return [
         Straggler(e.name, e.kind, e.tensor.device, nbytes(e.tensor))
-        for e in _misplaced(obj, normalize(device), optimizer)
+        for e in misplaced(obj, normalize(device), optimizer)
     ]
 
 
@@ -523,7 +523,7 @@ def verify(obj: Any, device: DeviceSpec, /, *, optimizer: Any = None) -> None:
     torchplace.PlacementError: 2 tensors of the Linear model are not on meta: ...
     """
     target = normalize(device)
-    bad = _misplaced(obj, target, optimizer)
+    bad = misplaced(obj, target, optimizer)
     if not bad:
         return
     lines = []

@@ -531,7 +531,7 @@ def format_of(p: Path) -> str:
     """``detect_format(p)``, without importing torch for a safetensors file."""
     if sniff_safetensors(p):
         return "safetensors"
-    from ._checkpoint import detect_format
+    from ._formats import detect_format
 
     return detect_format(p)
 
@@ -579,7 +579,7 @@ def describe_file(path: str | os.PathLike[str], /) -> list[TensorRecord]:
 def index_shards(p: Path) -> list[tuple[str, Path, list[str]]]:
     """The shards a shard index lists: (name in the index, path, tensor names) each."""
     mapping = weight_map(p)
-    from ._checkpoint import shards
+    from ._formats import shards
 
     return shards(p, mapping)
 

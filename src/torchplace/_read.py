@@ -22,18 +22,18 @@ from ._formats import (
     SAFETENSORS_HINT,
     PathLike,
     ZipLayout,
-    _device_failure,
-    _diagnose,
-    _first_sentence,
-    _has_data_pkl,
-    _has_legacy_magic,
-    _out_of_memory,
-    _refusal_reason,
     as_path,
     detect_format,
+    device_failure,
+    diagnose,
+    first_sentence,
     gather_index,
+    has_data_pkl,
+    has_legacy_magic,
     model_file,
+    out_of_memory,
     record_start,
+    refusal_reason,
     safetensors_header,
     zip_layout,
 )
@@ -88,7 +88,7 @@ def _load_torch(
     p: Path, target: torch.device, *, zip_format: bool, mmap: bool, trusted: bool
 ) -> Any:
     use_mmap = mmap and zip_format and target.type != "meta"
-    if not zip_format and not _has_legacy_magic(p):
+    if not zip_format and not has_legacy_magic(p):
         raise CheckpointError(
             f"{p}: is a plain pickle, not a torch.save file (it does not open with torch's "
             "magic number); a pickle is not a checkpoint, and torchplace does not unpickle it"
@@ -105,7 +105,7 @@ def _load_torch(
             return torch.load(p, map_location=target, mmap=use_mmap, weights_only=not trusted)
     except pickle.UnpicklingError as exc:
         text = str(exc)
-        reason = _refusal_reason(text)
+        reason = refusal_reason(text)
         if "Weights only load failed" in text and "operand" in reason:
             raise CheckpointError(
                 f"{p}: was pickled with an instruction torch's safe loader does not read "
@@ -119,14 +119,14 @@ def _load_torch(
                 "Nothing was run. If you trust where the file came from, pass trusted=True to "
                 "torchplace.load, or allow that class with torch.serialization.add_safe_globals"
             ) from exc
-        raise CheckpointError(f"{p}: is corrupt ({_first_sentence(text)})") from exc
+        raise CheckpointError(f"{p}: is corrupt ({first_sentence(text)})") from exc
     except Exception as exc:
-        if zip_format and not _has_data_pkl(p):
+        if zip_format and not has_data_pkl(p):
             raise CheckpointError(
                 f"{p}: is a zip archive but not a torch.save file (no data.pkl); torchplace "
                 "reads torch.save files, .safetensors files and *.index.json shard maps"
             ) from exc
-        raise CheckpointError(f"{p}: {_diagnose(exc, zip_format, target)}") from exc
+        raise CheckpointError(f"{p}: {diagnose(exc, zip_format, target)}") from exc
 
 
 def _is_dir(p: Path) -> bool:
@@ -198,8 +198,8 @@ def _read_zip(layout: ZipLayout, target: torch.device) -> Any:
             torch._utils._validate_loaded_sparse_tensors()  # type: ignore[no-untyped-call]
         read_into(p, pieces)
     except Exception as exc:
-        if _out_of_memory(exc) or _device_failure(exc):
-            raise CheckpointError(f"{p}: {_diagnose(exc, True, target)}") from exc
+        if out_of_memory(exc) or device_failure(exc):
+            raise CheckpointError(f"{p}: {diagnose(exc, True, target)}") from exc
         return _UNUSUAL
     return result
 
@@ -236,10 +236,10 @@ def _load_safetensors(p: Path, target: torch.device, *, mmap: bool) -> dict[str,
         with safetensors.safe_open(str(p), framework="pt", device=_safetensors_device(target)) as f:
             return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
     except Exception as exc:
-        if _out_of_memory(exc) or _device_failure(exc):
-            raise CheckpointError(f"{p}: {_diagnose(exc, True, target)}") from exc
+        if out_of_memory(exc) or device_failure(exc):
+            raise CheckpointError(f"{p}: {diagnose(exc, True, target)}") from exc
         raise CheckpointError(
-            f"{p}: cannot be read as safetensors ({_first_sentence(str(exc))}); it is truncated "
+            f"{p}: cannot be read as safetensors ({first_sentence(str(exc))}); it is truncated "
             "or corrupt"
         ) from exc
 
@@ -265,11 +265,11 @@ def _read_safetensors(
         if home != target:
             out = {name: t.to(target) for name, t in out.items()}
     except Exception as exc:
-        if _out_of_memory(exc) or _device_failure(exc):
-            raise CheckpointError(f"{p}: {_diagnose(exc, True, target)}") from exc
+        if out_of_memory(exc) or device_failure(exc):
+            raise CheckpointError(f"{p}: {diagnose(exc, True, target)}") from exc
         raise CheckpointError(
             f"{p}: cannot be read as safetensors ({type(exc).__name__}: "
-            f"{_first_sentence(str(exc))}); it is truncated, or it changed while being read"
+            f"{first_sentence(str(exc))}); it is truncated, or it changed while being read"
         ) from exc
     return out
 

@@ -198,7 +198,7 @@ def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _safetensors_entries(p: Path) -> dict[str, _Entry]:
-    from ._checkpoint import SAFETENSORS_DTYPES, safetensors_header
+    from ._formats import SAFETENSORS_DTYPES, safetensors_header
 
     header = safetensors_header(p)
     with p.open("rb") as f:
@@ -227,7 +227,7 @@ def _index_entries(p: Path) -> dict[str, _Entry]:
 
 
 def _file_entries(p: Path) -> dict[str, _Entry]:
-    from ._checkpoint import detect_format
+    from ._formats import detect_format
 
     kind = detect_format(p)
     if kind == "safetensors":
@@ -590,7 +590,7 @@ def load_sharded(
     rename: Rename | None = None,
 ) -> nn.Module:
     """Fill a model holding DTensors from ``source``, each rank reading only its own slices."""
-    from ._checkpoint import as_path
+    from ._formats import as_path
 
     if isinstance(source, Mapping):
         where = "the state dict passed to load_into"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copyreg
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
@@ -14,6 +13,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from ._errors import TorchplaceError
+from ._identity import parameter_like
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
@@ -29,34 +29,11 @@ def _storage_ptr(t: torch.Tensor) -> int:
 
 # swap_tensors exchanges two tensors' contents in place, so a Parameter object (and every tie
 # and optimizer that holds it) survives a change of device that .data cannot make (meta <-> cpu).
-_swap = cast(Callable[[torch.Tensor, torch.Tensor], None], torch.utils.swap_tensors)
-
-
-def _parameter_like(model_param: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
-    """A Parameter holding ``data`` (not copied), of ``model_param``'s class, with its attributes.
-
-    swap_tensors exchanges ``__class__``, ``__dict__`` and slots along with the data, so swapping
-    in a plain ``nn.Parameter`` would strip a Parameter subclass and the attributes set on the
-    parameter (``p.no_decay = True``, read by optimizer grouping): the new one carries them over.
-    A lazy parameter becomes the class its ``materialize`` would make it.
-    """
-    cls = type(model_param)
-    if is_lazy(model_param):
-        cls = cast(Any, model_param).cls_to_become
-    if not issubclass(cls, nn.Parameter) or type(data) not in (torch.Tensor, nn.Parameter):
-        # A tensor subclass made a parameter (nn.Parameter(DTensor) keeps the DTensor's class,
-        # and its attributes are its own) or a subclass in the file: nn.Parameter decides.
-        return nn.Parameter(data, requires_grad=model_param.requires_grad)
-    new = torch.Tensor._make_subclass(cls, data, model_param.requires_grad)
-    new.__dict__.update(model_param.__dict__)
-    for slot in copyreg._slotnames(cls):  # type: ignore[attr-defined]
-        if hasattr(model_param, slot):
-            setattr(new, slot, getattr(model_param, slot))
-    return new
+swap = cast(Callable[[torch.Tensor, torch.Tensor], None], torch.utils.swap_tensors)
 
 
 def _meta_copy(p: nn.Parameter) -> nn.Parameter:
-    return _parameter_like(p, torch.empty_like(p, device="meta"))
+    return parameter_like(p, torch.empty_like(p, device="meta"), materialize=True)
 
 
 class _SkeletonMode(TorchFunctionMode):
@@ -77,7 +54,7 @@ class _SkeletonMode(TorchFunctionMode):
 
     def to_meta(self, p: nn.Parameter) -> None:
         with contextlib.suppress(RuntimeError, TypeError):  # else the sweep after the factory
-            _swap(p, _meta_copy(p))
+            swap(p, _meta_copy(p))
 
     def __torch_function__(
         self,
@@ -143,7 +120,7 @@ def skeleton(factory: Callable[..., ModuleT], /, *args: Any, **kwargs: Any) -> M
                 module._parameters[name] = replaced[id(p)]
                 continue
             try:
-                _swap(p, _meta_copy(p))
+                swap(p, _meta_copy(p))
                 replaced[id(p)] = p
             except (RuntimeError, TypeError):
                 replaced[id(p)] = module._parameters[name] = _meta_copy(p)

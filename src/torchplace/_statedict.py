@@ -21,10 +21,10 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.modules.module import _IncompatibleKeys
 
 from ._errors import CheckpointError
-from ._formats import _first_sentence
+from ._formats import first_sentence
 
 
-def _set_extra_states(
+def set_extra_states(
     p: Path | str,
     model: nn.Module,
     extra: Mapping[str, nn.Module],
@@ -55,7 +55,7 @@ def _set_extra_states(
         undo()
         raise CheckpointError(
             f"{p}: {key} was refused by {type(extra[key]).__name__}.set_extra_state "
-            f"({type(exc).__name__}: {_first_sentence(str(exc))}); the model is untouched"
+            f"({type(exc).__name__}: {first_sentence(str(exc))}); the model is untouched"
         ) from exc
 
 
@@ -77,7 +77,7 @@ def _loader_class(module: nn.Module) -> type:
 def _is_frozen_norm(module: nn.Module) -> bool:
     """torchvision's ``FrozenBatchNorm2d`` and the copies of it in Hugging Face models (DETR and
     its family): their ``_load_from_state_dict`` only drops ``num_batches_tracked``, which a
-    file saved from an ordinary BatchNorm holds, and ``_as_load_state_dict_sees`` does that."""
+    file saved from an ordinary BatchNorm holds, and ``as_load_state_dict_sees`` does that."""
     return _loader_class(module).__name__.endswith("FrozenBatchNorm2d")
 
 
@@ -150,7 +150,7 @@ def _upgrade_norm(
             local[key] = current if ok else torch.tensor(0, dtype=torch.long)
 
 
-def _as_load_state_dict_sees(
+def as_load_state_dict_sees(
     p: Path | str, model: nn.Module, state: Mapping[str, Any], extra: Mapping[str, nn.Module]
 ) -> _Seen:
     """Walk the model as ``load_state_dict`` does, running each module's pre-hooks on its view.
@@ -183,7 +183,7 @@ def _as_load_state_dict_sees(
                 raise CheckpointError(
                     f"{p}: the load_state_dict pre-hook {_hook_name(hook)} of {where} "
                     f"({type(module).__name__}) raised {type(exc).__name__}: "
-                    f"{_first_sentence(str(exc))}; nothing was loaded"
+                    f"{first_sentence(str(exc))}; nothing was loaded"
                 ) from exc
         names = {n for n, t in module._parameters.items() if t is not None}
         names.update(
@@ -223,11 +223,11 @@ def _as_load_state_dict_sees(
     return seen
 
 
-def _has_post_hooks(model: nn.Module) -> bool:
+def has_post_hooks(model: nn.Module) -> bool:
     return any(m._load_state_dict_post_hooks for m in model.modules())
 
 
-def _run_post_hooks(
+def run_post_hooks(
     p: Path | str,
     model: nn.Module,
     missing: list[str],
@@ -252,7 +252,7 @@ def _run_post_hooks(
             except Exception as exc:
                 raise CheckpointError(
                     f"{p}: the load_state_dict post-hook {_hook_name(hook)} of {where} raised "
-                    f"{type(exc).__name__}: {_first_sentence(str(exc))}; {then()}"
+                    f"{type(exc).__name__}: {first_sentence(str(exc))}; {then()}"
                 ) from exc
             if out is not None:
                 raise CheckpointError(

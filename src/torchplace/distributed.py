@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ._devices import _count, _visible
+from ._devices import count_of, visible_devices
 from ._devices import device as _device
 from ._errors import (
     DeviceSpecError,
@@ -53,11 +53,11 @@ def _local_device(local_rank: int) -> torch.device:
     auto = _device("auto")  # under torchrun: accelerator LOCAL_RANK % count, or the CPU
     if auto.type in ("cpu", "mps"):
         return auto
-    count = _count(auto.type)
+    count = count_of(auto.type)
     if local_rank >= count:
         raise DeviceUnavailableError(
             f"LOCAL_RANK={local_rank} needs {auto.type}:{local_rank} but "
-            f"{_visible(auto.type)}; start at most {count} processes per machine "
+            f"{visible_devices(auto.type)}; start at most {count} processes per machine "
             f"(torchrun --nproc-per-node={count}), since two ranks cannot share one device"
         )
     return torch.device(auto.type, local_rank)
@@ -219,12 +219,12 @@ _SHOWN = 20  # straggler lines an error shows, over all ranks
 def _local_report(obj: Any, device: Any, optimizer: Any) -> tuple[str, list[str]]:
     """("", []) when this rank's objects are in place; else (error class, lines)."""
     from ._devices import normalize
-    from ._inspect import _misplaced, fix_for
+    from ._inspect import fix_for, misplaced
 
     try:
         target = normalize(device)
         lines = []
-        bad = _misplaced(obj, target, optimizer)
+        bad = misplaced(obj, target, optimizer)
         rebuild = target.type != "meta" and any(e.non_persistent and e.tensor.is_meta for e in bad)
         for e in bad:
             where = f"is on {e.tensor.device}" + (
