@@ -571,11 +571,6 @@ def describe_file(path: str | os.PathLike[str], /) -> list[TensorRecord]:
     return _describe_index(p)
 
 
-# The old name, still imported by tests/test_checkpoint.py (another branch's file); it reads as
-# _inspect.describe (an object's description), so new code says describe_file. Drop it once
-# those imports are renamed.
-
-
 def index_shards(p: Path) -> list[tuple[str, Path, list[str]]]:
     """The shards a shard index lists: (name in the index, path, tensor names) each."""
     mapping = weight_map(p)
