@@ -1048,3 +1048,16 @@ def test_an_index_remapped_to_a_name_without_its_suffix_loads(tmp_path: Path) ->
     assert main(["remap", str(index), "--to", "cpu", "-o", str(out / "remapped")]) == 0
     loaded = load(out / "remapped")
     assert torch.equal(loaded["a"], torch.arange(3.0)) and torch.equal(loaded["b"], torch.ones(2))
+
+
+def test_a_file_remapped_to_meta_still_counts_its_bytes(tmp_path: Path) -> None:
+    """remap --to meta keeps the data (tagged meta): inspect counts it, as a real meta tensor
+    (no data saved) counts nothing."""
+    src = tmp_path / "w.pt"
+    torch.save({"w": torch.ones(4, 4)}, src)
+    assert main(["remap", str(src), "--to", "meta", "-o", str(tmp_path / "m.pt")]) == 0
+    (record,) = describe_file(tmp_path / "m.pt")
+    assert (record.device, record.nbytes) == ("meta", 64)
+    torch.save({"w": torch.ones(4, 4, device="meta")}, tmp_path / "real_meta.pt")
+    (record,) = describe_file(tmp_path / "real_meta.pt")
+    assert (record.device, record.nbytes) == ("meta", 0)

@@ -414,9 +414,12 @@ def _records(root: Any, file: str, owners: dict[str, str] | None = None) -> list
         itemsize = _dtype_info(ref.dtype)[1] if ref.dtype != "?" else 1
         storage = ref.storage
         device = storage.location if storage is not None else "?"
-        nbytes = 0 if device == "meta" else numel * itemsize
+        # A meta tensor saved as such has no storage record and no bytes; a file remapped to
+        # meta keeps every storage's bytes under a meta tag, and they count.
+        no_data = storage is not None and device == "meta" and not storage.key
+        nbytes = 0 if no_data else numel * itemsize
         stored, shares = nbytes, None
-        if storage is not None and device != "meta":
+        if storage is not None and not no_data:
             if storage.numel >= 0:
                 stored = storage.numel * storage.itemsize
             shares = owners.setdefault(storage.key, name)
