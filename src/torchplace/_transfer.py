@@ -273,8 +273,9 @@ def tensor_mover(target: torch.device, copier: Copier) -> Callable[[torch.Tensor
     if target.type == "meta":
         copies = copier.copies
         copy_one = copy_tensor  # read now: a test may have replaced it
-        if copy_one is _COPY_TENSOR:
-            return _to_meta_directly(target, copies)
+        # The genuine copy_tensor is t.to(target): called without its frame, a third of the
+        # cost of a tensor sent to meta. A test that replaces copy_tensor gets it called.
+        direct = torch.Tensor.to if copy_one is _COPY_TENSOR else None
 
         def to_meta(t: torch.Tensor) -> torch.Tensor:
             if t.is_meta:
@@ -283,7 +284,7 @@ def tensor_mover(target: torch.device, copier: Copier) -> Callable[[torch.Tensor
             done = copies.get(key)
             if done is None:
                 try:
-                    done = copies[key] = copy_one(t, target, False)
+                    done = copies[key] = direct(t, target) if direct else copy_one(t, target, False)
                 except Exception as exc:
                     raise CopyFailed(t, target, exc) from exc
             return done
@@ -293,29 +294,6 @@ def tensor_mover(target: torch.device, copier: Copier) -> Callable[[torch.Tensor
         index = target.index
         return lambda t: t if t.is_cuda and t.get_device() == index else copy(t, target, batch=True)
     return lambda t: copy(t, target, batch=True)
-
-
-def _to_meta_directly(
-    target: torch.device, copies: dict[int, torch.Tensor]
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``tensor_mover``'s step towards meta when ``copy_tensor`` is the genuine one: the same
-    ``t.to(target)`` (blocking) without its frame, a third of the cost of a tensor sent to meta.
-    A test that replaces ``copy_tensor`` gets the step that calls it."""
-    to = torch.Tensor.to
-
-    def to_meta(t: torch.Tensor) -> torch.Tensor:
-        if t.is_meta:
-            return t
-        key = id(t)
-        done = copies.get(key)
-        if done is None:
-            try:
-                done = copies[key] = to(t, target)
-            except Exception as exc:
-                raise CopyFailed(t, target, exc) from exc
-        return done
-
-    return to_meta
 
 
 def own_to(node: Any, target: torch.device, *, asynchronous: bool) -> Any:
