@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from helpers import check_golden
 from torchplace import _checkpoint_cli, _pickle_reader, _safetensors
 from torchplace._checkpoint import load
 from torchplace._checkpoint_cli import describe_file, remap
@@ -1002,9 +1003,6 @@ def test_inspect_table_fills_a_terminal_exactly_as_wide_as_it(
         assert "…" not in out.getvalue()
 
 
-GOLDEN = Path(__file__).parent / "golden"
-
-
 @pytest.mark.parametrize(
     ("golden", "width", "terminal"),
     [("inspect_pipe.txt", 40, False), ("inspect_narrow.txt", 40, True)],
@@ -1026,10 +1024,7 @@ def test_inspect_output_golden(
     _checkpoint_cli._render(
         console, "model.safetensors (safetensors, 3 tensors)", describe_file(path), []
     )
-    text = out.getvalue()
-    if regen_golden:
-        (GOLDEN / golden).write_text(text)
-    assert text == (GOLDEN / golden).read_text(), f"{golden} changed; run pytest --regen-golden"
+    check_golden(golden, out.getvalue(), regen_golden)
 
 
 def test_an_index_remapped_to_a_name_without_its_suffix_loads(tmp_path: Path) -> None:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,15 +11,14 @@ import torch
 import torch.distributed as dist
 
 import torchplace.distributed
+from helpers import TORCHRUN_VARIABLES, torchrun_two_cpu
 from torchplace._errors import DeviceSpecError, DeviceUnavailableError, TorchplaceError
-
-TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.fixture
 def outside_torchrun(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """No torchrun variables, and no process group left behind by the test."""
-    for name in (*TORCHRUN_VARIABLES, "LOCAL_WORLD_SIZE"):
+    for name in TORCHRUN_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     yield
     if dist.is_available() and dist.is_initialized():
@@ -175,23 +171,9 @@ os._exit(0)
 def test_two_processes_under_torchrun_train_one_ddp_step(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(TRAIN_ONE_STEP))
-    env = {name: value for name, value in os.environ.items() if name not in TORCHRUN_VARIABLES}
-    env |= {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    if sys.platform == "linux":  # containers whose hostname does not resolve to this machine
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    command = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--standalone", "--nnodes=1", "--nproc-per-node=2", str(script),
-    ]  # fmt: skip
-    try:
-        done = subprocess.run(
-            command, env=env, capture_output=True, text=True, timeout=120, check=False
-        )
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"torchrun did not finish in 120 s: {err.stdout!r} {err.stderr!r}")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "rank 0 of 2 trained on cpu" in done.stdout
-    assert "rank 1 of 2 trained on cpu" in done.stdout
+    out = torchrun_two_cpu(script)
+    assert "rank 0 of 2 trained on cpu" in out
+    assert "rank 1 of 2 trained on cpu" in out
 
 
 def test_collective_verify_without_a_process_group_says_to_call_setup(

@@ -6,13 +6,12 @@ skipped without a word, so every fence must carry a tag from a known list."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import torchrun_two_cpu
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -69,10 +68,6 @@ def test_blocks_name_no_accelerator_literally(page: Path) -> None:
     assert not found, f"use torchplace.device() instead: {found}"
 
 
-TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
-TORCHRUN_VARIABLES += ("MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
-
-
 def test_the_readme_training_script_trains_under_torchrun(tmp_path: Path) -> None:
     """The README's torchrun script, which Sybil skips, run as written on two CPU processes."""
     found = re.search(
@@ -88,44 +83,8 @@ def test_the_readme_training_script_trains_under_torchrun(tmp_path: Path) -> Non
         # Gloo's threads sometimes abort a finished process at interpreter exit on a loaded host.
         + "os._exit(0)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
-    env |= {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    if sys.platform == "linux":  # containers whose hostname does not resolve to this machine
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1"]
-    command += ["--nproc-per-node=2", str(script)]
-    try:
-        done = subprocess.run(
-            command, env=env, capture_output=True, text=True, timeout=120, check=False
-        )
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"torchrun did not finish in 120 s: {err.stdout!r} {err.stderr!r}")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "rank 0 trained" in done.stdout and "rank 1 trained" in done.stdout
-
-
-def _torchrun_two_cpu_processes(script: Path, timeout: int = 120) -> str:
-    """Runs ``script`` (in its own directory) under torchrun on two CPU processes; its stdout."""
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
-    env |= {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    if sys.platform == "linux":  # containers whose hostname does not resolve to this machine
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1"]
-    command += ["--nproc-per-node=2", str(script)]
-    try:
-        done = subprocess.run(
-            command,
-            env=env,
-            cwd=script.parent,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-        )
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"torchrun did not finish in {timeout} s: {err.stdout!r} {err.stderr!r}")
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
+    out = torchrun_two_cpu(script)
+    assert "rank 0 trained" in out and "rank 1 trained" in out
 
 
 # docs/distributed.md's scripts meant for torchrun: the DDP one, which Sybil skips, and the FSDP2
@@ -151,7 +110,7 @@ def test_the_distributed_page_scripts_run_under_torchrun(tmp_path: Path, name: s
         # Gloo's threads sometimes abort a finished process at interpreter exit on a loaded host.
         + "os._exit(0)\n"
     )
-    out = _torchrun_two_cpu_processes(script)
+    out = torchrun_two_cpu(script)
     assert "rank 0 done" in out and "rank 1 done" in out
     if name == "train.py":
         assert (tmp_path / "model.pt").is_file()

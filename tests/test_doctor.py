@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from helpers import check_golden
 from torchplace import _doctor
 from torchplace.cli import main
 
@@ -152,7 +153,6 @@ def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
 def test_doctor_output_golden(
     capsys: pytest.CaptureFixture[str], regen_golden: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pathlib import Path
 
     # What differs between machines is fixed, so the golden file holds on any CPU machine.
     fixed = {
@@ -170,10 +170,7 @@ def test_doctor_output_golden(
     monkeypatch.setenv("COLUMNS", "100")
     assert main(["doctor", "--no-bandwidth"]) == 0
     text = capsys.readouterr().out
-    golden = Path(__file__).parent / "golden" / "doctor_cpu.txt"
-    if regen_golden:
-        golden.write_text(text)
-    assert text == golden.read_text(), "doctor's output changed; if on purpose: --regen-golden"
+    check_golden("doctor_cpu.txt", text, regen_golden)
 
 
 def test_version_and_module_entry_point(capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 import torchplace
+from helpers import check_golden
 from torchplace import (
     CheckpointError,
     DeviceSpecError,
@@ -25,17 +26,8 @@ from torchplace import (
     _errors,
 )
 
-GOLDEN = Path(__file__).parent / "golden"
 SRC = Path(_errors.__file__).parent
 META = torch.device("meta")
-
-
-def check_golden(name: str, text: str, regen: bool) -> None:
-    path = GOLDEN / name
-    if regen:
-        path.write_text(text)
-    assert path.exists(), f"{path} is missing; run pytest --regen-golden"
-    assert text == path.read_text(), f"{name} changed; if on purpose, run pytest --regen-golden"
 
 
 # --- the data errors carry --------------------------------------------------------------------

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import torchplace
-
-GOLDEN = Path(__file__).parent / "golden"
+from helpers import check_golden
 
 
 class Net(nn.Module):
@@ -32,14 +30,6 @@ def trained() -> tuple[Net, torch.optim.Optimizer]:
     model.head(model.norm(model.embed(torch.arange(4)))).sum().backward()
     opt.step()
     return model, opt
-
-
-def check_golden(name: str, text: str, regen: bool) -> None:
-    path = GOLDEN / name
-    if regen:
-        path.write_text(text)
-    assert path.exists(), f"{path} is missing; run pytest --regen-golden"
-    assert text == path.read_text(), f"{name} changed; if on purpose, run pytest --regen-golden"
 
 
 def test_report_per_module_golden(regen_golden: bool) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,10 +18,9 @@ import torch
 from safetensors.torch import save_file
 
 import torchplace
+from helpers import torchrun_two_cpu
 from torchplace import _sharded
 from torchplace._errors import CheckpointError
-
-TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _boxes(shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -509,12 +507,6 @@ CASES = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _checkpoints(folder: Path) -> None:
     torch.manual_seed(0)
     net = {
@@ -558,23 +550,7 @@ def test_two_ranks_fill_fsdp2_and_tensor_parallel_models_bit_for_bit(tmp_path: P
     _checkpoints(tmp_path)
     script = tmp_path / "worker.py"
     script.write_text(textwrap.dedent(WORKER))
-    env = {name: value for name, value in os.environ.items() if name not in TORCHRUN_VARIABLES}
-    env |= {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    if sys.platform == "linux":
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
-        str(script), str(tmp_path),
-    ]  # fmt: skip
-    try:
-        done = subprocess.run(
-            command, env=env, capture_output=True, text=True, timeout=180, check=False
-        )
-    except subprocess.TimeoutExpired as err:
-        pytest.fail(f"torchrun did not finish in 180 s: {err.stdout!r} {err.stderr!r}")
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output
+    output = torchrun_two_cpu(script, str(tmp_path), timeout=180)
     lines = [(tmp_path / f"results-{rank}.txt").read_text().splitlines() for rank in (0, 1)]
     failures = [line for found in lines for line in found if "FAIL" in line]
     assert not failures, "\n".join(failures)

@@ -1,0 +1,51 @@
+"""Helpers several test files share: golden files, and running a script under torchrun."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+GOLDEN = Path(__file__).parent / "golden"
+
+# What torchrun sets for its workers: cleared so that a test's own run starts from scratch.
+TORCHRUN_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+TORCHRUN_VARIABLES += ("MASTER_PORT", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID")
+
+
+def check_golden(name: str, text: str, regen: bool) -> None:
+    """``text`` equals ``tests/golden/NAME`` (rewritten first with ``--regen-golden``)."""
+    path = GOLDEN / name
+    if regen:
+        path.write_text(text)
+    assert path.exists(), f"{path} is missing; run pytest --regen-golden"
+    assert text == path.read_text(), f"{name} changed; if on purpose, run pytest --regen-golden"
+
+
+def torchrun_two_cpu(script: Path, *args: str, timeout: int = 120) -> str:
+    """Run ``script`` (in its own directory) under torchrun on two CPU processes with Gloo;
+    fails the test unless both exit cleanly. Returns their stdout and stderr."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
+    env |= {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    if sys.platform == "linux":  # containers whose hostname does not resolve to this machine
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1"]
+    command += ["--nproc-per-node=2", str(script), *args]
+    try:
+        done = subprocess.run(
+            command,
+            env=env,
+            cwd=script.parent,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"torchrun did not finish in {timeout} s: {err.stdout!r} {err.stderr!r}")
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    return output
