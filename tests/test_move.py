@@ -1075,3 +1075,29 @@ def test_an_object_move_cannot_walk_is_said_and_seen() -> None:
     with pytest.raises(torchplace.PlacementError, match=r"batch\.x .*held by _Opaque"):
         torchplace.verify(obj, "meta")
     assert torchplace.where(obj) == CPU  # no longer "holds no tensors"
+
+
+class _Tracked(nn.Module):
+    """Moves a state of its own in _apply, as a torchmetrics metric does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.lin.cache = torch.ones(1)  # a plain attribute of a plain child: nobody moves it
+        self.total = torch.zeros(1)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Any:
+        this = super()._apply(fn, recurse)
+        self.total = fn(self.total)
+        return this
+
+
+def test_only_a_self_moving_module_s_own_state_gets_the_move_fix() -> None:
+    model = _Tracked()
+    with pytest.raises(torchplace.PlacementError) as info:
+        torchplace.verify(model, "meta")
+    lines = {line.split(" (")[0].strip("- "): line for line in str(info.value).splitlines()[1:]}
+    assert "moves it itself (_Tracked's _apply)" in lines["total"]
+    assert "register_buffer('cache', ...) or pass attributes='move'" in lines["lin.cache"]
+    torchplace.move(model, "meta", attributes="move")  # the fix given for lin.cache, followed
+    torchplace.verify(model, "meta")

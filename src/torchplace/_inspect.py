@@ -25,7 +25,7 @@ from ._errors import (
 )
 from ._identity import current, replaced_outside
 from ._optim_state import rule_for
-from ._own_moves import covered_modules, moves_itself
+from ._own_moves import moves_itself
 from ._sizes import format_bytes  # its home; imported from here by several modules
 from ._tensor_size import nbytes
 from ._tree import cached_properties, iter_leaves, opaque_tensors
@@ -147,10 +147,11 @@ def module_entries(module: nn.Module, prefix: str = "") -> Iterator[Entry]:
         lost = id(b) in non_persistent
         yield Entry(prefix + name, "buffer", b, module=owner, non_persistent=lost)
     modules = {id(m) for m in module.modules()}
-    covered = covered_modules([module])
     for mod_name, mod in module.named_modules():
         derived = derived_attributes(mod)
-        own = _own_move(mod) if id(mod) in covered else None
+        # Only a module whose own class moves it keeps its attributes in step; a plain module
+        # below one is walked by Module._apply, which leaves plain attributes behind.
+        own = _own_move(mod) if moves_itself(type(mod)) else None
         for key, value in vars(mod).items():
             if key in MODULE_INTERNALS or isinstance(value, (int, float, str, bool, type(None))):
                 continue
@@ -179,13 +180,9 @@ def module_entries(module: nn.Module, prefix: str = "") -> Iterator[Entry]:
                             yield Entry(entry.name, "attribute", entry.tensor, module=path)
 
 
-def _own_move(mod: nn.Module) -> str:
-    """Which module's override moves ``mod``'s state: ``MulticlassAccuracy's _apply``."""
-    for owner in [mod, *mod.modules()]:
-        own = moves_itself(type(owner))
-        if own:
-            return f"{type(owner).__name__}'s {'/'.join(sorted(own))}"
-    return f"{type(mod).__name__}'s own move"
+def _own_move(mover: nn.Module) -> str:
+    """The override that moves a module's state, named: ``MulticlassAccuracy's _apply``."""
+    return f"{type(mover).__name__}'s {'/'.join(sorted(moves_itself(type(mover))))}"
 
 
 def optimizer_entries(
