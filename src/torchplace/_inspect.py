@@ -271,7 +271,10 @@ def entries(obj: Any, /, *, optimizer: Any = None, root: str = "batch") -> list[
         if obj not in optimizers:
             optimizers.insert(0, obj)
     else:
-        visit(obj, "")
+        try:
+            visit(obj, "")
+        finally:
+            del visit  # it refers to itself: a cycle holding every entry's tensor otherwise
         for path, t in opaque_tensors(obj, root):  # an object move does not walk: said so
             add(Entry(path, "tensor", t, opaque=type(obj).__name__))
     model_params = list(params)  # the optimizers' own parameters are not the model's

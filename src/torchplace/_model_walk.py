@@ -86,8 +86,11 @@ def walk_model(model: nn.Module) -> ModelTree:
                 continue
             child_path = join(path, name)
             tree.children[path].append(child_path)
-            visit(child_path, child)
+            visit(child_path, child)  # noqa: F821 (deleted once done)
         active.discard(id(module))
 
-    visit("", model)
+    try:
+        visit("", model)
+    finally:
+        del visit  # it refers to itself: a cycle holding the tree until the collector runs
     return tree

@@ -320,9 +320,12 @@ class _Planner:
                     out[path] = dev
                 inherited = dev
             for child in self.tree.children[path]:
-                emit(child, inherited)
+                emit(child, inherited)  # noqa: F821 (deleted once done)
 
-        emit("", None)
+        try:
+            emit("", None)
+        finally:
+            del emit  # it refers to itself: break the cycle so it is freed at once
         return out
 
 

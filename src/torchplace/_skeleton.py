@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 from ._errors import TorchplaceError
 from ._identity import parameter_like
@@ -34,6 +33,22 @@ swap = cast(Callable[[torch.Tensor, torch.Tensor], None], torch.utils.swap_tenso
 
 def _meta_copy(p: nn.Parameter) -> nn.Parameter:
     return parameter_like(p, torch.empty_like(p, device="meta"), materialize=True)
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a torch function's arguments or result (nested tuples, lists and dicts).
+
+    Not ``torch.utils._pytree.tree_flatten``: its recursive helper is a reference cycle left for
+    the garbage collector on every call, and this runs on every torch call inside ``skeleton``.
+    """
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
 
 
 class _SkeletonMode(TorchFunctionMode):
@@ -64,21 +79,18 @@ class _SkeletonMode(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        inputs, _ = tree_flatten((args, kwargs))
         input_ptrs = set()
-        for a in inputs:
-            if isinstance(a, torch.Tensor):
-                if isinstance(a, nn.Parameter) and a.device.type != "meta" and self.is_fresh(a):
-                    self.to_meta(a)
-                input_ptrs.add(_storage_ptr(a))
+        for a in _tensors((args, kwargs)):
+            if isinstance(a, nn.Parameter) and a.device.type != "meta" and self.is_fresh(a):
+                self.to_meta(a)
+            input_ptrs.add(_storage_ptr(a))
         if getattr(func, "__module__", None) == "torch.nn.init":
             target = args[0] if args else kwargs.get("tensor")
             if isinstance(target, torch.Tensor) and target.device.type == "meta":
                 return target  # no init work for a parameter that has no data
         result = func(*args, **kwargs)
-        outputs, _ = tree_flatten(result)
-        for out in outputs:
-            if isinstance(out, torch.Tensor) and out.device.type != "meta":
+        for out in _tensors(result):
+            if out.device.type != "meta":
                 ptr = _storage_ptr(out)
                 if ptr and ptr not in input_ptrs:
                     self.fresh.add(ptr)

@@ -217,9 +217,12 @@ def as_load_state_dict_sees(
             seen.loaders.append((module, prefix, local_metadata, handed))
         for name, child in module._modules.items():
             if child is not None:
-                visit(child, children.get(name, {}), f"{prefix}{name}.")
+                visit(child, children.get(name, {}), f"{prefix}{name}.")  # noqa: F821 (deleted once done)
 
-    visit(model, top, "")
+    try:
+        visit(model, top, "")
+    finally:
+        del visit  # it refers to itself: break the cycle so it is freed at once
     return seen
 
 
@@ -244,7 +247,7 @@ def run_post_hooks(
     def visit(module: nn.Module, prefix: str) -> None:
         for name, child in module._modules.items():
             if child is not None:
-                visit(child, f"{prefix}{name}.")
+                visit(child, f"{prefix}{name}.")  # noqa: F821 (deleted once done)
         for hook in module._load_state_dict_post_hooks.values():
             where = f"{prefix[:-1] or 'the model'} ({type(module).__name__})"
             try:
@@ -261,4 +264,7 @@ def run_post_hooks(
                     f"None; {then()}"
                 )
 
-    visit(model, "")
+    try:
+        visit(model, "")
+    finally:
+        del visit  # it refers to itself: break the cycle so it is freed at once

@@ -205,6 +205,7 @@ def map_tensors(
     memo: dict[int, Any] = {}
     classify = _classify
     kinds = _kinds
+    tensor_cls = torch.Tensor  # read once: a global and an attribute per value otherwise
 
     def walk(node: Any, depth: int) -> Any:
         cls = type(node)
@@ -231,7 +232,7 @@ def map_tensors(
                 changed: dict[Any, Any] | None = None  # allocated only when something moves
                 for key, value in node.items():
                     leaf = type(value)  # the common leaves, without a call to walk
-                    if leaf is torch.Tensor:
+                    if leaf is tensor_cls:
                         try:
                             new = fn(value)
                         except Exception as exc:
@@ -239,7 +240,7 @@ def map_tensors(
                     elif kinds.get(leaf) == _LEAF:
                         continue
                     else:
-                        new = walk(value, depth)
+                        new = walk(value, depth)  # noqa: F821 (deleted once done)
                     if new is not value:
                         if changed is None:
                             changed = {}
@@ -247,7 +248,8 @@ def map_tensors(
                 if changed is None:
                     return node
                 if kind == _DICT:
-                    result: Any = {k: changed.get(k, v) for k, v in node.items()}
+                    result: Any = dict(node)  # a copy and an update, both in C: keys keep order
+                    result.update(changed)
                 else:
                     key = None
                     result = _rebuild_mapping(node, changed)
@@ -255,7 +257,7 @@ def map_tensors(
                 values = None
                 for key, value in enumerate(node):
                     leaf = type(value)  # the common leaves, without a call to walk
-                    if leaf is torch.Tensor:
+                    if leaf is tensor_cls:
                         try:
                             new = fn(value)
                         except Exception as exc:
@@ -263,7 +265,7 @@ def map_tensors(
                     elif kinds.get(leaf) == _LEAF:
                         continue
                     else:
-                        new = walk(value, depth)
+                        new = walk(value, depth)  # noqa: F821 (deleted once done)
                     if new is not value:
                         if values is None:
                             values = list(node)
@@ -283,7 +285,7 @@ def map_tensors(
                 is_attr = True
                 updates = {}
                 for key, value in _dataclass_items(node):
-                    new = walk(value, depth)
+                    new = walk(value, depth)  # noqa: F821 (deleted once done)
                     if new is not value:
                         updates[key] = new
                 if not updates:
@@ -314,6 +316,10 @@ def map_tensors(
         return walk(obj, 0)
     except (_TooDeep, RecursionError):
         raise TorchplaceError(_depth_message(obj, root)) from None
+    finally:
+        # walk refers to itself through its closure: a cycle holding the memo (and so every
+        # rebuilt container) until the garbage collector runs. Broken here, it is freed at once.
+        del walk
 
 
 def _depth_message(obj: Any, root: str) -> str:
@@ -336,7 +342,8 @@ def _depth_message(obj: Any, root: str) -> str:
             )
         on_path[id(node)] = path
         for is_attr, key, child in _children(node):
-            found = search(child, path + (f".{key}" if is_attr else f"[{key!r}]"), depth + 1)
+            child_path = path + (f".{key}" if is_attr else f"[{key!r}]")
+            found = search(child, child_path, depth + 1)  # noqa: F821 (deleted once done)
             if found:
                 return found
         del on_path[id(node)]
@@ -346,6 +353,8 @@ def _depth_message(obj: Any, root: str) -> str:
         found = search(obj, root, 0)
     except RecursionError:
         found = None
+    finally:
+        del search  # it refers to itself: break the cycle so it is freed at once
     return found or f"{root} is nested too deeply for torchplace to walk; flatten the structure"
 
 
@@ -459,10 +468,13 @@ def iter_leaves(
         seen.add(id(node))
         on_path.add(id(node))
         for is_attr, key, child in _children(node):
-            yield from visit(child, path + (f".{key}" if is_attr else f"[{key!r}]"), depth + 1)
+            child_path = path + (f".{key}" if is_attr else f"[{key!r}]")
+            yield from visit(child, child_path, depth + 1)  # noqa: F821 (deleted once done)
         on_path.discard(id(node))
 
     try:
         yield from visit(obj, root, 0)
     except RecursionError:
         raise TorchplaceError(_depth_message(obj, root)) from None
+    finally:
+        del visit  # it refers to itself: break the cycle so it is freed at once
