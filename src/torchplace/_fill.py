@@ -18,6 +18,7 @@ from ._devices import device as _device
 from ._errors import CheckpointError, MoveError, TorchplaceError
 from ._formats import PathLike, as_path, first_sentence
 from ._identity import parameter_like
+from ._model_walk import Slot, tensor_slots
 from ._own_moves import AttributeSnapshot, run_own_moves
 from ._read import load
 from ._rename import Rename, as_renamer, renamed
@@ -28,49 +29,6 @@ from ._statedict import (
     run_post_hooks,
     set_extra_states,
 )
-
-
-class _Slot:
-    """One tensor of the model, under every name it has (tied parameters, shared buffers)."""
-
-    __slots__ = ("homes", "is_param", "names", "tensor")
-
-    def __init__(self, tensor: torch.Tensor, is_param: bool) -> None:
-        self.tensor = tensor
-        self.is_param = is_param
-        self.names: list[str] = []
-        self.homes: list[tuple[nn.Module, str]] = []
-
-
-def _slots(model: nn.Module) -> tuple[list[_Slot], list[_Slot], dict[str, nn.Module]]:
-    """Parameters and persistent buffers (to load), non-persistent buffers, extra-state owners."""
-    by_id: dict[int, _Slot] = {}
-    loadable: list[_Slot] = []
-    transient: list[_Slot] = []
-    extra: dict[str, nn.Module] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        dot = f"{prefix}." if prefix else ""
-        for name, p in module._parameters.items():
-            if p is not None:
-                slot = by_id.get(id(p))
-                if slot is None:
-                    slot = by_id[id(p)] = _Slot(p, True)
-                    loadable.append(slot)
-                slot.names.append(dot + name)
-                slot.homes.append((module, name))
-        for name, b in module._buffers.items():
-            if b is None:
-                continue
-            persistent = name not in module._non_persistent_buffers_set
-            slot = by_id.get(id(b))
-            if slot is None:
-                slot = by_id[id(b)] = _Slot(b, False)
-                (loadable if persistent else transient).append(slot)
-            slot.names.append(dot + name)
-            slot.homes.append((module, name))
-        if type(module).get_extra_state is not nn.Module.get_extra_state:
-            extra[dot + "_extra_state"] = module
-    return loadable, transient, extra
 
 
 def _listing(items: list[str], limit: int = 10) -> str:
@@ -112,14 +70,14 @@ def _pattern(regex: str) -> str:
     return f'r"{regex}"' if '"' not in regex and not regex.endswith("\\") else repr(regex)
 
 
-def _target_for(slot: _Slot, target: torch.device | None) -> torch.device:
+def _target_for(slot: Slot, target: torch.device | None) -> torch.device:
     if target is not None:
         return target
     here = slot.tensor.device
     return torch.device("cpu") if here.type == "meta" else here
 
 
-def _place(slot: _Slot, value: torch.Tensor, undos: list[Callable[[], object]]) -> None:
+def _place(slot: Slot, value: torch.Tensor, undos: list[Callable[[], object]]) -> None:
     """Put ``value`` in the slot, keeping the Parameter object (and so ties and optimizers).
 
     What puts the slot back is appended to ``undos`` before anything changes, and it checks
@@ -297,7 +255,8 @@ def load_into(
     renamer = None if rename is None else as_renamer(rename)
     from_memory = isinstance(source, Mapping)
     p: Path | str = "the state dict given to load_into" if from_memory else as_path(source)
-    loadable, transient, extra = _slots(model)
+    slots = tensor_slots(model)
+    loadable, transient, extra = slots.loadable, slots.transient, slots.extra_state
     read_on = _read_on(loadable, target)
     if isinstance(source, Mapping):
         state: Any = source
@@ -315,7 +274,7 @@ def load_into(
     return _apply(fit, prepared, extra, seen.own)  # type: ignore[return-value]
 
 
-def _read_on(loadable: list[_Slot], target: torch.device | None) -> torch.device:
+def _read_on(loadable: list[Slot], target: torch.device | None) -> torch.device:
     """Where a file is read to: the one device every tensor goes to, unless that means a copy.
 
     Onto ``meta`` nothing is read. Onto a CUDA device that no tensor of the model is on yet (a
@@ -333,7 +292,7 @@ def _read_on(loadable: list[_Slot], target: torch.device | None) -> torch.device
     return torch.device("cpu")
 
 
-def _check_state_dict(p: Path | str, model: nn.Module, state: Any, loadable: list[_Slot]) -> None:
+def _check_state_dict(p: Path | str, model: nn.Module, state: Any, loadable: list[Slot]) -> None:
     """A ``CheckpointError`` for what is not a state dict, with the way to the one inside."""
     if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
         raise CheckpointError(f"{p}: holds a {type(state).__name__}, not a state dict")
@@ -368,8 +327,8 @@ class _Fit:
         p: Path | str,
         model: nn.Module,
         seen: Any,
-        loadable: list[_Slot],
-        transient: list[_Slot],
+        loadable: list[Slot],
+        transient: list[Slot],
         extra: Mapping[str, nn.Module],
         read_on: torch.device,
         strict: bool,
@@ -381,7 +340,7 @@ class _Fit:
         not_loaded: list[str] = []  # every name of what stays as it was, for post-hooks
         mismatched: list[str] = []
         conflicts: list[str] = []
-        self.plan: list[tuple[_Slot, torch.Tensor]] = []
+        self.plan: list[tuple[Slot, torch.Tensor]] = []
         for slot in loadable:
             present = [n for n in slot.names if n in own]
             if not present:
@@ -476,8 +435,8 @@ class _Prepared:
     __slots__ = ("backups", "fills", "places")
 
     def __init__(self) -> None:
-        self.fills: list[tuple[_Slot, torch.Tensor]] = []  # memory on the target: filled
-        self.places: list[tuple[_Slot, torch.Tensor]] = []  # a new tensor swapped in
+        self.fills: list[tuple[Slot, torch.Tensor]] = []  # memory on the target: filled
+        self.places: list[tuple[Slot, torch.Tensor]] = []  # a new tensor swapped in
         self.backups: list[tuple[torch.Tensor, torch.Tensor]] = []  # filled tensors' values
 
 

@@ -63,6 +63,33 @@ def derived_attributes(module: nn.Module) -> frozenset[str]:
     return frozenset(name for name in names if isinstance(name, str))
 
 
+_PLAIN = (int, float, str, bool, type(None), torch.device, torch.dtype)
+
+
+def user_attributes(module: nn.Module) -> list[tuple[str, Any]]:
+    """A module's own plain attributes that may hold tensors, in the order they were set.
+
+    Everything ``nn.Module.__init__`` sets, plain values (numbers, strings, devices, dtypes)
+    and attributes the module's hooks recompute (``derived_attributes``) are left out. Most of a
+    module's ``__dict__`` is PyTorch's own machinery, so that is taken away in one set
+    difference before anything is looked at one by one (``move`` asks this of every module).
+    """
+    attrs = vars(module)
+    keys = attrs.keys() - MODULE_INTERNALS
+    if not keys:
+        return []
+    derived = derived_attributes(module) if module._forward_pre_hooks else frozenset()
+    found = [
+        (key, attrs[key])
+        for key in keys
+        if key not in derived and not isinstance(attrs[key], _PLAIN)
+    ]
+    if len(found) > 1:  # a set has no order: put them back in the module's
+        order = {key: index for index, key in enumerate(attrs)}
+        found.sort(key=lambda item: order[item[0]])
+    return found
+
+
 @dataclass(frozen=True)
 class Entry:
     """One tensor found by a walk, with its name, kind, and the device policy that governs it.
@@ -148,15 +175,10 @@ def module_entries(module: nn.Module, prefix: str = "") -> Iterator[Entry]:
         yield Entry(prefix + name, "buffer", b, module=owner, non_persistent=lost)
     modules = {id(m) for m in module.modules()}
     for mod_name, mod in module.named_modules():
-        derived = derived_attributes(mod)
         # Only a module whose own class moves it keeps its attributes in step; a plain module
         # below one is walked by Module._apply, which leaves plain attributes behind.
         own = _own_move(mod) if moves_itself(type(mod)) else None
-        for key, value in vars(mod).items():
-            if key in MODULE_INTERNALS or isinstance(value, (int, float, str, bool, type(None))):
-                continue
-            if key in derived:
-                continue
+        for key, value in user_attributes(mod):
             base = f"{prefix}{mod_name}.{key}" if mod_name else f"{prefix}{key}"
             for path, leaf in iter_leaves(value, root=base, skip_cycles=True):
                 if isinstance(leaf, torch.Tensor):

@@ -1,8 +1,10 @@
 """Walking a model: every module under every name, and who owns each parameter and buffer.
 
 ``plan`` and ``dispatch`` read a model through ``walk_model``; ties show as one tensor with
-several owners. Names are dotted paths (``encoder.0.weight``); ``display`` is how messages
-show them.
+several owners. ``load_into`` (plain and sharded) reads it through ``tensor_slots``: each
+parameter and buffer once, with every name it is saved under and every (module, attribute)
+that holds it, so that a loaded tensor goes to all of them and ties stay tied. Names are
+dotted paths (``encoder.0.weight``); ``display`` is how messages show them.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from torch import nn
 
 from ._errors import TorchplaceError
 
-__all__ = ["ModelTree", "display", "join", "walk_model"]
+__all__ = ["ModelTree", "Slot", "Slots", "display", "join", "tensor_slots", "walk_model"]
 
 
 def join(prefix: str, name: str) -> str:
@@ -94,3 +96,93 @@ def walk_model(model: nn.Module) -> ModelTree:
     finally:
         del visit  # it refers to itself: a cycle holding the tree until the collector runs
     return tree
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Slot:
+    """One parameter or buffer of a model, under every name it has (tied ones have several).
+
+    ``names`` are the keys a state dict holds it under (for a non-persistent buffer, which no
+    state dict holds, every name it has); ``homes`` every (module, attribute) holding it, so a
+    new tensor put in one place goes in all of them. ``tensor`` is whatever is there now: a
+    loader that replaces it updates it.
+    """
+
+    tensor: torch.Tensor
+    is_param: bool
+    persistent: bool
+    names: list[str]
+    homes: list[tuple[nn.Module, str]]
+
+
+@dataclasses.dataclass
+class Slots:
+    """A model's tensors as a loader sees them, its modules, and those that save extra state."""
+
+    modules: list[tuple[str, nn.Module]]  # each module once, under its first name
+    loadable: list[Slot]  # parameters and persistent buffers, in state-dict order
+    transient: list[Slot]  # non-persistent buffers: in no state dict
+    extra_state: dict[str, nn.Module]  # ``encoder._extra_state`` -> the module saving it
+
+
+_NO_EXTRA_STATE = nn.Module.get_extra_state
+
+
+def tensor_slots(model: nn.Module) -> Slots:
+    """Every parameter and buffer of ``model`` once, with all its names and homes.
+
+    A buffer is persistent when any module holding it registered it so: it is then in the state
+    dict under those names.
+
+    >>> import torch
+    >>> m = torch.nn.Module()
+    >>> m.a = m.b = torch.nn.Linear(2, 2)
+    >>> [slot.names for slot in tensor_slots(m).loadable]
+    [['a.weight', 'b.weight'], ['a.bias', 'b.bias']]
+    """
+    by_id: dict[int, Slot] = {}
+    saved_as: dict[int, list[str]] = {}  # the persistent names of each buffer
+    extra: dict[str, nn.Module] = {}
+    modules: dict[int, tuple[str, nn.Module]] = {}
+    saves_extra: dict[type, bool] = {}  # asked once per class, not once per module
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        seen = id(module) in modules  # a module under a second name: a name, not a home
+        if not seen:
+            modules[id(module)] = (prefix, module)
+        for name, p in module._parameters.items():
+            if p is not None:
+                slot = by_id.get(id(p))
+                if slot is None:
+                    slot = by_id[id(p)] = Slot(p, True, True, [], [])
+                slot.names.append(dot + name)
+                if not seen:
+                    slot.homes.append((module, name))
+        for name, b in module._buffers.items():
+            if b is not None:
+                slot = by_id.get(id(b))
+                if slot is None:
+                    slot = by_id[id(b)] = Slot(b, False, False, [], [])
+                slot.names.append(dot + name)
+                if not seen:
+                    slot.homes.append((module, name))
+                if name not in module._non_persistent_buffers_set:
+                    saved_as.setdefault(id(b), []).append(dot + name)
+        cls = type(module)
+        extra_state = saves_extra.get(cls)
+        if extra_state is None:
+            extra_state = saves_extra[cls] = cls.get_extra_state is not _NO_EXTRA_STATE
+        if extra_state:
+            extra[dot + "_extra_state"] = module
+    loadable: list[Slot] = []
+    transient: list[Slot] = []
+    for key, slot in by_id.items():
+        if slot.is_param:
+            loadable.append(slot)
+        elif key in saved_as:
+            slot.persistent = True
+            slot.names = saved_as[key]
+            loadable.append(slot)
+        else:
+            transient.append(slot)
+    return Slots(list(modules.values()), loadable, transient, extra)

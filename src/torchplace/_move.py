@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn, TypeVar
 
@@ -45,12 +45,8 @@ from ._identity import (
     swappable,
     swaps,
 )
-from ._inspect import (
-    MODULE_INTERNALS,
-    NON_PERSISTENT_LOST,
-    derived_attributes,
-    optimizer_list,
-)
+from ._inspect import NON_PERSISTENT_LOST, optimizer_list, user_attributes
+from ._model_walk import tensor_slots
 from ._optim_state import rule_for
 from ._own_moves import (
     conversion_flags,
@@ -95,22 +91,11 @@ class _Plan:
     param_slots: dict[int, list[tuple[nn.Module, str]]] = field(default_factory=dict)
     buffers: dict[int, tuple[str, torch.Tensor]] = field(default_factory=dict)
     buffer_slots: dict[int, list[tuple[nn.Module, str]]] = field(default_factory=dict)
+    # Buffers left out of the state dict (rotary frequencies, masks), by id, named.
+    non_persistent: dict[int, str] = field(default_factory=dict)
     attributes: list[tuple[nn.Module, str, str, Any]] = field(default_factory=list)
     # Modules kept in plain lists or dicts: Module.to() never reaches them.
     unregistered: list[tuple[str, nn.Module]] = field(default_factory=list)
-
-
-def _user_attributes(mod: nn.Module) -> Iterator[tuple[str, Any]]:
-    derived = derived_attributes(mod)  # rebuilt by the module's own hooks at each forward
-    for key, value in vars(mod).items():
-        if (
-            key not in MODULE_INTERNALS
-            and key not in derived
-            and not isinstance(
-                value, (int, float, str, bool, type(None), torch.device, torch.dtype)
-            )
-        ):
-            yield key, value
 
 
 def _plan(roots: list[tuple[str, nn.Module]], follow_unregistered: bool) -> _Plan:
@@ -119,18 +104,21 @@ def _plan(roots: list[tuple[str, nn.Module]], follow_unregistered: bool) -> _Pla
     queue = list(roots)
     while queue:
         prefix, root = queue.pop(0)
-        for mod_name, mod in root.named_modules(remove_duplicate=True):
+        slots = tensor_slots(root)
+        for slot in (*slots.loadable, *slots.transient):
+            t, name = slot.tensor, prefix + slot.names[0]
+            if slot.is_param:
+                plan.params.setdefault(id(t), (name, t))  # type: ignore[arg-type]
+                plan.param_slots.setdefault(id(t), []).extend(slot.homes)
+            else:
+                plan.buffers.setdefault(id(t), (name, t))
+                plan.buffer_slots.setdefault(id(t), []).extend(slot.homes)
+                if not slot.persistent:
+                    plan.non_persistent.setdefault(id(t), name)
+        for mod_name, mod in slots.modules:
             path = f"{prefix}{mod_name}" if mod_name else prefix.rstrip(".")
             dot = f"{path}." if path else ""
-            for key, p in mod._parameters.items():
-                if p is not None:
-                    plan.params.setdefault(id(p), (dot + key, p))
-                    plan.param_slots.setdefault(id(p), []).append((mod, key))
-            for key, b in mod._buffers.items():
-                if b is not None:
-                    plan.buffers.setdefault(id(b), (dot + key, b))
-                    plan.buffer_slots.setdefault(id(b), []).append((mod, key))
-            for key, value in _user_attributes(mod):
+            for key, value in user_attributes(mod):
                 has_tensor = False
                 for leaf_path, leaf in iter_leaves(value, dot + key, skip_cycles=True):
                     if isinstance(leaf, torch.Tensor):
@@ -145,28 +133,13 @@ def _plan(roots: list[tuple[str, nn.Module]], follow_unregistered: bool) -> _Pla
     return plan
 
 
-def _non_persistent(roots: list[tuple[str, nn.Module]]) -> dict[int, str]:
-    """The buffers left out of the state dict (rotary frequencies, masks), by id, named."""
-    found: dict[int, str] = {}
-    for prefix, root in roots:
-        for mod_name, mod in root.named_modules():
-            path = f"{prefix}{mod_name}" if mod_name else prefix.rstrip(".")
-            for key in mod._non_persistent_buffers_set:
-                b = mod._buffers.get(key)
-                if b is not None:
-                    found.setdefault(id(b), f"{path}.{key}" if path else key)
-    return found
-
-
-def _check_non_persistent(
-    roots: list[tuple[str, nn.Module]], plan: _Plan, target: torch.device, copier: Copier
-) -> None:
+def _check_non_persistent(plan: _Plan, target: torch.device, copier: Copier) -> None:
     """Non-persistent buffers cannot come back from meta: no checkpoint holds them.
 
     Towards meta, their values are about to be lost: they are noted for a warning. From meta
     towards a real device, the move cannot work and the error says how to rebuild them.
     """
-    buffers = _non_persistent(roots)
+    buffers = plan.non_persistent
     if not buffers:
         return
     if target.type == "meta":
@@ -228,7 +201,7 @@ def _move_modules(
     """
     plan = _plan(roots, follow_unregistered=attributes == "move")
     if destinations is None:
-        _check_non_persistent(roots, plan, target, copier)
+        _check_non_persistent(plan, target, copier)
         if target.type != "meta" and any(
             isinstance(v, torch.Tensor) and v.is_meta
             for opt in optimizers

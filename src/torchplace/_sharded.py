@@ -35,13 +35,14 @@ import sys
 import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 
 from ._devices import device as _device
 from ._errors import CheckpointError, TorchplaceError
+from ._model_walk import Slot, tensor_slots
 from ._pickle_reader import InertUnpickler, TensorRef, rebuild_tensor, shape_of, tensor_refs
 from ._rename import Rename, as_renamer, renamed
 
@@ -276,39 +277,6 @@ def _renamed(entries: dict[str, _Entry], rename: Rename | None, where: str) -> d
 # ------------------------------------------------------------------------------ the model side
 
 
-@dataclasses.dataclass
-class _Slot:
-    """One tensor of the model under every name it has (tied parameters have several)."""
-
-    names: list[str]
-    places: list[tuple[nn.Module, str, bool]]  # (module, attribute, is a parameter)
-    tensor: torch.Tensor
-
-
-def _slots(model: nn.Module) -> tuple[list[_Slot], list[str]]:
-    """The model's persistent tensors, tied ones together; and its non-persistent meta buffers."""
-    by_id: dict[int, _Slot] = {}
-    meta_transient: list[str] = []
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        dot = f"{prefix}." if prefix else ""
-        for attr, t in module._parameters.items():
-            if t is not None:
-                slot = by_id.setdefault(id(t), _Slot([], [], t))
-                slot.names.append(dot + attr)
-                slot.places.append((module, attr, True))
-        for attr, t in module._buffers.items():
-            if t is None:
-                continue
-            if attr in module._non_persistent_buffers_set:
-                if t.is_meta:
-                    meta_transient.append(dot + attr)
-                continue
-            slot = by_id.setdefault(id(t), _Slot([], [], t))
-            slot.names.append(dot + attr)
-            slot.places.append((module, attr, False))
-    return list(by_id.values()), meta_transient
-
-
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (global offsets, lengths), one per dim
 Piece = tuple[Box, tuple[slice, ...]]  # a box of the file, and where it goes in the shard
 
@@ -529,7 +497,7 @@ def _fill(reader: _Reader, entry: _Entry, box: Box, dest: torch.Tensor) -> None:
 # ------------------------------------------------------------------------------------ loading
 
 
-def _materialize(model: nn.Module, slots: list[_Slot], target: torch.device) -> None:
+def _materialize(model: nn.Module, slots: list[Slot], target: torch.device) -> None:
     """Give meta tensors empty memory on ``target`` as ``to_empty`` would, keeping real ones."""
 
     loading = {id(slot.tensor) for slot in slots}  # what stays on meta (strict=False) stays
@@ -539,14 +507,12 @@ def _materialize(model: nn.Module, slots: list[_Slot], target: torch.device) -> 
 
     model._apply(empty)  # type: ignore[no-untyped-call]  # FSDP2's own _apply re-pads and re-registers its sharded parameters
     for slot in slots:  # _apply made one tensor per place: tied parameters are one again
-        module, attr, is_param = slot.places[0]
-        first = (module._parameters if is_param else module._buffers)[attr]
-        for module, attr, is_param in slot.places[1:]:
-            if is_param:
-                module._parameters[attr] = cast(nn.Parameter, first)
-            else:
-                module._buffers[attr] = first
-        slot.tensor = first  # type: ignore[assignment]
+        kind = "_parameters" if slot.is_param else "_buffers"
+        module, attr = slot.homes[0]
+        first = getattr(module, kind)[attr]
+        for module, attr in slot.homes[1:]:
+            getattr(module, kind)[attr] = first
+        slot.tensor = first
 
 
 def _refuse_own_loaders(where: str, model: nn.Module) -> None:
@@ -608,11 +574,13 @@ def load_sharded(
             f"{where}: FSDP2 could not reshard {type(model).__name__} before the load "
             f"({type(exc).__name__}: {exc}); the model is untouched"
         ) from exc
-    slots, meta_transient = _slots(model)
+    found = tensor_slots(model)
+    slots = found.loadable
+    meta_transient = [name for s in found.transient if s.tensor.is_meta for name in s.names]
 
     missing: list[str] = []
     mismatched: list[str] = []
-    plan: list[tuple[_Slot, _Entry]] = []
+    plan: list[tuple[Slot, _Entry]] = []
     used: set[str] = set()
     for slot in slots:
         present = [n for n in slot.names if n in entries]
