@@ -1056,3 +1056,54 @@ def test_a_file_remapped_to_meta_still_counts_its_bytes(tmp_path: Path) -> None:
     torch.save({"w": torch.ones(4, 4, device="meta")}, tmp_path / "real_meta.pt")
     (record,) = describe_file(tmp_path / "real_meta.pt")
     assert (record.device, record.nbytes) == ("meta", 0)
+
+
+def _json_goldens(tmp_path: Path) -> dict[str, Path]:
+    """A training checkpoint (.pt: views, shared storage, an argparse.Namespace, optimizer
+    state) and a two-shard safetensors index, each under a name relative to ``tmp_path``."""
+    import argparse
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    base = torch.arange(8.0)
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "half": base[:4],  # a view: its whole storage is saved
+            "same": base,  # the storage "half" views
+            "mask": torch.ones(2, dtype=torch.bool),
+            "args": argparse.Namespace(lr=0.1),
+            "epoch": 3,
+        },
+        tmp_path / "train.pt",
+    )
+    safetensors_torch.save_file({"a": torch.ones(2, 2, dtype=torch.bfloat16)}, tmp_path / "s1.st")
+    safetensors_torch.save_file({"b": torch.zeros(3, dtype=torch.int8)}, tmp_path / "s2.st")
+    weight_map = {"a": "s1.st", "b": "s2.st"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return {
+        "inspect_pt.json": Path("train.pt"),
+        "inspect_index.json": Path("model.safetensors.index.json"),
+    }
+
+
+@pytest.mark.parametrize("golden", ["inspect_pt.json", "inspect_index.json"])
+def test_inspect_json_golden(
+    tmp_path: Path,
+    golden: str,
+    regen_golden: bool,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`inspect --json` is an interface programs parse: its keys and values are fixed here
+    (`pytest --regen-golden` after an intended change)."""
+    path = _json_goldens(tmp_path)[golden]
+    monkeypatch.chdir(tmp_path)
+    assert main(["inspect", str(path), "--json"]) == 0
+    out = capsys.readouterr().out
+    check_golden(golden, out, regen_golden)
+    summary = json.loads(out)  # and it is JSON whose totals add up
+    assert summary["totals"]["count"] == len(summary["tensors"])
