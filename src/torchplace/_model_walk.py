@@ -150,24 +150,18 @@ def tensor_slots(model: nn.Module) -> Slots:
         seen = id(module) in modules  # a module under a second name: a name, not a home
         if not seen:
             modules[id(module)] = (prefix, module)
-        for name, p in module._parameters.items():
-            if p is not None:
-                slot = by_id.get(id(p))
+        for is_param, held in ((True, module._parameters), (False, module._buffers)):
+            for name, t in held.items():
+                if t is None:
+                    continue
+                slot = by_id.get(id(t))
                 if slot is None:
-                    slot = by_id[id(p)] = Slot(p, True, True, [], [])
+                    slot = by_id[id(t)] = Slot(t, is_param, is_param, [], [])
                 slot.names.append(dot + name)
                 if not seen:
                     slot.homes.append((module, name))
-        for name, b in module._buffers.items():
-            if b is not None:
-                slot = by_id.get(id(b))
-                if slot is None:
-                    slot = by_id[id(b)] = Slot(b, False, False, [], [])
-                slot.names.append(dot + name)
-                if not seen:
-                    slot.homes.append((module, name))
-                if name not in module._non_persistent_buffers_set:
-                    saved_as.setdefault(id(b), []).append(dot + name)
+                if not is_param and name not in module._non_persistent_buffers_set:
+                    saved_as.setdefault(id(t), []).append(dot + name)
         cls = type(module)
         extra_state = saves_extra.get(cls)
         if extra_state is None:
