@@ -275,33 +275,22 @@ def tensor_mover(target: torch.device, copier: Copier) -> Callable[[torch.Tensor
         copy_one = copy_tensor  # read now: a test may have replaced it
         # The genuine copy_tensor is t.to(target): called without its frame, a third of the
         # cost of a tensor sent to meta. A test that replaces copy_tensor gets it called.
-        if copy_one is _COPY_TENSOR:
-            # The genuine copy_tensor is t.to(target): called without its frame, a third of
-            # the cost of a tensor sent to meta. A test that replaces copy_tensor gets it called.
-            direct = torch.Tensor.to
+        direct: Callable[[torch.Tensor, torch.device], torch.Tensor] = (
+            torch.Tensor.to
+            if copy_one is _COPY_TENSOR
+            else lambda t, target: copy_one(t, target, False)
+        )
 
-            def to_meta(t: torch.Tensor) -> torch.Tensor:
-                # No "already on meta?" test: Tensor.to returns such a tensor itself.
-                done = copies.get(id(t))
-                if done is None:
-                    try:
-                        done = copies[id(t)] = direct(t, target)
-                    except Exception as exc:
-                        raise CopyFailed(t, target, exc) from exc
-                return done
-
-        else:
-
-            def to_meta(t: torch.Tensor) -> torch.Tensor:
-                if t.is_meta:
-                    return t
-                done = copies.get(id(t))
-                if done is None:
-                    try:
-                        done = copies[id(t)] = copy_one(t, target, False)
-                    except Exception as exc:
-                        raise CopyFailed(t, target, exc) from exc
-                return done
+        def to_meta(t: torch.Tensor) -> torch.Tensor:
+            # No "already on meta?" test: Tensor.to (and so copy_tensor) returns such a tensor.
+            key = id(t)
+            done = copies.get(key)
+            if done is None:
+                try:
+                    done = copies[key] = direct(t, target)
+                except Exception as exc:
+                    raise CopyFailed(t, target, exc) from exc
+            return done
 
         return to_meta
     if target.type == "cuda":

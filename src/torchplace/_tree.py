@@ -45,6 +45,8 @@ _LEAF, _TENSOR, _DICT, _LIST, _TUPLE, _NAMEDTUPLE, _MAPPING, _DATACLASS, _TO, _O
 # of tuple (torch.return_types such as torch.max's (values, indices), and users' own).
 _LIST_LIKE, _TUPLE_LIKE = 10, 11
 _SEQUENCES = (_LIST, _TUPLE, _NAMEDTUPLE, _LIST_LIKE, _TUPLE_LIKE)
+_MAPPINGS = (_DICT, _MAPPING)
+_ITEMS = frozenset(_SEQUENCES + _MAPPINGS)
 
 _kinds: dict[type, int] = {
     torch.Tensor: _TENSOR,
@@ -228,9 +230,12 @@ def map_tensors(
         key: Any = None
         is_attr = False
         try:
-            if kind in (_DICT, _MAPPING):
-                changed: dict[Any, Any] | None = None  # allocated only when something moves
-                for key, value in node.items():
+            if kind in _ITEMS:  # one loop for mappings and sequences, by key or index
+                # What changed, allocated only when something moves: the new values by key for
+                # a mapping, a copy of a sequence with its new values in place.
+                is_mapping = kind in _MAPPINGS
+                changed: Any = None
+                for key, value in node.items() if is_mapping else enumerate(node):
                     leaf = type(value)  # the common leaves, without a call to walk
                     if leaf is tensor_cls:
                         try:
@@ -243,44 +248,26 @@ def map_tensors(
                         new = walk(value, depth)  # noqa: F821 (deleted once done)
                     if new is not value:
                         if changed is None:
-                            changed = {}
+                            changed = {} if is_mapping else list(node)
                         changed[key] = new
                 if changed is None:
                     return node
+                key = None
                 if kind == _DICT:
                     result: Any = dict(node)  # a copy and an update, both in C: keys keep order
                     result.update(changed)
-                else:
-                    key = None
+                elif kind == _MAPPING:
                     result = _rebuild_mapping(node, changed)
-            elif kind in _SEQUENCES:
-                values = None
-                for key, value in enumerate(node):
-                    leaf = type(value)  # the common leaves, without a call to walk
-                    if leaf is tensor_cls:
-                        try:
-                            new = fn(value)
-                        except Exception as exc:
-                            raise Located(exc) from exc
-                    elif kinds.get(leaf) == _LEAF:
-                        continue
-                    else:
-                        new = walk(value, depth)  # noqa: F821 (deleted once done)
-                    if new is not value:
-                        if values is None:
-                            values = list(node)
-                        values[key] = new
-                if values is None:
-                    return node
-                key = None
-                if kind == _LIST:
-                    result = values
-                elif kind == _TUPLE:
-                    result = tuple(values)
-                elif kind == _NAMEDTUPLE:
-                    result = cls(*values)
                 else:
-                    result = _rebuild_sequence(node, values)
+                    values = changed
+                    if kind == _LIST:
+                        result = values
+                    elif kind == _TUPLE:
+                        result = tuple(values)
+                    elif kind == _NAMEDTUPLE:
+                        result = cls(*values)
+                    else:
+                        result = _rebuild_sequence(node, values)
             elif kind == _DATACLASS:
                 is_attr = True
                 updates = {}
