@@ -37,6 +37,7 @@ __all__ = [
     "describe_file",
     "format_of",
     "index_shards",
+    "readable",
     "rebuild_tensor",
     "shape_of",
     "tensor_refs",
@@ -336,7 +337,7 @@ def code_globals(path: str | os.PathLike[str], /) -> list[str]:
     if kind == "index":
         for _, shard_path, _ in index_shards(p):
             found += code_globals(shard_path)
-    with _readable(p):
+    with readable(p):
         if kind == "zip":
             with zipfile.ZipFile(p) as archive:
                 pickles = [n for n in archive.namelist() if n.endswith("data.pkl")]
@@ -430,7 +431,7 @@ def _records(root: Any, file: str, owners: dict[str, str] | None = None) -> list
 
 
 @contextlib.contextmanager
-def _readable(p: Path) -> Iterator[None]:
+def readable(p: Path) -> Iterator[None]:
     """Any failure while reading ``p`` becomes a CheckpointError saying the file is damaged."""
     try:
         yield
@@ -443,7 +444,7 @@ def _readable(p: Path) -> Iterator[None]:
 
 
 def _describe_zip(p: Path) -> list[TensorRecord]:
-    with _readable(p):
+    with readable(p):
         with zipfile.ZipFile(p) as archive:
             pickles = [n for n in archive.namelist() if n.endswith("data.pkl")]
             if not pickles:
@@ -474,7 +475,7 @@ class _BoundedReader:
 
 
 def _describe_legacy(p: Path) -> list[TensorRecord]:
-    with _readable(p), p.open("rb") as raw:
+    with readable(p), p.open("rb") as raw:
         f = _BoundedReader(raw, p.stat().st_size)
         magic = InertUnpickler(f).load()
         if magic != LEGACY_MAGIC:
@@ -564,14 +565,7 @@ def describe_file(path: str | os.PathLike[str], /) -> list[TensorRecord]:
     ('w', 'cpu', 'float32', (2, 3), 24, None)
     """
     p = Path(path)
-    kind = format_of(p)
-    if kind == "zip":
-        return _describe_zip(p)
-    if kind == "legacy":
-        return _describe_legacy(p)
-    if kind == "safetensors":
-        return _describe_safetensors(p)
-    return _describe_index(p)
+    return _DESCRIBERS[format_of(p)](p)
 
 
 def index_shards(p: Path) -> list[tuple[str, Path, list[str]]]:
@@ -596,3 +590,11 @@ def _describe_index(p: Path) -> list[TensorRecord]:
                 )
         out.extend(records)
     return out
+
+
+_DESCRIBERS: dict[str, Callable[[Path], list[TensorRecord]]] = {
+    "zip": _describe_zip,
+    "legacy": _describe_legacy,
+    "safetensors": _describe_safetensors,
+    "index": _describe_index,
+}

@@ -236,12 +236,8 @@ def _load_safetensors(p: Path, target: torch.device, *, mmap: bool) -> dict[str,
         with safetensors.safe_open(str(p), framework="pt", device=_safetensors_device(target)) as f:
             return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
     except Exception as exc:
-        if out_of_memory(exc) or device_failure(exc):
-            raise CheckpointError(f"{p}: {diagnose(exc, True, target)}") from exc
-        raise CheckpointError(
-            f"{p}: cannot be read as safetensors ({first_sentence(str(exc))}); it is truncated "
-            "or corrupt"
-        ) from exc
+        reason = "it is truncated or corrupt"
+        raise _unreadable(p, exc, target, first_sentence(str(exc)), reason) from exc
 
 
 def _read_safetensors(
@@ -265,13 +261,20 @@ def _read_safetensors(
         if home != target:
             out = {name: t.to(target) for name, t in out.items()}
     except Exception as exc:
-        if out_of_memory(exc) or device_failure(exc):
-            raise CheckpointError(f"{p}: {diagnose(exc, True, target)}") from exc
-        raise CheckpointError(
-            f"{p}: cannot be read as safetensors ({type(exc).__name__}: "
-            f"{first_sentence(str(exc))}); it is truncated, or it changed while being read"
-        ) from exc
+        detail = f"{type(exc).__name__}: {first_sentence(str(exc))}"
+        reason = "it is truncated, or it changed while being read"
+        raise _unreadable(p, exc, target, detail, reason) from exc
     return out
+
+
+def _unreadable(
+    p: Path, exc: Exception, target: torch.device, detail: str, likely: str
+) -> CheckpointError:
+    """The error for a safetensors file that failed to read: the device's own trouble (out of
+    memory, a failing GPU) said as such, anything else as a damaged file."""
+    if out_of_memory(exc) or device_failure(exc):
+        return CheckpointError(f"{p}: {diagnose(exc, True, target)}")
+    return CheckpointError(f"{p}: cannot be read as safetensors ({detail}); {likely}")
 
 
 def _load_index(p: Path, target: torch.device, *, mmap: bool, trusted: bool) -> dict[str, Any]:

@@ -43,7 +43,14 @@ from torch import nn
 from ._devices import device as _device
 from ._errors import CheckpointError, TorchplaceError
 from ._model_walk import Slot, tensor_slots
-from ._pickle_reader import InertUnpickler, TensorRef, rebuild_tensor, shape_of, tensor_refs
+from ._pickle_reader import (
+    InertUnpickler,
+    TensorRef,
+    readable,
+    rebuild_tensor,
+    shape_of,
+    tensor_refs,
+)
 from ._rename import Rename, as_renamer, renamed
 
 __all__ = ["has_dtensors", "load_sharded"]
@@ -126,67 +133,59 @@ def _storage_order(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int
 
 
 def _zip_entries(p: Path) -> dict[str, _Entry]:
-    try:
-        with zipfile.ZipFile(p) as archive, p.open("rb") as raw:
-            pickles = [n for n in archive.namelist() if n.endswith("data.pkl")]
-            if not pickles:
+    # any other failure than a CheckpointError: the file is damaged
+    with readable(p), zipfile.ZipFile(p) as archive, p.open("rb") as raw:
+        pickles = [n for n in archive.namelist() if n.endswith("data.pkl")]
+        if not pickles:
+            raise CheckpointError(f"{p}: is a zip archive but not a torch.save file (no data.pkl)")
+        pickle_name = min(pickles, key=len)
+        prefix = pickle_name[: -len("data.pkl")]
+        root = _Locator(io.BytesIO(archive.read(pickle_name))).load()
+        records = {info.filename: info for info in archive.infolist()}
+        starts: dict[str, tuple[int, int]] = {}  # storage key -> (first byte, bytes)
+        entries: dict[str, _Entry] = {}
+        for name, ref in tensor_refs(root):
+            storage = ref.storage
+            if not isinstance(ref, _Located) or storage is None or storage.location == "meta":
                 raise CheckpointError(
-                    f"{p}: is a zip archive but not a torch.save file (no data.pkl)"
+                    f"{p}: tensor {name or '<root>'!r} is not a plain tensor with data "
+                    "(a sparse, quantized or meta tensor); a sharded model is filled from "
+                    "plain tensors, so save those with torch.save(model.state_dict(), path)"
                 )
-            pickle_name = min(pickles, key=len)
-            prefix = pickle_name[: -len("data.pkl")]
-            root = _Locator(io.BytesIO(archive.read(pickle_name))).load()
-            records = {info.filename: info for info in archive.infolist()}
-            starts: dict[str, tuple[int, int]] = {}  # storage key -> (first byte, bytes)
-            entries: dict[str, _Entry] = {}
-            for name, ref in tensor_refs(root):
-                storage = ref.storage
-                if not isinstance(ref, _Located) or storage is None or storage.location == "meta":
+            if storage.key not in starts:
+                info = records.get(f"{prefix}data/{storage.key}")
+                if info is None or info.compress_type != zipfile.ZIP_STORED:
                     raise CheckpointError(
-                        f"{p}: tensor {name or '<root>'!r} is not a plain tensor with data "
-                        "(a sparse, quantized or meta tensor); a sharded model is filled from "
-                        "plain tensors, so save those with torch.save(model.state_dict(), path)"
+                        f"{p}: the data of {name!r} is missing or compressed in the zip; "
+                        "save it again with torch.save"
                     )
-                if storage.key not in starts:
-                    info = records.get(f"{prefix}data/{storage.key}")
-                    if info is None or info.compress_type != zipfile.ZIP_STORED:
-                        raise CheckpointError(
-                            f"{p}: the data of {name!r} is missing or compressed in the zip; "
-                            "save it again with torch.save"
-                        )
-                    raw.seek(info.header_offset)
-                    local = raw.read(30)
-                    if len(local) < 30 or local[:4] != b"PK\x03\x04":
-                        raise CheckpointError(f"{p}: is corrupt (a bad zip record for {name!r})")
-                    name_len, extra_len = struct.unpack("<HH", local[26:30])
-                    first = info.header_offset + 30 + name_len + extra_len
-                    starts[storage.key] = (first, info.file_size)
-                first, size = starts[storage.key]
-                dtype = _torch_dtype(p, name, ref.dtype)
-                shape = ref.shape
-                stride = ref.stride if ref.stride is not None else _contiguous(shape)
-                order = _storage_order(shape, stride)
-                numel = math.prod(shape)
-                if order is None or ref.offset < 0 or min(shape, default=0) < 0:
-                    raise CheckpointError(
-                        f"{p}: tensor {name!r} is saved as a view with strides {stride} of "
-                        f"shape {shape}; save a contiguous copy (tensor.contiguous()) to load "
-                        "it into a sharded model"
-                    )
-                nbytes = (ref.offset + numel) * dtype.itemsize
-                if numel and nbytes > size:
-                    raise CheckpointError(
-                        f"{p}: is truncated or corrupt: tensor {name!r} runs past its storage"
-                    )
-                entries[name] = _Entry(
-                    name, dtype, shape, p, first + ref.offset * dtype.itemsize, order
+                raw.seek(info.header_offset)
+                local = raw.read(30)
+                if len(local) < 30 or local[:4] != b"PK\x03\x04":
+                    raise CheckpointError(f"{p}: is corrupt (a bad zip record for {name!r})")
+                name_len, extra_len = struct.unpack("<HH", local[26:30])
+                first = info.header_offset + 30 + name_len + extra_len
+                starts[storage.key] = (first, info.file_size)
+            first, size = starts[storage.key]
+            dtype = _torch_dtype(p, name, ref.dtype)
+            shape = ref.shape
+            stride = ref.stride if ref.stride is not None else _contiguous(shape)
+            order = _storage_order(shape, stride)
+            numel = math.prod(shape)
+            if order is None or ref.offset < 0 or min(shape, default=0) < 0:
+                raise CheckpointError(
+                    f"{p}: tensor {name!r} is saved as a view with strides {stride} of "
+                    f"shape {shape}; save a contiguous copy (tensor.contiguous()) to load "
+                    "it into a sharded model"
                 )
-    except CheckpointError:
-        raise
-    except Exception as exc:
-        raise CheckpointError(
-            f"{p}: is truncated or corrupt ({type(exc).__name__}: {exc})"
-        ) from exc
+            nbytes = (ref.offset + numel) * dtype.itemsize
+            if numel and nbytes > size:
+                raise CheckpointError(
+                    f"{p}: is truncated or corrupt: tensor {name!r} runs past its storage"
+                )
+            entries[name] = _Entry(
+                name, dtype, shape, p, first + ref.offset * dtype.itemsize, order
+            )
     return entries
 
 
@@ -230,13 +229,10 @@ def _index_entries(p: Path) -> dict[str, _Entry]:
 def _file_entries(p: Path) -> dict[str, _Entry]:
     from ._formats import detect_format
 
-    kind = detect_format(p)
-    if kind == "safetensors":
-        return _safetensors_entries(p)
-    if kind == "index":
-        return _index_entries(p)
-    if kind == "zip":
-        return _zip_entries(p)
+    readers = {"safetensors": _safetensors_entries, "index": _index_entries, "zip": _zip_entries}
+    read = readers.get(detect_format(p))
+    if read is not None:
+        return read(p)
     raise CheckpointError(
         f"{p}: is a legacy (pre-1.6, non-zip) torch file, whose tensors cannot be read by "
         "slice; save it again in the zip format, torch.save(torchplace.load(path), new_path), "
