@@ -32,7 +32,7 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "coming-from.md"
 
 # --- following torchplace's own advice --------------------------------------------------------
 
-_STARTS = re.compile(r"\b(?:torchplace|model|opt|optimizer)\.[\w.]*\w\(|\bopt = ")
+_STARTS = re.compile(r"\b(?:\w+ = )?(?:torchplace|model|opt|optimizer)\.[\w.]*\w\(|\bopt = ")
 _OR = re.compile(r"\bor\b")
 
 
@@ -91,6 +91,33 @@ def message_of(fn: Callable[[], object]) -> str | None:
     except TorchplaceError as exc:
         return str(exc)
     return "\n".join(str(w.message) for w in caught) or None
+
+
+@pytest.mark.parametrize("what", ["batch", "tensor"])
+def test_the_fix_for_a_batch_or_a_tensor_works_when_typed_as_given(what: str) -> None:
+    """move returns the moved object and leaves the one passed as it was: the fix keeps it."""
+    obj: Any = {"x": [torch.ones(2)], "y": torch.zeros(1)} if what == "batch" else torch.ones(2)
+    message = message_of(lambda: torchplace.verify(obj, "meta"))
+    assert message is not None
+    assert message.startswith("2 tensors of the dict are" if what == "batch" else "the tensor is")
+    (recipe,) = suggested_recipes(message)
+    assert recipe == [f"{what} = torchplace.move({what}, 'meta')"]
+    namespace = {"torchplace": torchplace, what: obj}
+    follow(recipe, namespace)
+    torchplace.verify(namespace[what], "meta")
+
+
+def test_guard_fix_for_an_input_works_when_typed_as_given() -> None:
+    model = torchplace.move(nn.Linear(2, 2), "meta")
+    x = torch.ones(1, 2)
+    with torchplace.guard(model):
+        message = message_of(lambda: model(x))
+        assert message is not None
+        (recipe, *_) = suggested_recipes(message)
+        assert recipe == ["x = torchplace.move(x, 'meta')"]
+        namespace = {"torchplace": torchplace, "x": x}
+        follow(recipe, namespace)
+        assert model(namespace["x"]).is_meta
 
 
 # --- torchmetrics ---------------------------------------------------------------------------

@@ -157,7 +157,7 @@ def test_meta_module_with_cpu_input_raises_before_torch() -> None:
         model(torch.ones(1, 4))
     assert str(info.value) == (
         "model.0 (Linear) got input[0] on cpu but its parameters are on meta; "
-        "move the input with torchplace.move(x, 'meta'), or give the module data with "
+        "move the input with x = torchplace.move(x, 'meta'), or give the module data with "
         "torchplace.load_into or Module.to_empty(device='cpu')"
     )
     # Raised by the guard itself, not wrapped around an error from torch.
@@ -179,7 +179,7 @@ def test_design_example_message_with_fake_cuda() -> None:
             model.head(torch.empty(1, 4))
     assert str(info.value) == (
         "model.head (Linear) got input[0] on cpu but its parameters are on cuda:0; "
-        "move the input with torchplace.move(x, 'cuda:0')"
+        "move the input with x = torchplace.move(x, 'cuda:0')"
     )
 
 
@@ -193,7 +193,7 @@ def test_input_on_another_gpu_is_named() -> None:
                 model(torch.empty(3, 4, device="cuda:0"))
     assert str(info.value) == (
         "model.body (Linear) got input[0] on cuda:0 but its parameters are on cuda:1; "
-        "move the input with torchplace.move(x, 'cuda:1')"
+        "move the input with x = torchplace.move(x, 'cuda:1')"
     )
 
 
@@ -217,7 +217,7 @@ def test_nested_inputs_are_named_by_their_place(call: Any, where: str) -> None:
             call(probe, on_meta, on_cpu)
     assert str(info.value).startswith(
         f"model (Probe) got {where} on cpu but its parameters are on meta; "
-        "move the input with torchplace.move(x, 'meta')"
+        "move the input with x = torchplace.move(x, 'meta')"
     )
 
 
@@ -254,7 +254,7 @@ def test_parameter_free_module_with_inputs_on_two_devices() -> None:
         loss(torch.ones(3), torch.ones(3, device="meta"))
     assert str(info.value) == (
         "model (MSELoss) got input[1] on meta but input[0] is on cpu, and a module's inputs "
-        "must share one device; move the input with torchplace.move(x, 'cpu')"
+        "must share one device; move the input with x = torchplace.move(x, 'cpu')"
     )
 
 
@@ -312,7 +312,7 @@ def test_module_spread_over_fake_gpus_names_all_its_devices() -> None:
                 probe(torch.empty(2))
     assert str(info.value) == (
         "model (Probe) got input[0] on cpu but its parameters are on cuda:0 and cuda:1; "
-        "move the input with torchplace.move(x, 'cuda:0')"
+        "move the input with x = torchplace.move(x, 'cuda:0')"
     )
 
 
@@ -648,7 +648,7 @@ def test_real_cuda_module_with_cpu_input() -> None:
             model.head(torch.ones(1, 4))
     assert str(info.value) == (
         "model.head (Linear) got input[0] on cpu but its parameters are on cuda:0; "
-        "move the input with torchplace.move(x, 'cuda:0')"
+        "move the input with x = torchplace.move(x, 'cuda:0')"
     )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -327,3 +328,45 @@ def test_old_style_weight_norm_weight_is_not_a_straggler(norm: str) -> None:
         torchplace.move(model, "meta")
     torchplace.verify(model, "meta")
     assert all(s.kind != "attribute" for s in torchplace.stragglers(model, "cpu"))
+
+
+# ----------------------------------------------- objects a look or a move would pass over
+
+
+def _unwalkable(model: torch.nn.Module) -> dict[str, tuple[Any, str]]:
+    """What a user plausibly passes instead of the model or a batch, and the fix to expect."""
+    return {
+        "model.parameters()": (model.parameters(), "pass the model itself"),
+        "a set of tensors": ({model.weight}, "pass a list or a dict of them"),
+        "state_dict().values()": (model.state_dict().values(), "pass the dict itself"),
+        "model.state_dict": (model.state_dict, "call it: torchplace."),
+    }
+
+
+@pytest.mark.parametrize("what", list(_unwalkable(torch.nn.Linear(1, 1))))
+@pytest.mark.parametrize("verb", ["verify", "move", "where", "report", "stragglers", "devices_of"])
+def test_what_torchplace_would_pass_over_is_refused_with_the_way_out(what: str, verb: str) -> None:
+    """A generator would be used up, a set or a dict view cannot take moved tensors back, and a
+    method is not its result: each used to pass (verify) or come back unmoved (move)."""
+    model = torch.nn.Linear(2, 2)
+    obj, fix = _unwalkable(model)[what]
+    call = {
+        "verify": lambda: torchplace.verify(obj, "meta"),
+        "move": lambda: torchplace.move(obj, "meta"),
+        "where": lambda: torchplace.where(obj),
+        "report": lambda: torchplace.report(obj),
+        "stragglers": lambda: torchplace.stragglers(obj, "meta"),
+        "devices_of": lambda: torchplace.devices_of(obj),
+    }[verb]
+    with pytest.raises(torchplace.TorchplaceError, match=f"torchplace.{verb} was given") as info:
+        call()
+    assert fix in str(info.value)
+    assert model.weight.device.type == "cpu"  # nothing moved
+
+
+def test_sets_and_views_without_tensors_and_sets_inside_batches_are_left_as_they_were() -> None:
+    torchplace.verify({1, 2}, "meta")
+    torchplace.verify({"a": 1}.values(), "meta")
+    batch = {"x": torch.ones(1), "tags": {"a", "b"}}
+    moved = torchplace.move(batch, "meta")
+    assert moved["x"].is_meta and moved["tags"] is batch["tags"]

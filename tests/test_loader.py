@@ -680,15 +680,17 @@ def test_a_source_still_in_next_when_the_loop_stops_waiting_is_closed_after(
     from torchplace import _loader
 
     monkeypatch.setattr(_loader, "_JOIN_SECONDS", 0.05)  # as after a Ctrl-C during the join
-    release = threading.Event()
+    release, inside = threading.Event(), threading.Event()
 
     def item(n: int) -> torch.Tensor:
         if n == 2:
+            inside.set()
             release.wait(10)  # the thread is inside next() when the loop breaks
         return torch.ones(1)
 
     source = Closing(item)
     for _ in DeviceLoader(source, "meta"):
+        assert inside.wait(10)  # on a busy machine the thread may not have asked yet
         break
     assert source.closed == 0 and len(loader_threads()) == 1  # the join gave up waiting
     release.set()
@@ -703,15 +705,17 @@ def test_a_second_loop_while_the_thread_still_reads_the_generator_is_refused(
     from torchplace import _loader
 
     monkeypatch.setattr(_loader, "_JOIN_SECONDS", 0.05)
-    release = threading.Event()
+    release, inside = threading.Event(), threading.Event()
 
     def slow() -> Iterator[torch.Tensor]:
         yield torch.ones(1)
+        inside.set()
         release.wait(10)  # the thread is inside next() when the first loop breaks
         yield torch.ones(1)
 
     loader = DeviceLoader(slow(), "meta")
     for _ in loader:
+        assert inside.wait(10)  # on a busy machine the thread may not have asked yet
         break
     try:
         with pytest.raises(TorchplaceError, match="one-shot iterator"):

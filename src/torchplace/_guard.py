@@ -89,7 +89,7 @@ def guard(model: nn.Module, /) -> Guard:
 
     Raises ``TorchplaceError`` when ``model`` is not an ``nn.Module``; a checked module raises
     ``DeviceMismatchError`` before its forward runs, e.g. "model.head (Linear) got input[0] on
-    cpu but its parameters are on cuda:0; move the input with torchplace.move(x, 'cuda:0')".
+    cpu but its parameters are on cuda:0; move the input with x = torchplace.move(x, 'cuda:0')".
     """
     return Guard(model)
 
@@ -297,7 +297,7 @@ class _Check:
             found = tensor.device
             if found in devices or _is_scalar(tensor):
                 continue
-            fix = f"move the input with torchplace.move(x, '{devices[0]}')"
+            fix = f"move the input with x = torchplace.move(x, '{devices[0]}')"
             if devices[0].type == "meta":  # more likely, the weights were never loaded
                 fix += (
                     ", or give the module data with torchplace.load_into or "
@@ -327,7 +327,7 @@ class _Check:
                 raise DeviceMismatchError(
                     f"{self.label} got {where} on {tensor.device} but {first[0]} is on "
                     f"{first[1]}, and a module's inputs must share one device; "
-                    f"move the input with torchplace.move(x, '{first[1]}')"
+                    f"move the input with x = torchplace.move(x, '{first[1]}')"
                 )
 
 

@@ -7,6 +7,7 @@ would look it up (``encoder.weight`` as in ``named_parameters()``, ``encoder.wei
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -28,7 +29,7 @@ from ._optim_state import rule_for
 from ._own_moves import moves_itself
 from ._sizes import format_bytes  # its home; imported from here by several modules
 from ._tensor_size import nbytes
-from ._tree import cached_properties, iter_leaves, opaque_tensors
+from ._tree import cached_properties, iter_leaves, opaque_tensors, refuse_unwalkable
 
 __all__ = [
     "Entry",
@@ -334,6 +335,7 @@ def devices_of(obj: Any, /, *, optimizer: Any = None) -> frozenset[torch.device]
     >>> sorted(str(d) for d in found)
     ['cpu', 'meta']
     """
+    refuse_unwalkable(obj, "devices_of")
     return frozenset(e.tensor.device for e in entries(obj, optimizer=optimizer) if not e.host)
 
 
@@ -365,6 +367,7 @@ def where(obj: Any, /) -> torch.device:
     ...
     torchplace.NoTensorsError: the ReLU model holds no tensors, so it has no device ...
     """
+    refuse_unwalkable(obj, "where")
     found = [e for e in entries(obj) if not e.host]
     if not found:
         raise NoTensorsError(
@@ -399,6 +402,7 @@ def stragglers(obj: Any, device: DeviceSpec, /, *, optimizer: Any = None) -> lis
     >>> torchplace.stragglers(model, "cpu")
     []
     """
+    refuse_unwalkable(obj, "stragglers")
     return [
         Straggler(e.name, e.kind, e.tensor.device, nbytes(e.tensor))
         for e in misplaced(obj, normalize(device), optimizer)
@@ -488,7 +492,9 @@ def fix_for(entry: Entry, target: torch.device, *, rebuild: bool = False) -> str
             f"torchplace.move(model, {dev}) moves both"
         )
     if kind == "tensor":
-        return f"torchplace.move(batch, {dev})"
+        # move returns the moved batch (the one passed in is left as it was): keep the result
+        root = re.split(r"[\[.]", entry.name, maxsplit=1)[0]
+        return f"{root} = torchplace.move({root}, {dev})"
     return f"torchplace.move(model, {dev})"
 
 
@@ -544,6 +550,7 @@ def verify(obj: Any, device: DeviceSpec, /, *, optimizer: Any = None) -> None:
     ...
     torchplace.PlacementError: 2 tensors of the Linear model are not on meta: ...
     """
+    refuse_unwalkable(obj, "verify")
     target = normalize(device)
     bad = misplaced(obj, target, optimizer)
     if not bad:
@@ -568,9 +575,10 @@ def verify(obj: Any, device: DeviceSpec, /, *, optimizer: Any = None) -> None:
                 f"  note: the fixes above cannot run here ({exc}); check against a device "
                 "this machine has, e.g. torchplace.device('auto')"
             )
-    count = f"{len(bad)} tensor{'s' if len(bad) != 1 else ''}"
+    count = f"{len(bad)} tensor{'s' if len(bad) != 1 else ''} of {describe(obj)}"
+    if isinstance(obj, torch.Tensor):
+        count = "the tensor"
     raise PlacementError(
-        f"{count} of {describe(obj)} {'are' if len(bad) != 1 else 'is'} not on {target}:\n"
-        + "\n".join(lines),
+        f"{count} {'are' if len(bad) != 1 else 'is'} not on {target}:\n" + "\n".join(lines),
         stragglers=[Straggler(e.name, e.kind, e.tensor.device, nbytes(e.tensor)) for e in bad],
     )

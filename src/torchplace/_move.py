@@ -55,7 +55,14 @@ from ._own_moves import (
     set_conversion_flags,
 )
 from ._transfer import Copier, CopyFailed, is_accelerator, own_to, tensor_mover
-from ._tree import Located, cached_properties, iter_leaves, map_tensors, opaque_tensors
+from ._tree import (
+    Located,
+    cached_properties,
+    iter_leaves,
+    map_tensors,
+    opaque_tensors,
+    refuse_unwalkable,
+)
 
 __all__ = ["move"]
 
@@ -496,6 +503,7 @@ def move(
         )
     if non_blocking is not None and not isinstance(non_blocking, bool):
         raise TorchplaceError(f"non_blocking={non_blocking!r} must be True, False or None")
+    refuse_unwalkable(obj, "move")
     target = _device(device)
     optimizers = optimizer_list(optimizer)
     copier = Copier(target, non_blocking)

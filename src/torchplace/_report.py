@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ._inspect import describe, entries
 from ._sizes import format_bytes
 from ._tensor_size import nbytes, numel
+from ._tree import refuse_unwalkable
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -160,6 +161,7 @@ def report(obj: Any, /, *, optimizer: Any = None, detail: bool = False) -> Repor
     A sharded tensor (a DTensor, as FSDP2 and tensor parallelism make) counts the shard this
     process holds, so each rank reports its own memory.
     """
+    refuse_unwalkable(obj, "report")
     found = entries(obj, optimizer=optimizer)
     rows: list[ReportRow] = []
     if detail:

@@ -19,8 +19,16 @@ import copy
 import copyreg
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Mapping, MutableMapping, MutableSequence, Sequence
-from typing import Any
+from collections.abc import (
+    Callable,
+    Iterable,
+    Iterator,
+    Mapping,
+    MutableMapping,
+    MutableSequence,
+    Sequence,
+)
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -34,6 +42,7 @@ __all__ = [
     "iter_leaves",
     "map_tensors",
     "opaque_tensors",
+    "refuse_unwalkable",
 ]
 
 # How deep a batch may nest before torchplace calls it a mistake. Real batches nest a handful of
@@ -307,6 +316,49 @@ def map_tensors(
         # walk refers to itself through its closure: a cycle holding the memo (and so every
         # rebuilt container) until the garbage collector runs. Broken here, it is freed at once.
         del walk
+
+
+_VIEWS: tuple[type, ...] = (type({}.keys()), type({}.values()), type({}.items()))
+
+
+def refuse_unwalkable(obj: Any, verb: str) -> None:
+    """Refuse, with the way out, an object handed to ``move`` or a look (``verify``, ``where``)
+    that torchplace would silently pass over although it holds tensors.
+
+    An iterator (``model.parameters()`` is a generator) would be used up by reading it; a set
+    or a dict view has no keys or order to put moved tensors back by; a bound method
+    (``model.state_dict`` without its call) is the method, not its result.
+    """
+    cls = type(obj)
+    if _classify(cls) != _LEAF:
+        return
+    what = ("an " if cls.__name__[0] in "aeiou" else "a ") + cls.__name__
+    rest = ", ..." if verb in ("move", "verify", "stragglers") else ""  # the device, and more
+    if isinstance(obj, Iterator):
+        raise TorchplaceError(
+            f"torchplace.{verb} was given {what}, an iterator ({_ITERATOR_HINT}), which it "
+            f"would use up by reading it; pass the model itself, torchplace.{verb}(model{rest}), "
+            "or a list of what the iterator yields, list(...)"
+        )
+    if isinstance(obj, (set, frozenset, *_VIEWS)):
+        items = cast(Iterable[Any], obj)
+        if any(isinstance(leaf, torch.Tensor) for item in items for _, leaf in iter_leaves(item)):
+            fix = "the dict itself" if isinstance(obj, _VIEWS) else "a list or a dict of them"
+            raise TorchplaceError(
+                f"torchplace.{verb} was given {what} holding tensors: it has no keys or order "
+                f"to name the tensors by or to put moved ones back by; pass {fix}"
+            )
+        return
+    owner = getattr(obj, "__self__", None)
+    if callable(obj) and isinstance(owner, (nn.Module, torch.optim.Optimizer)):
+        name = getattr(obj, "__name__", "method")
+        raise TorchplaceError(
+            f"torchplace.{verb} was given the method {type(owner).__name__}.{name}, not what "
+            f"it returns; call it: torchplace.{verb}(model.{name}(){rest})"
+        )
+
+
+_ITERATOR_HINT = "model.parameters(), .buffers() and .named_parameters() are generators"
 
 
 def _depth_message(obj: Any, root: str) -> str:
