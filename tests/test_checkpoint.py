@@ -1605,3 +1605,33 @@ def test_frozen_batch_norms_load_a_batch_norm_file(tmp_path: Path) -> None:
         model.state_dict().items(), expected.state_dict().items(), strict=True
     ):
         assert torch.equal(a, b), name
+
+
+# ------------------------------------------------------- a whole model saved with torch.save
+
+
+def test_a_whole_pickled_model_is_refused_with_a_fix_that_works_when_followed(
+    tmp_path: Path,
+) -> None:
+    """torch.save(model) pickles the classes: the advice leads to its state dict, which
+    load_into takes, not to trusted=True on load_into (which has no such argument)."""
+    source = nn.Sequential(nn.Linear(2, 3))
+    path = tmp_path / "whole.pt"
+    torch.save(source, path)
+    model = nn.Sequential(nn.Linear(2, 3))
+    for attempt in (lambda: load(path), lambda: load_into(model, path)):
+        with pytest.raises(CheckpointError, match="holds a whole model") as info:
+            attempt()
+        fix = "torchplace.load(path, trusted=True).state_dict()"
+        assert fix in str(info.value) and "Nothing was run" in str(info.value)
+    load_into(model, load(path, trusted=True).state_dict())  # the fix, as given
+    assert torch.equal(model[0].weight, source[0].weight)
+
+
+def test_load_into_from_a_model_says_to_pass_its_state_dict() -> None:
+    other = nn.Linear(2, 2)
+    model = nn.Linear(2, 2)
+    with pytest.raises(CheckpointError, match=r"not from a Linear model.*other\.state_dict\(\)"):
+        load_into(model, other)  # type: ignore[arg-type]
+    load_into(model, other.state_dict())
+    assert torch.equal(model.weight, other.weight)

@@ -1107,3 +1107,22 @@ def test_inspect_json_golden(
     check_golden(golden, out, regen_golden)
     summary = json.loads(out)  # and it is JSON whose totals add up
     assert summary["totals"]["count"] == len(summary["tensors"])
+
+
+def test_remap_of_a_whole_pickled_model_gives_a_rewrite_that_remap_then_takes(
+    tmp_path: Path,
+) -> None:
+    """Saving the loaded object again would pickle the model again: the fix saves its weights."""
+    import torchplace
+
+    path = tmp_path / "whole.pt"
+    torch.save(torch.nn.Sequential(torch.nn.Linear(2, 2)), path)
+    with pytest.raises(CheckpointError, match="remap never runs") as info:
+        remap(path, tmp_path / "x.pt", to="cpu")
+    assert "torch.save(torchplace.load(path, 'cpu', trusted=True).state_dict(), out)" in str(
+        info.value
+    )
+    out = tmp_path / "out.pt"
+    torch.save(torchplace.load(path, "cpu", trusted=True).state_dict(), out)  # as given
+    remap(out, tmp_path / "x.pt", to="cpu")
+    assert set(load(tmp_path / "x.pt")) == {"0.weight", "0.bias"}

@@ -78,6 +78,8 @@ def calls(tmp_path: Path) -> dict[str, Callable[[], Any]]:
         "move a model with its optimizer": lambda: torchplace.move(model, "cpu", optimizer=opt),
         "move a model to meta": lambda: torchplace.move(Pair(), "meta"),
         "verify": lambda: torchplace.verify(model, "cpu", optimizer=opt),
+        "verify an optimizer": lambda: torchplace.verify(opt, "cpu"),
+        "report an optimizer": lambda: str(torchplace.report(opt)),
         "where": lambda: torchplace.where(model),
         "report": lambda: str(torchplace.report(model, optimizer=opt)),
         "stragglers": lambda: torchplace.stragglers(batch, "cpu"),

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
 
+import torchplace
 from torchplace._model_walk import tensor_slots
 
 
@@ -68,3 +70,37 @@ def test_a_buffer_registered_persistent_anywhere_is_loaded_under_those_names() -
     (slot,) = slots.loadable
     assert slot.names == list(model.state_dict()) == ["b.table"]
     assert slot.homes == [(model.a, "table"), (model.b, "table")]  # both get the loaded tensor
+
+
+def test_loadable_tensors_come_in_state_dict_order() -> None:
+    """A buffer first seen where it is non-persistent takes its place where it is saved."""
+    shared = torch.zeros(2)
+    model = nn.Module()
+    model.a = nn.Module()
+    model.a.register_buffer("t", shared, persistent=False)
+    model.b = nn.Linear(1, 1)
+    model.c = nn.Module()
+    model.c.register_buffer("t", shared)
+    slots = tensor_slots(model)
+    assert [s.names[0] for s in slots.loadable] == list(model.state_dict())
+
+
+class SelfLinked(nn.Module):
+    """A child holding a link back to its parent: the module tree has a loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = nn.Linear(2, 2)
+        self.child.owner = self
+
+
+def test_a_move_visits_each_module_once_and_a_model_that_contains_itself_still_moves() -> None:
+    model = SelfLinked()
+    slots = tensor_slots(model, every_name=False)
+    assert [path for path, _ in slots.modules] == ["", "child"]
+    assert torchplace.move(model, "meta") is model and model.child.weight.is_meta
+
+
+def test_loading_a_model_that_contains_itself_says_so() -> None:
+    with pytest.raises(torchplace.TorchplaceError, match="SelfLinked model contains itself"):
+        torchplace.load_into(SelfLinked(), {"child.weight": torch.ones(2, 2)})

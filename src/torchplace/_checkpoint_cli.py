@@ -32,7 +32,14 @@ from pathlib import Path
 from typing import IO, Any, cast
 
 from ._errors import CheckpointError, DeviceSpecError, TorchplaceError
-from ._pickle_reader import TensorRecord, code_globals, describe_file, format_of, index_shards
+from ._pickle_reader import (
+    TensorRecord,
+    code_globals,
+    describe_file,
+    format_of,
+    index_shards,
+    pickles_a_model,
+)
 from ._sizes import format_bytes
 
 __all__ = [
@@ -395,10 +402,13 @@ def _read_for_remap(src: Path, kind: str) -> Any:
         found = code_globals(src) if "trusted=True" in str(exc) else []
         if not found:
             raise
+        # A whole model stays a whole model when saved again: only its state dict can be remapped.
+        weights = ".state_dict()" if pickles_a_model(found) else ""
         raise CheckpointError(
             f"{src}: would run code when loaded ({', '.join(found)}), "
             "and remap never runs a file's code. If you trust its source, rewrite it yourself: "
-            "torch.save(torchplace.load(path, 'cpu', trusted=True), out), then remap out"
+            f"torch.save(torchplace.load(path, 'cpu', trusted=True){weights}, out), "
+            "then remap out"
         ) from exc
 
 

@@ -253,6 +253,12 @@ def load_into(
         return load_sharded(model, source, device, strict=strict, rename=rename)  # type: ignore[return-value]
     target = None if device is None else _device(device)
     renamer = None if rename is None else as_renamer(rename)
+    if isinstance(source, nn.Module):
+        raise CheckpointError(
+            f"load_into fills a model from a checkpoint (a path, a directory or a state dict), "
+            f"not from a {type(source).__name__} model; pass its weights: "
+            "load_into(model, other.state_dict())"
+        )
     from_memory = isinstance(source, Mapping)
     p: Path | str = "the state dict given to load_into" if from_memory else as_path(source)
     slots = tensor_slots(model)

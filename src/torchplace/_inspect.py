@@ -288,16 +288,17 @@ def entries(obj: Any, /, *, optimizer: Any = None, root: str = "batch") -> list[
             add(Entry(label or "tensor", kind, node))
         else:
             for path, leaf in iter_leaves(node, root=label or root):
-                visit(leaf, path)
+                visit(leaf, path)  # noqa: F821 (deleted once done)
 
-    if isinstance(obj, torch.optim.Optimizer):
-        if obj not in optimizers:
-            optimizers.insert(0, obj)
-    else:
-        try:
+    try:
+        if isinstance(obj, torch.optim.Optimizer):
+            if obj not in optimizers:
+                optimizers.insert(0, obj)
+        else:
             visit(obj, "")
-        finally:
-            del visit  # it refers to itself: a cycle holding every entry's tensor otherwise
+    finally:
+        del visit  # it refers to itself: a cycle holding every entry's tensor otherwise
+    if not isinstance(obj, torch.optim.Optimizer):
         for path, t in opaque_tensors(obj, root):  # an object move does not walk: said so
             add(Entry(path, "tensor", t, opaque=type(obj).__name__))
     model_params = list(params)  # the optimizers' own parameters are not the model's

@@ -128,11 +128,15 @@ class Slots:
 _NO_EXTRA_STATE = nn.Module.get_extra_state
 
 
-def tensor_slots(model: nn.Module) -> Slots:
-    """Every parameter and buffer of ``model`` once, with all its names and homes.
+def tensor_slots(model: nn.Module, *, every_name: bool = True) -> Slots:
+    """Every parameter and buffer of ``model`` once, with its names and homes.
 
-    A buffer is persistent when any module holding it registered it so: it is then in the state
-    dict under those names.
+    ``every_name``: each tensor under every name a state dict gives it (a module registered
+    twice, under both), as loading needs; without it, each module is visited once, under its
+    first name, which is all a move needs, and a module reachable many ways (shared
+    submodules, a child holding a link back to its parent) costs nothing more. A buffer is
+    persistent when any module holding it registered it so: it is then in the state dict
+    under those names. Tensors come in state-dict order.
 
     >>> import torch
     >>> m = torch.nn.Module()
@@ -142,10 +146,20 @@ def tensor_slots(model: nn.Module) -> Slots:
     """
     by_id: dict[int, Slot] = {}
     saved_as: dict[int, list[str]] = {}  # the persistent names of each buffer
+    order: dict[int, int] = {}  # when each loadable tensor first shows in the state dict
     extra: dict[str, nn.Module] = {}
     modules: dict[int, tuple[str, nn.Module]] = {}
     saves_extra: dict[type, bool] = {}  # asked once per class, not once per module
-    for prefix, module in model.named_modules(remove_duplicate=False):
+    try:
+        walk = list(model.named_modules(remove_duplicate=not every_name))
+    except RecursionError:  # only with every_name: named_modules(remove_duplicate=False) loops
+        raise TorchplaceError(
+            f"the {type(model).__name__} model contains itself (a module registered as an "
+            "attribute of one of its own submodules), so it has no state dict to load: keep "
+            "such a link out of the module tree, e.g. in a plain attribute through "
+            "object.__setattr__ or a weakref"
+        ) from None
+    for prefix, module in walk:
         dot = f"{prefix}." if prefix else ""
         seen = id(module) in modules  # a module under a second name: a name, not a home
         if not seen:
@@ -160,8 +174,10 @@ def tensor_slots(model: nn.Module) -> Slots:
                 slot.names.append(dot + name)
                 if not seen:
                     slot.homes.append((module, name))
-                if not is_param and name not in module._non_persistent_buffers_set:
-                    saved_as.setdefault(id(t), []).append(dot + name)
+                if is_param or name not in module._non_persistent_buffers_set:
+                    order.setdefault(id(t), len(order))
+                    if not is_param:
+                        saved_as.setdefault(id(t), []).append(dot + name)
         cls = type(module)
         extra_state = saves_extra.get(cls)
         if extra_state is None:
@@ -179,4 +195,5 @@ def tensor_slots(model: nn.Module) -> Slots:
             loadable.append(slot)
         else:
             transient.append(slot)
+    loadable.sort(key=lambda slot: order[id(slot.tensor)])
     return Slots(list(modules.values()), loadable, transient, extra)

@@ -111,7 +111,7 @@ def _plan(roots: list[tuple[str, nn.Module]], follow_unregistered: bool) -> _Pla
     queue = list(roots)
     while queue:
         prefix, root = queue.pop(0)
-        slots = tensor_slots(root)
+        slots = tensor_slots(root, every_name=False)  # each module once: a move's need
         for slot in (*slots.loadable, *slots.transient):
             t, name = slot.tensor, prefix + slot.names[0]
             if slot.is_param:

@@ -30,6 +30,7 @@ from ._safetensors import read_header as read_safetensors_header
 from ._safetensors import sniff as sniff_safetensors
 
 __all__ = [
+    "WHOLE_MODEL",
     "InertUnpickler",
     "TensorRecord",
     "TensorRef",
@@ -37,6 +38,7 @@ __all__ = [
     "describe_file",
     "format_of",
     "index_shards",
+    "pickles_a_model",
     "readable",
     "rebuild_tensor",
     "shape_of",
@@ -353,6 +355,19 @@ def code_globals(path: str | os.PathLike[str], /) -> list[str]:
                     recorder.load()
                     found += recorder.found
     return list(dict.fromkeys(found))
+
+
+def pickles_a_model(found: list[str]) -> bool:
+    """Whether a file's code globals (``code_globals``) show a whole model saved with
+    ``torch.save(model)``: its modules are pickled as the classes they are."""
+    return any(name.startswith("torch.nn.modules.") for name in found)
+
+
+WHOLE_MODEL = (
+    "holds a whole model saved with torch.save(model), whose classes loading would import "
+    "and run. Nothing was run. If you trust where the file came from, its weights are "
+    "torchplace.load(path, trusted=True).state_dict()"
+)
 
 
 def _latin1_encode(text: Any, encoding: Any = "latin1") -> bytes:

@@ -37,6 +37,7 @@ from ._formats import (
     safetensors_header,
     zip_layout,
 )
+from ._pickle_reader import WHOLE_MODEL, code_globals, pickles_a_model
 from ._readinto import read_into
 
 # ------------------------------------------------------------------------------------------ load
@@ -111,6 +112,11 @@ def _load_torch(
                 f"{p}: was pickled with an instruction torch's safe loader does not read "
                 f"({reason}; a newer pickle protocol). Nothing was run. Re-save it with "
                 "torch.save's default protocol, or pass trusted=True if you trust its source"
+            ) from exc
+        if "Weights only load failed" in text and _whole_model(p):
+            raise CheckpointError(
+                f"{p}: {WHOLE_MODEL} (a state dict load_into takes as it is); better, save "
+                "model.state_dict() instead of the model"
             ) from exc
         if "Weights only load failed" in text:
             raise CheckpointError(
@@ -238,6 +244,13 @@ def _load_safetensors(p: Path, target: torch.device, *, mmap: bool) -> dict[str,
     except Exception as exc:
         reason = "it is truncated or corrupt"
         raise _unreadable(p, exc, target, first_sentence(str(exc)), reason) from exc
+
+
+def _whole_model(p: Path) -> bool:
+    try:
+        return pickles_a_model(code_globals(p))
+    except CheckpointError:
+        return False
 
 
 def _read_safetensors(

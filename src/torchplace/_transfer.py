@@ -282,7 +282,8 @@ def tensor_mover(target: torch.device, copier: Copier) -> Callable[[torch.Tensor
         )
 
         def to_meta(t: torch.Tensor) -> torch.Tensor:
-            # No "already on meta?" test: Tensor.to (and so copy_tensor) returns such a tensor.
+            if t.is_meta:  # a batch already there costs next to nothing
+                return t
             key = id(t)
             done = copies.get(key)
             if done is None:
