@@ -1635,3 +1635,18 @@ def test_load_into_from_a_model_says_to_pass_its_state_dict() -> None:
         load_into(model, other)  # type: ignore[arg-type]
     load_into(model, other.state_dict())
     assert torch.equal(model.weight, other.weight)
+
+
+def test_an_error_loading_a_directory_names_the_file_read_in_it(tmp_path: Path) -> None:
+    torch.save({"other.weight": torch.ones(2, 2)}, tmp_path / "model.pt")
+    with pytest.raises(CheckpointError) as info:
+        load_into(nn.Linear(2, 2), tmp_path)
+    assert str(info.value).startswith(f"{tmp_path / 'model.pt'}: does not fit Linear")
+    assert info.value.path == tmp_path / "model.pt"
+
+
+def test_skeleton_of_a_built_model_says_to_pass_its_class() -> None:
+    with pytest.raises(
+        TorchplaceError, match=r"not a Linear already built: skeleton\(Linear, \.\.\.\)"
+    ):
+        skeleton(nn.Linear(2, 2))  # type: ignore[arg-type]

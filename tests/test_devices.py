@@ -237,6 +237,8 @@ def test_mps_when_there_is_no_cuda(gpus: FakeGPUs) -> None:
     ("spec", "match"),
     [
         ("cdua", "did you mean 'cuda'"),
+        ("cuda0", "did you mean 'cuda:0'"),
+        ("meta0", "did you mean 'meta'"),
         ("gpu:x", "use 'gpu' or 'gpu:N'"),
         ("", "unknown device spec ''"),
         (-1, "negative"),

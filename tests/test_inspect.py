@@ -370,3 +370,13 @@ def test_sets_and_views_without_tensors_and_sets_inside_batches_are_left_as_they
     batch = {"x": torch.ones(1), "tags": {"a", "b"}}
     moved = torchplace.move(batch, "meta")
     assert moved["x"].is_meta and moved["tags"] is batch["tags"]
+
+
+def test_verify_refuses_another_models_optimizer_as_move_does() -> None:
+    model, other = nn.Linear(2, 2), nn.Linear(2, 2)
+    opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    with pytest.raises(torchplace.TorchplaceError, match=r"holds none of the model's parameters"):
+        torchplace.verify(model, "cpu", optimizer=opt)
+    with pytest.raises(torchplace.MoveError, match="holds none of the parameters"):
+        torchplace.move(model, "cpu", optimizer=opt)
+    torchplace.verify(model, "cpu", optimizer=torch.optim.SGD(model.parameters(), lr=0.1))

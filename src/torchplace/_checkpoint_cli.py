@@ -109,7 +109,8 @@ def _run_inspect(args: argparse.Namespace) -> int:
         return 0
     from rich.console import Console  # rich is imported only to render
 
-    _render(Console(emoji=False), f"{args.file} ({kind}, {len(records)} tensors)", records, code)
+    count = f"{len(records)} tensor{'' if len(records) == 1 else 's'}"
+    _render(Console(emoji=False), f"{args.file} ({kind}, {count})", records, code)
     return 0
 
 

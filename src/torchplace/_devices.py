@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import sys
 
 import torch
@@ -329,7 +330,10 @@ def device(spec: DeviceSpec = "auto", /) -> torch.device:
     try:
         parsed = torch.device(text)
     except (RuntimeError, ValueError):
-        guess = difflib.get_close_matches(text.split(":")[0], _KEYWORDS, n=1, cutoff=0.5)
+        name, digits = re.fullmatch(r"(.*?)(\d*)", text.split(":")[0]).groups()  # type: ignore[union-attr]
+        guess = difflib.get_close_matches(name, _KEYWORDS, n=1, cutoff=0.5)
+        if guess and digits and guess[0] not in ("auto", "best", "meta"):  # 'cuda0': 'cuda:0'
+            guess = [f"{guess[0]}:{int(digits)}"]
         hint = f"did you mean {guess[0]!r}? " if guess else ""
         raise DeviceSpecError(
             f"unknown device spec {spec!r}; {hint}use 'auto', 'best', 'gpu', 'cpu', 'meta', "

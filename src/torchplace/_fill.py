@@ -16,7 +16,7 @@ from torch.nn.parameter import is_lazy
 from ._devices import DeviceSpec
 from ._devices import device as _device
 from ._errors import CheckpointError, MoveError, TorchplaceError
-from ._formats import PathLike, as_path, first_sentence
+from ._formats import PathLike, as_path, first_sentence, is_dir, model_file
 from ._identity import parameter_like
 from ._model_walk import Slot, tensor_slots
 from ._own_moves import AttributeSnapshot, run_own_moves
@@ -261,6 +261,8 @@ def load_into(
         )
     from_memory = isinstance(source, Mapping)
     p: Path | str = "the state dict given to load_into" if from_memory else as_path(source)
+    if isinstance(p, Path) and is_dir(p):  # messages name the file read, not its directory
+        p = model_file(p)
     slots = tensor_slots(model)
     loadable, transient, extra = slots.loadable, slots.transient, slots.extra_state
     read_on = _read_on(loadable, target)

@@ -325,6 +325,14 @@ def gather_index(p: Path, read: Callable[[Path], Mapping[str, T]]) -> dict[str, 
 _MODEL_FILE_KINDS = (".safetensors.index.json", ".index.json", ".safetensors")
 
 
+def is_dir(p: Path, /) -> bool:
+    """Whether ``p`` is a directory; for a path that cannot be asked, ``detect_format`` says why."""
+    try:
+        return stat.S_ISDIR(p.stat().st_mode)
+    except (OSError, ValueError):
+        return False
+
+
 def model_file(p: Path, /) -> Path:
     """The checkpoint a directory holds, as ``save_pretrained`` writes one: its index or its file.
 

@@ -540,6 +540,22 @@ NON_PERSISTENT_LOST = (
 )
 
 
+def _refuse_other_models_optimizer(found: list[Entry], optimizers: list[Any]) -> None:
+    """An optimizer none of whose parameters belongs to the model checked is another model's
+    (``move`` refuses to move it): wherever its tensors are, it is not this model's."""
+    for index, opt in enumerate(optimizers):
+        label = "optimizer" if len(optimizers) == 1 else f"optimizer[{index}]"
+        count = sum(len(group["params"]) for group in opt.param_groups)
+        prefix = f"{label}.param_groups["
+        foreign = [e for e in found if e.foreign and e.name.startswith(prefix)]
+        if count and len(foreign) == count:
+            raise TorchplaceError(
+                f"{label} ({type(opt).__name__}) holds none of the model's parameters (its "
+                f"{count} belong to another model), so it cannot be checked with this model; "
+                "pass the optimizer built on this model's parameters"
+            )
+
+
 def verify(obj: Any, device: DeviceSpec, /, *, optimizer: Any = None) -> None:
     """Raise ``PlacementError`` unless every tensor of ``obj`` (and ``optimizer``) is on ``device``.
 
@@ -553,7 +569,9 @@ def verify(obj: Any, device: DeviceSpec, /, *, optimizer: Any = None) -> None:
     """
     refuse_unwalkable(obj, "verify")
     target = normalize(device)
-    bad = misplaced(obj, target, optimizer)
+    found = entries(obj, optimizer=optimizer)
+    _refuse_other_models_optimizer(found, optimizer_list(optimizer))
+    bad = [e for e in found if not _expected(e, target)]
     if not bad:
         return
     lines = []

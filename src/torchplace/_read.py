@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import pickle
-import stat
 import struct
 import sys
 import warnings
@@ -30,6 +29,7 @@ from ._formats import (
     gather_index,
     has_data_pkl,
     has_legacy_magic,
+    is_dir,
     model_file,
     out_of_memory,
     record_start,
@@ -75,7 +75,7 @@ def load(
     """
     target = _device(device)
     p = as_path(path)
-    if _is_dir(p):
+    if is_dir(p):
         p = model_file(p)
     kind = detect_format(p)
     if kind == "index":
@@ -133,13 +133,6 @@ def _load_torch(
                 "reads torch.save files, .safetensors files and *.index.json shard maps"
             ) from exc
         raise CheckpointError(f"{p}: {diagnose(exc, zip_format, target)}") from exc
-
-
-def _is_dir(p: Path) -> bool:
-    try:
-        return stat.S_ISDIR(p.stat().st_mode)
-    except (OSError, ValueError):  # detect_format says what is wrong with the path
-        return False
 
 
 _UNUSUAL = object()  # what _read_zip returns for a file it leaves to torch.load
@@ -231,9 +224,13 @@ def _load_safetensors(p: Path, target: torch.device, *, mmap: bool) -> dict[str,
         import safetensors
         import safetensors.torch
     except ImportError as exc:
+        how = (
+            "mapping it (mmap=True) needs the safetensors package; read it without mmap=True, or"
+            if mmap
+            else "reading it on a big-endian machine needs the safetensors package;"
+        )
         raise CheckpointError(
-            f"{p}: is a safetensors file, and reading it needs the safetensors package; "
-            f"install it with {SAFETENSORS_HINT}"
+            f"{p}: is a safetensors file, and {how} install it with {SAFETENSORS_HINT}"
         ) from exc
     try:
         if not mmap:

@@ -113,6 +113,13 @@ def skeleton(factory: Callable[..., ModuleT], /, *args: Any, **kwargs: Any) -> M
     Parameters created before the call (a module passed to the factory) are left as they are.
     Lazy modules stay lazy until ``load_into`` gives them the file's shapes.
     """
+    if isinstance(factory, nn.Module):  # calling it would run its forward
+        cls = type(factory).__name__
+        raise TorchplaceError(
+            f"skeleton() builds a model, so it takes what builds one (a class or a function) "
+            f"and its arguments, not a {cls} already built: skeleton({cls}, ...); a built "
+            f"model takes its weights directly, load_into(model, checkpoint)"
+        )
     mode = _SkeletonMode()
     with mode:
         model = factory(*args, **kwargs)
