@@ -284,14 +284,10 @@ def tensor_mover(target: torch.device, copier: Copier) -> Callable[[torch.Tensor
         def to_meta(t: torch.Tensor) -> torch.Tensor:
             if t.is_meta:  # a batch already there costs next to nothing
                 return t
-            key = id(t)
-            done = copies.get(key)
-            if done is None:
-                try:
-                    done = copies[key] = direct(t, target)
-                except Exception as exc:
-                    raise CopyFailed(t, target, exc) from exc
-            return done
+            try:  # a tensor met twice comes back as its first copy (no bytes: copying is free)
+                return copies.setdefault(id(t), direct(t, target))
+            except Exception as exc:
+                raise CopyFailed(t, target, exc) from exc
 
         return to_meta
     if target.type == "cuda":
