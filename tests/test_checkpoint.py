@@ -1650,3 +1650,10 @@ def test_skeleton_of_a_built_model_says_to_pass_its_class() -> None:
         TorchplaceError, match=r"not a Linear already built: skeleton\(Linear, \.\.\.\)"
     ):
         skeleton(nn.Linear(2, 2))  # type: ignore[arg-type]
+
+
+def test_a_long_key_list_points_to_the_error_that_holds_it_whole() -> None:
+    model = nn.Sequential(*[nn.Linear(1, 1) for _ in range(8)])
+    with pytest.raises(CheckpointError, match=r"and 6 more.*CheckpointError\.missing") as info:
+        load_into(model, {f"x{i}": torch.ones(1) for i in range(3)})
+    assert len(info.value.missing) == 16

@@ -680,6 +680,17 @@ def _does_not_fit(
         keys.append(f"unexpected keys: {_listing(unexpected)}")
     hint = _prefix_hint(missing, unexpected) if strict else ""
     fix = "; pass strict=False to load what matches" if matched and not problems else ""
+    cut = [
+        name
+        for name, items in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("mismatched", mismatched),
+        )
+        if items and len(items) > 10
+    ]
+    if cut:  # the lists above stop at ten names; the error holds them whole
+        fix += f" (every key: CheckpointError.{', .'.join(cut)})"
     return CheckpointError(
         f"{p}: does not fit {type(model).__name__}: {'; '.join(keys + problems)}{hint}{fix}",
         path=p if isinstance(p, Path) else None,
