@@ -141,3 +141,23 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     from torchplace._tree import iter_leaves
 
     return [leaf for _, leaf in iter_leaves(tree) if isinstance(leaf, torch.Tensor)]
+
+
+class _Refuses:
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError("refused")
+
+
+def test_paths_name_namedtuple_fields_and_none_keys() -> None:
+    """An error or a straggler is named as the user's code names it: batch['pair'].boxes, and
+    a dict key of None is a key like any other."""
+    Pair = namedtuple("Pair", "boxes labels")
+    batch = {"pair": Pair(torch.ones(1), 3), None: [_Refuses()]}
+    stragglers = torchplace.stragglers({"pair": batch["pair"]}, "meta")
+    assert [s.name for s in stragglers] == ["batch['pair'].boxes"]
+    with pytest.raises(torchplace.MoveError, match=r"batch\[None\]\[0\]") as info:
+        torchplace.move(batch, "meta")
+    assert info.value.name == "batch[None][0]"
+    with pytest.raises(torchplace.MoveError) as info:
+        torchplace.move({"pair": Pair(1, _Refuses())}, "meta")
+    assert info.value.name == "batch['pair'].labels"

@@ -105,6 +105,9 @@ def _classify(cls: type) -> int:
     return kind
 
 
+_NO_KEY = object()  # no key is being walked (a dict key may be None)
+
+
 class Located(Exception):
     """Carries an exception raised at some leaf up to the entry point, gathering its path."""
 
@@ -236,7 +239,7 @@ def map_tensors(
         if depth > MAX_DEPTH:
             raise _TooDeep
         depth += 1
-        key: Any = None
+        key: Any = _NO_KEY  # the key being walked, for the path of an error below it
         is_attr = False
         try:
             if kind in _ITEMS:  # one loop for mappings and sequences, by key or index
@@ -261,7 +264,7 @@ def map_tensors(
                         changed[key] = new
                 if changed is None:
                     return node
-                key = None
+                key = _NO_KEY
                 if kind == _DICT:
                     result: Any = dict(node)  # a copy and an update, both in C: keys keep order
                     result.update(changed)
@@ -286,7 +289,7 @@ def map_tensors(
                         updates[key] = new
                 if not updates:
                     return node
-                key = None
+                key = _NO_KEY
                 result = copy.copy(node)
                 for name, value in updates.items():
                     object.__setattr__(result, name, value)  # frozen dataclasses too
@@ -298,8 +301,11 @@ def map_tensors(
                 if result is node:
                     return node
         except Located as located:
-            if key is not None:
-                located.keys.append((is_attr, key))
+            if key is not _NO_KEY:  # None is a key like any other
+                if kind == _NAMEDTUPLE:  # named by its field: batch.pair.boxes, not [0]
+                    located.keys.append((True, node._fields[key]))
+                else:
+                    located.keys.append((is_attr, key))
             raise
         except _TooDeep:
             raise
@@ -402,6 +408,9 @@ def _children(node: Any) -> Iterator[tuple[bool, Any, Any]]:
     if isinstance(node, Mapping):
         for key, value in node.items():
             yield False, key, value
+    elif _classify(type(node)) == _NAMEDTUPLE:  # named by its fields, as its code names them
+        for name, value in zip(node._fields, node, strict=True):
+            yield True, name, value
     elif isinstance(node, Sequence):  # only containers reach here: never str or bytes
         for index, value in enumerate(node):
             yield False, index, value
