@@ -126,3 +126,10 @@ def test_a_view_whose_storage_was_given_back_holds_no_bytes() -> None:
     with torch.no_grad():
         model.weight.untyped_storage().resize_(0)
     assert torchplace.report(model).to_dict()["totals"]["bytes"] == held
+
+
+def test_a_batch_report_names_its_rows_as_tensors_and_a_model_report_as_modules() -> None:
+    batch_table = str(torchplace.report({"x": torch.ones(3)}))
+    model_table = str(torchplace.report(torch.nn.Linear(2, 2)))
+    assert "┃ tensor " in batch_table and "┃ module " not in batch_table
+    assert "┃ module " in model_table

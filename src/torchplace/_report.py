@@ -49,6 +49,7 @@ class Report:
     title: str
     rows: tuple[ReportRow, ...]
     detail: bool = False
+    by_tensor: bool = False  # each row names one tensor (detail, or a batch holding no module)
 
     def _totals(self, key: str) -> dict[str, dict[str, int]]:
         totals: dict[str, dict[str, int]] = {}
@@ -90,7 +91,7 @@ class Report:
         # Paths are the user's names (any string can be a dict key or module name): plain text.
         table = Table(title=Text(self.title), title_justify="left")
         for column, justify in (
-            ("tensor" if self.detail else "module", "left"),
+            ("tensor" if self.detail or self.by_tensor else "module", "left"),
             ("kind", "left"),
             ("device", "left"),
             ("dtype", "left"),
@@ -181,4 +182,5 @@ def report(obj: Any, /, *, optimizer: Any = None, detail: bool = False) -> Repor
             slot[1] += numel(t)
             slot[2] += nbytes(t)
         rows = [ReportRow(*key, *values) for key, values in groups.items()]
-    return Report(f"Where the tensors of {describe(obj)} live", tuple(rows), detail)
+    by_tensor = detail or all(e.module is None for e in found)
+    return Report(f"Where the tensors of {describe(obj)} live", tuple(rows), detail, by_tensor)
