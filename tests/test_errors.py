@@ -117,7 +117,8 @@ def test_bare_root_error_sites_are_the_ones_the_drawing_describes() -> None:
         "_dispatch",  # a non-module
         "_estimate",  # a non-module, a lazy module
         "_guard",  # a non-module
-        "_inspect",  # optimizer= of the wrong kind
+        "_inspect",  # verify() with another model's optimizer
+        "_optim_state",  # optimizer= of the wrong kind
         "_loader",  # DeviceLoader's arguments, a one-shot source read twice
         "_move",  # attributes=, non_blocking=
         "_plan",  # a non-module, a model that does not fit

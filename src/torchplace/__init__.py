@@ -21,6 +21,7 @@ from ._errors import (
     MoveError,
     NoTensorsError,
     PlacementError,
+    Straggler,
     TorchplaceError,
 )
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; nothing more is importe
     from ._dispatch import dispatch
     from ._estimate import Estimate, estimate
     from ._guard import Guard, guard
-    from ._inspect import Straggler, devices_of, stragglers, verify, where
+    from ._inspect import devices_of, stragglers, verify, where
     from ._loader import DeviceLoader
     from ._move import move
     from ._plan import plan
@@ -80,7 +81,6 @@ _HOMES = {
     "guard": "_guard",
     "Report": "_report",
     "report": "_report",
-    "Straggler": "_inspect",
     "devices_of": "_inspect",
     "stragglers": "_inspect",
     "verify": "_inspect",

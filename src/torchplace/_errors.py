@@ -49,13 +49,14 @@ everywhere and an error raised without the data simply carries none.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._inspect import Straggler
+    import torch
 
 __all__ = [
     "CheckpointError",
@@ -66,6 +67,7 @@ __all__ = [
     "MoveError",
     "NoTensorsError",
     "PlacementError",
+    "Straggler",
     "TorchplaceError",
 ]
 
@@ -94,6 +96,22 @@ class TorchplaceError(RuntimeError):
         if not data:
             return super().__reduce__()
         return (_rebuild, (type(self), self.args, data), self.__dict__ or None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Straggler:
+    """A tensor that is not on the expected device.
+
+    >>> import torch
+    >>> from torchplace import Straggler
+    >>> Straggler("encoder.weight", "parameter", torch.device("cpu"), 64).kind
+    'parameter'
+    """
+
+    name: str
+    kind: str
+    device: torch.device
+    nbytes: int
 
 
 def _rebuild(cls: type[TorchplaceError], args: tuple[Any, ...], data: dict[str, Any]) -> Any:

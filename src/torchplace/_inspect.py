@@ -22,10 +22,13 @@ from ._errors import (
     MixedDevicesError,
     NoTensorsError,
     PlacementError,
+    Straggler,
     TorchplaceError,
 )
 from ._identity import current, replaced_outside
-from ._optim_state import rule_for
+from ._model_walk import user_attributes
+from ._move import NON_PERSISTENT_LOST, REBUILD
+from ._optim_state import optimizer_list, rule_for
 from ._own_moves import moves_itself
 from ._sizes import format_bytes  # its home; imported from here by several modules
 from ._tensor_size import nbytes
@@ -33,62 +36,15 @@ from ._tree import cached_properties, iter_leaves, opaque_tensors, refuse_unwalk
 
 __all__ = [
     "Entry",
-    "Straggler",
     "devices_of",
     "entries",
     "format_bytes",
-    "optimizer_list",
     "stragglers",
     "verify",
     "where",
 ]
 
 Kind = Literal["parameter", "buffer", "grad", "attribute", "optimizer_state", "tensor"]
-
-# Attributes every nn.Module has; anything else in a module's __dict__ is the user's own.
-MODULE_INTERNALS = frozenset(vars(nn.Module()))
-
-
-def derived_attributes(module: nn.Module) -> frozenset[str]:
-    """Tensor attributes that the module's own forward pre-hooks recompute on every call.
-
-    ``torch.nn.utils.weight_norm`` and ``spectral_norm`` (the old, hook-based ones) keep
-    ``weight`` as a plain attribute rebuilt from registered parameters before each forward, so
-    it is neither a straggler nor something to register.
-    """
-    names = [
-        getattr(hook, "name", None)
-        for hook in module._forward_pre_hooks.values()
-        if type(hook).__name__ in ("WeightNorm", "SpectralNorm")
-    ]
-    return frozenset(name for name in names if isinstance(name, str))
-
-
-_PLAIN = (int, float, str, bool, type(None), torch.device, torch.dtype)
-
-
-def user_attributes(module: nn.Module) -> list[tuple[str, Any]]:
-    """A module's own plain attributes that may hold tensors, in the order they were set.
-
-    Everything ``nn.Module.__init__`` sets, plain values (numbers, strings, devices, dtypes)
-    and attributes the module's hooks recompute (``derived_attributes``) are left out. Most of a
-    module's ``__dict__`` is PyTorch's own machinery, so that is taken away in one set
-    difference before anything is looked at one by one (``move`` asks this of every module).
-    """
-    attrs = vars(module)
-    keys = attrs.keys() - MODULE_INTERNALS
-    if not keys:
-        return []
-    derived = derived_attributes(module) if module._forward_pre_hooks else frozenset()
-    found = [
-        (key, attrs[key])
-        for key in keys
-        if key not in derived and not isinstance(attrs[key], _PLAIN)
-    ]
-    if len(found) > 1:  # a set has no order: put them back in the module's
-        order = {key: index for index, key in enumerate(attrs)}
-        found.sort(key=lambda item: order[item[0]])
-    return found
 
 
 @dataclass(frozen=True)
@@ -119,38 +75,6 @@ class Entry:
     foreign: bool = False
     # Kept in the attributes of an object of this class, which move does not walk.
     opaque: str | None = None
-
-
-@dataclass(frozen=True)
-class Straggler:
-    """A tensor that is not on the expected device.
-
-    >>> import torch
-    >>> from torchplace import Straggler
-    >>> Straggler("encoder.weight", "parameter", torch.device("cpu"), 64).kind
-    'parameter'
-    """
-
-    name: str
-    kind: str
-    device: torch.device
-    nbytes: int
-
-
-def optimizer_list(optimizer: Any) -> list[torch.optim.Optimizer]:
-    """``optimizer=`` as a list: None, one optimizer, or a list/tuple of them."""
-    if optimizer is None:
-        return []
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return [optimizer]
-    if isinstance(optimizer, (list, tuple)) and all(
-        isinstance(o, torch.optim.Optimizer) for o in optimizer
-    ):
-        return list(optimizer)
-    raise TorchplaceError(
-        f"optimizer= takes a torch.optim.Optimizer or a list of them, not "
-        f"{type(optimizer).__name__}; pass optimizer=opt or optimizer=[opt1, opt2]"
-    )
 
 
 def module_entries(module: nn.Module, prefix: str = "") -> Iterator[Entry]:
@@ -526,18 +450,6 @@ def _lost_on_meta(entry: Entry, dev: str) -> str:
     if kind == "attribute":
         return f"a plain attribute on meta has no values; assign it again on {dev}"
     return f"a tensor on meta has no values; build it again on {dev}"
-
-
-# Said wherever a non-persistent buffer on meta is met on the way back to a real device.
-REBUILD = (
-    "build the model again with torchplace.skeleton(YourModel, ...), which keeps such buffers "
-    "real, then torchplace.load_into(model, checkpoint, {dev})"
-)
-NON_PERSISTENT_LOST = (
-    "a non-persistent buffer (not in the state dict) on meta: its values were lost when it "
-    "moved there and no checkpoint holds them, so neither load_into nor to_empty brings them "
-    "back; " + REBUILD
-)
 
 
 def _refuse_other_models_optimizer(found: list[Entry], optimizers: list[Any]) -> None:

@@ -10,13 +10,23 @@ dotted paths (``encoder.0.weight``); ``display`` is how messages show them.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 from torch import nn
 
 from ._errors import TorchplaceError
 
-__all__ = ["ModelTree", "Slot", "Slots", "display", "join", "tensor_slots", "walk_model"]
+__all__ = [
+    "ModelTree",
+    "Slot",
+    "Slots",
+    "display",
+    "join",
+    "tensor_slots",
+    "user_attributes",
+    "walk_model",
+]
 
 
 def join(prefix: str, name: str) -> str:
@@ -197,3 +207,49 @@ def tensor_slots(model: nn.Module, *, every_name: bool = True) -> Slots:
             transient.append(slot)
     loadable.sort(key=lambda slot: order[id(slot.tensor)])
     return Slots(list(modules.values()), loadable, transient, extra)
+
+
+# Attributes every nn.Module has; anything else in a module's __dict__ is the user's own.
+MODULE_INTERNALS = frozenset(vars(nn.Module()))
+
+
+def derived_attributes(module: nn.Module) -> frozenset[str]:
+    """Tensor attributes that the module's own forward pre-hooks recompute on every call.
+
+    ``torch.nn.utils.weight_norm`` and ``spectral_norm`` (the old, hook-based ones) keep
+    ``weight`` as a plain attribute rebuilt from registered parameters before each forward, so
+    it is neither a straggler nor something to register.
+    """
+    names = [
+        getattr(hook, "name", None)
+        for hook in module._forward_pre_hooks.values()
+        if type(hook).__name__ in ("WeightNorm", "SpectralNorm")
+    ]
+    return frozenset(name for name in names if isinstance(name, str))
+
+
+_PLAIN = (int, float, str, bool, type(None), torch.device, torch.dtype)
+
+
+def user_attributes(module: nn.Module) -> list[tuple[str, Any]]:
+    """A module's own plain attributes that may hold tensors, in the order they were set.
+
+    Everything ``nn.Module.__init__`` sets, plain values (numbers, strings, devices, dtypes)
+    and attributes the module's hooks recompute (``derived_attributes``) are left out. Most of a
+    module's ``__dict__`` is PyTorch's own machinery, so that is taken away in one set
+    difference before anything is looked at one by one (``move`` asks this of every module).
+    """
+    attrs = vars(module)
+    keys = attrs.keys() - MODULE_INTERNALS
+    if not keys:
+        return []
+    derived = derived_attributes(module) if module._forward_pre_hooks else frozenset()
+    found = [
+        (key, attrs[key])
+        for key in keys
+        if key not in derived and not isinstance(attrs[key], _PLAIN)
+    ]
+    if len(found) > 1:  # a set has no order: put them back in the module's
+        order = {key: index for index, key in enumerate(attrs)}
+        found.sort(key=lambda item: order[item[0]])
+    return found

@@ -45,9 +45,8 @@ from ._identity import (
     swappable,
     swaps,
 )
-from ._inspect import NON_PERSISTENT_LOST, optimizer_list, user_attributes
-from ._model_walk import tensor_slots
-from ._optim_state import rule_for
+from ._model_walk import tensor_slots, user_attributes
+from ._optim_state import optimizer_list, rule_for
 from ._own_moves import (
     conversion_flags,
     covered_modules,
@@ -64,7 +63,18 @@ from ._tree import (
     refuse_unwalkable,
 )
 
-__all__ = ["move"]
+__all__ = ["NON_PERSISTENT_LOST", "REBUILD", "move"]
+
+# Said wherever a non-persistent buffer on meta is met on the way back to a real device.
+REBUILD = (
+    "build the model again with torchplace.skeleton(YourModel, ...), which keeps such buffers "
+    "real, then torchplace.load_into(model, checkpoint, {dev})"
+)
+NON_PERSISTENT_LOST = (
+    "a non-persistent buffer (not in the state dict) on meta: its values were lost when it "
+    "moved there and no checkpoint holds them, so neither load_into nor to_empty brings them "
+    "back; " + REBUILD
+)
 
 T = TypeVar("T")
 Attributes = Literal["warn", "move", "ignore"]

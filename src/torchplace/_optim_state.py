@@ -12,7 +12,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["StateRule", "device_hosted", "rule_for"]
+from ._errors import TorchplaceError
+
+__all__ = ["StateRule", "device_hosted", "optimizer_list", "rule_for"]
 
 
 class StateRule(NamedTuple):
@@ -70,3 +72,19 @@ def rule_for(optimizer: torch.optim.Optimizer, group: dict[str, Any], key: Any) 
     if key == "mu_product":
         return _HOST_OR_PARAMETER
     return _WITH_PARAMETER
+
+
+def optimizer_list(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """``optimizer=`` as a list: None, one optimizer, or a list/tuple of them."""
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    if isinstance(optimizer, (list, tuple)) and all(
+        isinstance(o, torch.optim.Optimizer) for o in optimizer
+    ):
+        return list(optimizer)
+    raise TorchplaceError(
+        f"optimizer= takes a torch.optim.Optimizer or a list of them, not "
+        f"{type(optimizer).__name__}; pass optimizer=opt or optimizer=[opt1, opt2]"
+    )
