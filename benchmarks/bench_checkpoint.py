@@ -76,7 +76,7 @@ def child(way: str, path: str, blocks: int) -> None:
     if way == "accelerate":
         from accelerate import init_empty_weights, load_checkpoint_and_dispatch
     elif way == "torchplace":
-        from torchplace._checkpoint import load_into, skeleton
+        from torchplace.checkpoint._checkpoint import load_into, skeleton
     ids = torch.tensor([[1, 2, 3, 4]])
     start = time.perf_counter()
     with torch.no_grad():

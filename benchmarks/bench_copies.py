@@ -30,8 +30,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from torchplace._bench import _no_sync, _time
-from torchplace._consolidate import MAX_TENSOR_BYTES, MIN_COUNT, _consolidate, consolidated_copy
+from torchplace.cli._bench import _no_sync, _time
+from torchplace.moving._consolidate import (
+    MAX_TENSOR_BYTES,
+    MIN_COUNT,
+    _consolidate,
+    consolidated_copy,
+)
 
 TARGET_RATIO = 4.0
 SIZES = (256, 1024, 4096)  # float32 elements per small tensor, in turn: 1, 4 and 16 KiB

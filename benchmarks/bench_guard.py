@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from torchplace._guard import guard
+from torchplace.looking._guard import guard
 
 
 def mlp(blocks: int, width: int) -> nn.Sequential:

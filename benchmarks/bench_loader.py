@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from torchplace._loader import DeviceLoader
+from torchplace.moving._loader import DeviceLoader
 
 TARGET_HIDDEN = 0.90
 

@@ -6,7 +6,8 @@ bandwidth of a single pinned host-to-device copy of the same number of bytes. Si
 
     python benchmarks/bench_move.py [--layers 24] [--width 2048] [--sweep]
 
-``--sweep`` times chunk sizes and ring lengths of the staged copies (``torchplace._staging``).
+``--sweep`` times chunk sizes and ring lengths of the staged copies
+(``torchplace.moving._staging``).
 ``--parts`` looks for where a move's time goes: the move beside its pieces timed alone on the
 same tensors (the staging ring; the host-side packing into pinned memory without any transfer;
 device allocations), beside the other way to copy pageable memory at full speed (pinning the
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 
 import torchplace
-from torchplace import _staging
+from torchplace.moving import _staging
 
 
 def build(layers: int, width: int) -> tuple[nn.Module, torch.optim.Optimizer, int]:

@@ -77,7 +77,7 @@ def worker(way: str, folder: Path, layers: int, width: int, rounds: int) -> None
     from torch.distributed.tensor import DTensor
 
     import torchplace
-    import torchplace._sharded  # imports are not timed: load_into imports it on first use
+    import torchplace.checkpoint._sharded  # not timed: load_into imports it on first use
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

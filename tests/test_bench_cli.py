@@ -7,9 +7,8 @@ import json
 import pytest
 import torch
 
-from torchplace import _bench
-from torchplace._bench import measure
-from torchplace.cli import main
+from torchplace.cli import _bench, main
+from torchplace.cli._bench import measure
 
 QUICK = ["--size", "1", "--tensors", "12", "--repeat", "1"]
 
@@ -75,7 +74,7 @@ def test_auto_and_a_number_without_an_accelerator(capsys: pytest.CaptureFixture[
 
 
 def test_only_the_large_copies_set_the_best() -> None:
-    from torchplace._bench import _rates
+    from torchplace.cli._bench import _rates
 
     rows = _rates(
         [

@@ -18,8 +18,8 @@ import pytest
 import torch
 from torch import nn
 
-from torchplace._checkpoint import load, load_into, skeleton
 from torchplace._errors import CheckpointError, TorchplaceError
+from torchplace.checkpoint._checkpoint import load, load_into, skeleton
 
 
 def safetensors_torch() -> Any:
@@ -401,10 +401,10 @@ def test_failures_that_are_not_the_files_fault_say_so(
     def failing(*args: object, **kwargs: object) -> object:
         raise error
 
-    import torchplace._read
+    import torchplace.checkpoint._read
 
     monkeypatch.setattr(torch, "load", failing)  # what reads legacy and unusual files
-    monkeypatch.setattr(torchplace._read, "read_into", failing)  # what reads the rest
+    monkeypatch.setattr(torchplace.checkpoint._read, "read_into", failing)  # what reads the rest
     safetensors_torch().save_file({"w": torch.ones(2)}, tmp_path / "good.safetensors")
     for p in (path, tmp_path / "good.safetensors"):
         with pytest.raises(CheckpointError, match=message) as info:
@@ -998,14 +998,14 @@ def test_shard_indexes_that_name_an_index_are_refused(tmp_path: Path) -> None:
     index.write_text(json.dumps({"weight_map": {"w": "model.index.json"}}))
     with pytest.raises(CheckpointError, match="itself a shard index"):
         load(index)
-    from torchplace._pickle_reader import describe_file as describe
+    from torchplace.checkpoint._pickle_reader import describe_file as describe
 
     with pytest.raises(CheckpointError, match="itself a shard index"):
         describe(index)
 
 
 def test_inspect_walks_shared_objects_once(tmp_path: Path) -> None:
-    from torchplace._pickle_reader import describe_file as describe
+    from torchplace.checkpoint._pickle_reader import describe_file as describe
 
     shared: list[object] = [torch.ones(1)]
     for _ in range(60):
@@ -1402,7 +1402,7 @@ def test_an_empty_file_under_strict_false_says_it_holds_nothing(tmp_path: Path) 
 def test_a_swap_that_fails_midway_puts_back_the_ones_done(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import torchplace._fill as checkpoint
+    import torchplace.checkpoint._fill as checkpoint
 
     path = save(nn.Linear(2, 2).state_dict(), tmp_path / "lin.pt")
     model = skeleton(nn.Linear, 2, 2)
@@ -1545,7 +1545,7 @@ def test_tied_weights_saved_twice_with_equal_values_load(tmp_path: Path) -> None
 def test_a_shard_spelt_two_ways_is_read_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from torchplace import _read as _checkpoint
+    from torchplace.checkpoint import _read as _checkpoint
 
     safetensors_torch().save_file(
         {"a": torch.ones(2), "b": torch.arange(3.0)}, tmp_path / "s1.safetensors"

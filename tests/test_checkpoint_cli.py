@@ -18,10 +18,10 @@ import pytest
 import torch
 
 from helpers import check_golden
-from torchplace import _checkpoint_cli, _pickle_reader, _safetensors
-from torchplace._checkpoint import load
-from torchplace._checkpoint_cli import describe_file, remap
 from torchplace._errors import CheckpointError, DeviceSpecError
+from torchplace.checkpoint import _checkpoint_cli, _pickle_reader, _safetensors
+from torchplace.checkpoint._checkpoint import load
+from torchplace.checkpoint._checkpoint_cli import describe_file, remap
 from torchplace.cli import main
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -798,7 +798,7 @@ def test_inspect_and_remap_refuse_a_safetensors_layout_load_refuses(
 
 
 # `load` and `safetensors_header` refuse every layout that inspect and remap refuse: all read
-# the header through torchplace._safetensors.
+# the header through torchplace.checkpoint._safetensors.
 @pytest.mark.parametrize("case", list(_BAD_LAYOUTS))
 def test_load_refuses_the_layouts_inspect_refuses(tmp_path: Path, case: str) -> None:
     header, data_len, culprit = _BAD_LAYOUTS[case]
@@ -806,7 +806,7 @@ def test_load_refuses_the_layouts_inspect_refuses(tmp_path: Path, case: str) -> 
     _write_safetensors(path, header, data_len)
     with pytest.raises(CheckpointError, match=r"bad\.safetensors"):
         load(path)
-    from torchplace._checkpoint import safetensors_header
+    from torchplace.checkpoint._checkpoint import safetensors_header
 
     with pytest.raises(CheckpointError, match=culprit):
         safetensors_header(path)
@@ -850,7 +850,7 @@ def test_safetensors_read_without_torch_matches_load_on_damaged_files(tmp_path: 
 
 
 def test_safetensors_dtypes_without_torch_are_loads() -> None:
-    from torchplace import _checkpoint, _safetensors
+    from torchplace.checkpoint import _checkpoint, _safetensors
 
     loads = {
         name: (str(dtype).removeprefix("torch."), dtype.itemsize)
@@ -860,7 +860,7 @@ def test_safetensors_dtypes_without_torch_are_loads() -> None:
 
 
 def test_safetensors_sniffed_without_torch_as_detect_format_says(tmp_path: Path) -> None:
-    from torchplace._checkpoint import detect_format
+    from torchplace.checkpoint._checkpoint import detect_format
 
     safetensors_torch.save_file({"a": torch.ones(2)}, tmp_path / "a.safetensors")
     whole = (tmp_path / "a.safetensors").read_bytes()
@@ -962,7 +962,7 @@ def test_remap_sweeps_the_temporary_files_of_a_killed_run(tmp_path: Path) -> Non
     out = tmp_path / "b.pt"
     killed_mid_write = (
         "import contextlib, os, signal, sys\n"
-        "from torchplace import _checkpoint_cli\n"
+        "from torchplace.checkpoint import _checkpoint_cli\n"
         "@contextlib.contextmanager\n"
         "def progress(total, label, enabled):\n"
         "    yield lambda n: os.kill(os.getpid(), signal.SIGKILL)\n"

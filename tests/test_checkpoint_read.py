@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 import torchplace
-from torchplace._checkpoint import load, load_into, safetensors_header, skeleton
 from torchplace._errors import CheckpointError, TorchplaceError
+from torchplace.checkpoint._checkpoint import load, load_into, safetensors_header, skeleton
 
 SRC = str(Path(torchplace.__file__).resolve().parents[1])
 
@@ -57,7 +57,9 @@ _RESUME = textwrap.dedent(
     """
     import sys, torch
     from torch import nn
-    from torchplace import load, load_into, skeleton
+    from torchplace import load
+    from torchplace import load_into
+    from torchplace import skeleton
 
     def save(sd, path):
         sd = {k: v.detach().contiguous() for k, v in sd.items()}
@@ -178,7 +180,7 @@ def test_read_values_are_bit_for_bit(tmp_path: Path, dtype: torch.dtype) -> None
 def test_large_tensors_read_in_chunks_by_threads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import torchplace._readinto as readinto
+    import torchplace.checkpoint._readinto as readinto
 
     monkeypatch.setattr(readinto, "READ_CHUNK_BYTES", 4096)
     monkeypatch.setattr(readinto, "READ_THREADS", 3)
@@ -472,7 +474,7 @@ def test_safetensors_header_accepts_empty_tensors_between_others(tmp_path: Path)
 def test_reads_onto_cuda_go_through_pinned_staging(
     tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import torchplace._readinto as readinto
+    import torchplace.checkpoint._readinto as readinto
 
     staged: list[int] = []
     real = readinto._read_cuda
@@ -623,7 +625,7 @@ def test_ctrl_c_at_any_point_of_load_into_leaves_the_skeleton_as_it_was(tmp_path
 
 
 def test_the_names_others_import_stay_importable_from_checkpoint() -> None:
-    import torchplace._checkpoint as checkpoint
+    import torchplace.checkpoint._checkpoint as checkpoint
 
     names = [
         "load", "load_into", "skeleton", "as_path", "detect_format", "safetensors_header",

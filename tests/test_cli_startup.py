@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import torchplace
-from torchplace import cli
+from torchplace.cli import _main as cli
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 

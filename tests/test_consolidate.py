@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchplace._consolidate import (
+from torchplace.moving._consolidate import (
     MAX_TENSOR_BYTES,
     MIN_COUNT,
     consolidated_copy,

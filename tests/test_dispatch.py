@@ -15,16 +15,16 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import torchplace._dispatch as dispatch_module
-from torchplace._dispatch import dispatch, is_dispatched, undispatch
+import torchplace.spreading._dispatch as dispatch_module
 from torchplace._errors import (
     DeviceMismatchError,
     DeviceSpecError,
     DeviceUnavailableError,
     MoveError,
 )
-from torchplace._estimate import estimate
-from torchplace._plan import plan
+from torchplace.looking._estimate import estimate
+from torchplace.spreading._dispatch import dispatch, is_dispatched, undispatch
+from torchplace.spreading._plan import plan
 from toy_models import CPU, CUDA0, CUDA1, META, Block, Net, TiedLM
 
 
@@ -263,7 +263,7 @@ def test_dispatch_again_replaces_the_hooks() -> None:
 
 
 def test_a_guarded_model_dispatched_again_sees_its_inputs_moved() -> None:
-    from torchplace._guard import guard
+    from torchplace.looking._guard import guard
 
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     device_map = {"0": "cpu", "2": "meta"}
@@ -469,7 +469,7 @@ def test_dispatch_between_cpu_and_cuda() -> None:
 
 
 def test_a_rejected_redispatch_keeps_the_earlier_dispatch_whole() -> None:
-    from torchplace._dispatch import is_dispatched
+    from torchplace.spreading._dispatch import is_dispatched
 
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     dispatch(model, {"0": "cpu", "2": "meta"})

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from helpers import check_golden
-from torchplace import _doctor
-from torchplace.cli import main
+from torchplace.cli import _doctor, main
 
 
 def test_doctor_is_healthy_on_this_machine(capsys: pytest.CaptureFixture[str]) -> None:
@@ -46,7 +45,8 @@ def test_a_failing_check_becomes_a_verdict_line(
 
 def test_a_failing_hop_names_its_device(monkeypatch: pytest.MonkeyPatch) -> None:
     """The hops that worked stay reported, and the problem names the device that broke."""
-    from torchplace import _devices, _move
+    from torchplace import _devices
+    from torchplace.moving import _move
 
     real_move = _move.move
 

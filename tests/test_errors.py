@@ -99,7 +99,7 @@ def test_every_public_error_is_drawn_and_none_other() -> None:
 def _raises(cls: str) -> list[str]:
     """The modules (file stems) that raise ``cls`` by name, every src file read."""
     found = []
-    for path in sorted(SRC.glob("*.py")):
+    for path in sorted(SRC.rglob("*.py")):
         if re.search(rf"raise {cls}\(", path.read_text()):
             found.append(path.stem)
     return found

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from torchplace._errors import DeviceSpecError, TorchplaceError
-from torchplace._estimate import Estimate, estimate
+from torchplace.looking._estimate import Estimate, estimate
 from toy_models import CPU, CUDA0, CUDA1, LINEAR_BYTES, META, Net, TiedLM, on_fake_cuda
 
 # --- estimate --------------------------------------------------------------------------------

@@ -25,9 +25,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.nn.modules import module as torch_module
 from torch.nn.utils.rnn import PackedSequence
 
-import torchplace._guard as guard_module
+import torchplace.looking._guard as guard_module
 from torchplace._errors import DeviceMismatchError, TorchplaceError
-from torchplace._guard import Guard, guard
+from torchplace.looking._guard import Guard, guard
 
 # --- helpers -----------------------------------------------------------------------------------
 
@@ -566,7 +566,7 @@ def test_any_nested_input_is_named_exactly(tree: Any, data: st.DataObject) -> No
     "guard_first", [True, False], ids=["guard-then-dispatch", "dispatch-then-guard"]
 )
 def test_dispatched_model_is_not_flagged_for_inputs_dispatch_moves(guard_first: bool) -> None:
-    dispatch = pytest.importorskip("torchplace._dispatch").dispatch
+    dispatch = pytest.importorskip("torchplace.spreading._dispatch").dispatch
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2), nn.Linear(2, 2))
     device_map = {"0": "cpu", "1": "cpu", "2": "meta", "3": "meta"}
     if guard_first:

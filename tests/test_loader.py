@@ -14,9 +14,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from torchplace._consolidate import MIN_COUNT
 from torchplace._errors import DeviceSpecError, DeviceUnavailableError, MoveError, TorchplaceError
-from torchplace._loader import DeviceLoader
+from torchplace.moving._consolidate import MIN_COUNT
+from torchplace.moving._loader import DeviceLoader
 
 Pair = namedtuple("Pair", ["left", "right"])
 
@@ -451,7 +451,7 @@ def test_stream_protocol(
     """Each batch is copied under the side stream and its event recorded there; the consumer's
     stream waits on that event before the batch is handed over, and every tensor the loader
     allocated is marked as used by the consumer's stream."""
-    from torchplace import _loader
+    from torchplace.moving import _loader
 
     recorded: list[tuple[Any, Any]] = []
     monkeypatch.setattr(_loader, "_record_stream", lambda obj, s: recorded.append((obj, s)))
@@ -489,7 +489,7 @@ class _MovesInPlace:
 def test_objects_moved_in_place_are_marked_for_the_consumer_stream(
     monkeypatch: pytest.MonkeyPatch, consumer: FakeStream
 ) -> None:
-    from torchplace import _loader
+    from torchplace.moving import _loader
 
     recorded: list[Any] = []
     monkeypatch.setattr(_loader, "_record_stream", lambda obj, s: recorded.append(obj))
@@ -543,7 +543,7 @@ def test_two_live_iterators_over_a_generator_are_refused() -> None:
 def test_ctrl_c_while_waiting_for_a_stalled_source_is_handed_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from torchplace import _loader
+    from torchplace.moving import _loader
 
     class Stuck(threading.Thread):
         def join(self, timeout: float | None = None) -> None:
@@ -622,7 +622,7 @@ def test_cuda_reader_never_overtakes_a_slow_copy(monkeypatch: pytest.MonkeyPatch
     """Every copy is held back on the side stream by a long GPU sleep queued before it, while
     the consumer checks each batch with a kernel the moment it gets it. Without the event wait
     the check would read memory the copy has not written yet."""
-    from torchplace import _loader
+    from torchplace.moving import _loader
 
     original = _loader._Copier._one
 
@@ -677,7 +677,7 @@ def test_cuda_consumer_on_another_stream() -> None:
 def test_a_source_still_in_next_when_the_loop_stops_waiting_is_closed_after(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from torchplace import _loader
+    from torchplace.moving import _loader
 
     monkeypatch.setattr(_loader, "_JOIN_SECONDS", 0.05)  # as after a Ctrl-C during the join
     release, inside = threading.Event(), threading.Event()
@@ -702,7 +702,7 @@ def test_a_source_still_in_next_when_the_loop_stops_waiting_is_closed_after(
 def test_a_second_loop_while_the_thread_still_reads_the_generator_is_refused(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from torchplace import _loader
+    from torchplace.moving import _loader
 
     monkeypatch.setattr(_loader, "_JOIN_SECONDS", 0.05)
     release, inside = threading.Event(), threading.Event()

@@ -1,21 +1,25 @@
-"""The package's import graph: no circle among torchplace modules, no private cross-imports.
+"""The package's layout and import graph: each step of a tensor's journey in its own subpackage,
+imports running one way, no circle, no private cross-imports.
 
-Rules, read from the source of every module under ``src/torchplace`` (top-level and
-function-level ``from .x import ...`` / ``from torchplace.x import ...`` lines alike, parsed
-with ``ast``):
+The layout (``src/torchplace``)::
 
-1. The graph "module A imports module B" has no cycle (imports under ``if TYPE_CHECKING:``
-   never run and are left out of it). The package ``__init__`` is left out:
-   it is the lazy front door that names every public function, and no module imports from it
-   but ``__version__`` (which ``from . import __version__`` reads without a circle at run time).
-2. A module imports from another torchplace module only names without a leading underscore:
-   what a module shares, it shares under a public name, in the module named for that idea.
-   ``import x as _x`` style aliases are fine (the name imported is public); dunder names
-   (``__version__``) are fine. Tests may import private names; the package may not.
+    cli/                 the torchplace command: doctor, bench, argument parsing
+    looking/ checkpoint/ spreading/
+                         where tensors are; checkpoints; one model over several devices
+    moving/              moves, the copy engine, parameter identity, optimizer-state rules
+    (package root)       the base: devices, errors, the batch and model walks, sizes
 
-Modules being reworked on other branches when this was written are listed in ``_PENDING`` (and
-one import edge in ``_PENDING_EDGES``) with what is left to do; any other module breaking a
-rule fails here, and an entry no longer needed fails too.
+Rules, read from the source of every module with ``ast`` (top-level and function-level
+``from .x import ...`` / ``from torchplace.x import ...`` lines alike):
+
+1. A module imports only from its own subpackage, from a subpackage on a lower layer, and from
+   the base; the base imports only the base. ``torchplace.distributed`` (public, at the root)
+   and the package ``__init__`` (the lazy front door) sit on top.
+2. The graph "module A imports module B" has no cycle (imports under ``if TYPE_CHECKING:``
+   never run and are left out of it).
+3. A module imports from another torchplace module only names without a leading underscore:
+   what a module shares, it shares under a public name. Dunder names (``__version__``) are
+   fine. Tests may import private names; the package may not.
 """
 
 from __future__ import annotations
@@ -28,16 +32,39 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "torchplace"
 
-# Modules reworked on other branches while this test was written (the checkpoint split, the
-# sharded reader, distributed): their private imports are theirs to turn into public names.
-# Each stays listed only while it still imports a private name (the last test checks).
-_PENDING: dict[str, str] = {}
-# Import edges left out of the cycle check, for the same reason: (importer, imported).
-_PENDING_EDGES: dict[tuple[str, str], str] = {}
+# The layer of each subpackage ("" is the base at the package root); a module may import from
+# its own subpackage and from any subpackage on a lower layer.
+LAYERS = {"": 0, "moving": 1, "looking": 2, "checkpoint": 2, "spreading": 2, "cli": 3}
+TOP = {"__init__", "__main__", "distributed"}  # root modules above every layer
 
 
 def _modules() -> list[str]:
-    return sorted(p.stem for p in PACKAGE.glob("*.py"))
+    """Every module as a dotted name under torchplace (``moving._move``, ``_errors``)."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        found.append(".".join(parts))
+    return found
+
+
+def _package(name: str) -> str:
+    """The subpackage a module belongs to ("" for the root); a subpackage's ``__init__`` is in
+    its own subpackage."""
+    return name.rsplit(".", 1)[0] if "." in name else ""
+
+
+def _layer(name: str) -> int:
+    if name in TOP:
+        return len(LAYERS)
+    return LAYERS[_package(name)]
+
+
+def _resolve(importer: str, level: int, module: str | None) -> str:
+    """The dotted torchplace name a relative import refers to."""
+    base = importer.split(".")[:-1]  # the importer's own package (``__init__`` included)
+    if level > 1:
+        base = base[: len(base) - (level - 1)]
+    return ".".join([*base, *(module.split(".") if module else [])])
 
 
 def _typing_only(tree: ast.AST) -> set[int]:
@@ -49,55 +76,85 @@ def _typing_only(tree: ast.AST) -> set[int]:
     return found
 
 
+def _is_module(dotted: str) -> bool:
+    path = PACKAGE.joinpath(*dotted.split(".")) if dotted else PACKAGE
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def _as_module(dotted: str) -> str:
+    """A dotted name as a module of _modules(): a package is its ``__init__``."""
+    path = PACKAGE.joinpath(*dotted.split(".")) if dotted else PACKAGE
+    if (path / "__init__.py").exists():
+        return f"{dotted}.__init__" if dotted else "__init__"
+    return dotted
+
+
 def _imports(name: str, *, typing: bool = True) -> list[tuple[str, str]]:
-    """(imported torchplace module, imported name) for every from-import in module ``name``;
-    with ``typing=False``, leaving out those under ``if TYPE_CHECKING:``."""
-    tree = ast.parse((PACKAGE / f"{name}.py").read_text(encoding="utf-8"))
+    """(imported torchplace module, imported name) for every import in module ``name``; with
+    ``typing=False``, leaving out those under ``if TYPE_CHECKING:``."""
+    tree = ast.parse(PACKAGE.joinpath(*name.split(".")).with_suffix(".py").read_text("utf-8"))
     skip = set() if typing else _typing_only(tree)
     found: list[tuple[str, str]] = []
     for node in ast.walk(tree):
-        if not isinstance(node, ast.ImportFrom) or id(node) in skip:
+        if id(node) in skip:
             continue
-        if node.level == 1:
-            module = node.module
-        elif node.level == 0 and node.module and node.module.startswith("torchplace"):
-            module = node.module.removeprefix("torchplace").lstrip(".") or None
-        else:
-            continue
-        for alias in node.names:
-            if module is None:  # from . import x: x is a module or a name of __init__
-                if (PACKAGE / f"{alias.name}.py").exists():
-                    found.append((alias.name, "*"))
-                else:
-                    found.append(("__init__", alias.name))
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                target = _resolve(name, node.level, node.module)
+            elif node.module and (node.module + ".").startswith("torchplace."):
+                target = node.module.removeprefix("torchplace").lstrip(".")
             else:
-                found.append((module.split(".")[0], alias.name))
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
+                continue
+            for alias in node.names:
+                sub = f"{target}.{alias.name}" if target else alias.name
+                if _is_module(sub):  # from . import x: x is a module
+                    found.append((_as_module(sub), "*"))
+                else:
+                    found.append((_as_module(target), alias.name))
+        elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith("torchplace."):
-                    found.append((alias.name.split(".")[1], "*"))
+                    found.append((_as_module(alias.name.removeprefix("torchplace.")), "*"))
     return found
 
 
 def test_the_walk_sees_function_level_imports() -> None:
-    assert ("_inspect", "stragglers") in _imports("_doctor")  # imported inside a function
+    # imported inside a function
+    assert ("looking._inspect", "stragglers") in _imports("cli._doctor")
+
+
+def test_every_subpackage_says_what_it_does_and_may_import() -> None:
+    for sub in LAYERS:
+        if sub:
+            doc = importlib.import_module(f"torchplace.{sub}").__doc__ or ""
+            assert "May import" in doc, f"torchplace/{sub}/__init__.py: say what it may import"
 
 
 @pytest.mark.parametrize("name", [m for m in _modules() if m != "__main__"])
 def test_every_module_imports(name: str) -> None:
-    assert importlib.import_module(f"torchplace.{name}" if name != "__init__" else "torchplace")
+    dotted = name.removesuffix("__init__").rstrip(".")
+    assert importlib.import_module(f"torchplace.{dotted}" if dotted else "torchplace")
+
+
+def test_imports_run_down_the_layers() -> None:
+    bad = []
+    for name in _modules():
+        if name in TOP:
+            continue
+        for module, _ in _imports(name, typing=False):
+            if module in TOP:
+                if module == "__init__" and _ != "*":  # __version__ only
+                    continue
+                bad.append(f"{name} imports {module}")
+            elif _package(module) != _package(name) and _layer(module) >= _layer(name):
+                bad.append(f"{name} imports {module}")
+    assert bad == []
 
 
 def test_no_import_cycle_among_torchplace_modules() -> None:
     graph = {
         name: sorted(
-            {
-                module
-                for module, _ in _imports(name, typing=False)
-                if module != "__init__" and (name, module) not in _PENDING_EDGES
-            }
-            - {name}
+            {module for module, _ in _imports(name, typing=False) if module != "__init__"} - {name}
         )
         for name in _modules()
         if name != "__init__"
@@ -127,17 +184,13 @@ def test_no_private_names_imported_across_modules() -> None:
         f"{name} imports {imported} from {module}"
         for name in _modules()
         for module, imported in _imports(name)
-        if imported.startswith("_")
-        and not (imported.startswith("__") and imported.endswith("__"))
-        and name not in _PENDING
+        if imported.startswith("_") and not (imported.startswith("__") and imported.endswith("__"))
     ]
     assert bad == []
 
 
-def test_the_pending_exceptions_are_still_needed() -> None:
-    for name in _PENDING:
-        assert any(i.startswith("_") and not i.startswith("__") for _, i in _imports(name)), (
-            f"{name} imports no private name any more: take it off _PENDING"
-        )
-    for name, module in _PENDING_EDGES:
-        assert module in {m for m, _ in _imports(name)}, f"take {name}->{module} off"
+def test_the_layering_test_can_fail() -> None:
+    """A base module importing from moving would be caught (the rule is not vacuous)."""
+    assert _layer("moving._move") > _layer("_tree")
+    assert _package("looking._inspect") != _package("checkpoint._fill")
+    assert _layer("looking._inspect") == _layer("checkpoint._fill")  # siblings may not mix

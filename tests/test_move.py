@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_sequence
 
 import torchplace
-from torchplace import _identity, _move, _transfer
+from torchplace.moving import _identity, _move, _transfer
 
 META = torch.device("meta")
 _COPY = _transfer.copy_tensor
@@ -660,7 +660,7 @@ def test_cuda_model_to_host_is_not_left_in_pinned_memory() -> None:
 
 
 def test_moving_a_dispatched_model_gathers_it_and_removes_every_hook() -> None:
-    from torchplace._dispatch import is_dispatched
+    from torchplace.spreading._dispatch import is_dispatched
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))

@@ -10,12 +10,12 @@ import pytest
 import torch
 from torch import nn
 
-import torchplace._plan as plan_module
+import torchplace.spreading._plan as plan_module
 from torchplace import _sizes
-from torchplace._dispatch import dispatch
 from torchplace._errors import DeviceSpecError, TorchplaceError
-from torchplace._estimate import estimate
-from torchplace._plan import plan
+from torchplace.looking._estimate import estimate
+from torchplace.spreading._dispatch import dispatch
+from torchplace.spreading._plan import plan
 from toy_models import CPU, CUDA0, CUDA1, LINEAR_BYTES, META, Block, Net, TiedLM, on_fake_cuda
 
 

@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 
 import torchplace
 from helpers import torchrun_two_cpu
-from torchplace import _sharded
 from torchplace._errors import CheckpointError
+from torchplace.checkpoint import _sharded
 
 
 def _boxes(shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:

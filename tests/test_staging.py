@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import torchplace
-from torchplace import _staging, _transfer
-from torchplace._staging import STAGE_MIN_BYTES, Stager, stageable
+from torchplace.moving import _staging, _transfer
+from torchplace.moving._staging import STAGE_MIN_BYTES, Stager, stageable
 
 CUDA = torch.device("cuda", 0)
 META = torch.device("meta")

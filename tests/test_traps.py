@@ -154,7 +154,7 @@ def test_trap_09_device_to_host_copies_are_synchronised(monkeypatch: pytest.Monk
     """A batch leaving a (fake) GPU is copied asynchronously and waited for before move returns."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from torchplace import _transfer
+    from torchplace.moving import _transfer
 
     waited: list[set[torch.device]] = []
     monkeypatch.setattr(
@@ -186,7 +186,7 @@ def test_trap_09_cuda_non_blocking_to_host_is_synchronised() -> None:
 
 
 def test_trap_10_non_blocking_from_pageable_memory_is_not_chosen() -> None:
-    from torchplace._transfer import choose_non_blocking as _choose_non_blocking
+    from torchplace.moving._transfer import choose_non_blocking as _choose_non_blocking
 
     host = torch.ones(2)
     assert not host.is_pinned()

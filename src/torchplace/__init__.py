@@ -27,16 +27,16 @@ from ._errors import (
 
 if TYPE_CHECKING:  # what type checkers and editors see; nothing more is imported at run time
     from . import distributed as distributed
-    from ._checkpoint import load, load_into, skeleton
     from ._devices import available, device
-    from ._dispatch import dispatch
-    from ._estimate import Estimate, estimate
-    from ._guard import Guard, guard
-    from ._inspect import devices_of, stragglers, verify, where
-    from ._loader import DeviceLoader
-    from ._move import move
-    from ._plan import plan
-    from ._report import Report, report
+    from .checkpoint._checkpoint import load, load_into, skeleton
+    from .looking._estimate import Estimate, estimate
+    from .looking._guard import Guard, guard
+    from .looking._inspect import devices_of, stragglers, verify, where
+    from .looking._report import Report, report
+    from .moving._loader import DeviceLoader
+    from .moving._move import move
+    from .spreading._dispatch import dispatch
+    from .spreading._plan import plan
 
 __version__ = "0.1.0.dev0"
 
@@ -74,25 +74,25 @@ __all__ = [
 
 # Where each public name lives. A test checks this table against the TYPE_CHECKING imports.
 _HOMES = {
-    "DeviceLoader": "_loader",
-    "Estimate": "_estimate",
-    "estimate": "_estimate",
-    "Guard": "_guard",
-    "guard": "_guard",
-    "Report": "_report",
-    "report": "_report",
-    "devices_of": "_inspect",
-    "stragglers": "_inspect",
-    "verify": "_inspect",
-    "where": "_inspect",
+    "DeviceLoader": "moving._loader",
+    "Estimate": "looking._estimate",
+    "estimate": "looking._estimate",
+    "Guard": "looking._guard",
+    "guard": "looking._guard",
+    "Report": "looking._report",
+    "report": "looking._report",
+    "devices_of": "looking._inspect",
+    "stragglers": "looking._inspect",
+    "verify": "looking._inspect",
+    "where": "looking._inspect",
     "available": "_devices",
     "device": "_devices",
-    "dispatch": "_dispatch",
-    "load": "_checkpoint",
-    "load_into": "_checkpoint",
-    "skeleton": "_checkpoint",
-    "move": "_move",
-    "plan": "_plan",
+    "dispatch": "spreading._dispatch",
+    "load": "checkpoint._checkpoint",
+    "load_into": "checkpoint._checkpoint",
+    "skeleton": "checkpoint._checkpoint",
+    "move": "moving._move",
+    "plan": "spreading._plan",
 }
 
 

@@ -219,7 +219,7 @@ _SHOWN = 20  # straggler lines an error shows, over all ranks
 def _local_report(obj: Any, device: Any, optimizer: Any) -> tuple[str, list[str]]:
     """("", []) when this rank's objects are in place; else (error class, lines)."""
     from ._devices import normalize
-    from ._inspect import fix_for, misplaced
+    from .looking._inspect import fix_for, misplaced
 
     try:
         target = normalize(device)

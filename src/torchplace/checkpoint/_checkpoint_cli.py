@@ -1,0 +1,625 @@
+"""``torchplace inspect`` and ``torchplace remap``: look at and rewrite checkpoint files.
+
+``inspect`` reads a file's tensor table without running any of its pickled code and without a
+GPU: torch files are read by an unpickler that builds inert records for every global it meets
+(so a malicious file is described, never executed), safetensors files by their JSON header,
+without importing torch (so ``torchplace inspect FILE.safetensors`` starts at once). Whatever
+``load`` refuses, inspect refuses: a legacy file cut short in its storages, a safetensors header
+whose tensors overlap, leave gaps or overflow.
+
+``remap`` rewrites a torch file so that a plain ``torch.load`` puts its tensors on another
+device, or every shard of a shard index. It reads files safely (``weights_only=True``,
+memory-mapped), writes temporary files (``.NAME.torchplace-tmp-PID``) beside the outputs with
+every storage tagged for the new device, and renames them into place only when all are
+complete, so an interrupted run leaves no partial output; the temporary files of a run that was
+killed outright are swept by the next remap into the same directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import pickle
+import shutil
+import sys
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import IO, Any, cast
+
+from .._errors import CheckpointError, DeviceSpecError, TorchplaceError
+from .._sizes import format_bytes
+from ._pickle_reader import (
+    TensorRecord,
+    code_globals,
+    describe_file,
+    format_of,
+    index_shards,
+    pickles_a_model,
+)
+
+__all__ = [
+    "TensorRecord",
+    "code_globals",
+    "describe_file",
+    "register",
+    "remap",
+    "sweep_stale_temporaries",
+]
+
+# Progress is shown for files at least this large (when the output is a terminal).
+PROGRESS_MIN_BYTES = 16 * 1024 * 1024
+
+
+def _stored(r: TensorRecord) -> int:
+    """The bytes ``r`` adds to its file: its storage's, once per storage."""
+    return 0 if r.shares is not None else r.stored
+
+
+def _totals_by(records: list[TensorRecord], key: str) -> dict[str, dict[str, int]]:
+    totals: dict[str, dict[str, int]] = {}
+    for r in records:
+        entry = totals.setdefault(getattr(r, key), {"count": 0, "bytes": 0})
+        entry["count"] += 1
+        entry["bytes"] += _stored(r)
+    return totals
+
+
+def _note(r: TensorRecord) -> str:
+    if r.shares is not None:
+        return f"shares {r.shares}'s storage"
+    if r.stored > r.nbytes:
+        return f"a view of {format_bytes(r.stored)}, all stored"
+    return ""
+
+
+def _printable(text: Any) -> str:
+    """``text`` as stdout can encode it: a lone surrogate (a pickle's string, or a file name
+    that is not UTF-8) is shown escaped instead of failing the print."""
+    return str(text).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _run_inspect(args: argparse.Namespace) -> int:
+    path = Path(args.file)
+    try:
+        kind = format_of(path)
+        records = describe_file(path)
+        code = code_globals(path)
+    except CheckpointError as exc:
+        print(f"torchplace inspect: error: {exc}", file=sys.stderr)
+        return 1
+    summary = {
+        "file": str(args.file),
+        "format": kind,
+        "code_globals": code,
+        "tensors": [{**asdict(r), "shape": list(r.shape)} for r in records],
+        "totals": {
+            "count": len(records),
+            "bytes": sum(_stored(r) for r in records),
+            "by_device": _totals_by(records, "device"),
+            "by_dtype": _totals_by(records, "dtype"),
+        },
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    from rich.console import Console  # rich is imported only to render
+
+    count = f"{len(records)} tensor{'' if len(records) == 1 else 's'}"
+    _render(Console(emoji=False), f"{args.file} ({kind}, {count})", records, code)
+    return 0
+
+
+def _render(console: Any, title: str, records: list[TensorRecord], code: list[str]) -> None:
+    """Print ``inspect``'s tables on a rich ``console``. No cell is ever cut: into a pipe or a
+    file, a table takes the width it needs; on a terminal too narrow for it, each row is printed
+    as plain lines instead (a tensor's name whole on a line of its own, the rest below)."""
+    from rich.markup import escape
+
+    sharded = len({r.file for r in records}) > 1
+    notes = [_note(r) for r in records]
+    headers = ["name", *(["file"] if sharded else []), "saved device", "dtype", "shape", "bytes"]
+    headers += ["note"] if any(notes) else []
+    rows = []
+    for r, note in zip(records, notes, strict=True):
+        shape = "[" + ", ".join(map(str, r.shape)) + "]"
+        cells = [r.name, *([r.file] if sharded else []), r.device, r.dtype, shape]
+        rows.append([*cells, format_bytes(r.nbytes), *([note] if any(notes) else [])])
+    totals = []
+    for key in ("device", "dtype"):
+        for value, entry in _totals_by(records, key).items():
+            totals.append([key, value, str(entry["count"]), format_bytes(entry["bytes"])])
+    total = sum(_stored(r) for r in records)
+    totals.append(["all", "", str(len(records)), format_bytes(total)])
+
+    if code:
+        console.print(
+            f"[bold red]Warning:[/bold red] loading this file would import and call "
+            f"{escape(_printable(', '.join(code)))}; torchplace.load refuses it unless "
+            "trusted=True"
+        )
+    _print_rows(console, title, headers, rows, right=("bytes",))
+    _print_rows(
+        console, "totals", ["by", "", "tensors", "bytes"], totals, right=("tensors", "bytes")
+    )
+    if any(r.device == "-" for r in records):
+        console.print("safetensors files store no device: tensors load wherever they are asked to")
+    if any(r.shares is None and r.stored > r.nbytes for r in records):
+        console.print(
+            "a tensor saved as a view stores its whole storage; save view.clone() to keep "
+            "only its own bytes"
+        )
+
+
+def _print_rows(
+    console: Any, title: str, headers: list[str], rows: list[list[str]], right: tuple[str, ...]
+) -> None:
+    """One table, printed whole: see ``_render``."""
+    from rich.cells import cell_len
+    from rich.table import Table
+    from rich.text import Text
+
+    # Cells come from the file, which may be anyone's: shown as plain text, never as markup.
+    table = Table(title=Text(_printable(title)))
+    for col in headers:
+        table.add_column(col, justify="right" if col in right else "left", no_wrap=True)
+    for row in rows:
+        table.add_row(*(Text(_printable(c)) for c in row))
+    # The width the table takes with no cell wrapped (squeezing it is what cut names short):
+    # each column's widest cell and a space either side, and a border between and around them.
+    widths = [
+        max(cell_len(_printable(c)) for c in column) for column in zip(headers, *rows, strict=True)
+    ]
+    needed = sum(widths) + 3 * len(widths) + 1
+    if needed <= console.width or not console.is_terminal:  # a pipe or a file: no width to keep
+        console.width = max(needed, console.width)
+        console.print(table)
+        return
+    console.print(Text(_printable(title), style="italic"), soft_wrap=True)
+    for head, *rest in rows:  # the first cell whole on a line of its own, the rest indented
+        details = "  ".join(
+            f"{h}: {c}" if h else c for h, c in zip(headers[1:], rest, strict=True) if c
+        )
+        console.print(Text(_printable(head), style="bold"), soft_wrap=True)
+        console.print(Text("    " + _printable(details)), soft_wrap=True)
+
+
+# ---------------------------------------------------------------------------------------- remap
+
+
+def _parse_target(spec: str) -> Any:
+    """A device to tag storages with; it need not exist on this machine (no GPU needed)."""
+    import torch
+
+    from .._devices import device as resolve
+
+    text = spec.strip().lower()
+    if text in ("auto", "best", "gpu"):
+        return resolve(text)
+    if text.isdecimal():  # accelerator N, as the int N is to torchplace.device
+        return resolve(int(text))
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        resolve(text)  # raises DeviceSpecError with a suggestion
+        raise DeviceSpecError(f"unknown device {spec!r}") from None
+    single = ("cpu", "meta", "mps")  # torch.load restores these tags only without an index
+    indexed = ("cuda", "xpu", "hpu", "mtia", torch._C._get_privateuse1_backend_name())
+    if dev.type in single:
+        if dev.index not in (None, 0):
+            raise DeviceSpecError(
+                f"--to {spec}: there is one {dev.type} device, and torch.load reads a file "
+                f"tagged {dev} nowhere; use --to {dev.type}"
+            )
+        return torch.device(dev.type)
+    if dev.type not in indexed:
+        raise DeviceSpecError(
+            f"--to {spec}: torch.load cannot restore storages tagged {dev.type}; use one of "
+            f"{', '.join(single)} or {', '.join(t + ':N' for t in indexed[:3])}"
+        )
+    if dev.index is None:
+        dev = torch.device(dev.type, 0)
+    return dev
+
+
+class _CountingWriter(io.RawIOBase):
+    """A binary file wrapper that reports how many bytes went through it."""
+
+    def __init__(self, raw: IO[bytes], advance: Callable[[int], None]) -> None:
+        super().__init__()
+        self.raw, self.advance = raw, advance
+
+    def writable(self) -> bool:
+        return True
+
+    failure: BaseException | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            n = self.raw.write(data)
+            self.advance(len(memoryview(data)))
+        except BaseException as exc:  # torch's C++ writer turns it into a RuntimeError: keep it
+            self.failure = exc
+            raise
+        return n if n is not None else 0
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+
+def _relocating_pickle(location: str) -> types.ModuleType:
+    """A pickle module whose Pickler tags every saved storage with ``location``."""
+    module = types.ModuleType("torchplace_relocating_pickle")
+
+    class Pickler(pickle._Pickler):  # pure Python: it looks persistent_id up on each object
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            inner = self.persistent_id
+
+            def persistent_id(obj: Any) -> Any:
+                pid = inner(obj)
+                if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage":
+                    return (*pid[:3], location, *pid[4:])
+                return pid
+
+            self.persistent_id = persistent_id  # type: ignore[method-assign]
+
+    module.Pickler = Pickler  # type: ignore[attr-defined]
+    return module
+
+
+@contextlib.contextmanager
+def _progress(total: int, label: str, enabled: bool) -> Iterator[Callable[[int], None]]:
+    if not enabled:
+        yield lambda n: None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    columns = (
+        TextColumn("{task.description}", markup=False),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, transient=True, console=Console(stderr=True, emoji=False)) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda n: bar.advance(task, n)
+
+
+# Temporary files are named for their output and the process writing them
+# (``.model.pt.torchplace-tmp-4242``), so that a remap can tell its own leftovers from a run
+# that was killed (its process is gone) and sweep them.
+_TMP_MARK = ".torchplace-tmp-"
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except OSError:  # it exists, and belongs to someone else
+        return True
+    return True
+
+
+def sweep_stale_temporaries(directory: str | os.PathLike[str], /) -> list[Path]:
+    """Remove the temporary files that killed ``remap`` runs left in ``directory``; returns
+    those it removed. A file is remap's by its name (``.OUT.torchplace-tmp-PID``) and stale
+    when no process ``PID`` runs; a live run's files are left alone.
+
+    >>> import tempfile
+    >>> from torchplace.checkpoint._checkpoint_cli import sweep_stale_temporaries
+    >>> sweep_stale_temporaries(tempfile.mkdtemp())
+    []
+    """
+    if os.name != "posix":  # os.kill(pid, 0) would end the process on Windows: say, don't sweep
+        return []
+    removed = []
+    try:
+        entries = list(os.scandir(directory))
+    except OSError:
+        return []
+    for entry in entries:
+        pid = entry.name.rpartition(_TMP_MARK)[2].partition("-")[0]
+        if not entry.name.startswith(".") or _TMP_MARK not in entry.name or not pid.isdecimal():
+            continue
+        if int(pid) == os.getpid() or _process_alive(int(pid)):
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(entry.path)
+            removed.append(Path(entry.path))
+    return removed
+
+
+class _PendingOutputs:
+    """Files written under temporary names beside their outputs, and renamed into place only
+    once every one of them is complete (in the order added: an index after its shards). On any
+    failure, every temporary file is removed and no output is touched."""
+
+    def __init__(self) -> None:
+        self.files: list[tuple[Path, Path]] = []  # (temporary, output)
+        self.made_dirs: list[Path] = []
+
+    def open(self, out: Path) -> tuple[Path, int]:
+        """A new temporary file for ``out``: its path and an open descriptor."""
+        missing = [d for d in (out.parent, *out.parent.parents) if not d.exists()]
+        for d in reversed(missing):  # a shard in a sub-directory of the index's
+            d.mkdir()
+            self.made_dirs.append(d)
+        for n in range(100):
+            tmp = out.with_name(f".{out.name}{_TMP_MARK}{os.getpid()}" + (f"-{n}" if n else ""))
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            except FileExistsError:
+                continue
+            self.files.append((tmp, out))
+            return tmp, fd
+        raise FileExistsError(f"{out.parent}: too many temporary files named for {out.name}")
+
+    def commit(self, modes_from: list[Path]) -> None:
+        """Rename every file into place, in order. Only a failing rename (the files are on one
+        file system, so hardly ever) can leave some renamed: shards, never the index after."""
+        for (tmp, out), source in zip(self.files, modes_from, strict=True):
+            shutil.copymode(out if out.exists() else source, tmp)  # not O_CREAT's private 0600
+        for tmp, out in self.files:
+            os.replace(tmp, out)
+        self.files = []
+
+    def discard(self) -> None:
+        for tmp, _ in self.files:
+            tmp.unlink(missing_ok=True)
+        for d in reversed(self.made_dirs):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        self.files, self.made_dirs = [], []
+
+
+def _read_for_remap(src: Path, kind: str) -> Any:
+    """What remap writes for ``src``: its loaded contents, or ``None`` for a safetensors file
+    (copied as it is, once its header is checked as ``load`` checks it)."""
+    from ._checkpoint import load, safetensors_header
+
+    if kind == "safetensors":
+        safetensors_header(src)
+        return None
+    try:
+        return load(src, "cpu")
+    except CheckpointError as exc:
+        # Refused for the code it would run, or for pickle opcodes the safe loader does not
+        # read (a newer protocol), which load's own message already explains.
+        found = code_globals(src) if "trusted=True" in str(exc) else []
+        if not found:
+            raise
+        # A whole model stays a whole model when saved again: only its state dict can be remapped.
+        weights = ".state_dict()" if pickles_a_model(found) else ""
+        raise CheckpointError(
+            f"{src}: would run code when loaded ({', '.join(found)}), "
+            "and remap never runs a file's code. If you trust its source, rewrite it yourself: "
+            f"torch.save(torchplace.load(path, 'cpu', trusted=True){weights}, out), "
+            "then remap out"
+        ) from exc
+
+
+def _write_remapped(
+    src: Path, obj: Any, fd: int, target: Any, advance: Callable[[int], None]
+) -> None:
+    """Write ``obj`` (or, when ``None``, ``src`` as it is) to the open file ``fd``, its storages
+    tagged for ``target``, and flush it to disk."""
+    with os.fdopen(fd, "wb") as raw:
+        writer = _CountingWriter(raw, advance)
+        try:
+            if obj is None:
+                with src.open("rb") as f:
+                    shutil.copyfileobj(f, writer, 16 * 1024 * 1024)
+            else:
+                import torch
+
+                torch.save(
+                    obj, cast(IO[bytes], writer), pickle_module=_relocating_pickle(str(target))
+                )
+        except BaseException as exc:
+            # torch's C++ writer turns what the file raised (Ctrl-C, a full disk) into a
+            # RuntimeError: raise the original.
+            if writer.failure is not None and writer.failure is not exc:
+                raise writer.failure from None
+            raise
+        raw.flush()
+        os.fsync(raw.fileno())
+
+
+def _output_file(dst: Path) -> None:
+    """Refuse an output that cannot be a file: a directory, or one in a missing directory."""
+    try:
+        if dst.is_dir():
+            raise CheckpointError(f"{dst}: is a directory; give the output file's name with -o")
+        if not dst.parent.is_dir():
+            raise CheckpointError(f"{dst}: its directory {dst.parent} does not exist")
+    except OSError as exc:
+        raise CheckpointError(f"{dst}: cannot be written ({exc.strerror or exc})") from exc
+
+
+def _index_outputs(src: Path, dst: Path) -> tuple[Path, list[tuple[Path, Path, str]]]:
+    """Where remapping the shard index ``src`` to ``dst`` writes: the new index, and each shard
+    (source, output, format), laid out beside the new index as the old ones lie beside theirs.
+    ``dst`` names the new index, or a directory to write it into under its old name."""
+    try:
+        if dst.is_dir() or str(dst).endswith(("/", os.sep)):
+            dst = dst / src.name
+        if not dst.parent.is_dir():
+            raise CheckpointError(f"{dst}: its directory {dst.parent} does not exist")
+    except OSError as exc:
+        raise CheckpointError(f"{dst}: cannot be written ({exc.strerror or exc})") from exc
+    root = src.parent.resolve()
+    outputs = []
+    for _, shard_path, _ in index_shards(src):
+        out = dst.parent / shard_path.relative_to(root)
+        outputs.append((shard_path, out, format_of(shard_path)))
+    reading = {src.resolve(), *(shard for shard, _, _ in outputs)}
+    for out in [dst, *(out for _, out, _ in outputs)]:
+        if out.resolve() in reading:
+            raise CheckpointError(
+                f"{src}: remapping it to {dst} would write over {out}, which it reads; give "
+                "-o a new directory (or an index file in one) for the remapped shards"
+            )
+    return dst, outputs
+
+
+def remap(
+    path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    /,
+    *,
+    to: Any,
+    progress: bool | None = None,
+) -> Path:
+    """Rewrite a checkpoint so that ``torch.load`` puts its tensors on ``to``; returns the file
+    written (for a shard index, the new index).
+
+    >>> import os, tempfile, torch
+    >>> from torchplace.checkpoint._checkpoint_cli import describe_file, remap
+    >>> d = tempfile.mkdtemp()
+    >>> torch.save({"w": torch.ones(2)}, os.path.join(d, "a.pt"))
+    >>> out = remap(os.path.join(d, "a.pt"), os.path.join(d, "b.pt"), to="cuda:1")
+    >>> describe_file(out)[0].device
+    'cuda:1'
+
+    The file is read without running code. The result is written to a temporary file beside
+    ``out`` (``.OUT.torchplace-tmp-PID``) and renamed only when complete: an interrupted or
+    failed remap leaves ``out`` as it was, and the next remap into that directory removes what
+    a killed one left. A safetensors file stores no device, so it is copied unchanged once its
+    header is checked as ``load`` checks it.
+
+    A shard index (``*.index.json``) is remapped whole: every shard it lists is rewritten (or,
+    for safetensors, copied) beside the new index, laid out as beside the old one, and the
+    index is copied last. ``out`` names the new index, or a directory to write it into under
+    its own name; it may not be where the shards are read from. Nothing is renamed into place
+    until every shard is written.
+    """
+    from ._checkpoint import as_path
+
+    src, dst = as_path(path), as_path(out)
+    target = _parse_target(to) if isinstance(to, str) else to
+    kind = format_of(src)
+    if kind == "index":
+        dst, shards = _index_outputs(src, dst)
+    else:
+        _output_file(dst)
+        shards = []
+    jobs = [*shards, (src, dst, kind)]  # the index, or the one file, last
+    total = sum(job[0].stat().st_size for job in jobs)
+    show = (sys.stderr.isatty() and total >= PROGRESS_MIN_BYTES) if progress is None else progress
+    for d in {job[1].parent for job in jobs}:
+        sweep_stale_temporaries(d)
+    pending = _PendingOutputs()
+    try:
+        with _progress(total, f"remap {src.name}", show) as advance:
+            for source, output, fmt in jobs:
+                # the index itself is copied as it is: its shards keep their names
+                obj = None if fmt == "index" else _read_for_remap(source, fmt)
+                try:
+                    _, fd = pending.open(output)
+                except OSError as exc:
+                    raise CheckpointError(
+                        f"{output}: cannot be written ({exc.strerror or exc}: no file could be "
+                        f"created in {output.parent}); choose another output with -o. Nothing "
+                        "was written"
+                    ) from exc
+                _write_remapped(source, obj, fd, target, advance)
+        pending.commit([job[0] for job in jobs])
+    except BaseException as exc:
+        pending.discard()
+        if isinstance(exc, (TorchplaceError, KeyboardInterrupt, SystemExit)):
+            raise
+        if isinstance(exc, Exception):
+            raise CheckpointError(
+                f"{src}: could not be rewritten to {dst} ({type(exc).__name__}: {exc}); "
+                f"{dst} was not touched"
+            ) from exc
+        raise
+    return dst
+
+
+def _run_remap(args: argparse.Namespace) -> int:
+    try:
+        out = remap(args.file, args.output, to=args.to)
+    except DeviceSpecError as exc:  # bad usage, not a bad file
+        print(f"torchplace remap: error: {exc}", file=sys.stderr)
+        return 2
+    except TorchplaceError as exc:
+        print(f"torchplace remap: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"torchplace remap: interrupted; {args.output} was not written", file=sys.stderr)
+        return 130
+    kind = format_of(Path(args.file))
+    if kind == "safetensors":
+        print(f"wrote {_printable(out)} (copied unchanged: a safetensors file stores no device)")
+    elif kind == "index":
+        print(
+            f"wrote {_printable(out)} and its shards beside it (tensors load on "
+            f"{_parse_target(args.to)}; safetensors shards are copied unchanged)"
+        )
+    else:
+        print(f"wrote {_printable(out)} (tensors load on {_parse_target(args.to)})")
+    return 0
+
+
+def register(subparsers: Any) -> None:
+    """Add ``inspect`` and ``remap`` to the ``torchplace`` command line.
+
+    >>> import argparse
+    >>> from torchplace.checkpoint._checkpoint_cli import register
+    >>> parser = argparse.ArgumentParser(prog="torchplace")
+    >>> register(parser.add_subparsers())
+    >>> parser.parse_args(["remap", "a.pt", "--to", "cpu", "-o", "b.pt"]).output
+    'b.pt'
+    """
+    inspect = subparsers.add_parser(
+        "inspect",
+        help="list a checkpoint's tensors by saved device, dtype and size (runs no code)",
+        description="List every tensor of a checkpoint with its saved device, dtype, shape and "
+        "bytes, and totals per device and dtype. Pickled code is never run and no GPU is needed.",
+    )
+    inspect.add_argument(
+        "file", metavar="FILE", help="a torch.save file, a .safetensors file or an *.index.json"
+    )
+    inspect.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    inspect.set_defaults(func=_run_inspect)
+
+    remap_cmd = subparsers.add_parser(
+        "remap",
+        help="rewrite a checkpoint (or every shard of one) to load elsewhere",
+        description="Rewrite a checkpoint so that torch.load puts its tensors on DEVICE. For a "
+        "shard index (*.index.json), every shard it lists is rewritten beside the new index, "
+        "laid out as beside the old one (safetensors shards are copied: they store no device), "
+        "and the index is copied last. Output is written to temporary files named "
+        ".NAME.torchplace-tmp-PID and renamed only when all are complete, so a failure leaves "
+        "no partial output; those a killed run left are removed by the next remap into the "
+        "same directory.",
+    )
+    remap_cmd.add_argument(
+        "file", metavar="FILE", help="the checkpoint to read: a file or an *.index.json"
+    )
+    remap_cmd.add_argument("--to", required=True, metavar="DEVICE", help="e.g. cpu or cuda:0")
+    remap_cmd.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="OUT",
+        help="file to write; for an index, the new index file, or a directory to write it "
+        "into under its own name (not the directory its shards are read from)",
+    )
+    remap_cmd.set_defaults(func=_run_remap)

@@ -1,0 +1,711 @@
+"""``load_into``: a model filled from a checkpoint, all or nothing."""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parameter import is_lazy
+
+from .._devices import DeviceSpec
+from .._devices import device as _device
+from .._errors import CheckpointError, MoveError, TorchplaceError
+from .._model_walk import Slot, tensor_slots
+from .._own_moves import AttributeSnapshot, run_own_moves
+from ..moving._identity import parameter_like
+from ._formats import PathLike, as_path, first_sentence, is_dir, model_file
+from ._read import load
+from ._rename import Rename, as_renamer, renamed
+from ._skeleton import ModuleT, swap
+from ._statedict import (
+    as_load_state_dict_sees,
+    has_post_hooks,
+    run_post_hooks,
+    set_extra_states,
+)
+
+
+def _listing(items: list[str], limit: int = 10) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def _prefix_hint(missing: list[str], unexpected: list[str]) -> str:
+    """Says when the file's keys differ from the model's by one prefix (``module.`` from DDP).
+
+    The prefix must account for every missing key, so that a file of another model whose keys
+    merely end alike (``emb.weight`` against ``weight``) gets no false hint.
+    """
+    names = [m.split(" (tied to ")[0] for m in missing]  # missing keys as listed, ties noted
+    if not names or not unexpected:
+        return ""
+    files = set(unexpected)
+    u = next((k for k in unexpected if k.endswith(names[0]) and k != names[0]), None)
+    if u is not None:
+        extra = u[: len(u) - len(names[0])]
+        if all(extra + n in files for n in names):
+            return (
+                f"; the file's keys carry an extra prefix {extra!r}: drop it as they load, "
+                f'load_into(model, path, rename={{{_pattern("^" + re.escape(extra))}: ""}})'
+            )
+    m = next((n for n in names if n.endswith(unexpected[0]) and n != unexpected[0]), None)
+    if m is not None:
+        prefix = m[: len(m) - len(unexpected[0])]
+        if all(prefix + k in set(names) for k in unexpected):
+            return (
+                f"; the model's keys carry a prefix {prefix!r} the file lacks: load into that "
+                f"part of the model, load_into(model.get_submodule({prefix.rstrip('.')!r}), path)"
+            )
+    return ""
+
+
+def _pattern(regex: str) -> str:
+    """A regular expression as Python source, raw where that reads better."""
+    return f'r"{regex}"' if '"' not in regex and not regex.endswith("\\") else repr(regex)
+
+
+def _target_for(slot: Slot, target: torch.device | None) -> torch.device:
+    if target is not None:
+        return target
+    here = slot.tensor.device
+    return torch.device("cpu") if here.type == "meta" else here
+
+
+def _place(slot: Slot, value: torch.Tensor, undos: list[Callable[[], object]]) -> None:
+    """Put ``value`` in the slot, keeping the Parameter object (and so ties and optimizers).
+
+    What puts the slot back is appended to ``undos`` before anything changes, and it checks
+    whether the change was made, so an interrupt at any point leaves an undo that is right.
+    """
+    current = slot.tensor
+    if slot.is_param:
+        assert isinstance(current, nn.Parameter)
+        new = parameter_like(current, value, materialize=True)
+        before = current._cdata  # swap_tensors exchanges the tensors' implementations
+
+        def unswap() -> None:
+            if current._cdata != before:
+                swap(current, new)  # new holds what current held
+
+        undos.append(unswap)
+        try:
+            swap(current, new)
+            return
+        except (RuntimeError, TypeError):  # weak references or autograd holds it: rebind
+            undos.pop()
+            replacement: torch.Tensor = new
+    else:
+        replacement = value
+
+    def rebind(to: torch.Tensor) -> None:
+        for module, name in slot.homes:
+            if slot.is_param:
+                module._parameters[name] = to  # type: ignore[assignment]
+            else:
+                module._buffers[name] = to
+        slot.tensor = to
+
+    undos.append(functools.partial(rebind, current))
+    rebind(replacement)
+
+
+_MEMORY_FORMATS = (torch.contiguous_format, torch.channels_last, torch.channels_last_3d)
+
+
+def _in_layout_of(model_tensor: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` laid out as ``model_tensor`` is (contiguous, or channels-last), when it is."""
+    for memory_format in _MEMORY_FORMATS:
+        if model_tensor.is_contiguous(memory_format=memory_format):
+            return value.contiguous(memory_format=memory_format)
+    return value
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of a file hold the same values (NaN equal to NaN); meta ones match."""
+    if a.shape != b.shape:
+        return False
+    if a.device.type == "meta" or b.device.type == "meta":
+        return True  # no data to compare: a load onto meta checks shapes only
+    if (a.dtype, a.device, a.stride()) == (b.dtype, b.device, b.stride()) and (
+        a.data_ptr() == b.data_ptr()
+    ):
+        return True  # one tensor saved under both names, as a tied model saves it: not read
+    if torch.equal(a, b):
+        return True
+    return (
+        a.dtype == b.dtype
+        and (a.is_floating_point() or a.is_complex())
+        and bool(torch.isclose(a, b, rtol=0, atol=0, equal_nan=True).all())
+    )
+
+
+class _Spans:
+    """The bytes already given to the model's tensors, per device, kept sorted and disjoint.
+
+    A file may hold one storage under several names (tied weights) or overlapping views of it
+    (``{"a": big, "b": big[:2]}``); assigned as they are, weights the model keeps apart would
+    share memory, and a step on one would change the other. Bytes are compared by address, so
+    tensors mapped from one file, each on its own storage, are told apart by their ranges.
+    """
+
+    def __init__(self) -> None:
+        self.starts: dict[torch.device, list[int]] = {}
+        self.ends: dict[torch.device, list[int]] = {}
+
+    def claim(self, t: torch.Tensor) -> bool:
+        """Record the bytes ``t`` shows; False (nothing recorded) when another tensor has some."""
+        if t.device.type == "meta" or t.numel() == 0:
+            return True
+        try:
+            start = t.data_ptr()
+        except (RuntimeError, NotImplementedError):  # no addressable storage: nothing to share
+            return True
+        extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+        end = start + (extent + 1) * t.element_size()
+        starts = self.starts.setdefault(t.device, [])
+        ends = self.ends.setdefault(t.device, [])
+        i = bisect.bisect_right(starts, start)
+        if (i > 0 and ends[i - 1] > start) or (i < len(starts) and starts[i] < end):
+            return False
+        starts.insert(i, start)
+        ends.insert(i, end)
+        return True
+
+
+def load_into(
+    model: ModuleT,
+    source: PathLike | Mapping[str, Any],
+    device: DeviceSpec = None,
+    /,
+    *,
+    strict: bool = True,
+    mmap: bool = False,
+    rename: Rename | None = None,
+) -> ModuleT:
+    """Fill ``model`` (a skeleton or a real model) from a checkpoint, weights on ``device``.
+
+    >>> import os, tempfile, torch
+    >>> from torchplace import load_into, skeleton
+    >>> path = os.path.join(tempfile.mkdtemp(), "linear.pt")
+    >>> torch.save(torch.nn.Linear(3, 2).state_dict(), path)
+    >>> model = load_into(skeleton(torch.nn.Linear, 3, 2), path)
+    >>> model.weight.device, model.weight.requires_grad
+    (device(type='cpu'), True)
+
+    ``source`` is a path (a file, a shard index, or a directory as ``save_pretrained`` writes
+    it, as for ``load``) or a mapping of names to tensors already in memory (a state dict, a
+    Lightning checkpoint's ``["state_dict"]``); the model gets its own copy of a mapping's
+    tensors, so the two never share memory. ``rename`` fits another program's names to the
+    model's before anything is checked: a callable ``str -> str | None`` (None drops the key) or
+    a dict of regular expressions to replacements applied in order, e.g. ``{r"^module\\.": ""}``
+    for a file saved from DDP or ``{r"^model\\.": ""}`` for a Lightning module's state dict.
+
+    ``device`` defaults to where each tensor already is, or the CPU for a skeleton's ``meta``
+    parameters. A file's bytes are read straight into the memory the model keeps (onto a GPU,
+    through pinned buffers), with no second copy of the weights, so the file may be rewritten at
+    once (``torch.save(model.state_dict(), path)`` to the path it came from is safe).
+    ``mmap=True`` assigns pages of the memory-mapped file instead (zero-copy, copy-on-write): the
+    model then dies with the file, and **rewriting or truncating it while the model lives crashes
+    the process** (SIGBUS, exit -7), so use it only for files nothing writes to. A parameter that
+    already holds memory on the target is filled in place. Parameter objects are kept, with
+    their class and attributes, so tied weights stay tied and optimizers stay valid; a tied
+    parameter saved under any one of its names counts as present, and one saved under two names
+    with different values raises. Weights the model keeps apart never share memory, even where
+    the file holds them in one storage (those, and only those, are copied). The model's declared
+    dtypes and memory layouts are kept (the file's tensors are converted, and one saved as a
+    transposed view loads contiguous).
+
+    As ``load_state_dict`` does, each module's load pre-hooks run on its part of the file, older
+    BatchNorm files without ``num_batches_tracked`` load, lazy modules take the file's shapes,
+    and load post-hooks run once the weights are in place. As with ``load_state_dict``, they may
+    clear missing or unexpected keys before the strict check; when keys are missing or
+    unexpected and the model has post-hooks, the load goes ahead (keeping a copy of the weights
+    it fills in place) and is undone if any key is left after them. A module that overrides
+    ``_load_from_state_dict`` (beyond PyTorch's norm layers and the ``FrozenBatchNorm2d`` of
+    torchvision and Hugging Face, whose override only drops ``num_batches_tracked``) is refused
+    before anything changes.
+    A module whose ``set_extra_state`` refuses the file's extra state raises ``CheckpointError``
+    with the model untouched. With ``strict``, missing and unexpected keys and shape mismatches
+    raise ``CheckpointError`` listing them by name, and the model is left untouched; without it,
+    keys that do not match are skipped (a shape mismatch still raises, and so does a file of
+    which not one key matches, unless the model has load post-hooks).
+
+    All or nothing: a failure, or a ``KeyboardInterrupt``, while a skeleton (or any model whose
+    tensors are swapped in) is being filled puts every parameter and buffer back as it was
+    before the error goes on. Values filled in place into a real model's memory are put back
+    only when a post-hook's check kept a copy of them; otherwise the error says the model is
+    partly filled.
+    """
+    if not isinstance(model, nn.Module):
+        raise TorchplaceError(
+            f"load_into() fills an nn.Module, not {type(model).__name__}; build the model "
+            "first, e.g. load_into(torchplace.skeleton(MyModel, ...), path)"
+        )
+    from ._sharded import has_dtensors, load_sharded
+
+    if has_dtensors(model):  # FSDP2, tensor parallelism: each rank reads its own slices
+        return load_sharded(model, source, device, strict=strict, rename=rename)  # type: ignore[return-value]
+    target = None if device is None else _device(device)
+    renamer = None if rename is None else as_renamer(rename)
+    if isinstance(source, nn.Module):
+        raise CheckpointError(
+            f"load_into fills a model from a checkpoint (a path, a directory or a state dict), "
+            f"not from a {type(source).__name__} model; pass its weights: "
+            "load_into(model, other.state_dict())"
+        )
+    from_memory = isinstance(source, Mapping)
+    p: Path | str = "the state dict given to load_into" if from_memory else as_path(source)
+    if isinstance(p, Path) and is_dir(p):  # messages name the file read, not its directory
+        p = model_file(p)
+    slots = tensor_slots(model)
+    loadable, transient, extra = slots.loadable, slots.transient, slots.extra_state
+    read_on = _read_on(loadable, target)
+    if isinstance(source, Mapping):
+        state: Any = source
+    else:
+        assert isinstance(p, Path)
+        state = load(p, read_on, mmap=mmap)
+    _check_state_dict(p, model, state, loadable)
+    if renamer is not None:
+        state = renamed(str(p), state, renamer)
+    # What each module would be given by load_state_dict: older norm layers upgraded, every
+    # pre-hook run (a layout converted, a key renamed), so values and shapes match its result.
+    seen = as_load_state_dict_sees(p, model, state, extra)
+    fit = _Fit(p, model, seen, loadable, transient, extra, read_on, strict)
+    prepared = _prepare(fit, target, copy=from_memory)
+    return _apply(fit, prepared, extra, seen.own)  # type: ignore[return-value]
+
+
+def _read_on(loadable: list[Slot], target: torch.device | None) -> torch.device:
+    """Where a file is read to: the one device every tensor goes to, unless that means a copy.
+
+    Onto ``meta`` nothing is read. Onto a CUDA device that no tensor of the model is on yet (a
+    skeleton), the bytes go through pinned buffers straight there. Otherwise the file is read
+    into host memory, and tensors are filled or moved from it.
+    """
+    devices = {target} if target is not None else {_target_for(s, None) for s in loadable}
+    if len(devices) != 1:
+        return torch.device("cpu")
+    (dev,) = devices
+    if dev.type == "meta":
+        return dev
+    if dev.type == "cuda" and not any(s.tensor.device == dev for s in loadable):
+        return dev
+    return torch.device("cpu")
+
+
+def _check_state_dict(p: Path | str, model: nn.Module, state: Any, loadable: list[Slot]) -> None:
+    """A ``CheckpointError`` for what is not a state dict, with the way to the one inside."""
+    if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
+        raise CheckpointError(f"{p}: holds a {type(state).__name__}, not a state dict")
+    nested = [k for k, v in state.items() if isinstance(v, Mapping)]
+    if nested and not any(isinstance(v, torch.Tensor) for v in state.values()):
+        key = "state_dict" if "state_dict" in nested else nested[0]
+        inner = state[key]
+        names = {n for slot in loadable for n in slot.names}
+        rename = ""
+        if inner and not any(k in names for k in inner):
+            first = next(iter(inner))
+            head = first.split(".", 1)[0] + "." if "." in first else ""
+            fits = any(k[len(head) :] in names for k in inner)
+            if head and fits and all(k.startswith(head) for k in inner):
+                rename = f', rename={{r"^{re.escape(head)}": ""}}'
+        where = "state" if isinstance(p, str) else "torchplace.load(path)"
+        raise CheckpointError(
+            f"{p}: holds a dict of {_listing(sorted(nested), 5)}, not a state dict; load the "
+            f"part that holds the weights, load_into(model, {where}[{key!r}]{rename})"
+        )
+
+
+class _Fit:
+    """How a state dict fits the model: what goes where, and what is missing or refused.
+
+    Raises ``CheckpointError`` (the model untouched) for a file that does not fit, unless the
+    model's post-hooks may yet clear its missing or unexpected keys (``deferred``).
+    """
+
+    def __init__(
+        self,
+        p: Path | str,
+        model: nn.Module,
+        seen: Any,
+        loadable: list[Slot],
+        transient: list[Slot],
+        extra: Mapping[str, nn.Module],
+        read_on: torch.device,
+        strict: bool,
+    ) -> None:
+        self.p, self.model, self.strict, self.transient = p, model, strict, transient
+        self.loaders = seen.loaders
+        own = seen.own
+        missing: list[str] = []
+        not_loaded: list[str] = []  # every name of what stays as it was, for post-hooks
+        mismatched: list[str] = []
+        conflicts: list[str] = []
+        self.plan: list[tuple[Slot, torch.Tensor]] = []
+        for slot in loadable:
+            present = [n for n in slot.names if n in own]
+            if not present:
+                also = f" (tied to {', '.join(slot.names[1:])})" if len(slot.names) > 1 else ""
+                missing.append(slot.names[0] + also)
+                not_loaded += slot.names
+                continue
+            # A lazy parameter takes the file's shape, as its load_state_dict pre-hook (which
+            # load_into does not run: it would materialize before the checks) lets it.
+            lazy = is_lazy(slot.tensor)
+            bad = False
+            for name in present:
+                value = own[name]
+                if not isinstance(value, torch.Tensor):
+                    mismatched.append(f"{name}: the file holds a {type(value).__name__}")
+                    bad = True
+                elif not lazy and value.shape != slot.tensor.shape:
+                    mismatched.append(
+                        f"{name}: file {tuple(value.shape)}, model {tuple(slot.tensor.shape)}"
+                    )
+                    bad = True
+            if bad:
+                continue
+            value = own[present[0]]
+            # A tied parameter is one tensor: a file that gives its names different values was
+            # saved from a model that kept them apart, and either value would be a guess.
+            conflicts += [
+                f"{present[0]} and {n}" for n in present[1:] if not _same_values(value, own[n])
+            ]
+            self.plan.append((slot, value))
+        missing_extra = [k for k in extra if k not in own]
+        missing += missing_extra
+        not_loaded += missing_extra
+        listed = {m.split(" (tied to ")[0] for m in missing} | set(not_loaded)
+        missing += [k for k in seen.missing if k not in listed]  # what pre-hooks reported
+        not_loaded += [k for k in seen.missing if k not in listed]
+        self.not_loaded, self.unexpected = not_loaded, list(seen.unexpected)
+        no_data = [
+            s.names[0]
+            for s in transient
+            if s.tensor.device.type == "meta" and read_on.type != "meta"
+        ]
+        problems = []
+        if mismatched:
+            problems.append(f"shape mismatches: {_listing(mismatched)}")
+        if conflicts:
+            drop = conflicts[0].split(" and ")[1]
+            problems.append(
+                f"tied weights saved with different values: {_listing(conflicts)} (the file was "
+                "saved from a model that keeps them apart; keep the value you want and drop the "
+                f"other, e.g. rename=lambda k: None if k == {drop!r} else k)"
+            )
+        if seen.errors:
+            problems.append(f"refused by the model: {_listing(seen.errors)}")
+        if strict and no_data:
+            problems.append(
+                f"non-persistent buffers on meta that no checkpoint holds: {_listing(no_data)} "
+                "(build the model with torchplace.skeleton so buffers stay real)"
+            )
+        unexpected = self.unexpected
+        # Keys alone: post-hooks may clear them, as load_state_dict lets them (its strict check
+        # comes after its post-hooks). Then the load goes ahead, and is undone if any is left.
+        keys_only = strict and bool(missing or unexpected) and not problems
+        self.hooked = has_post_hooks(model)
+        self.deferred = keys_only and self.hooked
+        self.matched = bool(self.plan) or any(k in own for k in extra)  # strict=False loads any
+        if (strict and (missing or unexpected) and not self.deferred) or problems:
+            raise _does_not_fit(
+                p,
+                model,
+                problems,
+                missing if strict else [],
+                unexpected,
+                strict,
+                self.matched,
+                [m.split(": ")[0] for m in mismatched],
+            )
+        if not strict and not self.matched and loadable and not self.hooked:
+            held = (
+                f"the file has {_listing(unexpected, 5)}" if unexpected else "the file holds none"
+            )
+            raise CheckpointError(
+                f"{p}: not one of its keys matches {type(model).__name__}, so strict=False "
+                f"would load nothing: the model has {_listing(missing, 5)}; {held}"
+                f"{_prefix_hint(missing, unexpected)}"
+            )
+
+
+class _Prepared:
+    """Phase 1's result: tensors to fill in place, tensors to swap in, values kept for undo."""
+
+    __slots__ = ("backups", "fills", "places")
+
+    def __init__(self) -> None:
+        self.fills: list[tuple[Slot, torch.Tensor]] = []  # memory on the target: filled
+        self.places: list[tuple[Slot, torch.Tensor]] = []  # a new tensor swapped in
+        self.backups: list[tuple[torch.Tensor, torch.Tensor]] = []  # filled tensors' values
+
+
+def _prepare(fit: _Fit, target: torch.device | None, *, copy: bool) -> _Prepared:
+    """Phase 1: every transfer and conversion, which may fail for lack of memory or a bad
+    device, done before the model changes, so that such a failure leaves it untouched.
+
+    ``copy``: the values are the caller's (a mapping), so the model gets copies of its own.
+    """
+    out = _Prepared()
+    spans = _Spans()  # the bytes given to a slot so far
+    try:
+        for slot, value in fit.plan:
+            dev = _target_for(slot, target)
+            current = slot.tensor
+            lazy = is_lazy(current)
+            if current.device == dev and dev.type != "meta" and not lazy:
+                out.fills.append((slot, value))
+                if fit.deferred or not slot.is_param:
+                    # Kept to put back: all that is filled when post-hooks may yet undo the
+                    # load, and buffers always (a skeleton's are real, and they are small), so
+                    # that only a real model's parameters can be left partly filled.
+                    out.backups.append((current, current.detach().clone()))
+                continue
+            placed = value.to(device=dev, dtype=current.dtype, copy=copy)
+            if not lazy and placed.stride() != current.stride():
+                # The file keeps the layout it was saved in (a transposed view, say); the model
+                # keeps its own, as load_state_dict's copy would, so .view() works as before.
+                placed = _in_layout_of(current, placed)
+            if not spans.claim(placed):
+                # The file holds these bytes under another name too (tied in the file, or a
+                # view of a bigger tensor): a model that keeps the two apart gets its own copy.
+                placed = placed.clone()
+                spans.claim(placed)
+            out.places.append((slot, placed))
+        for slot in fit.transient:
+            here = slot.tensor.device
+            if target is not None and here.type != "meta" and here != target:
+                out.places.append((slot, slot.tensor.to(target)))
+    except Exception as exc:
+        raise CheckpointError(
+            f"{fit.p}: could not be placed into {type(fit.model).__name__} ({type(exc).__name__}"
+            f": {first_sentence(str(exc))}); the model is untouched"
+        ) from exc
+    return out
+
+
+def _apply(
+    fit: _Fit, ready: _Prepared, extra: Mapping[str, nn.Module], own: Mapping[str, Any]
+) -> nn.Module:
+    """Phase 2: extra state set, tensors swapped in and filled, post-hooks run; all or nothing.
+
+    Each step records how to undo it before it is taken (and the undo checks whether it was),
+    so an error or a ``KeyboardInterrupt`` at any point puts the model back as it was, except
+    values filled in place into a real model's memory with no copy kept (then said). The steps
+    run in a frame of their own, so that wherever an interrupt lands in them, it reaches the
+    handler here through a call.
+    """
+    undos: list[Callable[[], object]] = []
+
+    def put_back() -> str:
+        """Undo what phase 2 did, every step tried; what could not be undone ("" if nothing)."""
+        restores: list[Callable[[], object]] = [
+            functools.partial(torch.Tensor.copy_, t, before) for t, before in ready.backups
+        ]
+        failures = []
+        with torch.no_grad():
+            for undo in [*restores, *reversed(undos)]:
+                try:
+                    undo()
+                except Exception as exc:  # a post-hook made a view of a swapped parameter, ...
+                    failures.append(f"{type(exc).__name__}: {first_sentence(str(exc))}")
+        return failures[0] if failures else ""
+
+    try:
+        _apply_steps(fit, ready, extra, own, undos, put_back)
+        _own_moves_after(fit, undos, put_back)
+        return fit.model
+    except CheckpointError:  # said what state the model is in, and put it back where it could
+        raise
+    except BaseException:  # Ctrl-C (or a bug): the model goes back as it was
+        put_back()
+        raise
+
+
+def _apply_steps(
+    fit: _Fit,
+    ready: _Prepared,
+    extra: Mapping[str, nn.Module],
+    own: Mapping[str, Any],
+    undos: list[Callable[[], object]],
+    put_back: Callable[[], str],
+) -> None:
+    p, model = fit.p, fit.model
+
+    def state_after_put_back() -> str:
+        failure = put_back()
+        if failure:
+            return f"the model could not be put back as it was ({failure}), so build it again"
+        return "the model is put back as it was"
+
+    # Extra state first: a module's set_extra_state may refuse what the file holds, and the
+    # states already set are put back, so the refusal leaves the model untouched.
+    set_extra_states(p, model, extra, own, undos)
+    filled = False
+    try:
+        for slot, value in ready.places:
+            _place(slot, value, undos)
+        with torch.no_grad():
+            for slot, value in ready.fills:
+                filled = filled or (slot.is_param and not fit.deferred)  # no copy to put back
+                slot.tensor.copy_(value)  # copy_ converts the dtype
+    except Exception as exc:
+        failure = put_back()
+        state = "the model is untouched"
+        if failure or filled:
+            state = "the model is partly filled, so build it again"
+        raise CheckpointError(
+            f"{p}: could not be placed into {type(model).__name__} ({type(exc).__name__}: "
+            f"{first_sentence(str(exc))}); {state}"
+        ) from exc
+    left_missing, left_unexpected = list(fit.not_loaded), list(fit.unexpected)
+    _run_own_loaders(fit, undos, left_missing, left_unexpected, put_back)
+    if fit.strict and not fit.deferred and left_unexpected:  # keys a self-loader did not take
+        error = _does_not_fit(p, model, [], left_missing, left_unexpected, True, True)
+        raise _said_more(error, f"; {state_after_put_back()}")
+    if not fit.deferred:
+        run_post_hooks(p, model, left_missing, left_unexpected, lambda: "the weights are loaded")
+        if fit.strict and (left_missing or left_unexpected):  # a hook added keys: as torch does
+            raise _said_more(
+                _does_not_fit(p, model, [], left_missing, left_unexpected, True, True),
+                " (reported by the model's load post-hooks once the weights were loaded, so "
+                "they are loaded)",
+            )
+        return
+    run_post_hooks(p, model, left_missing, left_unexpected, state_after_put_back)
+    if left_missing or left_unexpected:
+        error = _does_not_fit(p, model, [], left_missing, left_unexpected, fit.strict, fit.matched)
+        raise _said_more(error, f"; {state_after_put_back()}")
+
+
+def _own_moves_after(
+    fit: _Fit, undos: list[Callable[[], object]], put_back: Callable[[], str]
+) -> None:
+    """Once every tensor is in place on one device, the overrides of modules that move state of
+    their own run as ``Module.to`` would run them: metric states follow the weights, and
+    Lightning's ``.device`` says where they are."""
+    model = fit.model
+    devices = {t.device for t in (*model.parameters(), *model.buffers())}
+    if len(devices) != 1:
+        return
+
+    def apply(do: Callable[[], None], undo: Callable[[], None]) -> None:
+        undos.append(undo)
+        do()
+
+    try:
+        run_own_moves([("", model)], next(iter(devices)), apply)
+    except MoveError as exc:
+        failure = put_back()
+        state = (
+            "the model is put back as it was"
+            if not failure
+            else (f"the model could not be put back as it was ({failure}), so build it again")
+        )
+        raise CheckpointError(f"{fit.p}: the weights fit, but {exc}; {state}") from exc
+
+
+def _run_own_loaders(
+    fit: _Fit,
+    undos: list[Callable[[], object]],
+    missing: list[str],
+    unexpected: list[str],
+    put_back: Callable[[], str],
+) -> None:
+    """Run the ``_load_from_state_dict`` of each module that loads itself, as ``load_state_dict``
+    would, now that its parameters and buffers hold memory: it is handed its own keys (a
+    metric's states, a weight it converts on load) and does what it does with them. Its
+    attributes and its own tensors' values are saved first, so that a failure puts them back."""
+    with torch.no_grad():
+        for module, prefix, metadata, handed in fit.loaders:
+            saved = AttributeSnapshot([module])
+            tensors = [
+                (t, t.detach().clone())
+                for t in [*module._parameters.values(), *module._buffers.values()]
+                if t is not None and t.device.type != "meta"
+            ]
+            undos.append(saved.restore)
+            undos.extend(functools.partial(torch.Tensor.copy_, t, before) for t, before in tensors)
+            reported: list[str] = []
+            errors: list[str] = []
+            try:
+                module._load_from_state_dict(
+                    dict(handed), prefix, metadata, True, reported, unexpected, errors
+                )
+            except Exception as exc:
+                errors.append(f"{type(exc).__name__}: {first_sentence(str(exc))}")
+            where = prefix[:-1] or type(fit.model).__name__
+            if errors:
+                failure = put_back()
+                state = (
+                    "the model is put back as it was"
+                    if not failure
+                    else (
+                        f"the model could not be put back as it was ({failure}), so build it again"
+                    )
+                )
+                raise CheckpointError(
+                    f"{fit.p}: {where} ({type(module).__name__}) loads itself "
+                    f"(_load_from_state_dict) and refused the file: {_listing(errors)}; {state}"
+                )
+            missing += [k for k in reported if k not in missing and k not in fit.not_loaded]
+
+
+def _does_not_fit(
+    p: Path | str,
+    model: nn.Module,
+    problems: list[str],
+    missing: list[str],
+    unexpected: list[str],
+    strict: bool,
+    matched: bool,
+    mismatched: list[str] | None = None,
+) -> CheckpointError:
+    """The error for a file that does not fit: missing and unexpected keys first.
+
+    ``matched``: some key matches, so ``strict=False`` would load something.
+    """
+    keys = []
+    if missing:
+        keys.append(f"missing keys: {_listing(missing)}")
+    if strict and unexpected:
+        keys.append(f"unexpected keys: {_listing(unexpected)}")
+    hint = _prefix_hint(missing, unexpected) if strict else ""
+    fix = "; pass strict=False to load what matches" if matched and not problems else ""
+    cut = [
+        name
+        for name, items in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("mismatched", mismatched),
+        )
+        if items and len(items) > 10
+    ]
+    if cut:  # the lists above stop at ten names; the error holds them whole
+        fix += f" (every key: CheckpointError.{', .'.join(cut)})"
+    return CheckpointError(
+        f"{p}: does not fit {type(model).__name__}: {'; '.join(keys + problems)}{hint}{fix}",
+        path=p if isinstance(p, Path) else None,
+        missing=[m.split(" (tied to ")[0] for m in missing],
+        unexpected=unexpected if strict else [],
+        mismatched=mismatched,
+    )
+
+
+def _said_more(error: CheckpointError, more: str) -> CheckpointError:
+    """``error`` with ``more`` said after its message, its data kept."""
+    return CheckpointError(
+        f"{error}{more}",
+        path=error.path,
+        missing=error.missing,
+        unexpected=error.unexpected,
+        mismatched=error.mismatched,
+    )

@@ -1,0 +1,36 @@
+"""Checkpoint file facts that need no torch: a shard index's weight map, and the number torch's
+legacy (non-zip) files open with.
+
+``load``, the sharded reader and ``inspect`` read shard indexes through ``weight_map``, so they
+accept and refuse the same files with the same words.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .._errors import CheckpointError
+
+__all__ = ["LEGACY_MAGIC", "weight_map"]
+
+# torch's legacy (non-zip) files open with this number, pickled on its own.
+LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+
+
+def weight_map(p: Path, /) -> dict[str, str]:
+    """The ``weight_map`` of a shard index (tensor name -> shard file), checked: a JSON object
+    mapping strings to strings, or ``CheckpointError`` naming the file."""
+    try:
+        index = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise CheckpointError(f"{p}: is not a readable JSON shard index ({exc})") from exc
+    found = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(found, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in found.items()
+    ):
+        raise CheckpointError(
+            f"{p}: is JSON but not a shard index; a sharded checkpoint's index maps every tensor "
+            'name to its file under "weight_map"'
+        )
+    return found

@@ -1,0 +1,615 @@
+"""Reading a checkpoint file's table of tensors without running its code or importing torch.
+
+A torch file's pickle is read by an unpickler that builds inert records for every global it
+meets, so a malicious file is described, never executed (``code_globals`` names what it would
+run); a legacy file's storages are checked as ``torch.load`` reads them; safetensors files by
+their header (``_safetensors``), shard indexes by their weight map (``_index``). ``inspect``
+shows what ``describe_file`` finds; the sharded loader locates tensors in zip files through the
+same records.
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import contextlib
+import functools
+import io
+import os
+import pickle
+import zipfile
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any, ClassVar, cast
+
+from .._errors import CheckpointError
+from ._index import LEGACY_MAGIC, weight_map
+from ._safetensors import DTYPES as SAFETENSORS_DTYPES
+from ._safetensors import read_header as read_safetensors_header
+from ._safetensors import sniff as sniff_safetensors
+
+__all__ = [
+    "WHOLE_MODEL",
+    "InertUnpickler",
+    "TensorRecord",
+    "TensorRef",
+    "code_globals",
+    "describe_file",
+    "format_of",
+    "index_shards",
+    "pickles_a_model",
+    "readable",
+    "rebuild_tensor",
+    "shape_of",
+    "tensor_refs",
+]
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One tensor as a file saved it: name, saved device, dtype, shape and bytes.
+
+    ``nbytes`` is the tensor's own size; ``stored`` is the size of the storage the file keeps
+    for it, which is larger when the tensor was saved as a view of a bigger one. ``shares``
+    names the first tensor saved on the same storage (a tied weight, or another view of it):
+    the file holds those bytes once, and the totals count them once.
+    """
+
+    name: str
+    device: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    file: str
+    stored: int = 0
+    shares: str | None = None
+
+
+# ----------------------------------------------------------------------------- a safe unpickler
+
+
+class _Opaque:
+    """Stands for any object a pickle asks for: records the call, runs nothing."""
+
+    qualname = "?"
+    args: tuple[Any, ...]
+    state: Any
+    items: dict[Any, Any]
+    values: list[Any]
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _Opaque:  # NEWOBJ calls __new__ alone
+        self = super().__new__(cls)
+        self.args, self.state, self.items, self.values = args, None, {}, []
+        return self
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Opaque:
+        # What a stand-in's call returns (``getattr(__import__('os'), 'system')('ls')`` calls
+        # the result of a call): one more stand-in, holding the arguments.
+        return _Opaque(self, *args)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.items[key] = value
+
+    def append(self, value: Any) -> None:
+        self.values.append(value)
+
+    def extend(self, values: Any) -> None:
+        self.values.extend(values)
+
+
+@dataclass
+class _StorageRef:
+    dtype: str
+    key: str
+    location: str
+    itemsize: int
+    numel: int = -1  # elements of the storage, as saved; -1 where the file does not say
+
+
+@dataclass
+class TensorRef:
+    storage: _StorageRef | None
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class _StorageType:
+    def __init__(self, dtype: str, itemsize: int) -> None:
+        self.dtype, self.itemsize = dtype, itemsize
+
+
+def _dtype_info(name: str) -> tuple[str, int]:
+    """(dtype name, element size) for a torch dtype attribute name such as ``bfloat16``."""
+    import torch
+
+    dt = vars(torch).get(name)  # no getattr: torch's module __getattr__ imports submodules
+    if isinstance(dt, torch.dtype):
+        return str(dt).removeprefix("torch."), dt.itemsize  # no tensor: quantized ones warn
+    return name, 1
+
+
+def shape_of(size: Any) -> tuple[int, ...]:
+    if isinstance(size, _Opaque):  # torch.Size saved as an object
+        size = size.args[0] if size.args else ()
+    if not isinstance(size, (tuple, list)):
+        return ()
+    return tuple(int(n) if isinstance(n, int) else -1 for n in size)
+
+
+def rebuild_tensor(storage: Any, offset: Any, size: Any, *rest: Any) -> TensorRef:
+    dtype = storage.dtype if isinstance(storage, _StorageRef) else "?"
+    # _rebuild_tensor_v3 passes the dtype explicitly (for untyped storages)
+    if len(rest) >= 4 and isinstance(rest[3], _DType):
+        dtype = rest[3].name
+    ref = storage if isinstance(storage, _StorageRef) else None
+    return TensorRef(ref, dtype, shape_of(size))
+
+
+def _rebuild_parameter(data: Any, *rest: Any) -> Any:
+    return data
+
+
+def _rebuild_meta(dtype: Any, size: Any, *rest: Any) -> TensorRef:
+    name = dtype.name if isinstance(dtype, _DType) else "?"
+    return TensorRef(_StorageRef(name, "", "meta", 0), name, shape_of(size))
+
+
+@dataclass
+class _WithParts:
+    """A tensor that the file saves with tensors of its own (a per-channel quantized tensor's
+    scales and zero points), listed as ``name`` and ``name.part``."""
+
+    main: TensorRef
+    parts: dict[str, Any]
+
+
+def _rebuild_qtensor(
+    storage: Any, offset: Any, size: Any, stride: Any = None, qparams: Any = (), *rest: Any
+) -> TensorRef | _WithParts:
+    ref = rebuild_tensor(storage, offset, size)
+    if isinstance(qparams, tuple) and len(qparams) == 4:  # (qscheme, scales, zero_points, axis)
+        return _WithParts(ref, {"scales": qparams[1], "zero_points": qparams[2]})
+    return ref
+
+
+# The tensors a sparse tensor is saved as, named as its accessors are (``crow_indices()``, ...).
+_SPARSE_PARTS = {
+    "torch.sparse_coo": ("indices", "values"),
+    "torch.sparse_csr": ("crow_indices", "col_indices", "values"),
+    "torch.sparse_bsr": ("crow_indices", "col_indices", "values"),
+    "torch.sparse_csc": ("ccol_indices", "row_indices", "values"),
+    "torch.sparse_bsc": ("ccol_indices", "row_indices", "values"),
+}
+
+
+def _rebuild_sparse(layout: Any, data: Any, *rest: Any) -> Any:
+    name = layout.args[0] if isinstance(layout, _Opaque) and layout.args else None
+    parts = _SPARSE_PARTS.get(name) if isinstance(name, str) else None
+    if parts is None or not isinstance(data, tuple):
+        return _Opaque(layout, data)
+    return dict(zip(parts, data, strict=False))
+
+
+def _rebuild_nested(*data: Any) -> dict[str, Any]:
+    return dict(zip(("buffer", "sizes", "strides", "storage_offsets"), data, strict=False))
+
+
+@dataclass(frozen=True)
+class _DType:
+    name: str
+
+
+class InertUnpickler(pickle._Unpickler):  # pure Python: corrupt lengths fail cleanly
+    """An unpickler whose every global is an inert stand-in: nothing in the file can run."""
+
+    _TORCH_REBUILDERS: Mapping[str, Callable[..., Any]] = {
+        "rebuild_tensor": rebuild_tensor,
+        "_rebuild_tensor_v2": rebuild_tensor,
+        "_rebuild_tensor_v3": rebuild_tensor,
+        "_rebuild_parameter": _rebuild_parameter,
+        "_rebuild_parameter_with_state": _rebuild_parameter,
+        "_rebuild_meta_tensor_no_storage": _rebuild_meta,
+        "_rebuild_qtensor": _rebuild_qtensor,
+        "_rebuild_sparse_tensor": _rebuild_sparse,
+        "_rebuild_nested_tensor": _rebuild_nested,
+    }
+
+    def __init__(self, f: Any) -> None:
+        super().__init__(f)
+        self.storages: dict[str, _StorageRef] = {}  # by key, as persistent ids name them
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "collections" and name == "OrderedDict":
+            return OrderedDict
+        if module == "torch._utils" and name in self._TORCH_REBUILDERS:
+            return self._TORCH_REBUILDERS[name]
+        if (module, name) == ("torch.storage", "UntypedStorage"):  # dtypes with no Storage
+            return _StorageType("uint8", 1)
+        if module == "torch" and name.endswith("Storage"):
+            import torch
+
+            if name == "UntypedStorage":
+                return _StorageType("uint8", 1)
+            try:
+                dt = torch.storage._get_dtype_from_pickle_storage_type(name)
+            except (KeyError, AttributeError):
+                return _StorageType("?", 1)
+            return _StorageType(str(dt).removeprefix("torch."), dt.itemsize)
+        if module == "torch" and name == "Size":
+            return tuple
+        if module == "torch":
+            import torch
+
+            if isinstance(vars(torch).get(name), torch.dtype):
+                return _DType(_dtype_info(name)[0])
+        if module == "_codecs" and name == "encode":  # bytes in protocol 2 pickles
+            return _latin1_encode
+        return type(name, (_Opaque,), {"qualname": f"{module}.{name}"})
+
+    def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage":
+            storage_type, key, location = pid[1], pid[2], pid[3]
+            numel = pid[4] if isinstance(pid[4], int) and pid[4] >= 0 else -1
+            if isinstance(storage_type, _StorageType):
+                ref = _StorageRef(
+                    storage_type.dtype, str(key), str(location), storage_type.itemsize, numel
+                )
+            else:
+                ref = _StorageRef("?", str(key), str(location), 1, numel)
+            return self.storages.setdefault(ref.key, ref)
+        return _Opaque(pid)
+
+
+@functools.cache
+def _loadable_globals() -> frozenset[str]:
+    """The globals torch's weights-only loader accepts, which ``torchplace.load`` reads safely
+    (sparse, quantized and nested tensors need some beyond the rebuilders stood in for here)."""
+    from torch import _weights_only_unpickler as safe
+
+    found: set[str] = set()
+    for getter in ("_get_allowed_globals", "_get_user_allowed_globals"):
+        allowed = getattr(safe, getter, None)
+        if callable(allowed):
+            found.update(allowed())
+    return frozenset(found)
+
+
+class _Recorder(InertUnpickler):
+    """The inert unpickler, noting every global it stood in for that a safe load would refuse
+    (what loading would run)."""
+
+    def __init__(self, f: Any) -> None:
+        super().__init__(f)
+        self.found: list[str] = []
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = super().find_class(module, name)
+        full = _stand_in_for(found)
+        if full is not None and full not in _loadable_globals():
+            self.found.append(full)
+        return found
+
+    def _load_reduce(self) -> None:
+        """REDUCE, noting what ``getattr(module, "name")`` reaches (``os.system`` where the
+        pickle builds ``getattr(__import__("os"), "system")``): the call that would run."""
+        unpickler = cast(Any, self)  # the pure-Python unpickler's stack, which typeshed omits
+        func, args = unpickler.stack[-2], unpickler.stack[-1]
+        if _stand_in_for(func) == "builtins.getattr" and isinstance(args, tuple) and len(args) > 1:
+            owner = args[0]
+            if _stand_in_for(type(owner)) == "builtins.__import__" and owner.args:
+                owner = owner.args[0]  # __import__("os") is the module os
+            else:
+                owner = _stand_in_for(owner)
+            if isinstance(owner, str) and isinstance(args[1], str):
+                self.found.append(f"{owner}.{args[1]}")
+        unpickler.load_reduce()
+
+    dispatch: ClassVar[dict[int, Callable[[Any], None]]] = {
+        **pickle._Unpickler.dispatch,
+        pickle.REDUCE[0]: _load_reduce,
+    }
+
+
+def _stand_in_for(obj: Any) -> str | None:
+    """The global that ``obj`` stands in for, if it is a stand-in, as Python 3 names it
+    (protocol 2 pickles name Python 2's modules: ``__builtin__.exec``)."""
+    if not (isinstance(obj, type) and issubclass(obj, _Opaque)):
+        return None
+    module, _, name = obj.qualname.rpartition(".")
+    module, name = _compat_pickle.NAME_MAPPING.get((module, name), (module, name))
+    return f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{name}"
+
+
+def code_globals(path: str | os.PathLike[str], /) -> list[str]:
+    """The globals a torch file's pickle names beyond tensors and containers, read inertly.
+
+    Loading the file with ``trusted=True`` would import and call these; ``inspect`` lists them.
+    Safetensors files hold none; a shard index, those of its shards.
+    """
+    p = Path(path)
+    kind = format_of(p)
+    found: list[str] = []
+    if kind == "index":
+        for _, shard_path, _ in index_shards(p):
+            found += code_globals(shard_path)
+    with readable(p):
+        if kind == "zip":
+            with zipfile.ZipFile(p) as archive:
+                pickles = [n for n in archive.namelist() if n.endswith("data.pkl")]
+                if pickles:
+                    recorder = _Recorder(io.BytesIO(archive.read(min(pickles, key=len))))
+                    recorder.load()
+                    found = recorder.found
+        elif kind == "legacy":
+            with p.open("rb") as raw:
+                f = _BoundedReader(raw, p.stat().st_size)
+                for _ in range(4):  # magic number, protocol, system info, the object
+                    recorder = _Recorder(f)
+                    recorder.load()
+                    found += recorder.found
+    return list(dict.fromkeys(found))
+
+
+def pickles_a_model(found: list[str]) -> bool:
+    """Whether a file's code globals (``code_globals``) show a whole model saved with
+    ``torch.save(model)``: its modules are pickled as the classes they are."""
+    return any(name.startswith("torch.nn.modules.") for name in found)
+
+
+WHOLE_MODEL = (
+    "holds a whole model saved with torch.save(model), whose classes loading would import "
+    "and run. Nothing was run. If you trust where the file came from, its weights are "
+    "torchplace.load(path, trusted=True).state_dict()"
+)
+
+
+def _latin1_encode(text: Any, encoding: Any = "latin1") -> bytes:
+    return str(text).encode("latin1") if encoding == "latin1" else b""
+
+
+# A path to an object in the pickle, kept as (parent path, key) links and spelt out only for the
+# tensors found: spelling it at every level cost time and memory that grew with the square of
+# the depth (a million nested dicts took minutes).
+_Path = tuple["_Path", Any] | None
+
+
+def _spell(path: _Path) -> str:
+    keys: list[str] = []
+    while path is not None:
+        path, key = path
+        keys.append(str(key))
+    return ".".join(reversed(keys))
+
+
+def tensor_refs(root: Any) -> Iterator[tuple[str, TensorRef]]:
+    """Every tensor reference under ``root`` in order, with its dotted path; each container is
+    visited once: a pickle that shares one object across many branches (or holds itself) cannot
+    make the walk run for ever, and a stack instead of recursion reads any depth that
+    ``torch.load`` reads."""
+    seen: set[int] = set()
+    stack: list[tuple[_Path, Any]] = [(None, root)]
+    while stack:
+        path, obj = stack.pop()
+        if isinstance(obj, TensorRef):
+            yield _spell(path), obj
+            continue
+        children: list[tuple[_Path, Any]]
+        if isinstance(obj, _WithParts):
+            yield _spell(path), obj.main
+            children = [((path, k), v) for k, v in obj.parts.items()]
+        elif not isinstance(obj, (dict, list, tuple, _Opaque)) or id(obj) in seen:
+            continue
+        else:
+            seen.add(id(obj))
+            if isinstance(obj, dict):
+                children = [((path, k), v) for k, v in obj.items()]
+            elif isinstance(obj, (list, tuple)):
+                children = [((path, i), v) for i, v in enumerate(obj)]
+            else:
+                children = [(path, part) for part in (obj.args, obj.state, obj.items, obj.values)]
+        stack.extend(reversed(children))
+
+
+def _records(root: Any, file: str, owners: dict[str, str] | None = None) -> list[TensorRecord]:
+    """The tensors under an unpickled ``root``; ``owners`` is filled with the first tensor saved
+    on each storage, by the storage's key."""
+    out = []
+    owners = {} if owners is None else owners
+    for name, ref in tensor_refs(root):
+        name = name or "<root>"
+        numel = 1
+        for n in ref.shape:
+            numel *= max(n, 0)
+        itemsize = _dtype_info(ref.dtype)[1] if ref.dtype != "?" else 1
+        storage = ref.storage
+        device = storage.location if storage is not None else "?"
+        # A meta tensor saved as such has no storage record and no bytes; a file remapped to
+        # meta keeps every storage's bytes under a meta tag, and they count.
+        no_data = storage is not None and device == "meta" and not storage.key
+        nbytes = 0 if no_data else numel * itemsize
+        stored, shares = nbytes, None
+        if storage is not None and not no_data:
+            if storage.numel >= 0:
+                stored = storage.numel * storage.itemsize
+            shares = owners.setdefault(storage.key, name)
+            if shares == name:
+                shares = None
+        out.append(TensorRecord(name, device, ref.dtype, ref.shape, nbytes, file, stored, shares))
+    return out
+
+
+@contextlib.contextmanager
+def readable(p: Path) -> Iterator[None]:
+    """Any failure while reading ``p`` becomes a CheckpointError saying the file is damaged."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(
+            f"{p}: is truncated or corrupt ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def _describe_zip(p: Path) -> list[TensorRecord]:
+    with readable(p):
+        with zipfile.ZipFile(p) as archive:
+            pickles = [n for n in archive.namelist() if n.endswith("data.pkl")]
+            if not pickles:
+                raise CheckpointError(
+                    f"{p}: is a zip archive but not a torch.save file (no data.pkl)"
+                )
+            data = archive.read(min(pickles, key=len))
+        root = InertUnpickler(io.BytesIO(data)).load()
+    return _records(root, p.name)
+
+
+class _BoundedReader:
+    """A file for the unpickler that refuses reads past the end of the file up front.
+
+    A corrupt length in a pickle would otherwise make the unpickler allocate that much first.
+    """
+
+    def __init__(self, f: IO[bytes], size: int) -> None:
+        self.f, self.size = f, size
+
+    def read(self, n: int = -1) -> bytes:
+        if n > self.size - self.f.tell():
+            raise pickle.UnpicklingError(f"a record of {n} bytes runs past the end of the file")
+        return self.f.read(n)
+
+    def readline(self) -> bytes:
+        return self.f.readline()
+
+
+def _describe_legacy(p: Path) -> list[TensorRecord]:
+    with readable(p), p.open("rb") as raw:
+        f = _BoundedReader(raw, p.stat().st_size)
+        magic = InertUnpickler(f).load()
+        if magic != LEGACY_MAGIC:
+            raise CheckpointError(
+                f"{p}: is a pickle but not a torch.save file (wrong magic number); a plain "
+                "pickle is not a checkpoint"
+            )
+        InertUnpickler(f).load()  # protocol version
+        InertUnpickler(f).load()  # system info
+        unpickler = InertUnpickler(f)
+        owners: dict[str, str] = {}  # storage key -> the first tensor saved on it
+        records = _records(unpickler.load(), p.name, owners)
+        _check_legacy_storages(p, f, unpickler.storages, owners)
+    return records
+
+
+def _check_legacy_storages(
+    p: Path, f: _BoundedReader, storages: dict[str, _StorageRef], owners: dict[str, str]
+) -> None:
+    """Check that the storages after a legacy file's pickles are all there, as ``torch.load``
+    does: a list of storage keys, then for each an element count and the elements. A file cut
+    short in its data (the commonest damage: an interrupted save or copy) is refused here, as
+    ``load`` refuses it, instead of being described as whole."""
+    keys = InertUnpickler(f).load()
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise CheckpointError(f"{p}: is corrupt: its list of storages is not a list of keys")
+    end = p.stat().st_size
+    cut_short = "the save or copy was cut short, so save or fetch the file again"
+    for key in keys:
+        ref = storages.get(key)
+        if ref is None:
+            raise CheckpointError(
+                f"{p}: is corrupt: it lists data for storage {key}, which no tensor uses"
+            )
+        tensor = owners.get(key, f"storage {key}")
+        head = f.f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{p}: is truncated before the data of {tensor}; {cut_short}")
+        numel = int.from_bytes(head, "little", signed=True)
+        if numel < 0 or (ref.numel >= 0 and numel != ref.numel):
+            raise CheckpointError(
+                f"{p}: is corrupt: the data of {tensor} holds {numel} elements, where the "
+                f"tensor's record says {ref.numel}"
+            )
+        wanted, left = numel * ref.itemsize, end - f.f.tell()
+        if wanted > left:
+            raise CheckpointError(
+                f"{p}: is truncated: the data of {tensor} takes {wanted} bytes, and the file "
+                f"ends {left} bytes later; {cut_short}"
+            )
+        f.f.seek(wanted, os.SEEK_CUR)
+
+
+# ------------------------------------------------------------------------------------ safetensors
+#
+def format_of(p: Path) -> str:
+    """``detect_format(p)``, without importing torch for a safetensors file."""
+    if sniff_safetensors(p):
+        return "safetensors"
+    from ._formats import detect_format
+
+    return detect_format(p)
+
+
+def _describe_safetensors(p: Path) -> list[TensorRecord]:
+    out = []
+    for name, entry in read_safetensors_header(p).items():
+        if name == "__metadata__":
+            continue
+        start, end = entry["data_offsets"]
+        dtype = SAFETENSORS_DTYPES[entry["dtype"]][0]
+        # safetensors stores no device: the reader chooses one
+        nbytes = end - start
+        out.append(TensorRecord(name, "-", dtype, tuple(entry["shape"]), nbytes, p.name, nbytes))
+    return out
+
+
+def describe_file(path: str | os.PathLike[str], /) -> list[TensorRecord]:
+    """Every tensor a checkpoint file holds, read without running its code or needing a GPU.
+
+    >>> import os, tempfile, torch
+    >>> from torchplace.checkpoint._pickle_reader import describe_file
+    >>> path = os.path.join(tempfile.mkdtemp(), "w.pt")
+    >>> torch.save({"w": torch.ones(2, 3)}, path)
+    >>> w = describe_file(path)[0]
+    >>> w.name, w.device, w.dtype, w.shape, w.nbytes, w.shares
+    ('w', 'cpu', 'float32', (2, 3), 24, None)
+    """
+    p = Path(path)
+    return _DESCRIBERS[format_of(p)](p)
+
+
+def index_shards(p: Path) -> list[tuple[str, Path, list[str]]]:
+    """The shards a shard index lists: (name in the index, path, tensor names) each."""
+    mapping = weight_map(p)
+    from ._formats import shards
+
+    return shards(p, mapping)
+
+
+def _describe_index(p: Path) -> list[TensorRecord]:
+    out: list[TensorRecord] = []
+    for shard, shard_path, names in index_shards(p):
+        records = describe_file(shard_path)
+        # A name holds a tensor, or (sparse, quantized) tensors listed under name.part.
+        held = {r.name.rsplit(".", n)[0] for r in records for n in range(r.name.count(".") + 1)}
+        for name in names:
+            if name not in held:
+                raise CheckpointError(
+                    f"{p}: says {name!r} is in {shard!r}, but that shard does not hold it; the "
+                    "index and its shards do not match"
+                )
+        out.extend(records)
+    return out
+
+
+_DESCRIBERS: dict[str, Callable[[Path], list[TensorRecord]]] = {
+    "zip": _describe_zip,
+    "legacy": _describe_legacy,
+    "safetensors": _describe_safetensors,
+    "index": _describe_index,
+}

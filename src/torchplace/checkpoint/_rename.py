@@ -1,0 +1,104 @@
+"""``rename=``: another program's names fitted to the model's before ``load_into`` checks them.
+
+A rename is a callable ``str -> str | None`` (None drops the key) or a dict of regular
+expressions to replacements, applied in order with ``re.sub`` (``{r"^module\\.": ""}`` for a file
+saved from DDP, ``{r"^model\\.": ""}`` for a Lightning module's ``state_dict``).
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, Union
+
+from .._errors import CheckpointError, TorchplaceError
+
+Rename = Union[Callable[[str], Union[str, None]], Mapping[str, str]]  # noqa: UP007
+
+
+def as_renamer(rename: Any, /) -> Callable[[str], str | None]:
+    """``rename`` as one callable, its regular expressions compiled and checked.
+
+    >>> as_renamer({r"^module\\.": "", r"\\.gamma$": ".weight"})("module.norm.gamma")
+    'norm.weight'
+    """
+    if callable(rename):
+        return rename  # type: ignore[no-any-return]
+    if not isinstance(rename, Mapping):
+        raise TorchplaceError(
+            f"rename= takes a callable str -> str | None or a dict of regular expressions to "
+            f"replacements, not {type(rename).__name__}; e.g. rename={{r'^module\\.': ''}}"
+        )
+    rules = []
+    for pattern, replacement in rename.items():
+        if not isinstance(pattern, str) or not isinstance(replacement, str):
+            raise TorchplaceError(
+                f"rename= maps regular expressions (str) to replacements (str), but it holds "
+                f"{pattern!r}: {replacement!r}"
+            )
+        try:
+            rules.append((re.compile(pattern), replacement))
+        except re.error as exc:
+            raise TorchplaceError(
+                f"rename= holds {pattern!r}, which is not a regular expression ({exc})"
+            ) from exc
+
+    def renamer(key: str) -> str:
+        for rule, replacement in rules:
+            key = rule.sub(replacement, key)
+        return key
+
+    return renamer
+
+
+def renamed(
+    label: str, state: Mapping[str, Any], rename: Callable[[str], str | None]
+) -> dict[str, Any]:
+    """``state`` under its new names (keys renamed to None dropped), ``_metadata`` renamed too.
+
+    Two keys renamed to one name would lose one of them: that raises ``CheckpointError`` naming
+    both, as does a callable that returns something other than a str or None.
+    """
+    out: dict[str, Any] = {}
+    source: dict[str, str] = {}
+    for key, value in state.items():
+        try:
+            new = rename(key)
+        except Exception as exc:
+            raise CheckpointError(
+                f"{label}: rename= raised {type(exc).__name__} on key {key!r}: {exc}"
+            ) from exc
+        if new is None:
+            continue
+        if not isinstance(new, str):
+            raise CheckpointError(
+                f"{label}: rename= turned {key!r} into {new!r}; it must return a str (the new "
+                "name) or None (to drop the key)"
+            )
+        if new in out:
+            raise CheckpointError(
+                f"{label}: rename= gives {source[new]!r} and {key!r} the same name {new!r}, so "
+                "one of them would be lost; rename them apart, or drop one (return None for it)"
+            )
+        out[new] = value
+        source[new] = key
+    metadata = getattr(state, "_metadata", None)
+    if isinstance(metadata, Mapping):
+        # Metadata is kept by module path ("" for the root, "bn" for a child); a module's path
+        # is renamed as its keys' common beginning, "bn." is.
+        moved: dict[str, Any] = {}
+        for path, value in metadata.items():
+            if not isinstance(path, str) or not path:
+                moved[path] = value
+                continue
+            try:
+                new = rename(path + ".")
+            except Exception:  # a rename written for keys only: the metadata stays as it was
+                new = path + "."
+            if isinstance(new, str) and new.endswith("."):
+                moved.setdefault(new[:-1], value)
+        result: Any = collections.OrderedDict(out)
+        result._metadata = moved
+        return result  # type: ignore[no-any-return]
+    return out

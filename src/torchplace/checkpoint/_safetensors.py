@@ -1,0 +1,187 @@
+"""The ``.safetensors`` format, read without torch: its dtype names, its header, and the checks
+that every reader of such a file makes before it trusts a byte.
+
+``load``, ``load_into``, the sharded reader, ``inspect`` and ``remap`` all read a safetensors
+header through ``read_header``, so none can accept a file that another refuses. No torch here:
+``torchplace inspect FILE.safetensors`` starts at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import struct
+from pathlib import Path
+from typing import Any
+
+from .._errors import CheckpointError
+
+__all__ = ["DTYPES", "MAX_HEADER", "read_header", "sniff"]
+
+# safetensors dtype names, as written in a file's JSON header -> (torch's name for the dtype,
+# bytes per element).
+DTYPES: dict[str, tuple[str, int]] = {
+    "F64": ("float64", 8),
+    "F32": ("float32", 4),
+    "F16": ("float16", 2),
+    "BF16": ("bfloat16", 2),
+    "I64": ("int64", 8),
+    "I32": ("int32", 4),
+    "I16": ("int16", 2),
+    "I8": ("int8", 1),
+    "U8": ("uint8", 1),
+    "BOOL": ("bool", 1),
+    "C64": ("complex64", 8),
+    "U16": ("uint16", 2),
+    "U32": ("uint32", 4),
+    "U64": ("uint64", 8),
+    "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E5M2": ("float8_e5m2", 1),
+}
+MAX_HEADER = 100 * 1024 * 1024  # a safetensors header larger than this is corrupt
+_MAX_INDEX = 1 << 63  # torch sizes and strides are int64
+_RESAVE = "the file is damaged or was not written by a safetensors writer; save it again"
+
+
+def sniff(p: Path, /) -> bool:
+    """Whether ``p`` looks like a safetensors file: a regular file (not JSON) whose first 8
+    bytes give a header length that fits, followed by ``{``."""
+    try:
+        info = p.stat()
+        if not stat.S_ISREG(info.st_mode) or p.name.endswith(".json"):
+            return False
+        with p.open("rb") as f:
+            head = f.read(9)
+    except OSError:
+        return False
+    if len(head) < 9 or head.startswith(b"PK\x03\x04"):
+        return False
+    (header_len,) = struct.unpack("<Q", head[:8])
+    return head[8:9] == b"{" and header_len <= info.st_size - 8
+
+
+def read_header(path: str | os.PathLike[str], /) -> dict[str, Any]:
+    """The JSON header of a safetensors file, checked whole (see ``_check_layout``); raises
+    ``CheckpointError`` naming the file, and the tensor where one is at fault."""
+    p = Path(path)
+    try:
+        with p.open("rb") as f:
+            raw_len = f.read(8)
+            if len(raw_len) < 8:
+                raise CheckpointError(f"{p}: is truncated (shorter than a safetensors header)")
+            (header_len,) = struct.unpack("<Q", raw_len)
+            size = os.fstat(f.fileno()).st_size
+            if header_len > min(size - 8, MAX_HEADER):
+                raise CheckpointError(
+                    f"{p}: is truncated or corrupt: its safetensors header claims {header_len} "
+                    f"bytes but the file holds {size} bytes"
+                )
+            header = json.loads(f.read(header_len))
+    except OSError as exc:
+        raise CheckpointError(f"{p}: cannot be read ({exc.strerror or exc})") from exc
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # nesting past any limit
+        raise CheckpointError(
+            f"{p}: has a corrupt safetensors header ({type(exc).__name__}: {exc})"
+        ) from exc
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{p}: has a corrupt safetensors header (not a JSON object)")
+    _check_layout(p, header, size - 8 - header_len)
+    return header
+
+
+def _printable(text: Any) -> str:
+    return str(text).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _is_count(n: Any) -> bool:
+    """A JSON number that can size a dimension: an int (not a bool, float or string), >= 0."""
+    return type(n) is int and 0 <= n < _MAX_INDEX
+
+
+def _check_layout(path: Path, header: dict[str, Any], data_len: int) -> None:
+    """Refuse a header no reader should trust: an entry without a known dtype, a list of counts
+    for its shape and two offsets that hold exactly its bytes; a shape whose sizes overflow
+    torch's 64-bit indices; tensors whose bytes overlap, or leave a gap between them or at the
+    end of the file; ``__metadata__`` that is not a map of strings to strings."""
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
+        raise CheckpointError(
+            f"{path}: has corrupt __metadata__ ({_printable(repr(meta))[:200]}): safetensors "
+            f"metadata maps strings to strings; {_RESAVE}"
+        )
+    spans: list[tuple[int, int, str]] = []
+    for name, entry in header.items():
+        if name != "__metadata__":
+            spans.append((*_span(path, name, entry, data_len), name))
+    spans.sort()
+    reached, last = 0, None  # bytes accounted for so far, by tensor ``last``
+    for start, end, name in spans:
+        if start < reached:
+            raise CheckpointError(
+                f"{path}: tensor {name!r} (bytes {start} to {end}) overlaps tensor {last!r} "
+                f"(which ends at byte {reached}): each tensor owns its bytes; {_RESAVE}"
+            )
+        if start > reached:
+            after = f"after tensor {last!r}" if last is not None else "at the start of the data"
+            raise CheckpointError(
+                f"{path}: tensor {name!r} starts at byte {start}, leaving {start - reached} "
+                f"bytes {after} that no tensor holds; {_RESAVE}"
+            )
+        reached, last = end, name
+    if reached != data_len:
+        after = f"after tensor {last!r}" if last is not None else "in a file of no tensors"
+        raise CheckpointError(
+            f"{path}: is truncated or corrupt: it holds {data_len} bytes of data, and "
+            f"{data_len - reached} bytes {after} are no tensor's; {_RESAVE}"
+        )
+
+
+def _span(path: Path, name: str, entry: Any, data_len: int) -> tuple[int, int]:
+    """One entry's data offsets, checked against its dtype, shape and the data's length."""
+    where = f"{path}: tensor {name!r}"
+    if not isinstance(entry, dict):
+        raise CheckpointError(
+            f"{where} has a corrupt entry ({_printable(repr(entry))[:200]}): it should map "
+            f"dtype, shape and data_offsets; {_RESAVE}"
+        )
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPES:
+        raise CheckpointError(
+            f"{where} has dtype {dtype!r}, which this version of torch cannot hold "
+            f"(supported: {', '.join(sorted(DTYPES))})"
+        )
+    if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
+        raise CheckpointError(
+            f"{where} has shape {shape!r}, which is not a list of non-negative integers; {_RESAVE}"
+        )
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
+        raise CheckpointError(
+            f"{where} has data_offsets {offsets!r}, which are not two non-negative integers; "
+            f"{_RESAVE}"
+        )
+    extent, numel = 1, 1
+    for n in shape:
+        extent *= max(n, 1)  # what torch's strides multiply up to, even beside a 0
+        numel *= n
+    if extent >= _MAX_INDEX:
+        raise CheckpointError(
+            f"{where} has shape {shape}, whose sizes multiply past 2**63 (its size overflows): "
+            f"torch cannot index it; {_RESAVE}"
+        )
+    start, end = offsets
+    nbytes = numel * DTYPES[dtype][1]
+    if nbytes >= _MAX_INDEX:
+        raise CheckpointError(
+            f"{where} has shape {shape}, which would take {nbytes} bytes of {dtype}, more than "
+            f"any tensor can hold (its size overflows); {_RESAVE}"
+        )
+    if not start <= end <= data_len or end - start != nbytes:
+        raise CheckpointError(
+            f"{path}: is truncated or corrupt: tensor {name!r} ({dtype}, shape {shape}) "
+            f"takes {nbytes} bytes, which do not fit its data offsets {offsets} in the "
+            f"file's {data_len} bytes of data"
+        )
+    return start, end

@@ -1,0 +1,293 @@
+"""``torchplace bench``: how fast bytes cross between host and device, copy by copy.
+
+For each direction it times one large copy from pageable and from pinned host memory, then a
+few hundred small tensors copied one by one with ``.to()`` and as one consolidated copy. Each
+figure is given in GB/s and as a fraction of the best single large copy in that direction,
+which is what the hardware can do. Without an accelerator it says so and times what the host
+can do alone: a large memory copy, and the small tensors cloned one by one or packed and split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from .._devices import device as _parse_device
+from .._errors import TorchplaceError, first_line
+from ..moving._consolidate import consolidated_copy, pack_and_copy
+
+__all__ = ["Measurement", "measure", "register"]
+
+_SMALL_NUMELS = (256, 1024, 4096)  # float32 elements: 1, 4 and 16 KiB, in turn
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One timed copy: which way, of what, how fast, and how close to the best large copy."""
+
+    direction: str  # "host-to-device", "device-to-host" or "host" (no accelerator)
+    copy: str  # "pageable", "pinned", "per-tensor" or "consolidated"
+    bytes: int
+    tensors: int
+    seconds: float
+    gb_per_s: float
+    fraction: float  # of the best single large copy in the same direction
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``bench`` sub-command to the ``torchplace`` command line.
+
+    >>> import argparse
+    >>> from torchplace.cli._bench import register
+    >>> parser = argparse.ArgumentParser(prog="torchplace")
+    >>> register(parser.add_subparsers(dest="command"))
+    >>> args = parser.parse_args(["bench", "--device", "cpu", "--json"])
+    >>> args.device, args.json, args.size, args.tensors
+    ('cpu', True, 256, 500)
+    """
+    parser = subparsers.add_parser(
+        "bench",
+        help="copy bandwidth: pageable, pinned, per-tensor and consolidated",
+        description=(
+            "Time host-to-device and device-to-host copies (pageable, pinned, many small "
+            "tensors one by one and consolidated) and give each as GB/s and as a fraction of "
+            "the best single large copy."
+        ),
+    )
+    parser.add_argument(
+        "--device", default=None, help="device to measure (default: this machine's accelerator)"
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--size", type=_positive, default=256, metavar="MIB", help="MiB in the large copies"
+    )
+    parser.add_argument(
+        "--tensors", type=_positive, default=500, metavar="N", help="number of small tensors"
+    )
+    parser.add_argument(
+        "--repeat", type=_positive, default=5, metavar="R", help="timed runs (best kept)"
+    )
+    parser.set_defaults(func=run)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number above 0, got {text!r}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``torchplace bench`` with parsed arguments: 0 when measured, 1 when the copies could
+    not run (out of memory), 2 for a bad device or size."""
+    try:
+        target, note = _choose(args.device)
+    except TorchplaceError as exc:
+        print(f"torchplace bench: {exc}", file=sys.stderr)
+        return 2
+    if args.size << 20 >= 1 << 63:  # torch sizes are 64-bit: past that, not even an allocation
+        print(
+            f"torchplace bench: --size {args.size} MiB is more bytes than a tensor can hold; "
+            "try a smaller --size",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        results = measure(target, size=args.size << 20, tensors=args.tensors, repeat=args.repeat)
+    except (RuntimeError, MemoryError) as exc:  # out of host or device memory, a failing device
+        print(
+            f"torchplace bench: the copies of --size {args.size} MiB and --tensors "
+            f"{args.tensors} could not run on {target} ({first_line(exc)}); try a smaller --size",
+            file=sys.stderr,
+        )
+        return 1
+    if args.json:
+        payload = {
+            "device": str(target),
+            "accelerator": target.type != "cpu",
+            "note": note,
+            "size_bytes": args.size << 20,
+            "tensors": args.tensors,
+            "results": [asdict(m) for m in results],
+        }
+        print(json.dumps(payload, indent=2))
+    else:
+        _render(target, note, results)
+    return 0
+
+
+def _choose(spec: str | None) -> tuple[torch.device, str | None]:
+    """The device to measure and, when there is no accelerator, a note saying so."""
+    auto = spec is None or spec.strip().lower() == "auto"
+    if spec is None:
+        target = _parse_device("auto")
+    else:
+        try:
+            # "0" on a command line means accelerator 0, as the int 0 does in Python.
+            target = _parse_device(int(spec) if spec.strip().isdecimal() else spec)
+        except TorchplaceError as exc:
+            raise type(exc)(f"--device {spec}: {exc}") from exc
+    if target.type == "meta":
+        raise TorchplaceError(
+            "--device meta: meta tensors have no data, so no copy can be timed; "
+            "use cpu or an accelerator"
+        )
+    if target.type != "cpu":
+        return target, None
+    why = "no accelerator was found" if auto else "the CPU was asked for"
+    return target, (
+        f"{why}: only host memory copies were measured (a large copy, small tensors cloned one "
+        "by one and packed/split as in a consolidated copy); pinned memory needs an accelerator"
+    )
+
+
+def measure(
+    target: torch.device, /, *, size: int = 256 << 20, tensors: int = 500, repeat: int = 5
+) -> list[Measurement]:
+    """Time the copies for ``target`` (an accelerator, or the CPU alone).
+
+    >>> import torch
+    >>> from torchplace.cli._bench import measure
+    >>> rows = measure(torch.device("cpu"), size=1 << 20, tensors=10, repeat=1)
+    >>> [(m.direction, m.copy) for m in rows]  # doctest: +NORMALIZE_WHITESPACE
+    [('host', 'pageable'), ('host', 'per-tensor'), ('host', 'consolidated')]
+    """
+    numel = max(size // 4, 1)
+    small = [torch.rand(_SMALL_NUMELS[i % len(_SMALL_NUMELS)]) for i in range(tensors)]
+    small_bytes = sum(t.nbytes for t in small)
+    rows: list[tuple[str, str, int, int, float]] = []
+
+    if target.type == "cpu":
+        sync: Callable[[], None] = _no_sync
+        src = torch.rand(numel)
+        dst = torch.empty_like(src)
+        rows.append(
+            ("host", "pageable", src.nbytes, 1, _time(lambda: dst.copy_(src), sync, repeat))
+        )
+        rows.append(
+            (
+                "host",
+                "per-tensor",
+                small_bytes,
+                tensors,
+                _time(lambda: [t.clone() for t in small], sync, repeat),
+            )
+        )
+        pack = lambda: pack_and_copy(small, target, pin=False, non_blocking=False)  # noqa: E731
+        rows.append(("host", "consolidated", small_bytes, tensors, _time(pack, sync, repeat)))
+        return _rates(rows)
+
+    sync = _sync_for(target)
+    pinned_ok = target.type == "cuda"
+    host = torch.rand(numel)
+    on_device = torch.empty(numel, device=target)
+    h2d, d2h = "host-to-device", "device-to-host"
+    rows.append(
+        (h2d, "pageable", host.nbytes, 1, _time(lambda: on_device.copy_(host), sync, repeat))
+    )
+    if pinned_ok:
+        pinned = host.pin_memory()
+        copy_pinned = lambda: on_device.copy_(pinned, non_blocking=True)  # noqa: E731
+        rows.append((h2d, "pinned", host.nbytes, 1, _time(copy_pinned, sync, repeat)))
+    per_tensor = lambda: [t.to(target) for t in small]  # noqa: E731
+    rows.append((h2d, "per-tensor", small_bytes, tensors, _time(per_tensor, sync, repeat)))
+    together = lambda: consolidated_copy(small, target)  # noqa: E731
+    rows.append((h2d, "consolidated", small_bytes, tensors, _time(together, sync, repeat)))
+
+    cpu = torch.device("cpu")
+    back = torch.empty(numel)
+    rows.append(
+        (d2h, "pageable", back.nbytes, 1, _time(lambda: back.copy_(on_device), sync, repeat))
+    )
+    if pinned_ok:
+        landing = torch.empty(numel, pin_memory=True)
+        copy_back = lambda: landing.copy_(on_device, non_blocking=True)  # noqa: E731
+        rows.append((d2h, "pinned", back.nbytes, 1, _time(copy_back, sync, repeat)))
+    small_on_device = [t.to(target) for t in small]
+    each_back = lambda: [t.to(cpu) for t in small_on_device]  # noqa: E731
+    rows.append((d2h, "per-tensor", small_bytes, tensors, _time(each_back, sync, repeat)))
+    all_back = lambda: consolidated_copy(small_on_device, cpu)  # noqa: E731
+    rows.append((d2h, "consolidated", small_bytes, tensors, _time(all_back, sync, repeat)))
+    return _rates(rows)
+
+
+def _no_sync() -> None:
+    return None
+
+
+def _sync_for(target: torch.device) -> Callable[[], None]:
+    if target.type == "cuda":
+        return lambda: torch.cuda.synchronize(target)
+    module = getattr(torch, target.type, None)
+    synchronize = getattr(module, "synchronize", None)
+    if callable(synchronize):
+        return lambda: synchronize()
+    return _no_sync
+
+
+def _time(fn: Callable[[], object], sync: Callable[[], None], repeat: int) -> float:
+    """Best wall-clock seconds of ``fn`` over ``repeat`` runs, after one warm-up run.
+
+    The best run, not the median: what is measured is what the hardware can do, and slower runs
+    measure whatever else the machine was doing.
+    """
+    fn()
+    sync()
+    times = []
+    for _ in range(repeat):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return max(min(times), 1e-9)
+
+
+def _rates(rows: list[tuple[str, str, int, int, float]]) -> list[Measurement]:
+    best: dict[str, float] = {}
+    for direction, copy, nbytes, _, seconds in rows:
+        if copy in ("pageable", "pinned"):  # the large copies (--tensors 1 makes others single)
+            best[direction] = max(best.get(direction, 0.0), nbytes / seconds / 1e9)
+    out = []
+    for direction, copy, nbytes, count, seconds in rows:
+        rate = nbytes / seconds / 1e9
+        out.append(
+            Measurement(direction, copy, nbytes, count, seconds, rate, rate / best[direction])
+        )
+    return out
+
+
+def _render(target: torch.device, note: str | None, results: list[Measurement]) -> None:
+    from rich.console import Console  # rich loads only when rendering
+    from rich.table import Table
+
+    table = Table(title=f"torchplace bench: copies with {target}", caption=note)
+    for name, justify in (
+        ("direction", "left"),
+        ("copy", "left"),
+        ("size", "right"),
+        ("tensors", "right"),
+        ("GB/s", "right"),
+        ("of best", "right"),
+    ):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for m in results:
+        table.add_row(
+            m.direction,
+            m.copy,
+            f"{m.bytes / 2**20:.1f} MiB",
+            str(m.tensors),
+            f"{m.gb_per_s:.2f}",
+            f"{m.fraction:.0%}",
+        )
+    Console().print(table)

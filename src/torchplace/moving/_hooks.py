@@ -1,0 +1,66 @@
+"""What ``dispatch`` leaves on a model: the marker on each hooked module and its removal.
+
+``move`` gathers a dispatched model back onto one device with ``is_dispatched`` and
+``undispatch``; ``dispatch`` installs what they remove. Both import this module, not each other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["MARK", "Installed", "is_dispatched", "undispatch"]
+
+MARK = "_torchplace_dispatch"
+
+
+@dataclasses.dataclass
+class Installed:
+    """What dispatch put on one module, so that undispatch can take it all away."""
+
+    handles: list[torch.utils.hooks.RemovableHandle]
+    wrapped_forward: bool = False
+    previous_forward: Any = None  # an instance-level forward that was there before, if any
+
+
+def _marked(module: nn.Module) -> Iterator[nn.Module]:
+    for sub in module.modules():
+        if MARK in sub.__dict__:
+            yield sub
+
+
+def is_dispatched(module: nn.Module, /) -> bool:
+    """Whether ``dispatch`` left hooks on ``module`` or any of its submodules.
+
+    >>> import torch, torchplace
+    >>> from torchplace.moving._hooks import is_dispatched
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    >>> is_dispatched(model), is_dispatched(torchplace.dispatch(model, {"": "cpu"}))
+    (False, True)
+    """
+    return next(_marked(module), None) is not None
+
+
+def undispatch(module: nn.Module, /) -> None:
+    """Remove every hook and marker ``dispatch`` installed, moving no tensor.
+
+    >>> import torch, torchplace
+    >>> from torchplace.moving._hooks import is_dispatched, undispatch
+    >>> model = torchplace.dispatch(torch.nn.Sequential(torch.nn.Linear(2, 2)), {"": "cpu"})
+    >>> undispatch(model)
+    >>> is_dispatched(model)
+    False
+    """
+    for sub in list(_marked(module)):
+        installed: Installed = sub.__dict__.pop(MARK)
+        for handle in installed.handles:
+            handle.remove()
+        if installed.wrapped_forward:
+            if installed.previous_forward is None:
+                sub.__dict__.pop("forward", None)
+            else:
+                sub.__dict__["forward"] = installed.previous_forward

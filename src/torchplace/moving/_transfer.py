@@ -1,0 +1,357 @@
+"""Copying tensors to a device: the one engine behind ``move`` and ``DeviceLoader``.
+
+Every byte a move sends travels through ``copy_tensor``. ``Copier`` copies each distinct
+tensor once for one move: many small host tensors packed into one consolidated copy
+(``_consolidate``), large pageable ones staged through pinned buffers (``_staging``), the
+rest one by one with ``non_blocking`` chosen per (source, target) (``choose_non_blocking``),
+and the host syncs it owes remembered. ``tensor_mover`` decides once per target what a batch
+move can decide once. ``object_to`` is the one rule for objects with a ``.to`` of their own.
+The loader uses ``consolidate_small`` and ``pinned_copy`` on its own stream.
+
+To copy one host tensor to a device, staged: ``Copier(device, None).copy(t, device)`` then
+``synchronize()``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from .._devices import free_memory
+from .._errors import MoveError, first_line
+from .._sizes import format_bytes
+from .._tensor_size import nbytes
+from ._consolidate import consolidated_copy, should_consolidate, small_host_tensors
+from ._staging import Stager, stageable
+
+__all__ = [
+    "Copier",
+    "CopyFailed",
+    "choose_non_blocking",
+    "consolidate_small",
+    "copy_tensor",
+    "is_accelerator",
+    "object_to",
+    "own_to",
+    "pinned_copy",
+    "tensor_mover",
+]
+
+
+def copy_tensor(t: torch.Tensor, target: torch.device, non_blocking: bool) -> torch.Tensor:
+    """One tensor's copy to ``target``; the single place every byte of a move travels through."""
+    return t.to(target, non_blocking=non_blocking)
+
+
+_COPY_TENSOR = copy_tensor
+
+
+def is_accelerator(dev: torch.device) -> bool:
+    return dev.type not in ("cpu", "meta")
+
+
+def choose_non_blocking(
+    t: torch.Tensor, target: torch.device, requested: bool | None, *, batch: bool = False
+) -> bool:
+    """The ``non_blocking=None`` policy: async from pinned host memory and between devices.
+
+    Device-to-host copies of batch tensors are asynchronous too (``move`` waits for them by
+    event before it returns). Those of a model's or optimizer's tensors are not: PyTorch gives
+    an asynchronous device-to-host copy a pinned result, and a whole model should not land in
+    page-locked memory, which the host allocator rounds up and keeps.
+    """
+    if requested is not None:
+        return requested
+    source = t.device
+    if source.type == "meta" or target.type == "meta":
+        return False
+    if source.type == "cpu":
+        return is_accelerator(target) and t.is_pinned()
+    if target.type == "cpu":
+        return batch
+    return True  # device-to-device: PyTorch orders it on both devices' streams
+
+
+class CopyFailed(Exception):
+    """A copy that failed, before anyone knew the tensor's name."""
+
+    def __init__(self, t: torch.Tensor, target: torch.device, cause: BaseException | None) -> None:
+        super().__init__(cause)
+        self.tensor = t
+        self.target = target
+        self.cause = cause
+
+    note = ""  # said after the message of a tensor on meta (what else the move would lose)
+
+    def message(self, name: str) -> str:
+        if self.cause is None:  # the note is for the model's tensors, not the state's own
+            note = "" if ".state[" in name else self.note
+            return meta_message(name, self.target) + note
+        return failure(name, self.tensor, self.target, self.cause)
+
+
+def meta_message(name: str, target: torch.device) -> str:
+    head = (
+        f"{name} is on meta, which holds shapes but no data, so it cannot be copied to "
+        f"{target} ('Cannot copy out of meta tensor')"
+    )
+    if ".state[" in name:  # an optimizer's: load_into does not fill those
+        return (
+            f"{head}; its values were lost when the optimizer's state moved to meta: clear it "
+            "with opt.state.clear() (the optimizer starts afresh at its next step) or load a "
+            "saved one with opt.load_state_dict(saved), then move again. Nothing was moved"
+        )
+    if name.endswith(".grad"):
+        return (
+            f"{head}; a gradient on meta has no values: drop it with model.zero_grad(), then "
+            "move again. Nothing was moved"
+        )
+    return (
+        f"{head}; load its values with torchplace.load_into(model, checkpoint, '{target}') or "
+        f"allocate it with model.to_empty(device='{target}') and initialise it. Nothing was moved"
+    )
+
+
+def describe_tensor(t: torch.Tensor) -> str:
+    """``4x8 float32, 128 B``; for a tensor with no plain shape (nested), its layout instead."""
+    dtype = str(t.dtype).replace("torch.", "")
+    try:
+        shape = "x".join(str(s) for s in t.shape) or "scalar"
+        return f"{shape} {dtype}, {format_bytes(nbytes(t))}"
+    except Exception:  # a nested tensor has no sizes, and says so by raising
+        kind = "nested" if t.is_nested else str(t.layout).replace("torch.", "")
+        return f"a {kind} {dtype} tensor"
+
+
+def _first_line(exc: BaseException) -> str:
+    """The gist of an error: its first line, or first sentence when that line runs long (a
+    dispatcher error lists every backend it knows); the whole error stays chained."""
+    line = first_line(exc)
+    if len(line) > 300:
+        end = line.find(". ", 40)
+        line = (line[: end + 1] if end > 0 else line[:300] + "...") + " (full error chained)"
+    return line
+
+
+def failure(name: str, t: torch.Tensor, target: torch.device, exc: BaseException) -> str:
+    text = (
+        f"could not move {name} ({describe_tensor(t)}) from {t.device} to {target}: "
+        f"{_first_line(exc)}"
+    )
+    free = free_memory(target) if is_accelerator(target) else None
+    if free is not None:
+        text += f" ({format_bytes(free)} free on {target})"
+    return text + "; nothing was moved"
+
+
+class Copier:
+    """Copies tensors for one move, each distinct tensor once, remembering host syncs owed."""
+
+    def __init__(self, target: torch.device, non_blocking: bool | None) -> None:
+        self.target = target
+        self.non_blocking = non_blocking
+        self.copies: dict[int, torch.Tensor] = {}
+        self.sync_sources: set[torch.device] = set()
+        # id(copy of a parameter) -> the parameter that now holds it, so that a batch holding
+        # both a model and one of its parameters gets the model's own parameter back.
+        self.finals: dict[int, torch.Tensor] = {}
+        self.stagers: dict[torch.device, Stager] = {}
+        # Non-persistent buffers whose values a move to meta discards, to warn about.
+        self.discarded: list[str] = []
+        # Said after the error for a model tensor on meta: the optimizers' state lost too.
+        self.meta_note = ""
+
+    def _stager(self, target: torch.device) -> Stager:
+        stager = self.stagers.get(target)
+        if stager is None:
+            stager = self.stagers[target] = Stager(target)
+        return stager
+
+    def prefill(self, tensors: Iterable[torch.Tensor], *, detach: bool = False) -> None:
+        """Send many small host tensors bound for an accelerator as one consolidated copy.
+
+        The results wait in ``copies`` for ``copy`` to hand out. ``detach`` (module moves, done
+        without autograd) lets parameters travel as plain data. Any failure here falls back to
+        per-tensor copies, which then name the tensor that cannot travel.
+        """
+        if not is_accelerator(self.target):
+            return
+        unique: dict[int, torch.Tensor] = {}
+        for t in tensors:
+            if t.is_cpu and id(t) not in self.copies:
+                unique.setdefault(id(t), t)
+        originals = list(unique.values())
+        todo = [t.detach() for t in originals] if detach else originals
+        small = {id(t) for t in small_host_tensors(todo)}  # large ones go through the stager
+        originals = [t for t, d in zip(originals, todo, strict=True) if id(d) in small]
+        todo = [d for d in todo if id(d) in small]
+        if not should_consolidate(todo, self.target):
+            return
+        try:
+            results = consolidated_copy(
+                todo, self.target, non_blocking=self.non_blocking is not False
+            )
+        except Exception:
+            return
+        for t, new in zip(originals, results, strict=True):
+            self.copies[id(t)] = new
+
+    def copy(self, t: torch.Tensor, target: torch.device, *, batch: bool = False) -> torch.Tensor:
+        """``t`` on ``target``; raises ``CopyFailed`` (no name known here) when it cannot.
+
+        ``batch`` marks tensors of a batch, as opposed to a model's or optimizer's.
+        """
+        if t.device == target:
+            return t
+        done = self.copies.get(id(t))
+        if done is not None and done.device == target:
+            return done
+        if t.is_meta:
+            failed = CopyFailed(t, target, None)
+            if self.meta_note:
+                failed.note = self.meta_note
+            raise failed
+        staged = stageable(t, target)  # asks is_pinned (a driver call) once for both
+        asynchronous = not staged and choose_non_blocking(t, target, self.non_blocking, batch=batch)
+        try:
+            if staged:
+                new = self._stager(target).copy(t)
+            else:
+                new = copy_tensor(t, target, asynchronous)
+        except Exception as exc:
+            raise CopyFailed(t, target, exc) from exc
+        if asynchronous and target.type == "cpu" and is_accelerator(t.device):
+            self.sync_sources.add(t.device)
+        self.copies[id(t)] = new
+        return new
+
+    def __call__(
+        self, t: torch.Tensor, name: str, target: torch.device | None = None
+    ) -> torch.Tensor:
+        """``copy`` for a tensor whose name is known: failures become ``MoveError``."""
+        try:
+            return self.copy(t, self.target if target is None else target)
+        except CopyFailed as failed:
+            raise MoveError(failed.message(name), name=name) from failed.cause
+
+    def synchronize(self) -> None:
+        """Wait, by event, for device-to-host copies so no caller reads bytes not yet there.
+
+        With ``non_blocking=False`` also for staged host-to-device copies, as ``.to()`` would.
+        """
+        if self.non_blocking is False:
+            for stager in self.stagers.values():
+                stager.synchronize()
+        for source in self.sync_sources:
+            if source.type == "cuda":
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(torch.cuda.current_stream(source))
+                event.synchronize()
+            elif source.type == "mps":
+                torch.mps.synchronize()  # one device, no argument
+            else:
+                module = getattr(torch, source.type, None)
+                if module is not None and hasattr(module, "synchronize"):
+                    module.synchronize(source)
+
+
+def tensor_mover(target: torch.device, copier: Copier) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The per-tensor step of a batch move, decided once per target rather than per tensor.
+
+    Moving a batch to where it already is must cost next to nothing, so the "already there?"
+    test avoids building a ``torch.device`` per tensor (``t.device`` is the slowest way to ask).
+    Towards meta no bytes travel: nothing to stage, pack or wait for, so a tensor seen for the
+    first time is copied straight away, and one seen before (a batch may hold it twice) comes
+    back as the same copy.
+    """
+    copy = copier.copy
+    if target.type == "cpu":
+        return lambda t: t if t.is_cpu else copy(t, target, batch=True)
+    if target.type == "meta":
+        copies = copier.copies
+        copy_one = copy_tensor  # read now: a test may have replaced it
+        # The genuine copy_tensor is t.to(target): called without its frame, a third of the
+        # cost of a tensor sent to meta. A test that replaces copy_tensor gets it called.
+        direct: Callable[[torch.Tensor, torch.device], torch.Tensor] = (
+            torch.Tensor.to
+            if copy_one is _COPY_TENSOR
+            else lambda t, target: copy_one(t, target, False)
+        )
+
+        def to_meta(t: torch.Tensor) -> torch.Tensor:
+            if t.is_meta:  # a batch already there costs next to nothing
+                return t
+            try:  # a tensor met twice comes back as its first copy (no bytes: copying is free)
+                return copies.setdefault(id(t), direct(t, target))
+            except Exception as exc:
+                raise CopyFailed(t, target, exc) from exc
+
+        return to_meta
+    if target.type == "cuda":
+        index = target.index
+        return lambda t: t if t.is_cuda and t.get_device() == index else copy(t, target, batch=True)
+    return lambda t: copy(t, target, batch=True)
+
+
+def own_to(node: Any, target: torch.device, *, asynchronous: bool) -> Any:
+    """``node.to(target)`` for an object with its own ``.to``, called on a shallow copy.
+
+    Some such methods work in place and return ``self`` (a tokenizer's BatchEncoding): the
+    copy keeps the caller's object as it was, as for any other batch. A result that is not of
+    the object's kind (``None``, from a ``.to`` that forgot to return) is refused.
+    """
+    try:
+        subject = copy.copy(node)
+    except Exception:  # an object that cannot be copied is asked as it is
+        subject = node
+    # Asynchronous only towards an accelerator: nothing here could wait for a host copy.
+    result = object_to(subject, target, non_blocking=asynchronous and is_accelerator(target))
+    if not isinstance(result, type(node)):
+        cls = type(node).__name__
+        raise TypeError(
+            f"its own {cls}.to() returned {type(result).__name__} instead of the moved "
+            f"{cls}; a .to() must return the moved object (return self when it works in place)"
+        )
+    return result
+
+
+def object_to(obj: Any, target: torch.device, *, non_blocking: bool) -> Any:
+    """``obj.to(target, non_blocking=...)`` for an object with a ``.to`` of its own.
+
+    One that takes no ``non_blocking`` (an older tokenizer output) is asked again without it;
+    any other TypeError is its own and is raised.
+    """
+    if non_blocking:
+        try:
+            return obj.to(target, non_blocking=True)
+        except TypeError as exc:
+            if "non_blocking" not in str(exc):
+                raise
+    return obj.to(target)
+
+
+def pinned_copy(
+    t: torch.Tensor, target: torch.device, *, pin: bool, non_blocking: bool
+) -> torch.Tensor:
+    """``t`` on ``target``, through pinned host memory when ``pin`` asks (the loader's copy)."""
+    if t.device == target:
+        return t
+    if pin and t.is_cpu and not t.is_pinned():
+        t = t.pin_memory()
+    return copy_tensor(t, target, non_blocking)
+
+
+def consolidate_small(
+    tensors: Iterable[torch.Tensor], target: torch.device, *, non_blocking: bool
+) -> dict[int, torch.Tensor]:
+    """The small host tensors among ``tensors``, packed into one copy to ``target`` when that
+    pays (``_consolidate.should_consolidate``): id(tensor) -> its copy; empty otherwise.
+    Raises what the packed copy raised."""
+    small = small_host_tensors(tensors)
+    if not should_consolidate(small, target):
+        return {}
+    outs = consolidated_copy(small, target, non_blocking=non_blocking)
+    return {id(t): out for t, out in zip(small, outs, strict=True)}

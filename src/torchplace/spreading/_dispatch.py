@@ -1,0 +1,401 @@
+"""Running a model across several devices: ``dispatch`` places it by a device map.
+
+``dispatch(model, device_map)`` places each submodule on its device and installs hooks that
+move inputs to each submodule as it runs; the output comes back to the device of the input.
+
+A device map names modules (``""`` is the whole model). A tensor goes to the device of the most
+specific name that contains it, so ``{"": "cuda:0", "head": "cuda:1"}`` puts everything on
+``cuda:0`` except ``head``. ``undispatch`` removes every hook without moving anything, and
+``is_dispatched`` tells whether a model carries them: ``torchplace.move`` gathers a dispatched
+model back onto one device with these two.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._devices import device as _device
+from .._errors import (
+    DeviceMismatchError,
+    DeviceSpecError,
+    MoveError,
+    TorchplaceError,
+    first_line,
+)
+from .._model_walk import ModelTree, display, walk_model
+from .._tree import Located, iter_leaves, map_tensors
+from ..moving._hooks import MARK, Installed, is_dispatched, undispatch
+from ..moving._move import place
+
+__all__ = [
+    "dispatch",
+    "is_dispatched",
+    "undispatch",
+]
+
+DeviceMapSpec = Mapping[str, str | int | torch.device]  # module name -> device
+
+_DEVICE_ERROR = re.compile(
+    r"same device|expected device|two devices|different devices|wrong device|"
+    r"expected all tensors|to be on the device|is on device",
+    re.IGNORECASE,
+)
+
+
+def _to(obj: Any, dev: torch.device, *, keep_meta: bool = False) -> Any:
+    """``obj`` with every tensor on ``dev``, by the collection rules of ``move`` (objects with
+    their own ``.to`` use it); containers with nothing to move come back as the same object.
+    With ``keep_meta``, meta tensors stay where they are. Errors surface as they were raised."""
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        if t.device == dev or (keep_meta and t.is_meta):
+            return t
+        return t.to(dev)
+
+    try:
+        return map_tensors(obj, one, to=lambda o: o.to(dev), root="input")
+    except Located as located:
+        raise located.cause from located.cause.__cause__
+
+
+def _first_device(obj: Any) -> torch.device | None:
+    """The device of the first tensor in nested inputs, or None when there is none.
+
+    It walks with the tree walker of ``move`` (``iter_leaves``), so that every collection the
+    hooks move an input out of (dataclasses, objects with their own ``.to``, mappings of any
+    kind) also gives the output its way back. A cyclic input is not followed round its cycle:
+    the model may accept what torchplace would refuse to move.
+    """
+    for _, leaf in iter_leaves(obj, "input", skip_cycles=True):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.device
+    return None
+
+
+def _parse_device_map(tree: ModelTree, device_map: object) -> dict[str, torch.device]:
+    if not isinstance(device_map, Mapping):
+        raise DeviceSpecError(
+            f"device_map must be a dict of module name -> device such as "
+            f"{{'encoder': 'cuda:0', 'decoder': 'cuda:1'}} (plan() makes one), "
+            f"not {type(device_map).__name__}"
+        )
+    names = list(tree.modules)
+    entries: dict[str, torch.device] = {}
+    for name, spec in device_map.items():
+        where = f"device_map[{name!r}]"
+        if not isinstance(name, str):
+            raise DeviceSpecError(f"{where}: keys are module names (strings), '' for the model")
+        if name not in tree.modules:
+            owned = [key for key, qualified in tree.owners.items() if name in qualified]
+            if owned:
+                module = name.rpartition(".")[0]
+                raise DeviceSpecError(
+                    f"{where}: {display(name)} is a tensor, not a module; map the module that "
+                    f"holds it, {module!r}"
+                )
+            guess = difflib.get_close_matches(name, names, n=3)
+            hint = f"did you mean {' or '.join(repr(g) for g in guess)}? " if guess else ""
+            raise DeviceSpecError(
+                f"{where}: the model has no submodule {name!r}; {hint}keys are names from "
+                "model.named_modules(), and '' is the whole model"
+            )
+        try:
+            entries[name] = _device(spec)
+        except TorchplaceError as err:
+            raise type(err)(f"{where}: {err}") from None
+    return entries
+
+
+def _resolve(path: str, entries: dict[str, torch.device]) -> torch.device | None:
+    """The device of the most specific map entry that contains ``path``."""
+    probe = path
+    while True:
+        if probe in entries:
+            return entries[probe]
+        if not probe:
+            return None
+        probe = probe.rpartition(".")[0]
+
+
+def _targets(tree: ModelTree, entries: dict[str, torch.device]) -> dict[int, torch.device]:
+    """Each tensor's device under the map; errors for uncovered tensors and split ties."""
+    targets: dict[int, torch.device] = {}
+    uncovered: list[str] = []
+    for key, owners in tree.owner_modules.items():
+        devices = {path: _resolve(path, entries) for path in owners}
+        found = {dev for dev in devices.values() if dev is not None}
+        if len(found) > 1:
+            names = tree.owners[key]
+            placed = ", ".join(f"{display(p)} on {d}" for p, d in devices.items())
+            raise DeviceSpecError(
+                f"{display(names[0])} is tied to {', '.join(map(display, names[1:]))} but the "
+                f"map splits its holders ({placed}); one tensor has one device, so map "
+                f"{' and '.join(repr(p) for p in owners)} to the same device"
+            )
+        if None in devices.values():
+            uncovered.append(tree.owners[key][0])
+            continue
+        (targets[key],) = found
+    if uncovered:
+        shown = ", ".join(display(n) for n in uncovered[:5])
+        more = f" and {len(uncovered) - 5} more" if len(uncovered) > 5 else ""
+        first = uncovered[0].rpartition(".")[0]
+        raise DeviceSpecError(
+            f"the device map leaves {shown}{more} without a device; add an entry for "
+            f"{first!r} or one of its parents ('' covers the whole model)"
+        )
+    return targets
+
+
+def _place(tree: ModelTree, targets: dict[int, torch.device]) -> None:
+    """Move each tensor once to its target, keeping ties and identity; all or nothing."""
+    place(tree.modules[""], targets)
+
+
+# The hooks are small classes rather than closures, so a dispatched model can still be
+# deep-copied (each copy calling its own modules) and pickled.
+
+
+class _Origins:
+    """The devices of the inputs of the model's calls in progress, one stack per thread, so
+    that two threads running one dispatched model each get their own output back. Copies and
+    pickles start empty (a thread-local cannot be copied)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    @property
+    def stack(self) -> list[torch.device | None]:
+        stack: list[torch.device | None] | None = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._local = threading.local()
+
+
+class _MoveInputs:
+    """Forward pre-hook: every tensor input to ``device``; on the model itself it also notes
+    the device of the first input, so that the output can go back there."""
+
+    def __init__(self, device: torch.device | None, origins: _Origins | None, path: str) -> None:
+        self.device = device
+        self.origins = origins
+        self.path = path
+
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, Any] | None:
+        if self.origins is not None:
+            if args and isinstance(args[0], torch.Tensor):  # the usual call, without a walk
+                self.origins.stack.append(args[0].device)
+            else:
+                self.origins.stack.append(_first_device((args, kwargs)))
+        if self.device is None:
+            return None
+        try:
+            return _to(args, self.device), _to(kwargs, self.device)
+        except NotImplementedError as err:  # "Cannot copy out of meta tensor"
+            if _first_device((args, kwargs)) != torch.device("meta"):
+                raise
+            raise MoveError(
+                f"{display(self.path)} ({type(module).__name__}) runs on {self.device} but got "
+                "an input on meta, which holds no data (an earlier part of the model is on "
+                f"meta); map the parts before it to meta as well, or load real weights"
+            ) from err
+
+
+class _ReturnOutput:
+    """Forward hook on the model (also run when forward raises): the output goes back to the
+    device of the input; outputs on ``meta`` hold no data and stay."""
+
+    def __init__(self, origins: _Origins):
+        self.origins = origins
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        stack = self.origins.stack
+        origin = stack.pop() if stack else None
+        if origin is None or output is None:
+            return None
+        return _to(output, origin, keep_meta=True)
+
+
+class _ExplainClash:
+    """Stands in for ``module.forward``: a device clash raised inside it is explained.
+
+    The innermost one that sees the clash explains it; the ones around it let it through.
+    """
+
+    def __init__(self, module: nn.Module, previous: Any, message: str) -> None:
+        self.module = module
+        self.previous = previous  # an instance-level forward that was there before, or None
+        self.message = message  # "{error}" stands for the first line of PyTorch's message
+        self.__doc__ = getattr(module.forward, "__doc__", None)
+
+    @property
+    def __wrapped__(self) -> Any:
+        """What this stands in for, so that ``inspect.signature(module.forward)`` still works."""
+        if self.previous is not None:
+            return self.previous
+        return type(self.module).forward.__get__(self.module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            if self.previous is not None:
+                return self.previous(*args, **kwargs)
+            return type(self.module).forward(self.module, *args, **kwargs)
+        except TorchplaceError:
+            raise
+        except RuntimeError as err:
+            if not _DEVICE_ERROR.search(str(err)):
+                raise
+            raise DeviceMismatchError(self.message.replace("{error}", first_line(err))) from err
+
+
+def _split_message(path: str, name: str, spread: str) -> str:
+    where = f"map '{path}' to a single device" if path else "give the model one device ('')"
+    return (
+        f"{display(path)} ({name}) is split across devices ({spread}) and its own forward "
+        "combined tensors from different devices ({error}). dispatch moves the inputs of each "
+        "submodule, not the results a parent mixes itself; keep "
+        f"{name} on one device with plan(model, max_memory, no_split=[{name!r}]), or {where}"
+    )
+
+
+def _whole_message(path: str, name: str, dev: torch.device) -> str:
+    return (
+        f"{display(path)} ({name}) runs on {dev}, where dispatch put its parameters and "
+        "buffers and moved its inputs, yet its forward met a tensor on another device "
+        "({error}). That tensor is one dispatch cannot see: a plain tensor attribute "
+        "(register it with self.register_buffer(...)), or a tensor made on a fixed device "
+        "inside forward (make it on the device of the input instead)"
+    )
+
+
+def _wrap(module: nn.Module, installed: Installed, message: str) -> None:
+    if type(module).forward is nn.Module.forward:  # containers such as ModuleList never run
+        return
+    installed.previous_forward = module.__dict__.get("forward")
+    module.__dict__["forward"] = _ExplainClash(module, installed.previous_forward, message)
+    installed.wrapped_forward = True
+
+
+def _spread(tree: ModelTree, path: str, targets: dict[int, torch.device]) -> str:
+    parts: list[str] = []
+    for child in tree.children[path]:
+        devices = sorted({str(targets[k]) for k in tree.subtree(child)})
+        if devices:
+            parts.append(f"{child} on {' and '.join(devices)}")
+    if tree.direct[path]:
+        parts.insert(0, f"its own tensors on {targets[tree.direct[path][0]]}")
+    shown = parts[:4] + ([f"{len(parts) - 4} more"] if len(parts) > 4 else [])
+    return ", ".join(shown)
+
+
+def _hook(tree: ModelTree, targets: dict[int, torch.device]) -> None:
+    """Hooks where devices change: the top of each one-device subtree inside a split parent,
+    each split parent that holds tensors itself, and the model (to bring the output back)."""
+    devices_of = {path: {targets[key] for key in tree.subtree(path)} for path in tree.modules}
+    done: set[int] = set()
+    origins = _Origins()
+    for path, module in tree.modules.items():
+        if id(module) in done:
+            continue
+        done.add(id(module))
+        parent = path.rpartition(".")[0] if path else None
+        devices = devices_of[path]
+        installed = Installed(handles=[])
+        target: torch.device | None = None
+        name = type(module).__name__
+        if len(devices) == 1 and (parent is None or len(devices_of[parent]) > 1):
+            (target,) = devices
+            _wrap(module, installed, _whole_message(path, name, target))
+        elif len(devices) > 1:
+            if tree.direct[path]:
+                target = targets[tree.direct[path][0]]
+            _wrap(module, installed, _split_message(path, name, _spread(tree, path, targets)))
+        # Prepended, so that the inputs are moved before any other pre-hook looks at them: a
+        # guard installed earlier checks a module whose forward is an instance attribute (as
+        # dispatch's own _ExplainClash is) with a pre-hook, which must see the moved inputs
+        # even when dispatch comes after it (a re-dispatch of a guarded model).
+        if parent is None:
+            installed.handles.append(
+                module.register_forward_pre_hook(
+                    _MoveInputs(target, origins, path), with_kwargs=True, prepend=True
+                )
+            )
+            installed.handles.append(
+                module.register_forward_hook(_ReturnOutput(origins), always_call=True)
+            )
+        elif target is not None:
+            installed.handles.append(
+                module.register_forward_pre_hook(
+                    _MoveInputs(target, None, path), with_kwargs=True, prepend=True
+                )
+            )
+        if installed.handles or installed.wrapped_forward:
+            module.__dict__[MARK] = installed
+
+
+def dispatch(model: nn.Module, device_map: DeviceMapSpec, /) -> nn.Module:
+    """Place each submodule on its device and move inputs to it as it runs.
+
+    >>> import torch, torchplace
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    >>> model = torchplace.dispatch(model, {"0": "cpu", "2": "meta"})
+    >>> model[2].weight.device
+    device(type='meta')
+    >>> model[2](torch.ones(1, 4)).device  # the hook moved the CPU input to meta
+    device(type='meta')
+
+    ``device_map`` maps module names (``""`` is the whole model) to devices, as ``plan``
+    returns it; a tensor goes to the device of the most specific name that contains it, and
+    every tensor must be covered. Tied tensors stay one object, so their holders must share a
+    device. Parameters keep their identity where PyTorch allows it. Inputs (positional and
+    keyword, nested in any collection ``move`` handles: lists, tuples, dicts, dataclasses,
+    objects with their own ``.to``) are moved to each submodule's device before it runs (before
+    any other forward pre-hook, so a ``guard`` sees them moved), and the model's output comes
+    back to the device of its first tensor input, wherever that input is nested (outputs on
+    ``meta`` hold no data and stay there).
+
+    A container passed as an input reaches the submodule as the caller's own object when every
+    tensor in it is already on the submodule's device (a list or dict without tensors always
+    is). When some tensor in it must move, the submodule gets a moved copy, as ``move`` gives
+    one, and the caller's container is left untouched: writes a submodule on another device
+    makes into a mutable input (a cache dict it fills, a list it appends to) land in that copy
+    and are not seen by the caller or by the submodules after it. Return such results from
+    ``forward`` instead, or keep a cache per device (each part writing into a container whose
+    tensors are already on its device), or pass an object torchplace does not walk into (a
+    class that is neither a collection nor has a ``.to``, as Hugging Face's ``Cache`` classes
+    are), which reaches every part as is.
+
+    Dispatching again replaces the hooks;
+    ``torchplace.move(model, device)`` gathers the model onto one device and removes them.
+    If a parent's own code mixes outputs of children on different devices, the error names it
+    and points at ``plan(..., no_split=[...])``.
+    """
+    try:
+        if not isinstance(model, nn.Module):
+            raise TorchplaceError(
+                f"dispatch() places an nn.Module, not {type(model).__name__}; pass the model"
+            )
+        tree = walk_model(model)
+        entries = _parse_device_map(tree, device_map)
+        targets = _targets(tree, entries)
+        _place(tree, targets)  # all or nothing: on failure the model and its hooks are as they were
+        undispatch(model)  # only now: a bad map or a failed move keeps an earlier dispatch whole
+        _hook(tree, targets)
+        return model
+    except TorchplaceError as err:
+        raise type(err)(f"dispatch(): {err}") from err.__cause__

@@ -1,0 +1,400 @@
+"""Where a model goes on several devices: ``plan`` turns budgets into a device map.
+
+``plan(model, max_memory)`` returns ``{module name: device}``, filling the budgets in the order
+given with submodules in registration order (plan never runs the model, so the order in which
+``forward`` calls them is not known to it); it never touches a device. The walk of a model lives in
+``_model_walk``, sizes such as ``"10GiB"`` are read by ``_sizes.parse_size``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Iterable, Mapping
+
+import torch
+from torch import nn
+
+from .._errors import DeviceSpecError, TorchplaceError
+from .._model_walk import ModelTree, display, walk_model
+from .._sizes import format_bytes as _format_bytes
+from .._sizes import parse_size
+from .._tensor_size import nbytes_as
+
+__all__ = [
+    "plan",
+]
+
+Size = int | str  # bytes, or "10GiB", "500MB"
+MemorySpec = Mapping[str | int | torch.device, Size]  # device -> budget
+
+# ---------------------------------------------------------------------------------------------
+# plan
+# ---------------------------------------------------------------------------------------------
+
+_PLANNABLE_WORDS = {
+    "auto": "plan never looks at the machine",
+    "best": "plan never looks at the machine",
+    "gpu": "plan never looks at the machine",
+    "disk": "offloading to disk is not supported",
+}
+
+
+def _budget_device(key: object) -> torch.device:
+    """A budget key as an explicit device, parsed without asking whether it exists."""
+    where = f"max_memory[{key!r}]"
+    if isinstance(key, bool):
+        raise DeviceSpecError(f"{where}: a budget key is a device like 'cuda:0', not {key!r}")
+    if isinstance(key, int):
+        if key < 0:
+            raise DeviceSpecError(f"{where}: device index {key} is negative; use 'cuda:0' and up")
+        return torch.device("cuda", key)
+    if isinstance(key, torch.device):
+        parsed = key
+    elif isinstance(key, str):
+        text = key.strip().lower()
+        if text in _PLANNABLE_WORDS:
+            raise DeviceSpecError(
+                f"{where}: {_PLANNABLE_WORDS[text]}, so it needs a named device such as "
+                "'cuda:0', 'cuda:1' or 'cpu'"
+            )
+        try:
+            parsed = torch.device(text)
+        except (RuntimeError, ValueError):
+            guess = difflib.get_close_matches(text.split(":")[0], ["cpu", "cuda", "meta", "xpu"])
+            hint = f"did you mean {guess[0]!r}? " if guess else ""
+            raise DeviceSpecError(
+                f"{where}: unknown device {key!r}; {hint}budget keys are devices such as "
+                "'cuda:0', 'cuda:1', 'xpu:0', 'mps', 'cpu' or an int N for 'cuda:N'"
+            ) from None
+    else:
+        raise DeviceSpecError(
+            f"{where}: a budget key is a device name, an int or a torch.device, "
+            f"not {type(key).__name__}"
+        )
+    if parsed.type in ("cpu", "meta"):
+        if parsed.index not in (None, 0):
+            raise DeviceSpecError(f"{where}: the {parsed.type} device has no index {parsed.index}")
+        return torch.device(parsed.type)
+    return torch.device(parsed.type, 0 if parsed.index is None else parsed.index)
+
+
+def _parse_budgets(max_memory: object) -> dict[torch.device, int]:
+    if not isinstance(max_memory, Mapping) or not max_memory:
+        raise DeviceSpecError(
+            f"max_memory must be a non-empty dict of budgets such as "
+            f"{{'cuda:0': '10GiB', 'cpu': '64GiB'}}, not {max_memory!r}"
+        )
+    budgets: dict[torch.device, int] = {}
+    spelled: dict[torch.device, object] = {}
+    for key, value in max_memory.items():
+        dev = _budget_device(key)
+        if dev in budgets:
+            raise DeviceSpecError(
+                f"max_memory names {dev} twice ({spelled[dev]!r} and {key!r}); give it one budget"
+            )
+        budgets[dev] = parse_size(value, f"max_memory[{key!r}]")
+        spelled[dev] = key
+    return budgets
+
+
+@dataclasses.dataclass(frozen=True)
+class _NoSplit:
+    """The modules never split: a class name matches a module whose class has exactly that
+    name (as Accelerate's ``no_split_module_classes``); a class matches its instances,
+    subclasses included (as ``isinstance``), and never an unrelated class of the same name."""
+
+    names: frozenset[str] = frozenset()
+    classes: tuple[type[nn.Module], ...] = ()
+
+    def entry(self, module: nn.Module) -> str | None:
+        """The name of the entry that keeps ``module`` whole, or None when none does."""
+        name = type(module).__name__
+        if name in self.names or type(module) in self.classes:
+            return name
+        for cls in self.classes:
+            if isinstance(module, cls):
+                return cls.__name__
+        return None
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _no_split_classes(model: nn.Module, no_split: Iterable[type | str]) -> _NoSplit:
+    """The classes never split; each entry, a class or a name, must match a module of the model
+    (a typo or a class from another model would otherwise be ignored without a word)."""
+    if isinstance(no_split, (str, type)):
+        no_split = [no_split]
+    modules = list(model.modules())
+    present = sorted({type(m).__name__ for m in modules})
+    names: set[str] = set()
+    classes: list[type[nn.Module]] = []
+    for entry in no_split:
+        if isinstance(entry, type) and issubclass(entry, nn.Module):
+            if not any(isinstance(m, entry) for m in modules):
+                namesake = next(
+                    (type(m) for m in modules if type(m).__name__ == entry.__name__), None
+                )
+                if namesake is not None:
+                    raise DeviceSpecError(
+                        f"no_split: {_qualified(entry)} is not the model's "
+                        f"{_qualified(namesake)}, only a class of the same name, and no module "
+                        f"of the model is an instance of it; pass the model's class or the name "
+                        f"{entry.__name__!r}"
+                    )
+                raise DeviceSpecError(
+                    f"no_split: no module of the model is a {entry.__qualname__} (or a subclass "
+                    f"of it); classes present: {', '.join(present)}"
+                )
+            classes.append(entry)
+        elif isinstance(entry, str):
+            if entry not in present:
+                guess = difflib.get_close_matches(entry, present, n=1)
+                hint = f"did you mean {guess[0]!r}? " if guess else ""
+                raise DeviceSpecError(
+                    f"no_split: no module of class {entry!r} is in the model; {hint}"
+                    f"classes present: {', '.join(present)}"
+                )
+            names.add(entry)
+        else:
+            raise DeviceSpecError(
+                f"no_split: {entry!r} is neither a module class nor a class name; "
+                "pass classes (no_split=[Block]) or their names (no_split=['Block'])"
+            )
+    return _NoSplit(frozenset(names), tuple(classes))
+
+
+def _dtype(dtype: object) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        found = getattr(torch, dtype.removeprefix("torch."), None)
+        if isinstance(found, torch.dtype):
+            return found
+    raise DeviceSpecError(
+        f"dtype={dtype!r} is not a torch dtype; use e.g. torch.float16 or 'bfloat16'"
+    )
+
+
+class _Planner:
+    """Fills devices in the order of the budgets with units of tensors in registration order."""
+
+    def __init__(
+        self,
+        tree: ModelTree,
+        budgets: dict[torch.device, int],
+        no_split: _NoSplit,
+        dtype: torch.dtype | None,
+    ) -> None:
+        self.tree = tree
+        self.devices = list(budgets)
+        self.budgets = budgets
+        self.left = [budgets[d] for d in self.devices]
+        self.current = 0
+        self.no_split = no_split
+        self.size = {key: nbytes_as(t, dtype) for key, t in tree.tensors.items()}
+        self.placed: dict[int, int] = {}  # tensor id -> index into self.devices
+        self.tied = self._tied_closures()
+
+    def _tied_closures(self) -> dict[int, set[int]]:
+        """For each tensor, every tensor that must share its device.
+
+        Modules that hold the same tensor directly are joined (transitively): their direct
+        tensors form one group, placed whole when its first member is placed.
+        """
+        parent: dict[str, str] = {path: path for path in self.tree.modules}
+
+        def find(path: str) -> str:
+            while parent[path] != path:
+                parent[path] = parent[parent[path]]
+                path = parent[path]
+            return path
+
+        for owners in self.tree.owner_modules.values():
+            for other in owners[1:]:
+                parent[find(other)] = find(owners[0])
+        groups: dict[str, set[int]] = {}
+        for path, ids in self.tree.direct.items():
+            groups.setdefault(find(path), set()).update(ids)
+        return {key: groups[find(owners[0])] for key, owners in self.tree.owner_modules.items()}
+
+    def unplaced(self, ids: Iterable[int]) -> set[int]:
+        out: set[int] = set()
+        for key in ids:
+            out |= self.tied[key]
+        return {key for key in out if key not in self.placed}
+
+    def need(self, ids: set[int]) -> int:
+        return sum(self.size[key] for key in ids)
+
+    def assign(self, ids: set[int]) -> None:
+        for key in ids:
+            self.placed[key] = self.current
+        self.left[self.current] -= self.need(ids)
+
+    def splittable(self, path: str) -> bool:
+        module = self.tree.modules[path]
+        has_parts = any(self.tree.subtree(child) for child in self.tree.children[path])
+        return has_parts and self.no_split.entry(module) is None
+
+    def visit(self, path: str) -> None:
+        ids = self.unplaced(self.tree.subtree(path))
+        while ids:
+            if self.need(ids) <= self.left[self.current]:
+                self.assign(ids)
+                return
+            if self.splittable(path):
+                direct = self.unplaced(self.tree.direct[path])
+                while direct and self.need(direct) > self.left[self.current]:
+                    self.advance(path, direct, whole=False)
+                if direct:
+                    self.assign(direct)
+                for child in self.tree.children[path]:
+                    self.visit(child)
+                return
+            self.advance(path, ids, whole=True)
+
+    def advance(self, path: str, ids: set[int], *, whole: bool) -> None:
+        if self.current + 1 < len(self.devices):
+            self.current += 1
+            return
+        module = self.tree.modules[path]
+        name = type(module).__name__
+        entry = self.no_split.entry(module)
+        what = (
+            f"{display(path)} ({name})"
+            if whole
+            else f"the tensors {display(path)} ({name}) holds itself"
+        )
+        why = (
+            (f"{name} is in no_split" if entry == name else f"{name} is a {entry}, in no_split")
+            if whole and entry is not None
+            else "it has no submodules to split"
+            if whole
+            else "they cannot be split"
+        )
+        outside = self.tree.subtree(path) if whole else frozenset(self.tree.direct[path])
+        partners = sorted(
+            {p for key in ids - outside for p in self.tree.owner_modules[key]} - {path}
+        )
+        if partners:
+            shown = ", ".join(display(p) for p in partners[:3])
+            why += f", and tied tensors bring {shown} along"
+        fixes = "or add a device after it" + (
+            f", or take {entry} out of no_split" if entry is not None else ""
+        )
+        remaining = sum(self.size[key] for key in self.tree.tensors if key not in self.placed)
+        last = self.devices[-1]
+        earlier = [
+            f"{d}: {_format_bytes(self.left[i])} of {_format_bytes(self.budgets[d])}"
+            for i, d in enumerate(self.devices[:-1])
+        ]
+        left_over = f" (left unused earlier: {', '.join(earlier)})" if earlier else ""
+        raise TorchplaceError(
+            f"the model does not fit: {what} needs {_format_bytes(self.need(ids))} in one piece "
+            f"({why}) but {last}, the last device, has {_format_bytes(self.left[-1])} left"
+            f"{left_over}; {_format_bytes(remaining)} of the model is still unplaced. plan fills "
+            "devices in the order given and never goes back, so raise the budget of "
+            f"{last} by at least {_format_bytes(remaining - self.left[-1])}, {fixes}"
+        )
+
+    def device_map(self) -> dict[str, torch.device]:
+        out: dict[str, torch.device] = {}
+
+        def emit(path: str, inherited: torch.device | None) -> None:
+            ids = self.tree.subtree(path)
+            devices = {self.devices[self.placed[key]] for key in ids}
+            if not devices:
+                return
+            if len(devices) == 1:
+                (dev,) = devices
+                if dev != inherited:
+                    out[path] = dev
+                return
+            direct = self.tree.direct[path]
+            if direct:
+                dev = self.devices[self.placed[direct[0]]]
+                if dev != inherited:
+                    out[path] = dev
+                inherited = dev
+            for child in self.tree.children[path]:
+                emit(child, inherited)  # noqa: F821 (deleted once done)
+
+        try:
+            emit("", None)
+        finally:
+            del emit  # it refers to itself: break the cycle so it is freed at once
+        return out
+
+
+def plan(
+    model: nn.Module,
+    /,
+    max_memory: MemorySpec,
+    *,
+    no_split: Iterable[type | str] = (),
+    dtype: torch.dtype | str | None = None,
+) -> dict[str, torch.device]:
+    """Assign submodules, in registration order, to devices within budgets: a device map.
+
+    >>> import torch, torchplace
+    >>> model = torch.nn.Sequential(*(torch.nn.Linear(256, 256) for _ in range(4)))
+    >>> device_map = torchplace.plan(model, {"cuda:0": "600KiB", "cuda:1": "2MiB"})
+    >>> {name: str(dev) for name, dev in device_map.items()}
+    {'0': 'cuda:0', '1': 'cuda:0', '2': 'cuda:1', '3': 'cuda:1'}
+    >>> torchplace.plan(model, {"cpu": "10GiB"})
+    {'': device(type='cpu')}
+
+    Budgets (``"10GiB"``, ``"512MiB"``, ``"500MB"``, ``"2GB"``, or bytes as any integer or a
+    whole real number) count parameters and buffers and are used exactly as given: leave room
+    for activations yourself. Devices fill in the order the budgets are listed; an int key N
+    means ``cuda:N``.
+
+    Submodules are taken in registration order (the order of ``model.named_modules()``), as
+    Accelerate's ``infer_auto_device_map`` does: plan never runs the model, so it cannot know
+    the order in which ``forward`` calls them. That is the order a sequential model or a
+    transformer stack runs them; a model that registers a module before one it runs earlier
+    (a head defined first) is still planned correctly, each part on its device, only with more
+    device changes per forward than a map in running order. A module that does not fit where
+    the last one went is split into its children, unless it is in ``no_split``: a class name
+    keeps whole the modules whose class has exactly that name (as Accelerate's
+    ``no_split_module_classes``), a class keeps whole its instances, subclasses included; an
+    entry that matches no module of the model is refused. Modules that hold the same tensor
+    (tied weights) share a device: the group goes where its first member goes. ``dtype``
+    sizes floating tensors as if cast to it. The map is the smallest that says it: a module
+    whose whole subtree shares a device is one entry, and a name covers its submodules unless
+    a longer name overrides it. Works on skeletons and fake tensors; no device is touched.
+    """
+    try:
+        if not isinstance(model, nn.Module):
+            raise TorchplaceError(
+                f"plan() maps an nn.Module, not {type(model).__name__}; pass the model"
+            )
+        budgets = _parse_budgets(max_memory)
+        classes = _no_split_classes(model, no_split)
+        planner = _Planner(walk_model(model), budgets, classes, _dtype(dtype))
+        total = sum(planner.size.values())
+        capacity = sum(budgets.values())
+        if total > capacity:
+            listed = ", ".join(f"{d}: {_format_bytes(b)}" for d, b in budgets.items())
+            cast_to = _dtype(dtype)
+            cast = "" if cast_to is None else f" in {str(cast_to).removeprefix('torch.')}"
+            # Host memory is the usual room to grow: suggest adding it, or, when it is already
+            # budgeted, raising it (adding the cpu again is no advice).
+            more = (
+                "raise a budget by that much (the cpu's, if the machine has the memory)"
+                if torch.device("cpu") in budgets
+                else "raise a budget by that much, add a device (for example 'cpu')"
+            )
+            raise TorchplaceError(
+                f"the model does not fit: its parameters and buffers need "
+                f"{_format_bytes(total)}{cast} but the budgets hold {_format_bytes(capacity)} "
+                f"({listed}), {_format_bytes(total - capacity)} short; {more}, or plan with "
+                "a smaller dtype"
+            )
+        planner.visit("")
+        return planner.device_map()
+    except TorchplaceError as err:
+        raise type(err)(f"plan(): {err}") from err.__cause__
