@@ -507,6 +507,36 @@ def test_llama_skeleton_keeps_rotary_buffers(tmp_path: Path) -> None:
     assert torch.equal(skel.eval()(IDS).logits, expected)
 
 
+def test_llama_with_its_layers_on_their_own_device_runs() -> None:
+    """``model.layers`` (a ModuleList, never called itself) mapped whole: each decoder layer
+    gets its inputs on the layers' device, and the forward runs to the end."""
+    cls, config = llama()
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    expected = model(IDS).logits
+    device_map = {"": "cpu", "model.layers": "meta", "model.norm": "meta", "lm_head": "meta"}
+    torchplace.dispatch(model, device_map)
+    seen: list[torch.device] = []
+    for layer in model.model.layers:
+        layer.self_attn.q_proj.register_forward_pre_hook(lambda m, a: seen.append(a[0].device))
+    logits = model(IDS).logits
+    assert seen == [META, META]
+    assert logits.device == META and logits.shape == expected.shape
+
+
+@pytest.mark.requires_cuda
+def test_llama_with_its_layers_on_a_gpu_gives_the_same_logits() -> None:
+    cls, config = llama()
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    expected = model(IDS).logits
+    torchplace.dispatch(model, {"": "cpu", "model.layers": "cuda:0"})
+    assert model.model.layers[0].self_attn.q_proj.weight.device == torch.device("cuda", 0)
+    logits = model(IDS).logits
+    assert logits.device == CPU
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
+
+
 def test_move_to_meta_warns_when_non_persistent_buffers_lose_their_values() -> None:
     cls, config = llama()
     model = cls(config)

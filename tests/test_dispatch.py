@@ -392,6 +392,103 @@ def test_a_plain_tensor_attribute_is_named_as_the_cause() -> None:
         model(torch.ones(1, 2))
 
 
+# --- containers: the hooks go on the modules that run ------------------------------------------
+
+
+class Stack(nn.Module):
+    """An embedding and a ModuleList of layers its own forward runs one by one, as a
+    transformer's stack does: the list itself is never called."""
+
+    def __init__(self, layers: int = 3) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(layers))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.emb(ids)
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+def inputs_seen(model: nn.Module, paths: list[str]) -> dict[str, torch.device]:
+    """Records the device of the first input of each module named, as it runs."""
+    seen: dict[str, torch.device] = {}
+    for path in paths:
+        model.get_submodule(path).register_forward_pre_hook(
+            lambda m, args, p=path: seen.__setitem__(p, args[0].device)
+        )
+    return seen
+
+
+@pytest.mark.fake_cuda
+def test_a_module_list_on_its_own_device_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dispatch_module, "_device", torch.device)
+    with FakeTensorMode(), torch.no_grad():
+        model = Stack()
+        emb_bytes = model.emb.weight.nbytes
+        device_map = plan(model, {"cuda:0": emb_bytes, "cuda:1": "1MiB"})
+        assert device_map == {"emb": CUDA0, "layers": CUDA1}  # the list is one entry...
+        dispatch(model, device_map)
+        seen = inputs_seen(model, ["layers.0", "layers.1", "layers.2"])
+        out = model(torch.zeros(2, 3, dtype=torch.long))
+    assert seen == {"layers.0": CUDA1, "layers.1": CUDA1, "layers.2": CUDA1}  # ...its layers run
+    assert out.device == CPU and out.shape == (2, 3, 8)
+    assert not model.layers._forward_pre_hooks  # nothing left on the list, which never runs
+    assert "forward" not in model.layers.__dict__
+
+
+def test_containers_within_containers_hand_their_hooks_down() -> None:
+    class Nested(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = nn.Linear(4, 4)
+            self.parts = nn.ModuleDict({"stack": nn.ModuleList([nn.Linear(4, 4), nn.ReLU()])})
+            self.parts["stack"].append(nn.Sequential(nn.Linear(4, 2)))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x = self.first(x)
+            for part in self.parts["stack"]:
+                x = part(x)
+            return x
+
+    model = dispatch(Nested(), {"first": "cpu", "parts": "meta"})
+    seen = inputs_seen(model, ["parts.stack.0", "parts.stack.1", "parts.stack.2.0"])
+    out = model(torch.ones(3, 4))
+    assert seen == {"parts.stack.0": META, "parts.stack.1": META, "parts.stack.2.0": META}
+    assert out.device == META and out.shape == (3, 2)
+
+
+def test_a_module_list_on_its_own_device_gives_the_same_values() -> None:
+    reference = seeded(Net)
+    model = dispatch(copy.deepcopy(reference), {"": "cpu", "blocks": "cpu"})
+    x = torch.randn(4, 8)
+    assert torch.equal(model(x), reference(x))
+    spread = dispatch(copy.deepcopy(reference), {"": "cpu", "blocks": "meta", "head": "meta"})
+    seen = inputs_seen(spread, ["blocks.0", "blocks.2", "head"])
+    assert spread(x).shape == reference(x).shape
+    assert seen == {"blocks.0": META, "blocks.2": META, "head": META}
+
+
+def test_the_model_combining_parts_on_two_devices_is_not_told_to_use_one_device() -> None:
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(2, 2)
+            self.b = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.cat([self.a(x), self.b(x)])
+
+    model = dispatch(Two(), {"a": "cpu", "b": "meta"})
+    with pytest.raises(DeviceMismatchError) as info:
+        model(torch.ones(1, 2))
+    message = str(info.value)
+    assert message.startswith("model (Two) is split across devices (a on cpu, b on meta)")
+    assert "map the submodules whose results the model's forward combines" in message
+    assert "no_split" not in message and "one device ('')" not in message
+
+
 # --- dispatch: bad input ---------------------------------------------------------------------
 
 

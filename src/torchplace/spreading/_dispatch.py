@@ -264,12 +264,19 @@ class _ExplainClash:
 
 
 def _split_message(path: str, name: str, spread: str) -> str:
-    where = f"map '{path}' to a single device" if path else "give the model one device ('')"
-    return (
+    head = (
         f"{display(path)} ({name}) is split across devices ({spread}) and its own forward "
         "combined tensors from different devices ({error}). dispatch moves the inputs of each "
-        "submodule, not the results a parent mixes itself; keep "
-        f"{name} on one device with plan(model, max_memory, no_split=[{name!r}]), or {where}"
+        "submodule as it runs, not the results a parent combines itself; "
+    )
+    if not path:  # keeping the model whole on one device would defeat the map
+        return head + (
+            "map the submodules whose results the model's forward combines (the ones it adds, "
+            "concatenates or compares, rather than passes on to the next) to the same device"
+        )
+    return head + (
+        f"keep {name} on one device with plan(model, max_memory, no_split=[{name!r}]), or map "
+        f"'{path}' to a single device"
     )
 
 
@@ -283,8 +290,15 @@ def _whole_message(path: str, name: str, dev: torch.device) -> str:
     )
 
 
+def _runs(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs code of its own: a container (``ModuleList``,
+    ``ModuleDict``, a plain ``nn.Module`` that only holds others) has no forward, and its
+    parent calls its children instead."""
+    return type(module).forward is not nn.Module.forward or "forward" in module.__dict__
+
+
 def _wrap(module: nn.Module, installed: Installed, message: str) -> None:
-    if type(module).forward is nn.Module.forward:  # containers such as ModuleList never run
+    if not _runs(module):  # never called, so nothing to explain
         return
     installed.previous_forward = module.__dict__.get("forward")
     module.__dict__["forward"] = _ExplainClash(module, installed.previous_forward, message)
@@ -305,9 +319,15 @@ def _spread(tree: ModelTree, path: str, targets: dict[int, torch.device]) -> str
 
 def _hook(tree: ModelTree, targets: dict[int, torch.device]) -> None:
     """Hooks where devices change: the top of each one-device subtree inside a split parent,
-    each split parent that holds tensors itself, and the model (to bring the output back)."""
+    each split parent that holds tensors itself, and the model (to bring the output back).
+
+    A top that never runs (a ``ModuleList`` of layers mapped whole, as ``plan`` maps it) hands
+    its hook down to its children, which its parent calls one by one: the hooks go on the
+    modules that run.
+    """
     devices_of = {path: {targets[key] for key in tree.subtree(path)} for path in tree.modules}
     done: set[int] = set()
+    handed_down: set[str] = set()  # one-device tops that never run: their children are tops
     origins = _Origins()
     for path, module in tree.modules.items():
         if id(module) in done:
@@ -318,7 +338,10 @@ def _hook(tree: ModelTree, targets: dict[int, torch.device]) -> None:
         installed = Installed(handles=[])
         target: torch.device | None = None
         name = type(module).__name__
-        if len(devices) == 1 and (parent is None or len(devices_of[parent]) > 1):
+        top = parent is None or len(devices_of[parent]) > 1 or parent in handed_down
+        if len(devices) == 1 and top and parent is not None and not _runs(module):
+            handed_down.add(path)
+        elif len(devices) == 1 and top:
             (target,) = devices
             _wrap(module, installed, _whole_message(path, name, target))
         elif len(devices) > 1:
@@ -365,7 +388,9 @@ def dispatch(model: nn.Module, device_map: DeviceMapSpec, /) -> nn.Module:
     device. Parameters keep their identity where PyTorch allows it. Inputs (positional and
     keyword, nested in any collection ``move`` handles: lists, tuples, dicts, dataclasses,
     objects with their own ``.to``) are moved to each submodule's device before it runs (before
-    any other forward pre-hook, so a ``guard`` sees them moved), and the model's output comes
+    any other forward pre-hook, so a ``guard`` sees them moved; a container that never runs
+    itself, a ``ModuleList`` of layers mapped whole, has its modules move their own inputs as
+    its parent calls them), and the model's output comes
     back to the device of its first tensor input, wherever that input is nested (outputs on
     ``meta`` hold no data and stay there).
 
