@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,6 +102,62 @@ def test_a_device_that_cannot_be_read_hides_no_other(monkeypatch: pytest.MonkeyP
     assert any(
         p.startswith("reading cuda:1 failed: CUDA error: uncorrectable") for p in found.problems
     )
+
+
+@pytest.mark.parametrize(
+    ("first_line", "version"),
+    [
+        # an H200 host (open kernel module); "for" is what a word count found there
+        (
+            "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  Release Build  "
+            "(dvs-builder@U16-I3-B03-4-3)  Thu Oct 30 05:22:38 UTC 2025",
+            "580.159.04",
+        ),
+        (
+            "NVRM version: NVIDIA UNIX x86_64 Kernel Module  535.104.05  Sat Aug 19 01:15:15 UTC "
+            "2023",
+            "535.104.05",
+        ),
+        (
+            "NVRM version: NVIDIA UNIX Open Kernel Module for aarch64  550.54.15  Release Build  "
+            "(dvs-builder@U16-T02-35-3)  Tue Mar  5 22:15:33 UTC 2024",
+            "550.54.15",
+        ),
+        (
+            "NVRM version: NVIDIA UNIX ppc64le Kernel Module  418.67  Sat Apr  6 03:07:24 CDT 2019",
+            "418.67",
+        ),
+        (
+            "NVRM version: NVIDIA UNIX x86_64 Kernel Module  390.157  Wed Oct 12 09:19:07 UTC 2022",
+            "390.157",
+        ),
+        (
+            "NVRM version: NVIDIA UNIX Kernel Module for aarch64  34.1.1  Release Build  "
+            "(buildbrain@mobile-u64-5414-d7000)  Mon May 16 21:12:24 PDT 2022",
+            "34.1.1",
+        ),
+        ("NVRM version: a format never seen\n", "NVRM version: a format never seen"),
+        ("", None),
+    ],
+    ids=[
+        "open-module-h200",
+        "x86_64",
+        "open-module-aarch64",
+        "ppc64le",
+        "legacy",
+        "tegra",
+        "unknown",
+        "empty",
+    ],
+)
+def test_the_driver_version_is_read_from_any_first_line(
+    first_line: str, version: str | None, tmp_path: Path
+) -> None:
+    assert _doctor.driver_version(first_line) == version
+    proc = tmp_path / "version"
+    proc.write_text(f"{first_line}\nGCC version:  gcc version 12.3.0 (Ubuntu 12.3.0-1ubuntu1)\n")
+    assert _doctor._nvidia_driver(str(proc)) == version
+    assert _doctor._nvidia_driver(str(tmp_path / "absent")) is None
 
 
 def test_cpu_only_torch_beside_an_nvidia_driver_is_diagnosed(

@@ -14,6 +14,7 @@ import functools
 import json
 import os
 import platform
+import re
 import shutil
 import time
 from collections.abc import Callable
@@ -88,17 +89,34 @@ def _versions() -> dict[str, str]:
     return versions
 
 
-def _nvidia_driver() -> str | None:
+# A driver version: 535.104.05, 580.159.04, 390.157, or Tegra's 34.1.1. Dates on the same line
+# (01:15:15, 2023) and the build host (U16-I3-B03-4-3) never match: digits and dots only.
+_DRIVER_VERSION = re.compile(r"(?<![\w.])(\d+\.\d+(?:\.\d+)*)(?![\w.])")
+
+
+def _nvidia_driver(path: str = "/proc/driver/nvidia/version") -> str | None:
+    """The NVIDIA kernel module's version, read from ``path``; None without the driver."""
     try:
-        with open("/proc/driver/nvidia/version") as f:
+        with open(path) as f:
             first = f.readline()
     except OSError:
         return None
-    words = first.split()
-    for i, word in enumerate(words):
-        if word == "Kernel" and i + 2 < len(words):
-            return words[i + 2]
-    return first.strip() or None
+    return driver_version(first)
+
+
+def driver_version(first_line: str) -> str | None:
+    """The version in the first line of ``/proc/driver/nvidia/version``: the first word made of
+    numbers and dots, wherever the module's description puts it. The whole line when it holds
+    none (a format not seen yet), None when it is empty.
+
+    >>> driver_version("NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.04  "
+    ...                "Release Build  (dvs-builder@U16-I3-B03-4-3)  Thu Oct 30 2025")
+    '580.159.04'
+    """
+    found = _DRIVER_VERSION.search(first_line.partition(":")[2] or first_line)
+    if found is not None:
+        return found.group(1)
+    return first_line.strip() or None
 
 
 def _device_rows(devices: list[torch.device]) -> list[dict[str, Any]]:
