@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
+from torchplace import TorchplaceError
 from torchplace.cli import _bench, main
 from torchplace.cli._bench import measure
 
@@ -103,10 +105,87 @@ def test_devices_that_cannot_be_measured(
     assert message in capsys.readouterr().err
 
 
-def test_a_size_too_large_to_allocate_is_explained(capsys: pytest.CaptureFixture[str]) -> None:
-    # 100 TB: more than any host has, so the first allocation fails at once
-    assert main(["bench", "--device", "cpu", "--size", str(100 << 20)]) == 1
-    assert "could not run on cpu" in capsys.readouterr().err
+def never_measured(*args: object, **kwargs: object) -> None:
+    raise AssertionError("measure ran: the memory check let the flags through")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--size", str(100 << 20)], "--size 104857600 MiB needs more host memory than"),
+        (["--tensors", "100000000"], "--tensors 100000000 needs more host memory than"),
+        (
+            ["--size", str(100 << 20), "--tensors", "100000000"],
+            "--size 104857600 MiB with --tensors 100000000 needs",
+        ),
+    ],
+    ids=["100TB", "1e8-tensors", "both"],
+)
+def test_flags_past_the_memory_available_are_refused_before_allocating(
+    flags: list[str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # On a host whose kernel overcommits, 100 TB was allocated, and the process was killed.
+    monkeypatch.setattr(_bench, "measure", never_measured)
+    monkeypatch.setattr(_bench, "_host_available", lambda: 16 << 30)
+    assert main(["bench", "--device", "cpu", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"torchplace bench: {message}"), err
+    assert "bench takes at most 90% of the 16.0 GiB available, 14.4 GiB" in err
+    fixes = [int(n) for n in re.findall(r"--(?:size|tensors) (\d+)(?: or less|\s+and)", err)]
+    assert fixes, err
+    size, tensors = 256, 500
+    for flag, value in zip(re.findall(r"use (.*)", err)[0].split(" and "), fixes, strict=True):
+        if flag.startswith("--size"):
+            size = value
+        else:
+            tensors = value
+    _bench.check_memory(torch.device("cpu"), size, tensors)  # the advice fits
+
+
+def test_the_largest_size_that_fits_is_the_one_suggested(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_bench, "_host_available", lambda: 10 << 30)
+    with pytest.raises(TorchplaceError, match=r"use --size (\d+) or less") as info:
+        _bench.check_memory(torch.device("cpu"), 1 << 20, 500)
+    best = int(re.findall(r"use --size (\d+)", str(info.value))[0])
+    _bench.check_memory(torch.device("cpu"), best, 500)
+    with pytest.raises(TorchplaceError, match=rf"--size {best + 1} MiB needs more host memory"):
+        _bench.check_memory(torch.device("cpu"), best + 1, 500)
+
+
+def test_the_device_memory_is_checked_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_bench, "_host_available", lambda: 1 << 40)
+    monkeypatch.setattr(_bench, "free_memory", lambda dev: 1 << 30)
+    cuda = torch.device("cuda", 0)  # nothing touches it: the figures are made up
+    _bench.check_memory(cuda, 256, 500)
+    with pytest.raises(TorchplaceError, match=r"--size 2048 MiB needs more memory on cuda:0 "):
+        _bench.check_memory(cuda, 2048, 500)
+    # Pinned buffers round up to a power of two: 220 MiB pinned each way takes 2 x 256 MiB,
+    # so the host needs 952 MiB, not 4 x 220 = 880 MiB, of the 921.6 MiB bench may take.
+    monkeypatch.setattr(_bench, "_host_available", lambda: 1 << 30)
+    with pytest.raises(TorchplaceError, match=r"--size 220 MiB needs more host memory"):
+        _bench.check_memory(cuda, 220, 1)
+    _bench.check_memory(cuda, 200, 1)
+
+
+def test_unknown_memory_lets_the_copies_try(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_bench, "_host_available", lambda: None)
+    monkeypatch.setattr(_bench, "free_memory", lambda dev: None)
+    _bench.check_memory(torch.device("cuda", 0), 1 << 40, 10**9)
+
+
+def test_copies_that_fail_anyway_are_explained(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def out_of_memory(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory\nmore")
+
+    monkeypatch.setattr(_bench, "measure", out_of_memory)
+    assert main(["bench", "--device", "cpu", *QUICK]) == 1
+    err = capsys.readouterr().err
+    assert "could not run on cpu (DefaultCPUAllocator: can't allocate memory)" in err
 
 
 @pytest.mark.parametrize("option", ["--size", "--tensors", "--repeat"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -20,10 +21,12 @@ from typing import Any
 import torch
 
 from .._devices import device as _parse_device
+from .._devices import free_memory
 from .._errors import TorchplaceError, first_line
+from .._sizes import format_bytes
 from ..moving._consolidate import consolidated_copy, pack_and_copy
 
-__all__ = ["Measurement", "measure", "register"]
+__all__ = ["Measurement", "check_memory", "measure", "register"]
 
 _SMALL_NUMELS = (256, 1024, 4096)  # float32 elements: 1, 4 and 16 KiB, in turn
 
@@ -89,7 +92,8 @@ def _positive(text: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``torchplace bench`` with parsed arguments: 0 when measured, 1 when the copies could
-    not run (out of memory), 2 for a bad device or size."""
+    not run (out of memory), 2 for a bad device, or a ``--size`` or ``--tensors`` past the
+    memory available (checked before anything is allocated)."""
     try:
         target, note = _choose(args.device)
     except TorchplaceError as exc:
@@ -101,6 +105,11 @@ def run(args: argparse.Namespace) -> int:
             "try a smaller --size",
             file=sys.stderr,
         )
+        return 2
+    try:
+        check_memory(target, args.size, args.tensors)
+    except TorchplaceError as exc:
+        print(f"torchplace bench: {exc}", file=sys.stderr)
         return 2
     try:
         results = measure(target, size=args.size << 20, tensors=args.tensors, repeat=args.repeat)
@@ -148,6 +157,121 @@ def _choose(spec: str | None) -> tuple[torch.device, str | None]:
     return target, (
         f"{why}: only host memory copies were measured (a large copy, small tensors cloned one "
         "by one and packed/split as in a consolidated copy); pinned memory needs an accelerator"
+    )
+
+
+_TENSOR_OVERHEAD = 512  # host bytes a small tensor costs beyond its data (object, storage)
+_SHARE = 0.9  # of the memory available: the rest is left to everything else on the machine
+
+
+def _small_bytes(tensors: int) -> int:
+    """The data bytes of ``tensors`` small tensors as ``measure`` makes them."""
+    whole, part = divmod(tensors, len(_SMALL_NUMELS))
+    return 4 * (whole * sum(_SMALL_NUMELS) + sum(_SMALL_NUMELS[:part]))
+
+
+def _pinned(nbytes: int) -> int:
+    """What a pinned buffer takes: PyTorch's host allocator rounds it up to a power of two."""
+    return 1 << max(nbytes - 1, 0).bit_length()
+
+
+def _needs(target: torch.device, size_mib: int, tensors: int) -> dict[str, int]:
+    """Peak bytes ``measure`` allocates, by where: ``host`` and, for an accelerator, ``device``.
+
+    At most three sets of the small tensors live at once (the originals, a set of copies, one
+    packed buffer), each costing its data and the tensors' own overhead on the host.
+    """
+    size = size_mib << 20
+    small = _small_bytes(tensors)
+    if target.type == "cpu":  # source and destination of the large copy
+        return {"host": 2 * size + 3 * (small + tensors * _TENSOR_OVERHEAD)}
+    pinned = 2 * _pinned(size) if target.type == "cuda" else 0  # one each way
+    return {
+        "host": 2 * size + pinned + 3 * (small + tensors * _TENSOR_OVERHEAD),
+        "device": size + 3 * small,
+    }
+
+
+def _host_available() -> int | None:
+    """Bytes of host memory available to a new allocation without swapping: MemAvailable on
+    Linux (a kernel that overcommits would let an allocation past it succeed, and then kill
+    the process), free pages elsewhere; None when neither can be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _largest(fits: Callable[[int], bool], start: int) -> int:
+    """The largest value from 1 to ``start`` for which ``fits`` holds (it holds for all below
+    it), or 0 when it holds for none."""
+    low, high = 0, start
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def check_memory(target: torch.device, size_mib: int, tensors: int) -> None:
+    """Refuse, before anything is allocated, a ``--size`` or ``--tensors`` whose copies need
+    more memory than the host (or the device) has available; the error names the flag, what it
+    needs, what there is, and the largest value that fits.
+
+    >>> import torch
+    >>> from torchplace.cli._bench import check_memory
+    >>> check_memory(torch.device("cpu"), 1, 12)  # a MiB and twelve tensors fit anywhere
+    """
+    available = {"host": _host_available()}
+    if target.type != "cpu":
+        available["device"] = free_memory(target)
+    for where, have in available.items():
+        if have is not None:  # not known: the copies are tried, and a failure is reported
+            _check_one(target, where, have, size_mib, tensors)
+
+
+def _check_one(target: torch.device, where: str, have: int, size_mib: int, tensors: int) -> None:
+    """``check_memory`` for one kind of memory (``host`` or ``device``), ``have`` available."""
+    limit = int(have * _SHARE)
+
+    def need(size: int, count: int) -> int:
+        return _needs(target, size, count)[where]
+
+    total = need(size_mib, tensors)
+    if total <= limit:
+        return
+    what = "host memory" if where == "host" else f"memory on {target}"
+    large = need(size_mib, 0)
+    small = f"{format_bytes(total - large)} for the small tensors"
+    best_size = _largest(lambda v: need(v, tensors) <= limit, size_mib)  # --tensors as given
+    best_count = _largest(lambda v: need(size_mib, v) <= limit, tensors)  # --size as given
+    if best_size and (large >= total - large or not best_count):  # --size asks the most
+        flag, fix = f"--size {size_mib} MiB", f"use --size {best_size} or less"
+        part = f"with --tensors {tensors}, the copies need about {format_bytes(total)} "
+        part += f"({format_bytes(large)} for the large copies)"
+    elif best_count:
+        flag, fix = f"--tensors {tensors}", f"use --tensors {best_count} or less"
+        part = f"with --size {size_mib} MiB, the copies need about {format_bytes(total)} ({small})"
+    else:  # neither alone can shrink enough: each gets half
+        half, base = limit // 2, need(0, 0)  # base: counted once, with the sizes
+        sizes = _largest(lambda v: need(v, 0) <= half, size_mib)
+        counts = _largest(lambda v: need(0, v) - base <= half, tensors)
+        flag = f"--size {size_mib} MiB with --tensors {tensors}"
+        fix = f"use --size {max(sizes, 1)} and --tensors {max(counts, 1)} or less"
+        part = f"the copies need about {format_bytes(total)} ({format_bytes(large)} for the "
+        part += f"large copies, {small})"
+    raise TorchplaceError(
+        f"{flag} needs more {what} than is available: {part}, and bench takes at most "
+        f"{_SHARE:.0%} of the {format_bytes(have)} available, {format_bytes(limit)}; {fix}"
     )
 
 
