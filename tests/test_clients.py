@@ -537,6 +537,28 @@ def test_llama_with_its_layers_on_a_gpu_gives_the_same_logits() -> None:
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)
 
 
+def test_gemma4_whose_config_refuses_a_per_layer_attribute_is_walked() -> None:
+    """transformers 5's heterogeneous config raises its own error for ``config.head_dim``
+    when layers differ; a walk skips it, as ``Module.to`` never reads it."""
+    tf = _transformers()
+    if not hasattr(tf, "Gemma4TextConfig"):
+        pytest.skip("this transformers has no Gemma 4")
+    config = tf.Gemma4TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, global_head_dim=32,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=64,
+        layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    model = tf.Gemma4ForCausalLM(config)
+    with pytest.raises(Exception, match="per-layer attribute"):
+        model.config.head_dim  # noqa: B018 (the trap itself)
+    assert "Gemma4ForCausalLM" in str(torchplace.report(model))
+    torchplace.verify(model, "cpu")
+    with pytest.warns(UserWarning, match="non-persistent buffer"):
+        torchplace.move(model, "meta")
+    torchplace.verify(model, "meta")
+
+
 def test_move_to_meta_warns_when_non_persistent_buffers_lose_their_values() -> None:
     cls, config = llama()
     model = cls(config)

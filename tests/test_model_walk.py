@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -104,3 +105,85 @@ def test_a_move_visits_each_module_once_and_a_model_that_contains_itself_still_m
 def test_loading_a_model_that_contains_itself_says_so() -> None:
     with pytest.raises(torchplace.TorchplaceError, match="SelfLinked model contains itself"):
         torchplace.load_into(SelfLinked(), {"child.weight": torch.ones(2, 2)})
+
+
+# --- attributes that raise when read ---------------------------------------------------------
+
+
+@dataclasses.dataclass
+class LayerConfig:
+    """A configuration that refuses to give one value for an attribute that varies per layer,
+    as transformers 5's heterogeneous configs (gemma4's ``head_dim``) do."""
+
+    width: int
+    head_dim: int
+    table: torch.Tensor
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "head_dim":
+            raise RuntimeError("'head_dim' is a per-layer attribute; read it per layer")
+        return super().__getattribute__(name)
+
+
+class Lazy:
+    """An object with its own .to whose property (shadowing a stored value) raises."""
+
+    def __init__(self) -> None:
+        self.values = torch.zeros(2)
+        self.__dict__["broken"] = 1
+
+    @property
+    def broken(self) -> int:
+        raise ValueError("not computed yet")
+
+    def to(self, device: Any) -> Lazy:
+        moved = Lazy()
+        moved.values = self.values.to(device)
+        return moved
+
+
+class Configured(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+        self.config = LayerConfig(2, 8, torch.ones(3))  # a tensor beside the raising attribute
+        self.lazy = Lazy()
+
+
+def test_an_attribute_that_raises_is_skipped_by_report_verify_and_move() -> None:
+    model = Configured()
+    table = model.config.table
+    rows = torchplace.report(model, detail=True).rows
+    assert [r.path for r in rows if r.kind == "attribute"] == ["config.table", "lazy.values"]
+    assert torchplace.stragglers(model, "cpu") == []
+    torchplace.verify(model, "cpu")
+    with pytest.warns(UserWarning, match=r"holding tensors off meta \(config\)"):
+        torchplace.move(model, "meta")
+    assert model.linear.weight.is_meta
+    assert model.config.table is table  # left as Module.to leaves it (attributes="warn")
+    names = [s.name for s in torchplace.stragglers(model, "meta")]
+    assert "config.table" in names
+    torchplace.move(model, "meta", attributes="move")
+    assert model.config.table.is_meta
+    assert model.config.width == 2  # the rebuilt config keeps what it holds...
+    with pytest.raises(RuntimeError, match="per-layer"):
+        model.config.head_dim  # noqa: B018 (...and still refuses what it refused)
+    assert torchplace.stragglers(model, "meta")[0].name == "lazy.values"
+
+
+class TakesConfig(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones(1))
+
+    def forward(self, x: torch.Tensor, config: LayerConfig) -> torch.Tensor:
+        return x * self.scale
+
+
+def test_a_guard_skips_an_input_attribute_that_raises() -> None:
+    model = TakesConfig()
+    with torchplace.guard(model):
+        assert model(torch.ones(2), config=LayerConfig(2, 8, torch.ones(3))).shape == (2,)
+        on_meta = LayerConfig(2, 8, torch.ones(3, device="meta"))
+        with pytest.raises(torchplace.DeviceMismatchError, match=r"input\['config'\].table"):
+            model(torch.ones(2), config=on_meta)

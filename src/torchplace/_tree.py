@@ -42,6 +42,7 @@ __all__ = [
     "iter_leaves",
     "map_tensors",
     "opaque_tensors",
+    "read_attribute",
     "refuse_unwalkable",
 ]
 
@@ -439,11 +440,25 @@ def cached_properties(cls: type) -> tuple[str, ...]:
     return names
 
 
+def read_attribute(obj: Any, name: str, default: Any = None) -> Any:
+    """``obj.name``, or ``default`` when reading it raises anything at all.
+
+    What cannot be read holds no tensor a walk could find: an unset field or slot, or a
+    property that raises (a Hugging Face config refuses to give one value for a per-layer
+    ``head_dim``). ``Module.to`` never reads such attributes, so a walk skips them and a
+    rebuilt object keeps them as they were, rather than failing over them.
+    """
+    try:
+        return getattr(obj, name)
+    except Exception:
+        return default
+
+
 def _dataclass_items(node: Any) -> Iterator[tuple[str, Any]]:
     """A dataclass's fields that are set (an ``init=False`` field may not be), then the values
     its ``cached_property`` attributes computed, so that no cached tensor stays behind."""
     for field in dataclasses.fields(node):
-        value = getattr(node, field.name, _UNSET)
+        value = read_attribute(node, field.name, _UNSET)
         if value is not _UNSET:
             yield field.name, value
     cached = cached_properties(type(node))
@@ -473,7 +488,7 @@ def _attributes(obj: Any) -> Iterator[tuple[str, Any]]:
     names = dict.fromkeys(getattr(obj, "__dict__", {}))
     names.update(dict.fromkeys(copyreg._slotnames(type(obj))))  # type: ignore[attr-defined]
     for name in names:
-        value = getattr(obj, name, _UNSET)
+        value = read_attribute(obj, name, _UNSET)
         if value is not _UNSET:
             yield name, value
 

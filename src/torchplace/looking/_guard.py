@@ -49,6 +49,7 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils.hooks import RemovableHandle
 
 from .._errors import DeviceMismatchError, TorchplaceError
+from .._tree import read_attribute
 
 __all__ = ["Guard", "guard"]
 
@@ -448,7 +449,7 @@ def _all_on(obj: object, device: torch.device, depth: int) -> bool:
         return all(_all_on(item, device, depth + 1) for item in obj.values())
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return all(
-            _all_on(getattr(obj, field.name, None), device, depth + 1)
+            _all_on(read_attribute(obj, field.name), device, depth + 1)
             for field in dataclasses.fields(obj)
         )
     return True
@@ -478,7 +479,8 @@ def _tensors(obj: object, where: str, depth: int) -> Iterator[tuple[str, Tensor]
             yield from _tensors(item, f"{where}[{key!r}]", depth + 1)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for field in dataclasses.fields(obj):
-            yield from _tensors(getattr(obj, field.name, None), f"{where}.{field.name}", depth + 1)
+            value = read_attribute(obj, field.name)
+            yield from _tensors(value, f"{where}.{field.name}", depth + 1)
 
 
 def _is_scalar(tensor: Tensor) -> bool:
