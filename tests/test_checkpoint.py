@@ -11,6 +11,7 @@ import random
 import sys
 import threading
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import pytest
 import torch
 from torch import nn
 
+import torchplace
 from torchplace._errors import CheckpointError, TorchplaceError
 from torchplace.checkpoint._checkpoint import load, load_into, skeleton
 
@@ -594,9 +596,120 @@ def test_load_into_real_model_keeps_parameter_objects(ckpt: Path) -> None:
     assert torch.equal(model(X), reference()(X))
 
 
+DISCARDED_MASK = r"load_into to meta discarded the values of 1 non-persistent buffer\(s\) \(mask\)"
+
+
 def test_load_into_meta_device_checks_shapes_only(ckpt: Path) -> None:
-    model = load_into(skeleton(Net), ckpt, "meta")
+    with pytest.warns(UserWarning, match=DISCARDED_MASK):
+        model = load_into(skeleton(Net), ckpt, "meta")
     assert model.emb.weight.device.type == "meta"
+
+
+def test_non_strict_names_every_tensor_it_leaves_on_meta(tmp_path: Path) -> None:
+    sd = reference().state_dict()
+    del sd["body.0.bias"], sd["body.1.weight"], sd["body.1.bias"]
+    path = save(sd, tmp_path / "partial.pt")
+    with pytest.warns(UserWarning, match="on meta") as caught:
+        model = load_into(skeleton(Net), path, strict=False)
+    (warning,) = caught
+    text = str(warning.message)
+    assert warning.filename == __file__  # pointed at the caller's line
+    assert text.startswith(
+        "torchplace.load_into left 3 tensor(s) of Net on meta, where they hold no values: "
+        f"body.0.bias, body.1.weight, body.1.bias. {path} has no key for them (strict=False "
+    )
+    assert "computes garbage" in text
+    # body.0 keeps its loaded weight: no to_empty of it, which would wipe that, is offered
+    assert text.endswith("load them from a file that holds them, or initialise them")
+    assert [n for n, t in model.state_dict().items() if t.is_meta] == [
+        "body.0.bias", "body.1.weight", "body.1.bias"
+    ]  # fmt: skip
+
+
+def test_a_full_load_and_a_load_onto_meta_leave_nothing_to_say(ckpt: Path) -> None:
+    load_into(skeleton(Net), ckpt)  # warnings are errors here
+    load_into(reference(), ckpt, strict=False)  # a real model keeps its own values
+
+
+def test_a_fresh_initialisation_is_offered_when_a_whole_module_is_left(tmp_path: Path) -> None:
+    sd = reference().state_dict()
+    del sd["body.1.weight"], sd["body.1.bias"]
+    path = save(sd, tmp_path / "partial.pt")
+    with pytest.warns(UserWarning, match=r"on meta") as caught:
+        model = load_into(skeleton(Net), path, strict=False)
+    fix = "model.get_submodule('body.1')"
+    assert str(caught[0].message).endswith(
+        f"or initialise them, e.g. {fix}.to_empty(device='cpu') then {fix}.reset_parameters()"
+    )
+    model.get_submodule("body.1").to_empty(device="cpu")  # the fix, as given
+    model.get_submodule("body.1").reset_parameters()
+    torchplace.verify(model, "cpu")
+    assert torch.equal(model.body[1].weight, torch.ones(8))
+    assert torch.equal(model.body[0].weight, reference().body[0].weight)  # the loaded one kept
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_meta_value_is_refused_before_anything_is_written(strict: bool) -> None:
+    model = reference()
+    params = dict(model.named_parameters())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = {k: torch.full_like(v, 7.0) for k, v in model.state_dict().items()}
+    state["body.1.bias"] = torch.empty(8, device="meta")  # the last key: three come before it
+    with pytest.raises(CheckpointError) as info:
+        load_into(model, state, strict=strict)
+    assert str(info.value).startswith(
+        "the state dict given to load_into: does not fit Net: tensors on meta, which hold no "
+        "values to load: body.1.bias (the state dict came from a model on meta"
+    )
+    assert "partly filled" not in str(info.value)
+    for name, p in model.named_parameters():
+        assert p is params[name]
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name  # untouched, bit for bit
+    skel = skeleton(Net)
+    with pytest.raises(CheckpointError, match=r"tensors on meta, .*: body\.1\.bias"):
+        load_into(skel, state, strict=strict)
+    assert skel.emb.weight.is_meta
+
+
+def test_meta_values_load_onto_meta(recwarn: pytest.WarningsRecorder) -> None:
+    state = {k: torch.empty_like(v, device="meta") for k, v in reference().state_dict().items()}
+    model = load_into(skeleton(Net), state, "meta")  # shapes only: nothing to refuse
+    assert model.emb.weight.is_meta
+    assert [str(w.message).split(" (")[0] for w in recwarn] == [
+        "torchplace.load_into to meta discarded the values of 1 non-persistent buffer(s)"
+    ]
+
+
+def test_a_load_onto_meta_warns_as_move_does_and_the_next_load_says_why(ckpt: Path) -> None:
+    with pytest.warns(UserWarning, match="discarded") as moved:
+        torchplace.move(reference(), "meta")
+    model = skeleton(Net)
+    with pytest.warns(UserWarning, match="discarded") as loaded:
+        load_into(model, ckpt, "meta")
+    (by_move,), (by_load,) = moved, loaded
+    assert str(by_load.message) == str(by_move.message).replace(
+        "torchplace.move to meta", "torchplace.load_into to meta"
+    )
+    assert "non-persistent buffer(s) (mask)" in str(by_load.message)
+    assert by_load.filename == __file__
+    with pytest.raises(CheckpointError) as info:
+        load_into(model, ckpt, "cpu")
+    text = str(info.value)
+    assert "mask (their values were lost when they went to meta, by a move or a load onto " in text
+    assert f"then torchplace.load_into(model, {str(ckpt)!r}, 'cpu'))" in text
+
+
+def test_a_warning_turned_error_leaves_the_skeleton_as_it_was(tmp_path: Path) -> None:
+    sd = reference().state_dict()
+    del sd["body.0.bias"]
+    path = save(sd, tmp_path / "partial.pt")
+    model = skeleton(Net)
+    params = dict(model.named_parameters())
+    with pytest.raises(UserWarning, match="left 1 tensor"):  # warnings are errors here
+        load_into(model, path, strict=False)
+    assert all(p.is_meta for p in model.parameters())  # all or nothing, the warning included
+    assert dict(model.named_parameters()) == params
 
 
 def test_strict_lists_missing_unexpected_and_mismatched(tmp_path: Path) -> None:
@@ -621,7 +734,8 @@ def test_non_strict_loads_what_matches(tmp_path: Path) -> None:
     sd["extra.weight"] = torch.ones(1)
     with pytest.raises(CheckpointError, match="pass strict=False to load what matches"):
         load_into(skeleton(Net), save(sd, tmp_path / "partial.pt"))
-    model = load_into(skeleton(Net), save(sd, tmp_path / "partial.pt"), strict=False)
+    with pytest.warns(UserWarning, match=r"left 1 tensor\(s\) of Net on meta.*: body\.0\.bias\."):
+        model = load_into(skeleton(Net), save(sd, tmp_path / "partial.pt"), strict=False)
     assert model.emb.weight.device.type == "cpu" and model.body[0].bias.device.type == "meta"
     sd["body.1.weight"] = torch.ones(3)
     with pytest.raises(CheckpointError, match="shape mismatches"):
@@ -646,7 +760,7 @@ def test_prefixed_keys_get_a_hint_that_works(tmp_path: Path) -> None:
         load_into(model, path, strict=False)
     assert model.head.weight.is_meta
     # the hint, followed word for word
-    hint = str(e.value).split("load_into(model, path, ")[1].split(")")[0]
+    hint = str(e.value).split(f"torchplace.load_into(model, {str(path)!r}, ")[1].split(")")[0]
     assert hint == 'rename={r"^module\\.": ""}'
     model = load_into(skeleton(Tied), path, rename={r"^module\.": ""})
     assert torch.equal(model.head.weight, src.head.weight) and model.emb.weight is model.head.weight
@@ -669,7 +783,9 @@ def test_a_file_of_one_part_of_the_model_gets_a_hint_that_works(tmp_path: Path) 
 
 def test_whole_training_checkpoint_gets_a_hint(tmp_path: Path) -> None:
     path = save({"model": reference().state_dict(), "epoch": 3}, tmp_path / "all.pt")
-    with pytest.raises(CheckpointError, match=r"not a state dict.*load\(path\)\['model'\]\)$"):
+    with pytest.raises(
+        CheckpointError, match=r"not a state dict.*load\('.*all\.pt'\)\['model'\]\)$"
+    ):
         load_into(skeleton(Net), path)
     model = load_into(skeleton(Net), load(path)["model"])  # the hint, followed
     assert torch.equal(model.emb.weight, reference().emb.weight)
@@ -868,7 +984,8 @@ def test_optimizer_state_read_onto_the_device_keeps_step_there(tmp_path: Path) -
     opt = torch.optim.Adam(model.parameters())
     _train(model, opt, 1)
     path = save(opt.state_dict(), tmp_path / "optim.pt")
-    target = load_into(skeleton(Net), _weights(model, tmp_path), "meta")
+    with pytest.warns(UserWarning, match=DISCARDED_MASK):
+        target = load_into(skeleton(Net), _weights(model, tmp_path), "meta")
     for read_on, step_on in (("meta", "meta"), ("cpu", "cpu")):
         new_opt = torch.optim.Adam(target.parameters())
         new_opt.load_state_dict(load(path, read_on))
@@ -898,7 +1015,8 @@ def test_resumed_step_follows_pytorchs_policy(
     opt = torch.optim.Adam(model.parameters())
     _train(model, opt, 1)
     path = save(opt.state_dict(), tmp_path / "optim.pt")
-    target = load_into(skeleton(Net), _weights(model, tmp_path), device)
+    with pytest.warns(UserWarning, match=DISCARDED_MASK) if device == "meta" else nullcontext():
+        target = load_into(skeleton(Net), _weights(model, tmp_path), device)
     kwargs = {} if flag == "plain" else {flag: True}
     new_opt = torch.optim.Adam(target.parameters(), **kwargs)
     state = load(path)
@@ -1279,7 +1397,8 @@ def test_post_hooks_run_after_the_weights_are_in_place(tmp_path: Path) -> None:
 
     build().load_state_dict(torch.load(path, weights_only=True), strict=False)
     from_torch, seen[:] = list(seen), []
-    model = load_into(skeleton(build), path, strict=False)
+    with pytest.warns(UserWarning, match=r"left 2 tensor\(s\) of Sequential on meta.*: 2.weight"):
+        model = load_into(skeleton(build), path, strict=False)
     assert [s[0] for s in seen] == [s[0] for s in from_torch] == ["0", "1", "2", ""]
     assert torch.equal(model[1].weight, source[1].weight)
     assert seen[0][1] and seen[1][1]  # the loaded layers hold their weights when their hook runs
@@ -1313,7 +1432,11 @@ def test_post_hooks_may_clear_keys_before_the_strict_check(tmp_path: Path) -> No
 
     for model in (_with_extra_layer(), skeleton(_with_extra_layer)):
         model.register_load_state_dict_post_hook(forgive)
-        assert load_into(model, path) is model
+        if model[2].weight.is_meta:  # left there, and said: the hooks let the load go ahead
+            with pytest.warns(UserWarning, match=r"on meta.*\(the model's load post-hooks let"):
+                assert load_into(model, path) is model
+        else:
+            assert load_into(model, path) is model
         for name, value in source.state_dict().items():
             assert torch.equal(model.state_dict()[name], value)
         if model[2].weight.device.type == "meta":  # a skeleton's unloaded layer stays meta
@@ -1622,7 +1745,7 @@ def test_a_whole_pickled_model_is_refused_with_a_fix_that_works_when_followed(
     for attempt in (lambda: load(path), lambda: load_into(model, path)):
         with pytest.raises(CheckpointError, match="holds a whole model") as info:
             attempt()
-        fix = "torchplace.load(path, trusted=True).state_dict()"
+        fix = f"torchplace.load({str(path)!r}, trusted=True).state_dict()"
         assert fix in str(info.value) and "Nothing was run" in str(info.value)
     load_into(model, load(path, trusted=True).state_dict())  # the fix, as given
     assert torch.equal(model[0].weight, source[0].weight)

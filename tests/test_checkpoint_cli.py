@@ -1119,10 +1119,10 @@ def test_remap_of_a_whole_pickled_model_gives_a_rewrite_that_remap_then_takes(
     torch.save(torch.nn.Sequential(torch.nn.Linear(2, 2)), path)
     with pytest.raises(CheckpointError, match="remap never runs") as info:
         remap(path, tmp_path / "x.pt", to="cpu")
-    assert "torch.save(torchplace.load(path, 'cpu', trusted=True).state_dict(), out)" in str(
-        info.value
-    )
-    out = tmp_path / "out.pt"
-    torch.save(torchplace.load(path, "cpu", trusted=True).state_dict(), out)  # as given
+    out = tmp_path / "whole-weights.pt"  # named after the file, beside it
+    fix = f"torch.save(torchplace.load({str(path)!r}, 'cpu', trusted=True).state_dict(), "
+    fix += f"{str(out)!r})"
+    assert str(info.value).endswith(f"{fix}, then remap {str(out)!r}")
+    exec(fix, {"torch": torch, "torchplace": torchplace})  # the fix, as given
     remap(out, tmp_path / "x.pt", to="cpu")
     assert set(load(tmp_path / "x.pt")) == {"0.weight", "0.bias"}

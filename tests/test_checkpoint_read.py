@@ -146,7 +146,11 @@ def test_nothing_loaded_is_backed_by_the_file(tmp_path: Path, fmt: str) -> None:
             weight_map = {k: ("a" if k in names[:2] else "b") + ".safetensors" for k in names}
             path.write_text(json.dumps({"weight_map": weight_map}))
     out = load(path)
-    model = load_into(skeleton(Net), path, strict=fmt != "safetensors")
+    if fmt == "safetensors":  # the first of two files: what the other holds stays on meta
+        with pytest.warns(UserWarning, match=r"left 3 tensor\(s\) of Net on meta"):
+            model = load_into(skeleton(Net), path, strict=False)
+    else:
+        model = load_into(skeleton(Net), path)
     assert not any(_maps(f) for f in files)
     for k, v in out.items():
         assert torch.equal(v, sd[k]) and v.dtype == sd[k].dtype
@@ -232,12 +236,14 @@ def test_load_into_from_a_lightning_checkpoint_follows_its_hint(tmp_path: Path) 
     with pytest.raises(CheckpointError) as info:
         load_into(skeleton(Net), path)
     hint = str(info.value).split("; load the part that holds the weights, ")[1]
-    assert (
-        hint
-        == """load_into(model, torchplace.load(path)['state_dict'], rename={r"^model\\.": ""})"""
+    assert hint == (
+        f"torchplace.load_into(model, torchplace.load({str(path)!r})['state_dict'], "
+        """rename={r"^model\\.": ""})"""
     )
     # followed to the letter
-    model = load_into(skeleton(Net), torchplace.load(path)["state_dict"], rename={r"^model\.": ""})
+    namespace = {"torchplace": torchplace, "model": skeleton(Net)}
+    exec(hint, namespace)
+    model = namespace["model"]
     for name, p in model.named_parameters():
         assert torch.equal(p, sd[name])
 

@@ -93,6 +93,48 @@ def message_of(fn: Callable[[], object]) -> str | None:
     return "\n".join(str(w.message) for w in caught) or None
 
 
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+        self.head = nn.Linear(4, 2)
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("ddp", 'torchplace.load_into(model, {path!r}, rename={{r"^module\\.": ""}})'),
+        ("training", "torchplace.load_into(model, torchplace.load({path!r})['model'])"),
+        ("lightning", "torchplace.load_into(model, torchplace.load({path!r})['state_dict'], "
+                      'rename={{r"^model\\.": ""}})'),
+        ("part", "torchplace.load_into(model.get_submodule('encoder'), {path!r})"),
+    ],
+)  # fmt: skip
+def test_load_into_advice_names_the_file_and_works_when_typed_as_given(
+    case: str, expected: str, tmp_path: Path
+) -> None:
+    torch.manual_seed(0)
+    source = _Net()
+    weights = source.state_dict()
+    saved: Any = {
+        "ddp": {f"module.{k}": v for k, v in weights.items()},
+        "training": {"model": weights, "epoch": 3},
+        "lightning": {"state_dict": {f"model.{k}": v for k, v in weights.items()}, "epoch": 3},
+        "part": source.encoder.state_dict(),
+    }[case]
+    path = tmp_path / "saved file.pt"  # a space: the name is quoted as Python quotes it
+    torch.save(saved, path)
+    message = message_of(lambda: torchplace.load_into(torchplace.skeleton(_Net), path))
+    assert message is not None
+    recipes = suggested_recipes(message)
+    assert recipes == [[expected.format(path=str(path))]], message
+    model = _Net() if case == "part" else torchplace.skeleton(_Net)
+    follow(recipes[0], {"torchplace": torchplace, "model": model})
+    for name, value in (source.encoder if case == "part" else source).state_dict().items():
+        part = model.encoder if case == "part" else model
+        assert torch.equal(part.state_dict()[name], value), name
+
+
 @pytest.mark.parametrize("what", ["batch", "tensor"])
 def test_the_fix_for_a_batch_or_a_tensor_works_when_typed_as_given(what: str) -> None:
     """move returns the moved object and leaves the one passed as it was: the fix keeps it."""
@@ -557,6 +599,34 @@ def test_gemma4_whose_config_refuses_a_per_layer_attribute_is_walked() -> None:
     with pytest.warns(UserWarning, match="non-persistent buffer"):
         torchplace.move(model, "meta")
     torchplace.verify(model, "meta")
+
+
+def test_a_file_saved_from_a_tied_llama_is_named_and_the_tie_works(tmp_path: Path) -> None:
+    """save_pretrained of a model with tied embeddings saves their weight once; a model built
+    untied and loaded with strict=False is told so, and the tie it is given works as typed."""
+    cls, config = llama()
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    source = cls(config).eval()
+    expected = source(IDS).logits
+    source.save_pretrained(tmp_path / "tied")
+    untied = copy.deepcopy(config)
+    untied.tie_word_embeddings = False
+    model = torchplace.skeleton(cls, untied)
+    with pytest.warns(UserWarning, match="tie_word_embeddings") as caught:
+        torchplace.load_into(model, tmp_path / "tied", strict=False)
+    text = str(caught[0].message)
+    assert text.startswith(
+        "torchplace.load_into left 1 tensor(s) of LlamaForCausalLM on meta, where they hold no "
+        "values: lm_head.weight."
+    )
+    assert "this model was built with tie_word_embeddings=False" in text
+    fix = re.search(r"Tie them as it did, (.*?), or build", text)
+    assert fix is not None
+    assert fix.group(1) == "model.lm_head.weight = model.model.embed_tokens.weight"
+    exec(fix.group(1), {"model": model})  # the fix, as given
+    torchplace.verify(model, "cpu")
+    assert torch.equal(model(IDS).logits, expected)
 
 
 def test_move_to_meta_warns_when_non_persistent_buffers_lose_their_values() -> None:

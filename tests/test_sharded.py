@@ -99,8 +99,13 @@ def test_a_strided_view_that_is_not_dense_is_refused_by_name(tmp_path: Path) -> 
 def test_a_legacy_torch_file_is_refused_with_the_fix(tmp_path: Path) -> None:
     path = tmp_path / "old.pt"
     torch.save({"w": torch.ones(2)}, path, _use_new_zipfile_serialization=False)
-    with pytest.raises(CheckpointError, match=r"legacy.*save it again in the zip format"):
+    with pytest.raises(CheckpointError, match=r"legacy.*save it again in the zip format") as info:
         _sharded._file_entries(path)
+    fixed = tmp_path / "old-zip.pt"
+    fix = f"torch.save(torchplace.load({str(path)!r}), {str(fixed)!r})"
+    assert fix in str(info.value)
+    exec(fix, {"torch": torch, "torchplace": torchplace})  # the fix, as given
+    assert list(_sharded._file_entries(fixed)) == ["w"]
 
 
 def test_an_index_that_names_a_tensor_its_shard_lacks_is_refused(tmp_path: Path) -> None:

@@ -405,11 +405,12 @@ def _read_for_remap(src: Path, kind: str) -> Any:
             raise
         # A whole model stays a whole model when saved again: only its state dict can be remapped.
         weights = ".state_dict()" if pickles_a_model(found) else ""
+        resaved = str(src.with_name(f"{src.stem}-weights.pt"))
         raise CheckpointError(
             f"{src}: would run code when loaded ({', '.join(found)}), "
             "and remap never runs a file's code. If you trust its source, rewrite it yourself: "
-            f"torch.save(torchplace.load(path, 'cpu', trusted=True){weights}, out), "
-            "then remap out"
+            f"torch.save(torchplace.load({str(src)!r}, 'cpu', trusted=True){weights}, "
+            f"{resaved!r}), then remap {resaved!r}"
         ) from exc
 
 

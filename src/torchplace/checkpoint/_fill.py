@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import functools
 import re
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ from .._errors import CheckpointError, MoveError, TorchplaceError
 from .._model_walk import Slot, tensor_slots
 from .._own_moves import AttributeSnapshot, run_own_moves
 from ..moving._identity import parameter_like
+from ..moving._move import discarded_warning
 from ._formats import PathLike, as_path, first_sentence, is_dir, model_file
 from ._read import load
 from ._rename import Rename, as_renamer, renamed
@@ -36,7 +38,13 @@ def _listing(items: list[str], limit: int = 10) -> str:
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
-def _prefix_hint(missing: list[str], unexpected: list[str]) -> str:
+def _source(p: Path | str) -> str:
+    """How a suggested call names the source: the file's name as Python (``'/ckpt/last.pt'``),
+    or ``state_dict`` for a mapping given in memory."""
+    return repr(str(p)) if isinstance(p, Path) else "state_dict"
+
+
+def _prefix_hint(p: Path | str, missing: list[str], unexpected: list[str]) -> str:
     """Says when the file's keys differ from the model's by one prefix (``module.`` from DDP).
 
     The prefix must account for every missing key, so that a file of another model whose keys
@@ -52,7 +60,8 @@ def _prefix_hint(missing: list[str], unexpected: list[str]) -> str:
         if all(extra + n in files for n in names):
             return (
                 f"; the file's keys carry an extra prefix {extra!r}: drop it as they load, "
-                f'load_into(model, path, rename={{{_pattern("^" + re.escape(extra))}: ""}})'
+                f"torchplace.load_into(model, {_source(p)}, "
+                f'rename={{{_pattern("^" + re.escape(extra))}: ""}})'
             )
     m = next((n for n in names if n.endswith(unexpected[0]) and n != unexpected[0]), None)
     if m is not None:
@@ -60,7 +69,8 @@ def _prefix_hint(missing: list[str], unexpected: list[str]) -> str:
         if all(prefix + k in set(names) for k in unexpected):
             return (
                 f"; the model's keys carry a prefix {prefix!r} the file lacks: load into that "
-                f"part of the model, load_into(model.get_submodule({prefix.rstrip('.')!r}), path)"
+                f"part of the model, torchplace.load_into(model.get_submodule("
+                f"{prefix.rstrip('.')!r}), {_source(p)})"
             )
     return ""
 
@@ -245,7 +255,7 @@ def load_into(
     if not isinstance(model, nn.Module):
         raise TorchplaceError(
             f"load_into() fills an nn.Module, not {type(model).__name__}; build the model "
-            "first, e.g. load_into(torchplace.skeleton(MyModel, ...), path)"
+            "first, e.g. torchplace.load_into(torchplace.skeleton(MyModel, ...), checkpoint)"
         )
     from ._sharded import has_dtensors, load_sharded
 
@@ -257,7 +267,7 @@ def load_into(
         raise CheckpointError(
             f"load_into fills a model from a checkpoint (a path, a directory or a state dict), "
             f"not from a {type(source).__name__} model; pass its weights: "
-            "load_into(model, other.state_dict())"
+            "torchplace.load_into(model, other.state_dict())"
         )
     from_memory = isinstance(source, Mapping)
     p: Path | str = "the state dict given to load_into" if from_memory else as_path(source)
@@ -280,6 +290,99 @@ def load_into(
     fit = _Fit(p, model, seen, loadable, transient, extra, read_on, strict)
     prepared = _prepare(fit, target, copy=from_memory)
     return _apply(fit, prepared, extra, seen.own)  # type: ignore[return-value]
+
+
+def _warn_after_fill(fit: _Fit) -> None:
+    """The warnings of a load that went through: values a load onto meta discarded, as ``move``
+    gives them, and tensors that a load onto a real device left on meta (a key the file lacks,
+    with ``strict=False``), which hold no values and make the model compute garbage.
+
+    Given as the last step of the load, inside its all or nothing: where warnings are errors,
+    the model is put back as it was before the error goes on.
+    """
+    if fit.discarded:
+        warnings.warn(discarded_warning("load_into", fit.discarded), UserWarning, stacklevel=4)
+    if fit.read_on.type == "meta":
+        return
+    left = [s for s in (*fit.loadable, *fit.transient) if s.tensor.is_meta]
+    if not left:
+        return
+    names = [s.names[0] for s in left]
+    model = fit.model
+    tied, meta = _tied_hint(model, left)
+    rest = [s for s in left if s.tensor is not meta]
+    fix = ""
+    if rest:
+        fix = (
+            " Give them values before the model runs: load them from a file that holds them, "
+            "or initialise them"
+        )
+        holder = rest[0].homes[0][0]
+        own = [*holder._parameters.values(), *holder._buffers.values()]
+        if (
+            hasattr(holder, "reset_parameters")
+            and holder is not model
+            and all(t is None or t.is_meta for t in own)  # else to_empty wipes what loaded
+        ):
+            code = _as_python(_path_of(model, holder))
+            dev = _target_for(rest[0], fit.target)
+            fix += f", e.g. {code}.to_empty(device={str(dev)!r}) then {code}.reset_parameters()"
+    why = "strict=False" if not fit.strict else "the model's load post-hooks"
+    warnings.warn(
+        f"torchplace.load_into left {len(names)} tensor(s) of {type(model).__name__} on meta, "
+        f"where they hold no values: {_listing(names)}. {fit.p} has no key for them "
+        f"({why} let the load go ahead), and a model with tensors on meta fails or, "
+        "worse, computes garbage (F.linear of a real input and a meta weight returns "
+        f"uninitialised values).{tied}{fix}",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
+def _path_of(model: nn.Module, module: nn.Module) -> str:
+    path: str = next(name for name, m in model.named_modules() if m is module)
+    return path
+
+
+def _as_python(path: str) -> str:
+    """How code names the submodule of ``model`` at ``path``: ``model.lm_head``, or
+    ``model.get_submodule('layers.0')`` where attribute access cannot spell it."""
+    if all(part.isidentifier() for part in path.split(".")):
+        return "model." + path
+    return f"model.get_submodule({path!r})"
+
+
+def _tied_hint(model: nn.Module, left: list[Slot]) -> tuple[str, torch.Tensor | None]:
+    """Says when a weight left on meta is the output embedding of a Hugging Face model whose
+    input embedding loaded with the same shape: the file looks saved from a model with tied
+    embeddings (``tie_word_embeddings``), which saves the weight they share once. Returns the
+    words and that weight, or ``("", None)``."""
+    inputs = getattr(model, "get_input_embeddings", None)
+    outputs = getattr(model, "get_output_embeddings", None)
+    if not (callable(inputs) and callable(outputs)):
+        return "", None
+    try:
+        src, dst = inputs(), outputs()
+    except Exception:  # a model that has none raises NotImplementedError
+        return "", None
+    weight = getattr(src, "weight", None)
+    meta = getattr(dst, "weight", None)
+    if not isinstance(weight, torch.Tensor) or not isinstance(meta, torch.Tensor):
+        return "", None
+    if weight.is_meta or not meta.is_meta or weight.shape != meta.shape:
+        return "", None
+    if not any(s.tensor is meta for s in left):
+        return "", None
+    out_path, in_path = _path_of(model, dst), _path_of(model, src)
+    flag = getattr(getattr(model, "config", None), "tie_word_embeddings", None)
+    built = ", and this model was built with tie_word_embeddings=False" if flag is False else ""
+    words = (
+        " The file looks saved from a model with tied embeddings (tie_word_embeddings=True): "
+        f"such a model shares one weight between {out_path} and {in_path} and saves it once, "
+        f"as {in_path}.weight{built}. Tie them as it did, {_as_python(out_path)}.weight = "
+        f"{_as_python(in_path)}.weight, or build the model with tie_word_embeddings=True."
+    )
+    return words, meta
 
 
 def _read_on(loadable: list[Slot], target: torch.device | None) -> torch.device:
@@ -316,10 +419,10 @@ def _check_state_dict(p: Path | str, model: nn.Module, state: Any, loadable: lis
             fits = any(k[len(head) :] in names for k in inner)
             if head and fits and all(k.startswith(head) for k in inner):
                 rename = f', rename={{r"^{re.escape(head)}": ""}}'
-        where = "state" if isinstance(p, str) else "torchplace.load(path)"
+        where = "state_dict" if isinstance(p, str) else f"torchplace.load({_source(p)})"
         raise CheckpointError(
             f"{p}: holds a dict of {_listing(sorted(nested), 5)}, not a state dict; load the "
-            f"part that holds the weights, load_into(model, {where}[{key!r}]{rename})"
+            f"part that holds the weights, torchplace.load_into(model, {where}[{key!r}]{rename})"
         )
 
 
@@ -342,12 +445,19 @@ class _Fit:
         strict: bool,
     ) -> None:
         self.p, self.model, self.strict, self.transient = p, model, strict, transient
+        self.read_on, self.loadable = read_on, loadable
+        # A load onto meta discards the values of the non-persistent buffers it moves there.
+        self.discarded = [
+            s.names[0] for s in transient if read_on.type == "meta" and not s.tensor.is_meta
+        ]
+        self.target: torch.device | None = None  # set by _prepare: where tensors go
         self.loaders = seen.loaders
         own = seen.own
         missing: list[str] = []
         not_loaded: list[str] = []  # every name of what stays as it was, for post-hooks
         mismatched: list[str] = []
         conflicts: list[str] = []
+        empty: list[str] = []  # values with no data (on meta) bound for a real device
         self.plan: list[tuple[Slot, torch.Tensor]] = []
         for slot in loadable:
             present = [n for n in slot.names if n in own]
@@ -369,6 +479,9 @@ class _Fit:
                     mismatched.append(
                         f"{name}: file {tuple(value.shape)}, model {tuple(slot.tensor.shape)}"
                     )
+                    bad = True
+                elif value.device.type == "meta" and read_on.type != "meta":
+                    empty.append(name)  # found now, before anything is written
                     bad = True
             if bad:
                 continue
@@ -403,10 +516,19 @@ class _Fit:
             )
         if seen.errors:
             problems.append(f"refused by the model: {_listing(seen.errors)}")
+        if empty:
+            problems.append(
+                f"tensors on meta, which hold no values to load: {_listing(empty)} (the state "
+                "dict came from a model on meta or a skeleton not yet filled; load the weights "
+                "from the file they were saved to, or load onto 'meta' to check shapes only)"
+            )
         if strict and no_data:
             problems.append(
                 f"non-persistent buffers on meta that no checkpoint holds: {_listing(no_data)} "
-                "(build the model with torchplace.skeleton so buffers stay real)"
+                "(their values were lost when they went to meta, by a move or a load onto "
+                "'meta'; build the model again with torchplace.skeleton(YourModel, ...), which "
+                f"keeps such buffers real, then torchplace.load_into(model, {_source(p)}, "
+                f"{str(read_on)!r}))"
             )
         unexpected = self.unexpected
         # Keys alone: post-hooks may clear them, as load_state_dict lets them (its strict check
@@ -433,7 +555,7 @@ class _Fit:
             raise CheckpointError(
                 f"{p}: not one of its keys matches {type(model).__name__}, so strict=False "
                 f"would load nothing: the model has {_listing(missing, 5)}; {held}"
-                f"{_prefix_hint(missing, unexpected)}"
+                f"{_prefix_hint(p, missing, unexpected)}"
             )
 
 
@@ -455,6 +577,7 @@ def _prepare(fit: _Fit, target: torch.device | None, *, copy: bool) -> _Prepared
     ``copy``: the values are the caller's (a mapping), so the model gets copies of its own.
     """
     out = _Prepared()
+    fit.target = target
     spans = _Spans()  # the bytes given to a slot so far
     try:
         for slot, value in fit.plan:
@@ -495,7 +618,8 @@ def _prepare(fit: _Fit, target: torch.device | None, *, copy: bool) -> _Prepared
 def _apply(
     fit: _Fit, ready: _Prepared, extra: Mapping[str, nn.Module], own: Mapping[str, Any]
 ) -> nn.Module:
-    """Phase 2: extra state set, tensors swapped in and filled, post-hooks run; all or nothing.
+    """Phase 2: extra state set, tensors swapped in and filled, post-hooks run, warnings given;
+    all or nothing.
 
     Each step records how to undo it before it is taken (and the undo checks whether it was),
     so an error or a ``KeyboardInterrupt`` at any point puts the model back as it was, except
@@ -522,6 +646,7 @@ def _apply(
     try:
         _apply_steps(fit, ready, extra, own, undos, put_back)
         _own_moves_after(fit, undos, put_back)
+        _warn_after_fill(fit)
         return fit.model
     except CheckpointError:  # said what state the model is in, and put it back where it could
         raise
@@ -678,7 +803,7 @@ def _does_not_fit(
         keys.append(f"missing keys: {_listing(missing)}")
     if strict and unexpected:
         keys.append(f"unexpected keys: {_listing(unexpected)}")
-    hint = _prefix_hint(missing, unexpected) if strict else ""
+    hint = _prefix_hint(p, missing, unexpected) if strict else ""
     fix = "; pass strict=False to load what matches" if matched and not problems else ""
     cut = [
         name

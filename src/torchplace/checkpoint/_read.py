@@ -115,8 +115,8 @@ def _load_torch(
             ) from exc
         if "Weights only load failed" in text and _whole_model(p):
             raise CheckpointError(
-                f"{p}: {WHOLE_MODEL} (a state dict load_into takes as it is); better, save "
-                "model.state_dict() instead of the model"
+                f"{p}: {WHOLE_MODEL.format(path=repr(str(p)))} (a state dict load_into takes "
+                "as it is); better, save model.state_dict() instead of the model"
             ) from exc
         if "Weights only load failed" in text:
             raise CheckpointError(

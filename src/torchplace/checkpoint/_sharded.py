@@ -235,8 +235,8 @@ def _file_entries(p: Path) -> dict[str, _Entry]:
         return read(p)
     raise CheckpointError(
         f"{p}: is a legacy (pre-1.6, non-zip) torch file, whose tensors cannot be read by "
-        "slice; save it again in the zip format, torch.save(torchplace.load(path), new_path), "
-        "or as .safetensors, and load new_path"
+        f"slice; save it again in the zip format, torch.save(torchplace.load({str(p)!r}), "
+        f"{str(p.with_name(p.stem + '-zip.pt'))!r}), or as .safetensors, and load that file"
     )
 
 

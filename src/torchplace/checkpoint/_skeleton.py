@@ -118,7 +118,7 @@ def skeleton(factory: Callable[..., ModuleT], /, *args: Any, **kwargs: Any) -> M
         raise TorchplaceError(
             f"skeleton() builds a model, so it takes what builds one (a class or a function) "
             f"and its arguments, not a {cls} already built: skeleton({cls}, ...); a built "
-            f"model takes its weights directly, load_into(model, checkpoint)"
+            f"model takes its weights directly, torchplace.load_into(model, checkpoint)"
         )
     mode = _SkeletonMode()
     with mode:

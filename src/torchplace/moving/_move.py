@@ -63,7 +63,7 @@ from ._identity import (
 from ._optim_state import optimizer_list, rule_for
 from ._transfer import Copier, CopyFailed, is_accelerator, own_to, tensor_mover
 
-__all__ = ["NON_PERSISTENT_LOST", "REBUILD", "move"]
+__all__ = ["NON_PERSISTENT_LOST", "REBUILD", "discarded_warning", "move"]
 
 # Said wherever a non-persistent buffer on meta is met on the way back to a real device.
 REBUILD = (
@@ -75,6 +75,20 @@ NON_PERSISTENT_LOST = (
     "moved there and no checkpoint holds them, so neither load_into nor to_empty brings them "
     "back; " + REBUILD
 )
+
+
+def discarded_warning(verb: str, names: list[str]) -> str:
+    """The warning for non-persistent buffers whose values a trip to meta (``torchplace.move``
+    or ``torchplace.load_into``, ``verb``) discarded: the same words wherever it happens."""
+    shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+    return (
+        f"torchplace.{verb} to meta discarded the values of {len(names)} non-persistent "
+        f"buffer(s) ({shown}): they are not in the state dict, so no checkpoint can bring them "
+        "back. To use the model again, build it anew with torchplace.skeleton(YourModel, ...), "
+        "which keeps such buffers real, and fill it with torchplace.load_into(model, "
+        "checkpoint, device)"
+    )
+
 
 T = TypeVar("T")
 Attributes = Literal["warn", "move", "ignore"]
@@ -557,16 +571,7 @@ def move(
             stacklevel=2,
         )
     if copier.discarded:
-        names = ", ".join(copier.discarded[:5]) + (", ..." if len(copier.discarded) > 5 else "")
-        warnings.warn(
-            f"torchplace.move to meta discarded the values of {len(copier.discarded)} "
-            f"non-persistent buffer(s) ({names}): they are not in the state dict, so no "
-            "checkpoint can bring them back. To use the model again, build it anew with "
-            "torchplace.skeleton(YourModel, ...), which keeps such buffers real, and fill it "
-            "with torchplace.load_into(model, checkpoint, device)",
-            UserWarning,
-            stacklevel=2,
-        )
+        warnings.warn(discarded_warning("move", copier.discarded), UserWarning, stacklevel=2)
     if left_behind and attributes == "warn":
         names = ", ".join(left_behind[:5]) + (", ..." if len(left_behind) > 5 else "")
         warnings.warn(
