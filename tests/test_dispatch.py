@@ -459,6 +459,30 @@ def test_containers_within_containers_hand_their_hooks_down() -> None:
     assert out.device == META and out.shape == (3, 2)
 
 
+def test_a_sequential_whose_layers_are_run_one_by_one_is_hooked_both_ways() -> None:
+    class Iterates(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.first = nn.Linear(4, 4)
+            self.layers = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+
+        def forward(self, x: torch.Tensor, whole: bool = False) -> torch.Tensor:
+            x = self.first(x)
+            if whole:
+                return self.layers(x)  # type: ignore[no-any-return]
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    model = dispatch(Iterates(), {"first": "cpu", "layers": "meta"})
+    seen = inputs_seen(model, ["layers.0", "layers.1"])
+    for whole in (False, True):
+        seen.clear()
+        out = model(torch.ones(3, 4), whole=whole)
+        assert seen == {"layers.0": META, "layers.1": META}
+        assert out.device == META and out.shape == (3, 2)
+
+
 def test_a_module_list_on_its_own_device_gives_the_same_values() -> None:
     reference = seeded(Net)
     model = dispatch(copy.deepcopy(reference), {"": "cpu", "blocks": "cpu"})

@@ -323,7 +323,8 @@ def _hook(tree: ModelTree, targets: dict[int, torch.device]) -> None:
 
     A top that never runs (a ``ModuleList`` of layers mapped whole, as ``plan`` maps it) hands
     its hook down to its children, which its parent calls one by one: the hooks go on the
-    modules that run.
+    modules that run. An ``nn.Sequential`` may be called or have its layers called one by one,
+    so it keeps its hook and its children get theirs too (a call moves nothing twice).
     """
     devices_of = {path: {targets[key] for key in tree.subtree(path)} for path in tree.modules}
     done: set[int] = set()
@@ -344,6 +345,8 @@ def _hook(tree: ModelTree, targets: dict[int, torch.device]) -> None:
         elif len(devices) == 1 and top:
             (target,) = devices
             _wrap(module, installed, _whole_message(path, name, target))
+            if parent is not None and isinstance(module, nn.Sequential):
+                handed_down.add(path)  # it runs, or its parent runs its layers one by one
         elif len(devices) > 1:
             if tree.direct[path]:
                 target = targets[tree.direct[path][0]]
