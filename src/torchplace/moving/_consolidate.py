@@ -441,18 +441,22 @@ def _split(
 # --- batches: views of bounded device buffers ---------------------------------------------------
 
 
-@dataclass(frozen=True)
 class Run:
-    """Tensors of one dtype and shape lying back to back in one buffer, from byte ``offset``."""
+    """Tensors of one dtype and shape lying back to back in one buffer, from byte ``offset``
+    (``numel`` elements each). A plain class: one is made per shape of a batch."""
 
-    dtype: torch.dtype
-    shape: torch.Size
-    offset: int
-    indices: list[int] = field(default_factory=list)
+    __slots__ = ("dtype", "indices", "numel", "offset", "shape")
+
+    def __init__(self, dtype: torch.dtype, shape: torch.Size, offset: int, numel: int) -> None:
+        self.dtype = dtype
+        self.shape = shape
+        self.offset = offset
+        self.numel = numel
+        self.indices: list[int] = []
 
     @property
     def nbytes(self) -> int:
-        return self.shape.numel() * self.dtype.itemsize * len(self.indices)
+        return self.numel * self.dtype.itemsize * len(self.indices)
 
 
 @dataclass
@@ -465,18 +469,33 @@ class ViewLayout:
     loose: list[int] = field(default_factory=list)
 
 
+# Element sizes a byte offset aligned to 16 suits, by dtype: asked of every tensor of a batch,
+# where a dict lookup costs less than ``element_size()``.
+_VIEWABLE_SIZE: dict[torch.dtype, bool] = {}
+
+
 def _viewable(t: torch.Tensor, bound: int) -> bool:
     """Whether ``t`` can travel as its bytes and come back as a view shaped like it, with the
     strides ``Tensor.to`` gives: plain, contiguous with plain strides, not empty, not lazily
-    conjugated or negated, of an element size a byte offset can be aligned to."""
+    conjugated or negated, of an element size a byte offset can be aligned to. Asked of every
+    tensor of a batch: cheapest and likeliest tests first."""
+    dtype = t.dtype
+    sized = _VIEWABLE_SIZE.get(dtype)
+    if sized is None:
+        sized = _VIEWABLE_SIZE[dtype] = t.element_size() in (1, 2, 4, 8, 16)
     shape = t.shape
     return (
-        _eligible(t)
+        sized
+        and type(t) in PLAIN_TYPES
+        and not t.requires_grad
+        and t.layout is torch.strided
+        and not t.is_nested
         and 0 < t.nbytes <= bound
-        and t.element_size() in (1, 2, 4, 8, 16)
         and t.is_contiguous()
+        and not t.is_meta
         and not t.is_neg()
-        and not (t.dtype.is_complex and t.is_conj())
+        and not (dtype.is_complex and t.is_conj())
+        and not t.is_quantized
         and (1 not in shape or _plain_strides(t))
     )
 
@@ -507,18 +526,26 @@ def plan_views(tensors: Sequence[torch.Tensor], /, bound: int = VIEW_BUFFER_BYTE
     used = 0
     for dtype, shapes in groups.items():
         used += -used % _ALIGN  # each dtype's region starts aligned
+        itemsize = dtype.itemsize
         for shape, indices in shapes.items():
-            nbytes = shape.numel() * dtype.itemsize
-            run: Run | None = None
+            numel = shape.numel()
+            nbytes = numel * itemsize
+            if used + nbytes * len(indices) <= bound:  # the usual case: the whole run fits
+                run = Run(dtype, shape, used, numel)
+                run.indices = indices
+                runs.append(run)
+                used += nbytes * len(indices)
+                continue
+            current: Run | None = None
             for i in indices:
                 if used + nbytes > bound and runs:  # full: the next buffer
                     layout.sizes.append(used + -used % _ALIGN)
                     layout.runs.append(runs)
-                    runs, used, run = [], 0, None
-                if run is None:
-                    run = Run(dtype, shape, used)
-                    runs.append(run)
-                run.indices.append(i)
+                    runs, used, current = [], 0, None
+                if current is None:
+                    current = Run(dtype, shape, used, numel)
+                    runs.append(current)
+                current.indices.append(i)
                 used += nbytes
     if runs:
         layout.sizes.append(used + -used % _ALIGN)
@@ -537,7 +564,7 @@ def _pack_runs(
             block = staging.narrow(0, start + run.offset, run.nbytes).view(dtype)
             torch.stack([tensors[i] for i in indices], out=block.view(-1, *shape))
             continue
-        nbytes = shape.numel() * dtype.itemsize
+        nbytes = run.numel * dtype.itemsize
         offset = run.offset
         for i in indices:  # one memmove each: no tensor op, so no dispatch cost
             memmove(base + offset, tensors[i].data_ptr(), nbytes)
@@ -562,7 +589,7 @@ def _cut(buffer: torch.Tensor, runs: Sequence[Run], results: list[torch.Tensor |
         flat = buffer.narrow(0, first.offset, last.offset + last.nbytes - first.offset)
         flat = flat.view(dtype)
         # Split even a lone run: the pieces are plain tensors, not autograd views of the buffer.
-        pieces = flat.unsafe_split_with_sizes([r.nbytes // dtype.itemsize for r in region])
+        pieces = flat.unsafe_split_with_sizes([r.numel * len(r.indices) for r in region])
         for run, piece in zip(region, pieces, strict=True):
             shape, indices = run.shape, run.indices
             if len(indices) == 1:
