@@ -27,6 +27,7 @@ import functools
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -39,11 +40,8 @@ from torchplace.moving._consolidate import (
     pack_and_copy,
 )
 
-try:
-    from _rows import add_row
-except ImportError:  # imported from elsewhere than benchmarks/ (pytest benchmarks/...)
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-    from _rows import add_row
+sys.path.insert(0, str(Path(__file__).parent))
+from _rows import add_row
 
 TARGET_RATIO = 4.0  # 500 tensors of 4 KiB
 TARGET_SHAPES_RATIO = 3.0  # 500 tensors of 500 shapes

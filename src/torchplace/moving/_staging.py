@@ -23,7 +23,7 @@ may have been freed by work queued there), and the current stream waits for the 
 ``finish``, so results are ordered on the current stream as a ``.to()`` would be.
 
 **The pool.** Slots come from ``pinned_pool()``, one process-wide ``PinnedPool`` of at most
-``POOL_BYTES`` of pinned memory in slots of ``STAGE_CHUNK_BYTES``, kept between moves (the first
+``STAGE_BUFFERS`` slots of ``STAGE_CHUNK_BYTES`` (64 MiB of pinned memory), kept between moves (the first
 move of a process pays for pinning once, later moves and loads reuse the slots) and released by
 ``release_pinned_memory()``, when pinning fails for lack of memory, and when the host runs low on
 memory (less than ``LOW_MEMORY_BYTES`` available as the pool grows: it then keeps nothing). The
@@ -54,7 +54,6 @@ from .._tensor_size import PLAIN_TYPES
 
 __all__ = [
     "LOW_MEMORY_BYTES",
-    "POOL_BYTES",
     "STAGE_BUFFERS",
     "STAGE_CHUNK_BYTES",
     "STAGE_MIN_BYTES",
@@ -73,9 +72,6 @@ __all__ = [
 STAGE_MIN_BYTES = 1 << 20
 STAGE_CHUNK_BYTES = 16 << 20
 STAGE_BUFFERS = 4
-# What the pool keeps between moves: one ring's slots (64 MiB). A second user at the same time
-# (a checkpoint read while a model moves) gets buffers of its own beyond that, not kept.
-POOL_BYTES = STAGE_BUFFERS * STAGE_CHUNK_BYTES
 # Below this much available host memory (Linux's MemAvailable) the pool keeps no slot after use.
 LOW_MEMORY_BYTES = 1 << 30
 
@@ -183,8 +179,8 @@ class PinnedPool:
 
     def __init__(
         self,
-        limit: int = POOL_BYTES,
-        slot_bytes: int = STAGE_CHUNK_BYTES,
+        limit: int,
+        slot_bytes: int,
         *,
         allocate: Callable[[int], torch.Tensor] = _pinned,
         available: Callable[[], int | None] = _available_host_bytes,
@@ -292,18 +288,25 @@ _POOL_LOCK = threading.Lock()
 
 
 def pinned_pool() -> PinnedPool:
-    """The process's pool of pinned staging buffers, made on first use (no memory until then)."""
+    """The process's pool of pinned staging buffers: ``STAGE_BUFFERS`` slots of
+    ``STAGE_CHUNK_BYTES``, made on first use (no memory until a slot is taken). A benchmark that
+    changes those constants gets a pool of the new shape (the old one is released)."""
     global _POOL
+    limit, slot = STAGE_BUFFERS * STAGE_CHUNK_BYTES, STAGE_CHUNK_BYTES
     with _POOL_LOCK:
-        if _POOL is None:
-            _POOL = PinnedPool()
-        return _POOL
+        old = _POOL
+        if old is None or old.limit != limit or old.slot_bytes != slot:
+            _POOL = PinnedPool(limit, slot)
+        pool = _POOL
+    if old is not None and old is not pool:
+        old.release()
+    return pool
 
 
 def release_pinned_memory() -> int:
     """Give back the pinned host memory torchplace keeps for staging; returns the bytes freed.
 
-    Moves and loads keep a bounded pool of pinned buffers (at most ``POOL_BYTES``) so that only
+    Moves and loads keep a bounded pool of pinned buffers (64 MiB at most) so that only
     the first one in a process pays for pinning memory. This frees that pool, waiting for any
     transfer still using it, and asks PyTorch to empty its own cache of pinned blocks (the
     staging of consolidated copies and of ``DeviceLoader``) where it can. The next move pins
