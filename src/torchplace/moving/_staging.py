@@ -23,10 +23,10 @@ may have been freed by work queued there), and the current stream waits for the 
 ``finish``, so results are ordered on the current stream as a ``.to()`` would be.
 
 **The pool.** Slots come from ``pinned_pool()``, one process-wide ``PinnedPool`` of at most
-``STAGE_BUFFERS`` slots of ``STAGE_CHUNK_BYTES`` (64 MiB of pinned memory), kept between moves (the first
-move of a process pays for pinning once, later moves and loads reuse the slots) and released by
-``release_pinned_memory()``, when pinning fails for lack of memory, and when the host runs low on
-memory (less than ``LOW_MEMORY_BYTES`` available as the pool grows: it then keeps nothing). The
+``STAGE_BUFFERS`` slots of ``STAGE_CHUNK_BYTES`` (64 MiB of pinned memory), kept between moves
+(the first move of a process pays for pinning once, later moves and loads reuse the slots) and
+released by ``release_pinned_memory()``, when pinning fails for lack of memory, and when the
+host runs low on memory (less than ``LOW_MEMORY_BYTES`` available: it then keeps nothing). The
 checkpoint reader may take its slots from the same pool: ``pinned_pool().take(n)`` and
 ``give(slot, event)``.
 
