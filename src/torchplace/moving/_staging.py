@@ -294,10 +294,9 @@ def pinned_pool() -> PinnedPool:
     global _POOL
     limit, slot = STAGE_BUFFERS * STAGE_CHUNK_BYTES, STAGE_CHUNK_BYTES
     with _POOL_LOCK:
-        old = _POOL
-        if old is None or old.limit != limit or old.slot_bytes != slot:
-            _POOL = PinnedPool(limit, slot)
-        pool = _POOL
+        old = pool = _POOL
+        if pool is None or pool.limit != limit or pool.slot_bytes != slot:
+            pool = _POOL = PinnedPool(limit, slot)
     if old is not None and old is not pool:
         old.release()
     return pool
