@@ -289,6 +289,24 @@ def test_module_moves_consolidate_into_owned_results() -> None:
     assert not any(shares(t) for t in model.parameters())
 
 
+@pytest.mark.usefixtures("meta_consolidates")
+def test_small_tensors_travel_in_groups_of_bounded_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The device memory a model move needs beyond the moved bytes is one group at most."""
+    sizes: list[int] = []
+    real = _transfer.consolidated_copy
+
+    def counted(tensors: list[torch.Tensor], device: torch.device, **kw: Any) -> Any:
+        sizes.append(sum(t.nbytes for t in tensors))
+        return real(tensors, device, **kw)
+
+    monkeypatch.setattr(_transfer, "consolidated_copy", counted)
+    monkeypatch.setattr(_transfer, "OWNED_GROUP_BYTES", 100)
+    model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(6)])  # 12 tensors of 16 or 8 bytes
+    torchplace.move(model, "meta")
+    assert len(sizes) > 1 and max(sizes) <= 100 and sum(sizes) == 6 * (16 + 8)
+    assert not any(shares(t) for t in model.parameters())
+
+
 def test_views_must_be_a_bool() -> None:
     with pytest.raises(torchplace.TorchplaceError, match=r"views=1 must be True"):
         torchplace.move(torch.ones(2), "meta", views=1)  # type: ignore[arg-type]

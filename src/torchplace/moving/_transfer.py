@@ -212,9 +212,10 @@ class Copier:
         The results wait in ``copies`` for ``copy`` to hand out. ``detach`` (module moves, done
         without autograd) lets parameters travel as plain data. ``views`` (a batch's tensors)
         lands them as views of bounded shared buffers (``_consolidate.consolidated_views``);
-        otherwise each owns its storage, the tensors going in groups of at most
-        ``OWNED_GROUP_BYTES``. Any failure here falls back to per-tensor copies, which then
-        name the tensor that cannot travel.
+        otherwise each owns its storage. Either way they go in groups of at most
+        ``OWNED_GROUP_BYTES``, which bounds the pinned staging and, for owned results, the
+        device memory beyond the moved bytes. Any failure here falls back to per-tensor
+        copies, which then name the tensor that cannot travel.
         """
         if not is_accelerator(self.target):
             return
@@ -230,20 +231,16 @@ class Copier:
         if not should_consolidate(todo, self.target):
             return
         non_blocking = self.non_blocking is not False
-        if views:
+        pin = self.target.type == "cuda"
+        for start, stop in byte_groups(todo, OWNED_GROUP_BYTES):  # bounded staging, both ways
+            group = todo[start:stop]
             try:
-                results, _ = consolidated_views(
-                    todo, self.target, pin=self.target.type == "cuda", non_blocking=non_blocking
-                )
-            except Exception:
-                return
-            for t, new in zip(originals, results, strict=True):
-                self.copies[id(t)] = new
-            return
-        for start, stop in byte_groups(todo, OWNED_GROUP_BYTES):
-            try:
-                group = todo[start:stop]
-                results = consolidated_copy(group, self.target, non_blocking=non_blocking)
+                if views:
+                    results, _ = consolidated_views(
+                        group, self.target, pin=pin, non_blocking=non_blocking
+                    )
+                else:
+                    results = consolidated_copy(group, self.target, non_blocking=non_blocking)
             except Exception:
                 return
             for t, new in zip(originals[start:stop], results, strict=True):
