@@ -709,9 +709,14 @@ def _move_collection(
             map_tensors(obj, collect, owner=hold, root=root)
         # Parameters, and tensors a module or optimizer in the batch holds, own their storage:
         # they travel with their owner's move, never as views of a batch's shared buffer.
-        owned = _owned_ids(holders) if views else set()
-        batch_only = [t for t in found if not isinstance(t, nn.Parameter) and id(t) not in owned]
-        copier.prefill(batch_only if views else found, views=views)
+        if views:  # (Parameter subclasses are not plain tensors: they never travel packed)
+            parameter = nn.Parameter
+            if holders:
+                owned = _owned_ids(holders)
+                found = [t for t in found if type(t) is not parameter and id(t) not in owned]
+            else:
+                found = [t for t in found if type(t) is not parameter]
+        copier.prefill(found, views=views)
     try:
         result = map_tensors(obj, tensor, to=later, owner=owner, root=root)
     except Located as located:
