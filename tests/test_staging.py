@@ -436,3 +436,67 @@ def test_cuda_staged_batch_with_grad_keeps_its_graph() -> None:
     assert out.grad_fn is not None  # copied by .to(), so gradients flow back to the host leaf
     out.sum().backward()
     assert leaf.grad is not None and leaf.grad.device.type == "cpu"
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.usefixtures("small_ring")
+def test_cuda_results_are_ordered_on_the_current_stream_without_a_host_wait() -> None:
+    """``finish``: a kernel queued right after the move reads the complete values, although the
+    transfers ran on the ring's own stream."""
+    sources = [torch.randn(1 << 18) for _ in range(6)]  # 1 MiB each, 16 chunks each
+    model = nn.ParameterList([nn.Parameter(t.clone()) for t in sources])
+    torchplace.move(model, "cuda:0")
+    sums = torch.stack([p.detach().double().sum() for p in model])  # on the current stream
+    expected = torch.stack([t.double().sum() for t in sources])
+    assert torch.equal(sums.cpu(), expected)
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.usefixtures("small_ring")
+def test_cuda_way_back_waits_for_work_queued_before_the_move() -> None:
+    """``begin``: the ring's stream reads a tensor only after the current stream's pending
+    kernels that write it, and the host result is complete when ``move`` returns."""
+    model = nn.Linear(512, 512).to("cuda:0")  # a 1 MiB weight: through the ring
+    with torch.no_grad():
+        torch.cuda._sleep(20_000_000)  # type: ignore[attr-defined]  # the stream is busy ...
+        model.weight.fill_(3.0)  # ... then writes the weight
+    opt = torch.optim.Adam(model.parameters())
+    torchplace.move(model, "cpu", optimizer=opt)
+    assert model.weight.device.type == "cpu" and not model.weight.is_pinned()
+    assert torch.equal(model.weight.detach(), torch.full((512, 512), 3.0))
+
+
+@pytest.mark.requires_cuda
+def test_cuda_model_round_trip_through_the_ring_is_bit_identical() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 8))  # 4 MiB weight
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 1024)).sum().backward()
+    opt.step()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = [opt.state[p]["exp_avg_sq"].clone() for p in model.parameters()]
+    torchplace.move(model, "cuda:0", optimizer=opt)
+    torchplace.move(model, "cpu", optimizer=opt)
+    torchplace.verify(model, "cpu", optimizer=opt)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    for p, s in zip(model.parameters(), state, strict=True):
+        assert torch.equal(opt.state[p]["exp_avg_sq"], s)
+
+
+@pytest.mark.requires_cuda
+def test_cuda_later_moves_pin_no_memory() -> None:
+    """The pool: the first move pins its slots, later moves reuse them; release gives them back."""
+    model = nn.Linear(2048, 2048)  # 16 MiB weight: staged
+    torchplace.move(model, "cuda:0")
+    torchplace.move(model, "cpu")
+    pool = _staging.pinned_pool()
+    made = pool.allocations
+    for _ in range(3):
+        torchplace.move(model, "cuda:0")
+        torchplace.move(model, "cpu")
+    kept = pool.kept_bytes
+    assert pool.allocations == made and 0 < kept <= 64 << 20
+    from torchplace.moving import release_pinned_memory
+
+    assert release_pinned_memory() == kept and pool.kept_bytes == 0
