@@ -25,10 +25,14 @@ import argparse
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 
 import torch
 
 from torchplace.moving._loader import DeviceLoader
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _rows import add_row
 
 TARGET_HIDDEN = 0.90
 
@@ -103,8 +107,16 @@ def hidden_fraction(
     }
 
 
-def report(name: str, figures: dict[str, float]) -> bool:
+def report(name: str, figures: dict[str, float], rows: str | None = None) -> bool:
     met = figures["hidden"] >= TARGET_HIDDEN
+    add_row(
+        rows,
+        f"DeviceLoader, {name}: copy time hidden",
+        figures["hidden"] * 100,
+        f">= {TARGET_HIDDEN:.0%}",
+        met,
+        unit="%",
+    )
     print(
         f"{name}: naive {figures['naive_s'] * 1e3:.1f} ms, resident "
         f"{figures['resident_s'] * 1e3:.1f} ms, DeviceLoader {figures['loader_s'] * 1e3:.1f} ms"
@@ -119,6 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--batches", type=int, default=32)
     parser.add_argument("--mib", type=int, default=64, help="MiB per batch")
+    parser.add_argument("--rows", help="append the figures as JSON lines to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_loader: skipped, no CUDA device (the target applies to a GPU)")
@@ -127,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     met = True
     for pinned in (False, True):
         figures = hidden_fraction(device, batches=args.batches, mib=args.mib, pinned=pinned)
-        met &= report("pinned source" if pinned else "pageable source", figures)
+        met &= report("pinned source" if pinned else "pageable source", figures, args.rows)
     return 0 if met else 1
 
 

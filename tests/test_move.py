@@ -694,6 +694,13 @@ def test_many_small_tensors_to_an_accelerator_go_as_one_consolidated_copy(
         monkeypatch.setattr(module, "is_accelerator", lambda dev: dev.type != "cpu")
     monkeypatch.setattr(_transfer, "should_consolidate", lambda tensors, dev: len(tensors) >= 8)
     monkeypatch.setattr(_transfer, "consolidated_copy", consolidated)
+
+    def as_views(
+        tensors: list[torch.Tensor], device: torch.device, *, pin: bool, non_blocking: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return consolidated(tensors, device, non_blocking=non_blocking), []
+
+    monkeypatch.setattr(_transfer, "consolidated_views", as_views)  # a batch's path
     model, opt = trained()
     torchplace.move(model, "meta", optimizer=opt)
     assert len(calls) == 1

@@ -71,7 +71,10 @@ class DeviceLoader(Generic[T]):
     computes; the consumer's stream waits for each batch's copy, so values are always complete.
     ``prefetch=0`` copies each batch when it is asked for. ``pin_memory=None`` pins on CUDA;
     ``False`` copies straight from pageable memory (the copy then blocks the thread that makes
-    it). ``non_blocking=False`` hands a batch over only once its copy has finished.
+    it). ``non_blocking=False`` hands a batch over only once its copy has finished. A batch's
+    many small tensors travel as one copy and land as views of shared device buffers of at most
+    1 MiB each, as with ``move``: a small tensor kept after its batch keeps at most that buffer
+    alive; ``views=False`` gives each tensor its own storage.
 
     ``len()`` is the source's. Each ``iter()`` starts a new pass over the source, so the loader
     is re-iterable when the source is; a one-shot source (a generator) can have one live
@@ -98,6 +101,7 @@ class DeviceLoader(Generic[T]):
         prefetch: int = 2,
         pin_memory: bool | None = None,
         non_blocking: bool = True,
+        views: bool = True,
     ) -> None:
         if not isinstance(iterable, Iterable) and not hasattr(type(iterable), "__getitem__"):
             raise TorchplaceError(
@@ -129,6 +133,12 @@ class DeviceLoader(Generic[T]):
             raise TorchplaceError(
                 f"DeviceLoader(non_blocking={non_blocking!r}): non_blocking is True or False"
             )
+        if not isinstance(views, bool):
+            raise TorchplaceError(
+                f"DeviceLoader(views={views!r}): views is True (a batch's small tensors share "
+                "bounded device buffers) or False (each tensor owns its storage)"
+            )
+        self.views = views
         self.iterable = iterable
         self.device = target
         self.prefetch = count
@@ -146,7 +156,13 @@ class DeviceLoader(Generic[T]):
         pin = cuda and self.pin_memory is not False
         if self.prefetch == 0 or target.type not in ("cuda", "meta"):
             # Other accelerators have no stream protocol here: copy when asked, blocking.
-            copier = _Copier(target, pin=pin, non_blocking=cuda and self.non_blocking, side=False)
+            copier = _Copier(
+                target,
+                pin=pin,
+                non_blocking=cuda and self.non_blocking,
+                side=False,
+                views=self.views,
+            )
             return _synchronous(source, copier)
         one_shot = source is self.iterable  # a generator or another iterator: the user's own
         if one_shot and self._live is not None:
@@ -160,7 +176,9 @@ class DeviceLoader(Generic[T]):
                     "loop before starting another, or pass a source that can be iterated "
                     "again (a list, a DataLoader)"
                 )
-        copier = _Copier(target, pin=pin, non_blocking=self.non_blocking, side=cuda)
+        copier = _Copier(
+            target, pin=pin, non_blocking=self.non_blocking, side=cuda, views=self.views
+        )
         prefetcher = _Prefetcher(source, copier, self.prefetch, close_source=not one_shot)
         self._live = (weakref.ref(prefetcher), prefetcher._thread)
         return prefetcher
@@ -178,7 +196,7 @@ class DeviceLoader(Generic[T]):
         return (
             f"DeviceLoader({_short(self.iterable)}, device='{self.device}', "
             f"prefetch={self.prefetch}, pin_memory={self.pin_memory}, "
-            f"non_blocking={self.non_blocking})"
+            f"non_blocking={self.non_blocking}, views={self.views})"
         )
 
 
@@ -194,8 +212,11 @@ class _Copier:
     on a dedicated stream, and ``finish`` runs in the consumer's thread.
     """
 
-    def __init__(self, device: torch.device, *, pin: bool, non_blocking: bool, side: bool):
+    def __init__(
+        self, device: torch.device, *, pin: bool, non_blocking: bool, side: bool, views: bool = True
+    ):
         self.device = device
+        self.views = views
         self.pin = pin
         self.non_blocking = non_blocking
         self.stream = torch.cuda.Stream(device) if side else None  # type: ignore[no-untyped-call]
@@ -243,14 +264,16 @@ class _Copier:
                 self.stream.wait_stream(torch.cuda.current_stream(source))
         small = small_host_tensors(found.values())
         try:
-            moved = consolidate_small(small, device, non_blocking=self.non_blocking)
+            moved, storages = consolidate_small(
+                small, device, non_blocking=self.non_blocking, views=self.views
+            )
         except Exception as exc:
             raise MoveError(
                 f"DeviceLoader could not copy batch {index} to {device}: its "
                 f"{len(small)} small tensors, packed into one consolidated copy of "
                 f"{format_bytes(sum(t.nbytes for t in small))}, failed: {exc}"
             ) from exc
-        created.extend(moved.values())
+        created.extend(storages)  # the shared buffers: one record_stream for all their views
 
         def one(t: torch.Tensor) -> torch.Tensor:
             out = moved.get(id(t))

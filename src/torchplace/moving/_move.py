@@ -503,6 +503,7 @@ def move(
     optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
     non_blocking: bool | None = None,
     attributes: Attributes = "warn",
+    views: bool = True,
 ) -> T:
     """Move a tensor, batch, module (in place) or optimizer's state to ``device``, all or nothing.
 
@@ -519,6 +520,13 @@ def move(
     (device(type='meta'), 'a')
     >>> torchplace.move(batch, "cpu") is batch  # nothing to do: the very same object
     True
+
+    Many small tensors of a batch bound for a GPU travel as one copy and land as views of a few
+    shared device buffers of at most 1 MiB each: a small tensor kept after the batch is gone
+    keeps at most its 1 MiB buffer alive, never the batch's large tensors, which always own
+    their storage, as parameters, buffers and optimizer state do. ``views=False`` gives every
+    tensor of the batch its own storage (a little slower); ``.clone()`` one tensor to keep it
+    on its own.
     """
     if attributes not in _ATTRIBUTE_MODES:
         raise TorchplaceError(
@@ -527,6 +535,11 @@ def move(
         )
     if non_blocking is not None and not isinstance(non_blocking, bool):
         raise TorchplaceError(f"non_blocking={non_blocking!r} must be True, False or None")
+    if not isinstance(views, bool):
+        raise TorchplaceError(
+            f"views={views!r} must be True (a batch's small tensors share bounded device "
+            "buffers) or False (each tensor owns its storage)"
+        )
     refuse_unwalkable(obj, "move")
     target = _device(device)
     optimizers = optimizer_list(optimizer)
@@ -548,9 +561,12 @@ def move(
                 _move_optimizer_state(opt, label, target, copier, log)
             result = obj
         else:
-            result, left_behind = _move_collection(obj, target, optimizers, copier, attributes, log)
+            result, left_behind = _move_collection(
+                obj, target, optimizers, copier, attributes, log, views=views
+            )
         copier.synchronize()
     except BaseException as exc:
+        copier.abandon()
         torch.set_grad_enabled(grad_mode)
         if conversion_flags() != flags:
             set_conversion_flags(flags)
@@ -597,8 +613,26 @@ def place(model: nn.Module, destinations: dict[int, torch.device], /) -> None:
         _move_modules([("", model)], copier.target, [], copier, "ignore", log, destinations)
         copier.synchronize()
     except BaseException:
+        copier.abandon()
         log.rollback()
         raise
+
+
+def _owned_ids(holders: list[Any]) -> set[int]:
+    """Ids of every tensor the modules and optimizers of a batch hold (parameters, buffers,
+    grads, optimizer state): a batch that lists one beside its owner must not make it a view."""
+    ids: set[int] = set()
+    for holder in holders:
+        if isinstance(holder, nn.Module):
+            for p in holder.parameters():
+                ids.add(id(p))
+                if p.grad is not None:
+                    ids.add(id(p.grad))
+            ids.update(id(b) for b in holder.buffers())
+        elif isinstance(holder, torch.optim.Optimizer):
+            for entries in holder.state.values():
+                ids.update(id(v) for v in entries.values() if isinstance(v, torch.Tensor))
+    return ids
 
 
 def _move_owners(
@@ -629,6 +663,8 @@ def _move_collection(
     copier: Copier,
     attributes: Attributes,
     log: UndoLog,
+    *,
+    views: bool = True,
 ) -> tuple[Any, list[str]]:
     """Move a batch: tensors copied into a rebuilt structure, modules and optimizers in place.
 
@@ -664,14 +700,28 @@ def _move_collection(
     root = "tensor" if isinstance(obj, torch.Tensor) else "batch"
     if is_accelerator(target):  # gather first, so many small tensors travel in one copy
         found: list[torch.Tensor] = []
+        holders: list[Any] = []
 
         def collect(t: torch.Tensor) -> torch.Tensor:
             found.append(t)
             return t
 
+        def hold(node: Any) -> Any:
+            holders.append(node)
+            return node
+
         with contextlib.suppress(Exception):  # the real walk below reports any problem
-            map_tensors(obj, collect, root=root)
-        copier.prefill(found)
+            map_tensors(obj, collect, owner=hold, root=root)
+        # Parameters, and tensors a module or optimizer in the batch holds, own their storage:
+        # they travel with their owner's move, never as views of a batch's shared buffer.
+        if views:  # (Parameter subclasses are not plain tensors: they never travel packed)
+            parameter = nn.Parameter
+            if holders:
+                owned = _owned_ids(holders)
+                found = [t for t in found if type(t) is not parameter and id(t) not in owned]
+            else:
+                found = [t for t in found if type(t) is not parameter]
+        copier.prefill(found, views=views)
     try:
         result = map_tensors(obj, tensor, to=later, owner=owner, root=root)
     except Located as located:

@@ -1,10 +1,12 @@
 """Copying tensors to a device: the one engine behind ``move`` and ``DeviceLoader``.
 
-Every byte a move sends travels through ``copy_tensor``. ``Copier`` copies each distinct
-tensor once for one move: many small host tensors packed into one consolidated copy
-(``_consolidate``), large pageable ones staged through pinned buffers (``_staging``), the
-rest one by one with ``non_blocking`` chosen per (source, target) (``choose_non_blocking``),
-and the host syncs it owes remembered. ``tensor_mover`` decides once per target what a batch
+Every byte a move sends travels through ``copy_tensor`` or the copies it stands for.
+``Copier`` copies each distinct tensor once for one move: many small host tensors packed into
+one consolidated copy (``_consolidate``; a batch's land as views of bounded shared buffers, a
+model's each own their storage), large pageable ones staged through the pinned ring
+(``_staging``), a model's large tensors back to the host through the same ring, the rest one
+by one with ``non_blocking`` chosen per (source, target) (``choose_non_blocking``), and the
+host syncs it owes remembered. ``tensor_mover`` decides once per target what a batch
 move can decide once. ``object_to`` is the one rule for objects with a ``.to`` of their own.
 The loader uses ``consolidate_small`` and ``pinned_copy`` on its own stream.
 
@@ -14,6 +16,7 @@ To copy one host tensor to a device, staged: ``Copier(device, None).copy(t, devi
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -24,21 +27,35 @@ from .._devices import free_memory
 from .._errors import MoveError, first_line
 from .._sizes import format_bytes
 from .._tensor_size import nbytes
-from ._consolidate import consolidated_copy, should_consolidate, small_host_tensors
-from ._staging import Stager, stageable
+from ._consolidate import (
+    consolidated_copy,
+    consolidated_views,
+    should_consolidate,
+    small_host_tensors,
+)
+from ._staging import Stager, stageable, stageable_back
 
 __all__ = [
+    "OWNED_GROUP_BYTES",
     "Copier",
     "CopyFailed",
+    "byte_groups",
     "choose_non_blocking",
     "consolidate_small",
     "copy_tensor",
     "is_accelerator",
     "object_to",
+    "on",
     "own_to",
     "pinned_copy",
     "tensor_mover",
 ]
+
+
+# A module's small tensors travel consolidated in groups of at most this many bytes: the owned
+# split holds the landed group and its results at once, so this bounds the device memory a
+# model move needs beyond the moved bytes.
+OWNED_GROUP_BYTES = 64 << 20
 
 
 def copy_tensor(t: torch.Tensor, target: torch.device, non_blocking: bool) -> torch.Tensor:
@@ -47,6 +64,25 @@ def copy_tensor(t: torch.Tensor, target: torch.device, non_blocking: bool) -> to
 
 
 _COPY_TENSOR = copy_tensor
+
+
+def on(t: torch.Tensor, target: torch.device, /) -> bool:
+    """Whether ``t`` is on ``target`` (with an index where it has one), asked without building
+    a ``torch.device`` (``t.device`` costs more than the rest of a prefilled batch tensor's
+    move) for the usual targets.
+
+    >>> import torch
+    >>> on(torch.ones(1), torch.device("cpu")), on(torch.ones(1), torch.device("meta"))
+    (True, False)
+    """
+    kind = target.type
+    if kind == "cuda":
+        return t.is_cuda and t.get_device() == target.index
+    if kind == "cpu":
+        return t.is_cpu
+    if kind == "meta":
+        return t.is_meta
+    return t.device == target
 
 
 def is_accelerator(dev: torch.device) -> bool:
@@ -147,6 +183,26 @@ def failure(name: str, t: torch.Tensor, target: torch.device, exc: BaseException
     return text + "; nothing was moved"
 
 
+def byte_groups(tensors: list[torch.Tensor], limit: int, /) -> list[tuple[int, int]]:
+    """``(start, stop)`` of consecutive runs of ``tensors`` holding at most ``limit`` bytes each
+    (a tensor larger than that alone).
+
+    >>> import torch
+    >>> byte_groups([torch.zeros(2), torch.zeros(2), torch.zeros(4), torch.zeros(1)], 16)
+    [(0, 2), (2, 3), (3, 4)]
+    """
+    groups = []
+    start = 0
+    while start < len(tensors):
+        stop, size = start + 1, tensors[start].nbytes
+        while stop < len(tensors) and size + tensors[stop].nbytes <= limit:
+            size += tensors[stop].nbytes
+            stop += 1
+        groups.append((start, stop))
+        start = stop
+    return groups
+
+
 class Copier:
     """Copies tensors for one move, each distinct tensor once, remembering host syncs owed."""
 
@@ -170,55 +226,78 @@ class Copier:
             stager = self.stagers[target] = Stager(target)
         return stager
 
-    def prefill(self, tensors: Iterable[torch.Tensor], *, detach: bool = False) -> None:
+    def prefill(
+        self, tensors: Iterable[torch.Tensor], *, detach: bool = False, views: bool = False
+    ) -> None:
         """Send many small host tensors bound for an accelerator as one consolidated copy.
 
         The results wait in ``copies`` for ``copy`` to hand out. ``detach`` (module moves, done
-        without autograd) lets parameters travel as plain data. Any failure here falls back to
-        per-tensor copies, which then name the tensor that cannot travel.
+        without autograd) lets parameters travel as plain data. ``views`` (a batch's tensors)
+        lands them as views of bounded shared buffers (``_consolidate.consolidated_views``);
+        otherwise each owns its storage. Either way they go in groups of at most
+        ``OWNED_GROUP_BYTES``, which bounds the pinned staging and, for owned results, the
+        device memory beyond the moved bytes. Any failure here falls back to per-tensor
+        copies, which then name the tensor that cannot travel.
         """
         if not is_accelerator(self.target):
             return
+        copies = self.copies
         unique: dict[int, torch.Tensor] = {}
         for t in tensors:
-            if t.is_cpu and id(t) not in self.copies:
+            if t.is_cpu:
                 unique.setdefault(id(t), t)
-        originals = list(unique.values())
-        todo = [t.detach() for t in originals] if detach else originals
-        small = {id(t) for t in small_host_tensors(todo)}  # large ones go through the stager
-        originals = [t for t, d in zip(originals, todo, strict=True) if id(d) in small]
-        todo = [d for d in todo if id(d) in small]
+        for done in copies.keys() & unique.keys() if copies else ():
+            del unique[done]
+        if detach:  # module moves: fewer tensors, each with its detached twin
+            pairs = [(t, t.detach()) for t in unique.values()]
+            small = {id(t) for t in small_host_tensors([d for _, d in pairs])}
+            originals = [t for t, d in pairs if id(d) in small]
+            todo = [d for _, d in pairs if id(d) in small]
+        else:  # a batch: as little work per tensor as can be (large ones go through the ring)
+            originals = todo = small_host_tensors(unique.values())
         if not should_consolidate(todo, self.target):
             return
-        try:
-            results = consolidated_copy(
-                todo, self.target, non_blocking=self.non_blocking is not False
-            )
-        except Exception:
-            return
-        for t, new in zip(originals, results, strict=True):
-            self.copies[id(t)] = new
+        non_blocking = self.non_blocking is not False
+        pin = self.target.type == "cuda"
+        for start, stop in byte_groups(todo, OWNED_GROUP_BYTES):  # bounded staging, both ways
+            group = todo[start:stop]
+            try:
+                if views:
+                    results, _ = consolidated_views(
+                        group, self.target, pin=pin, non_blocking=non_blocking
+                    )
+                else:
+                    results = consolidated_copy(group, self.target, non_blocking=non_blocking)
+            except Exception:
+                return
+            for t, new in zip(originals[start:stop], results, strict=True):
+                self.copies[id(t)] = new
 
     def copy(self, t: torch.Tensor, target: torch.device, *, batch: bool = False) -> torch.Tensor:
         """``t`` on ``target``; raises ``CopyFailed`` (no name known here) when it cannot.
 
         ``batch`` marks tensors of a batch, as opposed to a model's or optimizer's.
         """
-        if t.device == target:
-            return t
-        done = self.copies.get(id(t))
-        if done is not None and done.device == target:
+        done = self.copies.get(id(t))  # first: a batch's tensors mostly wait there, prefilled
+        if done is not None and on(done, target):
             return done
+        if on(t, target):
+            return t
         if t.is_meta:
             failed = CopyFailed(t, target, None)
             if self.meta_note:
                 failed.note = self.meta_note
             raise failed
         staged = stageable(t, target)  # asks is_pinned (a driver call) once for both
-        asynchronous = not staged and choose_non_blocking(t, target, self.non_blocking, batch=batch)
+        back = not staged and not batch and stageable_back(t, target)
+        asynchronous = not (staged or back) and choose_non_blocking(
+            t, target, self.non_blocking, batch=batch
+        )
         try:
             if staged:
                 new = self._stager(target).copy(t)
+            elif back:  # a model's tensor: pageable on the host, at pinned speed, complete
+                new = self._stager(t.device).copy_back(t)
             else:
                 new = copy_tensor(t, target, asynchronous)
         except Exception as exc:
@@ -238,13 +317,16 @@ class Copier:
             raise MoveError(failed.message(name), name=name) from failed.cause
 
     def synchronize(self) -> None:
-        """Wait, by event, for device-to-host copies so no caller reads bytes not yet there.
+        """Order the current stream after the staged copies; wait, by event, for device-to-host
+        copies so no caller reads bytes not yet there.
 
         With ``non_blocking=False`` also for staged host-to-device copies, as ``.to()`` would.
         """
-        if self.non_blocking is False:
-            for stager in self.stagers.values():
+        for stager in self.stagers.values():
+            if self.non_blocking is False:
                 stager.synchronize()
+            else:
+                stager.finish()
         for source in self.sync_sources:
             if source.type == "cuda":
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
@@ -256,6 +338,13 @@ class Copier:
                 module = getattr(torch, source.type, None)
                 if module is not None and hasattr(module, "synchronize"):
                     module.synchronize(source)
+
+    def abandon(self) -> None:
+        """After a failure, before the copies are dropped: wait for staged transfers still
+        writing into them (their memory must not be handed out while being written)."""
+        for stager in self.stagers.values():
+            with contextlib.suppress(Exception):
+                stager.abandon()
 
 
 def tensor_mover(target: torch.device, copier: Copier) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -285,7 +374,8 @@ def tensor_mover(target: torch.device, copier: Copier) -> Callable[[torch.Tensor
             if t.is_meta:  # a batch already there costs next to nothing
                 return t
             try:  # a tensor met twice comes back as its first copy (no bytes: copying is free)
-                return copies.setdefault(id(t), direct(t, target))
+                done = copies.get(id(t))
+                return done if done is not None else copies.setdefault(id(t), direct(t, target))
             except Exception as exc:
                 raise CopyFailed(t, target, exc) from exc
 
@@ -345,13 +435,19 @@ def pinned_copy(
 
 
 def consolidate_small(
-    tensors: Iterable[torch.Tensor], target: torch.device, *, non_blocking: bool
-) -> dict[int, torch.Tensor]:
+    tensors: Iterable[torch.Tensor], target: torch.device, *, non_blocking: bool, views: bool
+) -> tuple[dict[int, torch.Tensor], list[torch.Tensor]]:
     """The small host tensors among ``tensors``, packed into one copy to ``target`` when that
-    pays (``_consolidate.should_consolidate``): id(tensor) -> its copy; empty otherwise.
-    Raises what the packed copy raised."""
+    pays (``_consolidate.should_consolidate``): id(tensor) -> its copy, and the tensors whose
+    storage holds every copy (with ``views=True``: the shared buffers and the loose copies; else
+    the copies); both empty when it does not pay. Raises what the packed copy raised."""
     small = small_host_tensors(tensors)
     if not should_consolidate(small, target):
-        return {}
-    outs = consolidated_copy(small, target, non_blocking=non_blocking)
-    return {id(t): out for t, out in zip(small, outs, strict=True)}
+        return {}, []
+    if views:
+        pin = target.type == "cuda"
+        outs, buffers = consolidated_views(small, target, pin=pin, non_blocking=non_blocking)
+    else:
+        outs = consolidated_copy(small, target, non_blocking=non_blocking)
+        buffers = outs
+    return {id(t): out for t, out in zip(small, outs, strict=True)}, buffers
