@@ -1108,3 +1108,34 @@ def test_only_a_self_moving_module_s_own_state_gets_the_move_fix() -> None:
     assert "register_buffer('cache', ...) or pass attributes='move'" in lines["lin.cache"]
     torchplace.move(model, "meta", attributes="move")  # the fix given for lin.cache, followed
     torchplace.verify(model, "meta")
+
+
+class _OwnTo:
+    """A batch-like object with its own .to(), as a tokenizer's BatchEncoding has."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def to(self, device: Any, non_blocking: bool = False) -> _OwnTo:
+        return _OwnTo(self.t.to(device, non_blocking=non_blocking))
+
+
+def test_an_attribute_with_its_own_to_moves_by_it_under_attributes_move() -> None:
+    """The fix verify gives for such an attribute (attributes='move') works when followed."""
+    model = nn.Linear(2, 2)
+    kept = _OwnTo(torch.arange(3.0))
+    model.extra = kept  # type: ignore[assignment]
+    with pytest.raises(torchplace.PlacementError, match="attributes='move'"):
+        torchplace.verify(model, "meta")
+    torchplace.move(model, "meta", attributes="move")
+    assert model.extra.t.device.type == "meta"  # type: ignore[union-attr]
+    assert kept.t.device.type == "cpu"  # the caller's object is left as it was
+    torchplace.verify(model, "meta")
+
+
+def test_an_attribute_with_its_own_to_left_behind_is_warned_about() -> None:
+    model = nn.Linear(2, 2)
+    model.extra = _OwnTo(torch.arange(3.0))  # type: ignore[assignment]
+    with pytest.warns(UserWarning, match=r"\(extra\)"):
+        torchplace.move(model, "meta")
+    assert model.extra.t.device.type == "cpu"  # type: ignore[union-attr]

@@ -106,10 +106,14 @@ def _reraise(located: Located, root: str, target: torch.device) -> NoReturn:
 
 
 def _map(
-    value: Any, fn: Callable[[torch.Tensor], torch.Tensor], root: str, target: torch.device
+    value: Any,
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    root: str,
+    target: torch.device,
+    to: Callable[[Any], Any] | None = None,
 ) -> Any:
     try:
-        return map_tensors(value, fn, root=root)
+        return map_tensors(value, fn, to=to, root=root)
     except Located as located:
         _reraise(located, root, target)
 
@@ -334,9 +338,17 @@ def _move_modules(
                 left_behind.append(_name)
             return t
 
+        def fix_own(node: Any, _name: str = name, _move: bool = cached) -> Any:
+            """An object with its own .to() (a BatchEncoding kept on a module) moves by it."""
+            if attributes == "move" or _move:
+                return own_to(node, target, asynchronous=False)
+            if _name not in left_behind:
+                left_behind.append(_name)
+            return node
+
         try:
             with torch.no_grad():
-                new_value = _map(value, fix, name, target)
+                new_value = _map(value, fix, name, target, fix_own)
         except TorchplaceError:
             if attributes == "move":
                 raise
