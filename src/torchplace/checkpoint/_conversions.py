@@ -48,7 +48,6 @@ __all__ = [
     "apply_views",
     "conversion_plan",
     "hub_converted",
-    "hub_names_note",
 ]
 
 View = tuple[Any, ...]  # ("select", dim, i) | ("narrow", dim, start, length) | ("transpose", a, b)
@@ -524,22 +523,3 @@ def hub_converted(label: str, model: nn.Module, state: Mapping[str, Any], /, *, 
     if plan is None:
         return state
     return apply_plan(plan, state, owned=owned)
-
-
-def hub_names_note(names: Sequence[str], /) -> str:
-    """A sentence when ``names`` look like Hugging Face hub names of fused experts, else "".
-
-    >>> hub_names_note(["model.layers.0.mlp.experts.0.gate_proj.weight"])[:38]
-    'names like model.layers.0.mlp.experts'
-    """
-    import re
-
-    expert = re.compile(r"\.experts\.\d+\.")
-    hits = [n for n in names if expert.search(n)]
-    if not hits:
-        return ""
-    return (
-        f"names like {hits[0]} are Hugging Face hub names, one tensor per expert; "
-        "transformers models fuse them (mlp.experts.gate_up_proj), and "
-        "torchplace.load_into(model, path) fuses them as from_pretrained does"
-    )
