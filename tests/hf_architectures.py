@@ -27,7 +27,7 @@ TINY: dict[str, Any] = {
     "num_local_experts": 4, "num_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
     "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "moe_k": 2, "n_group": 1,
     "topk_group": 1, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
-    "expert_hidden_size": 32,
+    "expert_hidden_size": 32, "n_shared_experts": 1,
     # vocabulary
     "vocab_size": 512,
 }  # fmt: skip
@@ -47,21 +47,35 @@ def causal_lm_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def tiny_config(model_type: str) -> Any:
-    """The tiny config of ``model_type``; ``Composite`` for one whose sizes live in sub-configs."""
-    import transformers
-
-    default = transformers.AutoConfig.for_model(model_type)
-    if getattr(default, "sub_configs", None):
-        raise Composite(
-            f"{model_type} is a composite config ({', '.join(default.sub_configs)}): its sizes "
-            "live in sub-configs of their own"
-        )
-    kwargs = {
+def _tiny_kwargs(default: Any) -> dict[str, Any]:
+    """The sizes of ``TINY`` that ``default``'s class takes (a property, such as Falcon's
+    ``head_dim``, is derived from the others, not passed)."""
+    return {
         k: v
         for k, v in TINY.items()
         if hasattr(default, k) and not isinstance(getattr(type(default), k, None), property)
-    }  # a property (Falcon's head_dim) is derived from the sizes, not passed
+    }
+
+
+def tiny_config(model_type: str) -> Any:
+    """The tiny config of ``model_type``; ``Composite`` for a multimodal one (its text part under
+    ``text_config``, beside vision or audio parts), whose parts would each need a tiny config of
+    their own. A text model whose config is split in parts (DBRX's ``attn_config`` and
+    ``ffn_config``, BLT's encoder, decoder and patcher) gets each part shrunk."""
+    import transformers
+
+    default = transformers.AutoConfig.for_model(model_type)
+    parts = dict(getattr(default, "sub_configs", None) or {})
+    if "text_config" in parts:
+        raise Composite(
+            f"{model_type} is a multimodal composite config ({', '.join(parts)}): its sizes "
+            "live in sub-configs of their own"
+        )
+    kwargs = _tiny_kwargs(default)
+    for name in parts:
+        part = getattr(default, name, None)
+        if part is not None and hasattr(part, "to_dict"):
+            kwargs[name] = _tiny_kwargs(part)
     vocab = kwargs.get("vocab_size", 512)
     for key in _TOKEN_IDS:  # special tokens of the full vocabulary would fall outside
         value = getattr(default, key, None)

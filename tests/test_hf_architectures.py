@@ -240,3 +240,56 @@ def test_inspect_says_the_names_are_hub_names(
     torch.save(model.state_dict(), where / "own.pt")  # the model's own (fused) names: no note
     assert main(["inspect", str(where / "own.pt"), "--json"]) == 0
     assert "note" not in json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_each_box_of_a_fused_tensor_comes_from_its_pieces(
+    mixtral: tuple[Any, torch.nn.Module, Path], seed: int
+) -> None:
+    """What a rank holding any box of a fused tensor reads: the parts of the file's tensors in
+    that box, which together are exactly the box of the assembled tensor."""
+    from torchplace.checkpoint._conversions import conversion_plan, fused_boxes
+
+    config, model, where = mixtral
+    state = torchplace.load(where / "single")
+    catalog = {k: (tuple(v.shape), v.dtype) for k, v in state.items()}
+    plan = conversion_plan(_skeleton(config), catalog)
+    assert plan is not None
+    rng = torch.Generator().manual_seed(seed)
+    for fused in plan.fused:
+        whole = model.state_dict()[fused.name]
+        offsets, lengths = [], []
+        for n in fused.shape:
+            start = int(torch.randint(0, n, (1,), generator=rng))
+            offsets.append(start)
+            lengths.append(int(torch.randint(1, n - start + 1, (1,), generator=rng)))
+        held = torch.full(lengths, float("nan"))
+        parts = fused_boxes(fused, (tuple(offsets), tuple(lengths)))
+        assert parts is not None
+        for key, (at, size), index in parts:
+            box = tuple(slice(o, o + n) for o, n in zip(at, size, strict=True))
+            held[index].copy_(state[key][box])
+        box = tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))
+        assert torch.equal(held, whole[box]), fused.name
+
+
+def test_a_sharded_model_reads_only_its_slices_of_fused_experts(
+    fake_world: object, mixtral: tuple[Any, torch.nn.Module, Path]
+) -> None:
+    """FSDP2 over 4 ranks (rank 0 of a fake world): each fused tensor's first quarter, read
+    from the per-expert tensors of the file."""
+    from torch.distributed.fsdp import fully_shard
+
+    config, model, where = mixtral
+    sharded = _skeleton(config)
+    for layer in sharded.model.layers:
+        fully_shard(layer, mesh=fake_world)
+    fully_shard(sharded, mesh=fake_world)
+    torchplace.load_into(sharded, where / "sharded")
+    saved = model.state_dict()
+    for name, p in sharded.named_parameters():
+        local = p.to_local()
+        whole = saved[name]
+        assert torch.equal(local, whole[: local.shape[0]]), name
+    experts = sharded.model.layers[0].mlp.experts.gate_up_proj.to_local()
+    assert experts.shape == (1, 256, 64)  # rank 0 of 4: expert 0

@@ -47,6 +47,7 @@ __all__ = [
     "apply_plan",
     "apply_views",
     "conversion_plan",
+    "fused_boxes",
     "hub_converted",
 ]
 
@@ -503,6 +504,53 @@ def apply_plan(plan: Plan, state: Mapping[str, Any], /, *, owned: bool) -> Mappi
     result: Any = collections.OrderedDict(out)
     result._metadata = metadata
     return result  # type: ignore[no-any-return]
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths), one per dim
+
+
+def fused_boxes(fused: Fused, box: Box, /) -> list[tuple[str, Box, tuple[Any, ...]]] | None:
+    """The parts of ``fused``'s pieces that fall in ``box`` of the model tensor (the slice a
+    rank holds): ``(file key, box of the file tensor, index into the box)``, so that
+    ``held[index].copy_(file_tensor[file box])`` fills the slice; None when a piece goes through
+    a transpose (no box of the file lands in a box of the model tensor).
+
+    >>> f = Fused("w", (2, 4), torch.float32, [Piece("a", (), (("select", 0, 0),)),
+    ...                                        Piece("b", (), (("select", 0, 1),))])
+    >>> fused_boxes(f, ((1, 2), (1, 2)))
+    [('b', ((2,), (2,)), (0, slice(0, 2, None)))]
+    """
+    offsets, lengths = box
+    out: list[tuple[str, Box, tuple[Any, ...]]] = []
+    for piece in fused.pieces:
+        if piece.source_views or any(v[0] == "transpose" for v in piece.dest_views):
+            return None
+        start = [0] * len(fused.shape)
+        size = list(fused.shape)
+        dims = list(range(len(fused.shape)))  # the model tensor's dims the view still has
+        for view in piece.dest_views:
+            d = dims[view[1]]
+            if view[0] == "select":
+                start[d] += view[2]
+                size[d] = 1
+                dims.remove(d)
+            else:
+                start[d] += view[2]
+                size[d] = view[3]
+        low = [max(s, o) for s, o in zip(start, offsets, strict=True)]
+        high = [min(s + n, o + m) for s, n, o, m in zip(start, size, offsets, lengths, strict=True)]
+        if any(h <= lo for lo, h in zip(low, high, strict=True)):
+            continue
+        source_box = (
+            tuple(low[d] - start[d] for d in dims),
+            tuple(high[d] - low[d] for d in dims),
+        )
+        index = tuple(
+            slice(low[d] - offsets[d], high[d] - offsets[d]) if d in dims else low[d] - offsets[d]
+            for d in range(len(fused.shape))
+        )
+        out.append((piece.source, source_box, index))
+    return out
 
 
 def hub_converted(label: str, model: nn.Module, state: Mapping[str, Any], /, *, owned: bool) -> Any:
