@@ -20,7 +20,9 @@ mapping, taken from the installed transformers when it is used (nothing is copie
    file's tensors once they are read (``Plan.computed``), and its result is the model's tensor.
 
 A plan depends only on names, shapes and dtypes (a catalog), never on values, so the reader
-decides how bytes reach the views. Models that are not transformers models, and transformers
+decides how bytes reach the views: ``apply_plan`` copies tensors already read (``_fill``), and
+``fused_boxes`` gives a rank of a sharded model the parts of each piece that fall in the slice it
+holds (``_sharded``). Models that are not transformers models, and transformers
 releases without a conversion mapping (4.x), get no plan: their files load as before.
 """
 
