@@ -28,6 +28,10 @@ TINY: dict[str, Any] = {
     "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "moe_k": 2, "n_group": 1,
     "topk_group": 1, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
     "expert_hidden_size": 32, "n_shared_experts": 1,
+    # encoder-decoder families (their decoder is the causal LM)
+    "encoder_layers": 2, "decoder_layers": 2, "encoder_attention_heads": 4,
+    "decoder_attention_heads": 4, "encoder_ffn_dim": 128, "decoder_ffn_dim": 128,
+    "is_decoder": True,
     # vocabulary
     "vocab_size": 512,
 }  # fmt: skip

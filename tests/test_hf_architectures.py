@@ -33,14 +33,17 @@ conversions = pytest.importorskip("transformers.conversion_mapping")
 
 import hf_architectures as hf  # noqa: E402  (tests/ is on the path, as for helpers)
 
-# One architecture per kind of conversion (found with tests/hf_architectures.py):
+# One architecture per kind of conversion (found with tests/hf_architectures.py); no causal LM
+# of transformers 5.24 needs a conversion that is not slices, so that kind is tested below
+# with a mapping of the test's own (test_a_conversion_that_is_not_slices_is_run_by_transformers).
 SAMPLE = {
     "llama": "no conversion: the model's own names",
     "gpt_neox": "a renamed key (embed_out, lm_head)",
     "mixtral": "experts stacked, then gate and up concatenated; a renamed block",
-    "qwen2_moe": "experts stacked, a shared expert beside them",
-    "olmoe": "experts stacked (qwen2_moe's mapping, another model type)",
-    "phimoe": "experts stacked, then concatenated (mixtral's layout)",
+    "qwen2_moe": "experts stacked and concatenated, a shared expert beside them",
+    "nemotron_h": "experts stacked only (each a slice of dim 0), renamed keys",
+    "olmo_hybrid": "tensors concatenated only (a narrow of the fused tensor), renamed keys",
+    "sarvam_moe": "one file tensor chunked into several model tensors, and all of the above",
 }
 
 
@@ -293,3 +296,64 @@ def test_a_sharded_model_reads_only_its_slices_of_fused_experts(
         assert torch.equal(local, whole[: local.shape[0]]), name
     experts = sharded.model.layers[0].mlp.experts.gate_up_proj.to_local()
     assert experts.shape == (1, 256, 64)  # rank 0 of 4: expert 0
+
+
+def _rope_mapping(model: Any, **_: Any) -> list[Any]:
+    """A mapping of the test's own whose conversion is not slices: q_proj permuted for rope (and
+    renamed, so that the file's names show it is not in the model's own)."""
+    from transformers.core_model_loading import PermuteForRope, WeightConverter
+
+    return [
+        WeightConverter(
+            source_patterns="self_attn.q_rope.weight",
+            target_patterns="self_attn.q_proj.weight",
+            operations=[PermuteForRope()],
+        )
+    ]
+
+
+def test_a_conversion_that_is_not_slices_is_run_by_transformers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A conversion that is not pieces into views (a rope permutation) is run by transformers'
+    own op on the tensors read, as from_pretrained runs it; sharded models refuse it by name."""
+    from safetensors.torch import save_file
+    from transformers.core_model_loading import revert_weight_conversion
+
+    monkeypatch.setattr(conversions, "get_model_conversion_mapping", _rope_mapping)
+    config, model = _tiny("llama")
+    hub = revert_weight_conversion(model, model.state_dict())  # as save_pretrained writes it
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(hub[q.replace("q_proj", "q_rope")], model.state_dict()[q])  # permuted
+    save_file(
+        {k: v.contiguous() for k, v in hub.items()},
+        tmp_path / "m.safetensors",
+    )
+    loaded = torchplace.load_into(_skeleton(config), tmp_path / "m.safetensors")
+    assert hf.differences(model, loaded) == []
+    on_meta = torchplace.load_into(_skeleton(config), tmp_path / "m.safetensors", "meta")
+    assert on_meta.model.layers[0].self_attn.q_proj.weight.shape == (64, 64)
+
+
+def test_a_sharded_model_refuses_a_conversion_that_is_not_slices(
+    fake_world: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safetensors.torch import save_file
+    from torch.distributed.fsdp import fully_shard
+    from transformers.core_model_loading import revert_weight_conversion
+
+    monkeypatch.setattr(conversions, "get_model_conversion_mapping", _rope_mapping)
+    config, model = _tiny("llama")
+    hub = revert_weight_conversion(model, model.state_dict())
+    save_file(
+        {k: v.contiguous() for k, v in hub.items()},
+        tmp_path / "m.safetensors",
+    )
+    sharded = _skeleton(config)
+    fully_shard(sharded, mesh=fake_world)
+    with pytest.raises(
+        CheckpointError,
+        match=r"q_proj\.weight is computed by transformers.*load the model unsharded",
+    ):
+        torchplace.load_into(sharded, tmp_path / "m.safetensors")
+    assert all(p.device.type == "meta" for p in sharded.parameters())  # untouched

@@ -28,6 +28,7 @@ releases without a conversion mapping (4.x), get no plan: their files load as be
 
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import importlib.util
@@ -339,7 +340,10 @@ def conversion_plan(
     """How the file names of ``catalog`` (name -> shape, dtype) become ``model``'s, or None.
 
     None when there is nothing to convert: not a transformers model, a transformers release
-    without conversions, or every name already the model's.
+    without conversions, or every name already the model's. A file in the model's own names
+    (``torch.save(model.state_dict())``) is taken as it is, even where a converter keeps a name
+    and changes the values (a rope permutation): nothing in such a file says it was written by
+    ``save_pretrained``, and loading it converted would change weights that round-trip.
     """
     if not _is_transformers_model(model):
         return None
@@ -470,7 +474,16 @@ def apply_plan(plan: Plan, state: Mapping[str, Any], /, *, owned: bool) -> Mappi
     out: Any = state if owned else {}
     for name, file_shape in plan.mismatched.items():
         out[name] = torch.empty(file_shape, device="meta")
-    take = work.pop if owned else work.__getitem__
+    uses = collections.Counter(plan.renames.values())
+    uses.update(p.source for f in plan.fused for p in f.pieces)
+    uses.update(k for c in plan.computed for k in c.sources)
+
+    def take(key: str) -> Any:
+        """A file tensor, let go with its last use when the state is owned (one file tensor
+        may feed several model tensors: a fused QKV chunked into three)."""
+        uses[key] -= 1
+        return work.pop(key) if owned and uses[key] == 0 else work[key]
+
     with torch.no_grad():
         for new, old in plan.renames.items():
             out[new] = take(old)
@@ -501,8 +514,6 @@ def apply_plan(plan: Plan, state: Mapping[str, Any], /, *, owned: bool) -> Mappi
     metadata = getattr(state, "_metadata", None)
     if metadata is None:
         return out  # type: ignore[no-any-return]
-    import collections
-
     result: Any = collections.OrderedDict(out)
     result._metadata = metadata
     return result  # type: ignore[no-any-return]
