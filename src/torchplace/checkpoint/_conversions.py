@@ -33,6 +33,7 @@ import copy
 import dataclasses
 import importlib.util
 import sys
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -162,14 +163,13 @@ def _hf_api() -> Any | None:
     ):
         return None
 
-    class Api:
-        get_model_conversion_mapping = mapping.get_model_conversion_mapping
-        rename_source_key = loading.rename_source_key
-        dot_natural_key = loading.dot_natural_key
-        WeightConverter = loading.WeightConverter
-        WeightRenaming = loading.WeightRenaming
-
-    return Api
+    return types.SimpleNamespace(
+        get_model_conversion_mapping=mapping.get_model_conversion_mapping,
+        rename_source_key=loading.rename_source_key,
+        dot_natural_key=loading.dot_natural_key,
+        WeightConverter=loading.WeightConverter,
+        WeightRenaming=loading.WeightRenaming,
+    )
 
 
 def _is_transformers_model(model: nn.Module) -> bool:
