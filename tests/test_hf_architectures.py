@@ -357,3 +357,35 @@ def test_a_sharded_model_refuses_a_conversion_that_is_not_slices(
     ):
         torchplace.load_into(sharded, tmp_path / "m.safetensors")
     assert all(p.device.type == "meta" for p in sharded.parameters())  # untouched
+
+
+@pytest.mark.requires_cuda
+def test_fused_experts_are_assembled_on_the_gpu(mixtral: tuple[Any, torch.nn.Module, Path]) -> None:
+    config, model, where = mixtral
+    loaded = torchplace.load_into(_skeleton(config), where / "sharded", "cuda:0")
+    assert loaded.model.layers[0].mlp.experts.gate_up_proj.device == torch.device("cuda:0")
+    assert hf.differences(model, loaded.cpu()) == []
+
+
+def test_each_file_tensor_is_let_go_once_in_its_slice(
+    mixtral: tuple[Any, torch.nn.Module, Path],
+) -> None:
+    """The weights are never held twice over: a read state is converted in place, and no
+    per-expert tensor outlives its copy into the fused tensor."""
+    import gc
+    import weakref
+
+    from torchplace.checkpoint._conversions import hub_converted
+
+    config, model, where = mixtral
+    state = torchplace.load(where / "single")
+    experts = [weakref.ref(v) for k, v in state.items() if ".experts." in k]
+    assert len(experts) == 24  # 2 layers, 4 experts, w1 w2 w3
+    converted = hub_converted("file", _skeleton(config), state, owned=True)
+    assert converted is state
+    gc.collect()
+    assert all(r() is None for r in experts)
+    assert torch.equal(
+        converted["model.layers.1.mlp.experts.down_proj"],
+        model.state_dict()["model.layers.1.mlp.experts.down_proj"],
+    )
