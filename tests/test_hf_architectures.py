@@ -389,3 +389,12 @@ def test_each_file_tensor_is_let_go_once_in_its_slice(
         converted["model.layers.1.mlp.experts.down_proj"],
         model.state_dict()["model.layers.1.mlp.experts.down_proj"],
     )
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "sarvam_moe"])
+def test_bit_for_bit_what_from_pretrained_gives(tmp_path: Path, model_type: str) -> None:
+    config, model = _tiny(model_type)
+    model.save_pretrained(tmp_path, max_shard_size="200KB")
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    ours = torchplace.load_into(_skeleton(config), tmp_path)
+    assert hf.differences(theirs, ours) == []
