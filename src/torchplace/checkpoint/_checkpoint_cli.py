@@ -33,6 +33,7 @@ from typing import IO, Any, cast
 
 from .._errors import CheckpointError, DeviceSpecError, TorchplaceError
 from .._sizes import format_bytes
+from ._hub_names import hub_names_note
 from ._pickle_reader import (
     TensorRecord,
     code_globals,
@@ -104,13 +105,21 @@ def _run_inspect(args: argparse.Namespace) -> int:
             "by_dtype": _totals_by(records, "dtype"),
         },
     }
+    note = hub_names_note(r.name for r in records)
+    if note:
+        summary["note"] = note
     if args.json:
         print(json.dumps(summary, indent=2))
         return 0
     from rich.console import Console  # rich is imported only to render
 
     count = f"{len(records)} tensor{'' if len(records) == 1 else 's'}"
-    _render(Console(emoji=False), f"{args.file} ({kind}, {count})", records, code)
+    console = Console(emoji=False)
+    _render(console, f"{args.file} ({kind}, {count})", records, code)
+    if note:
+        from rich.markup import escape
+
+        console.print(escape(note))
     return 0
 
 

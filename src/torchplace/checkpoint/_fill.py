@@ -21,6 +21,7 @@ from .._model_walk import Slot, tensor_slots
 from .._own_moves import AttributeSnapshot, run_own_moves
 from ..moving._identity import parameter_like
 from ..moving._move import discarded_warning
+from ._conversions import hub_converted
 from ._formats import PathLike, as_path, first_sentence, is_dir, model_file
 from ._read import load
 from ._rename import Rename, as_renamer, renamed
@@ -284,6 +285,10 @@ def load_into(
     _check_state_dict(p, model, state, loadable)
     if renamer is not None:
         state = renamed(str(p), state, renamer)
+    # A transformers model's hub names (per-expert tensors, renamed keys) become its own, as
+    # from_pretrained converts them; the read state is changed in place, each tensor let go
+    # as soon as its fused tensor holds it.
+    state = hub_converted(str(p), model, state, owned=not from_memory or renamer is not None)
     # What each module would be given by load_state_dict: older norm layers upgraded, every
     # pre-hook run (a layout converted, a key renamed), so values and shapes match its result.
     seen = as_load_state_dict_sees(p, model, state, extra)

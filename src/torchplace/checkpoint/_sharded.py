@@ -43,6 +43,7 @@ from torch import nn
 from .._devices import device as _device
 from .._errors import CheckpointError, TorchplaceError
 from .._model_walk import Slot, tensor_slots
+from ._conversions import Fused, Plan, conversion_plan, fused_boxes
 from ._pickle_reader import (
     InertUnpickler,
     TensorRef,
@@ -268,6 +269,34 @@ def _renamed(entries: dict[str, _Entry], rename: Rename | None, where: str) -> d
     if rename is None:
         return entries
     return renamed(where, entries, as_renamer(rename))
+
+
+def _converted(
+    where: str, conversions: Plan, entries: dict[str, _Entry]
+) -> tuple[dict[str, _Entry], dict[str, Fused]]:
+    """The entries under the model's names, and the fused tensors, by model name, that each
+    rank fills from the parts of the file's tensors that fall in its slices."""
+    if conversions.computed:
+        first = conversions.computed[0]
+        raise CheckpointError(
+            f"{where}: {first.names[0]} is computed by transformers from whole tensors of the "
+            f"file ({', '.join(first.sources[:2])}), which a sharded model does not read by "
+            "slice; load the model unsharded (load_into before fully_shard), then shard it"
+        )
+    for f in conversions.fused:
+        if fused_boxes(f, ((0,) * len(f.shape), f.shape)) is None:
+            raise CheckpointError(
+                f"{where}: {f.name} is assembled from transposed tensors of the file, which a "
+                "sharded model does not read by slice; load the model unsharded (load_into "
+                "before fully_shard), then shard it"
+            )
+    used = conversions.consumed()
+    out = {k: e for k, e in entries.items() if k not in used}
+    for new, old in conversions.renames.items():
+        out[new] = entries[old]
+    for name, shape in conversions.mismatched.items():  # reported as a shape mismatch
+        out[name] = _Entry(name, torch.float32, shape)
+    return out, {f.name: f for f in conversions.fused}
 
 
 # ------------------------------------------------------------------------------ the model side
@@ -552,15 +581,23 @@ def load_sharded(
     rename: Rename | None = None,
 ) -> nn.Module:
     """Fill a model holding DTensors from ``source``, each rank reading only its own slices."""
-    from ._formats import as_path
+    from ._formats import as_path, is_dir, model_file
 
     if isinstance(source, Mapping):
         where = "the state dict passed to load_into"
         entries = _renamed(_mapping_entries(source), rename, where)
     else:
         p = as_path(source)
+        if is_dir(p):  # a save_pretrained directory: its index or its one model file
+            p = model_file(p)
         where = str(p)
         entries = _renamed(_file_entries(p), rename, where)
+    # A transformers model's hub names: renamed entries, and fused tensors read piece by piece.
+    sources = entries
+    conversions = conversion_plan(model, {n: (e.shape, e.dtype) for n, e in entries.items()})
+    fused: dict[str, Fused] = {}
+    if conversions is not None:
+        entries, fused = _converted(where, conversions, entries)
     target = None if device is None else _device(device)
     _refuse_own_loaders(where, model)
     try:
@@ -576,11 +613,15 @@ def load_sharded(
 
     missing: list[str] = []
     mismatched: list[str] = []
-    plan: list[tuple[Slot, _Entry]] = []
+    plan: list[tuple[Slot, _Entry | Fused]] = []
     used: set[str] = set()
     for slot in slots:
         present = [n for n in slot.names if n in entries]
         used.update(present)
+        built = next((fused[n] for n in slot.names if n in fused), None)
+        if not present and built is not None:
+            plan.append((slot, built))  # its shape is the model's: the plan checked it
+            continue
         if not present:
             also = f" (tied to {', '.join(slot.names[1:])})" if len(slot.names) > 1 else ""
             missing.append(slot.names[0] + also)
@@ -660,13 +701,18 @@ def load_sharded(
             changed = True
             _materialize(model, [slot for slot, _ in plan], materialize_on)
         with torch.no_grad():
-            for (slot, entry), (shape, parts) in zip(plan, pieces, strict=True):
+            for (slot, filled_from), (shape, parts) in zip(plan, pieces, strict=True):
                 dest = _local(slot.tensor)
                 if tuple(dest.shape) != shape:  # FSDP2 may keep a padded shard: fill its part
                     dest = dest[tuple(slice(0, n) for n in shape)]
                 changed = True
                 for box, into in parts:
-                    _fill(reader, entry, box, dest[into] if into else dest)
+                    held = dest[into] if into else dest
+                    if isinstance(filled_from, Fused):  # each piece of the file into its part
+                        for key, part, index in fused_boxes(filled_from, box) or []:
+                            _fill(reader, sources[key], part, held[index])
+                        continue
+                    _fill(reader, filled_from, box, held)
     except TorchplaceError:
         raise
     except Exception as exc:
