@@ -998,14 +998,14 @@ def test_shard_indexes_that_name_an_index_are_refused(tmp_path: Path) -> None:
     index.write_text(json.dumps({"weight_map": {"w": "model.index.json"}}))
     with pytest.raises(CheckpointError, match="itself a shard index"):
         load(index)
-    from torchplace.checkpoint._pickle_reader import describe_file as describe
+    from torchplace.checkpoint._catalog import describe_file as describe
 
     with pytest.raises(CheckpointError, match="itself a shard index"):
         describe(index)
 
 
 def test_inspect_walks_shared_objects_once(tmp_path: Path) -> None:
-    from torchplace.checkpoint._pickle_reader import describe_file as describe
+    from torchplace.checkpoint._catalog import describe_file as describe
 
     shared: list[object] = [torch.ones(1)]
     for _ in range(60):

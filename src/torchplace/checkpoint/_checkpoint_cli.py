@@ -33,14 +33,10 @@ from typing import IO, Any, cast
 
 from .._errors import CheckpointError, DeviceSpecError, TorchplaceError
 from .._sizes import format_bytes
-from ._pickle_reader import (
-    TensorRecord,
-    code_globals,
-    describe_file,
-    format_of,
-    index_shards,
-    pickles_a_model,
-)
+from ._catalog import catalog, describe_file, format_of
+from ._index import weight_map
+from ._pickle_reader import TensorRecord, code_globals, pickles_a_model
+from ._source import shards
 
 __all__ = [
     "TensorRecord",
@@ -86,9 +82,9 @@ def _printable(text: Any) -> str:
 def _run_inspect(args: argparse.Namespace) -> int:
     path = Path(args.file)
     try:
-        kind = format_of(path)
-        records = describe_file(path)
-        code = code_globals(path)
+        found = catalog(path)  # a file, an index or a save_pretrained directory
+        kind, records = found.kind, found.records()
+        code = code_globals(found.path or path)
     except CheckpointError as exc:
         print(f"torchplace inspect: error: {exc}", file=sys.stderr)
         return 1
@@ -464,7 +460,7 @@ def _index_outputs(src: Path, dst: Path) -> tuple[Path, list[tuple[Path, Path, s
         raise CheckpointError(f"{dst}: cannot be written ({exc.strerror or exc})") from exc
     root = src.parent.resolve()
     outputs = []
-    for _, shard_path, _ in index_shards(src):
+    for _, shard_path, _ in shards(src, weight_map(src)):
         out = dst.parent / shard_path.relative_to(root)
         outputs.append((shard_path, out, format_of(shard_path)))
     reading = {src.resolve(), *(shard for shard, _, _ in outputs)}
@@ -514,11 +510,11 @@ def remap(
     target = _parse_target(to) if isinstance(to, str) else to
     kind = format_of(src)
     if kind == "index":
-        dst, shards = _index_outputs(src, dst)
+        dst, shard_jobs = _index_outputs(src, dst)
     else:
         _output_file(dst)
-        shards = []
-    jobs = [*shards, (src, dst, kind)]  # the index, or the one file, last
+        shard_jobs = []
+    jobs = [*shard_jobs, (src, dst, kind)]  # the index, or the one file, last
     total = sum(job[0].stat().st_size for job in jobs)
     show = (sys.stderr.isatty() and total >= PROGRESS_MIN_BYTES) if progress is None else progress
     for d in {job[1].parent for job in jobs}:

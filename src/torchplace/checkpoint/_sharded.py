@@ -26,14 +26,11 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import io
 import itertools
 import math
 import os
-import struct
 import sys
-import zipfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,14 +40,7 @@ from torch import nn
 from .._devices import device as _device
 from .._errors import CheckpointError, TorchplaceError
 from .._model_walk import Slot, tensor_slots
-from ._pickle_reader import (
-    InertUnpickler,
-    TensorRef,
-    readable,
-    rebuild_tensor,
-    shape_of,
-    tensor_refs,
-)
+from ._catalog import Catalog, Stamp, catalog, changed_error, contiguous_strides
 from ._rename import Rename, as_renamer, renamed
 
 __all__ = ["has_dtensors", "load_sharded"]
@@ -77,184 +67,52 @@ def has_dtensors(model: nn.Module) -> bool:
 
 @dataclasses.dataclass
 class _Entry:
-    """Where a tensor of the checkpoint lies: ``file`` from byte ``start``, or in memory."""
+    """A catalog entry as the sharded reader reads it: ``file`` from byte ``start``, dims in
+    ``order`` (row-major: 0, 1, ...), or a mapping's ``tensor`` in memory."""
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
     file: Path | None = None
     start: int = 0
-    order: tuple[int, ...] = ()  # the file's dims in storage order (row-major: 0, 1, ...)
-    tensor: torch.Tensor | None = None  # a mapping source's own tensor
+    order: tuple[int, ...] = ()
+    tensor: torch.Tensor | None = None
 
 
-@dataclasses.dataclass
-class _Located(TensorRef):
-    """A tensor reference that also keeps the storage offset and strides."""
-
-    offset: int = 0
-    stride: tuple[int, ...] | None = None
-
-
-def _rebuild_located(storage: Any, offset: Any, size: Any, stride: Any = None, *rest: Any) -> Any:
-    ref = rebuild_tensor(storage, offset, size, stride, *rest)
-    strides = shape_of(stride) if isinstance(stride, (tuple, list)) else None
-    where = offset if isinstance(offset, int) else -1
-    return _Located(ref.storage, ref.dtype, ref.shape, where, strides)
-
-
-class _Locator(InertUnpickler):
-    """The inert unpickler of ``torchplace inspect``, keeping each tensor's offset and strides."""
-
-    _TORCH_REBUILDERS: Mapping[str, Callable[..., Any]] = {
-        **InertUnpickler._TORCH_REBUILDERS,
-        "rebuild_tensor": _rebuild_located,
-        "_rebuild_tensor_v2": _rebuild_located,
-        "_rebuild_tensor_v3": _rebuild_located,
-    }
-
-
-def _torch_dtype(p: Path, name: str, dtype: str) -> torch.dtype:
-    found = vars(torch).get(dtype)
-    if not isinstance(found, torch.dtype):
-        raise CheckpointError(f"{p}: tensor {name!r} has dtype {dtype!r}, which torch cannot hold")
-    return found
-
-
-def _storage_order(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The dims of a dense tensor from outermost to innermost in memory, or None if not dense."""
-    order = sorted(range(len(shape)), key=lambda d: (-stride[d], d))
-    expected = 1
-    for d in reversed(order):
-        if shape[d] != 1 and stride[d] != expected:
-            return None
-        expected *= shape[d]
-    return tuple(order)
-
-
-def _zip_entries(p: Path) -> dict[str, _Entry]:
-    # any other failure than a CheckpointError: the file is damaged
-    with readable(p), zipfile.ZipFile(p) as archive, p.open("rb") as raw:
-        pickles = [n for n in archive.namelist() if n.endswith("data.pkl")]
-        if not pickles:
-            raise CheckpointError(f"{p}: is a zip archive but not a torch.save file (no data.pkl)")
-        pickle_name = min(pickles, key=len)
-        prefix = pickle_name[: -len("data.pkl")]
-        root = _Locator(io.BytesIO(archive.read(pickle_name))).load()
-        records = {info.filename: info for info in archive.infolist()}
-        starts: dict[str, tuple[int, int]] = {}  # storage key -> (first byte, bytes)
-        entries: dict[str, _Entry] = {}
-        for name, ref in tensor_refs(root):
-            storage = ref.storage
-            if not isinstance(ref, _Located) or storage is None or storage.location == "meta":
-                raise CheckpointError(
-                    f"{p}: tensor {name or '<root>'!r} is not a plain tensor with data "
-                    "(a sparse, quantized or meta tensor); a sharded model is filled from "
-                    "plain tensors, so save those with torch.save(model.state_dict(), path)"
-                )
-            if storage.key not in starts:
-                info = records.get(f"{prefix}data/{storage.key}")
-                if info is None or info.compress_type != zipfile.ZIP_STORED:
-                    raise CheckpointError(
-                        f"{p}: the data of {name!r} is missing or compressed in the zip; "
-                        "save it again with torch.save"
-                    )
-                raw.seek(info.header_offset)
-                local = raw.read(30)
-                if len(local) < 30 or local[:4] != b"PK\x03\x04":
-                    raise CheckpointError(f"{p}: is corrupt (a bad zip record for {name!r})")
-                name_len, extra_len = struct.unpack("<HH", local[26:30])
-                first = info.header_offset + 30 + name_len + extra_len
-                starts[storage.key] = (first, info.file_size)
-            first, size = starts[storage.key]
-            dtype = _torch_dtype(p, name, ref.dtype)
-            shape = ref.shape
-            stride = ref.stride if ref.stride is not None else _contiguous(shape)
-            order = _storage_order(shape, stride)
-            numel = math.prod(shape)
-            if order is None or ref.offset < 0 or min(shape, default=0) < 0:
-                raise CheckpointError(
-                    f"{p}: tensor {name!r} is saved as a view with strides {stride} of "
-                    f"shape {shape}; save a contiguous copy (tensor.contiguous()) to load "
-                    "it into a sharded model"
-                )
-            nbytes = (ref.offset + numel) * dtype.itemsize
-            if numel and nbytes > size:
-                raise CheckpointError(
-                    f"{p}: is truncated or corrupt: tensor {name!r} runs past its storage"
-                )
-            entries[name] = _Entry(
-                name, dtype, shape, p, first + ref.offset * dtype.itemsize, order
-            )
-    return entries
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
-
-
-def _safetensors_entries(p: Path) -> dict[str, _Entry]:
-    from ._formats import SAFETENSORS_DTYPES, safetensors_header
-
-    header = safetensors_header(p)
-    with p.open("rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-    base = 8 + header_len
+def _sharded_entries(found: Catalog) -> dict[str, _Entry]:
+    """The catalog's entries, each one the sharded reader can read by slices, or refused."""
+    where = found.where
     entries = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
+    for name, e in found.entries.items():
+        if e.tensor is not None:
+            value = e.tensor
+            value = value.full_tensor() if _is_dtensor(value) else value
+            entries[name] = _Entry(name, value.dtype, tuple(value.shape), tensor=value.detach())
             continue
-        shape = tuple(entry["shape"])
-        entries[name] = _Entry(
-            name,
-            SAFETENSORS_DTYPES[entry["dtype"]],
-            shape,
-            p,
-            base + entry["data_offsets"][0],
-            tuple(range(len(shape))),
-        )
+        if found.kind == "legacy" or (e.file is not None and e.why.startswith("it is in a legacy")):
+            raise CheckpointError(
+                f"{e.file}: is a legacy (pre-1.6, non-zip) torch file, whose tensors cannot be "
+                "read by slice; save it again in the zip format, "
+                "torch.save(torchplace.load(path), new_path), or as .safetensors, and load new_path"
+            )
+        if not e.addressable:
+            fix = (
+                "save a contiguous copy (tensor.contiguous()) to load it into a sharded model"
+                if e.why.startswith("it is saved as a view")
+                else "a sharded model is filled from plain tensors, so save those with "
+                "torch.save(model.state_dict(), path)"
+            )
+            raise CheckpointError(
+                f"{e.file}: tensor {name!r} cannot be read by slice: {e.why}; {fix}"
+            )
+        assert e.file is not None and e.order is not None
+        entries[name] = _Entry(name, e.torch_dtype(where), e.shape, e.file, e.start, e.order)
     return entries
-
-
-def _index_entries(p: Path) -> dict[str, _Entry]:
-    from ._formats import gather_index
-
-    return gather_index(p, _file_entries)
 
 
 def _file_entries(p: Path) -> dict[str, _Entry]:
-    from ._formats import detect_format
-
-    readers = {"safetensors": _safetensors_entries, "index": _index_entries, "zip": _zip_entries}
-    read = readers.get(detect_format(p))
-    if read is not None:
-        return read(p)
-    raise CheckpointError(
-        f"{p}: is a legacy (pre-1.6, non-zip) torch file, whose tensors cannot be read by "
-        "slice; save it again in the zip format, torch.save(torchplace.load(path), new_path), "
-        "or as .safetensors, and load new_path"
-    )
-
-
-def _mapping_entries(source: Mapping[Any, Any]) -> dict[str, _Entry]:
-    entries = {}
-    for name, value in source.items():
-        if not isinstance(name, str):
-            raise CheckpointError(
-                f"the state dict passed to load_into has a key {name!r} that is not a str"
-            )
-        if not isinstance(value, torch.Tensor):
-            raise CheckpointError(
-                f"the state dict passed to load_into holds a {type(value).__name__} under "
-                f"{name!r}; a sharded model is filled from tensors"
-            )
-        value = value.full_tensor() if _is_dtensor(value) else value  # type: ignore[attr-defined]
-        entries[name] = _Entry(name, value.dtype, tuple(value.shape), tensor=value.detach())
-    return entries
+    """The entries of a file, index or directory as the sharded reader reads them."""
+    return _sharded_entries(catalog(p))
 
 
 def _is_dtensor(t: object) -> bool:
@@ -375,11 +233,29 @@ def _writable(t: torch.Tensor) -> memoryview:
 
 
 class _Reader:
-    """Open files by path, reading byte ranges into given memory."""
+    """Open files by path, reading byte ranges into given memory.
 
-    def __init__(self) -> None:
+    With the ``stamps`` of a catalog, a file must be the one catalogued when it is opened and
+    still be when ``verify`` is called after the reads (else ``CheckpointError``: it changed
+    while it was read).
+    """
+
+    def __init__(self, stamps: Mapping[Path, Stamp] | None = None) -> None:
         self.fds: dict[Path, int] = {}
         self.buffer: torch.Tensor | None = None
+        self.stamps = dict(stamps or {})
+
+    def _check(self, p: Path, fd: int) -> None:
+        before = self.stamps.get(p)
+        if before is not None:
+            now = Stamp.of(os.fstat(fd))
+            if now != before:
+                raise changed_error(p, before, now)
+
+    def verify(self) -> None:
+        """Every file read is still the one catalogued (``CheckpointError`` if not)."""
+        for p, fd in self.fds.items():
+            self._check(p, fd)
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -390,6 +266,7 @@ class _Reader:
         fd = self.fds.get(p)
         if fd is None:
             fd = self.fds[p] = os.open(p, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            self._check(p, fd)
         done, size = 0, len(out)
         while done < size:
             got = os.preadv(fd, [out[done:]], start + done)
@@ -430,7 +307,7 @@ def _read_box(
     run = (lengths[last] if last >= 0 else 1) * inner  # elements in one contiguous run
     direct = dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous()
     if direct and (last <= 0 or run * itemsize >= _DIRECT_RUN):
-        strides = _contiguous(shape)
+        strides = contiguous_strides(shape)
         memory = _writable(dest)
         run_bytes = run * itemsize
         outer = itertools.product(
@@ -552,15 +429,9 @@ def load_sharded(
     rename: Rename | None = None,
 ) -> nn.Module:
     """Fill a model holding DTensors from ``source``, each rank reading only its own slices."""
-    from ._formats import as_path
-
-    if isinstance(source, Mapping):
-        where = "the state dict passed to load_into"
-        entries = _renamed(_mapping_entries(source), rename, where)
-    else:
-        p = as_path(source)
-        where = str(p)
-        entries = _renamed(_file_entries(p), rename, where)
+    source_catalog = catalog(source)  # a file, an index, a directory or a mapping
+    where = source_catalog.where
+    entries = _renamed(_sharded_entries(source_catalog), rename, where)
     target = None if device is None else _device(device)
     _refuse_own_loaders(where, model)
     try:
@@ -653,7 +524,7 @@ def load_sharded(
                     f"{kind}; pass device={mesh_type!r}"
                 )
 
-    reader = _Reader()
+    reader = _Reader(source_catalog.stamps)
     changed = False
     try:
         if materialize_on is not None:
@@ -667,6 +538,13 @@ def load_sharded(
                 changed = True
                 for box, into in parts:
                     _fill(reader, entry, box, dest[into] if into else dest)
+        reader.verify()  # the files are still those catalogued: no mix of old and new bytes
+    except CheckpointError as exc:
+        if not changed:
+            raise
+        raise CheckpointError(
+            f"{exc}; {type(model).__name__} is partly filled, so build it again"
+        ) from exc
     except TorchplaceError:
         raise
     except Exception as exc:
