@@ -53,6 +53,8 @@ __all__ = [
     "Piece",
     "Stamp",
     "catalog",
+    "changed_error",
+    "contiguous_strides",
     "describe_file",
     "format_of",
     "stamp",
@@ -164,6 +166,7 @@ class Catalog:
     path: Path | None
     entries: dict[str, Entry]
     stamps: dict[Path, Stamp]
+    kinds: dict[Path, str] = dataclasses.field(default_factory=dict)  # each file's format
 
     @property
     def nbytes(self) -> int:
@@ -287,7 +290,7 @@ def _safetensors_catalog(p: Path) -> Catalog:
         return entries
 
     entries, when = _stamped(p, parse)
-    return Catalog(str(p), "safetensors", p, entries, {p: when})
+    return Catalog(str(p), "safetensors", p, entries, {p: when}, {p: "safetensors"})
 
 
 # A torch zip file: the pickle read inertly, each tensor's storage offset and strides kept.
@@ -435,7 +438,7 @@ def _zip_entries(p: Path) -> dict[str, Entry]:
 
 def _zip_catalog(p: Path) -> Catalog:
     entries, when = _stamped(p, lambda: _zip_entries(p))
-    return Catalog(str(p), "zip", p, entries, {p: when})
+    return Catalog(str(p), "zip", p, entries, {p: when}, {p: "zip"})
 
 
 def _legacy_catalog(p: Path) -> Catalog:
@@ -456,7 +459,7 @@ def _legacy_catalog(p: Path) -> Catalog:
         }
 
     entries, when = _stamped(p, parse)
-    return Catalog(str(p), "legacy", p, entries, {p: when})
+    return Catalog(str(p), "legacy", p, entries, {p: when}, {p: "legacy"})
 
 
 def _index_catalog(p: Path) -> Catalog:
@@ -464,6 +467,7 @@ def _index_catalog(p: Path) -> Catalog:
 
     entries: dict[str, Entry] = {}
     stamps: dict[Path, Stamp] = {}
+    kinds: dict[Path, str] = {}
     index_stamp = stamp(p)
     for shard, shard_path, names in shards(p, weight_map(p)):
         part = catalog(shard_path)
@@ -473,6 +477,7 @@ def _index_catalog(p: Path) -> Catalog:
                 "the files that hold the tensors"
             )
         stamps.update(part.stamps)
+        kinds.update(part.kinds)
         # A name holds a tensor, or (sparse, quantized) tensors listed under name.part.
         wanted = set(names)
         held = {n.rsplit(".", k)[0] for n in part.entries for k in range(n.count(".") + 1)}
@@ -487,7 +492,7 @@ def _index_catalog(p: Path) -> Catalog:
             if prefixes & wanted:
                 entries[name] = entry
     stamps[p] = index_stamp
-    return Catalog(str(p), "index", p, entries, stamps)
+    return Catalog(str(p), "index", p, entries, stamps, kinds)
 
 
 def _mapping_catalog(source: Mapping[Any, Any]) -> Catalog:

@@ -386,10 +386,11 @@ class _PendingOutputs:
 def _read_for_remap(src: Path, kind: str) -> Any:
     """What remap writes for ``src``: its loaded contents, or ``None`` for a safetensors file
     (copied as it is, once its header is checked as ``load`` checks it)."""
-    from ._checkpoint import load, safetensors_header
+    from ._checkpoint import load
 
     if kind == "safetensors":
-        safetensors_header(src)
+        for entry in catalog(src).entries.values():  # checked as load checks it
+            entry.torch_dtype(str(src))
         return None
     try:
         return load(src, "cpu")

@@ -19,10 +19,11 @@ from .._errors import CheckpointError, MoveError, TorchplaceError
 from .._model_walk import Slot, tensor_slots
 from .._own_moves import AttributeSnapshot, run_own_moves
 from ..moving._identity import parameter_like
-from ._formats import PathLike, as_path, first_sentence, is_dir, model_file
+from ._formats import PathLike, first_sentence
 from ._read import load
 from ._rename import Rename, as_renamer, renamed
 from ._skeleton import ModuleT, swap
+from ._source import resolve
 from ._statedict import (
     as_load_state_dict_sees,
     has_post_hooks,
@@ -260,9 +261,8 @@ def load_into(
             "load_into(model, other.state_dict())"
         )
     from_memory = isinstance(source, Mapping)
-    p: Path | str = "the state dict given to load_into" if from_memory else as_path(source)
-    if isinstance(p, Path) and is_dir(p):  # messages name the file read, not its directory
-        p = model_file(p)
+    # A directory's model file: messages name the file read, not its directory.
+    p: Path | str = "the state dict given to load_into" if from_memory else resolve(source)
     slots = tensor_slots(model)
     loadable, transient, extra = slots.loadable, slots.transient, slots.extra_state
     read_on = _read_on(loadable, target)

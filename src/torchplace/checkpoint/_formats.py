@@ -88,7 +88,7 @@ def has_data_pkl(p: Path) -> bool:
     try:
         with zipfile.ZipFile(p) as archive:
             return any(n.endswith("data.pkl") for n in archive.namelist())
-    except (OSError, zipfile.BadZipFile, ValueError, EOFError):
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError, NotImplementedError):
         return True
 
 
@@ -229,6 +229,10 @@ def zip_layout(p: Path, /) -> ZipLayout | None:
                 start = record_start(f, info)
                 f.seek(start)
                 data = f.read(info.file_size)
+    except NotImplementedError as exc:  # a version field zipfile does not know: a damaged one
+        raise CheckpointError(
+            f"{p}: is truncated or corrupt (NotImplementedError: {exc}); save or fetch it again"
+        ) from exc
     except (OSError, zipfile.BadZipFile, ValueError, EOFError, struct.error):
         return None
     if len(data) != info.file_size:

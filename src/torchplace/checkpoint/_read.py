@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import pickle
-import struct
 import sys
 import warnings
 from collections.abc import Mapping
@@ -16,29 +15,24 @@ import torch
 from .._devices import DeviceSpec
 from .._devices import device as _device
 from .._errors import CheckpointError
+from ._catalog import Catalog, Stamp, catalog, format_of, stamp
 from ._formats import (
-    SAFETENSORS_DTYPES,
     SAFETENSORS_HINT,
     PathLike,
     ZipLayout,
-    as_path,
-    detect_format,
     device_failure,
     diagnose,
     first_sentence,
-    gather_index,
     has_data_pkl,
     has_legacy_magic,
-    is_dir,
-    model_file,
     out_of_memory,
     record_start,
     refusal_reason,
-    safetensors_header,
     zip_layout,
 )
 from ._pickle_reader import WHOLE_MODEL, code_globals, pickles_a_model
 from ._readinto import read_into
+from ._source import resolve
 
 # ------------------------------------------------------------------------------------------ load
 
@@ -74,10 +68,8 @@ def load(
     ``pip install safetensors``.
     """
     target = _device(device)
-    p = as_path(path)
-    if is_dir(p):
-        p = model_file(p)
-    kind = detect_format(p)
+    p = resolve(path)  # a directory's model file
+    kind = format_of(p)
     if kind == "index":
         return _load_index(p, target, mmap=mmap, trusted=trusted)
     if kind == "safetensors":
@@ -95,9 +87,10 @@ def _load_torch(
             "magic number); a pickle is not a checkpoint, and torchplace does not unpickle it"
         )
     if zip_format:
+        when = stamp(p)  # the file read must stay the one whose layout was found
         layout = zip_layout(p)  # the pickle record's CRC-32 is checked, however it is read
         if layout is not None and not mmap and not trusted and target.type in ("cpu", "cuda"):
-            read = _read_zip(layout, target)
+            read = _read_zip(layout, target, when)
             if read is not _UNUSUAL:
                 return read
     try:
@@ -142,7 +135,7 @@ class _Unusual(Exception):
     """A zip file laid out in a way _read_zip does not read (torch.load reads it instead)."""
 
 
-def _read_zip(layout: ZipLayout, target: torch.device) -> Any:
+def _read_zip(layout: ZipLayout, target: torch.device, when: Stamp) -> Any:
     """A torch zip file's objects, each record read into a storage on ``target``.
 
     Returns ``_UNUSUAL`` for anything it does not read itself, or that fails: a refused
@@ -195,7 +188,9 @@ def _read_zip(layout: ZipLayout, target: torch.device) -> Any:
             unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
             result = unpickler.load()  # type: ignore[no-untyped-call]
             torch._utils._validate_loaded_sparse_tensors()  # type: ignore[no-untyped-call]
-        read_into(p, pieces)
+        read_into(p, pieces, when)
+    except CheckpointError:  # the file changed while it was read
+        raise
     except Exception as exc:
         if out_of_memory(exc) or device_failure(exc):
             raise CheckpointError(f"{p}: {diagnose(exc, True, target)}") from exc
@@ -209,17 +204,16 @@ def _safetensors_device(target: torch.device) -> str:
 
 
 def _load_safetensors(p: Path, target: torch.device, *, mmap: bool) -> dict[str, torch.Tensor]:
-    header = safetensors_header(p)
+    found = catalog(p)
     if target.type == "meta":  # safetensors rejects meta; the header says all there is to know
         return {
-            name: torch.empty(
-                entry["shape"], dtype=SAFETENSORS_DTYPES[entry["dtype"]], device="meta"
-            )
-            for name, entry in header.items()
-            if name != "__metadata__"
+            name: torch.empty(e.shape, dtype=e.torch_dtype(str(p)), device="meta")
+            for name, e in found.entries.items()
         }
     if not mmap and sys.byteorder == "little":
-        return _read_safetensors(p, header, target)
+        return read_entries(found, list(found.entries), target)
+    for e in found.entries.values():
+        e.torch_dtype(str(p))  # refused as the reader refuses it
     try:
         import safetensors
         import safetensors.torch
@@ -250,30 +244,31 @@ def _whole_model(p: Path) -> bool:
         return False
 
 
-def _read_safetensors(
-    p: Path, header: dict[str, Any], target: torch.device
-) -> dict[str, torch.Tensor]:
-    """Each tensor allocated on ``target`` (the CPU for another accelerator) and read into."""
+def read_entries(found: Catalog, names: list[str], target: torch.device) -> dict[str, torch.Tensor]:
+    """The catalog's addressable entries ``names``, each allocated on ``target`` (the CPU for an
+    accelerator other than CUDA) and read straight into, every file's stamp checked."""
     home = target if target.type in ("cpu", "cuda") else torch.device("cpu")
-    try:
-        with p.open("rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-        start = 8 + header_len
-        out: dict[str, torch.Tensor] = {}
-        pieces = []
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-            out[name] = torch.empty(entry["shape"], dtype=dtype, device=home)
-            pieces.append((start + entry["data_offsets"][0], out[name]))
-        read_into(p, pieces)
-        if home != target:
+    out: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[tuple[int, torch.Tensor]]] = {}
+    for name in names:
+        e = found.entries[name]
+        assert e.file is not None and e.addressable, name
+        out[name] = torch.empty(e.shape, dtype=e.torch_dtype(found.where), device=home)
+        by_file.setdefault(e.file, []).append((e.start, out[name]))
+    for path, pieces in by_file.items():
+        try:
+            read_into(path, pieces, found.stamps.get(path))
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            detail = f"{type(exc).__name__}: {first_sentence(str(exc))}"
+            reason = "it is truncated, or it changed while being read"
+            raise _unreadable(path, exc, target, detail, reason) from exc
+    if home != target:
+        try:
             out = {name: t.to(target) for name, t in out.items()}
-    except Exception as exc:
-        detail = f"{type(exc).__name__}: {first_sentence(str(exc))}"
-        reason = "it is truncated, or it changed while being read"
-        raise _unreadable(p, exc, target, detail, reason) from exc
+        except Exception as exc:
+            raise _unreadable(found.path or Path(found.where), exc, target, str(exc), "") from exc
     return out
 
 
@@ -288,10 +283,33 @@ def _unreadable(
 
 
 def _load_index(p: Path, target: torch.device, *, mmap: bool, trusted: bool) -> dict[str, Any]:
-    def read(shard_path: Path) -> Mapping[str, Any]:
-        part = load(shard_path, target, mmap=mmap, trusted=trusted)
-        if not isinstance(part, Mapping):
-            raise CheckpointError(f"{shard_path}: holds a {type(part).__name__}, not tensors")
-        return part
-
-    return gather_index(p, read)
+    """Every tensor an index lists: safetensors shards read from the catalog's entries (or
+    mapped, with ``mmap=True``), torch shards loaded whole and the listed names taken."""
+    found = catalog(p)
+    by_file: dict[Path, list[str]] = {}
+    for name, e in found.entries.items():
+        assert e.file is not None
+        by_file.setdefault(e.file, []).append(name)
+    result: dict[str, Any] = {}
+    for shard, names in by_file.items():
+        if found.kinds.get(shard) == "safetensors" and not mmap and sys.byteorder == "little":
+            if target.type == "meta":
+                part: Mapping[str, Any] = _load_safetensors(shard, target, mmap=False)
+            else:
+                part = read_entries(found, names, target)
+        else:
+            loaded = load(shard, target, mmap=mmap, trusted=trusted)
+            if not isinstance(loaded, Mapping):
+                raise CheckpointError(f"{shard}: holds a {type(loaded).__name__}, not tensors")
+            part = loaded
+        for name in names:
+            if name in part:
+                result[name] = part[name]
+            else:  # a quantized or sparse tensor, catalogued by its parts: loaded whole
+                head = name.split(".")
+                for k in range(len(head) - 1, 0, -1):
+                    owner = ".".join(head[:k])
+                    if owner in part:
+                        result[owner] = part[owner]
+                        break
+    return result

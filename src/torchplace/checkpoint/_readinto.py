@@ -26,6 +26,7 @@ from typing import Any, cast
 import torch
 
 from ..moving._staging import STAGE_BUFFERS, STAGE_CHUNK_BYTES
+from ._catalog import Stamp, changed_error
 
 __all__ = ["READ_CHUNK_BYTES", "READ_THREADS", "read_into"]
 
@@ -149,7 +150,9 @@ def _read_cuda(fd: int, pieces: Sequence[tuple[int, torch.Tensor]], device: torc
                 event.synchronize()
 
 
-def read_into(path: Path, pieces: Sequence[tuple[int, torch.Tensor]], /) -> None:
+def read_into(
+    path: Path, pieces: Sequence[tuple[int, torch.Tensor]], /, stamp: Stamp | None = None
+) -> None:
     """Fill each ``(offset, tensor)`` of ``pieces`` with ``path``'s bytes from ``offset`` on.
 
     >>> import os, tempfile, torch
@@ -163,12 +166,16 @@ def read_into(path: Path, pieces: Sequence[tuple[int, torch.Tensor]], /) -> None
 
     Each tensor must be contiguous and hold exactly the bytes to read (its ``nbytes``), on the
     CPU or an accelerator. Raises ``OSError`` for a read that fails and ``EOFError``
-    for a file that ends too soon; the tensors then hold what was read so far.
+    for a file that ends too soon; the tensors then hold what was read so far. With the
+    ``stamp`` the file had when its catalog was made, the open file must still match it before
+    the first read and after the last (its size, mtime and inode), or ``CheckpointError`` says
+    that it changed while it was read.
     """
     host = [(o, t) for o, t in pieces if t.device.type == "cpu" and t.nbytes]
     elsewhere = [(o, t) for o, t in pieces if t.device.type != "cpu" and t.nbytes]
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
     try:
+        _same_file(path, fd, stamp)
         _read_host(fd, host)
         by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
         for offset, t in elsewhere:
@@ -181,5 +188,13 @@ def read_into(path: Path, pieces: Sequence[tuple[int, torch.Tensor]], /) -> None
                 bounce = torch.empty(t.nbytes, dtype=torch.uint8)
                 _read_host(fd, [(offset, bounce)])
                 _as_bytes(t).copy_(bounce)
+        _same_file(path, fd, stamp)  # no write landed while it was read
     finally:
         os.close(fd)
+
+
+def _same_file(path: Path, fd: int, stamp: Stamp | None) -> None:
+    if stamp is not None:
+        now = Stamp.of(os.fstat(fd))
+        if now != stamp:
+            raise changed_error(path, stamp, now)
