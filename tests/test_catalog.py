@@ -124,10 +124,7 @@ def test_catalog_inspect_and_load_agree_on_fuzzed_files(tmp_path: Path, kind: st
             data = data[: rng.randrange(len(data))]
         bad = tmp_path / f"fuzz{trial}{path.suffix}"
         bad.write_bytes(bytes(data))
-        try:
-            _agree(bad)
-        except CheckpointError:
-            pass  # refused by all: the tree holds
+        _agree(bad)  # accepted by all alike, or refused by all with a CheckpointError
 
 
 def test_a_safetensors_dtype_that_is_a_list_is_a_checkpoint_error(tmp_path: Path) -> None:
@@ -222,5 +219,5 @@ def test_loading_a_directory_names_no_module_but_the_catalog(tmp_path: Path) -> 
     path = _fixtures(tmp_path)["directory"]
     assert {r.name for r in describe_file(path)} == {"a", "b", "c"}
     model = torchplace.skeleton(nn.Module)
-    with pytest.raises(CheckpointError, match="model.safetensors.index.json: does not fit"):
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: does not fit"):
         load_into(model, path)
