@@ -221,3 +221,21 @@ def test_loading_a_directory_names_no_module_but_the_catalog(tmp_path: Path) -> 
     model = torchplace.skeleton(nn.Module)
     with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: does not fit"):
         load_into(model, path)
+
+
+_HOSTILE = [None, True, -1, 1.5, "F32x", 2**64, [], [1, 2, 3], {"a": 1}, [[1]], ["F32"], [-1]]
+
+
+@pytest.mark.parametrize("field", ["dtype", "shape", "data_offsets"])
+def test_every_hostile_header_value_stays_inside_the_exception_tree(
+    tmp_path: Path, field: str
+) -> None:
+    for i, value in enumerate(_HOSTILE):
+        entry: dict[str, Any] = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+        entry[field] = value
+        raw = json.dumps({"a": entry}).encode()
+        path = tmp_path / f"h{i}.safetensors"
+        path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(8))
+        for what in (catalog, load, describe_file):
+            with pytest.raises(CheckpointError, match=r"tensor 'a'"):
+                what(path)

@@ -633,3 +633,47 @@ def test_the_names_others_import_stay_importable_from_checkpoint() -> None:
     ]  # fmt: skip
     assert all(hasattr(checkpoint, n) for n in names)
     assert checkpoint.load is torchplace.load and checkpoint.load_into is torchplace.load_into
+
+
+def test_ctrl_c_at_any_point_of_load_into_a_real_model_leaves_it_before_or_loaded(
+    tmp_path: Path,
+) -> None:
+    """A real model's memory is filled in place, with no copy kept: every read and check comes
+    first, and the writes are one call, so an interrupt finds it as it was or wholly loaded."""
+    torch.manual_seed(0)
+    src = _Stateful()
+    src.note = "after"
+    src.bn.running_mean.fill_(5.0)
+    path = tmp_path / "w.pt"
+    torch.save(src.state_dict(), path)
+    loaded_values = {k: v.clone() for k, v in src.state_dict().items() if k != "_extra_state"}
+    load_into(_Stateful(), path)  # warm
+    clean = _Interrupter(0)
+    sys.settrace(clean)
+    try:
+        load_into(_Stateful(), path)
+    finally:
+        sys.settrace(None)
+    mixed = []
+    for at in range(1, clean.count + 1):
+        torch.manual_seed(1)
+        model = _Stateful()
+        before = {k: v.clone() for k, v in model.state_dict().items() if k != "_extra_state"}
+        interrupter = _Interrupter(at)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            sys.settrace(interrupter)
+            try:
+                load_into(model, path)
+            except KeyboardInterrupt:
+                pass
+            finally:
+                sys.settrace(None)
+                torch.set_grad_enabled(True)
+        now = model.state_dict()
+        as_before = all(torch.equal(now[k], before[k]) for k in before)
+        as_loaded = all(torch.equal(now[k], loaded_values[k]) for k in before)
+        if not (as_before or as_loaded):
+            mixed.append(f"{at}: {interrupter.where}")
+    gc.collect()
+    assert not mixed, f"{len(mixed)} of {clean.count}: {mixed[:8]}"

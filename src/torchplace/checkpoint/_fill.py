@@ -440,12 +440,13 @@ class _Fit:
 class _Prepared:
     """Phase 1's result: tensors to fill in place, tensors to swap in, values kept for undo."""
 
-    __slots__ = ("backups", "fills", "places")
+    __slots__ = ("backups", "fills", "places", "written")
 
     def __init__(self) -> None:
         self.fills: list[tuple[Slot, torch.Tensor]] = []  # memory on the target: filled
         self.places: list[tuple[Slot, torch.Tensor]] = []  # a new tensor swapped in
         self.backups: list[tuple[torch.Tensor, torch.Tensor]] = []  # filled tensors' values
+        self.written = False  # the fills are done: values with no copy kept were overwritten
 
 
 def _prepare(fit: _Fit, target: torch.device | None, *, copy: bool) -> _Prepared:
@@ -492,6 +493,23 @@ def _prepare(fit: _Fit, target: torch.device | None, *, copy: bool) -> _Prepared
     return out
 
 
+def _write_each(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    for target, value in zip(targets, values, strict=True):
+        target.copy_(value)
+
+
+# Each value copied into its target in one call (a C function: no line of Python runs between
+# two copies); torch without _foreach_copy_ (before 2.1) copies one by one.
+_WRITE: Callable[[list[torch.Tensor], list[torch.Tensor]], Any] = getattr(
+    torch, "_foreach_copy_", _write_each
+)
+
+
+def _lost_on_undo(fit: _Fit, ready: _Prepared) -> bool:
+    """Whether the fills overwrite parameters in place with no copy kept to put back."""
+    return not fit.deferred and any(slot.is_param for slot, _ in ready.fills)
+
+
 def _apply(
     fit: _Fit, ready: _Prepared, extra: Mapping[str, nn.Module], own: Mapping[str, Any]
 ) -> nn.Module:
@@ -526,6 +544,10 @@ def _apply(
     except CheckpointError:  # said what state the model is in, and put it back where it could
         raise
     except BaseException:  # Ctrl-C (or a bug): the model goes back as it was
+        if ready.written and _lost_on_undo(fit, ready):
+            # Parameters were overwritten in place with no copy kept, so putting the rest back
+            # would mix old and new values: every weight stays loaded instead.
+            raise
         put_back()
         raise
 
@@ -553,10 +575,14 @@ def _apply_steps(
     try:
         for slot, value in ready.places:
             _place(slot, value, undos)
+        filled = _lost_on_undo(fit, ready)  # said if the write below fails part way
+        targets = [slot.tensor for slot, _ in ready.fills]
+        values = [value for _, value in ready.fills]
         with torch.no_grad():
-            for slot, value in ready.fills:
-                filled = filled or (slot.is_param and not fit.deferred)  # no copy to put back
-                slot.tensor.copy_(value)  # copy_ converts the dtype
+            # Every read and check is done: the in-place writes are one call (copy_ converts
+            # the dtype), and ``written`` is set on its line, so a Ctrl-C lands before it (the
+            # model is put back) or after it (every weight is loaded), never between two.
+            ready.written = not targets or _WRITE(targets, values) is None or True
     except Exception as exc:
         failure = put_back()
         state = "the model is untouched"
