@@ -677,3 +677,57 @@ def test_ctrl_c_at_any_point_of_load_into_a_real_model_leaves_it_before_or_loade
             mixed.append(f"{at}: {interrupter.where}")
     gc.collect()
     assert not mixed, f"{len(mixed)} of {clean.count}: {mixed[:8]}"
+
+
+_PEAK_CHILD = """
+import sys, torch
+from torch import nn
+import torchplace
+from torchplace.checkpoint._readinto import READ_CHUNK_BYTES, READ_THREADS
+
+def hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+
+path = sys.argv[1]
+model = torchplace.skeleton(
+    lambda: nn.Sequential(*(nn.Linear(1024, 4096, bias=False) for _ in range(16)))
+).to(torch.bfloat16)
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak starts again from here
+base = rss()
+torchplace.load_into(model, path)
+extra = hwm() - base
+model_bytes = sum(p.nbytes for p in model.parameters())
+assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+print(extra, model_bytes, READ_THREADS * READ_CHUNK_BYTES)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+def test_a_bf16_model_from_an_fp32_file_peaks_at_its_own_bytes_plus_staging(
+    tmp_path: Path,
+) -> None:
+    """Tensors are converted chunk by chunk as they are read: the fp32 file is never held whole
+    (before, the peak was the fp32 tensors plus the bf16 model, 3x the model's bytes)."""
+    torch.manual_seed(0)
+    weights = {f"{i}.weight": torch.randn(4096, 1024) for i in range(16)}  # 256 MiB of fp32
+    path = tmp_path / "fp32.safetensors"
+    safetensors_torch.save_file(weights, path)
+    path.read_bytes()  # in the page cache, which no process's peak counts
+    done = subprocess.run(
+        [sys.executable, "-c", _PEAK_CHILD, str(path)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    extra, model_bytes, staging = map(int, done.stdout.split())
+    assert extra <= model_bytes + staging + (32 << 20), (extra, model_bytes, staging)
+    layers = skeleton(lambda: nn.Sequential(*(nn.Linear(1024, 4096) for _ in range(16))))
+    model = load_into(layers.to(torch.bfloat16), path, strict=False)  # the file has no biases
+    for i, layer in enumerate(model):
+        assert torch.equal(layer.weight, weights[f"{i}.weight"].to(torch.bfloat16)), i

@@ -20,13 +20,14 @@ from .._model_walk import Slot, tensor_slots
 from .._own_moves import AttributeSnapshot, run_own_moves
 from ..moving._identity import parameter_like
 from ._formats import PathLike, first_sentence
-from ._read import load
+from ._read import load_state
 from ._rename import Rename, as_renamer, renamed
 from ._skeleton import ModuleT, swap
 from ._source import resolve
 from ._statedict import (
     as_load_state_dict_sees,
     has_post_hooks,
+    loads_itself,
     run_post_hooks,
     set_extra_states,
 )
@@ -270,7 +271,9 @@ def load_into(
         state: Any = source
     else:
         assert isinstance(p, Path)
-        state = load(p, read_on, mmap=mmap)
+        # Tensors of another floating dtype than the model's are converted as they are read.
+        wish = _dtype_wish(model, loadable, renamer)
+        state = load_state(p, read_on, mmap=mmap, dtype_of=wish)
     _check_state_dict(p, model, state, loadable)
     if renamer is not None:
         state = renamed(str(p), state, renamer)
@@ -280,6 +283,31 @@ def load_into(
     fit = _Fit(p, model, seen, loadable, transient, extra, read_on, strict)
     prepared = _prepare(fit, target, copy=from_memory)
     return _apply(fit, prepared, extra, seen.own)  # type: ignore[return-value]
+
+
+def _dtype_wish(
+    model: nn.Module, loadable: list[Slot], renamer: Callable[[str], str | None] | None
+) -> Callable[[str], torch.dtype | None] | None:
+    """The model's floating dtype for a file's tensor, by the file's name, where converting it
+    while it is read changes nothing ``load_state_dict`` would show: None (read as saved) when a
+    module has load pre-hooks or loads itself (they see the file's values as saved), and no
+    dtype for a tied parameter (its names' values are compared) or a lazy one."""
+    for module in model.modules():
+        if module._load_state_dict_pre_hooks or loads_itself(module):
+            return None
+    dtypes = {
+        slot.names[0]: slot.tensor.dtype
+        for slot in loadable
+        if len(slot.names) == 1 and slot.tensor.dtype.is_floating_point and not is_lazy(slot.tensor)
+    }
+    if not dtypes:
+        return None
+
+    def dtype_of(name: str) -> torch.dtype | None:
+        fitted = renamer(name) if renamer is not None else name
+        return None if fitted is None else dtypes.get(fitted)
+
+    return dtype_of
 
 
 def _read_on(loadable: list[Slot], target: torch.device | None) -> torch.device:

@@ -6,7 +6,7 @@ import io
 import pickle
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from ._formats import (
     zip_layout,
 )
 from ._pickle_reader import WHOLE_MODEL, code_globals, pickles_a_model
-from ._readinto import read_into
+from ._readinto import Piece, read_into
 from ._source import resolve
 
 # ------------------------------------------------------------------------------------------ load
@@ -244,17 +244,30 @@ def _whole_model(p: Path) -> bool:
         return False
 
 
-def read_entries(found: Catalog, names: list[str], target: torch.device) -> dict[str, torch.Tensor]:
+DTypeWish = Callable[[str], "torch.dtype | None"]
+
+
+def read_entries(
+    found: Catalog, names: list[str], target: torch.device, dtype_of: DTypeWish | None = None
+) -> dict[str, torch.Tensor]:
     """The catalog's addressable entries ``names``, each allocated on ``target`` (the CPU for an
-    accelerator other than CUDA) and read straight into, every file's stamp checked."""
+    accelerator other than CUDA) and read straight into, every file's stamp checked.
+
+    ``dtype_of(name)``: the floating dtype a floating tensor is wanted in (the model's), so that
+    it is converted chunk by chunk as it is read, never held in the file's dtype whole.
+    """
     home = target if target.type in ("cpu", "cuda") else torch.device("cpu")
     out: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[tuple[int, torch.Tensor]]] = {}
+    by_file: dict[Path, list[Piece]] = {}
     for name in names:
         e = found.entries[name]
         assert e.file is not None and e.addressable, name
-        out[name] = torch.empty(e.shape, dtype=e.torch_dtype(found.where), device=home)
-        by_file.setdefault(e.file, []).append((e.start, out[name]))
+        stored = e.torch_dtype(found.where)
+        want = dtype_of(name) if dtype_of is not None else None
+        if want is None or not (want.is_floating_point and stored.is_floating_point):
+            want = stored
+        out[name] = torch.empty(e.shape, dtype=want, device=home)
+        by_file.setdefault(e.file, []).append((e.start, out[name], stored))
     for path, pieces in by_file.items():
         try:
             read_into(path, pieces, found.stamps.get(path))
@@ -282,7 +295,29 @@ def _unreadable(
     return CheckpointError(f"{p}: cannot be read as safetensors ({detail}); {likely}")
 
 
-def _load_index(p: Path, target: torch.device, *, mmap: bool, trusted: bool) -> dict[str, Any]:
+def load_state(
+    path: PathLike, target: torch.device, *, mmap: bool, dtype_of: DTypeWish | None
+) -> Any:
+    """``load(path, target, mmap=mmap)`` for ``load_into``: tensors of safetensors files (alone
+    or in an index) are read in the dtype ``dtype_of`` asks for, converted as they are read."""
+    p = resolve(path)
+    kind = format_of(p)
+    if kind == "index":
+        return _load_index(p, target, mmap=mmap, trusted=False, dtype_of=dtype_of)
+    if kind == "safetensors" and target.type != "meta" and not mmap and sys.byteorder == "little":
+        found = catalog(p)
+        return read_entries(found, list(found.entries), target, dtype_of)
+    return load(p, target, mmap=mmap)
+
+
+def _load_index(
+    p: Path,
+    target: torch.device,
+    *,
+    mmap: bool,
+    trusted: bool,
+    dtype_of: DTypeWish | None = None,
+) -> dict[str, Any]:
     """Every tensor an index lists: safetensors shards read from the catalog's entries (or
     mapped, with ``mmap=True``), torch shards loaded whole and the listed names taken."""
     found = catalog(p)
@@ -296,7 +331,7 @@ def _load_index(p: Path, target: torch.device, *, mmap: bool, trusted: bool) -> 
             if target.type == "meta":
                 part: Mapping[str, Any] = _load_safetensors(shard, target, mmap=False)
             else:
-                part = read_entries(found, names, target)
+                part = read_entries(found, names, target, dtype_of)
         else:
             loaded = load(shard, target, mmap=mmap, trusted=trusted)
             if not isinstance(loaded, Mapping):

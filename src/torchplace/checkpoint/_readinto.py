@@ -28,7 +28,7 @@ import torch
 from ..moving._staging import STAGE_BUFFERS, STAGE_CHUNK_BYTES
 from ._catalog import Stamp, changed_error
 
-__all__ = ["READ_CHUNK_BYTES", "READ_THREADS", "read_into"]
+__all__ = ["READ_CHUNK_BYTES", "READ_THREADS", "Piece", "read_into"]
 
 READ_CHUNK_BYTES = 16 << 20
 _PREADV = hasattr(os, "preadv")
@@ -94,21 +94,60 @@ def _pread_exactly(fd: int, view: memoryview, offset: int) -> None:
         done += n
 
 
-def _read_host(fd: int, pieces: Sequence[tuple[int, torch.Tensor]]) -> None:
-    chunks: list[tuple[memoryview, int, int]] = []  # where to, from where, its address
-    for offset, t in pieces:
-        data = _as_bytes(t)
-        view = _memory(data)
-        address = data.data_ptr()
-        for start in range(0, len(view), READ_CHUNK_BYTES):
-            chunks.append((view[start : start + READ_CHUNK_BYTES], offset + start, address + start))
+Piece = tuple[int, torch.Tensor] | tuple[int, torch.Tensor, torch.dtype]
+
+
+def _split(piece: Piece) -> tuple[int, torch.Tensor, torch.dtype | None]:
+    """(offset, tensor, the file's dtype where it differs from the tensor's, else None)."""
+    if len(piece) == 3:
+        offset, t, stored = piece
+        return offset, t, (None if stored == t.dtype else stored)
+    offset, t = piece
+    return offset, t, None
+
+
+def _read_host(fd: int, pieces: Sequence[Piece]) -> None:
+    """Direct pieces read straight into their memory; converting ones a chunk at a time into a
+    buffer of each thread's own (``READ_CHUNK_BYTES``) and converted into place from there, so
+    a model never holds a second, file-dtype copy of itself."""
+    # (where to, from where, its address) for a direct chunk; (tensor's elements, first and
+    # last element, from where, the file's dtype) for a converting one
+    direct: list[tuple[memoryview, int, int]] = []
+    converting: list[tuple[torch.Tensor, int, int, int, torch.dtype]] = []
+    for piece in pieces:
+        offset, t, stored = _split(piece)
+        if stored is None:
+            data = _as_bytes(t)
+            view = _memory(data)
+            address = data.data_ptr()
+            for start in range(0, len(view), READ_CHUNK_BYTES):
+                chunk = view[start : start + READ_CHUNK_BYTES]
+                direct.append((chunk, offset + start, address + start))
+            continue
+        flat = t.detach().reshape(-1)
+        step = READ_CHUNK_BYTES // stored.itemsize
+        for first in range(0, flat.numel(), step):
+            last = min(first + step, flat.numel())
+            converting.append((flat, first, last, offset + first * stored.itemsize, stored))
+    tasks = [(0, k) for k in range(len(direct))] + [(1, k) for k in range(len(converting))]
 
     def share(k: int, threads: int) -> None:
-        for view, offset, address in chunks[k::threads]:
-            _populate(address, len(view))
-            _pread_exactly(fd, view, offset)
+        staging: torch.Tensor | None = None
+        for kind, n in tasks[k::threads]:
+            if kind == 0:
+                view, offset, address = direct[n]
+                _populate(address, len(view))
+                _pread_exactly(fd, view, offset)
+                continue
+            flat, first, last, offset, stored = converting[n]
+            nbytes = (last - first) * stored.itemsize
+            if staging is None:
+                staging = torch.empty(READ_CHUNK_BYTES, dtype=torch.uint8)
+            raw = staging[:nbytes]
+            _pread_exactly(fd, _memory(raw), offset)
+            flat[first:last].copy_(raw.view(stored))  # converted in place, a chunk at a time
 
-    threads = min(READ_THREADS, len(chunks))
+    threads = min(READ_THREADS, len(tasks))
     if threads <= 1:
         share(0, 1)
         return
@@ -118,16 +157,20 @@ def _read_host(fd: int, pieces: Sequence[tuple[int, torch.Tensor]]) -> None:
             pass
 
 
-def _read_cuda(fd: int, pieces: Sequence[tuple[int, torch.Tensor]], device: torch.device) -> None:
-    """Chunks read into a ring of pinned buffers, each sent on while the next one is read."""
+def _read_cuda(fd: int, pieces: Sequence[Piece], device: torch.device) -> None:
+    """Chunks read into a ring of pinned buffers, each sent on while the next one is read; a
+    chunk of another dtype than its tensor lands in a chunk-sized device buffer and is converted
+    into place there, on the same stream (peak device memory: the model plus a few chunks)."""
     buffers: list[torch.Tensor] = []
     events: list[torch.cuda.Event | None] = [None] * STAGE_BUFFERS
     stream = torch.cuda.current_stream(device)
     i = 0
     try:
-        for offset, t in pieces:
+        for piece in pieces:
+            offset, t, stored = _split(piece)
             landing = _as_bytes(t)
-            total = landing.numel()
+            flat = t.detach().reshape(-1)
+            total = landing.numel() if stored is None else flat.numel() * stored.itemsize
             for start in range(0, total, STAGE_CHUNK_BYTES):
                 stop = min(start + STAGE_CHUNK_BYTES, total)
                 if i == len(buffers):
@@ -139,7 +182,12 @@ def _read_cuda(fd: int, pieces: Sequence[tuple[int, torch.Tensor]], device: torc
                     event.synchronize()  # the copy out of this buffer is done: it may be reused
                 buffer = buffers[i][: stop - start]
                 _pread_exactly(fd, _memory(buffer), offset + start)
-                landing[start:stop].copy_(buffer, non_blocking=True)
+                if stored is None:
+                    landing[start:stop].copy_(buffer, non_blocking=True)
+                else:
+                    on_device = buffer.to(device, non_blocking=True).view(stored)
+                    first = start // stored.itemsize
+                    flat[first : first + on_device.numel()].copy_(on_device)
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(stream)
                 events[i] = event
@@ -150,9 +198,7 @@ def _read_cuda(fd: int, pieces: Sequence[tuple[int, torch.Tensor]], device: torc
                 event.synchronize()
 
 
-def read_into(
-    path: Path, pieces: Sequence[tuple[int, torch.Tensor]], /, stamp: Stamp | None = None
-) -> None:
+def read_into(path: Path, pieces: Sequence[Piece], /, stamp: Stamp | None = None) -> None:
     """Fill each ``(offset, tensor)`` of ``pieces`` with ``path``'s bytes from ``offset`` on.
 
     >>> import os, tempfile, torch
@@ -165,29 +211,32 @@ def read_into(
     ([1, 2], [5, 6, 7])
 
     Each tensor must be contiguous and hold exactly the bytes to read (its ``nbytes``), on the
-    CPU or an accelerator. Raises ``OSError`` for a read that fails and ``EOFError``
-    for a file that ends too soon; the tensors then hold what was read so far. With the
-    ``stamp`` the file had when its catalog was made, the open file must still match it before
-    the first read and after the last (its size, mtime and inode), or ``CheckpointError`` says
-    that it changed while it was read.
+    CPU or an accelerator; a piece ``(offset, tensor, dtype)`` reads elements of ``dtype`` from
+    the file and converts them into the tensor's own dtype a chunk at a time (so the tensor's
+    bytes plus a chunk per reading thread is all the memory the read takes). Raises ``OSError``
+    for a read that fails and ``EOFError`` for a file that ends too soon; the tensors then hold
+    what was read so far. With the ``stamp`` the file had when its catalog was made, the open
+    file must still match it before the first read and after the last (its size, mtime and
+    inode), or ``CheckpointError`` says that it changed while it was read.
     """
-    host = [(o, t) for o, t in pieces if t.device.type == "cpu" and t.nbytes]
-    elsewhere = [(o, t) for o, t in pieces if t.device.type != "cpu" and t.nbytes]
+    host = [p for p in pieces if p[1].device.type == "cpu" and p[1].nbytes]
+    elsewhere = [p for p in pieces if p[1].device.type != "cpu" and p[1].nbytes]
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
     try:
         _same_file(path, fd, stamp)
         _read_host(fd, host)
-        by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
-        for offset, t in elsewhere:
-            by_device.setdefault(t.device, []).append((offset, t))
+        by_device: dict[torch.device, list[Piece]] = {}
+        for piece in elsewhere:
+            by_device.setdefault(piece[1].device, []).append(piece)
         for dev, group in by_device.items():
             if dev.type == "cuda":
                 _read_cuda(fd, group, dev)
                 continue
-            for offset, t in group:  # another accelerator: a tensor at a time through the host
-                bounce = torch.empty(t.nbytes, dtype=torch.uint8)
+            for piece in group:  # another accelerator: a tensor at a time through the host
+                offset, t, stored = _split(piece)
+                bounce = torch.empty(t.shape, dtype=stored or t.dtype)
                 _read_host(fd, [(offset, bounce)])
-                _as_bytes(t).copy_(bounce)
+                t.copy_(bounce)
         _same_file(path, fd, stamp)  # no write landed while it was read
     finally:
         os.close(fd)
