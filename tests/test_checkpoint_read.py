@@ -727,7 +727,7 @@ def test_a_bf16_model_from_an_fp32_file_peaks_at_its_own_bytes_plus_staging(
     assert done.returncode == 0, done.stderr
     extra, model_bytes, staging = map(int, done.stdout.split())
     assert extra <= model_bytes + staging + (32 << 20), (extra, model_bytes, staging)
-    layers = skeleton(lambda: nn.Sequential(*(nn.Linear(1024, 4096) for _ in range(16))))
-    model = load_into(layers.to(torch.bfloat16), path, strict=False)  # the file has no biases
+    layers = skeleton(lambda: nn.Sequential(*(nn.Linear(1024, 4096, bias=False) for _ in "x" * 16)))
+    model = load_into(layers.to(torch.bfloat16), path)
     for i, layer in enumerate(model):
         assert torch.equal(layer.weight, weights[f"{i}.weight"].to(torch.bfloat16)), i
