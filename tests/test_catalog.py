@@ -239,3 +239,31 @@ def test_every_hostile_header_value_stays_inside_the_exception_tree(
         for what in (catalog, load, describe_file):
             with pytest.raises(CheckpointError, match=r"tensor 'a'"):
                 what(path)
+
+
+@pytest.mark.parametrize("size", [1 << 10, (40 << 20) + 12], ids=["one-chunk", "many-chunks"])
+def test_check_crc_finds_a_flipped_bit_in_a_tensors_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    from torchplace.checkpoint import _readinto as readinto
+
+    monkeypatch.setattr(readinto, "READ_CHUNK_BYTES", 1 << 20)  # many chunks, joined
+    path = tmp_path / "w.pt"
+    sd = {"w": torch.arange(size // 4, dtype=torch.float32), "b": torch.ones(3)}
+    torch.save(sd, path)
+    assert torch.equal(load(path, check_crc=True)["w"], sd["w"])  # a sound file passes
+    entry = catalog(path).entries["w"]
+    data = bytearray(path.read_bytes())
+    data[entry.start + entry.nbytes - 5] ^= 0x10  # one bit, in the last chunk
+    path.write_bytes(bytes(data))
+    assert not torch.equal(load(path)["w"], sd["w"])  # unnoticed by default (the cost)
+    with pytest.raises(CheckpointError, match=r"w\.pt: is corrupt: w/data/0 fails its CRC"):
+        load(path, check_crc=True)
+    model = nn.Module()
+    model.register_buffer("w", torch.zeros(size // 4))
+    model.register_buffer("b", torch.zeros(3))
+    with pytest.raises(CheckpointError, match="CRC-32"):
+        load_into(model, path, check_crc=True)
+    assert not model.w.any()
+    with pytest.raises(CheckpointError, match="CRC-32"):  # the torch.load path checks too
+        load(path, check_crc=True, trusted=True)

@@ -189,6 +189,7 @@ def load_into(
     strict: bool = True,
     mmap: bool = False,
     rename: Rename | None = None,
+    check_crc: bool = False,
 ) -> ModuleT:
     """Fill ``model`` (a skeleton or a real model) from a checkpoint, weights on ``device``.
 
@@ -212,9 +213,11 @@ def load_into(
     parameters. A file's bytes are read straight into the memory the model keeps (onto a GPU,
     through pinned buffers), with no second copy of the weights, so the file may be rewritten at
     once (``torch.save(model.state_dict(), path)`` to the path it came from is safe).
-    ``mmap=True`` assigns pages of the memory-mapped file instead (zero-copy, copy-on-write): the
-    model then dies with the file, and **rewriting or truncating it while the model lives crashes
-    the process** (SIGBUS, exit -7), so use it only for files nothing writes to. A parameter that
+    ``check_crc=True`` checks a zip file's tensor records against their CRC-32 as ``load``
+    does. ``mmap=True`` assigns pages of the memory-mapped file instead (zero-copy,
+    copy-on-write): the model then dies with the file, and **rewriting or truncating it while
+    the model lives crashes the process** (SIGBUS, exit -7), so use it only for files nothing
+    writes to. A parameter that
     already holds memory on the target is filled in place. Parameter objects are kept, with
     their class and attributes, so tied weights stay tied and optimizers stay valid; a tied
     parameter saved under any one of its names counts as present, and one saved under two names
@@ -252,7 +255,9 @@ def load_into(
     from ._sharded import has_dtensors, load_sharded
 
     if has_dtensors(model):  # FSDP2, tensor parallelism: each rank reads its own slices
-        return load_sharded(model, source, device, strict=strict, rename=rename)  # type: ignore[return-value]
+        return load_sharded(  # type: ignore[return-value]
+            model, source, device, strict=strict, rename=rename, check_crc=check_crc
+        )
     target = None if device is None else _device(device)
     renamer = None if rename is None else as_renamer(rename)
     if isinstance(source, nn.Module):
@@ -273,7 +278,7 @@ def load_into(
         assert isinstance(p, Path)
         # Tensors of another floating dtype than the model's are converted as they are read.
         wish = _dtype_wish(model, loadable, renamer)
-        state = load_state(p, read_on, mmap=mmap, dtype_of=wish)
+        state = load_state(p, read_on, mmap=mmap, dtype_of=wish, check_crc=check_crc)
     _check_state_dict(p, model, state, loadable)
     if renamer is not None:
         state = renamed(str(p), state, renamer)

@@ -6,6 +6,7 @@ import io
 import pickle
 import sys
 import warnings
+import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,13 @@ from ._source import resolve
 
 
 def load(
-    path: PathLike, device: DeviceSpec = "cpu", /, *, mmap: bool = False, trusted: bool = False
+    path: PathLike,
+    device: DeviceSpec = "cpu",
+    /,
+    *,
+    mmap: bool = False,
+    trusted: bool = False,
+    check_crc: bool = False,
 ) -> Any:
     """Load a checkpoint with its tensors on ``device``, whatever device they were saved from.
 
@@ -66,19 +73,35 @@ def load(
     crashes the process** (SIGBUS, exit -7, even for values already changed in memory). Use it to
     serve weights read-only from a file nothing writes to; ``mmap=True`` safetensors need
     ``pip install safetensors``.
+
+    ``check_crc=True`` checks every record of a zip file against the CRC-32 it was saved with
+    (torch writes one per record), so a flipped bit in a tensor's bytes raises
+    ``CheckpointError`` naming the record. The pickle record is always checked; the tensors'
+    records are not by default, because computing the CRC cannot hide behind a read from the page
+    cache (zlib's CRC-32 runs at about the speed of the read itself), so it adds about the read's
+    time again (``benchmarks/RESULTS.md``). Safetensors files carry no checksum.
     """
     target = _device(device)
     p = resolve(path)  # a directory's model file
     kind = format_of(p)
     if kind == "index":
-        return _load_index(p, target, mmap=mmap, trusted=trusted)
+        return _load_index(p, target, mmap=mmap, trusted=trusted, check_crc=check_crc)
     if kind == "safetensors":
         return _load_safetensors(p, target, mmap=mmap)
-    return _load_torch(p, target, zip_format=kind == "zip", mmap=mmap, trusted=trusted)
+    zip_format = kind == "zip"
+    return _load_torch(
+        p, target, zip_format=zip_format, mmap=mmap, trusted=trusted, check_crc=check_crc
+    )
 
 
 def _load_torch(
-    p: Path, target: torch.device, *, zip_format: bool, mmap: bool, trusted: bool
+    p: Path,
+    target: torch.device,
+    *,
+    zip_format: bool,
+    mmap: bool,
+    trusted: bool,
+    check_crc: bool = False,
 ) -> Any:
     use_mmap = mmap and zip_format and target.type != "meta"
     if not zip_format and not has_legacy_magic(p):
@@ -90,9 +113,11 @@ def _load_torch(
         when = stamp(p)  # the file read must stay the one whose layout was found
         layout = zip_layout(p)  # the pickle record's CRC-32 is checked, however it is read
         if layout is not None and not mmap and not trusted and target.type in ("cpu", "cuda"):
-            read = _read_zip(layout, target, when)
+            read = _read_zip(layout, target, when, check_crc)
             if read is not _UNUSUAL:
                 return read
+        if check_crc:  # read by torch.load below: every record checked in a pass of its own
+            check_records(p)
     try:
         with warnings.catch_warnings():  # torch's note on pickle protocols is not the user's
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
@@ -135,7 +160,22 @@ class _Unusual(Exception):
     """A zip file laid out in a way _read_zip does not read (torch.load reads it instead)."""
 
 
-def _read_zip(layout: ZipLayout, target: torch.device, when: Stamp) -> Any:
+def check_records(p: Path) -> None:
+    """Every record of a zip file read through ``zipfile``, which checks each one's CRC-32."""
+    try:
+        with zipfile.ZipFile(p) as archive:
+            for info in archive.infolist():
+                with archive.open(info) as record:
+                    while record.read(16 << 20):
+                        pass
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError, NotImplementedError) as exc:
+        raise CheckpointError(
+            f"{p}: is corrupt ({type(exc).__name__}: {first_sentence(str(exc))}); the bytes were "
+            "damaged after the file was written, so save or fetch it again"
+        ) from exc
+
+
+def _read_zip(layout: ZipLayout, target: torch.device, when: Stamp, check_crc: bool) -> Any:
     """A torch zip file's objects, each record read into a storage on ``target``.
 
     Returns ``_UNUSUAL`` for anything it does not read itself, or that fails: a refused
@@ -155,6 +195,7 @@ def _read_zip(layout: ZipLayout, target: torch.device, when: Stamp) -> Any:
                 return _UNUSUAL
             storages: dict[str, Any] = {}
             pieces: list[tuple[int, torch.Tensor]] = []
+            checks: dict[int, tuple[int, str]] = {}
 
             def persistent_load(saved_id: Any) -> Any:
                 if not isinstance(saved_id, tuple) or len(saved_id) != 5:
@@ -173,7 +214,10 @@ def _read_zip(layout: ZipLayout, target: torch.device, when: Stamp) -> Any:
                 if info is None or info.compress_type != 0 or info.file_size != nbytes:
                     raise _Unusual(f"record data/{key}")
                 data = torch.empty(nbytes, dtype=torch.uint8, device=target)
-                pieces.append((record_start(f, info), data))
+                start = record_start(f, info)
+                pieces.append((start, data))
+                if check_crc and info.CRC:  # 0: written without CRCs
+                    checks[start] = (info.CRC, info.filename)
                 storage = torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
                     wrap_storage=data.untyped_storage(), dtype=dtype, _internal=True
                 )
@@ -188,7 +232,7 @@ def _read_zip(layout: ZipLayout, target: torch.device, when: Stamp) -> Any:
             unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
             result = unpickler.load()  # type: ignore[no-untyped-call]
             torch._utils._validate_loaded_sparse_tensors()  # type: ignore[no-untyped-call]
-        read_into(p, pieces, when)
+        read_into(p, pieces, when, checks)
     except CheckpointError:  # the file changed while it was read
         raise
     except Exception as exc:
@@ -296,18 +340,25 @@ def _unreadable(
 
 
 def load_state(
-    path: PathLike, target: torch.device, *, mmap: bool, dtype_of: DTypeWish | None
+    path: PathLike,
+    target: torch.device,
+    *,
+    mmap: bool,
+    dtype_of: DTypeWish | None,
+    check_crc: bool = False,
 ) -> Any:
     """``load(path, target, mmap=mmap)`` for ``load_into``: tensors of safetensors files (alone
     or in an index) are read in the dtype ``dtype_of`` asks for, converted as they are read."""
     p = resolve(path)
     kind = format_of(p)
     if kind == "index":
-        return _load_index(p, target, mmap=mmap, trusted=False, dtype_of=dtype_of)
+        return _load_index(
+            p, target, mmap=mmap, trusted=False, dtype_of=dtype_of, check_crc=check_crc
+        )
     if kind == "safetensors" and target.type != "meta" and not mmap and sys.byteorder == "little":
         found = catalog(p)
         return read_entries(found, list(found.entries), target, dtype_of)
-    return load(p, target, mmap=mmap)
+    return load(p, target, mmap=mmap, check_crc=check_crc)
 
 
 def _load_index(
@@ -317,6 +368,7 @@ def _load_index(
     mmap: bool,
     trusted: bool,
     dtype_of: DTypeWish | None = None,
+    check_crc: bool = False,
 ) -> dict[str, Any]:
     """Every tensor an index lists: safetensors shards read from the catalog's entries (or
     mapped, with ``mmap=True``), torch shards loaded whole and the listed names taken."""
@@ -333,7 +385,7 @@ def _load_index(
             else:
                 part = read_entries(found, names, target, dtype_of)
         else:
-            loaded = load(shard, target, mmap=mmap, trusted=trusted)
+            loaded = load(shard, target, mmap=mmap, trusted=trusted, check_crc=check_crc)
             if not isinstance(loaded, Mapping):
                 raise CheckpointError(f"{shard}: holds a {type(loaded).__name__}, not tensors")
             part = loaded

@@ -18,15 +18,18 @@ from __future__ import annotations
 import mmap
 import os
 import sys
-from collections.abc import Callable, Sequence
+import zlib
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 
+from .._errors import CheckpointError
 from ..moving._staging import STAGE_BUFFERS, STAGE_CHUNK_BYTES
 from ._catalog import Stamp, changed_error
+from ._crc import combine
 
 __all__ = ["READ_CHUNK_BYTES", "READ_THREADS", "Piece", "read_into"]
 
@@ -106,22 +109,41 @@ def _split(piece: Piece) -> tuple[int, torch.Tensor, torch.dtype | None]:
     return offset, t, None
 
 
-def _read_host(fd: int, pieces: Sequence[Piece]) -> None:
+Checks = Mapping[int, tuple[int, str]]  # a piece's offset -> (its record's CRC-32, its name)
+
+
+def _read_host(fd: int, pieces: Sequence[Piece], checks: Checks | None = None) -> list[str]:
     """Direct pieces read straight into their memory; converting ones a chunk at a time into a
     buffer of each thread's own (``READ_CHUNK_BYTES``) and converted into place from there, so
-    a model never holds a second, file-dtype copy of itself."""
+    a model never holds a second, file-dtype copy of itself.
+
+    With ``checks``, each chunk of a checked piece has its CRC-32 computed by the thread that
+    read it, right after the read, and the chunks' CRCs are joined per piece; returns the names
+    of the pieces whose CRC-32 differs from the one recorded.
+    """
     # (where to, from where, its address) for a direct chunk; (tensor's elements, first and
     # last element, from where, the file's dtype) for a converting one
     direct: list[tuple[memoryview, int, int]] = []
     converting: list[tuple[torch.Tensor, int, int, int, torch.dtype]] = []
+    checked: list[tuple[int, int, str, list[int]]] = []  # CRC, 1st chunk, name, chunk lengths
+    crcs: dict[int, int] = {}  # a checked chunk's index in ``direct`` -> its CRC-32
     for piece in pieces:
         offset, t, stored = _split(piece)
         if stored is None:
             data = _as_bytes(t)
             view = _memory(data)
             address = data.data_ptr()
+            check = checks.get(offset) if checks else None
+            if check is not None:
+                lengths = [
+                    min(READ_CHUNK_BYTES, len(view) - a)
+                    for a in range(0, len(view), READ_CHUNK_BYTES)
+                ]
+                checked.append((check[0], len(direct), check[1], lengths))
             for start in range(0, len(view), READ_CHUNK_BYTES):
                 chunk = view[start : start + READ_CHUNK_BYTES]
+                if check is not None:
+                    crcs[len(direct)] = 0
                 direct.append((chunk, offset + start, address + start))
             continue
         flat = t.detach().reshape(-1)
@@ -138,6 +160,8 @@ def _read_host(fd: int, pieces: Sequence[Piece]) -> None:
                 view, offset, address = direct[n]
                 _populate(address, len(view))
                 _pread_exactly(fd, view, offset)
+                if n in crcs:
+                    crcs[n] = zlib.crc32(view)  # while the chunk is in this core's cache
                 continue
             flat, first, last, offset, stored = converting[n]
             nbytes = (last - first) * stored.itemsize
@@ -150,14 +174,23 @@ def _read_host(fd: int, pieces: Sequence[Piece]) -> None:
     threads = min(READ_THREADS, len(tasks))
     if threads <= 1:
         share(0, 1)
-        return
+    else:
+        with ThreadPoolExecutor(threads, thread_name_prefix="torchplace-read") as pool:
+            for _ in pool.map(share, range(threads), [threads] * threads):  # re-raises a failure
+                pass
+    failed = []
+    for expected, first, name, lengths in checked:
+        crc = crcs[first]
+        for k, length in enumerate(lengths[1:], start=1):
+            crc = combine(crc, crcs[first + k], length)
+        if crc != expected:
+            failed.append(name)
+    return failed
 
-    with ThreadPoolExecutor(threads, thread_name_prefix="torchplace-read") as pool:
-        for _ in pool.map(share, range(threads), [threads] * threads):  # re-raises a failure
-            pass
 
-
-def _read_cuda(fd: int, pieces: Sequence[Piece], device: torch.device) -> None:
+def _read_cuda(
+    fd: int, pieces: Sequence[Piece], device: torch.device, checks: Checks | None = None
+) -> list[str]:
     """Chunks read into a ring of pinned buffers, each sent on while the next one is read; a
     chunk of another dtype than its tensor lands in a chunk-sized device buffer and is converted
     into place there, on the same stream (peak device memory: the model plus a few chunks)."""
@@ -165,9 +198,12 @@ def _read_cuda(fd: int, pieces: Sequence[Piece], device: torch.device) -> None:
     events: list[torch.cuda.Event | None] = [None] * STAGE_BUFFERS
     stream = torch.cuda.current_stream(device)
     i = 0
+    failed = []
     try:
         for piece in pieces:
             offset, t, stored = _split(piece)
+            check = checks.get(offset) if checks and stored is None else None
+            crc = 0
             landing = _as_bytes(t)
             flat = t.detach().reshape(-1)
             total = landing.numel() if stored is None else flat.numel() * stored.itemsize
@@ -182,6 +218,8 @@ def _read_cuda(fd: int, pieces: Sequence[Piece], device: torch.device) -> None:
                     event.synchronize()  # the copy out of this buffer is done: it may be reused
                 buffer = buffers[i][: stop - start]
                 _pread_exactly(fd, _memory(buffer), offset + start)
+                if check is not None:
+                    crc = zlib.crc32(_memory(buffer), crc)  # chunks in order: a running CRC
                 if stored is None:
                     landing[start:stop].copy_(buffer, non_blocking=True)
                 else:
@@ -192,13 +230,22 @@ def _read_cuda(fd: int, pieces: Sequence[Piece], device: torch.device) -> None:
                 event.record(stream)
                 events[i] = event
                 i = (i + 1) % STAGE_BUFFERS
+            if check is not None and crc != check[0]:
+                failed.append(check[1])
     finally:  # no buffer goes back to the allocator's cache while a copy may still read it
         for event in events:
             if event is not None:
                 event.synchronize()
+    return failed
 
 
-def read_into(path: Path, pieces: Sequence[Piece], /, stamp: Stamp | None = None) -> None:
+def read_into(
+    path: Path,
+    pieces: Sequence[Piece],
+    /,
+    stamp: Stamp | None = None,
+    checks: Checks | None = None,
+) -> None:
     """Fill each ``(offset, tensor)`` of ``pieces`` with ``path``'s bytes from ``offset`` on.
 
     >>> import os, tempfile, torch
@@ -217,27 +264,35 @@ def read_into(path: Path, pieces: Sequence[Piece], /, stamp: Stamp | None = None
     for a read that fails and ``EOFError`` for a file that ends too soon; the tensors then hold
     what was read so far. With the ``stamp`` the file had when its catalog was made, the open
     file must still match it before the first read and after the last (its size, mtime and
-    inode), or ``CheckpointError`` says that it changed while it was read.
+    inode), or ``CheckpointError`` says that it changed while it was read. ``checks`` maps a
+    piece's offset to the CRC-32 its bytes must have and a name for them (a zip record's), and
+    a piece that fails it raises ``CheckpointError`` naming it.
     """
     host = [p for p in pieces if p[1].device.type == "cpu" and p[1].nbytes]
     elsewhere = [p for p in pieces if p[1].device.type != "cpu" and p[1].nbytes]
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
     try:
         _same_file(path, fd, stamp)
-        _read_host(fd, host)
+        failed = _read_host(fd, host, checks)
         by_device: dict[torch.device, list[Piece]] = {}
         for piece in elsewhere:
             by_device.setdefault(piece[1].device, []).append(piece)
         for dev, group in by_device.items():
             if dev.type == "cuda":
-                _read_cuda(fd, group, dev)
+                failed += _read_cuda(fd, group, dev, checks)
                 continue
             for piece in group:  # another accelerator: a tensor at a time through the host
                 offset, t, stored = _split(piece)
                 bounce = torch.empty(t.shape, dtype=stored or t.dtype)
-                _read_host(fd, [(offset, bounce)])
+                failed += _read_host(fd, [(offset, bounce)], checks)
                 t.copy_(bounce)
         _same_file(path, fd, stamp)  # no write landed while it was read
+        if failed:
+            raise CheckpointError(
+                f"{path}: is corrupt: {', '.join(failed[:5])} "
+                f"{'fails its' if len(failed) == 1 else 'fail their'} CRC-32 check (the bytes "
+                "of the tensors were damaged after the file was written); save or fetch it again"
+            )
     finally:
         os.close(fd)
 

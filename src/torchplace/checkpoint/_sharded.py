@@ -427,9 +427,19 @@ def load_sharded(
     *,
     strict: bool = True,
     rename: Rename | None = None,
+    check_crc: bool = False,
 ) -> nn.Module:
-    """Fill a model holding DTensors from ``source``, each rank reading only its own slices."""
+    """Fill a model holding DTensors from ``source``, each rank reading only its own slices.
+
+    ``check_crc``: every record of a zip file is checked in a pass of its own first (a rank
+    reads slices, never a whole record)."""
     source_catalog = catalog(source)  # a file, an index, a directory or a mapping
+    if check_crc:
+        from ._read import check_records
+
+        for path, fmt in source_catalog.kinds.items():
+            if fmt == "zip":
+                check_records(path)
     where = source_catalog.where
     entries = _renamed(_sharded_entries(source_catalog), rename, where)
     target = None if device is None else _device(device)
