@@ -26,7 +26,7 @@ import pickle
 import shutil
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any, cast
@@ -36,6 +36,7 @@ from .._sizes import format_bytes
 from ._catalog import catalog, describe_file, format_of
 from ._index import weight_map
 from ._pickle_reader import TensorRecord, code_globals, pickles_a_model
+from ._progress import progress_bar, wanted
 from ._source import shards
 
 __all__ = [
@@ -268,31 +269,7 @@ def _relocating_pickle(location: str) -> types.ModuleType:
     return module
 
 
-@contextlib.contextmanager
-def _progress(total: int, label: str, enabled: bool) -> Iterator[Callable[[int], None]]:
-    if not enabled:
-        yield lambda n: None
-        return
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    columns = (
-        TextColumn("{task.description}", markup=False),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, transient=True, console=Console(stderr=True, emoji=False)) as bar:
-        task = bar.add_task(label, total=total)
-        yield lambda n: bar.advance(task, n)
+_progress = progress_bar  # remap's bar, the one loads show
 
 
 # Temporary files are named for their output and the process writing them
@@ -517,7 +494,7 @@ def remap(
         shard_jobs = []
     jobs = [*shard_jobs, (src, dst, kind)]  # the index, or the one file, last
     total = sum(job[0].stat().st_size for job in jobs)
-    show = (sys.stderr.isatty() and total >= PROGRESS_MIN_BYTES) if progress is None else progress
+    show = (wanted(None) and total >= PROGRESS_MIN_BYTES) if progress is None else progress
     for d in {job[1].parent for job in jobs}:
         sweep_stale_temporaries(d)
     pending = _PendingOutputs()

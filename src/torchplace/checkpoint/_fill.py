@@ -19,8 +19,10 @@ from .._errors import CheckpointError, MoveError, TorchplaceError
 from .._model_walk import Slot, tensor_slots
 from .._own_moves import AttributeSnapshot, run_own_moves
 from ..moving._identity import parameter_like
+from ._catalog import format_of
 from ._formats import PathLike, first_sentence
-from ._read import load_state
+from ._progress import reporting, wanted
+from ._read import load_state, source_bytes
 from ._rename import Rename, as_renamer, renamed
 from ._skeleton import ModuleT, swap
 from ._source import resolve
@@ -190,6 +192,7 @@ def load_into(
     mmap: bool = False,
     rename: Rename | None = None,
     check_crc: bool = False,
+    progress: bool | None = None,
 ) -> ModuleT:
     """Fill ``model`` (a skeleton or a real model) from a checkpoint, weights on ``device``.
 
@@ -213,11 +216,11 @@ def load_into(
     parameters. A file's bytes are read straight into the memory the model keeps (onto a GPU,
     through pinned buffers), with no second copy of the weights, so the file may be rewritten at
     once (``torch.save(model.state_dict(), path)`` to the path it came from is safe).
-    ``check_crc=True`` checks a zip file's tensor records against their CRC-32 as ``load``
-    does. ``mmap=True`` assigns pages of the memory-mapped file instead (zero-copy,
-    copy-on-write): the model then dies with the file, and **rewriting or truncating it while
-    the model lives crashes the process** (SIGBUS, exit -7), so use it only for files nothing
-    writes to. A parameter that
+    ``check_crc=True`` checks a zip file's tensor records against their CRC-32, and
+    ``progress`` shows a bar while the file is read, as for ``load``. ``mmap=True`` assigns
+    pages of the memory-mapped file instead (zero-copy, copy-on-write): the model then dies with
+    the file, and **rewriting or truncating it while the model lives crashes the process**
+    (SIGBUS, exit -7), so use it only for files nothing writes to. A parameter that
     already holds memory on the target is filled in place. Parameter objects are kept, with
     their class and attributes, so tied weights stay tied and optimizers stay valid; a tied
     parameter saved under any one of its names counts as present, and one saved under two names
@@ -256,7 +259,13 @@ def load_into(
 
     if has_dtensors(model):  # FSDP2, tensor parallelism: each rank reads its own slices
         return load_sharded(  # type: ignore[return-value]
-            model, source, device, strict=strict, rename=rename, check_crc=check_crc
+            model,
+            source,
+            device,
+            strict=strict,
+            rename=rename,
+            check_crc=check_crc,
+            progress=progress,
         )
     target = None if device is None else _device(device)
     renamer = None if rename is None else as_renamer(rename)
@@ -278,7 +287,10 @@ def load_into(
         assert isinstance(p, Path)
         # Tensors of another floating dtype than the model's are converted as they are read.
         wish = _dtype_wish(model, loadable, renamer)
-        state = load_state(p, read_on, mmap=mmap, dtype_of=wish, check_crc=check_crc)
+        kind = format_of(p)
+        total = source_bytes(p, kind) if wanted(progress) else 0
+        with reporting(total, f"load_into {p.name}", progress):
+            state = load_state(p, read_on, mmap=mmap, dtype_of=wish, check_crc=check_crc)
     _check_state_dict(p, model, state, loadable)
     if renamer is not None:
         state = renamed(str(p), state, renamer)

@@ -32,6 +32,7 @@ from ._formats import (
     zip_layout,
 )
 from ._pickle_reader import WHOLE_MODEL, code_globals, pickles_a_model
+from ._progress import reporting, wanted
 from ._readinto import Piece, read_into
 from ._source import resolve
 
@@ -46,6 +47,7 @@ def load(
     mmap: bool = False,
     trusted: bool = False,
     check_crc: bool = False,
+    progress: bool | None = None,
 ) -> Any:
     """Load a checkpoint with its tensors on ``device``, whatever device they were saved from.
 
@@ -80,10 +82,30 @@ def load(
     records are not by default, because computing the CRC cannot hide behind a read from the page
     cache (zlib's CRC-32 runs at about the speed of the read itself), so it adds about the read's
     time again (``benchmarks/RESULTS.md``). Safetensors files carry no checksum.
+
+    ``progress``: a bar on stderr (bytes, rate, time left) while the file is read. ``None``
+    shows it when stderr is a terminal and the checkpoint holds at least 2 GiB; ``True`` and
+    ``False`` force it on or off. On many ranks only rank 0 shows it.
     """
     target = _device(device)
     p = resolve(path)  # a directory's model file
     kind = format_of(p)
+    if wanted(progress):  # a bar only where one may show: no size asked for otherwise
+        with reporting(source_bytes(p, kind), f"load {p.name}", progress):
+            return _load(p, kind, target, mmap=mmap, trusted=trusted, check_crc=check_crc)
+    return _load(p, kind, target, mmap=mmap, trusted=trusted, check_crc=check_crc)
+
+
+def source_bytes(p: Path, kind: str) -> int:
+    """The bytes of the files a source reads (an index: its shards')."""
+    if kind != "index":
+        return p.stat().st_size
+    return sum(s.size for f, s in catalog(p).stamps.items() if f != p)
+
+
+def _load(
+    p: Path, kind: str, target: torch.device, *, mmap: bool, trusted: bool, check_crc: bool
+) -> Any:
     if kind == "index":
         return _load_index(p, target, mmap=mmap, trusted=trusted, check_crc=check_crc)
     if kind == "safetensors":

@@ -30,6 +30,7 @@ from .._errors import CheckpointError
 from ..moving._staging import STAGE_BUFFERS, STAGE_CHUNK_BYTES
 from ._catalog import Stamp, changed_error
 from ._crc import combine
+from ._progress import current
 
 __all__ = ["READ_CHUNK_BYTES", "READ_THREADS", "Piece", "read_into"]
 
@@ -112,7 +113,12 @@ def _split(piece: Piece) -> tuple[int, torch.Tensor, torch.dtype | None]:
 Checks = Mapping[int, tuple[int, str]]  # a piece's offset -> (its record's CRC-32, its name)
 
 
-def _read_host(fd: int, pieces: Sequence[Piece], checks: Checks | None = None) -> list[str]:
+def _read_host(
+    fd: int,
+    pieces: Sequence[Piece],
+    checks: Checks | None = None,
+    advance: Callable[[int], None] | None = None,
+) -> list[str]:
     """Direct pieces read straight into their memory; converting ones a chunk at a time into a
     buffer of each thread's own (``READ_CHUNK_BYTES``) and converted into place from there, so
     a model never holds a second, file-dtype copy of itself.
@@ -162,6 +168,8 @@ def _read_host(fd: int, pieces: Sequence[Piece], checks: Checks | None = None) -
                 _pread_exactly(fd, view, offset)
                 if n in crcs:
                     crcs[n] = zlib.crc32(view)  # while the chunk is in this core's cache
+                if advance is not None:
+                    advance(len(view))
                 continue
             flat, first, last, offset, stored = converting[n]
             nbytes = (last - first) * stored.itemsize
@@ -170,6 +178,8 @@ def _read_host(fd: int, pieces: Sequence[Piece], checks: Checks | None = None) -
             raw = staging[:nbytes]
             _pread_exactly(fd, _memory(raw), offset)
             flat[first:last].copy_(raw.view(stored))  # converted in place, a chunk at a time
+            if advance is not None:
+                advance(nbytes)
 
     threads = min(READ_THREADS, len(tasks))
     if threads <= 1:
@@ -189,7 +199,11 @@ def _read_host(fd: int, pieces: Sequence[Piece], checks: Checks | None = None) -
 
 
 def _read_cuda(
-    fd: int, pieces: Sequence[Piece], device: torch.device, checks: Checks | None = None
+    fd: int,
+    pieces: Sequence[Piece],
+    device: torch.device,
+    checks: Checks | None = None,
+    advance: Callable[[int], None] | None = None,
 ) -> list[str]:
     """Chunks read into a ring of pinned buffers, each sent on while the next one is read; a
     chunk of another dtype than its tensor lands in a chunk-sized device buffer and is converted
@@ -230,6 +244,8 @@ def _read_cuda(
                 event.record(stream)
                 events[i] = event
                 i = (i + 1) % STAGE_BUFFERS
+                if advance is not None:
+                    advance(stop - start)
             if check is not None and crc != check[0]:
                 failed.append(check[1])
     finally:  # no buffer goes back to the allocator's cache while a copy may still read it
@@ -273,18 +289,19 @@ def read_into(
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
     try:
         _same_file(path, fd, stamp)
-        failed = _read_host(fd, host, checks)
+        advance = current()  # the progress bar shown, if any (None: nothing to pay)
+        failed = _read_host(fd, host, checks, advance)
         by_device: dict[torch.device, list[Piece]] = {}
         for piece in elsewhere:
             by_device.setdefault(piece[1].device, []).append(piece)
         for dev, group in by_device.items():
             if dev.type == "cuda":
-                failed += _read_cuda(fd, group, dev, checks)
+                failed += _read_cuda(fd, group, dev, checks, advance)
                 continue
             for piece in group:  # another accelerator: a tensor at a time through the host
                 offset, t, stored = _split(piece)
                 bounce = torch.empty(t.shape, dtype=stored or t.dtype)
-                failed += _read_host(fd, [(offset, bounce)], checks)
+                failed += _read_host(fd, [(offset, bounce)], checks, advance)
                 t.copy_(bounce)
         _same_file(path, fd, stamp)  # no write landed while it was read
         if failed:

@@ -24,13 +24,14 @@ with ``parallelize_module``) is filled here instead of by the general ``load_int
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import itertools
 import math
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ from .._devices import device as _device
 from .._errors import CheckpointError, TorchplaceError
 from .._model_walk import Slot, tensor_slots
 from ._catalog import Catalog, Stamp, catalog, changed_error, contiguous_strides
+from ._progress import current, reporting
 from ._rename import Rename, as_renamer, renamed
 
 __all__ = ["has_dtensors", "load_sharded"]
@@ -244,6 +246,7 @@ class _Reader:
         self.fds: dict[Path, int] = {}
         self.buffer: torch.Tensor | None = None
         self.stamps = dict(stamps or {})
+        self.advance: Callable[[int], None] | None = None  # a progress bar's, if one is shown
 
     def _check(self, p: Path, fd: int) -> None:
         before = self.stamps.get(p)
@@ -273,6 +276,8 @@ class _Reader:
             if got <= 0:
                 raise OSError(f"{p} ended {size - done} bytes early")
             done += got
+        if self.advance is not None:
+            self.advance(size)
 
     def block(
         self, p: Path, start: int, dtype: torch.dtype, shape: tuple[int, ...]
@@ -428,6 +433,7 @@ def load_sharded(
     strict: bool = True,
     rename: Rename | None = None,
     check_crc: bool = False,
+    progress: bool | None = None,
 ) -> nn.Module:
     """Fill a model holding DTensors from ``source``, each rank reading only its own slices.
 
@@ -536,6 +542,13 @@ def load_sharded(
 
     reader = _Reader(source_catalog.stamps)
     changed = False
+    total = sum(
+        math.prod(shape) * entry.dtype.itemsize
+        for (_, entry), (shape, _) in zip(plan, pieces, strict=True)
+    )
+    shown = contextlib.ExitStack()  # the progress bar, closed in the finally below
+    shown.enter_context(reporting(total, f"load_into {Path(where).name}", progress))
+    reader.advance = current()
     try:
         if materialize_on is not None:
             changed = True
@@ -567,4 +580,5 @@ def load_sharded(
         ) from exc
     finally:
         reader.close()
+        shown.close()
     return model
