@@ -23,7 +23,7 @@ from torch import nn
 import torchplace
 from torchplace import load, load_into
 from torchplace._errors import CheckpointError
-from torchplace.checkpoint import _readinto
+from torchplace.checkpoint import _reader as _readinto
 from torchplace.checkpoint._catalog import catalog, describe_file
 
 
@@ -157,14 +157,15 @@ def _rewrite_while_reading(monkeypatch: pytest.MonkeyPatch, victim: Path) -> lis
     real = _readinto._read_host
     done: list[int] = []
 
-    def read_then_rewrite(fd: int, pieces: Any) -> None:
-        real(fd, pieces)
+    def read_then_rewrite(*args: Any) -> list[str]:
+        failed = real(*args)
         if not done:
             done.append(1)
             data = victim.read_bytes()
             with victim.open("r+b") as f:
                 f.seek(len(data) - 4)
                 f.write(bytes(4))
+        return failed
 
     monkeypatch.setattr(_readinto, "_read_host", read_then_rewrite)
     return done
@@ -245,7 +246,7 @@ def test_every_hostile_header_value_stays_inside_the_exception_tree(
 def test_check_crc_finds_a_flipped_bit_in_a_tensors_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int
 ) -> None:
-    from torchplace.checkpoint import _readinto as readinto
+    from torchplace.checkpoint import _reader as readinto
 
     monkeypatch.setattr(readinto, "READ_CHUNK_BYTES", 1 << 20)  # many chunks, joined
     path = tmp_path / "w.pt"
@@ -267,3 +268,26 @@ def test_check_crc_finds_a_flipped_bit_in_a_tensors_bytes(
     assert not model.w.any()
     with pytest.raises(CheckpointError, match="CRC-32"):  # the torch.load path checks too
         load(path, check_crc=True, trusted=True)
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip-trusted", "legacy"])
+def test_a_file_rewritten_while_torch_load_reads_it_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, legacy: bool
+) -> None:
+    from torchplace.checkpoint import _load
+
+    path = tmp_path / "w.pt"
+    torch.save({"w": torch.ones(4)}, path, _use_new_zipfile_serialization=not legacy)
+    os.utime(path, ns=(10**18, 10**18))
+    real = torch.load
+
+    def load_then_rewrite(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        with path.open("r+b") as f:
+            f.seek(path.stat().st_size - 1)
+            f.write(b"\0")
+        return out
+
+    monkeypatch.setattr(_load.torch, "load", load_then_rewrite)
+    with pytest.raises(CheckpointError, match="changed while it was read"):
+        load(path, trusted=not legacy)

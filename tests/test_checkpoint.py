@@ -401,10 +401,10 @@ def test_failures_that_are_not_the_files_fault_say_so(
     def failing(*args: object, **kwargs: object) -> object:
         raise error
 
-    import torchplace.checkpoint._read
+    import torchplace.checkpoint._load
 
     monkeypatch.setattr(torch, "load", failing)  # what reads legacy and unusual files
-    monkeypatch.setattr(torchplace.checkpoint._read, "read_into", failing)  # what reads the rest
+    monkeypatch.setattr(torchplace.checkpoint._load, "read_into", failing)  # what reads the rest
     safetensors_torch().save_file({"w": torch.ones(2)}, tmp_path / "good.safetensors")
     for p in (path, tmp_path / "good.safetensors"):
         with pytest.raises(CheckpointError, match=message) as info:
@@ -1545,7 +1545,7 @@ def test_tied_weights_saved_twice_with_equal_values_load(tmp_path: Path) -> None
 def test_a_shard_spelt_two_ways_is_read_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from torchplace.checkpoint import _read as _checkpoint
+    from torchplace.checkpoint import _load as _checkpoint
 
     safetensors_torch().save_file(
         {"a": torch.ones(2), "b": torch.arange(3.0)}, tmp_path / "s1.safetensors"

@@ -180,7 +180,7 @@ def test_read_values_are_bit_for_bit(tmp_path: Path, dtype: torch.dtype) -> None
 def test_large_tensors_read_in_chunks_by_threads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import torchplace.checkpoint._readinto as readinto
+    import torchplace.checkpoint._reader as readinto
 
     monkeypatch.setattr(readinto, "READ_CHUNK_BYTES", 4096)
     monkeypatch.setattr(readinto, "READ_THREADS", 3)
@@ -474,7 +474,7 @@ def test_safetensors_header_accepts_empty_tensors_between_others(tmp_path: Path)
 def test_reads_onto_cuda_go_through_pinned_staging(
     tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import torchplace.checkpoint._readinto as readinto
+    import torchplace.checkpoint._reader as readinto
 
     staged: list[int] = []
     real = readinto._read_cuda
@@ -683,7 +683,7 @@ _PEAK_CHILD = """
 import sys, torch
 from torch import nn
 import torchplace
-from torchplace.checkpoint._readinto import READ_CHUNK_BYTES, READ_THREADS
+from torchplace.checkpoint._reader import READ_CHUNK_BYTES, READ_THREADS
 
 def hwm():
     for line in open("/proc/self/status"):

@@ -10,7 +10,7 @@ refuse the same files with the same words, and list the same tensors.
 
 As in ``torch.distributed.checkpoint``, the catalog is the *metadata*: what the source holds
 and where. A *plan* (which entry, or which box of it, goes where in the model) is the filler's
-(``_fill``, ``_sharded``), and the *storage reader* is ``_readinto``, which reads an entry's
+(``_fill``, ``_sharded``), and the *storage reader* is ``_reader``, which reads an entry's
 byte range straight into given memory and checks the file's stamp before and after, so that a
 file rewritten while it was read raises instead of mixing old and new tensors.
 

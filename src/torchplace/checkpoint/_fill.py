@@ -21,8 +21,8 @@ from .._own_moves import AttributeSnapshot, run_own_moves
 from ..moving._identity import parameter_like
 from ._catalog import format_of
 from ._formats import PathLike, first_sentence
+from ._load import load_state, source_bytes
 from ._progress import reporting, wanted
-from ._read import load_state, source_bytes
 from ._rename import Rename, as_renamer, renamed
 from ._skeleton import ModuleT, swap
 from ._source import resolve

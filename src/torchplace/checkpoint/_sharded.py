@@ -441,7 +441,7 @@ def load_sharded(
     reads slices, never a whole record)."""
     source_catalog = catalog(source)  # a file, an index, a directory or a mapping
     if check_crc:
-        from ._read import check_records
+        from ._load import check_records
 
         for path, fmt in source_catalog.kinds.items():
             if fmt == "zip":

@@ -16,7 +16,7 @@ import torch
 from .._devices import DeviceSpec
 from .._devices import device as _device
 from .._errors import CheckpointError
-from ._catalog import Catalog, Stamp, catalog, format_of, stamp
+from ._catalog import Catalog, Stamp, catalog, changed_error, format_of, stamp
 from ._formats import (
     SAFETENSORS_HINT,
     PathLike,
@@ -33,7 +33,7 @@ from ._formats import (
 )
 from ._pickle_reader import WHOLE_MODEL, code_globals, pickles_a_model
 from ._progress import reporting, wanted
-from ._readinto import Piece, read_into
+from ._reader import Piece, read_into
 from ._source import resolve
 
 # ------------------------------------------------------------------------------------------ load
@@ -131,8 +131,8 @@ def _load_torch(
             f"{p}: is a plain pickle, not a torch.save file (it does not open with torch's "
             "magic number); a pickle is not a checkpoint, and torchplace does not unpickle it"
         )
+    when = stamp(p)  # the file read must stay the one whose layout was found
     if zip_format:
-        when = stamp(p)  # the file read must stay the one whose layout was found
         layout = zip_layout(p)  # the pickle record's CRC-32 is checked, however it is read
         if layout is not None and not mmap and not trusted and target.type in ("cpu", "cuda"):
             read = _read_zip(layout, target, when, check_crc)
@@ -143,7 +143,13 @@ def _load_torch(
     try:
         with warnings.catch_warnings():  # torch's note on pickle protocols is not the user's
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            return torch.load(p, map_location=target, mmap=use_mmap, weights_only=not trusted)
+            loaded = torch.load(p, map_location=target, mmap=use_mmap, weights_only=not trusted)
+        now = stamp(p)
+        if now != when:  # torch read it by its path: a rewrite shows in the stamp
+            raise changed_error(p, when, now)
+        return loaded
+    except CheckpointError:
+        raise
     except pickle.UnpicklingError as exc:
         text = str(exc)
         reason = refusal_reason(text)
