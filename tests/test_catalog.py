@@ -291,3 +291,38 @@ def test_a_file_rewritten_while_torch_load_reads_it_raises(
     monkeypatch.setattr(_load.torch, "load", load_then_rewrite)
     with pytest.raises(CheckpointError, match="changed while it was read"):
         load(path, trusted=not legacy)
+
+
+def test_one_tensor_is_assembled_from_several_entries_read_into_its_slices(
+    tmp_path: Path,
+) -> None:
+    """What a conversion (per-expert weights into one fused parameter) hands the reader."""
+    from torchplace.checkpoint._catalog import Piece
+    from torchplace.checkpoint._load import Assembled, read_assembled
+
+    experts = {f"e{i}": torch.randn(4, 3) for i in range(3)}
+    save_file(experts, str(tmp_path / "e.safetensors"))
+    torch.save({"t": torch.randn(3, 4).t()}, tmp_path / "t.pt")  # a transposed view
+    found = catalog(tmp_path / "e.safetensors")
+    stacked = Assembled(
+        (3, 4, 3), torch.bfloat16, [Piece(found.entries[f"e{i}"], (i, 0, 0)) for i in range(3)]
+    )
+    side_by_side = Assembled(
+        (4, 9), torch.float32, [Piece(found.entries[f"e{i}"], (0, 3 * i)) for i in range(3)]
+    )
+    out = read_assembled(found, {"stacked": stacked, "wide": side_by_side}, torch.device("cpu"))
+    expected = torch.stack([experts[f"e{i}"] for i in range(3)])
+    assert torch.equal(out["stacked"], expected.to(torch.bfloat16))
+    assert torch.equal(out["wide"], torch.cat([experts[f"e{i}"] for i in range(3)], dim=1))
+    zipped = catalog(tmp_path / "t.pt")
+    (entry,) = zipped.entries.values()
+    got = read_assembled(
+        zipped, {"t": Assembled((4, 3), torch.float32, [Piece(entry, (0, 0))])}, torch.device("cpu")
+    )
+    assert torch.equal(got["t"], load(tmp_path / "t.pt")["t"])
+    with pytest.raises(CheckpointError, match=r"'e0' of shape \(4, 3\) does not fit 'bad'"):
+        read_assembled(
+            found,
+            {"bad": Assembled((4, 4), torch.float32, [Piece(found.entries["e0"], (1, 0))])},
+            torch.device("cpu"),
+        )

@@ -143,8 +143,11 @@ class Piece:
     (offsets per dim, in the destination's coordinates) that it fills.
 
     A tensor read whole is one piece at offsets ``(0, ...)``. A conversion that builds one fused
-    parameter from several entries (per-expert weights stacked into one) lists one piece per
-    entry, each at its own offsets; readers fill each box straight from the file.
+    parameter from several entries lists one piece per entry, each at its own offsets, one per
+    dim of the destination: an entry with fewer dims than the destination takes the leading
+    offsets as indices (expert ``i`` of a stack is at ``(i, 0, 0)``), a concatenation puts each
+    part at its offset along the joined dim (``(0, 3 * i)``). ``_load.read_assembled`` fills each
+    box straight from the file.
     """
 
     entry: Entry

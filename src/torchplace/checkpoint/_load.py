@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 import sys
@@ -16,7 +17,7 @@ import torch
 from .._devices import DeviceSpec
 from .._devices import device as _device
 from .._errors import CheckpointError
-from ._catalog import Catalog, Stamp, catalog, changed_error, format_of, stamp
+from ._catalog import Catalog, Piece, Stamp, catalog, changed_error, format_of, stamp
 from ._formats import (
     SAFETENSORS_HINT,
     PathLike,
@@ -33,7 +34,8 @@ from ._formats import (
 )
 from ._pickle_reader import WHOLE_MODEL, code_globals, pickles_a_model
 from ._progress import reporting, wanted
-from ._reader import Piece, read_into
+from ._reader import Piece as ReadPiece
+from ._reader import read_into
 from ._source import resolve
 
 # ------------------------------------------------------------------------------------------ load
@@ -328,18 +330,71 @@ def read_entries(
     ``dtype_of(name)``: the floating dtype a floating tensor is wanted in (the model's), so that
     it is converted chunk by chunk as it is read, never held in the file's dtype whole.
     """
-    home = target if target.type in ("cpu", "cuda") else torch.device("cpu")
-    out: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[Piece]] = {}
+    plan = {}
     for name in names:
         e = found.entries[name]
-        assert e.file is not None and e.addressable, name
         stored = e.torch_dtype(found.where)
         want = dtype_of(name) if dtype_of is not None else None
         if want is None or not (want.is_floating_point and stored.is_floating_point):
             want = stored
-        out[name] = torch.empty(e.shape, dtype=want, device=home)
-        by_file.setdefault(e.file, []).append((e.start, out[name], stored))
+        plan[name] = Assembled(e.shape, want, [Piece(e, (0,) * len(e.shape))])
+    return read_assembled(found, plan, target)
+
+
+@dataclasses.dataclass(frozen=True)
+class Assembled:
+    """A tensor to build from catalog entries: its shape and dtype, and the pieces that fill it
+    (each an entry and the offsets of its box in the tensor). One piece at the origin is a
+    tensor read as saved; several build one fused tensor (experts stacked, projections
+    concatenated), each read straight into its slice."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: list[Piece]
+
+
+def read_assembled(
+    found: Catalog, plan: Mapping[str, Assembled], target: torch.device
+) -> dict[str, torch.Tensor]:
+    """Each tensor of ``plan`` allocated on ``target`` (the CPU for an accelerator other than
+    CUDA) and filled from its pieces' byte ranges, every file's stamp checked.
+
+    A piece whose slice of the tensor is one run of memory (a box over the leading dim, or the
+    whole) is read straight into it, converted to the tensor's dtype a chunk at a time; any other
+    goes through a buffer of the piece's own size (a box across a later dim, a piece saved as a
+    transposed view).
+    """
+    home = target if target.type in ("cpu", "cuda") else torch.device("cpu")
+    out: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[ReadPiece]] = {}
+    later: list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...] | None]] = []
+    for name, made in plan.items():
+        t = out[name] = torch.empty(made.shape, dtype=made.dtype, device=home)
+        for piece in made.pieces:
+            e = piece.entry
+            if not e.addressable or e.file is None or e.order is None:
+                raise CheckpointError(f"{e.file}: tensor {e.name!r} cannot be read here: {e.why}")
+            stored = e.torch_dtype(found.where)
+            lead = len(piece.at) - len(e.shape)  # leading offsets index (stacked experts)
+            dest: torch.Tensor | None = None
+            if lead >= 0 and len(piece.at) == t.dim():
+                index: list[int | slice] = list(piece.at[:lead])
+                index += [slice(a, a + n) for a, n in zip(piece.at[lead:], e.shape, strict=True)]
+                dest = t[tuple(index)] if index else t
+            if dest is None or tuple(dest.shape) != e.shape:
+                raise CheckpointError(
+                    f"{found.where}: {e.name!r} of shape {e.shape} does not fit {name!r} "
+                    f"(shape {made.shape}) at {piece.at}"
+                )
+            row_major = e.order == tuple(range(len(e.shape)))
+            if row_major and dest.is_contiguous():
+                by_file.setdefault(e.file, []).append((e.start, dest, stored))
+                continue
+            in_file = tuple(e.shape[d] for d in e.order)
+            buffer = torch.empty(in_file, dtype=stored, device=home)
+            by_file.setdefault(e.file, []).append((e.start, buffer))
+            inverse = None if row_major else tuple(e.order.index(d) for d in range(len(e.order)))
+            later.append((dest, buffer, inverse))
     for path, pieces in by_file.items():
         try:
             read_into(path, pieces, found.stamps.get(path))
@@ -349,6 +404,8 @@ def read_entries(
             detail = f"{type(exc).__name__}: {first_sentence(str(exc))}"
             reason = "it is truncated, or it changed while being read"
             raise _unreadable(path, exc, target, detail, reason) from exc
+    for dest, buffer, inverse in later:
+        dest.copy_(buffer if inverse is None else buffer.permute(inverse))
     if home != target:
         try:
             out = {name: t.to(target) for name, t in out.items()}
