@@ -43,6 +43,7 @@ from .._errors import CheckpointError, TorchplaceError
 from .._model_walk import Slot, tensor_slots
 from ._catalog import Catalog, Stamp, catalog, changed_error, contiguous_strides
 from ._progress import current, reporting
+from ._reader import read_into
 from ._rename import Rename, as_renamer, renamed
 
 __all__ = ["has_dtensors", "load_sharded"]
@@ -247,6 +248,7 @@ class _Reader:
         self.buffer: torch.Tensor | None = None
         self.stamps = dict(stamps or {})
         self.advance: Callable[[int], None] | None = None  # a progress bar's, if one is shown
+        self.pending: dict[Path, list[tuple[int, torch.Tensor]]] = {}  # queued direct reads
 
     def _check(self, p: Path, fd: int) -> None:
         before = self.stamps.get(p)
@@ -254,6 +256,17 @@ class _Reader:
             now = Stamp.of(os.fstat(fd))
             if now != before:
                 raise changed_error(p, before, now)
+
+    def queue(self, p: Path, start: int, out: torch.Tensor) -> None:
+        """Read ``out.nbytes`` bytes of ``p`` from ``start`` into ``out`` at the next ``flush``."""
+        self.pending.setdefault(p, []).append((start, out))
+
+    def flush(self) -> None:
+        """Every queued range read, side by side by the one reader's pool (``read_into``), each
+        file checked against its catalogued stamp before and after."""
+        pending, self.pending = self.pending, {}
+        for p, pieces in pending.items():
+            read_into(p, pieces, self.stamps.get(p))
 
     def verify(self) -> None:
         """Every file read is still the one catalogued (``CheckpointError`` if not)."""
@@ -313,7 +326,8 @@ def _read_box(
     direct = dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous()
     if direct and (last <= 0 or run * itemsize >= _DIRECT_RUN):
         strides = contiguous_strides(shape)
-        memory = _writable(dest)
+        _writable(dest)  # refuses a storage FSDP2 freed before anything is read into it
+        flat = dest.detach().reshape(-1).view(torch.uint8)
         run_bytes = run * itemsize
         outer = itertools.product(
             *(range(offsets[d], offsets[d] + lengths[d]) for d in range(last))
@@ -321,9 +335,8 @@ def _read_box(
         tail = offsets[last] * strides[last] if last >= 0 else 0
         for n, index in enumerate(outer):
             element = sum(i * s for i, s in zip(index, strides, strict=False)) + tail
-            reader.readinto(
-                entry.file, start + element * itemsize, memory[n * run_bytes : (n + 1) * run_bytes]
-            )
+            part = flat[n * run_bytes : (n + 1) * run_bytes]
+            reader.queue(entry.file, start + element * itemsize, part)
         return
     if nd == 0:
         dest.copy_(reader.block(entry.file, start, dtype, ()))
@@ -346,6 +359,15 @@ def _read_box(
 
 
 def _fill(reader: _Reader, entry: _Entry, box: Box, dest: torch.Tensor) -> None:
+    """``box`` of ``entry`` into ``dest``: runs of the file read straight into it (side by side,
+    by the reader's pool), others through the reader's buffer; all read when this returns."""
+    try:
+        _fill_box(reader, entry, box, dest)
+    finally:
+        reader.flush()
+
+
+def _fill_box(reader: _Reader, entry: _Entry, box: Box, dest: torch.Tensor) -> None:
     offsets, lengths = box
     if entry.tensor is not None:
         index = tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))
@@ -368,6 +390,7 @@ def _fill(reader: _Reader, entry: _Entry, box: Box, dest: torch.Tensor) -> None:
         tuple(lengths[d] for d in order),
         permuted,
     )
+    reader.flush()  # the permuted box is read before it is laid out
     inverse = sorted(range(len(order)), key=lambda d: order[d])
     dest.copy_(permuted.permute(inverse))
 
