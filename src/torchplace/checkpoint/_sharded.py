@@ -249,6 +249,7 @@ class _Reader:
         self.stamps = dict(stamps or {})
         self.advance: Callable[[int], None] | None = None  # a progress bar's, if one is shown
         self.pending: dict[Path, list[tuple[int, torch.Tensor]]] = {}  # queued direct reads
+        self.fresh = True  # the shards' memory is new (a skeleton's): populate it as it is read
 
     def _check(self, p: Path, fd: int) -> None:
         before = self.stamps.get(p)
@@ -266,7 +267,7 @@ class _Reader:
         file checked against its catalogued stamp before and after."""
         pending, self.pending = self.pending, {}
         for p, pieces in pending.items():
-            read_into(p, pieces, self.stamps.get(p))
+            read_into(p, pieces, self.stamps.get(p), fresh=self.fresh)
 
     def verify(self) -> None:
         """Every file read is still the one catalogued (``CheckpointError`` if not)."""
@@ -572,6 +573,7 @@ def load_sharded(
     shown = contextlib.ExitStack()  # the progress bar, closed in the finally below
     shown.enter_context(reporting(total, f"load_into {Path(where).name}", progress))
     reader.advance = current()
+    reader.fresh = materialize_on is not None  # else shards already resident: filled in place
     try:
         if materialize_on is not None:
             changed = True
