@@ -3,10 +3,10 @@
 A model whose parameters or buffers are DTensors (FSDP2's ``fully_shard``, tensor parallelism
 with ``parallelize_module``) is filled here instead of by the general ``load_into``. The steps:
 
-1. *Locate* every tensor of the checkpoint without reading its data: a ``.safetensors`` header,
-   the shards of a ``*.index.json`` map, or the pickle of a torch zip file read inertly (no code
-   runs) for each tensor's storage record, offset, shape and strides. A mapping of tensors
-   already in memory is its own locator.
+1. *Locate* every tensor without reading its data: the source's catalog (``_catalog``: a
+   ``.safetensors`` header, the shards of an index or a ``save_pretrained`` directory, a torch zip
+   file's pickle read inertly for each tensor's offset, shape and strides, or a mapping of
+   tensors in memory), each entry checked to be readable by slices.
 2. *Check* the model against the file as any ``load_into`` does (missing, unexpected and
    mis-shaped keys, tied parameters saved under any one of their names). The checks depend only
    on the file and on the model's global shapes, so every rank raises the same error, and they
@@ -17,9 +17,10 @@ with ``parallelize_module``) is filled here instead of by the general ``load_int
 4. *Fill*: meta tensors (a skeleton) are first given empty memory on the device, as
    ``to_empty`` would, leaving real buffers alone; then each rank reads its boxes straight into
    its local shards. A box that is one run of the file is read into the shard with no copy in
-   between; one that is not (a ``Shard(1)`` slice of a row-major matrix) goes run by run, or
-   through a buffer of at most 16 MiB when the runs are short. No rank holds a full tensor and no
-   collective ships weights.
+   between, and runs go to the one reader (``_reader.read_into``: its pool of threads, the
+   files' stamps checked before and after); one that is not (a ``Shard(1)`` slice of a row-major
+   matrix) goes run by run, or through a buffer of at most 16 MiB when the runs are short. No
+   rank holds a full tensor and no collective ships weights.
 """
 
 from __future__ import annotations

@@ -12,12 +12,11 @@ from __future__ import annotations
 import os
 import stat
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, TypeVar, Union
+from typing import Any, Union
 
 from .._errors import CheckpointError
-from ._index import weight_map
 
 __all__ = [
     "CHECKPOINT_SUFFIXES",
@@ -25,7 +24,6 @@ __all__ = [
     "PathLike",
     "as_path",
     "detect_format",
-    "gather_index",
     "is_dir",
     "model_file",
     "resolve",
@@ -34,7 +32,6 @@ __all__ = [
 
 PathLike = Union[str, "os.PathLike[str]"]
 
-T = TypeVar("T")
 
 # The first bytes of formats people mistake for checkpoints, to say what a foreign file is.
 _FOREIGN_MAGIC = (
@@ -185,22 +182,6 @@ def shards(p: Path, weight_map: Mapping[str, str]) -> list[tuple[str, Path, list
             )
         found.append((shard, shard_path, names))
     return found
-
-
-def gather_index(p: Path, read: Callable[[Path], Mapping[str, T]]) -> dict[str, T]:
-    """Every tensor a shard index lists, each read by ``read`` from the shard it names; an
-    index that names a tensor its shard lacks raises ``CheckpointError``."""
-    result: dict[str, T] = {}
-    for shard, shard_path, names in shards(p, weight_map(p)):
-        part = read(shard_path)
-        for name in names:
-            if name not in part:
-                raise CheckpointError(
-                    f"{p}: says {name!r} is in {shard!r}, but that shard does not hold it; the "
-                    "index and its shards do not match"
-                )
-            result[name] = part[name]
-    return result
 
 
 # The files save_pretrained writes, in the order a directory is searched for its one model file.
