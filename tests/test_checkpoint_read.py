@@ -479,9 +479,9 @@ def test_reads_onto_cuda_go_through_pinned_staging(
     staged: list[int] = []
     real = readinto._read_cuda
 
-    def counting(fd: int, pieces: Any, device: torch.device) -> None:
-        staged.extend(t.nbytes for _, t in pieces)
-        real(fd, pieces, device)
+    def counting(fd: int, pieces: Any, device: torch.device, *rest: Any) -> list[str]:
+        staged.extend(piece[1].nbytes for piece in pieces)
+        return real(fd, pieces, device, *rest)
 
     monkeypatch.setattr(readinto, "_read_cuda", counting)
 
@@ -500,6 +500,30 @@ def test_reads_onto_cuda_go_through_pinned_staging(
     reference = nn.Linear(1024, 1024)
     reference.load_state_dict(load(_linear_file(tmp_path, fmt)))
     assert torch.equal(model.weight.cpu(), reference.weight)
+
+
+@pytest.mark.requires_cuda
+def test_a_bf16_model_from_an_fp32_file_is_converted_on_the_gpu_chunk_by_chunk(
+    tmp_path: Path,
+) -> None:
+    """Peak GPU memory: the model's bytes plus a few staging chunks, not the fp32 tensors too."""
+    torch.manual_seed(0)
+    weights = {f"{i}.weight": torch.randn(4096, 1024) for i in range(16)}  # 256 MiB of fp32
+    path = tmp_path / "fp32.safetensors"
+    safetensors_torch.save_file(weights, path)
+    layers = skeleton(lambda: nn.Sequential(*(nn.Linear(1024, 4096, bias=False) for _ in "x" * 16)))
+    model = layers.to(torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    load_into(model, path, "cuda")
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    model_bytes = sum(p.nbytes for p in model.parameters())
+    assert peak <= model_bytes + (64 << 20), (peak, model_bytes)
+    for i, layer in enumerate(model):
+        assert layer.weight.is_cuda and layer.weight.dtype == torch.bfloat16
+        assert torch.equal(layer.weight.cpu(), weights[f"{i}.weight"].to(torch.bfloat16)), i
 
 
 def _linear_file(tmp_path: Path, fmt: str) -> Path:
