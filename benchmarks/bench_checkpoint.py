@@ -8,7 +8,11 @@ of one forward pass:
 
 * ``plain``: ``Model(); model.load_state_dict(torch.load(f))`` (random init, then a copy);
 * ``accelerate``: ``init_empty_weights()`` + ``load_checkpoint_and_dispatch(..., {"": "cpu"})``;
-* ``torchplace``: ``load_into(skeleton(Model), f)``.
+* ``torchplace``: ``load_into(skeleton(Model), f)``;
+* ``floor``: the file read into memory the process owns (one ``readinto`` of a fresh buffer),
+  what any load from the page cache pays at least;
+* ``baseline`` (with ``--baseline SRC``): ``torchplace`` as another checkout's ``src`` folder
+  has it, in the same rounds, to compare a change before and after on one machine.
 
 Each child process reads ``VmRSS`` after the bare ``import torch``, imports its library, then
 starts the clock (imports are not timed), and reports the time to the forward's output and
@@ -75,10 +79,18 @@ def child(way: str, path: str, blocks: int) -> None:
     rss0 = _status("VmRSS")  # after the bare import torch (at the top of this file)
     if way == "accelerate":
         from accelerate import init_empty_weights, load_checkpoint_and_dispatch
-    elif way == "torchplace":
+    elif way in ("torchplace", "baseline"):
         from torchplace.checkpoint._checkpoint import load_into, skeleton
     ids = torch.tensor([[1, 2, 3, 4]])
     start = time.perf_counter()
+    if way == "floor":
+        buffer = torch.empty(Path(path).stat().st_size, dtype=torch.uint8)
+        with open(path, "rb", buffering=0) as f:
+            f.readinto(memoryview(buffer.numpy()))
+        seconds = time.perf_counter() - start
+        peak = _status("VmHWM") - rss0
+        print(json.dumps({"seconds": seconds, "peak": peak, "check": None}))
+        return
     with torch.no_grad():
         if way == "plain":
             model = Model(blocks)
@@ -95,9 +107,12 @@ def child(way: str, path: str, blocks: int) -> None:
     print(json.dumps({"seconds": seconds, "peak": peak, "check": float(out.double().sum())}))
 
 
-def run_child(way: str, path: Path, blocks: int) -> dict[str, float]:
+def run_child(way: str, path: Path, blocks: int, baseline: str | None = None) -> dict[str, float]:
     cmd = [sys.executable, __file__, "--child", way, str(path), "--blocks", str(blocks)]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    env = dict(os.environ)
+    if way == "baseline" and baseline:
+        env["PYTHONPATH"] = os.pathsep.join([baseline, env.get("PYTHONPATH", "")])
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{way} failed:\n{done.stderr}")
     result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -109,6 +124,7 @@ def main() -> None:
     parser.add_argument("--size-mb", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--format", choices=["pt", "safetensors"], default="pt")
+    parser.add_argument("--baseline", metavar="SRC", help="another checkout's src folder")
     parser.add_argument("--child", nargs=2, metavar=("WAY", "PATH"), help=argparse.SUPPRESS)
     parser.add_argument("--blocks", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -116,7 +132,7 @@ def main() -> None:
         child(args.child[0], args.child[1], args.blocks)
         return
 
-    ways = ["plain", "accelerate", "torchplace"]
+    ways = ["floor", "plain", "accelerate", "torchplace"] + (["baseline"] if args.baseline else [])
     blocks = blocks_for(args.size_mb)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / f"model.{'safetensors' if args.format == 'safetensors' else 'pt'}"
@@ -137,8 +153,8 @@ def main() -> None:
         results: dict[str, list[dict[str, float]]] = {way: [] for way in ways}
         for _ in range(args.rounds):
             for way in ways:
-                results[way].append(run_child(way, path, blocks))
-        checks = {round(r["check"], 2) for rs in results.values() for r in rs}
+                results[way].append(run_child(way, path, blocks, args.baseline))
+        checks = {round(r["check"], 2) for rs in results.values() for r in rs if r["check"]}
         best = {way: min(rs, key=lambda r: r["seconds"]) for way, rs in results.items()}
         peak = {way: max(r["peak"] for r in rs) for way, rs in results.items()}
 
@@ -150,6 +166,9 @@ def main() -> None:
             f"{peak[way] / size:>11.2f}"
         )
     ours = best["torchplace"]["seconds"]
+    print(f"torchplace / floor:      {ours / best['floor']['seconds']:.3f}  (target <= 1.3)")
+    if args.baseline:
+        print(f"torchplace / baseline:   {ours / best['baseline']['seconds']:.3f}  (target <= 1)")
     print(f"torchplace / plain:      {ours / best['plain']['seconds']:.3f}  (target <= 0.2)")
     print(f"torchplace / accelerate: {ours / best['accelerate']['seconds']:.3f}  (target <= 0.5)")
     print(f"torchplace peak / file:  {peak['torchplace'] / size:.3f}  (target <= 1.1)")

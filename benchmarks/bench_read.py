@@ -16,7 +16,13 @@ it is in the page cache. Then, round by round, in this one process:
 
 Each way is reported by its fastest round, as GB/s and as a fraction of the ``memcpy`` speed.
 Target (the safe default is fast): ``torchplace.load`` at least 0.7x the ``memcpy`` speed for
-both formats.
+both formats. Also timed: ``torchplace.load(pt, check_crc=True)`` (every record's CRC-32
+checked, what that option costs) and a bf16 load of the fp32 safetensors file through
+``load_into`` (converted a chunk at a time as it is read).
+
+``--sweep`` times ``torchplace.load`` of each file with the reader's pool of threads
+(``_reader.READ_THREADS``) and chunk size (``_reader.READ_CHUNK_BYTES``) set to each of a few
+values, to choose them by measurement.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ def main() -> None:
     parser.add_argument("--size-mb", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--tensors", type=int, default=16)
+    parser.add_argument("--sweep", action="store_true", help="time pool and chunk sizes")
     args = parser.parse_args()
 
     from safetensors.torch import load_file, save_file
@@ -75,10 +82,20 @@ def main() -> None:
             out.copy_(source)
             return out
 
+        if args.sweep:
+            _sweep(st, pt, nbytes, args.rounds)
+            return
+
+        def bf16() -> Any:
+            model = torchplace.skeleton(_Layers, per, args.tensors).to(torch.bfloat16)
+            return torchplace.load_into(model, st)
+
         ways: dict[str, Callable[[], Any]] = {
             "memcpy (fresh allocation)": memcpy,
             "torchplace.load safetensors": lambda: torchplace.load(st),
             "torchplace.load pt (zip)": lambda: torchplace.load(pt),
+            "  the same, check_crc=True": lambda: torchplace.load(pt, check_crc=True),
+            "load_into bf16 from fp32 (st)": bf16,
             "torch.load pt, mmap=False": lambda: torch.load(pt, weights_only=True),
             "safetensors load_file (maps)": lambda: load_file(st),
         }
@@ -101,6 +118,38 @@ def main() -> None:
         ratio = base / results[name]
         verdict = "met" if ratio >= TARGET else "NOT met"
         print(f"{name}: {ratio:.2f}x the memcpy speed (target >= {TARGET}): {verdict}")
+
+
+class _Layers(torch.nn.Module):
+    """``count`` parameters named as the benchmark's state dict (``layer{i}.weight``)."""
+
+    def __init__(self, per: int, count: int) -> None:
+        super().__init__()
+        for i in range(count):
+            layer = torch.nn.Module()
+            layer.weight = torch.nn.Parameter(torch.empty(per))
+            self.add_module(f"layer{i}", layer)
+
+
+def _sweep(st: Path, pt: Path, nbytes: int, rounds: int) -> None:
+    import torchplace
+    from torchplace.checkpoint import _reader
+
+    print(f"{nbytes / 2**20:.0f} MiB from the page cache, {os.cpu_count()} CPUs")
+    print(f"{'threads':>8}{'chunk MiB':>10}{'st GB/s':>9}{'pt GB/s':>9}")
+    saved = (_reader.READ_THREADS, _reader.READ_CHUNK_BYTES)
+    try:
+        for threads in (1, 2, 4, 8, 16):
+            if threads > 2 * (os.cpu_count() or 1):
+                continue
+            for chunk_mb in (4, 16, 64):
+                _reader.READ_THREADS, _reader.READ_CHUNK_BYTES = threads, chunk_mb << 20
+                speeds = [
+                    nbytes / best(lambda p=p: torchplace.load(p), rounds) / 1e9 for p in (st, pt)
+                ]
+                print(f"{threads:>8}{chunk_mb:>10}{speeds[0]:>9.2f}{speeds[1]:>9.2f}")
+    finally:
+        _reader.READ_THREADS, _reader.READ_CHUNK_BYTES = saved
 
 
 if __name__ == "__main__":

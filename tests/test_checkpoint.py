@@ -403,10 +403,10 @@ def test_failures_that_are_not_the_files_fault_say_so(
     def failing(*args: object, **kwargs: object) -> object:
         raise error
 
-    import torchplace.checkpoint._read
+    import torchplace.checkpoint._load
 
     monkeypatch.setattr(torch, "load", failing)  # what reads legacy and unusual files
-    monkeypatch.setattr(torchplace.checkpoint._read, "read_into", failing)  # what reads the rest
+    monkeypatch.setattr(torchplace.checkpoint._load, "read_into", failing)  # what reads the rest
     safetensors_torch().save_file({"w": torch.ones(2)}, tmp_path / "good.safetensors")
     for p in (path, tmp_path / "good.safetensors"):
         with pytest.raises(CheckpointError, match=message) as info:
@@ -1116,14 +1116,14 @@ def test_shard_indexes_that_name_an_index_are_refused(tmp_path: Path) -> None:
     index.write_text(json.dumps({"weight_map": {"w": "model.index.json"}}))
     with pytest.raises(CheckpointError, match="itself a shard index"):
         load(index)
-    from torchplace.checkpoint._pickle_reader import describe_file as describe
+    from torchplace.checkpoint._catalog import describe_file as describe
 
     with pytest.raises(CheckpointError, match="itself a shard index"):
         describe(index)
 
 
 def test_inspect_walks_shared_objects_once(tmp_path: Path) -> None:
-    from torchplace.checkpoint._pickle_reader import describe_file as describe
+    from torchplace.checkpoint._catalog import describe_file as describe
 
     shared: list[object] = [torch.ones(1)]
     for _ in range(60):
@@ -1668,7 +1668,7 @@ def test_tied_weights_saved_twice_with_equal_values_load(tmp_path: Path) -> None
 def test_a_shard_spelt_two_ways_is_read_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from torchplace.checkpoint import _read as _checkpoint
+    from torchplace.checkpoint import _load as _checkpoint
 
     safetensors_torch().save_file(
         {"a": torch.ones(2), "b": torch.arange(3.0)}, tmp_path / "s1.safetensors"
@@ -1676,14 +1676,14 @@ def test_a_shard_spelt_two_ways_is_read_once(
     index = tmp_path / "model.safetensors.index.json"
     index.write_text(json.dumps({"weight_map": {"a": "s1.safetensors", "b": "./s1.safetensors"}}))
     reads: list[Path] = []
-    real = _checkpoint.load
+    real = _checkpoint.read_into
 
-    def counting(path: Path, *args: object, **kwargs: object) -> object:
+    def counting(path: Path, *args: object, **kwargs: object) -> None:
         reads.append(Path(path))
-        return real(path, *args, **kwargs)  # type: ignore[arg-type]
+        real(path, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(_checkpoint, "load", counting)
-    out = real(index)
+    monkeypatch.setattr(_checkpoint, "read_into", counting)
+    out = _checkpoint.load(index)
     assert reads == [(tmp_path / "s1.safetensors").resolve()]
     assert torch.equal(out["a"], torch.ones(2)) and torch.equal(out["b"], torch.arange(3.0))
 

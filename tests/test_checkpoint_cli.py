@@ -505,7 +505,7 @@ def test_interrupted_inspect_says_so_without_a_traceback(
     def interrupted(path: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_checkpoint_cli, "describe_file", interrupted)
+    monkeypatch.setattr(_checkpoint_cli, "catalog", interrupted)
     assert main(["inspect", str(gpu_file)]) == 130
     assert "torchplace inspect: interrupted" in capsys.readouterr().err
 

@@ -184,7 +184,7 @@ def test_read_values_are_bit_for_bit(tmp_path: Path, dtype: torch.dtype) -> None
 def test_large_tensors_read_in_chunks_by_threads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import torchplace.checkpoint._readinto as readinto
+    import torchplace.checkpoint._reader as readinto
 
     monkeypatch.setattr(readinto, "READ_CHUNK_BYTES", 4096)
     monkeypatch.setattr(readinto, "READ_THREADS", 3)
@@ -480,14 +480,14 @@ def test_safetensors_header_accepts_empty_tensors_between_others(tmp_path: Path)
 def test_reads_onto_cuda_go_through_pinned_staging(
     tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import torchplace.checkpoint._readinto as readinto
+    import torchplace.checkpoint._reader as readinto
 
     staged: list[int] = []
     real = readinto._read_cuda
 
-    def counting(fd: int, pieces: Any, device: torch.device) -> None:
-        staged.extend(t.nbytes for _, t in pieces)
-        real(fd, pieces, device)
+    def counting(fd: int, pieces: Any, device: torch.device, *rest: Any) -> list[str]:
+        staged.extend(piece[1].nbytes for piece in pieces)
+        return real(fd, pieces, device, *rest)
 
     monkeypatch.setattr(readinto, "_read_cuda", counting)
 
@@ -506,6 +506,30 @@ def test_reads_onto_cuda_go_through_pinned_staging(
     reference = nn.Linear(1024, 1024)
     reference.load_state_dict(load(_linear_file(tmp_path, fmt)))
     assert torch.equal(model.weight.cpu(), reference.weight)
+
+
+@pytest.mark.requires_cuda
+def test_a_bf16_model_from_an_fp32_file_is_converted_on_the_gpu_chunk_by_chunk(
+    tmp_path: Path,
+) -> None:
+    """Peak GPU memory: the model's bytes plus a few staging chunks, not the fp32 tensors too."""
+    torch.manual_seed(0)
+    weights = {f"{i}.weight": torch.randn(4096, 1024) for i in range(16)}  # 256 MiB of fp32
+    path = tmp_path / "fp32.safetensors"
+    safetensors_torch.save_file(weights, path)
+    layers = skeleton(lambda: nn.Sequential(*(nn.Linear(1024, 4096, bias=False) for _ in "x" * 16)))
+    model = layers.to(torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    load_into(model, path, "cuda")
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    model_bytes = sum(p.nbytes for p in model.parameters())
+    assert peak <= model_bytes + (64 << 20), (peak, model_bytes)
+    for i, layer in enumerate(model):
+        assert layer.weight.is_cuda and layer.weight.dtype == torch.bfloat16
+        assert torch.equal(layer.weight.cpu(), weights[f"{i}.weight"].to(torch.bfloat16)), i
 
 
 def _linear_file(tmp_path: Path, fmt: str) -> Path:
@@ -639,3 +663,101 @@ def test_the_names_others_import_stay_importable_from_checkpoint() -> None:
     ]  # fmt: skip
     assert all(hasattr(checkpoint, n) for n in names)
     assert checkpoint.load is torchplace.load and checkpoint.load_into is torchplace.load_into
+
+
+def test_ctrl_c_at_any_point_of_load_into_a_real_model_leaves_it_before_or_loaded(
+    tmp_path: Path,
+) -> None:
+    """A real model's memory is filled in place, with no copy kept: every read and check comes
+    first, and the writes are one call, so an interrupt finds it as it was or wholly loaded."""
+    torch.manual_seed(0)
+    src = _Stateful()
+    src.note = "after"
+    src.bn.running_mean.fill_(5.0)
+    path = tmp_path / "w.pt"
+    torch.save(src.state_dict(), path)
+    loaded_values = {k: v.clone() for k, v in src.state_dict().items() if k != "_extra_state"}
+    load_into(_Stateful(), path)  # warm
+    clean = _Interrupter(0)
+    sys.settrace(clean)
+    try:
+        load_into(_Stateful(), path)
+    finally:
+        sys.settrace(None)
+    mixed = []
+    for at in range(1, clean.count + 1):
+        torch.manual_seed(1)
+        model = _Stateful()
+        before = {k: v.clone() for k, v in model.state_dict().items() if k != "_extra_state"}
+        interrupter = _Interrupter(at)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            sys.settrace(interrupter)
+            try:
+                load_into(model, path)
+            except KeyboardInterrupt:
+                pass
+            finally:
+                sys.settrace(None)
+                torch.set_grad_enabled(True)
+        now = model.state_dict()
+        as_before = all(torch.equal(now[k], before[k]) for k in before)
+        as_loaded = all(torch.equal(now[k], loaded_values[k]) for k in before)
+        if not (as_before or as_loaded):
+            mixed.append(f"{at}: {interrupter.where}")
+    gc.collect()
+    assert not mixed, f"{len(mixed)} of {clean.count}: {mixed[:8]}"
+
+
+_PEAK_CHILD = """
+import sys, torch
+from torch import nn
+import torchplace
+from torchplace.checkpoint._reader import READ_CHUNK_BYTES, READ_THREADS
+
+def hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+
+def rss():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+
+path = sys.argv[1]
+model = torchplace.skeleton(
+    lambda: nn.Sequential(*(nn.Linear(1024, 4096, bias=False) for _ in range(16)))
+).to(torch.bfloat16)
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak starts again from here
+base = rss()
+torchplace.load_into(model, path)
+extra = hwm() - base
+model_bytes = sum(p.nbytes for p in model.parameters())
+assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+print(extra, model_bytes, READ_THREADS * READ_CHUNK_BYTES)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+def test_a_bf16_model_from_an_fp32_file_peaks_at_its_own_bytes_plus_staging(
+    tmp_path: Path,
+) -> None:
+    """Tensors are converted chunk by chunk as they are read: the fp32 file is never held whole
+    (before, the peak was the fp32 tensors plus the bf16 model, 3x the model's bytes)."""
+    torch.manual_seed(0)
+    weights = {f"{i}.weight": torch.randn(4096, 1024) for i in range(16)}  # 256 MiB of fp32
+    path = tmp_path / "fp32.safetensors"
+    safetensors_torch.save_file(weights, path)
+    path.read_bytes()  # in the page cache, which no process's peak counts
+    done = subprocess.run(
+        [sys.executable, "-c", _PEAK_CHILD, str(path)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    extra, model_bytes, staging = map(int, done.stdout.split())
+    assert extra <= model_bytes + staging + (32 << 20), (extra, model_bytes, staging)
+    layers = skeleton(lambda: nn.Sequential(*(nn.Linear(1024, 4096, bias=False) for _ in "x" * 16)))
+    model = load_into(layers.to(torch.bfloat16), path)
+    for i, layer in enumerate(model):
+        assert torch.equal(layer.weight, weights[f"{i}.weight"].to(torch.bfloat16)), i

@@ -1,12 +1,17 @@
 """Checkpoints: reading, writing and filling models from files, indexes, directories and mappings.
 
-``_checkpoint`` holds the public ``load``, ``load_into`` and ``skeleton``. A source is told apart
-and parsed by ``_formats``, ``_safetensors``, ``_index``, ``_pickle_reader`` and ``_statedict``;
-``_read`` and ``_readinto`` read tensors' bytes; ``_fill`` fills a model (``_rename`` fits the
-names, ``_conversions`` converts a transformers model's hub names as ``from_pretrained`` does,
-``_skeleton`` builds one on ``meta``), and ``_sharded`` fills DTensor shards.
-``_checkpoint_cli`` is the ``inspect`` and ``remap`` commands (``_hub_names``: its note on
-per-expert hub names).
+``_checkpoint`` holds the public ``load``, ``load_into`` and ``skeleton``. The modules follow the
+path a checkpoint takes: ``_source`` says what a path names (a directory's model file, a file's
+format, an index's shards); ``_catalog`` resolves the source once into a table of entries (name,
+file, byte range, dtype, shape, layout) that every reader starts from; ``_formats``,
+``_safetensors``, ``_index`` and ``_pickle_reader`` parse and check each format for it;
+``_reader`` reads byte ranges into tensors (threads, a pinned ring onto CUDA, dtype conversion a
+chunk at a time, the file's stamp and CRC-32 checked), ``_load`` is ``load``; ``_fill`` fills a
+model (``_statedict`` does what ``load_state_dict`` does around it, ``_rename`` fits the names,
+``_conversions`` converts a transformers model's hub names as ``from_pretrained`` does,
+``_skeleton`` builds one on ``meta``), ``_sharded`` fills DTensor shards; ``_progress`` is the
+bar a long load shows, ``_crc`` joins CRC-32s, and ``_checkpoint_cli`` is the ``inspect`` and
+``remap`` commands (``_hub_names``: its note on per-expert hub names).
 
 May import: ``moving`` (pinned staging, parameter identity), the base modules at the package
 root, and its own modules; never ``looking``, ``spreading`` or ``cli``. Importing this package

@@ -9,7 +9,8 @@ A checkpoint's journey here has three steps, each a public function:
     memory (``mmap=True`` maps the file instead). Untrusted files are read with
     ``weights_only=True``, so loading never runs code. Every failure (missing, truncated,
     corrupt, foreign or unsafe file) is a ``CheckpointError`` that names the file.
-    (``_formats``: what a file is; ``_read``: ``load``; ``_readinto``: bytes into tensors.)
+    (``_source``: what a path names; ``_catalog``: its tensors and where they lie; ``_load``:
+    ``load``; ``_reader``: bytes into tensors.)
 ``skeleton(factory, *args, **kwargs)``
     Builds a model whose parameters live on ``meta`` (no memory, no random init) while buffers
     stay real, so non-persistent buffers such as masks and rotary frequencies survive. It works
@@ -34,7 +35,7 @@ from ._formats import (
     safetensors_header,
     shards,
 )
-from ._read import load
+from ._load import load
 from ._skeleton import skeleton
 
 __all__ = [

@@ -26,22 +26,19 @@ import pickle
 import shutil
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any, cast
 
 from .._errors import CheckpointError, DeviceSpecError, TorchplaceError
 from .._sizes import format_bytes
+from ._catalog import catalog, describe_file, format_of
 from ._hub_names import hub_names_note
-from ._pickle_reader import (
-    TensorRecord,
-    code_globals,
-    describe_file,
-    format_of,
-    index_shards,
-    pickles_a_model,
-)
+from ._index import weight_map
+from ._pickle_reader import TensorRecord, code_globals, pickles_a_model
+from ._progress import progress_bar, wanted
+from ._source import shards
 
 __all__ = [
     "TensorRecord",
@@ -87,9 +84,9 @@ def _printable(text: Any) -> str:
 def _run_inspect(args: argparse.Namespace) -> int:
     path = Path(args.file)
     try:
-        kind = format_of(path)
-        records = describe_file(path)
-        code = code_globals(path)
+        found = catalog(path)  # a file, an index or a save_pretrained directory
+        kind, records = found.kind, found.records()
+        code = code_globals(found.path or path)
     except CheckpointError as exc:
         print(f"torchplace inspect: error: {exc}", file=sys.stderr)
         return 1
@@ -281,31 +278,7 @@ def _relocating_pickle(location: str) -> types.ModuleType:
     return module
 
 
-@contextlib.contextmanager
-def _progress(total: int, label: str, enabled: bool) -> Iterator[Callable[[int], None]]:
-    if not enabled:
-        yield lambda n: None
-        return
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
-
-    columns = (
-        TextColumn("{task.description}", markup=False),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-    )
-    with Progress(*columns, transient=True, console=Console(stderr=True, emoji=False)) as bar:
-        task = bar.add_task(label, total=total)
-        yield lambda n: bar.advance(task, n)
+_progress = progress_bar  # remap's bar, the one loads show
 
 
 # Temporary files are named for their output and the process writing them
@@ -399,10 +372,11 @@ class _PendingOutputs:
 def _read_for_remap(src: Path, kind: str) -> Any:
     """What remap writes for ``src``: its loaded contents, or ``None`` for a safetensors file
     (copied as it is, once its header is checked as ``load`` checks it)."""
-    from ._checkpoint import load, safetensors_header
+    from ._checkpoint import load
 
     if kind == "safetensors":
-        safetensors_header(src)
+        for entry in catalog(src).entries.values():  # checked as load checks it
+            entry.torch_dtype(str(src))
         return None
     try:
         return load(src, "cpu")
@@ -474,7 +448,7 @@ def _index_outputs(src: Path, dst: Path) -> tuple[Path, list[tuple[Path, Path, s
         raise CheckpointError(f"{dst}: cannot be written ({exc.strerror or exc})") from exc
     root = src.parent.resolve()
     outputs = []
-    for _, shard_path, _ in index_shards(src):
+    for _, shard_path, _ in shards(src, weight_map(src)):
         out = dst.parent / shard_path.relative_to(root)
         outputs.append((shard_path, out, format_of(shard_path)))
     reading = {src.resolve(), *(shard for shard, _, _ in outputs)}
@@ -524,13 +498,13 @@ def remap(
     target = _parse_target(to) if isinstance(to, str) else to
     kind = format_of(src)
     if kind == "index":
-        dst, shards = _index_outputs(src, dst)
+        dst, shard_jobs = _index_outputs(src, dst)
     else:
         _output_file(dst)
-        shards = []
-    jobs = [*shards, (src, dst, kind)]  # the index, or the one file, last
+        shard_jobs = []
+    jobs = [*shard_jobs, (src, dst, kind)]  # the index, or the one file, last
     total = sum(job[0].stat().st_size for job in jobs)
-    show = (sys.stderr.isatty() and total >= PROGRESS_MIN_BYTES) if progress is None else progress
+    show = (wanted(None) and total >= PROGRESS_MIN_BYTES) if progress is None else progress
     for d in {job[1].parent for job in jobs}:
         sweep_stale_temporaries(d)
     pending = _PendingOutputs()

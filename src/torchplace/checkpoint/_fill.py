@@ -21,14 +21,18 @@ from .._model_walk import Slot, tensor_slots
 from .._own_moves import AttributeSnapshot, run_own_moves
 from ..moving._identity import parameter_like
 from ..moving._move import discarded_warning
+from ._catalog import format_of
 from ._conversions import hub_converted
-from ._formats import PathLike, as_path, first_sentence, is_dir, model_file
-from ._read import load
+from ._formats import PathLike, first_sentence
+from ._load import load_state, source_bytes
+from ._progress import reporting, wanted
 from ._rename import Rename, as_renamer, renamed
 from ._skeleton import ModuleT, swap
+from ._source import resolve
 from ._statedict import (
     as_load_state_dict_sees,
     has_post_hooks,
+    loads_itself,
     run_post_hooks,
     set_extra_states,
 )
@@ -198,6 +202,8 @@ def load_into(
     strict: bool = True,
     mmap: bool = False,
     rename: Rename | None = None,
+    check_crc: bool = False,
+    progress: bool | None = None,
 ) -> ModuleT:
     """Fill ``model`` (a skeleton or a real model) from a checkpoint, weights on ``device``.
 
@@ -221,9 +227,11 @@ def load_into(
     parameters. A file's bytes are read straight into the memory the model keeps (onto a GPU,
     through pinned buffers), with no second copy of the weights, so the file may be rewritten at
     once (``torch.save(model.state_dict(), path)`` to the path it came from is safe).
-    ``mmap=True`` assigns pages of the memory-mapped file instead (zero-copy, copy-on-write): the
-    model then dies with the file, and **rewriting or truncating it while the model lives crashes
-    the process** (SIGBUS, exit -7), so use it only for files nothing writes to. A parameter that
+    ``check_crc=True`` checks a zip file's tensor records against their CRC-32, and
+    ``progress`` shows a bar while the file is read, as for ``load``. ``mmap=True`` assigns
+    pages of the memory-mapped file instead (zero-copy, copy-on-write): the model then dies with
+    the file, and **rewriting or truncating it while the model lives crashes the process**
+    (SIGBUS, exit -7), so use it only for files nothing writes to. A parameter that
     already holds memory on the target is filled in place. Parameter objects are kept, with
     their class and attributes, so tied weights stay tied and optimizers stay valid; a tied
     parameter saved under any one of its names counts as present, and one saved under two names
@@ -261,7 +269,15 @@ def load_into(
     from ._sharded import has_dtensors, load_sharded
 
     if has_dtensors(model):  # FSDP2, tensor parallelism: each rank reads its own slices
-        return load_sharded(model, source, device, strict=strict, rename=rename)  # type: ignore[return-value]
+        return load_sharded(  # type: ignore[return-value]
+            model,
+            source,
+            device,
+            strict=strict,
+            rename=rename,
+            check_crc=check_crc,
+            progress=progress,
+        )
     target = None if device is None else _device(device)
     renamer = None if rename is None else as_renamer(rename)
     if isinstance(source, nn.Module):
@@ -271,9 +287,8 @@ def load_into(
             "torchplace.load_into(model, other.state_dict())"
         )
     from_memory = isinstance(source, Mapping)
-    p: Path | str = "the state dict given to load_into" if from_memory else as_path(source)
-    if isinstance(p, Path) and is_dir(p):  # messages name the file read, not its directory
-        p = model_file(p)
+    # A directory's model file: messages name the file read, not its directory.
+    p: Path | str = "the state dict given to load_into" if from_memory else resolve(source)
     slots = tensor_slots(model)
     loadable, transient, extra = slots.loadable, slots.transient, slots.extra_state
     read_on = _read_on(loadable, target)
@@ -281,7 +296,12 @@ def load_into(
         state: Any = source
     else:
         assert isinstance(p, Path)
-        state = load(p, read_on, mmap=mmap)
+        # Tensors of another floating dtype than the model's are converted as they are read.
+        wish = _dtype_wish(model, loadable, renamer)
+        kind = format_of(p)
+        total = source_bytes(p, kind) if wanted(progress) else 0
+        with reporting(total, f"load_into {p.name}", progress):
+            state = load_state(p, read_on, mmap=mmap, dtype_of=wish, check_crc=check_crc)
     _check_state_dict(p, model, state, loadable)
     if renamer is not None:
         state = renamed(str(p), state, renamer)
@@ -388,6 +408,31 @@ def _tied_hint(model: nn.Module, left: list[Slot]) -> tuple[str, torch.Tensor | 
         f"{_as_python(in_path)}.weight, or build the model with tie_word_embeddings=True."
     )
     return words, meta
+
+
+def _dtype_wish(
+    model: nn.Module, loadable: list[Slot], renamer: Callable[[str], str | None] | None
+) -> Callable[[str], torch.dtype | None] | None:
+    """The model's floating dtype for a file's tensor, by the file's name, where converting it
+    while it is read changes nothing ``load_state_dict`` would show: None (read as saved) when a
+    module has load pre-hooks or loads itself (they see the file's values as saved), and no
+    dtype for a tied parameter (its names' values are compared) or a lazy one."""
+    for module in model.modules():
+        if module._load_state_dict_pre_hooks or loads_itself(module):
+            return None
+    dtypes = {
+        slot.names[0]: slot.tensor.dtype
+        for slot in loadable
+        if len(slot.names) == 1 and slot.tensor.dtype.is_floating_point and not is_lazy(slot.tensor)
+    }
+    if not dtypes:
+        return None
+
+    def dtype_of(name: str) -> torch.dtype | None:
+        fitted = renamer(name) if renamer is not None else name
+        return None if fitted is None else dtypes.get(fitted)
+
+    return dtype_of
 
 
 def _read_on(loadable: list[Slot], target: torch.device | None) -> torch.device:
@@ -567,12 +612,13 @@ class _Fit:
 class _Prepared:
     """Phase 1's result: tensors to fill in place, tensors to swap in, values kept for undo."""
 
-    __slots__ = ("backups", "fills", "places")
+    __slots__ = ("backups", "fills", "places", "written")
 
     def __init__(self) -> None:
         self.fills: list[tuple[Slot, torch.Tensor]] = []  # memory on the target: filled
         self.places: list[tuple[Slot, torch.Tensor]] = []  # a new tensor swapped in
         self.backups: list[tuple[torch.Tensor, torch.Tensor]] = []  # filled tensors' values
+        self.written = False  # the fills are done: values with no copy kept were overwritten
 
 
 def _prepare(fit: _Fit, target: torch.device | None, *, copy: bool) -> _Prepared:
@@ -620,6 +666,23 @@ def _prepare(fit: _Fit, target: torch.device | None, *, copy: bool) -> _Prepared
     return out
 
 
+def _write_each(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    for target, value in zip(targets, values, strict=True):
+        target.copy_(value)
+
+
+# Each value copied into its target in one call (a C function: no line of Python runs between
+# two copies); torch without _foreach_copy_ (before 2.1) copies one by one.
+_WRITE: Callable[[list[torch.Tensor], list[torch.Tensor]], Any] = getattr(
+    torch, "_foreach_copy_", _write_each
+)
+
+
+def _lost_on_undo(fit: _Fit, ready: _Prepared) -> bool:
+    """Whether the fills overwrite parameters in place with no copy kept to put back."""
+    return not fit.deferred and any(slot.is_param for slot, _ in ready.fills)
+
+
 def _apply(
     fit: _Fit, ready: _Prepared, extra: Mapping[str, nn.Module], own: Mapping[str, Any]
 ) -> nn.Module:
@@ -656,6 +719,10 @@ def _apply(
     except CheckpointError:  # said what state the model is in, and put it back where it could
         raise
     except BaseException:  # Ctrl-C (or a bug): the model goes back as it was
+        if ready.written and _lost_on_undo(fit, ready):
+            # Parameters were overwritten in place with no copy kept, so putting the rest back
+            # would mix old and new values: every weight stays loaded instead.
+            raise
         put_back()
         raise
 
@@ -683,10 +750,14 @@ def _apply_steps(
     try:
         for slot, value in ready.places:
             _place(slot, value, undos)
+        filled = _lost_on_undo(fit, ready)  # said if the write below fails part way
+        targets = [slot.tensor for slot, _ in ready.fills]
+        values = [value for _, value in ready.fills]
         with torch.no_grad():
-            for slot, value in ready.fills:
-                filled = filled or (slot.is_param and not fit.deferred)  # no copy to put back
-                slot.tensor.copy_(value)  # copy_ converts the dtype
+            # Every read and check is done: the in-place writes are one call (copy_ converts
+            # the dtype), and ``written`` is set on its line, so a Ctrl-C lands before it (the
+            # model is put back) or after it (every weight is loaded), never between two.
+            ready.written = not targets or _WRITE(targets, values) is None or True
     except Exception as exc:
         failure = put_back()
         state = "the model is untouched"

@@ -3,9 +3,8 @@
 A torch file's pickle is read by an unpickler that builds inert records for every global it
 meets, so a malicious file is described, never executed (``code_globals`` names what it would
 run); a legacy file's storages are checked as ``torch.load`` reads them; safetensors files by
-their header (``_safetensors``), shard indexes by their weight map (``_index``). ``inspect``
-shows what ``describe_file`` finds; the sharded loader locates tensors in zip files through the
-same records.
+their header (``_safetensors``), shard indexes by their weight map (``_index``). ``_catalog``
+builds its entries from what these find, for ``inspect``, ``load`` and the sharded loader alike.
 """
 
 from __future__ import annotations
@@ -25,9 +24,8 @@ from typing import IO, Any, ClassVar, cast
 
 from .._errors import CheckpointError
 from ._index import LEGACY_MAGIC, weight_map
-from ._safetensors import DTYPES as SAFETENSORS_DTYPES
-from ._safetensors import read_header as read_safetensors_header
 from ._safetensors import sniff as sniff_safetensors
+from ._source import detect_format, shards
 
 __all__ = [
     "WHOLE_MODEL",
@@ -35,9 +33,7 @@ __all__ = [
     "TensorRecord",
     "TensorRef",
     "code_globals",
-    "describe_file",
-    "format_of",
-    "index_shards",
+    "legacy_records",
     "pickles_a_model",
     "readable",
     "rebuild_tensor",
@@ -334,10 +330,10 @@ def code_globals(path: str | os.PathLike[str], /) -> list[str]:
     Safetensors files hold none; a shard index, those of its shards.
     """
     p = Path(path)
-    kind = format_of(p)
+    kind = "safetensors" if sniff_safetensors(p) else detect_format(p)
     found: list[str] = []
     if kind == "index":
-        for _, shard_path, _ in index_shards(p):
+        for _, shard_path, _ in shards(p, weight_map(p)):
             found += code_globals(shard_path)
     with readable(p):
         if kind == "zip":
@@ -458,19 +454,6 @@ def readable(p: Path) -> Iterator[None]:
         ) from exc
 
 
-def _describe_zip(p: Path) -> list[TensorRecord]:
-    with readable(p):
-        with zipfile.ZipFile(p) as archive:
-            pickles = [n for n in archive.namelist() if n.endswith("data.pkl")]
-            if not pickles:
-                raise CheckpointError(
-                    f"{p}: is a zip archive but not a torch.save file (no data.pkl)"
-                )
-            data = archive.read(min(pickles, key=len))
-        root = InertUnpickler(io.BytesIO(data)).load()
-    return _records(root, p.name)
-
-
 class _BoundedReader:
     """A file for the unpickler that refuses reads past the end of the file up front.
 
@@ -489,7 +472,8 @@ class _BoundedReader:
         return self.f.readline()
 
 
-def _describe_legacy(p: Path) -> list[TensorRecord]:
+def legacy_records(p: Path) -> list[TensorRecord]:
+    """The tensors of a legacy (non-zip) torch file, its storages checked as torch reads them."""
     with readable(p), p.open("rb") as raw:
         f = _BoundedReader(raw, p.stat().st_size)
         magic = InertUnpickler(f).load()
@@ -542,74 +526,3 @@ def _check_legacy_storages(
                 f"ends {left} bytes later; {cut_short}"
             )
         f.f.seek(wanted, os.SEEK_CUR)
-
-
-# ------------------------------------------------------------------------------------ safetensors
-#
-def format_of(p: Path) -> str:
-    """``detect_format(p)``, without importing torch for a safetensors file."""
-    if sniff_safetensors(p):
-        return "safetensors"
-    from ._formats import detect_format
-
-    return detect_format(p)
-
-
-def _describe_safetensors(p: Path) -> list[TensorRecord]:
-    out = []
-    for name, entry in read_safetensors_header(p).items():
-        if name == "__metadata__":
-            continue
-        start, end = entry["data_offsets"]
-        dtype = SAFETENSORS_DTYPES[entry["dtype"]][0]
-        # safetensors stores no device: the reader chooses one
-        nbytes = end - start
-        out.append(TensorRecord(name, "-", dtype, tuple(entry["shape"]), nbytes, p.name, nbytes))
-    return out
-
-
-def describe_file(path: str | os.PathLike[str], /) -> list[TensorRecord]:
-    """Every tensor a checkpoint file holds, read without running its code or needing a GPU.
-
-    >>> import os, tempfile, torch
-    >>> from torchplace.checkpoint._pickle_reader import describe_file
-    >>> path = os.path.join(tempfile.mkdtemp(), "w.pt")
-    >>> torch.save({"w": torch.ones(2, 3)}, path)
-    >>> w = describe_file(path)[0]
-    >>> w.name, w.device, w.dtype, w.shape, w.nbytes, w.shares
-    ('w', 'cpu', 'float32', (2, 3), 24, None)
-    """
-    p = Path(path)
-    return _DESCRIBERS[format_of(p)](p)
-
-
-def index_shards(p: Path) -> list[tuple[str, Path, list[str]]]:
-    """The shards a shard index lists: (name in the index, path, tensor names) each."""
-    mapping = weight_map(p)
-    from ._formats import shards
-
-    return shards(p, mapping)
-
-
-def _describe_index(p: Path) -> list[TensorRecord]:
-    out: list[TensorRecord] = []
-    for shard, shard_path, names in index_shards(p):
-        records = describe_file(shard_path)
-        # A name holds a tensor, or (sparse, quantized) tensors listed under name.part.
-        held = {r.name.rsplit(".", n)[0] for r in records for n in range(r.name.count(".") + 1)}
-        for name in names:
-            if name not in held:
-                raise CheckpointError(
-                    f"{p}: says {name!r} is in {shard!r}, but that shard does not hold it; the "
-                    "index and its shards do not match"
-                )
-        out.extend(records)
-    return out
-
-
-_DESCRIBERS: dict[str, Callable[[Path], list[TensorRecord]]] = {
-    "zip": _describe_zip,
-    "legacy": _describe_legacy,
-    "safetensors": _describe_safetensors,
-    "index": _describe_index,
-}

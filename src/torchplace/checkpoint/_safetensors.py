@@ -148,7 +148,7 @@ def _span(path: Path, name: str, entry: Any, data_len: int) -> tuple[int, int]:
             f"dtype, shape and data_offsets; {_RESAVE}"
         )
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPES:
+    if not isinstance(dtype, str) or dtype not in DTYPES:  # a list or a map is no dtype name
         raise CheckpointError(
             f"{where} has dtype {dtype!r}, which this version of torch cannot hold "
             f"(supported: {', '.join(sorted(DTYPES))})"

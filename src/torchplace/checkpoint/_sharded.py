@@ -3,10 +3,10 @@
 A model whose parameters or buffers are DTensors (FSDP2's ``fully_shard``, tensor parallelism
 with ``parallelize_module``) is filled here instead of by the general ``load_into``. The steps:
 
-1. *Locate* every tensor of the checkpoint without reading its data: a ``.safetensors`` header,
-   the shards of a ``*.index.json`` map, or the pickle of a torch zip file read inertly (no code
-   runs) for each tensor's storage record, offset, shape and strides. A mapping of tensors
-   already in memory is its own locator.
+1. *Locate* every tensor without reading its data: the source's catalog (``_catalog``: a
+   ``.safetensors`` header, the shards of an index or a ``save_pretrained`` directory, a torch zip
+   file's pickle read inertly for each tensor's offset, shape and strides, or a mapping of
+   tensors in memory), each entry checked to be readable by slices.
 2. *Check* the model against the file as any ``load_into`` does (missing, unexpected and
    mis-shaped keys, tied parameters saved under any one of their names). The checks depend only
    on the file and on the model's global shapes, so every rank raises the same error, and they
@@ -17,22 +17,21 @@ with ``parallelize_module``) is filled here instead of by the general ``load_int
 4. *Fill*: meta tensors (a skeleton) are first given empty memory on the device, as
    ``to_empty`` would, leaving real buffers alone; then each rank reads its boxes straight into
    its local shards. A box that is one run of the file is read into the shard with no copy in
-   between; one that is not (a ``Shard(1)`` slice of a row-major matrix) goes run by run, or
-   through a buffer of at most 16 MiB when the runs are short. No rank holds a full tensor and no
-   collective ships weights.
+   between, and runs go to the one reader (``_reader.read_into``: its pool of threads, the
+   files' stamps checked before and after); one that is not (a ``Shard(1)`` slice of a row-major
+   matrix) goes run by run, or through a buffer of at most 16 MiB when the runs are short. No
+   rank holds a full tensor and no collective ships weights.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
-import io
 import itertools
 import math
 import os
-import struct
 import sys
-import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -43,15 +42,10 @@ from torch import nn
 from .._devices import device as _device
 from .._errors import CheckpointError, TorchplaceError
 from .._model_walk import Slot, tensor_slots
+from ._catalog import Catalog, Stamp, catalog, changed_error, contiguous_strides
 from ._conversions import Fused, Plan, conversion_plan, fused_boxes
-from ._pickle_reader import (
-    InertUnpickler,
-    TensorRef,
-    readable,
-    rebuild_tensor,
-    shape_of,
-    tensor_refs,
-)
+from ._progress import current, reporting
+from ._reader import read_into
 from ._rename import Rename, as_renamer, renamed
 
 __all__ = ["has_dtensors", "load_sharded"]
@@ -78,184 +72,53 @@ def has_dtensors(model: nn.Module) -> bool:
 
 @dataclasses.dataclass
 class _Entry:
-    """Where a tensor of the checkpoint lies: ``file`` from byte ``start``, or in memory."""
+    """A catalog entry as the sharded reader reads it: ``file`` from byte ``start``, dims in
+    ``order`` (row-major: 0, 1, ...), or a mapping's ``tensor`` in memory."""
 
     name: str
     dtype: torch.dtype
     shape: tuple[int, ...]
     file: Path | None = None
     start: int = 0
-    order: tuple[int, ...] = ()  # the file's dims in storage order (row-major: 0, 1, ...)
-    tensor: torch.Tensor | None = None  # a mapping source's own tensor
+    order: tuple[int, ...] = ()
+    tensor: torch.Tensor | None = None
 
 
-@dataclasses.dataclass
-class _Located(TensorRef):
-    """A tensor reference that also keeps the storage offset and strides."""
-
-    offset: int = 0
-    stride: tuple[int, ...] | None = None
-
-
-def _rebuild_located(storage: Any, offset: Any, size: Any, stride: Any = None, *rest: Any) -> Any:
-    ref = rebuild_tensor(storage, offset, size, stride, *rest)
-    strides = shape_of(stride) if isinstance(stride, (tuple, list)) else None
-    where = offset if isinstance(offset, int) else -1
-    return _Located(ref.storage, ref.dtype, ref.shape, where, strides)
-
-
-class _Locator(InertUnpickler):
-    """The inert unpickler of ``torchplace inspect``, keeping each tensor's offset and strides."""
-
-    _TORCH_REBUILDERS: Mapping[str, Callable[..., Any]] = {
-        **InertUnpickler._TORCH_REBUILDERS,
-        "rebuild_tensor": _rebuild_located,
-        "_rebuild_tensor_v2": _rebuild_located,
-        "_rebuild_tensor_v3": _rebuild_located,
-    }
-
-
-def _torch_dtype(p: Path, name: str, dtype: str) -> torch.dtype:
-    found = vars(torch).get(dtype)
-    if not isinstance(found, torch.dtype):
-        raise CheckpointError(f"{p}: tensor {name!r} has dtype {dtype!r}, which torch cannot hold")
-    return found
-
-
-def _storage_order(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The dims of a dense tensor from outermost to innermost in memory, or None if not dense."""
-    order = sorted(range(len(shape)), key=lambda d: (-stride[d], d))
-    expected = 1
-    for d in reversed(order):
-        if shape[d] != 1 and stride[d] != expected:
-            return None
-        expected *= shape[d]
-    return tuple(order)
-
-
-def _zip_entries(p: Path) -> dict[str, _Entry]:
-    # any other failure than a CheckpointError: the file is damaged
-    with readable(p), zipfile.ZipFile(p) as archive, p.open("rb") as raw:
-        pickles = [n for n in archive.namelist() if n.endswith("data.pkl")]
-        if not pickles:
-            raise CheckpointError(f"{p}: is a zip archive but not a torch.save file (no data.pkl)")
-        pickle_name = min(pickles, key=len)
-        prefix = pickle_name[: -len("data.pkl")]
-        root = _Locator(io.BytesIO(archive.read(pickle_name))).load()
-        records = {info.filename: info for info in archive.infolist()}
-        starts: dict[str, tuple[int, int]] = {}  # storage key -> (first byte, bytes)
-        entries: dict[str, _Entry] = {}
-        for name, ref in tensor_refs(root):
-            storage = ref.storage
-            if not isinstance(ref, _Located) or storage is None or storage.location == "meta":
-                raise CheckpointError(
-                    f"{p}: tensor {name or '<root>'!r} is not a plain tensor with data "
-                    "(a sparse, quantized or meta tensor); a sharded model is filled from "
-                    "plain tensors, so save those with torch.save(model.state_dict(), path)"
-                )
-            if storage.key not in starts:
-                info = records.get(f"{prefix}data/{storage.key}")
-                if info is None or info.compress_type != zipfile.ZIP_STORED:
-                    raise CheckpointError(
-                        f"{p}: the data of {name!r} is missing or compressed in the zip; "
-                        "save it again with torch.save"
-                    )
-                raw.seek(info.header_offset)
-                local = raw.read(30)
-                if len(local) < 30 or local[:4] != b"PK\x03\x04":
-                    raise CheckpointError(f"{p}: is corrupt (a bad zip record for {name!r})")
-                name_len, extra_len = struct.unpack("<HH", local[26:30])
-                first = info.header_offset + 30 + name_len + extra_len
-                starts[storage.key] = (first, info.file_size)
-            first, size = starts[storage.key]
-            dtype = _torch_dtype(p, name, ref.dtype)
-            shape = ref.shape
-            stride = ref.stride if ref.stride is not None else _contiguous(shape)
-            order = _storage_order(shape, stride)
-            numel = math.prod(shape)
-            if order is None or ref.offset < 0 or min(shape, default=0) < 0:
-                raise CheckpointError(
-                    f"{p}: tensor {name!r} is saved as a view with strides {stride} of "
-                    f"shape {shape}; save a contiguous copy (tensor.contiguous()) to load "
-                    "it into a sharded model"
-                )
-            nbytes = (ref.offset + numel) * dtype.itemsize
-            if numel and nbytes > size:
-                raise CheckpointError(
-                    f"{p}: is truncated or corrupt: tensor {name!r} runs past its storage"
-                )
-            entries[name] = _Entry(
-                name, dtype, shape, p, first + ref.offset * dtype.itemsize, order
-            )
-    return entries
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
-
-
-def _safetensors_entries(p: Path) -> dict[str, _Entry]:
-    from ._formats import SAFETENSORS_DTYPES, safetensors_header
-
-    header = safetensors_header(p)
-    with p.open("rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-    base = 8 + header_len
+def _sharded_entries(found: Catalog) -> dict[str, _Entry]:
+    """The catalog's entries, each one the sharded reader can read by slices, or refused."""
+    where = found.where
     entries = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
+    for name, e in found.entries.items():
+        if e.tensor is not None:
+            value = e.tensor
+            value = value.full_tensor() if _is_dtensor(value) else value
+            entries[name] = _Entry(name, value.dtype, tuple(value.shape), tensor=value.detach())
             continue
-        shape = tuple(entry["shape"])
-        entries[name] = _Entry(
-            name,
-            SAFETENSORS_DTYPES[entry["dtype"]],
-            shape,
-            p,
-            base + entry["data_offsets"][0],
-            tuple(range(len(shape))),
-        )
+        if found.kind == "legacy" or (e.file is not None and e.why.startswith("it is in a legacy")):
+            p = Path(str(e.file))
+            raise CheckpointError(
+                f"{p}: is a legacy (pre-1.6, non-zip) torch file, whose tensors cannot be read by "
+                f"slice; save it again in the zip format, torch.save(torchplace.load({str(p)!r}), "
+                f"{str(p.with_name(p.stem + '-zip.pt'))!r}), or as .safetensors, and load that file"
+            )
+        if not e.addressable:
+            fix = (
+                "save a contiguous copy (tensor.contiguous()) to load it into a sharded model"
+                if e.why.startswith("it is saved as a view")
+                else "a sharded model is filled from plain tensors, so save those with "
+                "torch.save(model.state_dict(), path)"
+            )
+            raise CheckpointError(
+                f"{e.file}: tensor {name!r} cannot be read by slice: {e.why}; {fix}"
+            )
+        assert e.file is not None and e.order is not None
+        entries[name] = _Entry(name, e.torch_dtype(where), e.shape, e.file, e.start, e.order)
     return entries
-
-
-def _index_entries(p: Path) -> dict[str, _Entry]:
-    from ._formats import gather_index
-
-    return gather_index(p, _file_entries)
 
 
 def _file_entries(p: Path) -> dict[str, _Entry]:
-    from ._formats import detect_format
-
-    readers = {"safetensors": _safetensors_entries, "index": _index_entries, "zip": _zip_entries}
-    read = readers.get(detect_format(p))
-    if read is not None:
-        return read(p)
-    raise CheckpointError(
-        f"{p}: is a legacy (pre-1.6, non-zip) torch file, whose tensors cannot be read by "
-        f"slice; save it again in the zip format, torch.save(torchplace.load({str(p)!r}), "
-        f"{str(p.with_name(p.stem + '-zip.pt'))!r}), or as .safetensors, and load that file"
-    )
-
-
-def _mapping_entries(source: Mapping[Any, Any]) -> dict[str, _Entry]:
-    entries = {}
-    for name, value in source.items():
-        if not isinstance(name, str):
-            raise CheckpointError(
-                f"the state dict passed to load_into has a key {name!r} that is not a str"
-            )
-        if not isinstance(value, torch.Tensor):
-            raise CheckpointError(
-                f"the state dict passed to load_into holds a {type(value).__name__} under "
-                f"{name!r}; a sharded model is filled from tensors"
-            )
-        value = value.full_tensor() if _is_dtensor(value) else value  # type: ignore[attr-defined]
-        entries[name] = _Entry(name, value.dtype, tuple(value.shape), tensor=value.detach())
-    return entries
+    """The entries of a file, index or directory as the sharded reader reads them."""
+    return _sharded_entries(catalog(p))
 
 
 def _is_dtensor(t: object) -> bool:
@@ -404,11 +267,43 @@ def _writable(t: torch.Tensor) -> memoryview:
 
 
 class _Reader:
-    """Open files by path, reading byte ranges into given memory."""
+    """Open files by path, reading byte ranges into given memory.
 
-    def __init__(self) -> None:
+    With the ``stamps`` of a catalog, a file must be the one catalogued when it is opened and
+    still be when ``verify`` is called after the reads (else ``CheckpointError``: it changed
+    while it was read).
+    """
+
+    def __init__(self, stamps: Mapping[Path, Stamp] | None = None) -> None:
         self.fds: dict[Path, int] = {}
         self.buffer: torch.Tensor | None = None
+        self.stamps = dict(stamps or {})
+        self.advance: Callable[[int], None] | None = None  # a progress bar's, if one is shown
+        self.pending: dict[Path, list[tuple[int, torch.Tensor]]] = {}  # queued direct reads
+        self.fresh = True  # the shards' memory is new (a skeleton's): populate it as it is read
+
+    def _check(self, p: Path, fd: int) -> None:
+        before = self.stamps.get(p)
+        if before is not None:
+            now = Stamp.of(os.fstat(fd))
+            if now != before:
+                raise changed_error(p, before, now)
+
+    def queue(self, p: Path, start: int, out: torch.Tensor) -> None:
+        """Read ``out.nbytes`` bytes of ``p`` from ``start`` into ``out`` at the next ``flush``."""
+        self.pending.setdefault(p, []).append((start, out))
+
+    def flush(self) -> None:
+        """Every queued range read, side by side by the one reader's pool (``read_into``), each
+        file checked against its catalogued stamp before and after."""
+        pending, self.pending = self.pending, {}
+        for p, pieces in pending.items():
+            read_into(p, pieces, self.stamps.get(p), fresh=self.fresh)
+
+    def verify(self) -> None:
+        """Every file read is still the one catalogued (``CheckpointError`` if not)."""
+        for p, fd in self.fds.items():
+            self._check(p, fd)
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -419,12 +314,15 @@ class _Reader:
         fd = self.fds.get(p)
         if fd is None:
             fd = self.fds[p] = os.open(p, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            self._check(p, fd)
         done, size = 0, len(out)
         while done < size:
             got = os.preadv(fd, [out[done:]], start + done)
             if got <= 0:
                 raise OSError(f"{p} ended {size - done} bytes early")
             done += got
+        if self.advance is not None:
+            self.advance(size)
 
     def block(
         self, p: Path, start: int, dtype: torch.dtype, shape: tuple[int, ...]
@@ -459,8 +357,9 @@ def _read_box(
     run = (lengths[last] if last >= 0 else 1) * inner  # elements in one contiguous run
     direct = dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous()
     if direct and (last <= 0 or run * itemsize >= _DIRECT_RUN):
-        strides = _contiguous(shape)
-        memory = _writable(dest)
+        strides = contiguous_strides(shape)
+        _writable(dest)  # refuses a storage FSDP2 freed before anything is read into it
+        flat = dest.detach().reshape(-1).view(torch.uint8)
         run_bytes = run * itemsize
         outer = itertools.product(
             *(range(offsets[d], offsets[d] + lengths[d]) for d in range(last))
@@ -468,9 +367,8 @@ def _read_box(
         tail = offsets[last] * strides[last] if last >= 0 else 0
         for n, index in enumerate(outer):
             element = sum(i * s for i, s in zip(index, strides, strict=False)) + tail
-            reader.readinto(
-                entry.file, start + element * itemsize, memory[n * run_bytes : (n + 1) * run_bytes]
-            )
+            part = flat[n * run_bytes : (n + 1) * run_bytes]
+            reader.queue(entry.file, start + element * itemsize, part)
         return
     if nd == 0:
         dest.copy_(reader.block(entry.file, start, dtype, ()))
@@ -493,6 +391,15 @@ def _read_box(
 
 
 def _fill(reader: _Reader, entry: _Entry, box: Box, dest: torch.Tensor) -> None:
+    """``box`` of ``entry`` into ``dest``: runs of the file read straight into it (side by side,
+    by the reader's pool), others through the reader's buffer; all read when this returns."""
+    try:
+        _fill_box(reader, entry, box, dest)
+    finally:
+        reader.flush()
+
+
+def _fill_box(reader: _Reader, entry: _Entry, box: Box, dest: torch.Tensor) -> None:
     offsets, lengths = box
     if entry.tensor is not None:
         index = tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))
@@ -515,6 +422,7 @@ def _fill(reader: _Reader, entry: _Entry, box: Box, dest: torch.Tensor) -> None:
         tuple(lengths[d] for d in order),
         permuted,
     )
+    reader.flush()  # the permuted box is read before it is laid out
     inverse = sorted(range(len(order)), key=lambda d: order[d])
     dest.copy_(permuted.permute(inverse))
 
@@ -579,19 +487,22 @@ def load_sharded(
     *,
     strict: bool = True,
     rename: Rename | None = None,
+    check_crc: bool = False,
+    progress: bool | None = None,
 ) -> nn.Module:
-    """Fill a model holding DTensors from ``source``, each rank reading only its own slices."""
-    from ._formats import as_path, is_dir, model_file
+    """Fill a model holding DTensors from ``source``, each rank reading only its own slices.
 
-    if isinstance(source, Mapping):
-        where = "the state dict passed to load_into"
-        entries = _renamed(_mapping_entries(source), rename, where)
-    else:
-        p = as_path(source)
-        if is_dir(p):  # a save_pretrained directory: its index or its one model file
-            p = model_file(p)
-        where = str(p)
-        entries = _renamed(_file_entries(p), rename, where)
+    ``check_crc``: every record of a zip file is checked in a pass of its own first (a rank
+    reads slices, never a whole record)."""
+    source_catalog = catalog(source)  # a file, an index, a directory or a mapping
+    if check_crc:
+        from ._load import check_records
+
+        for path, fmt in source_catalog.kinds.items():
+            if fmt == "zip":
+                check_records(path)
+    where = source_catalog.where
+    entries = _renamed(_sharded_entries(source_catalog), rename, where)
     # A transformers model's hub names: renamed entries, and fused tensors read piece by piece.
     sources = entries
     conversions = conversion_plan(model, {n: (e.shape, e.dtype) for n, e in entries.items()})
@@ -694,8 +605,16 @@ def load_sharded(
                     f"{kind}; pass device={mesh_type!r}"
                 )
 
-    reader = _Reader()
+    reader = _Reader(source_catalog.stamps)
     changed = False
+    total = sum(
+        math.prod(shape) * entry.dtype.itemsize
+        for (_, entry), (shape, _) in zip(plan, pieces, strict=True)
+    )
+    shown = contextlib.ExitStack()  # the progress bar, closed in the finally below
+    shown.enter_context(reporting(total, f"load_into {Path(where).name}", progress))
+    reader.advance = current()
+    reader.fresh = materialize_on is not None  # else shards already resident: filled in place
     try:
         if materialize_on is not None:
             changed = True
@@ -713,6 +632,13 @@ def load_sharded(
                             _fill(reader, sources[key], part, held[index])
                         continue
                     _fill(reader, filled_from, box, held)
+        reader.verify()  # the files are still those catalogued: no mix of old and new bytes
+    except CheckpointError as exc:
+        if not changed:
+            raise
+        raise CheckpointError(
+            f"{exc}; {type(model).__name__} is partly filled, so build it again"
+        ) from exc
     except TorchplaceError:
         raise
     except Exception as exc:
@@ -725,4 +651,5 @@ def load_sharded(
         ) from exc
     finally:
         reader.close()
+        shown.close()
     return model

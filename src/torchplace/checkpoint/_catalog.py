@@ -1,0 +1,532 @@
+"""Catalogs: a checkpoint source resolved once into a table of entries, before any tensor is read.
+
+The second step of a checkpoint's path through ``checkpoint/`` (after ``_source``, which says
+what a path names). ``catalog(source)`` takes a file of any supported kind, a shard index, a
+directory as ``save_pretrained`` writes it, or a mapping of tensors, and returns a ``Catalog``:
+one ``Entry`` per tensor, with its name, file, first byte, dtype, shape and layout (the order
+of its dims in the file), and a ``Stamp`` of every file it parsed. ``load``, ``load_into``
+(plain and sharded), ``inspect`` and ``remap`` all start here, so they accept the same sources,
+refuse the same files with the same words, and list the same tensors.
+
+As in ``torch.distributed.checkpoint``, the catalog is the *metadata*: what the source holds
+and where. A *plan* (which entry, or which box of it, goes where in the model) is the filler's
+(``_fill``, ``_sharded``), and the *storage reader* is ``_reader``, which reads an entry's
+byte range straight into given memory and checks the file's stamp before and after, so that a
+file rewritten while it was read raises instead of mixing old and new tensors.
+
+Nothing here runs a file's code: a torch zip file's pickle is read by the inert unpickler of
+``_pickle_reader``, and a ``.safetensors`` catalog imports no torch (``torchplace inspect
+FILE.safetensors`` starts at once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+import os
+import struct
+import zipfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from .._errors import CheckpointError
+from ._pickle_reader import (
+    InertUnpickler,
+    TensorRecord,
+    TensorRef,
+    legacy_records,
+    readable,
+    rebuild_tensor,
+    shape_of,
+    tensor_refs,
+)
+from ._safetensors import DTYPES as SAFETENSORS_DTYPES
+from ._safetensors import read_header as read_safetensors_header
+from ._safetensors import sniff as sniff_safetensors
+from ._source import ZIP_MAGIC, PathLike, as_path, detect_format, is_dir, model_file, shards
+
+__all__ = [
+    "Catalog",
+    "Entry",
+    "Piece",
+    "Stamp",
+    "catalog",
+    "changed_error",
+    "contiguous_strides",
+    "describe_file",
+    "format_of",
+    "stamp",
+]
+
+
+# ------------------------------------------------------------------------------------- stamps
+
+
+@dataclasses.dataclass(frozen=True)
+class Stamp:
+    """What says a file is the one that was read: its size, modification time and inode.
+
+    A file rewritten in place changes its size or its mtime; one replaced by another (a save
+    that writes a new file and renames it over the old) changes its inode.
+    """
+
+    size: int
+    mtime_ns: int
+    inode: int
+    device: int
+
+    @classmethod
+    def of(cls, info: os.stat_result) -> Stamp:
+        return cls(info.st_size, info.st_mtime_ns, info.st_ino, info.st_dev)
+
+
+def stamp(p: Path, /) -> Stamp:
+    """The stamp of ``p`` now (``CheckpointError`` where it cannot be asked)."""
+    try:
+        return Stamp.of(os.stat(p))
+    except OSError as exc:
+        raise CheckpointError(f"{p}: cannot be read ({exc.strerror or exc})") from exc
+
+
+# ------------------------------------------------------------------------------------ entries
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One tensor of a checkpoint, and where its bytes lie.
+
+    ``dtype`` is torch's name for it (``"float32"``, ``"bfloat16"``). ``start`` is the file
+    offset of its first element, or -1 where it cannot be read as one range of bytes (``why``
+    says why: a legacy file, a quantized, sparse or data-less tensor). ``order`` lists its dims
+    from outermost to innermost in the file (``(0, 1)`` row-major, ``(1, 0)`` a transposed view),
+    or is ``None`` for a view with gaps. ``device`` is where the file says it was saved from
+    (``"-"`` for safetensors, which says none), ``storage`` the key of the storage record it
+    views and ``stored`` that record's bytes. A mapping source's entries hold the ``tensor``.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    file: Path | None = None
+    start: int = -1
+    order: tuple[int, ...] | None = None
+    device: str = "-"
+    storage: str = ""
+    stored: int = 0
+    why: str = ""
+    tensor: Any = None
+
+    @property
+    def addressable(self) -> bool:
+        """Whether the entry's elements are one dense range of its file (readable by offset)."""
+        return self.file is not None and self.start >= 0 and self.order is not None
+
+    def torch_dtype(self, where: str) -> Any:
+        """The ``torch.dtype``, or ``CheckpointError`` where this torch has none of that name."""
+        import torch
+
+        found = vars(torch).get(self.dtype)
+        if not isinstance(found, torch.dtype):
+            raise CheckpointError(
+                f"{where}: tensor {self.name!r} has dtype {self.dtype!r}, which this version of "
+                f"torch ({torch.__version__}) cannot hold"
+            )
+        return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Part of a model tensor taken from one entry: the entry, and the box of the destination
+    (offsets per dim, in the destination's coordinates) that it fills.
+
+    A tensor read whole is one piece at offsets ``(0, ...)``. A conversion that builds one fused
+    parameter from several entries lists one piece per entry, each at its own offsets, one per
+    dim of the destination: an entry with fewer dims than the destination takes the leading
+    offsets as indices (expert ``i`` of a stack is at ``(i, 0, 0)``), a concatenation puts each
+    part at its offset along the joined dim (``(0, 3 * i)``). ``_load.read_assembled`` fills each
+    box straight from the file.
+    """
+
+    entry: Entry
+    at: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class Catalog:
+    """A source's tensors by name, the files they lie in, and how those files were found.
+
+    ``where`` names the source in messages (the file resolved, or "the state dict ..."),
+    ``kind`` is ``"zip"``, ``"legacy"``, ``"safetensors"``, ``"index"`` or ``"mapping"``,
+    ``path`` the file a path resolved to (None for a mapping), and ``stamps`` the stamp of every
+    file at the moment it was parsed.
+    """
+
+    where: str
+    kind: str
+    path: Path | None
+    entries: dict[str, Entry]
+    stamps: dict[Path, Stamp]
+    kinds: dict[Path, str] = dataclasses.field(default_factory=dict)  # each file's format
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of every entry's own data."""
+        return sum(e.nbytes for e in self.entries.values())
+
+    def check_unchanged(self, p: Path, now: Stamp | None = None) -> None:
+        """``CheckpointError`` if ``p`` is no longer the file this catalog parsed."""
+        before = self.stamps.get(p)
+        if before is None:
+            return
+        now = stamp(p) if now is None else now
+        if now != before:
+            raise changed_error(p, before, now)
+
+    def records(self) -> list[TensorRecord]:
+        """The entries as ``inspect`` lists them, a shared storage's bytes counted once."""
+        owners: dict[tuple[Path | None, str], str] = {}
+        out = []
+        for e in self.entries.values():
+            shares = None
+            if e.storage:
+                first = owners.setdefault((e.file, e.storage), e.name)
+                shares = None if first == e.name else first
+            name = e.file.name if e.file is not None else "-"
+            out.append(
+                TensorRecord(e.name, e.device, e.dtype, e.shape, e.nbytes, name, e.stored, shares)
+            )
+        return out
+
+
+def changed_error(p: Path, before: Stamp, now: Stamp) -> CheckpointError:
+    """The error for a file that changed between two stamps, saying what changed."""
+    what = []
+    if now.size != before.size:
+        what.append(f"its size went from {before.size} to {now.size} bytes")
+    if now.mtime_ns != before.mtime_ns:
+        what.append("its modification time changed")
+    if (now.inode, now.device) != (before.inode, before.device):
+        what.append("it is another file now (replaced under the same name)")
+    return CheckpointError(
+        f"{p}: the file changed while it was read ({'; '.join(what)}), so what was read may mix "
+        "old and new tensors; nothing read from it is kept. Load it again once the writer is "
+        "done"
+    )
+
+
+# ----------------------------------------------------------------------------------- catalog
+
+
+def catalog(source: PathLike | Mapping[str, Any], /) -> Catalog:
+    """The ``Catalog`` of a path (a file, a shard index, a directory) or a mapping of tensors.
+
+    >>> import os, tempfile, torch
+    >>> path = os.path.join(tempfile.mkdtemp(), "w.pt")
+    >>> torch.save({"w": torch.ones(2, 3)}, path)
+    >>> w = catalog(path).entries["w"]
+    >>> w.dtype, w.shape, w.nbytes, w.order
+    ('float32', (2, 3), 24, (0, 1))
+    """
+    if isinstance(source, Mapping):
+        return _mapping_catalog(source)
+    p = as_path(source)
+    if is_dir(p):
+        p = model_file(p)
+    kind = format_of(p)
+    return _CATALOGUERS[kind](p)
+
+
+def format_of(p: Path, /) -> str:
+    """``detect_format(p)``, telling a ``.safetensors`` file by its header alone."""
+    return "safetensors" if sniff_safetensors(p) else detect_format(p)
+
+
+def describe_file(path: PathLike, /) -> list[TensorRecord]:
+    """Every tensor a checkpoint holds (a file, an index, a directory), read without running its
+    code or needing a GPU: ``catalog(path).records()``.
+
+    >>> import os, tempfile, torch
+    >>> path = os.path.join(tempfile.mkdtemp(), "w.pt")
+    >>> torch.save({"w": torch.ones(2, 3)}, path)
+    >>> w = describe_file(path)[0]
+    >>> w.name, w.device, w.dtype, w.shape, w.nbytes, w.shares
+    ('w', 'cpu', 'float32', (2, 3), 24, None)
+    """
+    return catalog(path).records()
+
+
+def _stamped(p: Path, parse: Callable[[], dict[str, Entry]]) -> tuple[dict[str, Entry], Stamp]:
+    """``parse()``'s entries and ``p``'s stamp, refused if the file changed while parsed."""
+    before = stamp(p)
+    entries = parse()
+    now = stamp(p)
+    if now != before:
+        raise changed_error(p, before, now)
+    return entries, before
+
+
+def _safetensors_catalog(p: Path) -> Catalog:
+    def parse() -> dict[str, Entry]:
+        header = read_safetensors_header(p)
+        with p.open("rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+        base = 8 + header_len
+        entries = {}
+        for name, raw in header.items():
+            if name == "__metadata__":
+                continue
+            start, end = raw["data_offsets"]
+            shape = tuple(raw["shape"])
+            entries[name] = Entry(
+                name,
+                SAFETENSORS_DTYPES[raw["dtype"]][0],
+                shape,
+                end - start,
+                p,
+                base + start,
+                tuple(range(len(shape))),
+                stored=end - start,
+            )
+        return entries
+
+    entries, when = _stamped(p, parse)
+    return Catalog(str(p), "safetensors", p, entries, {p: when}, {p: "safetensors"})
+
+
+# A torch zip file: the pickle read inertly, each tensor's storage offset and strides kept.
+
+
+@dataclasses.dataclass
+class _Located(TensorRef):
+    offset: int = 0
+    stride: tuple[int, ...] | None = None
+
+
+def _rebuild_located(storage: Any, offset: Any, size: Any, stride: Any = None, *rest: Any) -> Any:
+    ref = rebuild_tensor(storage, offset, size, stride, *rest)
+    strides = shape_of(stride) if isinstance(stride, (tuple, list)) else None
+    where = offset if isinstance(offset, int) else -1
+    return _Located(ref.storage, ref.dtype, ref.shape, where, strides)
+
+
+class _Locator(InertUnpickler):
+    """The inert unpickler of ``inspect``, keeping each tensor's offset and strides."""
+
+    _TORCH_REBUILDERS: Mapping[str, Callable[..., Any]] = {
+        **InertUnpickler._TORCH_REBUILDERS,
+        "rebuild_tensor": _rebuild_located,
+        "_rebuild_tensor_v2": _rebuild_located,
+        "_rebuild_tensor_v3": _rebuild_located,
+    }
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a row-major tensor of ``shape``."""
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def _storage_order(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The dims of a dense tensor from outermost to innermost in memory, or None if not dense."""
+    if len(stride) != len(shape):
+        return None
+    order = sorted(range(len(shape)), key=lambda d: (-stride[d], d))
+    expected = 1
+    for d in reversed(order):
+        if shape[d] != 1 and stride[d] != expected:
+            return None
+        expected *= shape[d]
+    return tuple(order)
+
+
+def _record_start(raw: Any, info: zipfile.ZipInfo) -> int:
+    raw.seek(info.header_offset)
+    local = raw.read(30)
+    if len(local) < 30 or local[:4] != ZIP_MAGIC:
+        raise CheckpointError(f"{raw.name}: is corrupt (a bad zip record {info.filename!r})")
+    name_len, extra_len = struct.unpack("<HH", local[26:30])
+    return int(info.header_offset) + 30 + int(name_len) + int(extra_len)
+
+
+def _itemsize(dtype: str) -> int:
+    import torch
+
+    found = vars(torch).get(dtype)
+    return found.itemsize if isinstance(found, torch.dtype) else 1
+
+
+def _zip_entries(p: Path) -> dict[str, Entry]:
+    # any other failure than a CheckpointError (zipfile's NotImplementedError for a damaged
+    # version field included): the file is damaged
+    with readable(p), zipfile.ZipFile(p) as archive, p.open("rb") as raw:
+        pickles = [n for n in archive.namelist() if n.endswith("data.pkl")]
+        if not pickles:
+            raise CheckpointError(f"{p}: is a zip archive but not a torch.save file (no data.pkl)")
+        pickle_name = min(pickles, key=len)
+        prefix = pickle_name[: -len("data.pkl")]
+        root = _Locator(io.BytesIO(archive.read(pickle_name))).load()
+        records = {info.filename: info for info in archive.infolist()}
+        order_record = records.get(f"{prefix}byteorder")
+        big_endian = False
+        if order_record is not None:
+            raw.seek(_record_start(raw, order_record))
+            big_endian = raw.read(order_record.file_size) == b"big"
+        starts: dict[str, tuple[int, int]] = {}  # storage key -> (first byte, bytes)
+        entries: dict[str, Entry] = {}
+        for name, ref in tensor_refs(root):
+            name = name or "<root>"
+            storage = ref.storage
+            itemsize = _itemsize(ref.dtype)
+            numel = math.prod(max(n, 0) for n in ref.shape)
+            if storage is None or (storage.location == "meta" and not storage.key):
+                entries[name] = Entry(
+                    name,
+                    ref.dtype,
+                    ref.shape,
+                    0 if storage is not None else numel * itemsize,
+                    p,
+                    device=storage.location if storage is not None else "?",
+                    why="it is not a plain tensor with data (a sparse, quantized or meta tensor)",
+                )
+                continue
+            stored = storage.numel * storage.itemsize if storage.numel >= 0 else numel * itemsize
+            if storage.key not in starts:
+                info = records.get(f"{prefix}data/{storage.key}")
+                if info is None or info.compress_type != zipfile.ZIP_STORED:
+                    raise CheckpointError(
+                        f"{p}: the data of {name!r} is missing or compressed in the zip; "
+                        "save it again with torch.save"
+                    )
+                starts[storage.key] = (_record_start(raw, info), info.file_size)
+            first, size = starts[storage.key]
+            why, start, order = "", -1, None
+            if not isinstance(ref, _Located) or ref.offset < 0:
+                why = "it is not a plain tensor with data (a sparse, quantized or meta tensor)"
+            else:
+                stride = ref.stride if ref.stride is not None else contiguous_strides(ref.shape)
+                order = _storage_order(ref.shape, stride)
+                if numel and (ref.offset + numel) * itemsize > size:
+                    raise CheckpointError(
+                        f"{p}: is truncated or corrupt: tensor {name!r} runs past its storage"
+                    )
+                start = first + ref.offset * itemsize
+                if order is None:
+                    why = (
+                        f"it is saved as a view with strides {stride} of shape {ref.shape}, "
+                        "with gaps between its elements"
+                    )
+                elif big_endian:
+                    why, order = "the file was written on a big-endian machine", None
+            entries[name] = Entry(
+                name,
+                ref.dtype,
+                ref.shape,
+                numel * itemsize,
+                p,
+                start,
+                order,
+                storage.location,
+                storage.key,
+                stored,
+                why,
+            )
+    return entries
+
+
+def _zip_catalog(p: Path) -> Catalog:
+    entries, when = _stamped(p, lambda: _zip_entries(p))
+    return Catalog(str(p), "zip", p, entries, {p: when}, {p: "zip"})
+
+
+def _legacy_catalog(p: Path) -> Catalog:
+    def parse() -> dict[str, Entry]:
+        return {
+            r.name: Entry(
+                r.name,
+                r.dtype,
+                r.shape,
+                r.nbytes,
+                p,
+                device=r.device,
+                storage=r.shares or r.name,
+                stored=r.stored,
+                why="it is in a legacy (pre-1.6, non-zip) torch file, read only whole",
+            )
+            for r in legacy_records(p)
+        }
+
+    entries, when = _stamped(p, parse)
+    return Catalog(str(p), "legacy", p, entries, {p: when}, {p: "legacy"})
+
+
+def _index_catalog(p: Path) -> Catalog:
+    from ._index import weight_map
+
+    entries: dict[str, Entry] = {}
+    stamps: dict[Path, Stamp] = {}
+    kinds: dict[Path, str] = {}
+    index_stamp = stamp(p)
+    for shard, shard_path, names in shards(p, weight_map(p)):
+        part = catalog(shard_path)
+        if part.kind == "index":
+            raise CheckpointError(
+                f"{p}: names shard {shard!r}, which is itself a shard index; an index lists "
+                "the files that hold the tensors"
+            )
+        stamps.update(part.stamps)
+        kinds.update(part.kinds)
+        # A name holds a tensor, or (sparse, quantized) tensors listed under name.part.
+        wanted = set(names)
+        held = {n.rsplit(".", k)[0] for n in part.entries for k in range(n.count(".") + 1)}
+        for name in names:
+            if name not in held:
+                raise CheckpointError(
+                    f"{p}: says {name!r} is in {shard!r}, but that shard does not hold it; the "
+                    "index and its shards do not match"
+                )
+        for name, entry in part.entries.items():
+            prefixes = {name.rsplit(".", k)[0] for k in range(name.count(".") + 1)}
+            if prefixes & wanted:
+                entries[name] = entry
+    stamps[p] = index_stamp
+    return Catalog(str(p), "index", p, entries, stamps, kinds)
+
+
+def _mapping_catalog(source: Mapping[Any, Any]) -> Catalog:
+    import torch
+
+    where = "the state dict passed to load_into"
+    entries = {}
+    for name, value in source.items():
+        if not isinstance(name, str):
+            raise CheckpointError(f"{where} has a key {name!r} that is not a str")
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(
+                f"{where} holds a {type(value).__name__} under {name!r}; a model is filled "
+                "from tensors"
+            )
+        dtype = str(value.dtype).removeprefix("torch.")
+        shape = tuple(value.shape)
+        entries[name] = Entry(
+            name,
+            dtype,
+            shape,
+            math.prod(shape) * value.element_size(),
+            device=str(value.device),
+            tensor=value,
+        )
+    return Catalog(where, "mapping", None, entries, {})
+
+
+_CATALOGUERS: dict[str, Callable[[Path], Catalog]] = {
+    "zip": _zip_catalog,
+    "legacy": _legacy_catalog,
+    "safetensors": _safetensors_catalog,
+    "index": _index_catalog,
+}

@@ -1,0 +1,487 @@
+"""``load``: a checkpoint file's tensors read into the process's own memory, or mapped."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import pickle
+import sys
+import warnings
+import zipfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._devices import DeviceSpec
+from .._devices import device as _device
+from .._errors import CheckpointError
+from ._catalog import Catalog, Piece, Stamp, catalog, changed_error, format_of, stamp
+from ._formats import (
+    SAFETENSORS_HINT,
+    PathLike,
+    ZipLayout,
+    device_failure,
+    diagnose,
+    first_sentence,
+    has_data_pkl,
+    has_legacy_magic,
+    out_of_memory,
+    record_start,
+    refusal_reason,
+    zip_layout,
+)
+from ._pickle_reader import WHOLE_MODEL, code_globals, pickles_a_model
+from ._progress import reporting, wanted
+from ._reader import Piece as ReadPiece
+from ._reader import read_into
+from ._source import resolve
+
+# ------------------------------------------------------------------------------------------ load
+
+
+def load(
+    path: PathLike,
+    device: DeviceSpec = "cpu",
+    /,
+    *,
+    mmap: bool = False,
+    trusted: bool = False,
+    check_crc: bool = False,
+    progress: bool | None = None,
+) -> Any:
+    """Load a checkpoint with its tensors on ``device``, whatever device they were saved from.
+
+    >>> import os, tempfile, torch
+    >>> from torchplace import load
+    >>> path = os.path.join(tempfile.mkdtemp(), "weights.pt")
+    >>> torch.save({"w": torch.ones(2)}, path)
+    >>> load(path)
+    {'w': tensor([1., 1.])}
+    >>> load(path, "meta")["w"].device
+    device(type='meta')
+
+    Reads torch files (``.pt``, ``.pth``, ``.bin``; zip or legacy), ``.safetensors`` files,
+    sharded checkpoints through a Hugging Face ``*.index.json`` weight map, and a directory
+    holding one of these as ``save_pretrained`` writes it (its index, or its one model file).
+    Files are read with ``weights_only=True`` unless ``trusted=True``, so an untrusted file never
+    runs code. A missing, truncated, corrupt, foreign or unsafe file raises ``CheckpointError``
+    naming the file.
+
+    The bytes are read into the process's own memory, straight into each tensor (onto a GPU,
+    through pinned buffers straight to the device), so the file may be rewritten or deleted at
+    once: ``torch.save(sd, path)`` back to the same path is safe. ``mmap=True`` maps zip and
+    safetensors files instead (zero-copy; legacy files cannot be mapped, and are read): the
+    tensors are then pages of the file, and **rewriting or truncating the file while they live
+    crashes the process** (SIGBUS, exit -7, even for values already changed in memory). Use it to
+    serve weights read-only from a file nothing writes to; ``mmap=True`` safetensors need
+    ``pip install safetensors``.
+
+    ``check_crc=True`` checks every record of a zip file against the CRC-32 it was saved with
+    (torch writes one per record), so a flipped bit in a tensor's bytes raises
+    ``CheckpointError`` naming the record. The pickle record is always checked; the tensors'
+    records are not by default, because computing the CRC cannot hide behind a read from the page
+    cache (zlib's CRC-32 runs at about the speed of the read itself), so it adds about the read's
+    time again (``benchmarks/RESULTS.md``). Safetensors files carry no checksum.
+
+    ``progress``: a bar on stderr (bytes, rate, time left) while the file is read. ``None``
+    shows it when stderr is a terminal and the checkpoint holds at least 2 GiB; ``True`` and
+    ``False`` force it on or off. On many ranks only rank 0 shows it.
+    """
+    target = _device(device)
+    p = resolve(path)  # a directory's model file
+    kind = format_of(p)
+    if wanted(progress):  # a bar only where one may show: no size asked for otherwise
+        with reporting(source_bytes(p, kind), f"load {p.name}", progress):
+            return _load(p, kind, target, mmap=mmap, trusted=trusted, check_crc=check_crc)
+    return _load(p, kind, target, mmap=mmap, trusted=trusted, check_crc=check_crc)
+
+
+def source_bytes(p: Path, kind: str) -> int:
+    """The bytes of the files a source reads (an index: its shards')."""
+    if kind != "index":
+        return p.stat().st_size
+    return sum(s.size for f, s in catalog(p).stamps.items() if f != p)
+
+
+def _load(
+    p: Path, kind: str, target: torch.device, *, mmap: bool, trusted: bool, check_crc: bool
+) -> Any:
+    if kind == "index":
+        return _load_index(p, target, mmap=mmap, trusted=trusted, check_crc=check_crc)
+    if kind == "safetensors":
+        return _load_safetensors(p, target, mmap=mmap)
+    zip_format = kind == "zip"
+    return _load_torch(
+        p, target, zip_format=zip_format, mmap=mmap, trusted=trusted, check_crc=check_crc
+    )
+
+
+def _load_torch(
+    p: Path,
+    target: torch.device,
+    *,
+    zip_format: bool,
+    mmap: bool,
+    trusted: bool,
+    check_crc: bool = False,
+) -> Any:
+    use_mmap = mmap and zip_format and target.type != "meta"
+    if not zip_format and not has_legacy_magic(p):
+        raise CheckpointError(
+            f"{p}: is a plain pickle, not a torch.save file (it does not open with torch's "
+            "magic number); a pickle is not a checkpoint, and torchplace does not unpickle it"
+        )
+    when = stamp(p)  # the file read must stay the one whose layout was found
+    if zip_format:
+        layout = zip_layout(p)  # the pickle record's CRC-32 is checked, however it is read
+        if layout is not None and not mmap and not trusted and target.type in ("cpu", "cuda"):
+            read = _read_zip(layout, target, when, check_crc)
+            if read is not _UNUSUAL:
+                return read
+        if check_crc:  # read by torch.load below: every record checked in a pass of its own
+            check_records(p)
+    try:
+        with warnings.catch_warnings():  # torch's note on pickle protocols is not the user's
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            loaded = torch.load(p, map_location=target, mmap=use_mmap, weights_only=not trusted)
+        now = stamp(p)
+        if now != when:  # torch read it by its path: a rewrite shows in the stamp
+            raise changed_error(p, when, now)
+        return loaded
+    except CheckpointError:
+        raise
+    except pickle.UnpicklingError as exc:
+        text = str(exc)
+        reason = refusal_reason(text)
+        if "Weights only load failed" in text and "operand" in reason:
+            raise CheckpointError(
+                f"{p}: was pickled with an instruction torch's safe loader does not read "
+                f"({reason}; a newer pickle protocol). Nothing was run. Re-save it with "
+                "torch.save's default protocol, or pass trusted=True if you trust its source"
+            ) from exc
+        if "Weights only load failed" in text and _whole_model(p):
+            raise CheckpointError(
+                f"{p}: {WHOLE_MODEL.format(path=repr(str(p)))} (a state dict load_into takes "
+                "as it is); better, save model.state_dict() instead of the model"
+            ) from exc
+        if "Weights only load failed" in text:
+            raise CheckpointError(
+                f"{p}: refused to unpickle it, because loading it would run code or build "
+                f"objects other than tensors and containers ({reason}). "
+                "Nothing was run. If you trust where the file came from, pass trusted=True to "
+                "torchplace.load, or allow that class with torch.serialization.add_safe_globals"
+            ) from exc
+        raise CheckpointError(f"{p}: is corrupt ({first_sentence(text)})") from exc
+    except Exception as exc:
+        if zip_format and not has_data_pkl(p):
+            raise CheckpointError(
+                f"{p}: is a zip archive but not a torch.save file (no data.pkl); torchplace "
+                "reads torch.save files, .safetensors files and *.index.json shard maps"
+            ) from exc
+        raise CheckpointError(f"{p}: {diagnose(exc, zip_format, target)}") from exc
+
+
+_UNUSUAL = object()  # what _read_zip returns for a file it leaves to torch.load
+
+
+class _Unusual(Exception):
+    """A zip file laid out in a way _read_zip does not read (torch.load reads it instead)."""
+
+
+def check_records(p: Path) -> None:
+    """Every record of a zip file read through ``zipfile``, which checks each one's CRC-32."""
+    try:
+        with zipfile.ZipFile(p) as archive:
+            for info in archive.infolist():
+                with archive.open(info) as record:
+                    while record.read(16 << 20):
+                        pass
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError, NotImplementedError) as exc:
+        raise CheckpointError(
+            f"{p}: is corrupt ({type(exc).__name__}: {first_sentence(str(exc))}); the bytes were "
+            "damaged after the file was written, so save or fetch it again"
+        ) from exc
+
+
+def _read_zip(layout: ZipLayout, target: torch.device, when: Stamp, check_crc: bool) -> Any:
+    """A torch zip file's objects, each record read into a storage on ``target``.
+
+    Returns ``_UNUSUAL`` for anything it does not read itself, or that fails: a refused
+    global, a compressed or mis-sized record, a file written big-endian. ``torch.load`` then
+    reads it, or raises the error the caller turns into a sentence about the file. Only a lack
+    of memory or a failing device is reported here, since it would fail there again.
+    """
+    p = layout.path
+    order = layout.records.get(layout.prefix + "byteorder")
+    try:
+        with p.open("rb") as f:
+            if order is not None:
+                f.seek(record_start(f, order))
+                if f.read(order.file_size) != sys.byteorder.encode():
+                    return _UNUSUAL
+            elif sys.byteorder != "little":
+                return _UNUSUAL
+            storages: dict[str, Any] = {}
+            pieces: list[tuple[int, torch.Tensor]] = []
+            checks: dict[int, tuple[int, str]] = {}
+
+            def persistent_load(saved_id: Any) -> Any:
+                if not isinstance(saved_id, tuple) or len(saved_id) != 5:
+                    raise _Unusual(f"persistent id {saved_id!r}")
+                typename, storage_type, key, _location, numel = saved_id
+                if typename not in ("storage", b"storage") or not isinstance(key, str):
+                    raise _Unusual(f"persistent id {saved_id!r}")
+                if key in storages:
+                    return storages[key]
+                if storage_type is torch.UntypedStorage:
+                    dtype = torch.uint8
+                else:
+                    dtype = storage_type.dtype
+                nbytes = numel * dtype.itemsize
+                info = layout.records.get(f"{layout.prefix}data/{key}")
+                if info is None or info.compress_type != 0 or info.file_size != nbytes:
+                    raise _Unusual(f"record data/{key}")
+                data = torch.empty(nbytes, dtype=torch.uint8, device=target)
+                start = record_start(f, info)
+                pieces.append((start, data))
+                if check_crc and info.CRC:  # 0: written without CRCs
+                    checks[start] = (info.CRC, info.filename)
+                storage = torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
+                    wrap_storage=data.untyped_storage(), dtype=dtype, _internal=True
+                )
+                storages[key] = storage
+                return storage
+
+            from torch import _weights_only_unpickler
+
+            unpickler = _weights_only_unpickler.Unpickler(
+                io.BytesIO(layout.pickle), encoding="utf-8"
+            )
+            unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
+            result = unpickler.load()  # type: ignore[no-untyped-call]
+            torch._utils._validate_loaded_sparse_tensors()  # type: ignore[no-untyped-call]
+        read_into(p, pieces, when, checks)
+    except CheckpointError:  # the file changed while it was read
+        raise
+    except Exception as exc:
+        if out_of_memory(exc) or device_failure(exc):
+            raise CheckpointError(f"{p}: {diagnose(exc, True, target)}") from exc
+        return _UNUSUAL
+    return result
+
+
+def _safetensors_device(target: torch.device) -> str:
+    # safetensors takes a device *string*; "mps:0" is spelt "mps".
+    return "mps" if target.type == "mps" else str(target)
+
+
+def _load_safetensors(p: Path, target: torch.device, *, mmap: bool) -> dict[str, torch.Tensor]:
+    found = catalog(p)
+    if target.type == "meta":  # safetensors rejects meta; the header says all there is to know
+        return {
+            name: torch.empty(e.shape, dtype=e.torch_dtype(str(p)), device="meta")
+            for name, e in found.entries.items()
+        }
+    if not mmap and sys.byteorder == "little":
+        return read_entries(found, list(found.entries), target)
+    for e in found.entries.values():
+        e.torch_dtype(str(p))  # refused as the reader refuses it
+    try:
+        import safetensors
+        import safetensors.torch
+    except ImportError as exc:
+        how = (
+            "mapping it (mmap=True) needs the safetensors package; read it without mmap=True, or"
+            if mmap
+            else "reading it on a big-endian machine needs the safetensors package;"
+        )
+        raise CheckpointError(
+            f"{p}: is a safetensors file, and {how} install it with {SAFETENSORS_HINT}"
+        ) from exc
+    try:
+        if not mmap:
+            data = safetensors.torch.load(p.read_bytes())
+            return {k: v.to(target) for k, v in data.items()}
+        with safetensors.safe_open(str(p), framework="pt", device=_safetensors_device(target)) as f:
+            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    except Exception as exc:
+        reason = "it is truncated or corrupt"
+        raise _unreadable(p, exc, target, first_sentence(str(exc)), reason) from exc
+
+
+def _whole_model(p: Path) -> bool:
+    try:
+        return pickles_a_model(code_globals(p))
+    except CheckpointError:
+        return False
+
+
+DTypeWish = Callable[[str], "torch.dtype | None"]
+
+
+def read_entries(
+    found: Catalog, names: list[str], target: torch.device, dtype_of: DTypeWish | None = None
+) -> dict[str, torch.Tensor]:
+    """The catalog's addressable entries ``names``, each allocated on ``target`` (the CPU for an
+    accelerator other than CUDA) and read straight into, every file's stamp checked.
+
+    ``dtype_of(name)``: the floating dtype a floating tensor is wanted in (the model's), so that
+    it is converted chunk by chunk as it is read, never held in the file's dtype whole.
+    """
+    plan = {}
+    for name in names:
+        e = found.entries[name]
+        stored = e.torch_dtype(found.where)
+        want = dtype_of(name) if dtype_of is not None else None
+        if want is None or not (want.is_floating_point and stored.is_floating_point):
+            want = stored
+        plan[name] = Assembled(e.shape, want, [Piece(e, (0,) * len(e.shape))])
+    return read_assembled(found, plan, target)
+
+
+@dataclasses.dataclass(frozen=True)
+class Assembled:
+    """A tensor to build from catalog entries: its shape and dtype, and the pieces that fill it
+    (each an entry and the offsets of its box in the tensor). One piece at the origin is a
+    tensor read as saved; several build one fused tensor (experts stacked, projections
+    concatenated), each read straight into its slice."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    pieces: list[Piece]
+
+
+def read_assembled(
+    found: Catalog, plan: Mapping[str, Assembled], target: torch.device
+) -> dict[str, torch.Tensor]:
+    """Each tensor of ``plan`` allocated on ``target`` (the CPU for an accelerator other than
+    CUDA) and filled from its pieces' byte ranges, every file's stamp checked.
+
+    A piece whose slice of the tensor is one run of memory (a box over the leading dim, or the
+    whole) is read straight into it, converted to the tensor's dtype a chunk at a time; any other
+    goes through a buffer of the piece's own size (a box across a later dim, a piece saved as a
+    transposed view).
+    """
+    home = target if target.type in ("cpu", "cuda") else torch.device("cpu")
+    out: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[ReadPiece]] = {}
+    later: list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...] | None]] = []
+    for name, made in plan.items():
+        t = out[name] = torch.empty(made.shape, dtype=made.dtype, device=home)
+        for piece in made.pieces:
+            e = piece.entry
+            if not e.addressable or e.file is None or e.order is None:
+                raise CheckpointError(f"{e.file}: tensor {e.name!r} cannot be read here: {e.why}")
+            stored = e.torch_dtype(found.where)
+            lead = len(piece.at) - len(e.shape)  # leading offsets index (stacked experts)
+            dest: torch.Tensor | None = None
+            if lead >= 0 and len(piece.at) == t.dim():
+                index: list[int | slice] = list(piece.at[:lead])
+                index += [slice(a, a + n) for a, n in zip(piece.at[lead:], e.shape, strict=True)]
+                dest = t[tuple(index)] if index else t
+            if dest is None or tuple(dest.shape) != e.shape:
+                raise CheckpointError(
+                    f"{found.where}: {e.name!r} of shape {e.shape} does not fit {name!r} "
+                    f"(shape {made.shape}) at {piece.at}"
+                )
+            row_major = e.order == tuple(range(len(e.shape)))
+            if row_major and dest.is_contiguous():
+                by_file.setdefault(e.file, []).append((e.start, dest, stored))
+                continue
+            in_file = tuple(e.shape[d] for d in e.order)
+            buffer = torch.empty(in_file, dtype=stored, device=home)
+            by_file.setdefault(e.file, []).append((e.start, buffer))
+            inverse = None if row_major else tuple(e.order.index(d) for d in range(len(e.order)))
+            later.append((dest, buffer, inverse))
+    for path, pieces in by_file.items():
+        try:
+            read_into(path, pieces, found.stamps.get(path))
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            detail = f"{type(exc).__name__}: {first_sentence(str(exc))}"
+            reason = "it is truncated, or it changed while being read"
+            raise _unreadable(path, exc, target, detail, reason) from exc
+    for dest, buffer, inverse in later:
+        dest.copy_(buffer if inverse is None else buffer.permute(inverse))
+    if home != target:
+        try:
+            out = {name: t.to(target) for name, t in out.items()}
+        except Exception as exc:
+            raise _unreadable(found.path or Path(found.where), exc, target, str(exc), "") from exc
+    return out
+
+
+def _unreadable(
+    p: Path, exc: Exception, target: torch.device, detail: str, likely: str
+) -> CheckpointError:
+    """The error for a safetensors file that failed to read: the device's own trouble (out of
+    memory, a failing GPU) said as such, anything else as a damaged file."""
+    if out_of_memory(exc) or device_failure(exc):
+        return CheckpointError(f"{p}: {diagnose(exc, True, target)}")
+    return CheckpointError(f"{p}: cannot be read as safetensors ({detail}); {likely}")
+
+
+def load_state(
+    path: PathLike,
+    target: torch.device,
+    *,
+    mmap: bool,
+    dtype_of: DTypeWish | None,
+    check_crc: bool = False,
+) -> Any:
+    """``load(path, target, mmap=mmap)`` for ``load_into``: tensors of safetensors files (alone
+    or in an index) are read in the dtype ``dtype_of`` asks for, converted as they are read."""
+    p = resolve(path)
+    kind = format_of(p)
+    if kind == "index":
+        return _load_index(
+            p, target, mmap=mmap, trusted=False, dtype_of=dtype_of, check_crc=check_crc
+        )
+    if kind == "safetensors" and target.type != "meta" and not mmap and sys.byteorder == "little":
+        found = catalog(p)
+        return read_entries(found, list(found.entries), target, dtype_of)
+    return load(p, target, mmap=mmap, check_crc=check_crc)
+
+
+def _load_index(
+    p: Path,
+    target: torch.device,
+    *,
+    mmap: bool,
+    trusted: bool,
+    dtype_of: DTypeWish | None = None,
+    check_crc: bool = False,
+) -> dict[str, Any]:
+    """Every tensor an index lists: safetensors shards read from the catalog's entries (or
+    mapped, with ``mmap=True``), torch shards loaded whole and the listed names taken."""
+    found = catalog(p)
+    by_file: dict[Path, list[str]] = {}
+    for name, e in found.entries.items():
+        assert e.file is not None
+        by_file.setdefault(e.file, []).append(name)
+    result: dict[str, Any] = {}
+    for shard, names in by_file.items():
+        if found.kinds.get(shard) == "safetensors" and not mmap and sys.byteorder == "little":
+            if target.type == "meta":
+                part: Mapping[str, Any] = _load_safetensors(shard, target, mmap=False)
+            else:
+                part = read_entries(found, names, target, dtype_of)
+        else:
+            loaded = load(shard, target, mmap=mmap, trusted=trusted, check_crc=check_crc)
+            if not isinstance(loaded, Mapping):
+                raise CheckpointError(f"{shard}: holds a {type(loaded).__name__}, not tensors")
+            part = loaded
+        for name in names:
+            if name in part:
+                result[name] = part[name]
+            else:  # a quantized or sparse tensor, catalogued by its parts: loaded whole
+                head = name.split(".")
+                for k in range(len(head) - 1, 0, -1):
+                    owner = ".".join(head[:k])
+                    if owner in part:
+                        result[owner] = part[owner]
+                        break
+    return result

@@ -1,0 +1,238 @@
+"""Sources: what a checkpoint path names, before any tensor is read.
+
+The first step of a checkpoint's path through ``checkpoint/``: a path (or a directory as
+``save_pretrained`` writes it) resolved to one file, that file told apart by its first bytes
+(``detect_format``: torch zip, legacy pickle, ``.safetensors``, shard index; a foreign file is
+named), and an index's shards checked (``shards``). ``_catalog`` turns what this finds into a
+table of entries; nothing here reads a tensor, and nothing here needs torch.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import struct
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Union
+
+from .._errors import CheckpointError
+
+__all__ = [
+    "CHECKPOINT_SUFFIXES",
+    "ZIP_MAGIC",
+    "PathLike",
+    "as_path",
+    "detect_format",
+    "is_dir",
+    "model_file",
+    "resolve",
+    "shards",
+]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+# The first bytes of formats people mistake for checkpoints, to say what a foreign file is.
+_FOREIGN_MAGIC = (
+    (b"\x93NUMPY", "a NumPy .npy array (load it with numpy.load)"),
+    (b"\x89HDF", "an HDF5 file (Keras or h5py; load it with h5py)"),
+    (b"GGUF", "a GGUF file (llama.cpp)"),
+    (b"\x1f\x8b", "a gzip archive (decompress it first)"),
+    (b"PK\x05\x06", "an empty zip archive"),
+)
+ZIP_MAGIC = b"PK\x03\x04"
+CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".index.json")
+
+
+def as_path(path: Any, /) -> Path:
+    """``path`` as a ``Path``, or a ``CheckpointError`` saying what a checkpoint path is.
+
+    >>> as_path(None)
+    Traceback (most recent call last):
+    ...
+    torchplace.CheckpointError: a checkpoint is named by its path (a str or os.PathLike), ...
+    """
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if not isinstance(path, (str, os.PathLike)):
+        extra = (
+            "; torchplace reads files by path (to map them), so write the bytes to a file "
+            "first, or use torch.load for an open file"
+            if hasattr(path, "read")
+            else ""
+        )
+        raise CheckpointError(
+            f"a checkpoint is named by its path (a str or os.PathLike), not "
+            f"{type(path).__name__}{extra}"
+        )
+    return Path(path)
+
+
+def detect_format(path: PathLike, /) -> str:
+    """The format of a checkpoint file: ``"zip"``, ``"legacy"``, ``"safetensors"`` or ``"index"``.
+
+    Raises ``CheckpointError`` for a missing file, a directory, an empty or a foreign file, and
+    for anything that is not a regular file (a pipe would block the read for ever).
+    """
+    p = as_path(path)
+    try:
+        info = p.stat()
+    except FileNotFoundError:
+        hint = _near_misses(p)
+        raise CheckpointError(f"{p}: no such file; check the path{hint}") from None
+    except OSError as exc:  # a name too long, a permission on a parent directory, ...
+        raise CheckpointError(f"{p}: cannot be read ({exc.strerror or exc})") from exc
+    if stat.S_ISDIR(info.st_mode):
+        found = sorted(
+            q.name for q in p.iterdir() if q.is_file() and q.name.endswith(CHECKPOINT_SUFFIXES)
+        )
+        which = f": pass one of its files ({', '.join(found[:5])})" if found else ""
+        raise CheckpointError(f"{p}: is a directory, not a checkpoint file{which}")
+    if not stat.S_ISREG(info.st_mode):
+        raise CheckpointError(
+            f"{p}: is not a regular file (a pipe, socket or device); save the checkpoint to a "
+            "file and pass its path"
+        )
+    size = info.st_size
+    try:
+        with p.open("rb") as f:
+            head = f.read(16)
+    except OSError as exc:
+        raise CheckpointError(f"{p}: cannot be read ({exc.strerror or exc})") from exc
+    if size == 0:
+        raise CheckpointError(f"{p}: is empty (0 bytes); the save was probably interrupted")
+    if p.name.endswith(".json"):
+        return "index"
+    if head.startswith(ZIP_MAGIC):
+        return "zip"
+    if len(head) >= 9:
+        (header_len,) = struct.unpack("<Q", head[:8])
+        if head[8:9] == b"{" and header_len <= size - 8:
+            return "safetensors"
+        if head[8:9] == b"{" and p.name.endswith(".safetensors"):
+            raise CheckpointError(
+                f"{p}: is a safetensors file cut short: its header alone should take "
+                f"{header_len + 8} bytes, and the file has {size}; the save or download was "
+                "interrupted, so write or fetch it again"
+            )
+    if head[:1] == b"\x80":  # a pickle: torch's legacy format (torch checks its magic number)
+        return "legacy"
+    if head.lstrip(b" \t\r\n\xef\xbb\xbf")[:1] == b"{":  # JSON by its bytes: a shard index
+        return "index"
+    for magic, what in _FOREIGN_MAGIC:
+        if head.startswith(magic):
+            raise CheckpointError(f"{p}: is {what}, not a PyTorch or safetensors checkpoint")
+    raise CheckpointError(
+        f"{p}: is not a PyTorch or safetensors checkpoint (it starts with {head[:8]!r}); "
+        "torchplace reads torch.save files (zip or legacy), .safetensors files and "
+        "*.index.json shard maps"
+    )
+
+
+def _near_misses(p: Path) -> str:
+    """A hint naming checkpoint files beside a path that does not exist."""
+    parent = p.parent if str(p.parent) else Path(".")
+    try:
+        stem = p.name.split(".")[0]
+        found = sorted(
+            q.name
+            for q in parent.iterdir()
+            if q.is_file() and q.name.endswith(CHECKPOINT_SUFFIXES) and q.name.startswith(stem)
+        )
+    except OSError:
+        return ""
+    return f" (found nearby: {', '.join(found[:5])})" if found else ""
+
+
+def shards(p: Path, weight_map: Mapping[str, str]) -> list[tuple[str, Path, list[str]]]:
+    """The shards an index names, checked: (name in the index, path, tensor names) each.
+
+    A shard must be a file inside the index's own directory and not an index itself (an index
+    naming itself, or two naming each other, would never end). A shard spelt two ways
+    (``s1.safetensors`` and ``./s1.safetensors``) is one file, listed (and read) once under the
+    first spelling.
+    """
+    root = p.parent.resolve()
+    by_shard: dict[Path, tuple[str, list[str]]] = {}
+    for name, shard in weight_map.items():
+        try:
+            where = (p.parent / str(shard)).resolve()
+        except (OSError, ValueError) as exc:  # a NUL in the name, a loop of links
+            raise CheckpointError(
+                f"{p}: names shard {shard!r}, which is not a usable file name ({exc})"
+            ) from exc
+        by_shard.setdefault(where, (str(shard), []))[1].append(name)
+    found = []
+    for shard_path, (shard, names) in by_shard.items():
+        if root not in shard_path.parents:
+            raise CheckpointError(
+                f"{p}: names shard {shard!r} outside its own directory; refusing to read it"
+            )
+        if not shard_path.is_file():
+            raise CheckpointError(
+                f"{p}: names shard {shard!r}, which is missing from {p.parent.resolve()}; "
+                "download or copy "
+                "every shard the index lists"
+            )
+        if detect_format(shard_path) == "index":
+            raise CheckpointError(
+                f"{p}: names shard {shard!r}, which is itself a shard index; an index lists "
+                "the files that hold the tensors"
+            )
+        found.append((shard, shard_path, names))
+    return found
+
+
+# The files save_pretrained writes, in the order a directory is searched for its one model file.
+_MODEL_FILE_KINDS = (".safetensors.index.json", ".index.json", ".safetensors")
+
+
+def is_dir(p: Path, /) -> bool:
+    """Whether ``p`` is a directory; for a path that cannot be asked, ``detect_format`` says why."""
+    try:
+        return stat.S_ISDIR(p.stat().st_mode)
+    except (OSError, ValueError):
+        return False
+
+
+def model_file(p: Path, /) -> Path:
+    """The checkpoint a directory holds, as ``save_pretrained`` writes one: its index or its file.
+
+    An index (``*.index.json``) names the shards beside it, so a directory with one index means
+    that index; without one, a directory with one checkpoint file means that file. Where several
+    could be meant, one safetensors index (or, without any index, one ``.safetensors`` file) is
+    what ``save_pretrained`` would have written; anything else is a ``CheckpointError`` that lists
+    the files to choose from.
+    """
+    try:
+        found = sorted(
+            q for q in p.iterdir() if q.name.endswith(CHECKPOINT_SUFFIXES) and q.is_file()
+        )
+    except OSError as exc:
+        raise CheckpointError(f"{p}: cannot be read ({exc.strerror or exc})") from exc
+    indexes = [q for q in found if q.name.endswith(".index.json")]
+    candidates = indexes or found
+    if len(candidates) == 1:
+        return candidates[0]
+    for suffix in _MODEL_FILE_KINDS:
+        preferred = [q for q in candidates if q.name.endswith(suffix)]
+        if len(preferred) == 1:
+            return preferred[0]
+    if not candidates:
+        raise CheckpointError(
+            f"{p}: is a directory holding no checkpoint (no *.safetensors, *.bin, *.pt, *.pth, "
+            "*.ckpt or *.index.json file); pass the checkpoint's own path"
+        )
+    names = ", ".join(q.name for q in candidates[:6])
+    raise CheckpointError(
+        f"{p}: is a directory holding several checkpoints ({names}), and which one is meant "
+        f"cannot be told; pass its path, e.g. {str(p / candidates[0].name)!r}"
+    )
+
+
+def resolve(source: Any, /) -> Path:
+    """The one file a path names: the path itself, or a directory's model file (its index, or
+    its one checkpoint file, as ``save_pretrained`` writes them)."""
+    p = as_path(source)
+    return model_file(p) if is_dir(p) else p

@@ -1,0 +1,354 @@
+"""The catalog: one table of a source's tensors, which load, inspect and load_into agree with.
+
+Every fixture kind (zip with shared storages and views, legacy, safetensors, an index of mixed
+shards, a save_pretrained directory, fuzzed files) is catalogued, described and loaded, and the
+three must list the same names, dtypes and shapes, or all refuse the file with a
+``CheckpointError``. A file rewritten while it is read raises, and leaves a real model as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+import torchplace
+from torchplace import load, load_into
+from torchplace._errors import CheckpointError
+from torchplace.checkpoint import _reader as _readinto
+from torchplace.checkpoint._catalog import catalog, describe_file
+
+
+def _flat(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """A loaded checkpoint's tensors under the names the catalog gives them."""
+    if isinstance(obj, torch.Tensor):
+        return {prefix or "<root>": obj}
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(obj, dict):
+        items = [(str(k), v) for k, v in obj.items()]
+    elif isinstance(obj, (list, tuple)):
+        items = [(str(i), v) for i, v in enumerate(obj)]
+    else:
+        return out
+    for key, value in items:
+        out.update(_flat(value, f"{prefix}.{key}" if prefix else key))
+    return out
+
+
+def _fixtures(root: Path) -> dict[str, Path]:
+    torch.manual_seed(0)
+    base = torch.randn(6, 4)
+    state = {
+        "whole": base,
+        "rows": base[2:5],  # a view into the same storage
+        "t": torch.randn(3, 5).t(),  # saved with its strides
+        "half": torch.randn(7).half(),
+        "ints": torch.arange(5),
+        "nested": {"x": torch.ones(2, 2)},
+    }
+    found = {}
+    found["zip"] = root / "z.pt"
+    torch.save(state, found["zip"])
+    found["legacy"] = root / "l.pt"
+    torch.save(state, found["legacy"], _use_new_zipfile_serialization=False)
+    plain = {"a": torch.randn(3, 2), "b": torch.randn(4).to(torch.bfloat16), "c": torch.tensor(1)}
+    found["safetensors"] = root / "s.safetensors"
+    save_file(plain, str(found["safetensors"]))
+    shards = root / "sharded"
+    shards.mkdir()
+    save_file({"a": plain["a"]}, str(shards / "s1.safetensors"))
+    torch.save({"b": plain["b"], "c": plain["c"]}, shards / "s2.bin")
+    weight_map = {"a": "s1.safetensors", "b": "s2.bin", "c": "s2.bin"}
+    index = shards / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    found["index"] = index
+    found["directory"] = shards
+    return found
+
+
+def _agree(path: Path) -> None:
+    """Catalog, inspect and load list the same tensors, or all refuse the file."""
+    outcomes = []
+    for what in (catalog, describe_file, load):
+        try:
+            outcomes.append(what(path))
+        except CheckpointError:
+            outcomes.append(None)
+    entries, records, loaded = outcomes
+    refused = [x is None for x in outcomes]
+    assert all(refused) or not any(refused), (path, refused)
+    if entries is None:
+        return
+    tensors = _flat(loaded)
+    table = {n: (e.dtype, e.shape) for n, e in entries.entries.items()}
+    assert table == {r.name: (r.dtype, r.shape) for r in records}
+    assert table == {
+        n: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()
+    }
+
+
+@pytest.mark.parametrize("kind", ["zip", "legacy", "safetensors", "index", "directory"])
+def test_catalog_inspect_and_load_agree_on_every_kind_of_source(tmp_path: Path, kind: str) -> None:
+    path = _fixtures(tmp_path)[kind]
+    _agree(path)
+    entries = catalog(path).entries
+    if kind in ("zip", "safetensors", "index", "directory"):
+        loaded = _flat(load(path))
+        for name, e in entries.items():
+            if e.addressable:  # its bytes are where the catalog says
+                raw = Path(e.file).read_bytes()[e.start : e.start + e.nbytes]  # type: ignore[arg-type]
+                t = loaded[name]
+                dims = e.order or ()
+                stored = t.permute(*dims).contiguous() if dims else t.contiguous()
+                assert raw == stored.reshape(-1).view(torch.uint8).numpy().tobytes(), name
+
+
+@pytest.mark.parametrize("kind", ["zip", "safetensors"])
+def test_catalog_inspect_and_load_agree_on_fuzzed_files(tmp_path: Path, kind: str) -> None:
+    path = _fixtures(tmp_path)[kind]
+    clean = path.read_bytes()
+    rng = random.Random(26)
+    for trial in range(60):
+        data = bytearray(clean)
+        for _ in range(rng.choice([1, 2, 8])):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        if rng.random() < 0.2:
+            data = data[: rng.randrange(len(data))]
+        bad = tmp_path / f"fuzz{trial}{path.suffix}"
+        bad.write_bytes(bytes(data))
+        _agree(bad)  # accepted by all alike, or refused by all with a CheckpointError
+
+
+def test_a_safetensors_dtype_that_is_a_list_is_a_checkpoint_error(tmp_path: Path) -> None:
+    raw = json.dumps({"a": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}).encode()
+    path = tmp_path / "list.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(4))
+    for what in (catalog, load, describe_file):
+        with pytest.raises(CheckpointError, match=r"tensor 'a' has dtype \['F32'\]"):
+            what(path)
+
+
+def test_a_damaged_zip_version_field_is_a_checkpoint_error(tmp_path: Path) -> None:
+    path = tmp_path / "v.pt"
+    torch.save({"w": torch.ones(3)}, path)
+    data = bytearray(path.read_bytes())
+    at = data.find(b"PK\x01\x02")
+    while at >= 0:  # "version needed to extract" of every central directory record
+        data[at + 6 : at + 8] = b"\xff\x00"
+        at = data.find(b"PK\x01\x02", at + 1)
+    path.write_bytes(bytes(data))
+    for what in (catalog, load, describe_file):
+        with pytest.raises(CheckpointError, match=r"v\.pt: is truncated or corrupt"):
+            what(path)
+    with pytest.raises(CheckpointError, match="corrupt"):
+        load_into(nn.Module(), path)
+
+
+def _rewrite_while_reading(monkeypatch: pytest.MonkeyPatch, victim: Path) -> list[int]:
+    """After the first read from ``victim``, rewrite it in place (same size, new bytes)."""
+    real = _readinto._read_host
+    done: list[int] = []
+
+    def read_then_rewrite(*args: Any) -> list[str]:
+        failed = real(*args)
+        if not done:
+            done.append(1)
+            data = victim.read_bytes()
+            with victim.open("r+b") as f:
+                f.seek(len(data) - 4)
+                f.write(bytes(4))
+        return failed
+
+    monkeypatch.setattr(_readinto, "_read_host", read_then_rewrite)
+    return done
+
+
+@pytest.mark.parametrize("kind", ["zip", "safetensors", "index"])
+def test_a_file_rewritten_while_it_is_read_raises_and_leaves_the_model_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    torch.manual_seed(0)
+    src = nn.Linear(4, 3)
+    sd = src.state_dict()
+    if kind == "zip":
+        path = victim = tmp_path / "w.pt"
+        torch.save(sd, path)
+    elif kind == "safetensors":
+        path = victim = tmp_path / "w.safetensors"
+        save_file(sd, str(path))
+    else:
+        victim = tmp_path / "s1.safetensors"
+        save_file(sd, str(victim))
+        path = tmp_path / "w.index.json"
+        path.write_text(json.dumps({"weight_map": dict.fromkeys(sd, "s1.safetensors")}))
+    os.utime(victim, ns=(10**18, 10**18))  # so a rewrite within one clock tick still shows
+    model = nn.Linear(4, 3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    done = _rewrite_while_reading(monkeypatch, victim)
+    with pytest.raises(CheckpointError, match="changed while it was read"):
+        load_into(model, path)
+    assert done
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_a_save_pretrained_directory_fills_the_sharded_path_like_the_plain_one(
+    tmp_path: Path,
+) -> None:
+    """The sharded loader takes its entries from the same catalog (a one-rank check here; the
+    two-rank FSDP2 run is in test_sharded.py)."""
+    from torchplace.checkpoint import _sharded
+
+    path = _fixtures(tmp_path)["directory"]
+    sharded = _sharded._file_entries(path)
+    plain = load(path)
+    assert set(sharded) == set(plain)
+    for name, e in sharded.items():
+        assert (e.dtype, e.shape) == (plain[name].dtype, tuple(plain[name].shape))
+
+
+def test_loading_a_directory_names_no_module_but_the_catalog(tmp_path: Path) -> None:
+    """load, load_into and inspect accept a directory alike."""
+    path = _fixtures(tmp_path)["directory"]
+    assert {r.name for r in describe_file(path)} == {"a", "b", "c"}
+    model = torchplace.skeleton(nn.Module)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: does not fit"):
+        load_into(model, path)
+
+
+_HOSTILE = [None, True, -1, 1.5, "F32x", 2**64, [], [1, 2, 3], {"a": 1}, [[1]], ["F32"], [-1]]
+
+
+@pytest.mark.parametrize("field", ["dtype", "shape", "data_offsets"])
+def test_every_hostile_header_value_stays_inside_the_exception_tree(
+    tmp_path: Path, field: str
+) -> None:
+    for i, value in enumerate(_HOSTILE):
+        entry: dict[str, Any] = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+        entry[field] = value
+        raw = json.dumps({"a": entry}).encode()
+        path = tmp_path / f"h{i}.safetensors"
+        path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(8))
+        for what in (catalog, load, describe_file):
+            with pytest.raises(CheckpointError, match=r"tensor 'a'"):
+                what(path)
+
+
+@pytest.mark.parametrize("size", [1 << 10, (40 << 20) + 12], ids=["one-chunk", "many-chunks"])
+def test_check_crc_finds_a_flipped_bit_in_a_tensors_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    from torchplace.checkpoint import _reader as readinto
+
+    monkeypatch.setattr(readinto, "READ_CHUNK_BYTES", 1 << 20)  # many chunks, joined
+    path = tmp_path / "w.pt"
+    sd = {"w": torch.arange(size // 4, dtype=torch.float32), "b": torch.ones(3)}
+    torch.save(sd, path)
+    assert torch.equal(load(path, check_crc=True)["w"], sd["w"])  # a sound file passes
+    entry = catalog(path).entries["w"]
+    data = bytearray(path.read_bytes())
+    data[entry.start + entry.nbytes - 5] ^= 0x10  # one bit, in the last chunk
+    path.write_bytes(bytes(data))
+    assert not torch.equal(load(path)["w"], sd["w"])  # unnoticed by default (the cost)
+    with pytest.raises(CheckpointError, match=r"w\.pt: is corrupt: w/data/0 fails its CRC"):
+        load(path, check_crc=True)
+    model = nn.Module()
+    model.register_buffer("w", torch.zeros(size // 4))
+    model.register_buffer("b", torch.zeros(3))
+    with pytest.raises(CheckpointError, match="CRC-32"):
+        load_into(model, path, check_crc=True)
+    assert not model.w.any()
+    with pytest.raises(CheckpointError, match="CRC-32"):  # the torch.load path checks too
+        load(path, check_crc=True, trusted=True)
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip-trusted", "legacy"])
+def test_a_file_rewritten_while_torch_load_reads_it_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, legacy: bool
+) -> None:
+    from torchplace.checkpoint import _load
+
+    path = tmp_path / "w.pt"
+    torch.save({"w": torch.ones(4)}, path, _use_new_zipfile_serialization=not legacy)
+    os.utime(path, ns=(10**18, 10**18))
+    real = torch.load
+
+    def load_then_rewrite(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        with path.open("r+b") as f:
+            f.seek(path.stat().st_size - 1)
+            f.write(b"\0")
+        return out
+
+    monkeypatch.setattr(_load.torch, "load", load_then_rewrite)
+    with pytest.raises(CheckpointError, match="changed while it was read"):
+        load(path, trusted=not legacy)
+
+
+def test_one_tensor_is_assembled_from_several_entries_read_into_its_slices(
+    tmp_path: Path,
+) -> None:
+    """What a conversion (per-expert weights into one fused parameter) hands the reader."""
+    from torchplace.checkpoint._catalog import Piece
+    from torchplace.checkpoint._load import Assembled, read_assembled
+
+    experts = {f"e{i}": torch.randn(4, 3) for i in range(3)}
+    save_file(experts, str(tmp_path / "e.safetensors"))
+    torch.save({"t": torch.randn(3, 4).t()}, tmp_path / "t.pt")  # a transposed view
+    found = catalog(tmp_path / "e.safetensors")
+    stacked = Assembled(
+        (3, 4, 3), torch.bfloat16, [Piece(found.entries[f"e{i}"], (i, 0, 0)) for i in range(3)]
+    )
+    side_by_side = Assembled(
+        (4, 9), torch.float32, [Piece(found.entries[f"e{i}"], (0, 3 * i)) for i in range(3)]
+    )
+    out = read_assembled(found, {"stacked": stacked, "wide": side_by_side}, torch.device("cpu"))
+    expected = torch.stack([experts[f"e{i}"] for i in range(3)])
+    assert torch.equal(out["stacked"], expected.to(torch.bfloat16))
+    assert torch.equal(out["wide"], torch.cat([experts[f"e{i}"] for i in range(3)], dim=1))
+    zipped = catalog(tmp_path / "t.pt")
+    (entry,) = zipped.entries.values()
+    got = read_assembled(
+        zipped, {"t": Assembled((4, 3), torch.float32, [Piece(entry, (0, 0))])}, torch.device("cpu")
+    )
+    assert torch.equal(got["t"], load(tmp_path / "t.pt")["t"])
+    with pytest.raises(CheckpointError, match=r"'e0' of shape \(4, 3\) does not fit 'bad'"):
+        read_assembled(
+            found,
+            {"bad": Assembled((4, 4), torch.float32, [Piece(found.entries["e0"], (1, 0))])},
+            torch.device("cpu"),
+        )
+
+
+def test_the_sharded_reader_refuses_a_file_changed_since_it_was_catalogued(
+    tmp_path: Path,
+) -> None:
+    from torchplace.checkpoint import _sharded
+
+    path = tmp_path / "w.safetensors"
+    save_file({"w": torch.arange(64.0).reshape(8, 8)}, str(path))
+    os.utime(path, ns=(10**18, 10**18))
+    found = catalog(path)
+    entries = _sharded._sharded_entries(found)
+    reader = _sharded._Reader(found.stamps)
+    dest = torch.empty(4, 8)
+    _sharded._fill(reader, entries["w"], ((4, 0), (4, 8)), dest)  # rows 4 to 8: read as they are
+    assert torch.equal(dest, torch.arange(32.0, 64.0).reshape(4, 8))
+    reader.close()
+    with path.open("r+b") as f:  # rewritten in place after the catalog was made
+        f.seek(-4, os.SEEK_END)
+        f.write(bytes(4))
+    reader = _sharded._Reader(found.stamps)
+    try:
+        with pytest.raises(CheckpointError, match="changed while it was read"):
+            _sharded._fill(reader, entries["w"], ((4, 0), (4, 8)), dest)
+    finally:
+        reader.close()

@@ -1,0 +1,96 @@
+"""A progress bar for long loads: shown when asked or on a terminal for a large load, on rank 0
+only, one at a time, advanced by the bytes the reader reads."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from torchplace import load, load_into, skeleton
+from torchplace.checkpoint import _progress
+
+
+@pytest.fixture
+def bars(monkeypatch: pytest.MonkeyPatch) -> list[list[int]]:
+    """Each bar shown: [total, bytes advanced so far], rich's bar itself not drawn."""
+    shown: list[list[int]] = []
+
+    @contextlib.contextmanager
+    def recording(total: int, label: str, enabled: bool) -> Iterator[Callable[[int], None]]:
+        bar = [total, 0]
+        shown.append(bar)
+
+        def advance(n: int) -> None:
+            bar[1] += n
+
+        yield advance
+
+    monkeypatch.setattr(_progress, "progress_bar", recording)
+    monkeypatch.delenv("RANK", raising=False)
+    return shown
+
+
+@pytest.mark.parametrize("suffix", ["pt", "safetensors"])
+def test_a_bar_counts_the_bytes_read_when_asked(
+    tmp_path: Path, bars: list[list[int]], suffix: str
+) -> None:
+    sd = {"a": torch.randn(300, 200), "b": torch.arange(7)}
+    path = tmp_path / f"w.{suffix}"
+    if suffix == "pt":
+        torch.save(sd, path)
+    else:
+        save_file(sd, str(path))
+    load(path)  # not a terminal, not asked: no bar
+    assert bars == []
+    load(path, progress=True)
+    assert bars == [[path.stat().st_size, 300 * 200 * 4 + 7 * 8]]
+
+
+def test_left_to_itself_a_bar_shows_on_a_terminal_for_a_large_load_only(
+    tmp_path: Path, bars: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "w.pt"
+    torch.save({"a": torch.ones(1000)}, path)
+    monkeypatch.setattr(_progress.sys.stderr, "isatty", lambda: True)
+    load(path)
+    assert bars == []  # far below LOAD_PROGRESS_MIN_BYTES
+    monkeypatch.setattr(_progress, "LOAD_PROGRESS_MIN_BYTES", 1000)
+    load(path)
+    assert len(bars) == 1 and bars[0][1] == 4000
+    load(path, progress=False)
+    assert len(bars) == 1
+
+
+def test_only_rank_0_shows_a_bar(
+    tmp_path: Path, bars: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "w.pt"
+    torch.save({"a": torch.ones(10)}, path)
+    monkeypatch.setenv("RANK", "1")
+    load(path, progress=True)
+    assert bars == []
+    monkeypatch.setenv("RANK", "0")
+    load(path, progress=True)
+    assert len(bars) == 1
+
+
+def test_load_into_shows_one_bar_for_an_index_of_shards(
+    tmp_path: Path, bars: list[list[int]]
+) -> None:
+    import json
+
+    first, second = {"0.weight": torch.randn(4, 3)}, {"0.bias": torch.randn(4)}
+    save_file(first, str(tmp_path / "s1.safetensors"))
+    save_file(second, str(tmp_path / "s2.safetensors"))
+    weight_map = {"0.weight": "s1.safetensors", "0.bias": "s2.safetensors"}
+    (tmp_path / "m.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    model = load_into(skeleton(nn.Sequential, nn.Linear(3, 4)), tmp_path, progress=True)
+    assert torch.equal(model[0].weight, first["0.weight"])
+    shards = sum((tmp_path / n).stat().st_size for n in ("s1.safetensors", "s2.safetensors"))
+    assert bars == [[shards, 4 * 3 * 4 + 4 * 4]]
