@@ -401,3 +401,34 @@ def test_bit_for_bit_what_from_pretrained_gives(tmp_path: Path, model_type: str)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
     ours = torchplace.load_into(_skeleton(config), tmp_path)
     assert hf.differences(theirs, ours) == []
+
+
+def test_renames_that_chain_move_each_tensor_once() -> None:
+    """A model name that is another file key's name: every file tensor is taken before any result
+    is written, so an owned (read for this load) state converts as a fresh one does."""
+    from torchplace.checkpoint._conversions import Plan, apply_plan
+
+    a, b = torch.ones(2), torch.zeros(2)
+    plan = Plan(renames={"b": "a", "c": "b"})
+    for owned in (True, False):
+        out = apply_plan(plan, {"a": a, "b": b}, owned=owned)
+        assert set(out) == {"b", "c"}
+        assert out["b"] is a and out["c"] is b
+
+
+def test_a_conversion_that_fails_is_a_checkpoint_error(
+    mixtral: tuple[Any, torch.nn.Module, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Out of memory for a fused tensor (or transformers' own op failing) names the file."""
+    from torchplace.checkpoint import _conversions
+
+    config, _, where = mixtral
+
+    def no_memory(*args: Any, **kwargs: Any) -> Any:
+        raise torch.OutOfMemoryError("no memory for the fused experts")
+
+    monkeypatch.setattr(_conversions, "apply_plan", no_memory)
+    skeleton = _skeleton(config)
+    with pytest.raises(CheckpointError, match=r"single.*converting its hub names.*untouched"):
+        torchplace.load_into(skeleton, where / "single")
+    assert skeleton.model.layers[0].self_attn.q_proj.weight.is_meta

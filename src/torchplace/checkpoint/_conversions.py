@@ -472,8 +472,6 @@ def apply_plan(plan: Plan, state: Mapping[str, Any], /, *, owned: bool) -> Mappi
     """
     work: Any = state
     out: Any = state if owned else {}
-    for name, file_shape in plan.mismatched.items():
-        out[name] = torch.empty(file_shape, device="meta")
     uses = collections.Counter(plan.renames.values())
     uses.update(p.source for f in plan.fused for p in f.pieces)
     uses.update(k for c in plan.computed for k in c.sources)
@@ -484,9 +482,13 @@ def apply_plan(plan: Plan, state: Mapping[str, Any], /, *, owned: bool) -> Mappi
         uses[key] -= 1
         return work.pop(key) if owned and uses[key] == 0 else work[key]
 
+    # Every result is written once all file tensors are taken: a model name may be another
+    # file key's name (renames that chain, a fused tensor named as a hub key), and writing it
+    # into an owned state early would replace a file tensor not yet read.
+    results: dict[str, Any] = {}
     with torch.no_grad():
         for new, old in plan.renames.items():
-            out[new] = take(old)
+            results[new] = take(old)
         for fused in plan.fused:
             device = work[fused.pieces[0].source].device
             dest = torch.empty(fused.shape, dtype=fused.dtype, device=device)
@@ -496,18 +498,23 @@ def apply_plan(plan: Plan, state: Mapping[str, Any], /, *, owned: bool) -> Mappi
                     view = apply_views(dest, piece.dest_views)
                     view.copy_(apply_views(source, piece.source_views))
                 del source
-            out[fused.name] = dest
+            results[fused.name] = dest
         for computed in plan.computed:
             tensors = {k: take(k) for k in computed.sources}
             if any(t.device.type == "meta" for t in tensors.values()):  # no values to convert
                 for name, (shape, dtype) in zip(computed.names, computed.shapes, strict=True):
-                    out[name] = torch.empty(shape, dtype=dtype, device="meta")
+                    results[name] = torch.empty(shape, dtype=dtype, device="meta")
             else:
-                out.update(computed.run(tensors))
+                results.update(computed.run(tensors))
             del tensors
+    for name, file_shape in plan.mismatched.items():
+        results[name] = torch.empty(file_shape, device="meta")
     if owned:
-        for key in plan.mismatched_sources:
-            out.pop(key, None)
+        for key in plan.consumed():  # taken: only keys a result replaces may still be there
+            if key not in results:
+                out.pop(key, None)
+    out.update(results)
+    if owned:
         return out  # type: ignore[no-any-return]
     used = plan.consumed()
     out.update({k: v for k, v in state.items() if k not in used and k not in out})
@@ -583,4 +590,13 @@ def hub_converted(label: str, model: nn.Module, state: Mapping[str, Any], /, *, 
         raise CheckpointError(f"{label}: {exc}") from exc
     if plan is None:
         return state
-    return apply_plan(plan, state, owned=owned)
+    try:
+        return apply_plan(plan, state, owned=owned)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # out of memory for a fused tensor, transformers' own op failing
+        raise CheckpointError(
+            f"{label}: converting its hub names to {type(model).__name__}'s failed "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); the model "
+            "is untouched"
+        ) from exc

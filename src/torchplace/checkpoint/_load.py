@@ -353,18 +353,15 @@ class Assembled:
     pieces: list[Piece]
 
 
-def read_assembled(
-    found: Catalog, plan: Mapping[str, Assembled], target: torch.device
-) -> dict[str, torch.Tensor]:
-    """Each tensor of ``plan`` allocated on ``target`` (the CPU for an accelerator other than
-    CUDA) and filled from its pieces' byte ranges, every file's stamp checked.
+_Later = list[tuple[torch.Tensor, torch.Tensor, "tuple[int, ...] | None"]]
 
-    A piece whose slice of the tensor is one run of memory (a box over the leading dim, or the
-    whole) is read straight into it, converted to the tensor's dtype a chunk at a time; any other
-    goes through a buffer of the piece's own size (a box across a later dim, a piece saved as a
-    transposed view).
-    """
-    home = target if target.type in ("cpu", "cuda") else torch.device("cpu")
+
+def _allocated(
+    found: Catalog, plan: Mapping[str, Assembled], home: torch.device
+) -> tuple[dict[str, torch.Tensor], dict[Path, list[ReadPiece]], _Later]:
+    """``read_assembled``'s tensors allocated on ``home``, and what to read into them: by file,
+    the pieces read straight into their slice; later, (slice, buffer, permutation) for those
+    read through a buffer of their own."""
     out: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[ReadPiece]] = {}
     later: list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...] | None]] = []
@@ -395,6 +392,32 @@ def read_assembled(
             by_file.setdefault(e.file, []).append((e.start, buffer))
             inverse = None if row_major else tuple(e.order.index(d) for d in range(len(e.order)))
             later.append((dest, buffer, inverse))
+    return out, by_file, later
+
+
+def read_assembled(
+    found: Catalog, plan: Mapping[str, Assembled], target: torch.device
+) -> dict[str, torch.Tensor]:
+    """Each tensor of ``plan`` allocated on ``target`` (the CPU for an accelerator other than
+    CUDA) and filled from its pieces' byte ranges, every file's stamp checked.
+
+    A piece whose slice of the tensor is one run of memory (a box over the leading dim, or the
+    whole) is read straight into it, converted to the tensor's dtype a chunk at a time; any other
+    goes through a buffer of the piece's own size (a box across a later dim, a piece saved as a
+    transposed view).
+    """
+    home = target if target.type in ("cpu", "cuda") else torch.device("cpu")
+    try:  # every tensor and buffer is allocated before a byte is read
+        out, by_file, later = _allocated(found, plan, home)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # out of memory on the target, a failing device
+        if out_of_memory(exc) or device_failure(exc):
+            raise CheckpointError(f"{found.where}: {diagnose(exc, True, target)}") from exc
+        raise CheckpointError(
+            f"{found.where}: its tensors could not be allocated on {target} "
+            f"({type(exc).__name__}: {first_sentence(str(exc))})"
+        ) from exc
     for path, pieces in by_file.items():
         try:
             read_into(path, pieces, found.stamps.get(path))

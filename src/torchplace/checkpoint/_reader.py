@@ -18,6 +18,7 @@ from __future__ import annotations
 import mmap
 import os
 import sys
+import threading
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -160,9 +161,20 @@ def _read_host(
             converting.append((flat, first, last, offset + first * stored.itemsize, stored))
     tasks = [(0, k) for k in range(len(direct))] + [(1, k) for k in range(len(converting))]
 
+    stop = threading.Event()  # set on a failure or Ctrl-C: the other threads read no more
+
     def share(k: int, threads: int) -> None:
+        try:
+            _share(k, threads)
+        except BaseException:
+            stop.set()
+            raise
+
+    def _share(k: int, threads: int) -> None:
         staging: torch.Tensor | None = None
         for kind, n in tasks[k::threads]:
+            if stop.is_set():
+                return
             if kind == 0:
                 view, offset, address = direct[n]
                 if populate:
@@ -187,9 +199,7 @@ def _read_host(
     if threads <= 1:
         share(0, 1)
     else:
-        with ThreadPoolExecutor(threads, thread_name_prefix="torchplace-read") as pool:
-            for _ in pool.map(share, range(threads), [threads] * threads):  # re-raises a failure
-                pass
+        _run_shares(share, threads, stop)
     failed = []
     for expected, first, name, lengths in checked:
         crc = crcs[first]
@@ -317,6 +327,34 @@ def read_into(
             )
     finally:
         os.close(fd)
+
+
+def _run_shares(share: Callable[[int, int], None], threads: int, stop: threading.Event) -> None:
+    """Run ``share(k, threads)`` on ``threads`` threads and re-raise the first failure.
+
+    A failure or Ctrl-C stops the others at their next chunk, and this returns only once every
+    thread has finished, whatever interrupts arrive meanwhile: the caller closes the file the
+    threads read from, and a number closed under a live read could be reused by another file.
+    """
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="torchplace-read")
+    interrupted: BaseException | None = None
+    try:
+        futures = [pool.submit(share, k, threads) for k in range(threads)]
+        for future in futures:
+            future.result()
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        while True:
+            try:
+                pool.shutdown(wait=True, cancel_futures=True)
+                break
+            except BaseException as exc:  # a second Ctrl-C: stop is set, keep waiting
+                stop.set()
+                interrupted = interrupted or exc
+        if interrupted is not None:
+            raise interrupted
 
 
 def _same_file(path: Path, fd: int, stamp: Stamp | None) -> None:

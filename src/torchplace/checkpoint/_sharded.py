@@ -395,8 +395,10 @@ def _fill(reader: _Reader, entry: _Entry, box: Box, dest: torch.Tensor) -> None:
     by the reader's pool), others through the reader's buffer; all read when this returns."""
     try:
         _fill_box(reader, entry, box, dest)
-    finally:
-        reader.flush()
+    except BaseException:
+        reader.pending.clear()  # a failure or Ctrl-C: nothing more is read, its error stands
+        raise
+    reader.flush()
 
 
 def _fill_box(reader: _Reader, entry: _Entry, box: Box, dest: torch.Tensor) -> None:

@@ -74,7 +74,8 @@ class DeviceLoader(Generic[T]):
     it). ``non_blocking=False`` hands a batch over only once its copy has finished. A batch's
     many small tensors travel as one copy and land as views of shared device buffers of at most
     1 MiB each, as with ``move``: a small tensor kept after its batch keeps at most that buffer
-    alive; ``views=False`` gives each tensor its own storage.
+    alive; ``views=False`` gives each tensor its own storage (do that, or ``.clone()``, before
+    growing a batch tensor in place with ``resize_`` or ``set_``).
 
     ``len()`` is the source's. Each ``iter()`` starts a new pass over the source, so the loader
     is re-iterable when the source is; a one-shot source (a generator) can have one live

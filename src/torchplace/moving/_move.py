@@ -538,7 +538,9 @@ def move(
     keeps at most its 1 MiB buffer alive, never the batch's large tensors, which always own
     their storage, as parameters, buffers and optimizer state do. ``views=False`` gives every
     tensor of the batch its own storage (a little slower); ``.clone()`` one tensor to keep it
-    on its own.
+    on its own. Values are independent under every ordinary in-place operation, but one that
+    grows a tensor's storage in place (``resize_`` to more elements, ``set_``) would write into
+    its neighbours' bytes: ``.clone()`` it first, or pass ``views=False``.
     """
     if attributes not in _ATTRIBUTE_MODES:
         raise TorchplaceError(
