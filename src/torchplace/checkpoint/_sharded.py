@@ -65,7 +65,8 @@ def has_dtensors(model: nn.Module) -> bool:
     if module is None:  # never imported, so no DTensor exists (and plain models pay no import)
         return False
     fsdp = sys.modules.get("torch.distributed.fsdp")
-    if fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules()):
+    fsdp_module = getattr(fsdp, "FSDPModule", None)  # FSDP2 is public from torch 2.6
+    if fsdp_module is not None and any(isinstance(m, fsdp_module) for m in model.modules()):
         return True  # FSDP2, even while it holds its parameters unsharded (plain tensors)
     DTensor = module.DTensor
     tensors = itertools.chain(model.parameters(), model.buffers())
