@@ -194,13 +194,27 @@ def _read_zip(layout: ZipLayout, target: torch.device) -> Any:
             )
             unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
             result = unpickler.load()  # type: ignore[no-untyped-call]
-            torch._utils._validate_loaded_sparse_tensors()  # type: ignore[no-untyped-call]
         read_into(p, pieces)
+        # Sparse tensors are checked once their bytes are in: before, they hold whatever the
+        # allocator left (torch 2.6 checks them always, later releases when asked to).
+        torch._utils._validate_loaded_sparse_tensors()  # type: ignore[no-untyped-call]
     except Exception as exc:
+        _forget_sparse_checks()  # queued by this read: torch.load would check them next
         if out_of_memory(exc) or device_failure(exc):
             raise CheckpointError(f"{p}: {diagnose(exc, True, target)}") from exc
         return _UNUSUAL
     return result
+
+
+def _forget_sparse_checks() -> None:
+    """Drop the sparse tensors an abandoned read queued for torch's check on their indices.
+
+    torch keeps them in a module-wide list that the next load empties; left there, a read that
+    failed half-way would have ``torch.load`` check tensors never filled, and refuse a sound
+    file as corrupt."""
+    queued = getattr(torch._utils, "_sparse_tensors_to_validate", None)
+    if isinstance(queued, list):
+        queued.clear()
 
 
 def _safetensors_device(target: torch.device) -> str:
