@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from helpers import check_golden
+from helpers import check_golden, script
 from torchplace._errors import CheckpointError, DeviceSpecError
 from torchplace.checkpoint import _checkpoint_cli, _pickle_reader, _safetensors
 from torchplace.checkpoint._checkpoint import load
@@ -276,9 +276,7 @@ def test_remap_bad_device_is_bad_usage(tmp_path: Path, capsys: pytest.CaptureFix
 
 def test_torchscript_archive_is_described_not_loaded(tmp_path: Path) -> None:
     path = tmp_path / "scripted.pt"
-    with warnings.catch_warnings():  # torch.jit.script is deprecated in recent releases
-        warnings.simplefilter("ignore", DeprecationWarning)
-        scripted = torch.jit.script(torch.nn.Linear(2, 3))
+    scripted = script(torch.nn.Linear(2, 3))
     scripted.save(str(path))
     with pytest.raises(CheckpointError, match="TorchScript"):
         load(path)
