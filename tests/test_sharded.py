@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -141,12 +142,16 @@ class _MeshAt:
         return 2
 
 
-def test_fsdp2_over_tensor_parallel_slices_match_dtensor_on_every_rank(fake_world: object) -> None:
-    """A 2 x 2 mesh (FSDP2 over TP on the same dim): strided shards of uneven sizes."""
+STRIDED = pytest.mark.skipif(
+    not _sharded.strided_shards_readable(),
+    reason=f"strided shards are read with torch 2.13 or later (this is {torch.__version__})",
+)
+
+
+def _fsdp2_over_tensor_parallel(hidden: int, out: int) -> tuple[torch.nn.Module, Any]:
+    """A 2 x 2 mesh of the fake world: FSDP2 over TP on the same dim (strided shards)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import distribute_tensor
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -155,9 +160,35 @@ def test_fsdp2_over_tensor_parallel_slices_match_dtensor_on_every_rank(fake_worl
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     with torch.device("meta"):
-        model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Linear(10, 7))
+        model = torch.nn.Sequential(torch.nn.Linear(6, hidden), torch.nn.Linear(hidden, out))
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
     fully_shard(model, mesh=mesh["dp"])
+    return model, mesh
+
+
+def test_strided_shards_on_a_torch_that_cannot_tell_them_are_refused_untouched(
+    fake_world: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before torch 2.13 (played here by hiding what it lacks), the error names the version."""
+    from torch.distributed.tensor import placement_types
+
+    monkeypatch.delattr(placement_types, "_StridedShardOffsetMode", raising=False)
+    model, _ = _fsdp2_over_tensor_parallel(8, 4)  # torch 2.6 shards FSDP2 over TP evenly only
+    path = tmp_path / "m.safetensors"
+    save_file({k: torch.ones(v.shape) for k, v in model.state_dict().items()}, str(path))
+    with pytest.raises(CheckpointError, match=r"0\.weight is placed as .*_StridedShard") as info:
+        torchplace.load_into(model, path)
+    assert f"torch 2.13 or later, and this is torch {torch.__version__}" in str(info.value)
+    assert all(p.is_meta for p in model.parameters())
+
+
+@STRIDED
+def test_fsdp2_over_tensor_parallel_slices_match_dtensor_on_every_rank(fake_world: object) -> None:
+    """A 2 x 2 mesh (FSDP2 over TP on the same dim): strided shards of uneven sizes."""
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    model, mesh = _fsdp2_over_tensor_parallel(10, 7)
     strided = 0
     for name, p in model.named_parameters():
         strided += "_StridedShard" in str(p.placements)
