@@ -27,6 +27,19 @@ def check_golden(name: str, text: str, regen: bool) -> None:
     assert text == path.read_text(), f"{name} changed; if on purpose, run pytest --regen-golden"
 
 
+def fsdp2_cannot_train_on_cpu() -> str | None:
+    """Why FSDP2 cannot run a forward pass on the CPU with this torch, or None where it can:
+    its CPU streams record events from torch 2.7 (conftest.py at the root asks the same)."""
+    import torch
+
+    if hasattr(torch.cpu.Stream, "record_event"):
+        return None
+    return (
+        "FSDP2 trains on the CPU from torch 2.7 (torch.cpu.Stream.record_event); "
+        f"this is torch {torch.__version__}"
+    )
+
+
 def script(module: Any) -> Any:
     """``torch.jit.script(module)``, without the warning that it is deprecated: a
     DeprecationWarning in some releases, a FutureWarning from 2.15, none in others."""
