@@ -129,6 +129,22 @@ def test_a_plain_model_does_not_take_the_sharded_path(tmp_path: Path) -> None:
     assert done.stdout.strip() == "False", done.stdout + done.stderr
 
 
+def test_a_torch_whose_fsdp_has_no_fsdp2_loads_plain_models(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch.distributed.fsdp without FSDPModule (before torch 2.6; importing transformers
+    imports it) is a torch without FSDP2 models, not a bare AttributeError."""
+    import torch.distributed.fsdp as fsdp
+    import torch.distributed.tensor  # imported, as in a process that uses DTensor
+
+    monkeypatch.delattr(fsdp, "FSDPModule")
+    assert not _sharded.has_dtensors(torch.nn.Linear(2, 2))
+    state = torch.nn.Linear(3, 2).state_dict()
+    torch.save(state, tmp_path / "linear.pt")
+    model = torchplace.load_into(torchplace.skeleton(torch.nn.Linear, 3, 2), tmp_path / "linear.pt")
+    assert torch.equal(model.weight, state["weight"])
+
+
 class _MeshAt:
     """A 2 x 2 mesh seen from one coordinate (the fake world plays rank 0 only)."""
 
