@@ -449,6 +449,28 @@ def test_a_refused_read_leaves_no_sparse_tensor_for_the_next_load_to_check(
     assert torch.equal(out["w"].to_dense(), torch.eye(2))
 
 
+def test_bad_sparse_indices_are_refused_where_torchs_safe_loader_refuses_them(
+    tmp_path: Path,
+) -> None:
+    """An index past the end (which a later read would follow out of bounds): torchplace.load
+    refuses the file exactly where this torch's weights-only torch.load does (2.15: always)."""
+    bad = torch.sparse_coo_tensor(torch.tensor([[5]]), torch.ones(1), (3,), check_invariants=False)
+    torch.save({"bad": bad}, tmp_path / "bad.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # 2.15 notes that its check takes time
+        try:
+            torch.load(tmp_path / "bad.pt", weights_only=True)
+        except RuntimeError:
+            refused = True
+        else:
+            refused = False
+    if not refused:
+        assert load(tmp_path / "bad.pt")["bad"]._indices().tolist() == [[5]]
+        return
+    with pytest.raises(CheckpointError, match=r"bad\.pt.*index 5"):
+        load(tmp_path / "bad.pt")
+
+
 def _safetensors(path: Path, header: dict[str, Any], data: bytes) -> Path:
     raw = json.dumps(header).encode()
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + data)

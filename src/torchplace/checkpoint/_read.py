@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import io
 import pickle
 import struct
@@ -103,6 +104,7 @@ def _load_torch(
     try:
         with warnings.catch_warnings():  # torch's note on pickle protocols is not the user's
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            warnings.filterwarnings("ignore", message=_SPARSE_CHECK_NOTE)
             return torch.load(p, map_location=target, mmap=use_mmap, weights_only=not trusted)
     except pickle.UnpicklingError as exc:
         text = str(exc)
@@ -195,9 +197,7 @@ def _read_zip(layout: ZipLayout, target: torch.device) -> Any:
             unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
             result = unpickler.load()  # type: ignore[no-untyped-call]
         read_into(p, pieces)
-        # Sparse tensors are checked once their bytes are in: before, they hold whatever the
-        # allocator left (torch 2.6 checks them always, later releases when asked to).
-        torch._utils._validate_loaded_sparse_tensors()  # type: ignore[no-untyped-call]
+        _check_sparse()  # once their bytes are in: before, they hold what the allocator left
     except Exception as exc:
         _forget_sparse_checks()  # queued by this read: torch.load would check them next
         if out_of_memory(exc) or device_failure(exc):
@@ -206,13 +206,33 @@ def _read_zip(layout: ZipLayout, target: torch.device) -> Any:
     return result
 
 
+# torch 2.15's note that checking sparse tensors takes time: torchplace's to take, not the user's
+_SPARSE_CHECK_NOTE = "Validating sparse tensor invariants"
+
+
+def _check_sparse() -> None:
+    """torch's check of the sparse tensors just read, as its safe loader makes it: always from
+    torch 2.15 (bad indices would be read out of bounds later), before only when
+    ``torch.sparse.check_sparse_tensor_invariants`` is on (torch 2.6: always too)."""
+    validate: Any = torch._utils._validate_loaded_sparse_tensors  # its signature varies
+    if "weights_only" not in inspect.signature(validate).parameters:
+        validate()
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SPARSE_CHECK_NOTE)
+        validate(weights_only=True)
+
+
 def _forget_sparse_checks() -> None:
     """Drop the sparse tensors an abandoned read queued for torch's check on their indices.
 
-    torch keeps them in a module-wide list that the next load empties; left there, a read that
-    failed half-way would have ``torch.load`` check tensors never filled, and refuse a sound
-    file as corrupt."""
-    queued = getattr(torch._utils, "_sparse_tensors_to_validate", None)
+    torch keeps them in a list that the next load empties; left there, a read that failed
+    half-way would have ``torch.load`` check tensors never filled, and refuse a sound file as
+    corrupt."""
+    getter = getattr(torch._utils, "_get_sparse_tensors_to_validate", None)  # torch 2.15
+    queued = (
+        getter() if callable(getter) else getattr(torch._utils, "_sparse_tensors_to_validate", None)
+    )
     if isinstance(queued, list):
         queued.clear()
 
