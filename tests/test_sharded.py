@@ -195,6 +195,7 @@ def test_strided_shards_on_a_torch_that_cannot_tell_them_are_refused_untouched(
     with pytest.raises(CheckpointError, match=r"0\.weight is placed as .*_StridedShard") as info:
         torchplace.load_into(model, path)
     assert f"torch 2.13 or later, and this is torch {torch.__version__}" in str(info.value)
+    assert "pip install 'torch>=2.13'" in str(info.value)
     assert all(p.is_meta for p in model.parameters())
 
 

@@ -312,8 +312,8 @@ def _strided_pieces(
         raise CheckpointError(
             f"{name} is placed as {placements} (FSDP2 over tensor parallelism on the same dim): "
             f"load_into reads such strided shards with torch 2.13 or later, and this is torch "
-            f"{torch.__version__}; upgrade torch, or load this model with "
-            "torch.distributed.checkpoint; the model is untouched"
+            f"{torch.__version__}; upgrade it (pip install 'torch>=2.13'), or load this model "
+            "with torch.distributed.checkpoint; the model is untouched"
         )
     coordinate = mesh.get_coordinate()
     if coordinate is None:  # not in the mesh: holds nothing
