@@ -5,7 +5,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +25,30 @@ def check_golden(name: str, text: str, regen: bool) -> None:
         path.write_text(text)
     assert path.exists(), f"{path} is missing; run pytest --regen-golden"
     assert text == path.read_text(), f"{name} changed; if on purpose, run pytest --regen-golden"
+
+
+def fsdp2_cannot_train_on_cpu() -> str | None:
+    """Why FSDP2 cannot run a forward pass on the CPU with this torch, or None where it can:
+    its CPU streams record events from torch 2.7 (conftest.py at the root asks the same)."""
+    import torch
+
+    if hasattr(torch.cpu.Stream, "record_event"):
+        return None
+    return (
+        "FSDP2 trains on the CPU from torch 2.7 (torch.cpu.Stream.record_event); "
+        f"this is torch {torch.__version__}"
+    )
+
+
+def script(module: Any) -> Any:
+    """``torch.jit.script(module)``, without the warning that it is deprecated: a
+    DeprecationWarning in some releases, a FutureWarning from 2.15, none in others."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*torch\.jit\.script.* is deprecated")
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return torch.jit.script(module)
 
 
 def torchrun_two_cpu(script: Path, *args: str, timeout: int = 120) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from helpers import check_golden
+from helpers import check_golden, script
 from torchplace._errors import CheckpointError, DeviceSpecError
 from torchplace.checkpoint import _checkpoint_cli, _pickle_reader, _safetensors
 from torchplace.checkpoint._checkpoint import load
@@ -276,9 +276,7 @@ def test_remap_bad_device_is_bad_usage(tmp_path: Path, capsys: pytest.CaptureFix
 
 def test_torchscript_archive_is_described_not_loaded(tmp_path: Path) -> None:
     path = tmp_path / "scripted.pt"
-    with warnings.catch_warnings():  # torch.jit.script is deprecated in recent releases
-        warnings.simplefilter("ignore", DeprecationWarning)
-        scripted = torch.jit.script(torch.nn.Linear(2, 3))
+    scripted = script(torch.nn.Linear(2, 3))
     scripted.save(str(path))
     with pytest.raises(CheckpointError, match="TorchScript"):
         load(path)
@@ -421,18 +419,43 @@ def _safe_but_unusual() -> dict[str, torch.Tensor]:
         }
 
 
+@pytest.mark.parametrize("name", ["coo", "csr", "f8", "nested", "q", "u16"])
 def test_inspect_warns_only_of_code_a_safe_load_would_refuse(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str
 ) -> None:
-    """Sparse, quantized, nested and new-dtype tensors load with weights_only: no warning."""
+    """Sparse, quantized, nested and new-dtype tensors: inspect lists code exactly when the
+    installed torch's safe loader refuses the file, and names what it refuses (torch 2.15
+    refuses nested tensors, which earlier releases read)."""
     path = tmp_path / "unusual.pt"
-    torch.save(_safe_but_unusual(), path)
+    torch.save({name: _safe_but_unusual()[name]}, path)
+    found = _checkpoint_cli.code_globals(path)
+    assert main(["inspect", str(path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["code_globals"] == found
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        load(path)  # torchplace.load reads it without trusted=True
-    assert _checkpoint_cli.code_globals(path) == []
-    assert main(["inspect", str(path), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["code_globals"] == []
+        if not found:
+            load(path)  # torchplace.load reads it without trusted=True
+            return
+        with pytest.raises(CheckpointError, match="refused to unpickle") as info:
+            load(path)
+    assert found[0] in str(info.value)
+
+
+class _AllowedLater:
+    """A class a file may hold, refused until ``torch.serialization.add_safe_globals`` allows it."""
+
+
+def test_inspect_follows_the_safe_globals_allowed_since_its_last_call(tmp_path: Path) -> None:
+    path = tmp_path / "custom.pt"
+    torch.save({"w": torch.ones(1), "extra": _AllowedLater()}, path)
+    qualified = f"{__name__}._AllowedLater"
+    assert _checkpoint_cli.code_globals(path) == [qualified]
+    with pytest.raises(CheckpointError, match="refused to unpickle"):
+        load(path)
+    with torch.serialization.safe_globals([_AllowedLater]):
+        assert _checkpoint_cli.code_globals(path) == []
+        assert isinstance(load(path)["extra"], _AllowedLater)
+    assert _checkpoint_cli.code_globals(path) == [qualified]
 
 
 def test_inspect_lists_quantized_and_sparse_tensors_by_their_names(tmp_path: Path) -> None:

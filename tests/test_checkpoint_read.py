@@ -381,7 +381,10 @@ def test_a_flipped_byte_in_the_pickle_record_is_caught(tmp_path: Path, how: dict
 
 
 def test_a_file_written_without_crcs_still_loads(tmp_path: Path) -> None:
-    from torch.utils.serialization import config
+    config = pytest.importorskip(
+        "torch.utils.serialization.config",
+        reason="this torch cannot turn off the CRCs of torch.save",
+    )
 
     sd = {"w": torch.arange(4.0)}
     old = config.save.compute_crc32
@@ -391,6 +394,87 @@ def test_a_file_written_without_crcs_still_loads(tmp_path: Path) -> None:
     finally:
         config.save.compute_crc32 = old
     assert torch.equal(load(tmp_path / "w.pt")["w"], sd["w"])
+
+
+class _Refused:
+    """A class torch's safe loader refuses (as pickled, it names this module's global)."""
+
+
+def _garbage_empty(real: Any) -> Any:
+    """``torch.empty`` whose byte buffers hold 0xFF, as memory the allocator reused may."""
+
+    def empty(*size: Any, **kwargs: Any) -> torch.Tensor:
+        out = real(*size, **kwargs)
+        if out.dtype == torch.uint8 and not out.is_meta:
+            out.fill_(255)
+        return out
+
+    return empty
+
+
+def test_sparse_tensors_are_checked_once_their_bytes_are_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With torch's sparse checks on (always on in torch 2.6), a sound COO and CSR tensor load;
+    checked before their bytes were in, their indices were garbage and the file 'corrupt'."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # sparse CSR is in beta
+        torch.save(
+            {"coo": torch.eye(3).to_sparse(), "csr": torch.eye(3).to_sparse_csr()},
+            tmp_path / "s.pt",
+        )
+    monkeypatch.setattr(torch, "empty", _garbage_empty(torch.empty))
+
+    def no_second_read(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("torchplace's own read gave up and left the file to torch.load")
+
+    monkeypatch.setattr(torch, "load", no_second_read)
+    with torch.sparse.check_sparse_tensor_invariants(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        out = load(tmp_path / "s.pt")
+    assert torch.equal(out["coo"].to_dense(), torch.eye(3))
+    assert torch.equal(out["csr"].to_dense(), torch.eye(3))
+
+
+def test_a_refused_read_leaves_no_sparse_tensor_for_the_next_load_to_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read abandoned after a sparse tensor was built (here: a refused class further on) must
+    not leave it queued: the next torch.load would check its unread indices and fail."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.save({"a": torch.eye(3).to_sparse(), "b": _Refused()}, tmp_path / "bad.pt")
+        torch.save({"w": torch.eye(2).to_sparse()}, tmp_path / "good.pt")
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "empty", _garbage_empty(torch.empty))
+        with pytest.raises(CheckpointError, match="refused to unpickle"):
+            load(tmp_path / "bad.pt")
+    with torch.sparse.check_sparse_tensor_invariants(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        out = torch.load(tmp_path / "good.pt", weights_only=True)
+    assert torch.equal(out["w"].to_dense(), torch.eye(2))
+
+
+def test_bad_sparse_indices_are_refused_where_torchs_safe_loader_refuses_them(
+    tmp_path: Path,
+) -> None:
+    """An index past the end (which a later read would follow out of bounds): torchplace.load
+    refuses the file exactly where this torch's weights-only torch.load does (2.15: always)."""
+    bad = torch.sparse_coo_tensor(torch.tensor([[5]]), torch.ones(1), (3,), check_invariants=False)
+    torch.save({"bad": bad}, tmp_path / "bad.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # 2.15 notes that its check takes time
+        try:
+            torch.load(tmp_path / "bad.pt", weights_only=True)
+        except RuntimeError:
+            refused = True
+        else:
+            refused = False
+    if not refused:
+        assert load(tmp_path / "bad.pt")["bad"]._indices().tolist() == [[5]]
+        return
+    with pytest.raises(CheckpointError, match=r"bad\.pt.*index 5"):
+        load(tmp_path / "bad.pt")
 
 
 def _safetensors(path: Path, header: dict[str, Any], data: bytes) -> Path:

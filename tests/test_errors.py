@@ -173,6 +173,7 @@ def test_device_unavailable_error_golden(
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     monkeypatch.setattr(_devices, "_nvml_free_memory", lambda i: None)
     monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch, "__version__", "X.Y.Z+cpu")  # not the installed build's
     with pytest.raises(DeviceUnavailableError) as info:
         torchplace.device("cuda:1")
     check_golden("error_device_unavailable.txt", str(info.value) + "\n", regen_golden)

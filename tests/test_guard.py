@@ -12,7 +12,6 @@ import gc
 import inspect
 import pickle
 import re
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,6 +25,7 @@ from torch.nn.modules import module as torch_module
 from torch.nn.utils.rnn import PackedSequence
 
 import torchplace.looking._guard as guard_module
+from helpers import script
 from torchplace._errors import DeviceMismatchError, TorchplaceError
 from torchplace.looking._guard import Guard, guard
 
@@ -583,9 +583,7 @@ def test_dispatched_model_is_not_flagged_for_inputs_dispatch_moves(guard_first: 
 
 
 def test_scripted_module_is_skipped() -> None:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # deprecated in recent torch
-        scripted = torch.jit.script(nn.Linear(2, 2))
+    scripted = script(nn.Linear(2, 2))
     with guard(scripted) as g:
         assert "0 modules checked" in repr(g)
         scripted(torch.ones(1, 2))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import io
 import pickle
 import sys
@@ -145,6 +146,7 @@ def _load_torch(
     try:
         with warnings.catch_warnings():  # torch's note on pickle protocols is not the user's
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            warnings.filterwarnings("ignore", message=_SPARSE_CHECK_NOTE)
             loaded = torch.load(p, map_location=target, mmap=use_mmap, weights_only=not trusted)
         now = stamp(p)
         if now != when:  # torch read it by its path: a rewrite shows in the stamp
@@ -261,15 +263,48 @@ def _read_zip(layout: ZipLayout, target: torch.device, when: Stamp, check_crc: b
             )
             unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
             result = unpickler.load()  # type: ignore[no-untyped-call]
-            torch._utils._validate_loaded_sparse_tensors()  # type: ignore[no-untyped-call]
         read_into(p, pieces, when, checks)
+        _check_sparse()  # once their bytes are in: before, they hold what the allocator left
     except CheckpointError:  # the file changed while it was read
+        _forget_sparse_checks()
         raise
     except Exception as exc:
+        _forget_sparse_checks()  # queued by this read: torch.load would check them next
         if out_of_memory(exc) or device_failure(exc):
             raise CheckpointError(f"{p}: {diagnose(exc, True, target)}") from exc
         return _UNUSUAL
     return result
+
+
+# torch 2.15's note that checking sparse tensors takes time: torchplace's to take, not the user's
+_SPARSE_CHECK_NOTE = "Validating sparse tensor invariants"
+
+
+def _check_sparse() -> None:
+    """torch's check of the sparse tensors just read, as its safe loader makes it: always from
+    torch 2.15 (bad indices would be read out of bounds later), before only when
+    ``torch.sparse.check_sparse_tensor_invariants`` is on (torch 2.6: always too)."""
+    validate: Any = torch._utils._validate_loaded_sparse_tensors  # its signature varies
+    if "weights_only" not in inspect.signature(validate).parameters:
+        validate()
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SPARSE_CHECK_NOTE)
+        validate(weights_only=True)
+
+
+def _forget_sparse_checks() -> None:
+    """Drop the sparse tensors an abandoned read queued for torch's check on their indices.
+
+    torch keeps them in a list that the next load empties; left there, a read that failed
+    half-way would have ``torch.load`` check tensors never filled, and refuse a sound file as
+    corrupt."""
+    getter = getattr(torch._utils, "_get_sparse_tensors_to_validate", None)  # torch 2.15
+    queued = (
+        getter() if callable(getter) else getattr(torch._utils, "_sparse_tensors_to_validate", None)
+    )
+    if isinstance(queued, list):
+        queued.clear()
 
 
 def _safetensors_device(target: torch.device) -> str:

@@ -264,17 +264,23 @@ class InertUnpickler(pickle._Unpickler):  # pure Python: corrupt lengths fail cl
 
 
 @functools.cache
-def _loadable_globals() -> frozenset[str]:
-    """The globals torch's weights-only loader accepts, which ``torchplace.load`` reads safely
-    (sparse, quantized and nested tensors need some beyond the rebuilders stood in for here)."""
+def _default_loadable_globals() -> frozenset[str]:
+    """The globals the installed torch's weights-only loader accepts by default (a list that
+    changes between releases: 2.15 no longer accepts nested tensors)."""
     from torch import _weights_only_unpickler as safe
 
-    found: set[str] = set()
-    for getter in ("_get_allowed_globals", "_get_user_allowed_globals"):
-        allowed = getattr(safe, getter, None)
-        if callable(allowed):
-            found.update(allowed())
-    return frozenset(found)
+    allowed = getattr(safe, "_get_allowed_globals", None)
+    return frozenset(allowed()) if callable(allowed) else frozenset()
+
+
+def _loadable_globals() -> frozenset[str]:
+    """The globals torch's weights-only loader accepts, which ``torchplace.load`` reads safely
+    (sparse, quantized and nested tensors need some beyond the rebuilders stood in for here):
+    its defaults, and those ``torch.serialization.add_safe_globals`` allows at this moment."""
+    from torch import _weights_only_unpickler as safe
+
+    users = getattr(safe, "_get_user_allowed_globals", None)
+    return _default_loadable_globals() | (frozenset(users()) if callable(users) else frozenset())
 
 
 class _Recorder(InertUnpickler):
@@ -288,6 +294,8 @@ class _Recorder(InertUnpickler):
     def find_class(self, module: str, name: str) -> Any:
         found = super().find_class(module, name)
         full = _stand_in_for(found)
+        if full is None and module == "torch._utils":  # a rebuilder read here, not stood in for
+            full = f"{module}.{name}"  # which the installed torch may still refuse (2.15: nested)
         if full is not None and full not in _loadable_globals():
             self.found.append(full)
         return found

@@ -48,7 +48,7 @@ from ._progress import current, reporting
 from ._reader import read_into
 from ._rename import Rename, as_renamer, renamed
 
-__all__ = ["has_dtensors", "load_sharded"]
+__all__ = ["has_dtensors", "load_sharded", "strided_shards_readable"]
 
 _BUFFER = 16 * 1024 * 1024  # the most a non-contiguous slice reads ahead of its copy
 _DIRECT_RUN = 256 * 1024  # runs at least this long are read straight into the shard
@@ -60,7 +60,8 @@ def has_dtensors(model: nn.Module) -> bool:
     if module is None:  # never imported, so no DTensor exists (and plain models pay no import)
         return False
     fsdp = sys.modules.get("torch.distributed.fsdp")
-    if fsdp is not None and any(isinstance(m, fsdp.FSDPModule) for m in model.modules()):
+    fsdp_module = getattr(fsdp, "FSDPModule", None)  # FSDP2 is public from torch 2.6
+    if fsdp_module is not None and any(isinstance(m, fsdp_module) for m in model.modules()):
         return True  # FSDP2, even while it holds its parameters unsharded (plain tensors)
     DTensor = module.DTensor
     tensors = itertools.chain(model.parameters(), model.buffers())
@@ -199,6 +200,13 @@ def _strided_pieces(
     t: torch.Tensor, name: str, placements: Any, mesh: Any
 ) -> tuple[tuple[int, ...], list[Piece]]:
     """The global indices this rank holds on each dim, sharding left to right as DTensor does."""
+    if not strided_shards_readable():  # the same answer on every rank, before anything changes
+        raise CheckpointError(
+            f"{name} is placed as {placements} (FSDP2 over tensor parallelism on the same dim): "
+            f"load_into reads such strided shards with torch 2.13 or later, and this is torch "
+            f"{torch.__version__}; upgrade it (pip install 'torch>=2.13'), or load this model "
+            "with torch.distributed.checkpoint; the model is untouched"
+        )
     coordinate = mesh.get_coordinate()
     if coordinate is None:  # not in the mesh: holds nothing
         return (0,) * t.dim(), []
@@ -240,6 +248,16 @@ def _strided_pieces(
         box = (tuple(r[0] for r in combo), tuple(r[1] for r in combo))
         pieces.append((box, tuple(slice(r[2], r[2] + r[1]) for r in combo)))
     return tuple(len(i) for i in indices), pieces
+
+
+def strided_shards_readable() -> bool:
+    """Whether this torch tells which indices a strided shard holds (the offset mode of
+    ``_StridedShard.local_shard_size_and_offset``, torch 2.13 and later)."""
+    try:
+        from torch.distributed.tensor import placement_types
+    except ImportError:  # a build without torch.distributed holds no DTensor
+        return False
+    return hasattr(placement_types, "_StridedShardOffsetMode")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
