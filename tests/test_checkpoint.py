@@ -1775,6 +1775,11 @@ def test_skeleton_of_a_built_model_says_to_pass_its_class() -> None:
         skeleton(nn.Linear(2, 2))  # type: ignore[arg-type]
 
 
+def test_skeleton_of_something_not_callable_says_what_it_takes() -> None:
+    with pytest.raises(TorchplaceError, match=r"not a Tensor: torchplace\.skeleton\(YourModel"):
+        skeleton(torch.ones(2))  # type: ignore[arg-type]
+
+
 def test_a_long_key_list_points_to_the_error_that_holds_it_whole() -> None:
     model = nn.Sequential(*[nn.Linear(1, 1) for _ in range(8)])
     with pytest.raises(CheckpointError, match=r"and 6 more.*CheckpointError\.missing") as info:

@@ -945,6 +945,28 @@ def test_remap_rewrites_every_shard_of_an_index(
     )
 
 
+def test_remap_of_a_save_pretrained_directory_writes_a_new_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """remap refused the directory inspect and load take ("is a directory, not a checkpoint")."""
+    index = _sharded(tmp_path)
+    assert main(["remap", str(index.parent), "--to", "cpu", "-o", str(tmp_path / "copy")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    new = tmp_path / "copy" / index.name
+    assert new.read_bytes() == index.read_bytes()
+    assert {r.name: r.device for r in describe_file(new)} == {"a": "-", "b": "cpu", "c": "cpu"}
+    loaded = load(tmp_path / "copy", "cpu")  # the copy is a directory load takes too
+    assert torch.equal(loaded["b"], torch.arange(6.0).reshape(2, 3))
+
+
+def test_remap_of_a_directory_that_fails_leaves_no_directory_behind(tmp_path: Path) -> None:
+    index = _sharded(tmp_path)
+    (index.parent / "more" / "s3.bin").write_bytes(b"PK\x03\x04" + bytes(64))  # corrupt, last
+    with pytest.raises(CheckpointError, match=r"s3\.bin"):
+        remap(index.parent, tmp_path / "copy", to="cpu")
+    assert not (tmp_path / "copy").exists()
+
+
 def test_remap_of_an_index_writes_nothing_unless_every_shard_is_written(tmp_path: Path) -> None:
     index = _sharded(tmp_path)
     (index.parent / "more" / "s3.bin").write_bytes(b"PK\x03\x04" + bytes(64))  # corrupt, last

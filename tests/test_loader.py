@@ -390,6 +390,12 @@ def test_absent_device_is_named() -> None:
         DeviceLoader([], "cuda:7")
 
 
+def test_a_tensor_is_no_iterable_of_batches() -> None:
+    """It would hand over its rows one by one, silently."""
+    with pytest.raises(TorchplaceError, match=r"got a tensor of shape \(3,\).*DataLoader"):
+        DeviceLoader(torch.ones(3), "cpu")
+
+
 def test_bad_flags_are_named() -> None:
     with pytest.raises(TorchplaceError, match="pin_memory="):
         DeviceLoader([], "cpu", pin_memory="yes")  # type: ignore[arg-type]

@@ -4,6 +4,7 @@ only, one at a time, advanced by the bytes the reader reads."""
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+import torchplace
 from torchplace import load, load_into, skeleton
 from torchplace.checkpoint import _progress
 
@@ -94,3 +96,14 @@ def test_load_into_shows_one_bar_for_an_index_of_shards(
     assert torch.equal(model[0].weight, first["0.weight"])
     shards = sum((tmp_path / n).stat().st_size for n in ("s1.safetensors", "s2.safetensors"))
     assert bars == [[shards, 4 * 3 * 4 + 4 * 4]]
+
+
+def test_a_forced_bar_off_a_terminal_says_what_was_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """progress=True with stderr a log file: no live bar, one closing line (not nothing)."""
+    path = tmp_path / "w.pt"
+    torch.save({"w": torch.ones(1024, 256)}, path)
+    torchplace.load(path, progress=True)
+    err = capsys.readouterr().err
+    assert re.search(r"load w\.pt: 1\.0 MiB in \d+\.\d s", err), err

@@ -38,7 +38,7 @@ from ._hub_names import hub_names_note
 from ._index import weight_map
 from ._pickle_reader import TensorRecord, code_globals, pickles_a_model
 from ._progress import progress_bar, wanted
-from ._source import shards
+from ._source import resolve, shards
 
 __all__ = [
     "TensorRecord",
@@ -491,11 +491,27 @@ def remap(
     index is copied last. ``out`` names the new index, or a directory to write it into under
     its own name; it may not be where the shards are read from. Nothing is renamed into place
     until every shard is written.
+
+    A ``save_pretrained`` directory is remapped through its checkpoint (its index, or its one
+    model file): ``out`` then names a directory, made if its parent exists, that receives the
+    checkpoint under its own names (the directory's other files, such as ``config.json``, are
+    not copied).
     """
     from ._checkpoint import as_path
 
-    src, dst = as_path(path), as_path(out)
+    given, dst = as_path(path), as_path(out)
+    src = resolve(given)  # a save_pretrained directory: its index, or its one checkpoint file
     target = _parse_target(to) if isinstance(to, str) else to
+    made: Path | None = None  # the output directory this call made, removed if it fails
+    if src != given:  # from a directory, -o names the directory the copy goes into
+        try:
+            if not dst.exists() and dst.parent.is_dir():
+                dst.mkdir()
+                made = dst
+        except OSError as exc:
+            raise CheckpointError(f"{dst}: cannot be made ({exc.strerror or exc})") from exc
+        if dst.is_dir():
+            dst = dst / src.name
     kind = format_of(src)
     if kind == "index":
         dst, shard_jobs = _index_outputs(src, dst)
@@ -525,6 +541,9 @@ def remap(
         pending.commit([job[0] for job in jobs])
     except BaseException as exc:
         pending.discard()
+        if made is not None:
+            with contextlib.suppress(OSError):
+                made.rmdir()  # only if empty: nothing of the user's is removed
         if isinstance(exc, (TorchplaceError, KeyboardInterrupt, SystemExit)):
             raise
         if isinstance(exc, Exception):
@@ -548,7 +567,7 @@ def _run_remap(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"torchplace remap: interrupted; {args.output} was not written", file=sys.stderr)
         return 130
-    kind = format_of(Path(args.file))
+    kind = format_of(resolve(args.file))
     if kind == "safetensors":
         print(f"wrote {_printable(out)} (copied unchanged: a safetensors file stores no device)")
     elif kind == "index":

@@ -4,7 +4,8 @@
 and makes it the current one, so the reader advances it from its threads by ``advance(n)`` and
 pays one ``ContextVar`` look-up per file when there is none. ``asked`` is the ``progress=``
 keyword: ``None`` shows the bar when stderr is a terminal and the load is large enough to take
-more than a couple of seconds (``LOAD_PROGRESS_MIN_BYTES``); ``True`` and ``False`` force it.
+more than a couple of seconds (``LOAD_PROGRESS_MIN_BYTES``); ``True`` and ``False`` force it
+(where stderr is no terminal, a forced bar is one line saying what was read, once it is over).
 On many ranks only rank 0 shows one. rich is imported only when a bar is shown.
 """
 
@@ -14,6 +15,7 @@ import contextlib
 import contextvars
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 
 __all__ = ["LOAD_PROGRESS_MIN_BYTES", "current", "progress_bar", "reporting", "wanted"]
@@ -76,9 +78,18 @@ def progress_bar(total: int, label: str, enabled: bool) -> Iterator[Callable[[in
         TransferSpeedColumn(),
         TimeRemainingColumn(),
     )
-    with Progress(*columns, transient=True, console=Console(stderr=True, emoji=False)) as bar:
+    console = Console(stderr=True, emoji=False)
+    start = time.perf_counter()
+    with Progress(*columns, transient=True, console=console) as bar:
         task = bar.add_task(label, total=total)
         yield lambda n: bar.advance(task, n)
+        done = int(bar.tasks[0].completed)
+    if not console.is_terminal:  # a log file gets no live bar: one line once it is over
+        from .._sizes import format_bytes
+
+        took = time.perf_counter() - start
+        rate = f", {format_bytes(int(done / took))}/s" if took > 0 else ""
+        console.print(f"{label}: {format_bytes(done)} in {took:.1f} s{rate}", markup=False)
 
 
 @contextlib.contextmanager

@@ -120,6 +120,11 @@ def skeleton(factory: Callable[..., ModuleT], /, *args: Any, **kwargs: Any) -> M
             f"and its arguments, not a {cls} already built: skeleton({cls}, ...); a built "
             f"model takes its weights directly, torchplace.load_into(model, checkpoint)"
         )
+    if not callable(factory):
+        raise TorchplaceError(
+            f"skeleton() takes what builds the model (a class or a function) and its arguments, "
+            f"not a {type(factory).__name__}: torchplace.skeleton(YourModel, *args, **kwargs)"
+        )
     mode = _SkeletonMode()
     with mode:
         model = factory(*args, **kwargs)

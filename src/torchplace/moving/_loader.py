@@ -109,6 +109,13 @@ class DeviceLoader(Generic[T]):
                 f"DeviceLoader(iterable=...) needs an iterable of batches (a DataLoader, a list, "
                 f"a generator), got {type(iterable).__name__} ({_short(iterable)})"
             )
+        if isinstance(iterable, torch.Tensor):  # iterating one would hand over its rows
+            raise TorchplaceError(
+                f"DeviceLoader(iterable=...) needs an iterable of batches, got a tensor of shape "
+                f"{tuple(iterable.shape)}, whose rows it would hand over one by one; wrap it in "
+                "a DataLoader (DataLoader(TensorDataset(x), batch_size=...)), or move it "
+                "whole with x = torchplace.move(x, device)"
+            )
         try:
             target = _parse_device(device)
         except DeviceSpecError as exc:
