@@ -205,8 +205,11 @@ def test_a_file_cut_short_is_a_checkpoint_error(tmp_path: Path) -> None:
     torch.save({"a": torch.ones(100_000)}, tmp_path / "w.pt")
     data = (tmp_path / "w.pt").read_bytes()
     (tmp_path / "w.pt").write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match=r"w\.pt: is truncated"):
+    with pytest.raises(CheckpointError, match=r"w\.pt: is truncated") as info:
         load(tmp_path / "w.pt")
+    # a save still being written looks the same: the advice covers both, in our own words
+    assert "another process may be writing it" in str(info.value)
+    assert "miniz" not in str(info.value)
 
 
 # ---------------------------------------------------------------------------------- sources
@@ -845,3 +848,30 @@ def test_a_bf16_model_from_an_fp32_file_peaks_at_its_own_bytes_plus_staging(
     model = load_into(layers.to(torch.bfloat16), path)
     for i, layer in enumerate(model):
         assert torch.equal(layer.weight, weights[f"{i}.weight"].to(torch.bfloat16)), i
+
+
+def test_a_trusted_whole_model_whose_class_is_gone_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not "truncated or corrupt": the file is sound, the class is not defined here."""
+    import sys
+    import types
+
+    module = types.ModuleType("tp_models")
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+
+    Net.__module__ = "tp_models"
+    Net.__qualname__ = "Net"
+    module.Net = Net  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tp_models", module)
+    torch.save(Net(), tmp_path / "whole.pt")
+    del module.Net  # type: ignore[attr-defined]
+    with pytest.raises(CheckpointError, match=r"class Net from module tp_models.*may be sound"):
+        load(tmp_path / "whole.pt", "cpu", trusted=True)
+    monkeypatch.delitem(sys.modules, "tp_models")
+    with pytest.raises(CheckpointError, match=r"module tp_models, which this program cannot"):
+        load(tmp_path / "whole.pt", "cpu", trusted=True)

@@ -432,3 +432,20 @@ def test_a_conversion_that_fails_is_a_checkpoint_error(
     with pytest.raises(CheckpointError, match=r"single.*converting its hub names.*untouched"):
         torchplace.load_into(skeleton, where / "single")
     assert skeleton.model.layers[0].self_attn.q_proj.weight.is_meta
+
+
+def test_an_expert_missing_one_projection_is_a_missing_model_tensor(
+    mixtral: tuple[Any, torch.nn.Module, Path], tmp_path: Path
+) -> None:
+    """Not transformers' own shape error from inside the conversion, with nothing in .missing."""
+    config, _, where = mixtral
+    state = torchplace.load(where / "single")
+    del state["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    torch.save(state, tmp_path / "gap.pt")
+    with pytest.raises(CheckpointError) as info:
+        torchplace.load_into(_skeleton(config), tmp_path / "gap.pt")
+    assert list(info.value.missing) == ["model.layers.1.mlp.experts.gate_up_proj"]
+    assert "model.layers.1.block_sparse_moe.experts.2.w1.weight" in info.value.unexpected
+    with pytest.warns(UserWarning, match=r"on meta.*model\.layers\.1\.mlp\.experts\.gate_up_proj"):
+        loaded = torchplace.load_into(_skeleton(config), tmp_path / "gap.pt", strict=False)
+    assert loaded.model.layers[0].mlp.experts.gate_up_proj.device.type == "cpu"

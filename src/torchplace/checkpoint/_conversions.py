@@ -404,6 +404,11 @@ def _plan_group(
     expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
 ) -> None:
     gathered = {p: list(v) for p, v in group.collected_tensors.items()}
+    if len({len(v) for v in gathered.values()}) > 1:
+        # One pattern lacks a tensor the others have (an expert's up projection but not its
+        # gate): the model tensor cannot be built. Left out of the plan, it is reported as any
+        # missing tensor is, under the model's name (the file's keys for it as unexpected).
+        return
     traced = copy.deepcopy(group)
     tracer = _Tracer()
     traced.collected_tensors.clear()

@@ -10,6 +10,7 @@ here for the modules that used to find it here).
 from __future__ import annotations
 
 import pickle
+import re
 import struct
 import zipfile
 import zlib
@@ -152,7 +153,12 @@ def diagnose(exc: BaseException, zip_format: bool, target: torch.device) -> str:
             "failing: run torchplace doctor, or load it onto the CPU"
         )
     if isinstance(exc, EOFError) or "failed finding central directory" in text:
-        return f"is truncated ({text}); the save was probably interrupted, save it again"
+        if "central directory" in text:  # torch's words for it carry a miniz internal note
+            text = "its zip central directory is missing"
+        return (
+            f"is truncated ({text}); another process may be writing it right now (load it "
+            "again once the writer is done), or its save was interrupted (save it again)"
+        )
     if "TorchScript" in text:
         return (
             "is a TorchScript archive (torch.jit.save), not a checkpoint of weights; load it "
@@ -162,6 +168,19 @@ def diagnose(exc: BaseException, zip_format: bool, target: torch.device) -> str:
         return (
             f"is not a torch.save file ({text}); a plain pickle or a foreign file is not a "
             "checkpoint"
+        )
+    missing_class = re.match(r"Can't get attribute '([\w.]+)' on <module '([\w.]+)'", text)
+    if isinstance(exc, AttributeError) and missing_class:
+        cls, module = missing_class.groups()
+        return (
+            f"pickles an object of class {cls} from module {module}, which this program does not "
+            f"define; the file may be sound: import or define {cls} (as the program that saved "
+            "it did) before loading it"
+        )
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        return (
+            f"pickles objects from module {exc.name}, which this program cannot import; the file "
+            f"may be sound: load it where {exc.name} is installed and importable"
         )
     if not zip_format and "UntypedStorage' has no attribute 'dtype'" in text:
         return (

@@ -370,7 +370,8 @@ def pickles_a_model(found: list[str]) -> bool:
 WHOLE_MODEL = (
     "holds a whole model saved with torch.save(model), whose classes loading would import "
     "and run. Nothing was run. If you trust where the file came from, its weights are "
-    "torchplace.load({path}, trusted=True).state_dict()"
+    "torchplace.load({path}, trusted=True).state_dict(), run where the model's class can be "
+    "imported (as for torch.load)"
 )
 
 
