@@ -216,6 +216,95 @@ def test_a_fused_tensor_is_read_into_its_slices_once(
     )
 
 
+def _recording_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, torch.Tensor]]:
+    """Every (offset, tensor) the catalog's reader fills, recorded as it is asked."""
+    import torchplace.checkpoint._load as load_module
+
+    seen: list[tuple[int, torch.Tensor]] = []
+    real = load_module.read_into
+
+    def recording(path: Path, pieces: Any, *rest: Any, **kwargs: Any) -> None:
+        seen.extend((piece[0], piece[1]) for piece in pieces)
+        real(path, pieces, *rest, **kwargs)
+
+    monkeypatch.setattr(load_module, "read_into", recording)
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_experts_are_read_straight_into_the_fused_parameter(
+    mixtral: tuple[Any, torch.nn.Module, Path], monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
+) -> None:
+    """No expert's file tensor is ever held in memory of its own: each is read into its slice
+    of the one fused tensor (converted chunk by chunk when the model's dtype differs), and that
+    memory is the parameter the model keeps."""
+    from torchplace.checkpoint._catalog import catalog
+
+    config, model, where = mixtral
+    path = where / "single" / "model.safetensors"
+    found = catalog(path)
+    experts = {
+        e.start: name
+        for name, e in found.entries.items()
+        if name.startswith("model.layers.0.block_sparse_moe.experts.") and ".w2." not in name
+    }
+    assert len(experts) == 8  # four experts, w1 and w3 each: the pieces of gate_up_proj
+    seen = _recording_reads(monkeypatch)
+    skeleton = _skeleton(config).to(dtype)
+    loaded = torchplace.load_into(skeleton, path)
+    fused = loaded.model.layers[0].mlp.experts.gate_up_proj
+    assert fused.dtype == dtype
+    read = {offset: t for offset, t in seen if offset in experts}
+    assert read.keys() == experts.keys()
+    for t in read.values():  # each piece is a slice of the parameter's own memory
+        assert t.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+        assert t.untyped_storage().nbytes() == fused.nbytes
+    reference = model.model.layers[0].mlp.experts.gate_up_proj.detach().to(dtype)
+    assert torch.equal(fused.detach(), reference)
+    if dtype == torch.float32:
+        assert hf.differences(model, loaded) == []
+
+
+def test_renamed_hub_names_are_read_straight_into_the_fused_parameter(
+    mixtral: tuple[Any, torch.nn.Module, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``rename=`` applies first, then the plan made from the catalog reads each expert into
+    its slice: a DDP prefix on a safetensors file of hub names."""
+    from safetensors.torch import save_file
+
+    config, model, where = mixtral
+    state = torchplace.load(where / "single")
+    path = tmp_path / "ddp.safetensors"
+    save_file({f"module.{k}": v.contiguous() for k, v in state.items()}, path)
+    seen = _recording_reads(monkeypatch)
+    loaded = torchplace.load_into(_skeleton(config), path, rename={r"^module\.": ""})
+    assert hf.differences(model, loaded) == []
+    fused = loaded.model.layers[1].mlp.experts.down_proj
+    into = [t for _, t in seen if t.untyped_storage().data_ptr() == fused.data_ptr()]
+    assert len(into) == 4  # one read per expert, into the parameter's memory
+
+
+def test_a_missing_expert_in_a_safetensors_file_is_named_by_the_model(
+    mixtral: tuple[Any, torch.nn.Module, Path], tmp_path: Path
+) -> None:
+    """A fused tensor whose pieces do not make the model's shape is a shape mismatch under the
+    model's name, and nothing is loaded, on the path that reads straight into fused tensors."""
+    from safetensors.torch import save_file
+
+    config, _, where = mixtral
+    state = torchplace.load(where / "single")
+    del state["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    path = tmp_path / "short.safetensors"
+    save_file({k: v.contiguous() for k, v in state.items()}, path)
+    skeleton = _skeleton(config)
+    with pytest.raises(CheckpointError) as info:
+        torchplace.load_into(skeleton, path)
+    assert "model.layers.1.mlp.experts.down_proj: file (3, 64, 128), model (4, 64, 128)" in str(
+        info.value
+    )
+    assert skeleton.model.layers[0].mlp.experts.gate_up_proj.is_meta  # untouched
+
+
 @pytest.mark.hf_architectures
 def test_every_architecture(request: pytest.FixtureRequest) -> None:
     """The whole list; run it with ``python -m pytest -m hf_architectures``."""

@@ -500,3 +500,89 @@ def test_cuda_later_moves_pin_no_memory() -> None:
     from torchplace.moving import release_pinned_memory
 
     assert release_pinned_memory() == kept and pool.kept_bytes == 0
+
+
+# --- reads onto a device take their slots from the same pool -----------------------------------
+
+
+def _file_of(tmp_path: object, data: bytes) -> int:
+    import os
+    from pathlib import Path
+
+    path = Path(str(tmp_path)) / "bytes"
+    path.write_bytes(data)
+    return os.open(path, os.O_RDONLY)
+
+
+def test_reads_onto_a_device_go_through_the_pool_even_when_copies_run_late(
+    tmp_path: object,
+) -> None:
+    """``_reader._read_cuda``'s logic on the CPU: every chunk read into a slot of the pool and
+    sent on by the transport, a slot taken again only once its copy ran (the values would show
+    a refill before it), a converting piece converted by the copy, the pool never beyond its
+    bound, and a second read pins nothing new."""
+    import os
+    import zlib
+
+    from torchplace.checkpoint._reader import _read_cuda
+
+    gen = torch.Generator().manual_seed(0)
+    direct = torch.randn(86, generator=gen)  # 344 bytes: five full slots of 64 and a part
+    converted = torch.randn(40, generator=gen)  # read from float32 into bfloat16
+    data = direct.numpy().tobytes() + converted.numpy().tobytes()
+    fd = _file_of(tmp_path, data)
+    try:
+        pool, transport = host_pool(limit=2 * 64), _LateTransport()
+        for _ in range(2):
+            a = torch.empty(86)
+            b = torch.empty(40, dtype=torch.bfloat16)
+            checks = {0: (zlib.crc32(direct.numpy().tobytes()), "direct")}
+            pieces = [(0, a), (direct.nbytes, b, torch.float32)]
+            failed = _read_cuda(
+                fd, pieces, torch.device("cpu"), checks, pool=pool, transport=transport
+            )
+            transport.wait()  # what the device's stream does before the tensors are used
+            assert failed == []
+            assert torch.equal(a, direct) and torch.equal(b, converted.to(torch.bfloat16))
+            assert pool.allocations == 2 and pool.kept_bytes == 2 * 64  # bounded, then reused
+        bad = {0: (zlib.crc32(b"other"), "direct")}
+        assert _read_cuda(
+            fd, [(0, torch.empty(86))], torch.device("cpu"), bad, pool=pool, transport=transport
+        ) == ["direct"]
+    finally:
+        os.close(fd)
+
+
+def test_a_read_that_fails_gives_its_slot_back(tmp_path: object) -> None:
+    import os
+
+    from torchplace.checkpoint._reader import _read_cuda
+
+    fd = _file_of(tmp_path, bytes(100))
+    try:
+        pool, transport = host_pool(limit=2 * 64), _LateTransport()
+        with pytest.raises(EOFError):
+            _read_cuda(
+                fd, [(0, torch.empty(64))], torch.device("cpu"), pool=pool, transport=transport
+            )
+        transport.wait()
+        assert len(pool._free) == pool.kept_bytes // 64 == pool.allocations  # none left taken
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.requires_cuda
+def test_cuda_loads_and_moves_share_one_pool(tmp_path: object) -> None:
+    """A load onto the GPU takes its pinned slots from the pool a move filled: it pins nothing."""
+    from pathlib import Path
+
+    model = nn.Linear(2048, 2048)  # 16 MiB weight: staged
+    torchplace.move(model, "cuda:0")
+    torchplace.move(model, "cpu")
+    pool = _staging.pinned_pool()
+    made = pool.allocations
+    path = Path(str(tmp_path)) / "w.pt"
+    torch.save(model.state_dict(), path)
+    loaded = torchplace.load(path, "cuda:0")
+    assert torch.equal(loaded["weight"].cpu(), model.weight.detach())
+    assert pool.allocations == made and 0 < pool.kept_bytes <= 64 << 20

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import re
+import sys
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -21,10 +23,11 @@ from .._model_walk import Slot, tensor_slots
 from .._own_moves import AttributeSnapshot, run_own_moves
 from ..moving._identity import parameter_like
 from ..moving._move import discarded_warning
-from ._catalog import format_of
-from ._conversions import hub_converted
+from ._catalog import Catalog, catalog, format_of
+from ._catalog import Piece as CatalogPiece
+from ._conversions import Fused, Plan, apply_plan, conversion_plan, fused_boxes, hub_converted
 from ._formats import PathLike, first_sentence
-from ._load import load_state, source_bytes
+from ._load import Assembled, DTypeWish, load_state, read_assembled, source_bytes
 from ._progress import reporting, wanted
 from ._rename import Rename, as_renamer, renamed
 from ._skeleton import ModuleT, swap
@@ -292,6 +295,8 @@ def load_into(
     slots = tensor_slots(model)
     loadable, transient, extra = slots.loadable, slots.transient, slots.extra_state
     read_on = _read_on(loadable, target)
+    assembled: dict[str, torch.Tensor] = {}  # fused tensors read straight into their memory
+    rest: Plan | None = None  # the conversions left to apply once the file is read
     if isinstance(source, Mapping):
         state: Any = source
     else:
@@ -299,22 +304,165 @@ def load_into(
         # Tensors of another floating dtype than the model's are converted as they are read.
         wish = _dtype_wish(model, loadable, renamer)
         kind = format_of(p)
+        direct = _direct_plan(p, model, renamer, read_on, mmap=mmap)
         total = source_bytes(p, kind) if wanted(progress) else 0
         with reporting(total, f"load_into {p.name}", progress):
-            state = load_state(p, read_on, mmap=mmap, dtype_of=wish, check_crc=check_crc)
+            if direct is None:
+                state = load_state(p, read_on, mmap=mmap, dtype_of=wish, check_crc=check_crc)
+            else:
+                rest = direct.rest
+                state, assembled = _read_direct(direct, read_on, wish)
     _check_state_dict(p, model, state, loadable)
     if renamer is not None:
         state = renamed(str(p), state, renamer)
-    # A transformers model's hub names (per-expert tensors, renamed keys) become its own, as
-    # from_pretrained converts them; the read state is changed in place, each tensor let go
-    # as soon as its fused tensor holds it.
-    state = hub_converted(str(p), model, state, owned=not from_memory or renamer is not None)
+    if rest is not None:
+        # The fused tensors were read straight into their slices; what is left of the plan
+        # (renames, computed tensors, fused ones that are not boxes of whole entries) applies
+        # to the tensors read whole, as below.
+        state = _with_fused(rest, state, assembled)
+    else:
+        # A transformers model's hub names (per-expert tensors, renamed keys) become its own,
+        # as from_pretrained converts them; the read state is changed in place, each tensor let
+        # go as soon as its fused tensor holds it.
+        state = hub_converted(str(p), model, state, owned=not from_memory or renamer is not None)
     # What each module would be given by load_state_dict: older norm layers upgraded, every
     # pre-hook run (a layout converted, a key renamed), so values and shapes match its result.
     seen = as_load_state_dict_sees(p, model, state, extra)
     fit = _Fit(p, model, seen, loadable, transient, extra, read_on, strict)
     prepared = _prepare(fit, target, copy=from_memory)
     return _apply(fit, prepared, extra, seen.own)  # type: ignore[return-value]
+
+
+@dataclasses.dataclass
+class _Direct:
+    """A file source whose fused tensors are read straight into their memory: the catalog, the
+    fused tensors (by the model's name) as boxes of catalog entries, the file names read whole,
+    and the rest of the conversion plan (applied once those are read)."""
+
+    found: Catalog
+    fused: dict[str, Assembled]
+    whole: list[str]
+    rest: Plan
+
+
+def _direct_plan(
+    p: Path,
+    model: nn.Module,
+    renamer: Callable[[str], str | None] | None,
+    read_on: torch.device,
+    *,
+    mmap: bool,
+) -> _Direct | None:
+    """How to read ``p`` so that each fused model tensor is allocated once, in the model's dtype,
+    and its file tensors read straight into their slices of it; None where the plain read and
+    ``hub_converted`` do (no conversion plan, nothing fused that is a box of whole entries, a
+    file that is not safetensors, a read mapped or onto ``meta``).
+
+    The plan is made from the catalog's names (renamed first), shapes and dtypes, before
+    anything is read. A fused tensor goes straight when every piece is a whole entry at one box
+    of it (stacked, concatenated; not a chunk of an entry, not transposed) and its entries feed
+    nothing else; the others stay in the rest of the plan.
+    """
+    if mmap or read_on.type not in ("cpu", "cuda") or sys.byteorder != "little":
+        return None
+    found = catalog(p)
+    files = {e.file for e in found.entries.values()}
+    if not all(found.kinds.get(f, found.kind) == "safetensors" for f in files if f is not None):
+        return None  # torch files keep non-tensor values and shared storages: read as saved
+    names: dict[str, str] = {}  # the name the plan knows -> the file's name
+    for key in found.entries:
+        new = key if renamer is None else renamer(key)
+        if not isinstance(new, str):
+            continue  # dropped (renamed() raises for what is neither str nor None)
+        if new in names:
+            return None  # two keys renamed to one name: renamed() raises, naming both
+        names[new] = key
+    shapes = {}
+    for new, key in names.items():
+        e = found.entries[key]
+        shapes[new] = (e.shape, e.torch_dtype(found.where))
+    try:
+        plan = conversion_plan(model, shapes)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{p}: {exc}") from exc
+    if plan is None or not plan.fused:
+        return None
+    uses: dict[str, int] = {}
+    for source in [*plan.renames.values(), *(s for c in plan.computed for s in c.sources)]:
+        uses[source] = uses.get(source, 0) + 1
+    for f in plan.fused:
+        for piece in f.pieces:
+            uses[piece.source] = uses.get(piece.source, 0) + 1
+    for source in plan.mismatched_sources:
+        uses[source] = uses.get(source, 0) + 1
+    straight: dict[str, Assembled] = {}
+    kept: list[Fused] = []
+    for f in plan.fused:
+        made = _assembled(found, names, f, uses)
+        if made is None or f.name in names:
+            kept.append(f)
+        else:
+            straight[f.name] = made
+    if not straight:
+        return None
+    taken = {names[piece.source] for f in plan.fused if f.name in straight for piece in f.pieces}
+    whole = [k for k in found.entries if k not in taken]
+    rest = dataclasses.replace(plan, fused=kept)
+    return _Direct(found, straight, whole, rest)
+
+
+def _assembled(
+    found: Catalog, names: Mapping[str, str], f: Fused, uses: Mapping[str, int]
+) -> Assembled | None:
+    """``f`` as boxes of catalog entries for ``read_assembled``, or None where a piece is not a
+    whole entry at one box (a chunk of it, a transpose, a stack along a later dim) or feeds
+    another tensor too."""
+    boxes = fused_boxes(f, ((0,) * len(f.shape), f.shape))
+    if boxes is None or len(boxes) != len(f.pieces):
+        return None
+    pieces = []
+    for source, _, index in boxes:
+        entry = found.entries[names[source]]
+        if uses.get(source) != 1 or not entry.addressable:
+            return None
+        lead = len(index) - len(entry.shape)
+        if lead < 0 or not all(isinstance(i, int) for i in index[:lead]):
+            return None  # the entry's dims are not the destination's trailing ones
+        if not all(isinstance(i, slice) for i in index[lead:]):
+            return None
+        at = tuple(i if isinstance(i, int) else i.start for i in index)
+        pieces.append(CatalogPiece(entry, at))
+    return Assembled(f.shape, f.dtype, pieces)
+
+
+def _read_direct(
+    direct: _Direct, read_on: torch.device, wish: DTypeWish | None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The file's tensors read whole (by the file's names) and the fused ones (by the model's),
+    read side by side in one pass over the files."""
+    found = direct.found
+    plan: dict[str, Assembled] = {}
+    for name in direct.whole:
+        e = found.entries[name]
+        stored = e.torch_dtype(found.where)
+        want = wish(name) if wish is not None else None
+        if want is None or not (want.is_floating_point and stored.is_floating_point):
+            want = stored
+        plan[name] = Assembled(e.shape, want, [CatalogPiece(e, (0,) * len(e.shape))])
+    fused_keys = {name: f"{name} (fused)" for name in direct.fused}  # apart from file names
+    plan.update({fused_keys[name]: made for name, made in direct.fused.items()})
+    read = read_assembled(found, plan, read_on)
+    assembled = {name: read.pop(key) for name, key in fused_keys.items()}
+    return read, assembled
+
+
+def _with_fused(rest: Plan, state: Mapping[str, Any], assembled: Mapping[str, torch.Tensor]) -> Any:
+    """``state`` (renamed) under the model's names: the rest of the plan applied, then the fused
+    tensors read straight into their memory added (no file key holds their names: a fused
+    tensor whose name the file holds too stays in the rest of the plan)."""
+    out: Any = apply_plan(rest, state, owned=True)
+    out.update(assembled)
+    return out
 
 
 def _warn_after_fill(fit: _Fit) -> None:

@@ -8,9 +8,10 @@ each chunk's pages are first populated in one call (``MADV_POPULATE_WRITE``), wh
 a 512 MiB read into a fresh process against a fault per 4 KiB page; asking for huge pages instead
 (``MADV_HUGEPAGE``) made warm reads 3x faster but fresh processes 3x slower on the 2-core VM it was
 measured on (the host backs new huge pages slowly), so it is not done. Onto a CUDA device the bytes
-go through a ring of pinned buffers, each chunk read into a buffer and sent on with an asynchronous
-copy while the next chunk is read into the next buffer, as ``_staging.Stager`` does for tensors
-already in memory: the model never passes through a pageable copy of itself.
+go through the process's bounded pool of pinned buffers (``moving._staging.pinned_pool``, which
+moves use too), each chunk read into a slot and sent on with an asynchronous copy while the next
+chunk is read into the next slot, as ``_staging.Stager`` does for tensors already in memory: the
+model never passes through a pageable copy of itself, and loads and moves share one bounded pool.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any, cast
 import torch
 
 from .._errors import CheckpointError
-from ..moving._staging import STAGE_BUFFERS, STAGE_CHUNK_BYTES
+from ..moving._staging import STAGE_CHUNK_BYTES, PinnedPool, Transport, pinned_pool
 from ._catalog import Stamp, changed_error
 from ._crc import combine
 from ._progress import current
@@ -210,60 +211,85 @@ def _read_host(
     return failed
 
 
+class _CurrentStream:
+    """Copies queued on the current stream of one CUDA device, events recorded behind them:
+    what reads onto the device do after them (a conversion, the model's first use) is ordered
+    after them by the stream alone."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.current_stream(device)
+
+    def begin(self) -> None:
+        """Nothing to order: the copies run on the caller's own stream."""
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(self.stream):
+            dst.copy_(src, non_blocking=True)
+
+    def mark(self) -> Any:
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(self.stream)
+        return event
+
+    def finish(self) -> None:
+        """Nothing to order: the copies run on the caller's own stream."""
+
+    def wait(self) -> None:
+        self.stream.synchronize()
+
+
 def _read_cuda(
     fd: int,
     pieces: Sequence[Piece],
     device: torch.device,
     checks: Checks | None = None,
     advance: Callable[[int], None] | None = None,
+    *,
+    pool: PinnedPool | None = None,
+    transport: Transport | None = None,
 ) -> list[str]:
-    """Chunks read into a ring of pinned buffers, each sent on while the next one is read; a
-    chunk of another dtype than its tensor lands in a chunk-sized device buffer and is converted
-    into place there, on the same stream (peak device memory: the model plus a few chunks)."""
-    buffers: list[torch.Tensor] = []
-    events: list[torch.cuda.Event | None] = [None] * STAGE_BUFFERS
-    stream = torch.cuda.current_stream(device)
-    i = 0
+    """Chunks read into pinned slots of the process's pool (``moving._staging.pinned_pool``,
+    the bounded pool that moves take theirs from too), each sent on with an asynchronous copy
+    while the next one is read into the next slot. A slot is taken back only once its last
+    copy is done (the pool waits for its event). A chunk of another dtype than its tensor is
+    converted by the copy itself, on the device (peak device memory: the model plus a chunk).
+    ``pool`` and ``transport`` are for tests; by default the copies run on the device's current
+    stream, so the model's first use is ordered after them."""
+    pool = pool if pool is not None else pinned_pool()
+    transport = transport if transport is not None else _CurrentStream(device)
+    chunk = min(STAGE_CHUNK_BYTES, pool.slot_bytes)
     failed = []
-    try:
-        for piece in pieces:
-            offset, t, stored = _split(piece)
-            check = checks.get(offset) if checks and stored is None else None
-            crc = 0
-            landing = _as_bytes(t)
-            flat = t.detach().reshape(-1)
-            total = landing.numel() if stored is None else flat.numel() * stored.itemsize
-            for start in range(0, total, STAGE_CHUNK_BYTES):
-                stop = min(start + STAGE_CHUNK_BYTES, total)
-                if i == len(buffers):
-                    buffers.append(
-                        torch.empty(STAGE_CHUNK_BYTES, dtype=torch.uint8, pin_memory=True)
-                    )
-                event = events[i]
-                if event is not None:
-                    event.synchronize()  # the copy out of this buffer is done: it may be reused
-                buffer = buffers[i][: stop - start]
-                _pread_exactly(fd, _memory(buffer), offset + start)
+    for piece in pieces:
+        offset, t, stored = _split(piece)
+        check = checks.get(offset) if checks and stored is None else None
+        crc = 0
+        landing = _as_bytes(t)
+        flat = t.detach().reshape(-1)
+        size = 1 if stored is None else stored.itemsize
+        step = chunk // size * size  # whole elements per chunk
+        total = landing.numel() if stored is None else flat.numel() * size
+        for start in range(0, total, step):
+            stop = min(start + step, total)
+            slot = pool.take(stop - start)  # waits only for this slot's last copy
+            event = None
+            try:
+                staged = slot.buffer[: stop - start]
+                _pread_exactly(fd, _memory(staged), offset + start)
                 if check is not None:
-                    crc = zlib.crc32(_memory(buffer), crc)  # chunks in order: a running CRC
+                    crc = zlib.crc32(_memory(staged), crc)  # chunks in order: a running CRC
                 if stored is None:
-                    landing[start:stop].copy_(buffer, non_blocking=True)
-                else:
-                    on_device = buffer.to(device, non_blocking=True).view(stored)
-                    first = start // stored.itemsize
-                    flat[first : first + on_device.numel()].copy_(on_device)
-                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                event.record(stream)
-                events[i] = event
-                i = (i + 1) % STAGE_BUFFERS
-                if advance is not None:
-                    advance(stop - start)
-            if check is not None and crc != check[0]:
-                failed.append(check[1])
-    finally:  # no buffer goes back to the allocator's cache while a copy may still read it
-        for event in events:
-            if event is not None:
-                event.synchronize()
+                    transport.copy(landing[start:stop], staged)
+                else:  # converted into the tensor's dtype by the copy
+                    first = start // size
+                    part = flat[first : first + (stop - start) // size]
+                    transport.copy(part, staged.view(stored))
+                event = transport.mark()
+            finally:
+                pool.give(slot, event)
+            if advance is not None:
+                advance(stop - start)
+        if check is not None and crc != check[0]:
+            failed.append(check[1])
     return failed
 
 
