@@ -51,6 +51,7 @@ __all__ = [
     "apply_plan",
     "apply_views",
     "conversion_plan",
+    "converted",
     "fused_boxes",
     "hub_converted",
 ]
@@ -595,13 +596,21 @@ def hub_converted(label: str, model: nn.Module, state: Mapping[str, Any], /, *, 
         raise CheckpointError(f"{label}: {exc}") from exc
     if plan is None:
         return state
+    return converted(label, type(model).__name__, plan, state, owned=owned)
+
+
+def converted(
+    label: str, model_name: str, plan: Plan, state: Mapping[str, Any], /, *, owned: bool
+) -> Any:
+    """``apply_plan``, with what goes wrong in it (out of memory for a fused tensor,
+    transformers' own op failing) a ``CheckpointError`` naming the source ``label``."""
     try:
         return apply_plan(plan, state, owned=owned)
     except CheckpointError:
         raise
-    except Exception as exc:  # out of memory for a fused tensor, transformers' own op failing
+    except Exception as exc:
         raise CheckpointError(
-            f"{label}: converting its hub names to {type(model).__name__}'s failed "
+            f"{label}: converting its hub names to {model_name}'s failed "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); the model "
             "is untouched"
         ) from exc

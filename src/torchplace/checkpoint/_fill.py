@@ -25,7 +25,7 @@ from ..moving._identity import parameter_like
 from ..moving._move import discarded_warning
 from ._catalog import Catalog, catalog, format_of
 from ._catalog import Piece as CatalogPiece
-from ._conversions import Fused, Plan, apply_plan, conversion_plan, fused_boxes, hub_converted
+from ._conversions import Fused, Plan, conversion_plan, converted, fused_boxes, hub_converted
 from ._formats import PathLike, first_sentence
 from ._load import Assembled, DTypeWish, load_state, read_assembled, source_bytes
 from ._progress import reporting, wanted
@@ -319,7 +319,7 @@ def load_into(
         # The fused tensors were read straight into their slices; what is left of the plan
         # (renames, computed tensors, fused ones that are not boxes of whole entries) applies
         # to the tensors read whole, as below.
-        state = _with_fused(rest, state, assembled)
+        state = _with_fused(str(p), type(model).__name__, rest, state, assembled)
     else:
         # A transformers model's hub names (per-expert tensors, renamed keys) become its own,
         # as from_pretrained converts them; the read state is changed in place, each tensor let
@@ -456,11 +456,17 @@ def _read_direct(
     return read, assembled
 
 
-def _with_fused(rest: Plan, state: Mapping[str, Any], assembled: Mapping[str, torch.Tensor]) -> Any:
+def _with_fused(
+    label: str,
+    model_name: str,
+    rest: Plan,
+    state: Mapping[str, Any],
+    assembled: Mapping[str, torch.Tensor],
+) -> Any:
     """``state`` (renamed) under the model's names: the rest of the plan applied, then the fused
     tensors read straight into their memory added (no file key holds their names: a fused
     tensor whose name the file holds too stays in the rest of the plan)."""
-    out: Any = apply_plan(rest, state, owned=True)
+    out: Any = converted(label, model_name, rest, state, owned=True)
     out.update(assembled)
     return out
 
