@@ -27,7 +27,7 @@ from ._catalog import Catalog, catalog, format_of
 from ._catalog import Piece as CatalogPiece
 from ._conversions import Fused, Plan, conversion_plan, converted, fused_boxes, hub_converted
 from ._formats import PathLike, first_sentence
-from ._load import Assembled, DTypeWish, load_state, read_assembled, source_bytes
+from ._load import Assembled, DTypeWish, load_state, read_assembled, source_bytes, whole_plan
 from ._progress import reporting, wanted
 from ._rename import Rename, as_renamer, renamed
 from ._skeleton import ModuleT, swap
@@ -441,14 +441,7 @@ def _read_direct(
     """The file's tensors read whole (by the file's names) and the fused ones (by the model's),
     read side by side in one pass over the files."""
     found = direct.found
-    plan: dict[str, Assembled] = {}
-    for name in direct.whole:
-        e = found.entries[name]
-        stored = e.torch_dtype(found.where)
-        want = wish(name) if wish is not None else None
-        if want is None or not (want.is_floating_point and stored.is_floating_point):
-            want = stored
-        plan[name] = Assembled(e.shape, want, [CatalogPiece(e, (0,) * len(e.shape))])
+    plan = whole_plan(found, list(direct.whole), wish)
     fused_keys = {name: f"{name} (fused)" for name in direct.fused}  # apart from file names
     plan.update({fused_keys[name]: made for name, made in direct.fused.items()})
     read = read_assembled(found, plan, read_on)

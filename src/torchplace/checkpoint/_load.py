@@ -365,6 +365,14 @@ def read_entries(
     ``dtype_of(name)``: the floating dtype a floating tensor is wanted in (the model's), so that
     it is converted chunk by chunk as it is read, never held in the file's dtype whole.
     """
+    return read_assembled(found, whole_plan(found, names, dtype_of), target)
+
+
+def whole_plan(
+    found: Catalog, names: list[str], dtype_of: DTypeWish | None = None
+) -> dict[str, Assembled]:
+    """Each entry of ``names`` as one tensor read as saved, in the floating dtype ``dtype_of``
+    wants for it where both are floating (converted a chunk at a time as it is read)."""
     plan = {}
     for name in names:
         e = found.entries[name]
@@ -373,7 +381,7 @@ def read_entries(
         if want is None or not (want.is_floating_point and stored.is_floating_point):
             want = stored
         plan[name] = Assembled(e.shape, want, [Piece(e, (0,) * len(e.shape))])
-    return read_assembled(found, plan, target)
+    return plan
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,13 @@ from typing import Any, cast
 import torch
 
 from .._errors import CheckpointError
-from ..moving._staging import STAGE_CHUNK_BYTES, PinnedPool, Transport, pinned_pool
+from ..moving._staging import (
+    STAGE_CHUNK_BYTES,
+    CudaTransport,
+    PinnedPool,
+    Transport,
+    pinned_pool,
+)
 from ._catalog import Stamp, changed_error
 from ._crc import combine
 from ._progress import current
@@ -211,31 +217,20 @@ def _read_host(
     return failed
 
 
-class _CurrentStream:
+class _CurrentStream(CudaTransport):
     """Copies queued on the current stream of one CUDA device, events recorded behind them:
     what reads onto the device do after them (a conversion, the model's first use) is ordered
-    after them by the stream alone."""
+    after them by the stream alone, so there is nothing to order at the start or the end."""
 
     def __init__(self, device: torch.device) -> None:
-        self.stream = torch.cuda.current_stream(device)
+        self.device = device
+        self.stream = self.caller = torch.cuda.current_stream(device)
 
     def begin(self) -> None:
         """Nothing to order: the copies run on the caller's own stream."""
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-
-    def mark(self) -> Any:
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(self.stream)
-        return event
-
     def finish(self) -> None:
         """Nothing to order: the copies run on the caller's own stream."""
-
-    def wait(self) -> None:
-        self.stream.synchronize()
 
 
 def _read_cuda(
