@@ -1785,3 +1785,13 @@ def test_a_long_key_list_points_to_the_error_that_holds_it_whole() -> None:
     with pytest.raises(CheckpointError, match=r"and 6 more.*CheckpointError\.missing") as info:
         load_into(model, {f"x{i}": torch.ones(1) for i in range(3)})
     assert len(info.value.missing) == 16
+
+
+def test_a_rename_callable_that_raises_is_a_checkpoint_error(tmp_path: Path) -> None:
+    torch.save(nn.Linear(2, 2).state_dict(), tmp_path / "w.pt")
+
+    def rename(key: str) -> str:
+        return {"weight": "weight"}[key]  # no entry for "bias"
+
+    with pytest.raises(CheckpointError, match=r"w\.pt: rename= raised KeyError on key 'bias'"):
+        load_into(skeleton(nn.Linear, 2, 2), tmp_path / "w.pt", rename=rename)

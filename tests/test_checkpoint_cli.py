@@ -967,6 +967,14 @@ def test_remap_of_a_directory_that_fails_leaves_no_directory_behind(tmp_path: Pa
     assert not (tmp_path / "copy").exists()
 
 
+def test_remap_of_a_directory_refused_before_writing_leaves_no_directory(tmp_path: Path) -> None:
+    index = _sharded(tmp_path)
+    (index.parent / "s2.bin").unlink()  # a shard the index names is gone: refused up front
+    with pytest.raises(CheckpointError, match=r"s2\.bin"):
+        remap(index.parent, tmp_path / "copy", to="cpu")
+    assert not (tmp_path / "copy").exists()
+
+
 def test_remap_of_an_index_writes_nothing_unless_every_shard_is_written(tmp_path: Path) -> None:
     index = _sharded(tmp_path)
     (index.parent / "more" / "s3.bin").write_bytes(b"PK\x03\x04" + bytes(64))  # corrupt, last

@@ -538,3 +538,38 @@ def test_an_expert_missing_one_projection_is_a_missing_model_tensor(
     with pytest.warns(UserWarning, match=r"on meta.*model\.layers\.1\.mlp\.experts\.gate_up_proj"):
         loaded = torchplace.load_into(_skeleton(config), tmp_path / "gap.pt", strict=False)
     assert loaded.model.layers[0].mlp.experts.gate_up_proj.device.type == "cpu"
+
+
+def test_a_file_key_named_like_a_fused_read_is_still_unexpected(
+    mixtral: tuple[Any, torch.nn.Module, Path], tmp_path: Path
+) -> None:
+    from safetensors.torch import save_file
+
+    config, _, where = mixtral
+    state = torchplace.load(where / "single")
+    odd = "model.layers.0.mlp.experts.gate_up_proj (fused)"
+    state[odd] = torch.zeros(2)
+    save_file({k: v.contiguous() for k, v in state.items()}, tmp_path / "odd.safetensors")
+    with pytest.raises(CheckpointError) as info:
+        torchplace.load_into(_skeleton(config), tmp_path / "odd.safetensors")
+    assert list(info.value.unexpected) == [odd]
+
+
+def test_a_plain_model_builds_no_catalog_for_the_fused_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The direct fused read is for transformers models only: others pay nothing for it."""
+    from safetensors.torch import save_file
+
+    from torchplace.checkpoint import _fill
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a catalog was built for the fused read of a plain model")
+
+    monkeypatch.setattr(_fill, "catalog", refused)
+    lin = torch.nn.Linear(4, 4)
+    save_file(lin.state_dict(), tmp_path / "lin.safetensors")
+    loaded = torchplace.load_into(
+        torchplace.skeleton(torch.nn.Linear, 4, 4), tmp_path / "lin.safetensors"
+    )
+    assert torch.equal(loaded.weight, lin.weight)

@@ -512,17 +512,23 @@ def remap(
             raise CheckpointError(f"{dst}: cannot be made ({exc.strerror or exc})") from exc
         if dst.is_dir():
             dst = dst / src.name
-    kind = format_of(src)
-    if kind == "index":
-        dst, shard_jobs = _index_outputs(src, dst)
-    else:
-        _output_file(dst)
-        shard_jobs = []
-    jobs = [*shard_jobs, (src, dst, kind)]  # the index, or the one file, last
-    total = sum(job[0].stat().st_size for job in jobs)
-    show = (wanted(None) and total >= PROGRESS_MIN_BYTES) if progress is None else progress
-    for d in {job[1].parent for job in jobs}:
-        sweep_stale_temporaries(d)
+    try:  # what remap checks before writing: a failure removes the directory it made
+        kind = format_of(src)
+        if kind == "index":
+            dst, shard_jobs = _index_outputs(src, dst)
+        else:
+            _output_file(dst)
+            shard_jobs = []
+        jobs = [*shard_jobs, (src, dst, kind)]  # the index, or the one file, last
+        total = sum(job[0].stat().st_size for job in jobs)
+        show = (wanted(None) and total >= PROGRESS_MIN_BYTES) if progress is None else progress
+        for d in {job[1].parent for job in jobs}:
+            sweep_stale_temporaries(d)
+    except BaseException:
+        if made is not None:
+            with contextlib.suppress(OSError):
+                made.rmdir()
+        raise
     pending = _PendingOutputs()
     try:
         with _progress(total, f"remap {src.name}", show) as advance:

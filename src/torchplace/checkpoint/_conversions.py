@@ -54,6 +54,7 @@ __all__ = [
     "converted",
     "fused_boxes",
     "hub_converted",
+    "may_convert",
 ]
 
 View = tuple[Any, ...]  # ("select", dim, i) | ("narrow", dim, start, length) | ("transpose", a, b)
@@ -333,6 +334,12 @@ def _pieces(node: _Node, dest: tuple[View, ...], out: list[Piece]) -> None:
 
 
 # ------------------------------------------------------------------------------------ planning
+
+
+def may_convert(model: nn.Module, /) -> bool:
+    """Whether ``model`` may need hub names converted at all: a transformers model, with a
+    transformers release that has conversions (cheap: no file is looked at)."""
+    return _is_transformers_model(model) and _hf_api() is not None
 
 
 def conversion_plan(

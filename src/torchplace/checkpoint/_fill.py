@@ -25,11 +25,19 @@ from ..moving._identity import parameter_like
 from ..moving._move import discarded_warning
 from ._catalog import Catalog, catalog, format_of
 from ._catalog import Piece as CatalogPiece
-from ._conversions import Fused, Plan, conversion_plan, converted, fused_boxes, hub_converted
+from ._conversions import (
+    Fused,
+    Plan,
+    conversion_plan,
+    converted,
+    fused_boxes,
+    hub_converted,
+    may_convert,
+)
 from ._formats import PathLike, first_sentence
 from ._load import Assembled, DTypeWish, load_state, read_assembled, source_bytes, whole_plan
 from ._progress import reporting, wanted
-from ._rename import Rename, as_renamer, renamed
+from ._rename import Rename, as_renamer, guarded, renamed
 from ._skeleton import ModuleT, swap
 from ._source import resolve
 from ._statedict import (
@@ -292,6 +300,8 @@ def load_into(
     from_memory = isinstance(source, Mapping)
     # A directory's model file: messages name the file read, not its directory.
     p: Path | str = "the state dict given to load_into" if from_memory else resolve(source)
+    if renamer is not None:  # its own failure on a key is an error naming the source and key
+        renamer = guarded(str(p), renamer)
     slots = tensor_slots(model)
     loadable, transient, extra = slots.loadable, slots.transient, slots.extra_state
     read_on = _read_on(loadable, target)
@@ -304,7 +314,7 @@ def load_into(
         # Tensors of another floating dtype than the model's are converted as they are read.
         wish = _dtype_wish(model, loadable, renamer)
         kind = format_of(p)
-        direct = _direct_plan(p, model, renamer, read_on, mmap=mmap)
+        direct = _direct_plan(p, model, renamer, read_on, mmap=mmap, kind=kind)
         total = source_bytes(p, kind) if wanted(progress) else 0
         with reporting(total, f"load_into {p.name}", progress):
             if direct is None:
@@ -352,6 +362,7 @@ def _direct_plan(
     read_on: torch.device,
     *,
     mmap: bool,
+    kind: str,
 ) -> _Direct | None:
     """How to read ``p`` so that each fused model tensor is allocated once, in the model's dtype,
     and its file tensors read straight into their slices of it; None where the plain read and
@@ -365,6 +376,8 @@ def _direct_plan(
     """
     if mmap or read_on.type not in ("cpu", "cuda") or sys.byteorder != "little":
         return None
+    if kind not in ("safetensors", "index") or not may_convert(model):
+        return None  # nothing to read straight into fused tensors: no catalog built for it
     found = catalog(p)
     files = {e.file for e in found.entries.values()}
     if not all(found.kinds.get(f, found.kind) == "safetensors" for f in files if f is not None):
@@ -442,11 +455,18 @@ def _read_direct(
     read side by side in one pass over the files."""
     found = direct.found
     plan = whole_plan(found, list(direct.whole), wish)
-    fused_keys = {name: f"{name} (fused)" for name in direct.fused}  # apart from file names
+    fused_keys = {name: _apart(f"{name} (fused)", found.entries) for name in direct.fused}
     plan.update({fused_keys[name]: made for name, made in direct.fused.items()})
     read = read_assembled(found, plan, read_on)
     assembled = {name: read.pop(key) for name, key in fused_keys.items()}
     return read, assembled
+
+
+def _apart(key: str, taken: Mapping[str, Any]) -> str:
+    """``key``, primed until no file key has its name (a file may hold any name)."""
+    while key in taken:
+        key += "'"
+    return key
 
 
 def _with_fused(

@@ -268,6 +268,9 @@ def _read_zip(layout: ZipLayout, target: torch.device, when: Stamp, check_crc: b
     except CheckpointError:  # the file changed while it was read
         _forget_sparse_checks()
         raise
+    except KeyboardInterrupt:
+        _forget_sparse_checks()
+        raise
     except Exception as exc:
         _forget_sparse_checks()  # queued by this read: torch.load would check them next
         if out_of_memory(exc) or device_failure(exc):

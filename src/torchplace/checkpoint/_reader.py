@@ -267,11 +267,13 @@ def _read_cuda(
             stop = min(start + step, total)
             slot = pool.take(stop - start)  # waits only for this slot's last copy
             event = None
+            queued = False  # a copy from the slot may be in flight: it is given back behind it
             try:
                 staged = slot.buffer[: stop - start]
                 _pread_exactly(fd, _memory(staged), offset + start)
                 if check is not None:
                     crc = zlib.crc32(_memory(staged), crc)  # chunks in order: a running CRC
+                queued = True
                 if stored is None:
                     transport.copy(landing[start:stop], staged)
                 else:  # converted into the tensor's dtype by the copy
@@ -280,6 +282,11 @@ def _read_cuda(
                     transport.copy(part, staged.view(stored))
                 event = transport.mark()
             finally:
+                if event is None and queued:  # failed or interrupted after queuing the copy
+                    try:
+                        event = transport.mark()
+                    except BaseException:
+                        transport.wait()
                 pool.give(slot, event)
             if advance is not None:
                 advance(stop - start)

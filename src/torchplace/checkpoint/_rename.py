@@ -17,6 +17,21 @@ from .._errors import CheckpointError, TorchplaceError
 Rename = Union[Callable[[str], Union[str, None]], Mapping[str, str]]  # noqa: UP007
 
 
+def guarded(label: str, rename: Callable[[str], str | None], /) -> Callable[[str], str | None]:
+    """``rename`` whose own failure on a key is a ``CheckpointError`` naming ``label`` and the key
+    (as ``renamed`` words it), wherever the key is renamed first."""
+
+    def fitted(key: str) -> str | None:
+        try:
+            return rename(key)
+        except Exception as exc:
+            raise CheckpointError(
+                f"{label}: rename= raised {type(exc).__name__} on key {key!r}: {exc}"
+            ) from exc
+
+    return fitted
+
+
 def as_renamer(rename: Any, /) -> Callable[[str], str | None]:
     """``rename`` as one callable, its regular expressions compiled and checked.
 
