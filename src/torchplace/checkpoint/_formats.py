@@ -242,6 +242,8 @@ def zip_layout(p: Path, /) -> ZipLayout | None:
             if len(pickles) != 1 or pickles[0].compress_type != zipfile.ZIP_STORED:
                 return None
             info = pickles[0]
+            with archive.open(info):  # zipfile checks the record's local header against the
+                pass  # directory, as the catalog does: a damaged one is refused alike
             with p.open("rb") as f:
                 start = record_start(f, info)
                 f.seek(start)
@@ -250,7 +252,18 @@ def zip_layout(p: Path, /) -> ZipLayout | None:
         raise CheckpointError(
             f"{p}: is truncated or corrupt (NotImplementedError: {exc}); save or fetch it again"
         ) from exc
-    except (OSError, zipfile.BadZipFile, ValueError, EOFError, struct.error):
+    except zipfile.BadZipFile as exc:  # the catalog refuses it too: load agrees, whatever
+        # the installed torch's own zip reader would make of it
+        if "not a zip file" in str(exc):  # no central directory: cut short, or being written
+            raise CheckpointError(
+                f"{p}: is truncated (its zip central directory is missing); another process may "
+                "be writing it right now (load it again once the writer is done), or its save "
+                "was interrupted (save it again)"
+            ) from exc
+        raise CheckpointError(
+            f"{p}: is truncated or corrupt (BadZipFile: {exc}); save or fetch it again"
+        ) from exc
+    except (OSError, ValueError, EOFError, struct.error):
         return None
     if len(data) != info.file_size:
         return None
