@@ -277,6 +277,30 @@ def test_check_crc_finds_a_flipped_bit_in_a_tensors_bytes(
         load(path, check_crc=True, trusted=True)
 
 
+@pytest.mark.parametrize("size", [1 << 10, (40 << 20) + 12], ids=["one-chunk", "many-chunks"])
+def test_check_crc_finds_a_flipped_bit_in_a_tensor_converted_as_it_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int
+) -> None:
+    """A bf16 model from an fp32 zip file: the CRC-32 is of the file's bytes, checked on the
+    chunks read before they are converted (none of them lands in the model in fp32)."""
+    monkeypatch.setattr(_readinto, "READ_CHUNK_BYTES", 1 << 20)  # many chunks, joined
+    path = tmp_path / "w.pt"
+    sd = {"w": torch.arange(size // 4, dtype=torch.float32)}
+    torch.save(sd, path)
+    model = nn.Module()
+    model.w = nn.Parameter(torch.zeros(size // 4, dtype=torch.bfloat16))
+    load_into(model, path, check_crc=True)  # a sound file passes
+    assert torch.equal(model.w.data, sd["w"].to(torch.bfloat16))
+    entry = catalog(path).entries["w"]
+    data = bytearray(path.read_bytes())
+    data[entry.start + entry.nbytes - 5] ^= 0x10  # one bit, in the last chunk
+    path.write_bytes(bytes(data))
+    model.w.data.zero_()
+    with pytest.raises(CheckpointError, match=r"w\.pt: is corrupt: w/data/0 fails its CRC"):
+        load_into(model, path, check_crc=True)
+    assert not model.w.any()
+
+
 @pytest.mark.parametrize("legacy", [False, True], ids=["zip-trusted", "legacy"])
 def test_a_file_rewritten_while_torch_load_reads_it_raises(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, legacy: bool

@@ -596,14 +596,14 @@ def test_reads_onto_cuda_go_through_pinned_staging(
 
 
 @pytest.mark.requires_cuda
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
 def test_a_bf16_model_from_an_fp32_file_is_converted_on_the_gpu_chunk_by_chunk(
-    tmp_path: Path,
+    tmp_path: Path, suffix: str
 ) -> None:
     """Peak GPU memory: the model's bytes plus a few staging chunks, not the fp32 tensors too."""
     torch.manual_seed(0)
     weights = {f"{i}.weight": torch.randn(4096, 1024) for i in range(16)}  # 256 MiB of fp32
-    path = tmp_path / "fp32.safetensors"
-    safetensors_torch.save_file(weights, path)
+    path = _fp32_file(tmp_path, suffix, weights)
     layers = skeleton(lambda: nn.Sequential(*(nn.Linear(1024, 4096, bias=False) for _ in "x" * 16)))
     model = layers.to(torch.bfloat16)
     torch.cuda.synchronize()
@@ -827,16 +827,26 @@ print(extra, model_bytes, READ_THREADS * READ_CHUNK_BYTES)
 """
 
 
+def _fp32_file(tmp_path: Path, suffix: str, weights: dict[str, torch.Tensor]) -> Path:
+    path = tmp_path / f"fp32{suffix}"
+    if suffix == ".safetensors":
+        safetensors_torch.save_file(weights, path)
+    else:
+        torch.save(weights, path)
+    return path
+
+
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
 def test_a_bf16_model_from_an_fp32_file_peaks_at_its_own_bytes_plus_staging(
-    tmp_path: Path,
+    tmp_path: Path, suffix: str
 ) -> None:
-    """Tensors are converted chunk by chunk as they are read: the fp32 file is never held whole
-    (before, the peak was the fp32 tensors plus the bf16 model, 3x the model's bytes)."""
+    """Tensors are converted chunk by chunk as they are read, from a safetensors file and a
+    torch zip file alike: the fp32 file is never held whole (before, the peak was the fp32
+    tensors plus the bf16 model, 3x the model's bytes; for a zip file until this release)."""
     torch.manual_seed(0)
     weights = {f"{i}.weight": torch.randn(4096, 1024) for i in range(16)}  # 256 MiB of fp32
-    path = tmp_path / "fp32.safetensors"
-    safetensors_torch.save_file(weights, path)
+    path = _fp32_file(tmp_path, suffix, weights)
     path.read_bytes()  # in the page cache, which no process's peak counts
     done = subprocess.run(
         [sys.executable, "-c", _PEAK_CHILD, str(path)], capture_output=True, text=True, timeout=300
@@ -875,3 +885,98 @@ def test_a_trusted_whole_model_whose_class_is_gone_says_so(
     monkeypatch.delitem(sys.modules, "tp_models")
     with pytest.raises(CheckpointError, match=r"module tp_models, which this program cannot"):
         load(tmp_path / "whole.pt", "cpu", trusted=True)
+
+
+class _Mixed(nn.Module):
+    """A bf16 model that keeps its norm in fp32 (as transformers' ``_keep_in_fp32_modules``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8).to(torch.bfloat16)
+        self.norm = nn.LayerNorm(8)
+        self.register_buffer("steps", torch.zeros(2, dtype=torch.int64))
+
+
+def _mixed_state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    sd = {k: torch.randn_like(v, dtype=torch.float32) for k, v in _Mixed().state_dict().items()}
+    sd["proj.weight"][0, :3] = torch.tensor([1.0 + 2**-10, 3.3, -7e-5])  # bits bf16 rounds
+    sd["steps"] = torch.tensor([3, 4])
+    return sd
+
+
+def test_a_zip_file_is_converted_to_the_models_dtypes_as_it_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each fp32 record wanted in bf16 is read converting (a 3-tuple piece, never an fp32
+    tensor of its own); the fp32 norm and the int64 buffer are read as saved."""
+    from torchplace.checkpoint import _load
+
+    sd = _mixed_state()
+    path = tmp_path / "m.pt"
+    torch.save(sd, path)
+    reads: list[tuple[Any, ...]] = []
+    real = _load.read_into
+
+    def recording(p: Path, pieces: Any, *args: Any) -> None:
+        reads.extend(pieces)
+        real(p, pieces, *args)
+
+    monkeypatch.setattr(_load, "read_into", recording)
+    model = load_into(skeleton(_Mixed), path)
+    converting = [p[1].dtype for p in reads if len(p) == 3]
+    assert converting == [torch.bfloat16, torch.bfloat16]  # proj.weight, proj.bias
+    assert all(p[1].dtype == torch.uint8 for p in reads if len(p) == 2)  # read as saved
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, sd[name].to(value.dtype)), name
+    assert model.proj.weight.dtype == torch.bfloat16 and model.norm.weight.dtype == torch.float32
+
+
+def test_views_of_one_storage_are_converted_together_and_stay_views(tmp_path: Path) -> None:
+    from torchplace.checkpoint._load import load_state
+
+    base = torch.randn(6, 4)
+    sd = {"whole": base, "rows": base[2:5], "column": base[:, 1]}
+    path = tmp_path / "views.pt"
+    torch.save(sd, path)
+    got = load_state(path, torch.device("cpu"), mmap=False, dtype_of=lambda n: torch.bfloat16)
+    for name, value in sd.items():
+        assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], value.bfloat16())
+    storage = got["whole"].untyped_storage().data_ptr()
+    assert got["rows"].untyped_storage().data_ptr() == storage
+    assert got["column"].untyped_storage().data_ptr() == storage
+    assert got["column"].stride() == (4,) and got["rows"].storage_offset() == 8
+    # names of one storage that want different dtypes: read as saved, each converted after
+    mixed = load_state(
+        path,
+        torch.device("cpu"),
+        mmap=False,
+        dtype_of=lambda n: torch.float16 if n == "rows" else torch.bfloat16,
+    )
+    assert all(mixed[n].dtype == torch.float32 and torch.equal(mixed[n], sd[n]) for n in sd)
+
+
+@pytest.mark.parametrize(
+    "saved",
+    [
+        {"w": nn.Parameter(torch.randn(3, 2))},  # a parameter, not a plain tensor
+        {"outer": {"w": torch.randn(3, 2)}},  # nested
+        {"w": torch.randn(3, 2), "n": 3},  # not only tensors
+    ],
+    ids=["parameter", "nested", "not-a-tensor"],
+)
+def test_anything_but_a_dict_of_plain_tensors_is_read_as_saved(
+    tmp_path: Path, saved: dict[str, Any]
+) -> None:
+    from torchplace.checkpoint._load import load_state
+
+    path = tmp_path / "odd.pt"
+    torch.save(saved, path)
+    got = load_state(path, torch.device("cpu"), mmap=False, dtype_of=lambda n: torch.bfloat16)
+    assert type(got) is type(saved) and got.keys() == saved.keys()
+    for name, value in saved.items():
+        if isinstance(value, torch.Tensor):
+            assert type(got[name]) is type(value) and got[name].dtype == torch.float32
+            assert torch.equal(got[name], value)
+    if "outer" in saved:
+        assert torch.equal(got["outer"]["w"], saved["outer"]["w"])

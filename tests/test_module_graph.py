@@ -194,3 +194,58 @@ def test_the_layering_test_can_fail() -> None:
     assert _layer("moving._move") > _layer("_tree")
     assert _package("looking._inspect") != _package("checkpoint._fill")
     assert _layer("looking._inspect") == _layer("checkpoint._fill")  # siblings may not mix
+
+
+# Issue 26, item 3: a checkpoint source is opened and parsed in one place. The catalog (with the
+# parsers it calls for each format, and ``_source``, which tells a format by its first bytes)
+# says what a source holds and where; the reader reads the byte ranges it found, or hands a
+# whole file to torch's or safetensors' own reader. Every other module asks them.
+OPENS_SOURCES = {
+    "checkpoint._source",
+    "checkpoint._catalog",
+    "checkpoint._safetensors",
+    "checkpoint._pickle_reader",
+    "checkpoint._index",
+    "checkpoint._reader",
+}
+# What opens a file outside them, and why it is not a source being read.
+NOT_A_SOURCE = {
+    ("checkpoint._checkpoint_cli", "os.open"): "remap's output, created to be written",
+    ("checkpoint._checkpoint_cli", "os.fdopen"): "remap's output, written",
+    ("checkpoint._checkpoint_cli", "pending.open"): "remap's output, created to be written",
+}
+_OPENERS = {"open", "fdopen", "read_bytes", "read_text", "ZipFile", "safe_open", "mmap"}
+
+
+def _file_openers(name: str) -> list[str]:
+    """The calls in module ``name`` that open or read a file (``open``, ``Path.read_bytes``,
+    ``zipfile.ZipFile``, ``torch.load``, ...), spelt as written."""
+    path = PACKAGE.joinpath(*name.split(".")).with_suffix(".py")
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        spelt = ast.unparse(func)
+        name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", "")
+        if name in _OPENERS or spelt in ("torch.load", "json.load"):
+            found.append(spelt)
+    return found
+
+
+def test_only_the_catalog_and_the_reader_open_a_checkpoint() -> None:
+    outside = [
+        f"{name} calls {call}"
+        for name in _modules()
+        if name.startswith(("checkpoint.", "looking.")) and name not in OPENS_SOURCES
+        for call in _file_openers(name)
+        if (name, call) not in NOT_A_SOURCE
+    ]
+    assert outside == []
+
+
+def test_the_source_rule_can_fail() -> None:
+    """The scan finds what the catalog and the reader call (the rule is not vacuous)."""
+    assert "zipfile.ZipFile" in _file_openers("checkpoint._catalog")
+    assert "torch.load" in _file_openers("checkpoint._reader")
+    assert "os.open" in _file_openers("checkpoint._reader")

@@ -25,15 +25,18 @@ import dataclasses
 import io
 import math
 import os
+import pickle
 import struct
 import zipfile
+import zlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from .._errors import CheckpointError
+from ._index import LEGACY_MAGIC
 from ._pickle_reader import (
-    InertUnpickler,
+    RecordingUnpickler,
     TensorRecord,
     TensorRef,
     legacy_records,
@@ -52,12 +55,19 @@ __all__ = [
     "Entry",
     "Piece",
     "Stamp",
+    "ZipLayout",
     "catalog",
     "changed_error",
+    "code_globals",
     "contiguous_strides",
     "describe_file",
     "format_of",
+    "has_data_pkl",
+    "has_legacy_magic",
+    "record_start",
+    "safetensors_header",
     "stamp",
+    "zip_layout",
 ]
 
 
@@ -160,8 +170,9 @@ class Catalog:
 
     ``where`` names the source in messages (the file resolved, or "the state dict ..."),
     ``kind`` is ``"zip"``, ``"legacy"``, ``"safetensors"``, ``"index"`` or ``"mapping"``,
-    ``path`` the file a path resolved to (None for a mapping), and ``stamps`` the stamp of every
-    file at the moment it was parsed.
+    ``path`` the file a path resolved to (None for a mapping), ``stamps`` the stamp of every
+    file at the moment it was parsed, and ``code`` the globals its pickles name that a safe load
+    refuses (read inertly: safetensors files hold none, an index those of its shards).
     """
 
     where: str
@@ -170,6 +181,9 @@ class Catalog:
     entries: dict[str, Entry]
     stamps: dict[Path, Stamp]
     kinds: dict[Path, str] = dataclasses.field(default_factory=dict)  # each file's format
+    # the globals its pickles name beyond tensors and containers: what a load with
+    # trusted=True would import and call (inspect lists them, load's refusals name them)
+    code: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -217,6 +231,146 @@ def changed_error(p: Path, before: Stamp, now: Stamp) -> CheckpointError:
     )
 
 
+# --------------------------------------------------------------------- what a file is, quickly
+# Questions a load asks of a file before (or instead of) its whole catalog: the layout of a zip
+# file's records for the fast zip read, and whether a file is torch's at all for its errors.
+
+
+class ZipLayout:
+    """Where a torch zip file's records lie, and its pickle record, its CRC-32 checked.
+
+    ``prefix`` is the archive's top folder (``archive/``), ``pickle`` the bytes of ``data.pkl``,
+    ``records`` every entry by name, ``starts`` the first byte of each data record's bytes
+    (-1 where its local header is damaged), and ``byteorder`` what the file's ``byteorder``
+    record says (``None`` where it has none: files before torch 1.10, written little-endian).
+    """
+
+    __slots__ = ("byteorder", "path", "pickle", "prefix", "records", "starts")
+
+    def __init__(
+        self,
+        path: Path,
+        prefix: str,
+        pickle: bytes,
+        records: dict[str, zipfile.ZipInfo],
+        starts: dict[str, int],
+        byteorder: bytes | None,
+    ) -> None:
+        self.path = path
+        self.prefix = prefix
+        self.pickle = pickle
+        self.records = records
+        self.starts = starts
+        self.byteorder = byteorder
+
+
+def record_start(f: Any, info: zipfile.ZipInfo) -> int:
+    """Where a zip record's bytes begin in the open file ``f``, read from its local header.
+
+    The local header's name and extra field may differ in length from the central directory's,
+    so the header itself is read: 30 bytes, then the name, then the extra field.
+    """
+    f.seek(info.header_offset)
+    local = f.read(30)
+    if len(local) != 30 or not local.startswith(ZIP_MAGIC):
+        raise zipfile.BadZipFile(f"record {info.filename} has no local header")
+    name_len, extra_len = struct.unpack("<HH", local[26:30])
+    return int(info.header_offset) + 30 + int(name_len) + int(extra_len)
+
+
+def zip_layout(p: Path, /) -> ZipLayout | None:
+    """The layout of a torch zip file, or None where it is not one zipfile can read.
+
+    Raises ``CheckpointError`` when the pickle record fails its CRC-32 (a damaged byte there
+    would otherwise unpickle into other names or values). A CRC of 0 is taken as "not recorded"
+    (torch writes none with ``compute_crc32`` off).
+    """
+    try:
+        with zipfile.ZipFile(p) as archive:
+            infos = archive.infolist()
+            pickles = [i for i in infos if i.filename.rpartition("/")[2] == "data.pkl"]
+            if len(pickles) != 1 or pickles[0].compress_type != zipfile.ZIP_STORED:
+                return None
+            info = pickles[0]
+            with archive.open(info):  # zipfile checks the record's local header against the
+                pass  # directory, as the catalog does: a damaged one is refused alike
+            prefix = info.filename[: -len("data.pkl")]
+            with p.open("rb") as f:
+                start = record_start(f, info)
+                f.seek(start)
+                data = f.read(info.file_size)
+                starts = {i.filename: _data_start(f, i) for i in infos}
+                order = archive.NameToInfo.get(f"{prefix}byteorder")
+                byteorder = None
+                if order is not None:
+                    first = starts[order.filename]
+                    f.seek(first)
+                    byteorder = f.read(order.file_size) if first >= 0 else b"?"
+    except NotImplementedError as exc:  # a version field zipfile does not know: a damaged one
+        raise CheckpointError(
+            f"{p}: is truncated or corrupt (NotImplementedError: {exc}); save or fetch it again"
+        ) from exc
+    except zipfile.BadZipFile as exc:  # the catalog refuses it too: load agrees, whatever
+        # the installed torch's own zip reader would make of it
+        if "not a zip file" in str(exc):  # no central directory: cut short, or being written
+            raise CheckpointError(
+                f"{p}: is truncated (its zip central directory is missing); another process may "
+                "be writing it right now (load it again once the writer is done), or its save "
+                "was interrupted (save it again)"
+            ) from exc
+        raise CheckpointError(
+            f"{p}: is truncated or corrupt (BadZipFile: {exc}); save or fetch it again"
+        ) from exc
+    except (OSError, ValueError, EOFError, struct.error):
+        return None
+    if len(data) != info.file_size:
+        return None
+    if info.CRC and zlib.crc32(data) != info.CRC:
+        raise CheckpointError(
+            f"{p}: is corrupt: its pickle record {info.filename} fails its CRC-32 check (the "
+            "bytes that name and shape the tensors were damaged after it was written); save or "
+            "fetch it again"
+        )
+    records = {i.filename: i for i in infos}
+    return ZipLayout(p, prefix, data, records, starts, byteorder)
+
+
+def _data_start(f: Any, info: zipfile.ZipInfo) -> int:
+    """``record_start``, or -1 for a record whose local header is damaged."""
+    try:
+        return record_start(f, info)
+    except zipfile.BadZipFile:
+        return -1
+
+
+def has_data_pkl(p: Path) -> bool:
+    """Whether a zip file holds a pickle as torch.save writes one (so it is not someone else's).
+
+    An archive that cannot be read at all says nothing either way, and counts as having one: its
+    failure is then described as a truncated or corrupt file.
+    """
+    try:
+        with zipfile.ZipFile(p) as archive:
+            return any(n.endswith("data.pkl") for n in archive.namelist())
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError, NotImplementedError):
+        return True
+
+
+class _NoGlobals(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"{module}.{name} is not loaded here")
+
+
+def has_legacy_magic(p: Path) -> bool:
+    """Whether the first pickled object of ``p`` is torch's magic number (nothing is run)."""
+    try:
+        with p.open("rb") as f:
+            first = _NoGlobals(f).load()
+    except Exception:
+        return False
+    return isinstance(first, int) and not isinstance(first, bool) and first == LEGACY_MAGIC
+
+
 # ----------------------------------------------------------------------------------- catalog
 
 
@@ -256,6 +410,35 @@ def describe_file(path: PathLike, /) -> list[TensorRecord]:
     ('w', 'cpu', 'float32', (2, 3), 24, None)
     """
     return catalog(path).records()
+
+
+def safetensors_header(path: PathLike, /) -> dict[str, Any]:
+    """The JSON header of a ``.safetensors`` file, checked whole (offsets tile the data, shapes
+    fit their bytes and torch's indices, metadata is strings), with dtypes this torch holds."""
+    from ._formats import SAFETENSORS_DTYPES as holdable  # torch's dtypes: imported when asked
+
+    p = Path(path)
+    header = read_safetensors_header(p)
+    for name, entry in header.items():
+        if name != "__metadata__" and entry["dtype"] not in holdable:
+            raise CheckpointError(
+                f"{p}: tensor {name!r} has dtype {entry['dtype']!r}, which this version of "
+                f"torch cannot hold (supported: {', '.join(sorted(holdable))})"
+            )
+    return header
+
+
+def code_globals(source: PathLike, /) -> list[str]:
+    """The globals a checkpoint's pickles name beyond tensors and containers, read inertly:
+    ``catalog(source).code``, what loading it with ``trusted=True`` would import and call.
+
+    >>> import os, tempfile, torch
+    >>> path = os.path.join(tempfile.mkdtemp(), "model.pt")
+    >>> torch.save(torch.nn.Linear(1, 1), path)
+    >>> code_globals(path)
+    ['torch.nn.modules.linear.Linear']
+    """
+    return catalog(source).code
 
 
 def _stamped(p: Path, parse: Callable[[], dict[str, Entry]]) -> tuple[dict[str, Entry], Stamp]:
@@ -312,11 +495,12 @@ def _rebuild_located(storage: Any, offset: Any, size: Any, stride: Any = None, *
     return _Located(ref.storage, ref.dtype, ref.shape, where, strides)
 
 
-class _Locator(InertUnpickler):
-    """The inert unpickler of ``inspect``, keeping each tensor's offset and strides."""
+class _Locator(RecordingUnpickler):
+    """The inert unpickler of ``inspect``, keeping each tensor's offset and strides (and noting
+    the globals a safe load would refuse)."""
 
     _TORCH_REBUILDERS: Mapping[str, Callable[..., Any]] = {
-        **InertUnpickler._TORCH_REBUILDERS,
+        **RecordingUnpickler._TORCH_REBUILDERS,
         "rebuild_tensor": _rebuild_located,
         "_rebuild_tensor_v2": _rebuild_located,
         "_rebuild_tensor_v3": _rebuild_located,
@@ -345,15 +529,6 @@ def _storage_order(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int
     return tuple(order)
 
 
-def _record_start(raw: Any, info: zipfile.ZipInfo) -> int:
-    raw.seek(info.header_offset)
-    local = raw.read(30)
-    if len(local) < 30 or local[:4] != ZIP_MAGIC:
-        raise CheckpointError(f"{raw.name}: is corrupt (a bad zip record {info.filename!r})")
-    name_len, extra_len = struct.unpack("<HH", local[26:30])
-    return int(info.header_offset) + 30 + int(name_len) + int(extra_len)
-
-
 def _itemsize(dtype: str) -> int:
     import torch
 
@@ -361,7 +536,7 @@ def _itemsize(dtype: str) -> int:
     return found.itemsize if isinstance(found, torch.dtype) else 1
 
 
-def _zip_entries(p: Path) -> dict[str, Entry]:
+def _zip_entries(p: Path, code: list[str]) -> dict[str, Entry]:
     # any other failure than a CheckpointError (zipfile's NotImplementedError for a damaged
     # version field included): the file is damaged
     with readable(p), zipfile.ZipFile(p) as archive, p.open("rb") as raw:
@@ -370,12 +545,16 @@ def _zip_entries(p: Path) -> dict[str, Entry]:
             raise CheckpointError(f"{p}: is a zip archive but not a torch.save file (no data.pkl)")
         pickle_name = min(pickles, key=len)
         prefix = pickle_name[: -len("data.pkl")]
-        root = _Locator(io.BytesIO(archive.read(pickle_name))).load()
+        locator = _Locator(io.BytesIO(archive.read(pickle_name)))
+        try:
+            root = locator.load()
+        finally:
+            code.extend(dict.fromkeys(locator.found))
         records = {info.filename: info for info in archive.infolist()}
         order_record = records.get(f"{prefix}byteorder")
         big_endian = False
         if order_record is not None:
-            raw.seek(_record_start(raw, order_record))
+            raw.seek(record_start(raw, order_record))
             big_endian = raw.read(order_record.file_size) == b"big"
         starts: dict[str, tuple[int, int]] = {}  # storage key -> (first byte, bytes)
         entries: dict[str, Entry] = {}
@@ -403,7 +582,7 @@ def _zip_entries(p: Path) -> dict[str, Entry]:
                         f"{p}: the data of {name!r} is missing or compressed in the zip; "
                         "save it again with torch.save"
                     )
-                starts[storage.key] = (_record_start(raw, info), info.file_size)
+                starts[storage.key] = (record_start(raw, info), info.file_size)
             first, size = starts[storage.key]
             why, start, order = "", -1, None
             if not isinstance(ref, _Located) or ref.offset < 0:
@@ -440,12 +619,17 @@ def _zip_entries(p: Path) -> dict[str, Entry]:
 
 
 def _zip_catalog(p: Path) -> Catalog:
-    entries, when = _stamped(p, lambda: _zip_entries(p))
-    return Catalog(str(p), "zip", p, entries, {p: when}, {p: "zip"})
+    code: list[str] = []
+    entries, when = _stamped(p, lambda: _zip_entries(p, code))
+    return Catalog(str(p), "zip", p, entries, {p: when}, {p: "zip"}, code)
 
 
 def _legacy_catalog(p: Path) -> Catalog:
+    code: list[str] = []
+
     def parse() -> dict[str, Entry]:
+        records, found = legacy_records(p)
+        code.extend(found)
         return {
             r.name: Entry(
                 r.name,
@@ -458,11 +642,11 @@ def _legacy_catalog(p: Path) -> Catalog:
                 stored=r.stored,
                 why="it is in a legacy (pre-1.6, non-zip) torch file, read only whole",
             )
-            for r in legacy_records(p)
+            for r in records
         }
 
     entries, when = _stamped(p, parse)
-    return Catalog(str(p), "legacy", p, entries, {p: when}, {p: "legacy"})
+    return Catalog(str(p), "legacy", p, entries, {p: when}, {p: "legacy"}, code)
 
 
 def _index_catalog(p: Path) -> Catalog:
@@ -471,6 +655,7 @@ def _index_catalog(p: Path) -> Catalog:
     entries: dict[str, Entry] = {}
     stamps: dict[Path, Stamp] = {}
     kinds: dict[Path, str] = {}
+    code: list[str] = []
     index_stamp = stamp(p)
     for shard, shard_path, names in shards(p, weight_map(p)):
         part = catalog(shard_path)
@@ -481,6 +666,7 @@ def _index_catalog(p: Path) -> Catalog:
             )
         stamps.update(part.stamps)
         kinds.update(part.kinds)
+        code += part.code
         # A name holds a tensor, or (sparse, quantized) tensors listed under name.part.
         wanted = set(names)
         held = {n.rsplit(".", k)[0] for n in part.entries for k in range(n.count(".") + 1)}
@@ -495,7 +681,7 @@ def _index_catalog(p: Path) -> Catalog:
             if prefixes & wanted:
                 entries[name] = entry
     stamps[p] = index_stamp
-    return Catalog(str(p), "index", p, entries, stamps, kinds)
+    return Catalog(str(p), "index", p, entries, stamps, kinds, list(dict.fromkeys(code)))
 
 
 def _mapping_catalog(source: Mapping[Any, Any]) -> Catalog:

@@ -25,6 +25,7 @@ A checkpoint's journey here has three steps, each a public function:
 
 from __future__ import annotations
 
+from ._catalog import safetensors_header
 from ._fill import load_into
 from ._formats import (
     SAFETENSORS_DTYPES,
@@ -32,7 +33,6 @@ from ._formats import (
     PathLike,
     as_path,
     detect_format,
-    safetensors_header,
     shards,
 )
 from ._load import load

@@ -33,12 +33,11 @@ from typing import IO, Any, cast
 
 from .._errors import CheckpointError, DeviceSpecError, TorchplaceError
 from .._sizes import format_bytes
-from ._catalog import catalog, describe_file, format_of
+from ._catalog import catalog, code_globals, describe_file, format_of
 from ._hub_names import hub_names_note
-from ._index import weight_map
-from ._pickle_reader import TensorRecord, code_globals, pickles_a_model
+from ._pickle_reader import TensorRecord, pickles_a_model
 from ._progress import progress_bar, wanted
-from ._source import resolve, shards
+from ._source import resolve
 
 __all__ = [
     "TensorRecord",
@@ -85,8 +84,7 @@ def _run_inspect(args: argparse.Namespace) -> int:
     path = Path(args.file)
     try:
         found = catalog(path)  # a file, an index or a save_pretrained directory
-        kind, records = found.kind, found.records()
-        code = code_globals(found.path or path)
+        kind, records, code = found.kind, found.records(), found.code
     except CheckpointError as exc:
         print(f"torchplace inspect: error: {exc}", file=sys.stderr)
         return 1
@@ -383,7 +381,10 @@ def _read_for_remap(src: Path, kind: str) -> Any:
     except CheckpointError as exc:
         # Refused for the code it would run, or for pickle opcodes the safe loader does not
         # read (a newer protocol), which load's own message already explains.
-        found = code_globals(src) if "trusted=True" in str(exc) else []
+        found = []
+        if "trusted=True" in str(exc):
+            with contextlib.suppress(CheckpointError):  # the catalog refuses it: load's word
+                found = code_globals(src)
         if not found:
             raise
         # A whole model stays a whole model when saved again: only its state dict can be remapped.
@@ -406,8 +407,9 @@ def _write_remapped(
         writer = _CountingWriter(raw, advance)
         try:
             if obj is None:
-                with src.open("rb") as f:
-                    shutil.copyfileobj(f, writer, 16 * 1024 * 1024)
+                from ._reader import copy_file  # torch: imported only once a file is copied
+
+                copy_file(src, writer)
             else:
                 import torch
 
@@ -448,9 +450,9 @@ def _index_outputs(src: Path, dst: Path) -> tuple[Path, list[tuple[Path, Path, s
         raise CheckpointError(f"{dst}: cannot be written ({exc.strerror or exc})") from exc
     root = src.parent.resolve()
     outputs = []
-    for _, shard_path, _ in shards(src, weight_map(src)):
+    for shard_path, kind in catalog(src).kinds.items():  # every shard, its format found
         out = dst.parent / shard_path.relative_to(root)
-        outputs.append((shard_path, out, format_of(shard_path)))
+        outputs.append((shard_path, out, kind))
     reading = {src.resolve(), *(shard for shard, _, _ in outputs)}
     for out in [dst, *(out for _, out, _ in outputs)]:
         if out.resolve() in reading:

@@ -8,7 +8,6 @@ import io
 import pickle
 import sys
 import warnings
-import zipfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -18,25 +17,32 @@ import torch
 from .._devices import DeviceSpec
 from .._devices import device as _device
 from .._errors import CheckpointError
-from ._catalog import Catalog, Piece, Stamp, catalog, changed_error, format_of, stamp
+from ._catalog import (
+    Catalog,
+    Piece,
+    Stamp,
+    ZipLayout,
+    catalog,
+    code_globals,
+    format_of,
+    has_data_pkl,
+    has_legacy_magic,
+    stamp,
+    zip_layout,
+)
 from ._formats import (
     SAFETENSORS_HINT,
     PathLike,
-    ZipLayout,
     device_failure,
     diagnose,
     first_sentence,
-    has_data_pkl,
-    has_legacy_magic,
     out_of_memory,
-    record_start,
     refusal_reason,
-    zip_layout,
 )
-from ._pickle_reader import WHOLE_MODEL, code_globals, pickles_a_model
+from ._pickle_reader import WHOLE_MODEL, pickles_a_model
 from ._progress import reporting, wanted
+from ._reader import SPARSE_CHECK_NOTE, check_records, read_into, safetensors_load, torch_load
 from ._reader import Piece as ReadPiece
-from ._reader import read_into
 from ._source import resolve
 
 # ------------------------------------------------------------------------------------------ load
@@ -127,6 +133,7 @@ def _load_torch(
     mmap: bool,
     trusted: bool,
     check_crc: bool = False,
+    dtype_of: DTypeWish | None = None,
 ) -> Any:
     use_mmap = mmap and zip_format and target.type != "meta"
     if not zip_format and not has_legacy_magic(p):
@@ -138,20 +145,13 @@ def _load_torch(
     if zip_format:
         layout = zip_layout(p)  # the pickle record's CRC-32 is checked, however it is read
         if layout is not None and not mmap and not trusted and target.type in ("cpu", "cuda"):
-            read = _read_zip(layout, target, when, check_crc)
+            read = _read_zip(layout, target, when, check_crc, dtype_of)
             if read is not _UNUSUAL:
                 return read
         if check_crc:  # read by torch.load below: every record checked in a pass of its own
             check_records(p)
     try:
-        with warnings.catch_warnings():  # torch's note on pickle protocols is not the user's
-            warnings.filterwarnings("ignore", message="Detected pickle protocol")
-            warnings.filterwarnings("ignore", message=_SPARSE_CHECK_NOTE)
-            loaded = torch.load(p, map_location=target, mmap=use_mmap, weights_only=not trusted)
-        now = stamp(p)
-        if now != when:  # torch read it by its path: a rewrite shows in the stamp
-            raise changed_error(p, when, now)
-        return loaded
+        return torch_load(p, target, mmap=use_mmap, trusted=trusted, stamp=when)
     except CheckpointError:
         raise
     except pickle.UnpicklingError as exc:
@@ -192,78 +192,103 @@ class _Unusual(Exception):
     """A zip file laid out in a way _read_zip does not read (torch.load reads it instead)."""
 
 
-def check_records(p: Path) -> None:
-    """Every record of a zip file read through ``zipfile``, which checks each one's CRC-32."""
-    try:
-        with zipfile.ZipFile(p) as archive:
-            for info in archive.infolist():
-                with archive.open(info) as record:
-                    while record.read(16 << 20):
-                        pass
-    except (OSError, zipfile.BadZipFile, ValueError, EOFError, NotImplementedError) as exc:
-        raise CheckpointError(
-            f"{p}: is corrupt ({type(exc).__name__}: {first_sentence(str(exc))}); the bytes were "
-            "damaged after the file was written, so save or fetch it again"
-        ) from exc
-
-
-def _read_zip(layout: ZipLayout, target: torch.device, when: Stamp, check_crc: bool) -> Any:
+def _read_zip(
+    layout: ZipLayout,
+    target: torch.device,
+    when: Stamp,
+    check_crc: bool,
+    dtype_of: DTypeWish | None = None,
+) -> Any:
     """A torch zip file's objects, each record read into a storage on ``target``.
 
     Returns ``_UNUSUAL`` for anything it does not read itself, or that fails: a refused
     global, a compressed or mis-sized record, a file written big-endian. ``torch.load`` then
     reads it, or raises the error the caller turns into a sentence about the file. Only a lack
     of memory or a failing device is reported here, since it would fail there again.
+
+    With ``dtype_of`` (``load_into``'s wish: the model's floating dtype by the file's name), a
+    state dict's storages are first unpickled onto ``meta``; a floating storage whose tensors
+    all want one other floating dtype is then allocated in that dtype and converted a chunk at a
+    time as it is read, so the file's dtype never lands whole on the target.
     """
+    mine = sys.byteorder.encode()
+    if layout.byteorder != mine and (layout.byteorder is not None or mine != b"little"):
+        return _UNUSUAL
+    if dtype_of is not None:
+        read = _read_zip_once(layout, target, when, check_crc, dtype_of)
+        if read is not _UNUSUAL:
+            return read
+    return _read_zip_once(layout, target, when, check_crc, None)
+
+
+class _Record:
+    """A storage record of a zip file as the unpickler met it: where its bytes are, its dtype
+    in the file and elements, its CRC-32 to check (if asked), and the bytes given to the
+    unpickler (on ``meta`` while the dtype it is read in waits for the tensors' wishes)."""
+
+    __slots__ = ("check", "data", "dtype", "numel", "start")
+
+    def __init__(
+        self,
+        start: int,
+        dtype: torch.dtype,
+        numel: int,
+        check: tuple[int, str] | None,
+        data: torch.Tensor,
+    ) -> None:
+        self.start, self.dtype, self.numel, self.check, self.data = start, dtype, numel, check, data
+
+
+def _read_zip_once(
+    layout: ZipLayout,
+    target: torch.device,
+    when: Stamp,
+    check_crc: bool,
+    dtype_of: DTypeWish | None,
+) -> Any:
     p = layout.path
-    order = layout.records.get(layout.prefix + "byteorder")
+    defer = dtype_of is not None  # storages on meta until every tensor's wish is known
+    records: dict[str, _Record] = {}
+    storages: dict[str, Any] = {}
     try:
-        with p.open("rb") as f:
-            if order is not None:
-                f.seek(record_start(f, order))
-                if f.read(order.file_size) != sys.byteorder.encode():
-                    return _UNUSUAL
-            elif sys.byteorder != "little":
-                return _UNUSUAL
-            storages: dict[str, Any] = {}
-            pieces: list[tuple[int, torch.Tensor]] = []
-            checks: dict[int, tuple[int, str]] = {}
 
-            def persistent_load(saved_id: Any) -> Any:
-                if not isinstance(saved_id, tuple) or len(saved_id) != 5:
-                    raise _Unusual(f"persistent id {saved_id!r}")
-                typename, storage_type, key, _location, numel = saved_id
-                if typename not in ("storage", b"storage") or not isinstance(key, str):
-                    raise _Unusual(f"persistent id {saved_id!r}")
-                if key in storages:
-                    return storages[key]
-                if storage_type is torch.UntypedStorage:
-                    dtype = torch.uint8
-                else:
-                    dtype = storage_type.dtype
-                nbytes = numel * dtype.itemsize
-                info = layout.records.get(f"{layout.prefix}data/{key}")
-                if info is None or info.compress_type != 0 or info.file_size != nbytes:
-                    raise _Unusual(f"record data/{key}")
-                data = torch.empty(nbytes, dtype=torch.uint8, device=target)
-                start = record_start(f, info)
-                pieces.append((start, data))
-                if check_crc and info.CRC:  # 0: written without CRCs
-                    checks[start] = (info.CRC, info.filename)
-                storage = torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
-                    wrap_storage=data.untyped_storage(), dtype=dtype, _internal=True
-                )
-                storages[key] = storage
-                return storage
-
-            from torch import _weights_only_unpickler
-
-            unpickler = _weights_only_unpickler.Unpickler(
-                io.BytesIO(layout.pickle), encoding="utf-8"
+        def persistent_load(saved_id: Any) -> Any:
+            if not isinstance(saved_id, tuple) or len(saved_id) != 5:
+                raise _Unusual(f"persistent id {saved_id!r}")
+            typename, storage_type, key, _location, numel = saved_id
+            if typename not in ("storage", b"storage") or not isinstance(key, str):
+                raise _Unusual(f"persistent id {saved_id!r}")
+            if key in storages:
+                return storages[key]
+            if storage_type is torch.UntypedStorage:
+                dtype = torch.uint8
+            else:
+                dtype = storage_type.dtype
+            nbytes = numel * dtype.itemsize
+            name = f"{layout.prefix}data/{key}"
+            info = layout.records.get(name)
+            start = layout.starts.get(name, -1)
+            if info is None or info.compress_type != 0 or info.file_size != nbytes or start < 0:
+                raise _Unusual(f"record data/{key}")
+            check = (info.CRC, info.filename) if check_crc and info.CRC else None  # 0: none
+            data = torch.empty(nbytes, dtype=torch.uint8, device="meta" if defer else target)
+            records[key] = _Record(start, dtype, numel, check, data)
+            storage = storages[key] = torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
+                wrap_storage=data.untyped_storage(), dtype=dtype, _internal=True
             )
-            unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
-            result = unpickler.load()  # type: ignore[no-untyped-call]
-        read_into(p, pieces, when, checks)
+            return storage
+
+        from torch import _weights_only_unpickler
+
+        unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(layout.pickle), encoding="utf-8")
+        unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
+        result = unpickler.load()  # type: ignore[no-untyped-call]
+        if dtype_of is not None:
+            reads = _read_in_wished_dtypes(result, records, target, dtype_of)
+        else:
+            reads = [(r.start, r.data) for r in records.values()]
+        checks = {r.start: r.check for r in records.values() if r.check is not None}
+        read_into(p, reads, when, checks)
         _check_sparse()  # once their bytes are in: before, they hold what the allocator left
     except CheckpointError:  # the file changed while it was read
         _forget_sparse_checks()
@@ -279,8 +304,46 @@ def _read_zip(layout: ZipLayout, target: torch.device, when: Stamp, check_crc: b
     return result
 
 
-# torch 2.15's note that checking sparse tensors takes time: torchplace's to take, not the user's
-_SPARSE_CHECK_NOTE = "Validating sparse tensor invariants"
+def _read_in_wished_dtypes(
+    result: Any, records: Mapping[str, _Record], target: torch.device, dtype_of: DTypeWish
+) -> list[ReadPiece]:
+    """A state dict unpickled onto ``meta`` given real storages on ``target``, in place: a
+    floating storage whose tensors all wish for one other floating dtype in that dtype (read
+    converting), any other in the file's bytes. Returns what to read into them.
+
+    Raises ``_Unusual`` for anything but a dict of plain dense tensors (a parameter, a sparse
+    or quantized tensor, a nested object), which is then read as saved."""
+    if not isinstance(result, dict):
+        raise _Unusual("not a state dict")
+    by_storage = {r.data.untyped_storage()._cdata: r for r in records.values()}
+    users: dict[int, list[tuple[Any, torch.Tensor]]] = {}
+    for name, t in result.items():
+        if type(t) is not torch.Tensor or t.layout != torch.strided or not isinstance(name, str):
+            raise _Unusual(f"{name!r} is not a plain tensor")
+        key = t.untyped_storage()._cdata
+        record = by_storage.get(key)
+        if record is None or t.dtype != record.dtype:
+            raise _Unusual(f"{name!r} views a storage of another dtype")
+        users.setdefault(key, []).append((name, t))
+    reads: list[ReadPiece] = []
+    for key, record in by_storage.items():
+        wishes = {dtype_of(name) for name, _ in users.get(key, [])}
+        want = wishes.pop() if len(wishes) == 1 else None
+        dtype = record.dtype
+        floating = want is not None and want.is_floating_point and dtype.is_floating_point
+        if floating and want != dtype:
+            assert want is not None
+            real = torch.empty(record.numel, dtype=want, device=target)
+            reads.append((record.start, real, dtype))  # converted a chunk at a time
+            dtype = want
+        else:
+            real = torch.empty(record.numel * dtype.itemsize, dtype=torch.uint8, device=target)
+            reads.append((record.start, real))
+        for name, t in users.get(key, []):
+            made = torch.empty(0, dtype=dtype, device=target)
+            made.set_(real.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+            result[name] = made.requires_grad_(t.requires_grad)
+    return reads
 
 
 def _check_sparse() -> None:
@@ -292,7 +355,7 @@ def _check_sparse() -> None:
         validate()
         return
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_SPARSE_CHECK_NOTE)
+        warnings.filterwarnings("ignore", message=SPARSE_CHECK_NOTE)
         validate(weights_only=True)
 
 
@@ -310,11 +373,6 @@ def _forget_sparse_checks() -> None:
         queued.clear()
 
 
-def _safetensors_device(target: torch.device) -> str:
-    # safetensors takes a device *string*; "mps:0" is spelt "mps".
-    return "mps" if target.type == "mps" else str(target)
-
-
 def _load_safetensors(p: Path, target: torch.device, *, mmap: bool) -> dict[str, torch.Tensor]:
     found = catalog(p)
     if target.type == "meta":  # safetensors rejects meta; the header says all there is to know
@@ -327,8 +385,7 @@ def _load_safetensors(p: Path, target: torch.device, *, mmap: bool) -> dict[str,
     for e in found.entries.values():
         e.torch_dtype(str(p))  # refused as the reader refuses it
     try:
-        import safetensors
-        import safetensors.torch
+        import safetensors.torch  # noqa: F401  (read by the reader's safetensors_load)
     except ImportError as exc:
         how = (
             "mapping it (mmap=True) needs the safetensors package; read it without mmap=True, or"
@@ -339,11 +396,7 @@ def _load_safetensors(p: Path, target: torch.device, *, mmap: bool) -> dict[str,
             f"{p}: is a safetensors file, and {how} install it with {SAFETENSORS_HINT}"
         ) from exc
     try:
-        if not mmap:
-            data = safetensors.torch.load(p.read_bytes())
-            return {k: v.to(target) for k, v in data.items()}
-        with safetensors.safe_open(str(p), framework="pt", device=_safetensors_device(target)) as f:
-            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+        return safetensors_load(p, target, mmap=mmap)
     except Exception as exc:
         reason = "it is truncated or corrupt"
         raise _unreadable(p, exc, target, first_sentence(str(exc)), reason) from exc
@@ -512,6 +565,16 @@ def load_state(
     if kind == "safetensors" and target.type != "meta" and not mmap and sys.byteorder == "little":
         found = catalog(p)
         return read_entries(found, list(found.entries), target, dtype_of)
+    if kind == "zip" and dtype_of is not None:
+        return _load_torch(
+            p,
+            target,
+            zip_format=True,
+            mmap=mmap,
+            trusted=False,
+            check_crc=check_crc,
+            dtype_of=dtype_of,
+        )
     return load(p, target, mmap=mmap, check_crc=check_crc)
 
 
@@ -539,7 +602,18 @@ def _load_index(
             else:
                 part = read_entries(found, names, target, dtype_of)
         else:
-            loaded = load(shard, target, mmap=mmap, trusted=trusted, check_crc=check_crc)
+            if found.kinds.get(shard) == "zip" and dtype_of is not None:
+                loaded = _load_torch(
+                    shard,
+                    target,
+                    zip_format=True,
+                    mmap=mmap,
+                    trusted=trusted,
+                    check_crc=check_crc,
+                    dtype_of=dtype_of,
+                )
+            else:
+                loaded = load(shard, target, mmap=mmap, trusted=trusted, check_crc=check_crc)
             if not isinstance(loaded, Mapping):
                 raise CheckpointError(f"{shard}: holds a {type(loaded).__name__}, not tensors")
             part = loaded

@@ -1,8 +1,8 @@
 """Reading a checkpoint file's table of tensors without running its code or importing torch.
 
 A torch file's pickle is read by an unpickler that builds inert records for every global it
-meets, so a malicious file is described, never executed (``code_globals`` names what it would
-run); a legacy file's storages are checked as ``torch.load`` reads them; safetensors files by
+meets, so a malicious file is described, never executed (``RecordingUnpickler`` notes what it
+would run); a legacy file's storages are checked as ``torch.load`` reads them; safetensors files by
 their header (``_safetensors``), shard indexes by their weight map (``_index``). ``_catalog``
 builds its entries from what these find, for ``inspect``, ``load`` and the sharded loader alike.
 """
@@ -12,10 +12,8 @@ from __future__ import annotations
 import _compat_pickle
 import contextlib
 import functools
-import io
 import os
 import pickle
-import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -23,16 +21,14 @@ from pathlib import Path
 from typing import IO, Any, ClassVar, cast
 
 from .._errors import CheckpointError
-from ._index import LEGACY_MAGIC, weight_map
-from ._safetensors import sniff as sniff_safetensors
-from ._source import detect_format, shards
+from ._index import LEGACY_MAGIC
 
 __all__ = [
     "WHOLE_MODEL",
     "InertUnpickler",
+    "RecordingUnpickler",
     "TensorRecord",
     "TensorRef",
-    "code_globals",
     "legacy_records",
     "pickles_a_model",
     "readable",
@@ -283,7 +279,7 @@ def _loadable_globals() -> frozenset[str]:
     return _default_loadable_globals() | (frozenset(users()) if callable(users) else frozenset())
 
 
-class _Recorder(InertUnpickler):
+class RecordingUnpickler(InertUnpickler):
     """The inert unpickler, noting every global it stood in for that a safe load would refuse
     (what loading would run)."""
 
@@ -331,38 +327,8 @@ def _stand_in_for(obj: Any) -> str | None:
     return f"{_compat_pickle.IMPORT_MAPPING.get(module, module)}.{name}"
 
 
-def code_globals(path: str | os.PathLike[str], /) -> list[str]:
-    """The globals a torch file's pickle names beyond tensors and containers, read inertly.
-
-    Loading the file with ``trusted=True`` would import and call these; ``inspect`` lists them.
-    Safetensors files hold none; a shard index, those of its shards.
-    """
-    p = Path(path)
-    kind = "safetensors" if sniff_safetensors(p) else detect_format(p)
-    found: list[str] = []
-    if kind == "index":
-        for _, shard_path, _ in shards(p, weight_map(p)):
-            found += code_globals(shard_path)
-    with readable(p):
-        if kind == "zip":
-            with zipfile.ZipFile(p) as archive:
-                pickles = [n for n in archive.namelist() if n.endswith("data.pkl")]
-                if pickles:
-                    recorder = _Recorder(io.BytesIO(archive.read(min(pickles, key=len))))
-                    recorder.load()
-                    found = recorder.found
-        elif kind == "legacy":
-            with p.open("rb") as raw:
-                f = _BoundedReader(raw, p.stat().st_size)
-                for _ in range(4):  # magic number, protocol, system info, the object
-                    recorder = _Recorder(f)
-                    recorder.load()
-                    found += recorder.found
-    return list(dict.fromkeys(found))
-
-
 def pickles_a_model(found: list[str]) -> bool:
-    """Whether a file's code globals (``code_globals``) show a whole model saved with
+    """Whether a file's code globals (``Catalog.code``) show a whole model saved with
     ``torch.save(model)``: its modules are pickled as the classes they are."""
     return any(name.startswith("torch.nn.modules.") for name in found)
 
@@ -481,23 +447,34 @@ class _BoundedReader:
         return self.f.readline()
 
 
-def legacy_records(p: Path) -> list[TensorRecord]:
-    """The tensors of a legacy (non-zip) torch file, its storages checked as torch reads them."""
+def legacy_records(p: Path) -> tuple[list[TensorRecord], list[str]]:
+    """The tensors of a legacy (non-zip) torch file, its storages checked as torch reads them,
+    and the globals its pickles name that a safe load refuses (what loading would run)."""
+    code: list[str] = []
+
+    def load(f: _BoundedReader) -> Any:
+        recorder = RecordingUnpickler(f)
+        try:
+            return recorder.load()
+        finally:
+            code.extend(recorder.found)
+
     with readable(p), p.open("rb") as raw:
         f = _BoundedReader(raw, p.stat().st_size)
-        magic = InertUnpickler(f).load()
+        magic = load(f)
         if magic != LEGACY_MAGIC:
             raise CheckpointError(
                 f"{p}: is a pickle but not a torch.save file (wrong magic number); a plain "
                 "pickle is not a checkpoint"
             )
-        InertUnpickler(f).load()  # protocol version
-        InertUnpickler(f).load()  # system info
-        unpickler = InertUnpickler(f)
+        load(f)  # protocol version
+        load(f)  # system info
+        unpickler = RecordingUnpickler(f)
         owners: dict[str, str] = {}  # storage key -> the first tensor saved on it
         records = _records(unpickler.load(), p.name, owners)
+        code.extend(unpickler.found)
         _check_legacy_storages(p, f, unpickler.storages, owners)
-    return records
+    return records, list(dict.fromkeys(code))
 
 
 def _check_legacy_storages(

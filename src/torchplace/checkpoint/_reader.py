@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 import sys
 import threading
+import warnings
+import zipfile
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -38,9 +41,21 @@ from ..moving._staging import (
 )
 from ._catalog import Stamp, changed_error
 from ._crc import combine
+from ._formats import first_sentence
 from ._progress import current
 
-__all__ = ["READ_CHUNK_BYTES", "READ_THREADS", "Piece", "read_into"]
+__all__ = [
+    "READ_CHUNK_BYTES",
+    "READ_THREADS",
+    "SPARSE_CHECK_NOTE",
+    "OpenFiles",
+    "Piece",
+    "check_records",
+    "copy_file",
+    "read_into",
+    "safetensors_load",
+    "torch_load",
+]
 
 READ_CHUNK_BYTES = 16 << 20
 _PREADV = hasattr(os, "preadv")
@@ -142,6 +157,8 @@ def _read_host(
     converting: list[tuple[torch.Tensor, int, int, int, torch.dtype]] = []
     checked: list[tuple[int, int, str, list[int]]] = []  # CRC, 1st chunk, name, chunk lengths
     crcs: dict[int, int] = {}  # a checked chunk's index in ``direct`` -> its CRC-32
+    converted_checked: list[tuple[int, int, str, list[int]]] = []  # the same, converting
+    converted_crcs: dict[int, int] = {}  # by index in ``converting``: the file's bytes' CRC
     for piece in pieces:
         offset, t, stored = _split(piece)
         if stored is None:
@@ -163,8 +180,17 @@ def _read_host(
             continue
         flat = t.detach().reshape(-1)
         step = READ_CHUNK_BYTES // stored.itemsize
+        check = checks.get(offset) if checks else None
+        if check is not None:
+            lengths = [
+                (min(first + step, flat.numel()) - first) * stored.itemsize
+                for first in range(0, flat.numel(), step)
+            ]
+            converted_checked.append((check[0], len(converting), check[1], lengths))
         for first in range(0, flat.numel(), step):
             last = min(first + step, flat.numel())
+            if check is not None:
+                converted_crcs[len(converting)] = 0
             converting.append((flat, first, last, offset + first * stored.itemsize, stored))
     tasks = [(0, k) for k in range(len(direct))] + [(1, k) for k in range(len(converting))]
 
@@ -198,6 +224,8 @@ def _read_host(
                 staging = torch.empty(READ_CHUNK_BYTES, dtype=torch.uint8)
             raw = staging[:nbytes]
             _pread_exactly(fd, _memory(raw), offset)
+            if n in converted_crcs:
+                converted_crcs[n] = zlib.crc32(_memory(raw))  # the file's bytes, as stored
             flat[first:last].copy_(raw.view(stored))  # converted in place, a chunk at a time
             if advance is not None:
                 advance(nbytes)
@@ -208,12 +236,13 @@ def _read_host(
     else:
         _run_shares(share, threads, stop)
     failed = []
-    for expected, first, name, lengths in checked:
-        crc = crcs[first]
-        for k, length in enumerate(lengths[1:], start=1):
-            crc = combine(crc, crcs[first + k], length)
-        if crc != expected:
-            failed.append(name)
+    for found, listed in ((crcs, checked), (converted_crcs, converted_checked)):
+        for expected, first, name, lengths in listed:
+            crc = found[first]
+            for k, length in enumerate(lengths[1:], start=1):
+                crc = combine(crc, found[first + k], length)
+            if crc != expected:
+                failed.append(name)
     return failed
 
 
@@ -295,6 +324,83 @@ def _read_cuda(
     return failed
 
 
+class OpenFiles:
+    """Files open for reading by path, each the file its catalog parsed: its stamp (size, mtime,
+    inode) is checked when it is opened and again by ``verify`` after the reads, so that a file
+    rewritten while it was read raises ``CheckpointError`` instead of mixing old and new bytes.
+
+    ``read_into`` reads one file's pieces this way; the sharded loader keeps one ``OpenFiles``
+    for a whole load, reading each rank's boxes through it.
+    """
+
+    def __init__(self, stamps: Mapping[Path, Stamp | None] | None = None) -> None:
+        self.stamps = {p: s for p, s in (stamps or {}).items() if s is not None}
+        self.fds: dict[Path, int] = {}
+
+    def __enter__(self) -> OpenFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def fd(self, path: Path) -> int:
+        """The open file of ``path`` (opened, and its stamp checked, on first use)."""
+        fd = self.fds.get(path)
+        if fd is None:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+            try:
+                _same_file(path, fd, self.stamps.get(path))
+            except BaseException:
+                os.close(fd)
+                raise
+            self.fds[path] = fd
+        return fd
+
+    def read(
+        self,
+        path: Path,
+        pieces: Sequence[Piece],
+        checks: Checks | None = None,
+        fresh: bool = True,
+    ) -> None:
+        """``read_into``'s reads from the open file of ``path``; its stamp is checked again
+        only by ``verify`` (and before a CRC-32 failure is reported: a changed file says so)."""
+        host = [p for p in pieces if p[1].device.type == "cpu" and p[1].nbytes]
+        elsewhere = [p for p in pieces if p[1].device.type != "cpu" and p[1].nbytes]
+        fd = self.fd(path)
+        advance = current()  # the progress bar shown, if any (None: nothing to pay)
+        failed = _read_host(fd, host, checks, advance, fresh)
+        by_device: dict[torch.device, list[Piece]] = {}
+        for piece in elsewhere:
+            by_device.setdefault(piece[1].device, []).append(piece)
+        for dev, group in by_device.items():
+            if dev.type == "cuda":
+                failed += _read_cuda(fd, group, dev, checks, advance)
+                continue
+            for piece in group:  # another accelerator: a tensor at a time through the host
+                offset, t, stored = _split(piece)
+                bounce = torch.empty(t.shape, dtype=stored or t.dtype)
+                failed += _read_host(fd, [(offset, bounce)], checks, advance)
+                t.copy_(bounce)
+        if failed:
+            _same_file(path, fd, self.stamps.get(path))
+            raise CheckpointError(
+                f"{path}: is corrupt: {', '.join(failed[:5])} "
+                f"{'fails its' if len(failed) == 1 else 'fail their'} CRC-32 check (the bytes "
+                "of the tensors were damaged after the file was written); save or fetch it again"
+            )
+
+    def verify(self) -> None:
+        """Every file read is still the one catalogued (``CheckpointError`` if not)."""
+        for p, fd in self.fds.items():
+            _same_file(p, fd, self.stamps.get(p))
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+
+
 def read_into(
     path: Path,
     pieces: Sequence[Piece],
@@ -327,34 +433,9 @@ def read_into(
     tensors' pages are already resident (a model's own memory, filled in place), so they are not
     populated first (that costs about 40% of a read from the page cache into resident memory).
     """
-    host = [p for p in pieces if p[1].device.type == "cpu" and p[1].nbytes]
-    elsewhere = [p for p in pieces if p[1].device.type != "cpu" and p[1].nbytes]
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-    try:
-        _same_file(path, fd, stamp)
-        advance = current()  # the progress bar shown, if any (None: nothing to pay)
-        failed = _read_host(fd, host, checks, advance, fresh)
-        by_device: dict[torch.device, list[Piece]] = {}
-        for piece in elsewhere:
-            by_device.setdefault(piece[1].device, []).append(piece)
-        for dev, group in by_device.items():
-            if dev.type == "cuda":
-                failed += _read_cuda(fd, group, dev, checks, advance)
-                continue
-            for piece in group:  # another accelerator: a tensor at a time through the host
-                offset, t, stored = _split(piece)
-                bounce = torch.empty(t.shape, dtype=stored or t.dtype)
-                failed += _read_host(fd, [(offset, bounce)], checks, advance)
-                t.copy_(bounce)
-        _same_file(path, fd, stamp)  # no write landed while it was read
-        if failed:
-            raise CheckpointError(
-                f"{path}: is corrupt: {', '.join(failed[:5])} "
-                f"{'fails its' if len(failed) == 1 else 'fail their'} CRC-32 check (the bytes "
-                "of the tensors were damaged after the file was written); save or fetch it again"
-            )
-    finally:
-        os.close(fd)
+    with OpenFiles({path: stamp}) as files:
+        files.read(path, pieces, checks, fresh)
+        files.verify()  # no write landed while it was read
 
 
 def _run_shares(share: Callable[[int, int], None], threads: int, stop: threading.Event) -> None:
@@ -390,3 +471,70 @@ def _same_file(path: Path, fd: int, stamp: Stamp | None) -> None:
         now = Stamp.of(os.fstat(fd))
         if now != stamp:
             raise changed_error(path, stamp, now)
+
+
+# ------------------------------------------------------------------------- whole files, by others
+# What torchplace does not read itself is read here by its own library, the file's stamp checked
+# after: torch.load (a trusted file, a mapped one, a legacy or unusual zip file) and the
+# safetensors package (a mapped file, a big-endian machine). The caller turns their failures into
+# a sentence about the file.
+
+# torch 2.15's note that checking sparse tensors takes time: torchplace's to take, not the user's
+SPARSE_CHECK_NOTE = "Validating sparse tensor invariants"
+
+
+def torch_load(path: Path, target: torch.device, *, mmap: bool, trusted: bool, stamp: Stamp) -> Any:
+    """``torch.load`` of a whole torch file onto ``target`` (``weights_only`` unless
+    ``trusted``), refused with ``CheckpointError`` if the file no longer has ``stamp`` after."""
+    with warnings.catch_warnings():  # torch's note on pickle protocols is not the user's
+        warnings.filterwarnings("ignore", message="Detected pickle protocol")
+        warnings.filterwarnings("ignore", message=SPARSE_CHECK_NOTE)
+        loaded = torch.load(path, map_location=target, mmap=mmap, weights_only=not trusted)
+    now = Stamp.of(os.stat(path))
+    if now != stamp:  # torch read it by its path: a rewrite shows in the stamp
+        raise changed_error(path, stamp, now)
+    return loaded
+
+
+def safetensors_load(path: Path, target: torch.device, *, mmap: bool) -> dict[str, torch.Tensor]:
+    """A ``.safetensors`` file's tensors on ``target`` by the safetensors package: mapped
+    (``mmap=True``), or read whole and converted to the machine's byte order."""
+    import safetensors
+    import safetensors.torch
+
+    if not mmap:
+        data = safetensors.torch.load(path.read_bytes())
+        return {k: v.to(target) for k, v in data.items()}
+    with safetensors.safe_open(str(path), framework="pt", device=_safetensors_device(target)) as f:
+        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+
+
+def _safetensors_device(target: torch.device) -> str:
+    # safetensors takes a device *string*; "mps:0" is spelt "mps".
+    return "mps" if target.type == "mps" else str(target)
+
+
+def check_records(p: Path) -> None:
+    """Every record of a zip file read through ``zipfile``, which checks each one's CRC-32."""
+    try:
+        with zipfile.ZipFile(p) as archive:
+            for info in archive.infolist():
+                with archive.open(info) as record:
+                    while record.read(16 << 20):
+                        pass
+    except (OSError, zipfile.BadZipFile, ValueError, EOFError, NotImplementedError) as exc:
+        raise CheckpointError(
+            f"{p}: is corrupt ({type(exc).__name__}: {first_sentence(str(exc))}); the bytes were "
+            "damaged after the file was written, so save or fetch it again"
+        ) from exc
+
+
+def copy_file(path: Path, out: Any) -> None:
+    """Every byte of ``path`` written to the file object ``out`` as it is, ``CheckpointError``
+    if the file changed while it was copied (its stamp before and after)."""
+    with path.open("rb") as f:
+        before = Stamp.of(os.fstat(f.fileno()))
+        shutil.copyfileobj(f, out, READ_CHUNK_BYTES)
+        now = Stamp.of(os.fstat(f.fileno()))
+    if now != before:
+        raise changed_error(path, before, now)

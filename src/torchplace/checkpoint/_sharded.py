@@ -26,13 +26,11 @@ with ``parallelize_module``) is filled here instead of by the general ``load_int
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import itertools
 import math
-import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +40,10 @@ from torch import nn
 from .._devices import device as _device
 from .._errors import CheckpointError, TorchplaceError
 from .._model_walk import Slot, tensor_slots
-from ._catalog import Catalog, Stamp, catalog, changed_error, contiguous_strides
+from ._catalog import Catalog, Stamp, catalog, contiguous_strides
 from ._conversions import Fused, Plan, conversion_plan, fused_boxes
-from ._progress import current, reporting
-from ._reader import read_into
+from ._progress import reporting
+from ._reader import OpenFiles, check_records
 from ._rename import Rename, as_renamer, renamed
 
 __all__ = ["has_dtensors", "load_sharded", "strided_shards_readable"]
@@ -275,72 +273,46 @@ def _listing(items: list[str], limit: int = 10) -> str:
 # ---------------------------------------------------------------------------------- reading
 
 
-def _writable(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable (any dtype: no numpy)."""
+def _refuse_freed(t: torch.Tensor) -> None:
+    """Refuse a tensor whose storage cannot hold it: one FSDP2 freed (resized to 0), where a
+    read would write past the memory and crash the process."""
     n = t.numel() * t.element_size()
     held = t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
-    if n > held:  # a storage FSDP2 freed (resized to 0): writing there would crash the process
+    if n > held:
         raise RuntimeError(f"a tensor of {n} bytes has only {held} bytes of storage")
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
 class _Reader:
-    """Open files by path, reading byte ranges into given memory.
+    """A rank's reads for one load, through the one reader's ``OpenFiles`` (each file checked
+    against its catalogued stamp when opened and by ``verify`` after the reads).
 
-    With the ``stamps`` of a catalog, a file must be the one catalogued when it is opened and
-    still be when ``verify`` is called after the reads (else ``CheckpointError``: it changed
-    while it was read).
+    Runs of the file that land straight in a shard are queued and read side by side at the next
+    ``flush``; a box of short runs is read as whole rows into a reusable buffer (``block``) and
+    copied out of it.
     """
 
     def __init__(self, stamps: Mapping[Path, Stamp] | None = None) -> None:
-        self.fds: dict[Path, int] = {}
+        self.files = OpenFiles(stamps)
         self.buffer: torch.Tensor | None = None
-        self.stamps = dict(stamps or {})
-        self.advance: Callable[[int], None] | None = None  # a progress bar's, if one is shown
         self.pending: dict[Path, list[tuple[int, torch.Tensor]]] = {}  # queued direct reads
         self.fresh = True  # the shards' memory is new (a skeleton's): populate it as it is read
-
-    def _check(self, p: Path, fd: int) -> None:
-        before = self.stamps.get(p)
-        if before is not None:
-            now = Stamp.of(os.fstat(fd))
-            if now != before:
-                raise changed_error(p, before, now)
 
     def queue(self, p: Path, start: int, out: torch.Tensor) -> None:
         """Read ``out.nbytes`` bytes of ``p`` from ``start`` into ``out`` at the next ``flush``."""
         self.pending.setdefault(p, []).append((start, out))
 
     def flush(self) -> None:
-        """Every queued range read, side by side by the one reader's pool (``read_into``), each
-        file checked against its catalogued stamp before and after."""
+        """Every queued range read, side by side by the reader's pool."""
         pending, self.pending = self.pending, {}
         for p, pieces in pending.items():
-            read_into(p, pieces, self.stamps.get(p), fresh=self.fresh)
+            self.files.read(p, pieces, fresh=self.fresh)
 
     def verify(self) -> None:
         """Every file read is still the one catalogued (``CheckpointError`` if not)."""
-        for p, fd in self.fds.items():
-            self._check(p, fd)
+        self.files.verify()
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
-
-    def readinto(self, p: Path, start: int, out: memoryview) -> None:
-        fd = self.fds.get(p)
-        if fd is None:
-            fd = self.fds[p] = os.open(p, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-            self._check(p, fd)
-        done, size = 0, len(out)
-        while done < size:
-            got = os.preadv(fd, [out[done:]], start + done)
-            if got <= 0:
-                raise OSError(f"{p} ended {size - done} bytes early")
-            done += got
-        if self.advance is not None:
-            self.advance(size)
+        self.files.close()
 
     def block(
         self, p: Path, start: int, dtype: torch.dtype, shape: tuple[int, ...]
@@ -350,7 +322,7 @@ class _Reader:
         if self.buffer is None or self.buffer.numel() < nbytes:
             self.buffer = torch.empty(max(nbytes, 0), dtype=torch.uint8)
         raw = self.buffer[:nbytes]
-        self.readinto(p, start, _writable(raw))
+        self.files.read(p, [(start, raw)], fresh=False)
         return raw.view(dtype).view(shape)
 
 
@@ -376,7 +348,7 @@ def _read_box(
     direct = dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous()
     if direct and (last <= 0 or run * itemsize >= _DIRECT_RUN):
         strides = contiguous_strides(shape)
-        _writable(dest)  # refuses a storage FSDP2 freed before anything is read into it
+        _refuse_freed(dest)  # before anything is read into it
         flat = dest.detach().reshape(-1).view(torch.uint8)
         run_bytes = run * itemsize
         outer = itertools.product(
@@ -516,8 +488,6 @@ def load_sharded(
     reads slices, never a whole record)."""
     source_catalog = catalog(source)  # a file, an index, a directory or a mapping
     if check_crc:
-        from ._load import check_records
-
         for path, fmt in source_catalog.kinds.items():
             if fmt == "zip":
                 check_records(path)
@@ -633,7 +603,6 @@ def load_sharded(
     )
     shown = contextlib.ExitStack()  # the progress bar, closed in the finally below
     shown.enter_context(reporting(total, f"load_into {Path(where).name}", progress))
-    reader.advance = current()
     reader.fresh = materialize_on is not None  # else shards already resident: filled in place
     try:
         if materialize_on is not None:
