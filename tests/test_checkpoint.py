@@ -773,6 +773,92 @@ def test_keys_that_merely_end_alike_get_no_prefix_hint(tmp_path: Path) -> None:
     assert "prefix" not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("wrong", "right", "rename"),
+    [
+        ("bdoy", "body", {r"^bdoy\.": "body."}),  # a transposed letter, first part
+        ("wieght", "weight", {r"\.wieght$": ".weight"}),  # last part, every key alike
+    ],
+    ids=["first-part", "last-part"],
+)
+def test_misspelt_keys_get_the_rename_that_fits_them(
+    tmp_path: Path, wrong: str, right: str, rename: dict[str, str]
+) -> None:
+    src = reference()
+    sd = {
+        ".".join(wrong if p == right else p for p in k.split(".")): v
+        for k, v in src.state_dict().items()
+    }
+    path = save(sd, tmp_path / "typo.pt")
+    with pytest.raises(
+        CheckpointError, match=f"spell '{wrong}' where the model has '{right}'"
+    ) as e:
+        load_into(skeleton(Net), path)
+    # the hint, followed word for word
+    hint = str(e.value).split(f"torchplace.load_into(model, {str(path)!r}, ")[1].split(")")[0]
+    ((pattern, replacement),) = rename.items()
+    assert hint == f'rename={{r"{pattern}": "{replacement}"}}'
+    model = load_into(skeleton(Net), path, rename=rename)
+    for name, value in src.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_a_misspelt_key_in_a_state_dict_is_named_beside_the_models(tmp_path: Path) -> None:
+    sd = dict(reference().state_dict())
+    sd["bdoy.0.weight"] = sd.pop("body.0.weight")  # one key alone: the rename fits it too
+    sd["body.1.bais"] = sd.pop("body.1.bias")  # and another, misspelt elsewhere
+    with pytest.raises(CheckpointError, match="look misspelt") as e:
+        load_into(skeleton(Net), sd)
+    assert "bdoy.0.weight for body.0.weight" in str(e.value)
+    assert "body.1.bais for body.1.bias" in str(e.value)
+    assert e.value.missing == ("body.0.weight", "body.1.bias")  # the data as before
+
+
+def test_another_depth_or_another_model_is_no_typo(tmp_path: Path) -> None:
+    """Keys that differ only by a number (a deeper model's layers) or merely look alike as a
+    whole (conv.weight, norm.weight) are not called misspelt."""
+    deeper = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(CheckpointError, match=r"unexpected keys: 2\.weight, 2\.bias") as e:
+        load_into(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), deeper.state_dict())
+    assert "misspelt" not in str(e.value) and "spell" not in str(e.value)
+
+    class Conv(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Linear(2, 2)
+
+    class Norm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.Linear(2, 2)
+
+    with pytest.raises(CheckpointError, match=r"unexpected keys: conv\.weight") as e:
+        load_into(Norm(), Conv().state_dict())
+    assert "misspelt" not in str(e.value) and "spell" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("given", "found"),
+    [
+        ("model.pth", "model.pt"),  # the same stem: found before, found now
+        ("model", "model.pt"),
+        ("modle.pt", "model.pt"),  # letters transposed
+        ("mode.pt", "model.pt"),  # a letter dropped
+        ("optimzer.pt", "optimizer.pt"),
+    ],
+)
+def test_a_missing_file_names_the_one_meant(tmp_path: Path, given: str, found: str) -> None:
+    save({"w": torch.ones(1)}, tmp_path / "model.pt")
+    save({"w": torch.ones(1)}, tmp_path / "optimizer.pt")
+    with pytest.raises(
+        CheckpointError, match=r"no such file; check the path \(found nearby: (.*)\)$"
+    ) as e:
+        load(tmp_path / given)
+    assert str(e.value).rsplit("found nearby: ", 1)[1].rstrip(")").split(", ")[0] == found
+    with pytest.raises(CheckpointError, match=r"no such file; check the path$"):
+        load(tmp_path / "zebra.pt")
+
+
 def test_a_file_of_one_part_of_the_model_gets_a_hint_that_works(tmp_path: Path) -> None:
     path = save(reference().body.state_dict(), tmp_path / "body.pt")
     with pytest.raises(CheckpointError, match=r"prefix 'body\.'.*get_submodule\('body'\)"):
