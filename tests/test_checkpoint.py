@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import random
+import re
 import sys
 import threading
 from collections.abc import Callable
@@ -865,6 +866,47 @@ def test_a_file_of_one_part_of_the_model_gets_a_hint_that_works(tmp_path: Path) 
         load_into(reference(), path)
     model = reference()
     load_into(model.get_submodule("body"), path)
+
+
+@pytest.mark.parametrize(
+    ("source", "shown"),
+    [(123, "int (123)"), (None, "NoneType (None)"), ([1.0], "list ([1.0])")],
+    ids=["int", "none", "list"],
+)
+def test_load_into_says_every_kind_of_source_it_reads(
+    source: Any, shown: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = nn.Linear(3, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=rf"not {re.escape(shown)}: a path") as e:
+        load_into(model, source)
+    for accepted in ("checkpoint file", "shard index", "directory", "mapping of names to tensors"):
+        assert accepted in str(e.value)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    # both examples, typed as written, work (given such a file, and such a model)
+    assert str(e.value).endswith(
+        "e.g. torchplace.load_into(model, 'model.safetensors') or "
+        "torchplace.load_into(model, other.state_dict())"
+    )
+    other = nn.Linear(3, 2)
+    monkeypatch.chdir(tmp_path)
+    safetensors_torch().save_file(other.state_dict(), "model.safetensors")
+    assert torch.equal(load_into(model, "model.safetensors").weight, other.weight)
+    other = nn.Linear(3, 2)
+    assert torch.equal(load_into(model, other.state_dict()).weight, other.weight)
+
+
+def test_load_into_of_an_open_file_says_how_to_read_it(tmp_path: Path) -> None:
+    buffer = io.BytesIO()
+    torch.save(reference().state_dict(), buffer)
+    buffer.seek(0)
+    f = buffer
+    with pytest.raises(CheckpointError, match=r"not an open file \(BytesIO\)") as e:
+        load_into(skeleton(Net), f)
+    fix = str(e.value).rsplit(", torchplace.load_into(", 1)[1]
+    assert fix == "model, torch.load(f, weights_only=True))"
+    model = load_into(skeleton(Net), torch.load(f, weights_only=True))  # the fix, as written
+    assert torch.equal(model.emb.weight, reference().emb.weight)
 
 
 def test_whole_training_checkpoint_gets_a_hint(tmp_path: Path) -> None:

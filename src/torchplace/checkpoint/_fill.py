@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import os
 import re
 import sys
 import warnings
@@ -375,6 +376,7 @@ def load_into(
             f"load_into() fills an nn.Module, not {type(model).__name__}; build the model "
             "first, e.g. torchplace.load_into(torchplace.skeleton(MyModel, ...), checkpoint)"
         )
+    _check_source(source)
     from ._sharded import has_dtensors, load_sharded
 
     if has_dtensors(model):  # FSDP2, tensor parallelism: each rank reads its own slices
@@ -389,12 +391,6 @@ def load_into(
         )
     target = None if device is None else _device(device)
     renamer = None if rename is None else as_renamer(rename)
-    if isinstance(source, nn.Module):
-        raise CheckpointError(
-            f"load_into fills a model from a checkpoint (a path, a directory or a state dict), "
-            f"not from a {type(source).__name__} model; pass its weights: "
-            "torchplace.load_into(model, other.state_dict())"
-        )
     from_memory = isinstance(source, Mapping)
     # A directory's model file: messages name the file read, not its directory.
     p: Path | str = "the state dict given to load_into" if from_memory else resolve(source)
@@ -439,6 +435,37 @@ def load_into(
     fit = _Fit(p, model, seen, loadable, transient, extra, read_on, strict)
     prepared = _prepare(fit, target, copy=from_memory)
     return _apply(fit, prepared, extra, seen.own)  # type: ignore[return-value]
+
+
+def _check_source(source: object) -> None:
+    """A ``CheckpointError`` for a source ``load_into`` cannot read, saying what it reads."""
+    if isinstance(source, nn.Module):
+        raise CheckpointError(
+            f"load_into fills a model from a checkpoint (a path, a directory or a state dict), "
+            f"not from a {type(source).__name__} model; pass its weights: "
+            "torchplace.load_into(model, other.state_dict())"
+        )
+    if isinstance(source, (str, bytes, os.PathLike, Mapping)):
+        return
+    if hasattr(source, "read"):  # an open file, io.BytesIO
+        what = f"an open file ({type(source).__name__})"
+        fix = (
+            "torchplace reads files by path, so pass the file's path, or read it first and "
+            "pass the state dict, torchplace.load_into(model, torch.load(f, weights_only=True))"
+        )
+    else:
+        shown = repr(source)
+        what = f"{type(source).__name__} ({shown if len(shown) <= 40 else shown[:37] + '...'})"
+        fix = (
+            "e.g. torchplace.load_into(model, 'model.safetensors') or "
+            "torchplace.load_into(model, other.state_dict())"
+        )
+    raise CheckpointError(
+        f"load_into reads weights from a path or a mapping, not {what}: a path (a str or "
+        "os.PathLike) to a checkpoint file (.safetensors, .pt, .pth, .bin, .ckpt), to a shard "
+        "index (*.index.json) or to a directory as save_pretrained writes it, or a mapping of "
+        f"names to tensors (a state dict); {fix}"
+    )
 
 
 @dataclasses.dataclass
