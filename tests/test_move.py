@@ -318,8 +318,11 @@ def test_failing_copy_in_a_batch_names_path_and_chains_cause(
 
 
 def test_bad_arguments() -> None:
-    with pytest.raises(torchplace.TorchplaceError, match="attributes='all' is not one of"):
+    with pytest.raises(torchplace.TorchplaceError, match="attributes='all' is not one of") as e:
         torchplace.move(torch.ones(1), "cpu", attributes="all")  # type: ignore[arg-type]
+    assert "did you mean" not in str(e.value)
+    with pytest.raises(torchplace.TorchplaceError, match=r"'ignore'; did you mean 'move'\?"):
+        torchplace.move(torch.ones(1), "cpu", attributes="mvoe")  # type: ignore[arg-type]
     with pytest.raises(torchplace.TorchplaceError, match="optimizer= takes"):
         torchplace.move(nn.Linear(1, 1), "cpu", optimizer="adam")  # type: ignore[arg-type]
     with pytest.raises(torchplace.DeviceSpecError, match="did you mean 'meta'"):
