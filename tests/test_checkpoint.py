@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import random
+import re
 import sys
 import threading
 from collections.abc import Callable
@@ -358,19 +359,23 @@ def test_a_directory_of_several_checkpoints_is_refused_with_its_files_named(
 
 
 @pytest.mark.parametrize(
-    ("path", "message"),
+    ("path", "message", "into"),
     [
-        (None, "not NoneType"),
-        (123, "not int"),
-        (io.BytesIO(b"PK"), "not BytesIO; torchplace reads files by path"),
-        ("x" * 5000, "cannot be read"),  # a name longer than the file system allows
+        (None, "not NoneType", "not NoneType"),
+        (123, "not int", "not int"),
+        (
+            io.BytesIO(b"PK"),
+            "not BytesIO; torchplace reads files by path",
+            r"not an open file \(BytesIO\).*torchplace reads files by path",
+        ),
+        ("x" * 5000, "cannot be read", "cannot be read"),  # longer than the file system allows
     ],
     ids=["none", "int", "file-object", "name-too-long"],
 )
-def test_bad_paths_are_checkpoint_errors(path: object, message: str) -> None:
+def test_bad_paths_are_checkpoint_errors(path: object, message: str, into: str) -> None:
     with pytest.raises(CheckpointError, match=message):
         load(path)  # type: ignore[arg-type]
-    with pytest.raises(CheckpointError, match=message):
+    with pytest.raises(CheckpointError, match=into):  # a mapping too (see below)
         load_into(nn.Linear(1, 1), path)  # type: ignore[arg-type]
 
 
@@ -773,12 +778,139 @@ def test_keys_that_merely_end_alike_get_no_prefix_hint(tmp_path: Path) -> None:
     assert "prefix" not in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("wrong", "right", "rename"),
+    [
+        ("bdoy", "body", {r"^bdoy\.": "body."}),  # a transposed letter, first part
+        ("wieght", "weight", {r"\.wieght$": ".weight"}),  # last part, every key alike
+    ],
+    ids=["first-part", "last-part"],
+)
+def test_misspelt_keys_get_the_rename_that_fits_them(
+    tmp_path: Path, wrong: str, right: str, rename: dict[str, str]
+) -> None:
+    src = reference()
+    sd = {
+        ".".join(wrong if p == right else p for p in k.split(".")): v
+        for k, v in src.state_dict().items()
+    }
+    path = save(sd, tmp_path / "typo.pt")
+    with pytest.raises(
+        CheckpointError, match=f"spell '{wrong}' where the model has '{right}'"
+    ) as e:
+        load_into(skeleton(Net), path)
+    # the hint, followed word for word
+    hint = str(e.value).split(f"torchplace.load_into(model, {str(path)!r}, ")[1].split(")")[0]
+    ((pattern, replacement),) = rename.items()
+    assert hint == f'rename={{r"{pattern}": "{replacement}"}}'
+    model = load_into(skeleton(Net), path, rename=rename)
+    for name, value in src.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_a_misspelt_key_in_a_state_dict_is_named_beside_the_models(tmp_path: Path) -> None:
+    sd = dict(reference().state_dict())
+    sd["bdoy.0.weight"] = sd.pop("body.0.weight")  # one key alone: the rename fits it too
+    sd["body.1.bais"] = sd.pop("body.1.bias")  # and another, misspelt elsewhere
+    with pytest.raises(CheckpointError, match="look misspelt") as e:
+        load_into(skeleton(Net), sd)
+    assert "bdoy.0.weight for body.0.weight" in str(e.value)
+    assert "body.1.bais for body.1.bias" in str(e.value)
+    assert e.value.missing == ("body.0.weight", "body.1.bias")  # the data as before
+
+
+def test_another_depth_or_another_model_is_no_typo(tmp_path: Path) -> None:
+    """Keys that differ only by a number (a deeper model's layers) or merely look alike as a
+    whole (conv.weight, norm.weight) are not called misspelt."""
+    deeper = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(CheckpointError, match=r"unexpected keys: 2\.weight, 2\.bias") as e:
+        load_into(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), deeper.state_dict())
+    assert "misspelt" not in str(e.value) and "spell" not in str(e.value)
+
+    class Conv(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Linear(2, 2)
+
+    class Norm(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.Linear(2, 2)
+
+    with pytest.raises(CheckpointError, match=r"unexpected keys: conv\.weight") as e:
+        load_into(Norm(), Conv().state_dict())
+    assert "misspelt" not in str(e.value) and "spell" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("given", "found"),
+    [
+        ("model.pth", "model.pt"),  # the same stem: found before, found now
+        ("model", "model.pt"),
+        ("modle.pt", "model.pt"),  # letters transposed
+        ("mode.pt", "model.pt"),  # a letter dropped
+        ("optimzer.pt", "optimizer.pt"),
+    ],
+)
+def test_a_missing_file_names_the_one_meant(tmp_path: Path, given: str, found: str) -> None:
+    save({"w": torch.ones(1)}, tmp_path / "model.pt")
+    save({"w": torch.ones(1)}, tmp_path / "optimizer.pt")
+    with pytest.raises(
+        CheckpointError, match=r"no such file; check the path \(found nearby: (.*)\)$"
+    ) as e:
+        load(tmp_path / given)
+    assert str(e.value).rsplit("found nearby: ", 1)[1].rstrip(")").split(", ")[0] == found
+    with pytest.raises(CheckpointError, match=r"no such file; check the path$"):
+        load(tmp_path / "zebra.pt")
+
+
 def test_a_file_of_one_part_of_the_model_gets_a_hint_that_works(tmp_path: Path) -> None:
     path = save(reference().body.state_dict(), tmp_path / "body.pt")
     with pytest.raises(CheckpointError, match=r"prefix 'body\.'.*get_submodule\('body'\)"):
         load_into(reference(), path)
     model = reference()
     load_into(model.get_submodule("body"), path)
+
+
+@pytest.mark.parametrize(
+    ("source", "shown"),
+    [(123, "int (123)"), (None, "NoneType (None)"), ([1.0], "list ([1.0])")],
+    ids=["int", "none", "list"],
+)
+def test_load_into_says_every_kind_of_source_it_reads(
+    source: Any, shown: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = nn.Linear(3, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match=rf"not {re.escape(shown)}: a path") as e:
+        load_into(model, source)
+    for accepted in ("checkpoint file", "shard index", "directory", "mapping of names to tensors"):
+        assert accepted in str(e.value)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    # both examples, typed as written, work (given such a file, and such a model)
+    assert str(e.value).endswith(
+        "e.g. torchplace.load_into(model, 'model.safetensors') or "
+        "torchplace.load_into(model, other.state_dict())"
+    )
+    other = nn.Linear(3, 2)
+    monkeypatch.chdir(tmp_path)
+    safetensors_torch().save_file(other.state_dict(), "model.safetensors")
+    assert torch.equal(load_into(model, "model.safetensors").weight, other.weight)
+    other = nn.Linear(3, 2)
+    assert torch.equal(load_into(model, other.state_dict()).weight, other.weight)
+
+
+def test_load_into_of_an_open_file_says_how_to_read_it(tmp_path: Path) -> None:
+    buffer = io.BytesIO()
+    torch.save(reference().state_dict(), buffer)
+    buffer.seek(0)
+    f = buffer
+    with pytest.raises(CheckpointError, match=r"not an open file \(BytesIO\)") as e:
+        load_into(skeleton(Net), f)
+    fix = str(e.value).rsplit(", torchplace.load_into(", 1)[1]
+    assert fix == "model, torch.load(f, weights_only=True))"
+    model = load_into(skeleton(Net), torch.load(f, weights_only=True))  # the fix, as written
+    assert torch.equal(model.emb.weight, reference().emb.weight)
 
 
 def test_whole_training_checkpoint_gets_a_hint(tmp_path: Path) -> None:

@@ -59,8 +59,19 @@ def test_import_torchplace_imports_no_torch() -> None:
         (["no-such-command"], 2),
         (["inspect", "--help"], 0),
         (["remap", "--help"], 0),
+        (["inspect", "--bogus", "x"], 2),
+        (["inspcet", "x"], 2),
     ],
-    ids=["help", "nothing", "inspect-no-file", "unknown", "inspect-help", "remap-help"],
+    ids=[
+        "help",
+        "nothing",
+        "inspect-no-file",
+        "unknown",
+        "inspect-help",
+        "remap-help",
+        "inspect-bad-option",
+        "misspelt-command",
+    ],
 )
 def test_help_and_argument_errors_import_no_torch(argv: list[str], status: int) -> None:
     lines = _run(_cli_then_modules(argv))
@@ -124,3 +135,79 @@ def test_the_lazy_names_are_the_public_names() -> None:
     assert "distributed" in dir(torchplace)
     with pytest.raises(AttributeError, match="no attribute 'lod'"):
         torchplace.lod  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    ("argv", "command", "said"),
+    [
+        (["inspect", "--bogus", "x"], "inspect", "unrecognized arguments: --bogus"),
+        (["remap", "--bogus"], "remap", "unrecognized arguments: --bogus"),  # not "required"
+        (["remap", "a.pt", "--to", "cpu", "-o", "b.pt", "--bogus"], "remap", "arguments: --bogus"),
+        (["remap", "a.pt", "--t", "cpu", "-ob.pt", "--", "-x"], "remap", "-x"),
+        (["bench", "--bogus"], "bench", "unrecognized arguments: --bogus"),
+        (["doctor", "--bogus"], "doctor", "unrecognized arguments: --bogus"),
+        (["doctor", "extra"], "doctor", "unrecognized arguments: extra"),
+        (["bench", "--devcie", "cpu"], "bench", "--devcie; did you mean '--device'?"),
+        (["bench", "--devcie=cpu"], "bench", "--devcie=cpu; did you mean '--device'?"),
+        (["doctor", "--jsno"], "doctor", "--jsno; did you mean '--json'?"),
+        (
+            ["inspect", "--version"],
+            "inspect",
+            "an option of torchplace itself: torchplace --version",
+        ),
+    ],
+    ids=[
+        "inspect-bogus",
+        "remap-bogus-alone",
+        "remap-bogus-last",
+        "remap-after-dashes",
+        "bench-bogus",
+        "doctor-bogus",
+        "doctor-extra-word",
+        "bench-devcie",
+        "bench-devcie-equals",
+        "doctor-jsno",
+        "inspect-version",
+    ],
+)
+def test_a_commands_bad_option_gets_that_commands_usage(
+    argv: list[str], command: str, said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: torchplace {command} [-h]")  # the command's, not the top's
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"torchplace {command}: error: ") and last.endswith(said)
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (
+            ["inspcet", "x.pt"],
+            "argument COMMAND: invalid choice: 'inspcet'; did you mean 'inspect'? choose from",
+        ),
+        (
+            ["doctro"],
+            "argument COMMAND: invalid choice: 'doctro'; did you mean 'doctor'? choose from",
+        ),
+        (
+            ["no-such-command"],
+            "argument COMMAND: invalid choice: 'no-such-command'; choose from doctor, inspect",
+        ),
+        (["--verison"], "unrecognized arguments: --verison; did you mean '--version'?"),
+        (["--bogus", "doctor"], "unrecognized arguments: --bogus"),  # before the command
+    ],
+    ids=["inspcet", "doctro", "unknown", "verison", "before-command"],
+)
+def test_a_misspelt_command_or_top_option_gets_the_top_usage(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: torchplace [-h] [--version] COMMAND")
+    assert err.strip().splitlines()[-1].startswith(f"torchplace: error: {said}")

@@ -125,6 +125,23 @@ def test_cpu_names_a_batch_that_cannot_come_back() -> None:
         list(DeviceLoader([batch], "cpu"))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.requires_cuda)])
+def test_a_meta_tensor_in_a_batch_gets_advice_for_data(device: str) -> None:
+    """It says the entry, that it has no values, and how to make it with values; not the
+    advice for a model's weights (load_into, to_empty)."""
+    batch = {"ok": torch.ones(2), "ghost": [torch.empty(3, dtype=torch.int64, device="meta")]}
+    with pytest.raises(MoveError) as info:
+        list(DeviceLoader([batch], device))
+    message = str(info.value)
+    assert message.startswith(
+        f"DeviceLoader could not copy batch 0 to {device}: batch['ghost'][0] is on meta: it "
+        "has a shape (3,) and dtype int64 but no values"
+    )
+    assert f"e.g. torch.zeros(3, dtype=torch.int64, device='{device}')" in message
+    assert "load_into" not in message and "to_empty" not in message
+    assert info.value.name == "batch['ghost'][0]"
+
+
 # --- meta: the threaded pipeline ------------------------------------------------------------
 
 

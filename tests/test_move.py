@@ -277,13 +277,29 @@ def test_absurdly_deep_batch_is_a_clear_error() -> None:
         torchplace.move(deep, "meta")
 
 
-def test_meta_tensor_in_a_batch_is_named() -> None:
-    batch = {"images": [torch.ones(1), torch.ones(2, device="meta")]}
+def test_meta_tensor_in_a_batch_is_named_with_advice_for_data() -> None:
+    """Data on meta has no values to move: the advice is to make it with values, not the
+    advice for a model's weights (load_into, to_empty), which a batch has no use for."""
+    batch = {"images": [torch.ones(1), torch.ones(2, 3, dtype=torch.float16, device="meta")]}
     with pytest.raises(torchplace.MoveError) as info:
         torchplace.move(batch, "cpu")
     message = str(info.value)
-    assert message.startswith("batch['images'][1] is on meta")
-    assert "load_into" in message and "to_empty" in message
+    assert message.startswith("batch['images'][1] is on meta: it has a shape (2, 3) and dtype ")
+    assert "no values, so there is nothing to copy to cpu" in message
+    assert message.endswith("Nothing was moved")
+    assert "load_into" not in message and "to_empty" not in message and "model" not in message
+    assert info.value.name == "batch['images'][1]"
+    # the example, typed as written, makes the entry that moves
+    example = message.split("e.g. ")[1].split("), or ")[0] + ")"
+    assert example == "torch.zeros(2, 3, dtype=torch.float16, device='cpu')"
+    batch["images"][1] = eval(example, {"torch": torch})
+    moved = torchplace.move(batch, "cpu")
+    assert moved["images"][1].shape == (2, 3) and moved["images"][1].dtype == torch.float16
+    # a tensor alone is data too; a module's weights in a batch keep the advice for models
+    with pytest.raises(torchplace.MoveError, match=r"^tensor is on meta: .* torch\.zeros\(\(\), "):
+        torchplace.move(torch.tensor(1, device="meta"), "cpu")
+    with pytest.raises(torchplace.MoveError, match=r"^batch\['m'\]\.weight is on meta.*to_empty"):
+        torchplace.move({"m": nn.Linear(2, 2, device="meta")}, "cpu")
 
 
 def test_failing_copy_in_a_batch_names_path_and_chains_cause(
@@ -302,8 +318,11 @@ def test_failing_copy_in_a_batch_names_path_and_chains_cause(
 
 
 def test_bad_arguments() -> None:
-    with pytest.raises(torchplace.TorchplaceError, match="attributes='all' is not one of"):
+    with pytest.raises(torchplace.TorchplaceError, match="attributes='all' is not one of") as e:
         torchplace.move(torch.ones(1), "cpu", attributes="all")  # type: ignore[arg-type]
+    assert "did you mean" not in str(e.value)
+    with pytest.raises(torchplace.TorchplaceError, match=r"'ignore'; did you mean 'move'\?"):
+        torchplace.move(torch.ones(1), "cpu", attributes="mvoe")  # type: ignore[arg-type]
     with pytest.raises(torchplace.TorchplaceError, match="optimizer= takes"):
         torchplace.move(nn.Linear(1, 1), "cpu", optimizer="adam")  # type: ignore[arg-type]
     with pytest.raises(torchplace.DeviceSpecError, match="did you mean 'meta'"):

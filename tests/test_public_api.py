@@ -6,6 +6,8 @@ import inspect
 import subprocess
 import sys
 
+import pytest
+
 import torchplace
 
 # The names docs/design.md documents and this release implements.
@@ -93,3 +95,19 @@ def test_import_has_no_side_effects() -> None:
 
 def test_distributed_is_a_lazy_submodule() -> None:
     assert torchplace.distributed.setup.__name__ == "setup"
+
+
+def test_a_misspelt_public_name_suggests_the_one_meant() -> None:
+    """The message itself (what logs and notebooks show) names the public name meant."""
+    with pytest.raises(
+        AttributeError, match=r"no attribute 'laod_into'; did you mean 'load_into'\?$"
+    ) as e:
+        torchplace.laod_into  # type: ignore[attr-defined]  # noqa: B018
+    assert e.value.name == "laod_into"
+    with pytest.raises(
+        AttributeError, match=r"no attribute 'DeviceLaoder'; did you mean 'DeviceLoader'\?$"
+    ):
+        torchplace.DeviceLaoder  # type: ignore[attr-defined]  # noqa: B018
+    with pytest.raises(AttributeError, match=r"no attribute 'zebra'$"):
+        torchplace.zebra  # type: ignore[attr-defined]  # noqa: B018
+    assert not hasattr(torchplace, "__wrapped__")

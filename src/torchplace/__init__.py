@@ -117,7 +117,14 @@ def __getattr__(name: str) -> object:
         return globals()[name]
     if name == "distributed":  # imports torch.distributed, so only when first used
         return importlib.import_module("torchplace.distributed")
-    raise AttributeError(f"module 'torchplace' has no attribute {name!r}")
+    message = f"module 'torchplace' has no attribute {name!r}"
+    if not name.startswith("_"):  # not for the probes of tools (__wrapped__, _fields, ...)
+        from ._suggest import did_you_mean
+
+        hint = did_you_mean(name, [n for n in __dir__() if not n.startswith("_")])
+        message += f"; {hint.rstrip()}" if hint else ""
+    # name= says the name, and tells Python the message already suggests what it would
+    raise AttributeError(message, name=name)
 
 
 def __dir__() -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import os
 import re
 import sys
 import warnings
@@ -21,6 +22,7 @@ from .._devices import device as _device
 from .._errors import CheckpointError, MoveError, TorchplaceError
 from .._model_walk import Slot, tensor_slots
 from .._own_moves import AttributeSnapshot, run_own_moves
+from .._suggest import close_matches
 from ..moving._identity import parameter_like
 from ..moving._move import discarded_warning
 from ._catalog import Catalog, catalog, format_of
@@ -60,8 +62,9 @@ def _source(p: Path | str) -> str:
     return repr(str(p)) if isinstance(p, Path) else "state_dict"
 
 
-def _prefix_hint(p: Path | str, missing: list[str], unexpected: list[str]) -> str:
-    """Says when the file's keys differ from the model's by one prefix (``module.`` from DDP).
+def _keys_hint(p: Path | str, missing: list[str], unexpected: list[str]) -> str:
+    """Says when the file's keys differ from the model's by one prefix (``module.`` from DDP),
+    else which look misspelt (``_typo_hint``).
 
     The prefix must account for every missing key, so that a file of another model whose keys
     merely end alike (``emb.weight`` against ``weight``) gets no false hint.
@@ -88,7 +91,103 @@ def _prefix_hint(p: Path | str, missing: list[str], unexpected: list[str]) -> st
                 f"part of the model, torchplace.load_into(model.get_submodule("
                 f"{prefix.rstrip('.')!r}), {_source(p)})"
             )
-    return ""
+    # A tied parameter is missing under every one of its names, any of which a file may hold.
+    tied = {
+        n for m in missing if " (tied to " in m for n in m[:-1].split(" (tied to ")[1].split(", ")
+    }
+    return _typo_hint(p, names, unexpected, tied)
+
+
+def _typo_hint(p: Path | str, missing: list[str], unexpected: list[str], tied: set[str]) -> str:
+    """Says which of the file's keys look like misspellings of the model's missing ones
+    (``dcoder.0.weight`` for ``decoder.0.weight``), and when one part of the name is misspelt
+    alike in every key, the ``rename`` that fits them all."""
+    pairs = _misspelt(missing, unexpected)
+    if not pairs:
+        return ""
+    rule = _one_part_rule(pairs, unexpected, {*missing, *tied})
+    if rule is not None:
+        pattern, replacement, wrong, right = rule
+        return (
+            f"; the file's keys spell {wrong!r} where the model has {right!r}: rename them as "
+            f"they load, torchplace.load_into(model, {_source(p)}, "
+            f'rename={{{_pattern(pattern)}: "{replacement}"}})'
+        )
+    shown = ", ".join(f"{key} for {name}" for key, name in pairs)
+    return (
+        f"; keys that look misspelt (the file's for the model's): {shown}; correct the names, "
+        "or fit them as they load with rename= (a dict of regular expressions or a callable)"
+    )
+
+
+def _misspelt(missing: list[str], unexpected: list[str], limit: int = 3) -> list[tuple[str, str]]:
+    """Up to ``limit`` pairs (the file's key, the model's missing key) that differ by a typo,
+    each name used once. Keys are compared a dotted part at a time (a typo within one part of
+    names alike in every other), which stays fast for models of any size; a few keys are also
+    compared whole (a dot dropped or added), and paired only when nearly equal. Names that
+    differ only in numbers (``layers.5`` for ``layers.4``: another depth, not a typo) are no
+    pair."""
+    blanked: dict[str, list[str]] = {}  # a missing key with one part blanked: the keys
+    for name in missing:
+        parts = name.split(".")
+        for i in range(len(parts)):
+            blanked.setdefault(_blank(parts, i), []).append(name)
+    whole = len(missing) * len(unexpected) <= 2500
+    pairs: list[tuple[str, str]] = []
+    taken: set[str] = set()
+    for key in unexpected:
+        parts = key.split(".")
+        found: list[str] = []
+        for i, part in enumerate(parts):
+            options: dict[str, str] = {}  # the part a missing key has in place of this one
+            for name in blanked.get(_blank(parts, i), []):
+                if name not in taken:
+                    options.setdefault(name.split(".")[i], name)
+            found += [options[c] for c in close_matches(part, options, n=1, cutoff=0.75)]
+        if not found and whole:
+            found = close_matches(key, [n for n in missing if n not in taken], n=1, cutoff=0.9)
+        found = [n for n in found if _digitless(n) != _digitless(key)]
+        if found:
+            pairs.append((key, found[0]))
+            taken.add(found[0])
+            if len(pairs) == limit:
+                break
+    return pairs
+
+
+def _blank(parts: list[str], i: int) -> str:
+    """A dotted name with its part ``i`` blanked out."""
+    return ".".join([*parts[:i], "\0", *parts[i + 1 :]])
+
+
+def _digitless(key: str) -> str:
+    return re.sub(r"\d+", "#", key)
+
+
+def _one_part_rule(
+    pairs: list[tuple[str, str]], unexpected: list[str], missing: set[str]
+) -> tuple[str, str, str, str] | None:
+    """``(pattern, replacement, wrong, right)`` when the first pair differs in one dotted part,
+    and renaming that part so in every file key fits each pair and takes each key it changes to
+    a missing key of the model; otherwise None."""
+    key, name = pairs[0]
+    have, want = key.split("."), name.split(".")
+    if len(have) != len(want):
+        return None
+    differ = [i for i, (a, b) in enumerate(zip(have, want, strict=True)) if a != b]
+    if len(differ) != 1 or not re.fullmatch(r"[\w-]+", want[differ[0]]):
+        return None
+    (i,) = differ
+    first, last = i == 0, i == len(have) - 1
+    pattern = ("^" if first else r"\.") + re.escape(have[i]) + ("$" if last else r"\.")
+    replacement = ("" if first else ".") + want[i] + ("" if last else ".")
+    compiled = re.compile(pattern)
+    if any(compiled.sub(replacement, k) != n for k, n in pairs):
+        return None
+    changed = [compiled.sub(replacement, k) for k in unexpected if compiled.search(k)]
+    if len(set(changed)) != len(changed) or not all(k in missing for k in changed):
+        return None
+    return pattern, replacement, have[i], want[i]
 
 
 def _pattern(regex: str) -> str:
@@ -277,6 +376,7 @@ def load_into(
             f"load_into() fills an nn.Module, not {type(model).__name__}; build the model "
             "first, e.g. torchplace.load_into(torchplace.skeleton(MyModel, ...), checkpoint)"
         )
+    _check_source(source)
     from ._sharded import has_dtensors, load_sharded
 
     if has_dtensors(model):  # FSDP2, tensor parallelism: each rank reads its own slices
@@ -291,12 +391,6 @@ def load_into(
         )
     target = None if device is None else _device(device)
     renamer = None if rename is None else as_renamer(rename)
-    if isinstance(source, nn.Module):
-        raise CheckpointError(
-            f"load_into fills a model from a checkpoint (a path, a directory or a state dict), "
-            f"not from a {type(source).__name__} model; pass its weights: "
-            "torchplace.load_into(model, other.state_dict())"
-        )
     from_memory = isinstance(source, Mapping)
     # A directory's model file: messages name the file read, not its directory.
     p: Path | str = "the state dict given to load_into" if from_memory else resolve(source)
@@ -341,6 +435,37 @@ def load_into(
     fit = _Fit(p, model, seen, loadable, transient, extra, read_on, strict)
     prepared = _prepare(fit, target, copy=from_memory)
     return _apply(fit, prepared, extra, seen.own)  # type: ignore[return-value]
+
+
+def _check_source(source: object) -> None:
+    """A ``CheckpointError`` for a source ``load_into`` cannot read, saying what it reads."""
+    if isinstance(source, nn.Module):
+        raise CheckpointError(
+            f"load_into fills a model from a checkpoint (a path, a directory or a state dict), "
+            f"not from a {type(source).__name__} model; pass its weights: "
+            "torchplace.load_into(model, other.state_dict())"
+        )
+    if isinstance(source, (str, bytes, os.PathLike, Mapping)):
+        return
+    if hasattr(source, "read"):  # an open file, io.BytesIO
+        what = f"an open file ({type(source).__name__})"
+        fix = (
+            "torchplace reads files by path, so pass the file's path, or read it first and "
+            "pass the state dict, torchplace.load_into(model, torch.load(f, weights_only=True))"
+        )
+    else:
+        shown = repr(source)
+        what = f"{type(source).__name__} ({shown if len(shown) <= 40 else shown[:37] + '...'})"
+        fix = (
+            "e.g. torchplace.load_into(model, 'model.safetensors') or "
+            "torchplace.load_into(model, other.state_dict())"
+        )
+    raise CheckpointError(
+        f"load_into reads weights from a path or a mapping, not {what}: a path (a str or "
+        "os.PathLike) to a checkpoint file (.safetensors, .pt, .pth, .bin, .ckpt), to a shard "
+        "index (*.index.json) or to a directory as save_pretrained writes it, or a mapping of "
+        f"names to tensors (a state dict); {fix}"
+    )
 
 
 @dataclasses.dataclass
@@ -772,7 +897,7 @@ class _Fit:
             raise CheckpointError(
                 f"{p}: not one of its keys matches {type(model).__name__}, so strict=False "
                 f"would load nothing: the model has {_listing(missing, 5)}; {held}"
-                f"{_prefix_hint(p, missing, unexpected)}"
+                f"{_keys_hint(p, missing, unexpected)}"
             )
 
 
@@ -1046,7 +1171,7 @@ def _does_not_fit(
         keys.append(f"missing keys: {_listing(missing)}")
     if strict and unexpected:
         keys.append(f"unexpected keys: {_listing(unexpected)}")
-    hint = _prefix_hint(p, missing, unexpected) if strict else ""
+    hint = _keys_hint(p, missing, unexpected) if strict else ""
     fix = "; pass strict=False to load what matches" if matched and not problems else ""
     cut = [
         name

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from .._errors import CheckpointError
+from .._suggest import close_matches
 
 __all__ = [
     "CHECKPOINT_SUFFIXES",
@@ -131,17 +132,21 @@ def detect_format(path: PathLike, /) -> str:
 
 
 def _near_misses(p: Path) -> str:
-    """A hint naming checkpoint files beside a path that does not exist."""
+    """A hint naming checkpoint files beside a path that does not exist: those of the same
+    stem (``model.pt`` for ``model.pth``), then those the name misspells (``modle.pt``)."""
     parent = p.parent if str(p.parent) else Path(".")
     try:
-        stem = p.name.split(".")[0]
-        found = sorted(
-            q.name
-            for q in parent.iterdir()
-            if q.is_file() and q.name.endswith(CHECKPOINT_SUFFIXES) and q.name.startswith(stem)
+        files = sorted(
+            q.name for q in parent.iterdir() if q.is_file() and q.name.endswith(CHECKPOINT_SUFFIXES)
         )
     except OSError:
         return ""
+    stem = p.name.split(".")[0]
+    found = [name for name in files if name.startswith(stem)]
+    stems: dict[str, list[str]] = {}  # compared without suffixes, which all names share
+    for name in files:
+        stems.setdefault(name.split(".")[0], []).append(name)
+    found += [n for s in close_matches(stem, stems, n=5) for n in stems[s] if n not in found]
     return f" (found nearby: {', '.join(found[:5])})" if found else ""
 
 

@@ -5,6 +5,10 @@ Each sub-command lives beside the code it drives and registers itself here throu
 exit status). Only the module of the command being run is imported, and ``import torchplace``
 imports no torch, so ``torchplace --help`` and ``torchplace inspect FILE.safetensors`` start at
 once.
+
+A usage error is said by the parser it belongs to: a command's unknown option or extra word by
+that command (its usage, "torchplace bench: error: ..."), even before its missing arguments; a
+misspelt command or option says what it may misspell ("did you mean '--device'?").
 """
 
 from __future__ import annotations
@@ -12,8 +16,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
+
+from .._suggest import did_you_mean
 
 __all__ = ["main"]
 
@@ -74,12 +82,83 @@ def _command_in(argv: Sequence[str]) -> str | None:
     return None
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser | None:
+    """The parser of ``command`` (registered by its module), if ``parser`` has one."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found: argparse.ArgumentParser | None = action.choices.get(command)
+            return found
+    return None
+
+
+# What argparse takes for a negative number, not an option ("--size -1" says -1 is no size).
+_NUMBER = re.compile(r"-\d+$|-\d*\.\d+$")
+
+
+def _unknown_options(parser: argparse.ArgumentParser, words: Sequence[str]) -> list[str]:
+    """The words that look like options of ``parser`` but are none (argparse's own ways of
+    writing one kept: ``--name=value``, a unique start of a long name, ``-oVALUE``)."""
+    known = parser._option_string_actions
+    unknown = []
+    for word in words:
+        if word == "--":  # what follows is positional
+            break
+        if not word.startswith("-") or word == "-" or _NUMBER.match(word):
+            continue
+        name = word.split("=", 1)[0] if word.startswith("--") else word
+        if name in known or (not word.startswith("--") and word[:2] in known):
+            continue
+        if word.startswith("--") and any(k.startswith(name) for k in known if k[:2] == "--"):
+            continue  # an abbreviation, which argparse resolves (or calls ambiguous)
+        unknown.append(word)
+    return unknown
+
+
+def _unrecognized(
+    parser: argparse.ArgumentParser,
+    words: Sequence[str],
+    top: argparse.ArgumentParser | None = None,
+) -> NoReturn:
+    """Exit 2 with ``parser``'s usage, naming ``words`` and the options they may misspell;
+    ``top``: the ``torchplace`` parser, when ``parser`` is a command's."""
+    options = [k for k in parser._option_string_actions if k.startswith("--")]
+    hints = []
+    for word in words:
+        if word == "--":  # the words after it are positional, as the user said
+            break
+        name = word.split("=", 1)[0]
+        if top is not None and name in top._option_string_actions:
+            hints.append(f"{name} is an option of torchplace itself: torchplace {name}")
+        elif word.startswith("-"):
+            hints.append(did_you_mean(name, options).rstrip())
+    hint = "".join(f"; {h}" for h in hints if h)
+    parser.error(f"unrecognized arguments: {' '.join(words)}{hint}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 healthy, 1 needs fixing, 2 bad usage,
     130 interrupted)."""
     words = list(sys.argv[1:] if argv is None else argv)
-    parser = _parser(_command_in(words) or "")
-    args = parser.parse_args(words)
+    command = _command_in(words)
+    parser = _parser(command or "")
+    if command is not None and command not in _COMMANDS:  # before argparse's words, to suggest
+        parser.error(
+            f"argument COMMAND: invalid choice: {command!r}; "
+            f"{did_you_mean(command, _COMMANDS)}choose from {', '.join(_COMMANDS)}"
+        )
+    at = words.index(command) if command is not None else len(words)
+    sub = _subparser(parser, command) if command is not None else None
+    if sub is not None:
+        # A command's unknown option is its own error, with its own usage, before argparse
+        # would say its required arguments are missing or hand the word to the top parser.
+        unknown = _unknown_options(sub, words[at + 1 :])
+        if unknown:
+            _unrecognized(sub, unknown, parser)
+    args, extras = parser.parse_known_args(words)
+    if extras:  # a word too many: the command's (after it) or the top level's (before it)
+        if sub is not None and not set(words[:at]) & set(extras):
+            _unrecognized(sub, extras, parser)
+        _unrecognized(parser, extras)
     func = getattr(args, "func", None)
     if func is None:
         parser.print_help()

@@ -38,7 +38,7 @@ from .._errors import DeviceSpecError, DeviceUnavailableError, MoveError, Torchp
 from .._sizes import format_bytes
 from .._tree import Located, iter_leaves, map_tensors
 from ._consolidate import small_host_tensors
-from ._transfer import consolidate_small, object_to, pinned_copy
+from ._transfer import consolidate_small, data_meta_message, object_to, pinned_copy
 
 __all__ = ["DeviceLoader"]
 
@@ -320,6 +320,12 @@ def _located(index: int, device: torch.device, batch: Any, walk: Callable[[], An
         if isinstance(batch, torch.Tensor) or path != "batch":
             for leaf_path, leaf in iter_leaves(batch):
                 if leaf_path == path and isinstance(leaf, torch.Tensor):
+                    if leaf.is_meta and not isinstance(leaf, torch.nn.Parameter):
+                        raise MoveError(
+                            f"DeviceLoader could not copy batch {index} to {device}: "
+                            f"{data_meta_message(path, leaf, device)}",
+                            name=path,
+                        ) from cause
                     size = format_bytes(leaf.nbytes)
                     what = f"{path} ({leaf.dtype}, shape {tuple(leaf.shape)}, {size})"
                     break

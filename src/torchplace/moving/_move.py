@@ -33,6 +33,7 @@ from .._own_moves import (
     run_own_moves,
     set_conversion_flags,
 )
+from .._suggest import did_you_mean
 from .._tree import (
     Located,
     cached_properties,
@@ -543,9 +544,10 @@ def move(
     its neighbours' bytes: ``.clone()`` it first, or pass ``views=False``.
     """
     if attributes not in _ATTRIBUTE_MODES:
+        hint = did_you_mean(attributes, _ATTRIBUTE_MODES) if isinstance(attributes, str) else ""
         raise TorchplaceError(
-            f"attributes={attributes!r} is not one of 'warn', 'move', 'ignore'; 'move' also "
-            "moves plain tensor attributes of modules, 'ignore' leaves them silently"
+            f"attributes={attributes!r} is not one of 'warn', 'move', 'ignore'; {hint}'move' "
+            "also moves plain tensor attributes of modules, 'ignore' leaves them silently"
         )
     if non_blocking is not None and not isinstance(non_blocking, bool):
         raise TorchplaceError(f"non_blocking={non_blocking!r} must be True, False or None")

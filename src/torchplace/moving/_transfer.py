@@ -43,6 +43,7 @@ __all__ = [
     "choose_non_blocking",
     "consolidate_small",
     "copy_tensor",
+    "data_meta_message",
     "is_accelerator",
     "object_to",
     "on",
@@ -114,19 +115,44 @@ def choose_non_blocking(
 class CopyFailed(Exception):
     """A copy that failed, before anyone knew the tensor's name."""
 
-    def __init__(self, t: torch.Tensor, target: torch.device, cause: BaseException | None) -> None:
+    def __init__(
+        self,
+        t: torch.Tensor,
+        target: torch.device,
+        cause: BaseException | None,
+        *,
+        batch: bool = False,
+    ) -> None:
         super().__init__(cause)
         self.tensor = t
         self.target = target
         self.cause = cause
+        self.batch = batch  # a tensor of a batch (data), not of a model or optimizer
 
     note = ""  # said after the message of a tensor on meta (what else the move would lose)
 
     def message(self, name: str) -> str:
+        if self.cause is None and self.batch and not isinstance(self.tensor, torch.nn.Parameter):
+            return data_meta_message(name, self.tensor, self.target) + ". Nothing was moved"
         if self.cause is None:  # the note is for the model's tensors, not the state's own
             note = "" if ".state[" in name else self.note
             return meta_message(name, self.target) + note
         return failure(name, self.tensor, self.target, self.cause)
+
+
+def data_meta_message(name: str, t: torch.Tensor, target: torch.device) -> str:
+    """Why a tensor of a batch (data, not a model's weight) on meta cannot move, and what to
+    do instead; ``name`` is its path in the batch (``batch['x']``)."""
+    dtype = str(t.dtype).removeprefix("torch.")
+    size = ", ".join(str(s) for s in t.shape) or "()"
+    return (
+        f"{name} is on meta: it has a shape {tuple(t.shape)} and dtype {dtype} but "
+        f"no values, so there is nothing to copy to {target}. Data needs real values: create "
+        f"this tensor on a real device where it is made on meta (torch.empty(..., "
+        "device='meta') or under `with torch.device('meta')`), e.g. "
+        f"torch.zeros({size}, dtype=torch.{dtype}, device='{target}'), or from the real data "
+        "it stands for"
+    )
 
 
 def meta_message(name: str, target: torch.device) -> str:
@@ -284,7 +310,7 @@ class Copier:
         if on(t, target):
             return t
         if t.is_meta:
-            failed = CopyFailed(t, target, None)
+            failed = CopyFailed(t, target, None, batch=batch)
             if self.meta_note:
                 failed.note = self.meta_note
             raise failed
