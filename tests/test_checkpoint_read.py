@@ -910,19 +910,19 @@ def test_a_zip_file_is_converted_to_the_models_dtypes_as_it_is_read(
 ) -> None:
     """Each fp32 record wanted in bf16 is read converting (a 3-tuple piece, never an fp32
     tensor of its own); the fp32 norm and the int64 buffer are read as saved."""
-    from torchplace.checkpoint import _load
+    from torchplace.checkpoint import _reader
 
     sd = _mixed_state()
     path = tmp_path / "m.pt"
     torch.save(sd, path)
     reads: list[tuple[Any, ...]] = []
-    real = _load.read_into
+    real = _reader.read_into
 
     def recording(p: Path, pieces: Any, *args: Any) -> None:
         reads.extend(pieces)
         real(p, pieces, *args)
 
-    monkeypatch.setattr(_load, "read_into", recording)
+    monkeypatch.setattr(_reader, "read_into", recording)
     model = load_into(skeleton(_Mixed), path)
     converting = [p[1].dtype for p in reads if len(p) == 3]
     assert converting == [torch.bfloat16, torch.bfloat16]  # proj.weight, proj.bias
@@ -962,8 +962,10 @@ def test_views_of_one_storage_are_converted_together_and_stay_views(tmp_path: Pa
         {"w": nn.Parameter(torch.randn(3, 2))},  # a parameter, not a plain tensor
         {"outer": {"w": torch.randn(3, 2)}},  # nested
         {"w": torch.randn(3, 2), "n": 3},  # not only tensors
+        {"w": torch._neg_view(torch.randn(3, 2))},  # a negative bit, which the bytes lack
+        {"w": torch.randn(3, 2), "z": torch.randn(3, dtype=torch.complex64).conj()},
     ],
-    ids=["parameter", "nested", "not-a-tensor"],
+    ids=["parameter", "nested", "not-a-tensor", "negative-view", "conjugate-view"],
 )
 def test_anything_but_a_dict_of_plain_tensors_is_read_as_saved(
     tmp_path: Path, saved: dict[str, Any]
@@ -976,7 +978,54 @@ def test_anything_but_a_dict_of_plain_tensors_is_read_as_saved(
     assert type(got) is type(saved) and got.keys() == saved.keys()
     for name, value in saved.items():
         if isinstance(value, torch.Tensor):
-            assert type(got[name]) is type(value) and got[name].dtype == torch.float32
+            assert type(got[name]) is type(value) and got[name].dtype == value.dtype
             assert torch.equal(got[name], value)
     if "outer" in saved:
         assert torch.equal(got["outer"]["w"], saved["outer"]["w"])
+
+
+def test_conjugate_and_negative_views_load_into_a_model_with_their_values(tmp_path: Path) -> None:
+    """Saved with their bit set, not negated in their bytes: a rebuilt view of the bytes alone
+    would give the conjugate's conjugate; the catalog marks them as read only whole."""
+    from torchplace.checkpoint._catalog import catalog
+
+    class WithComplex(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.z = nn.Parameter(torch.zeros(3, dtype=torch.complex64))
+            self.register_buffer("n", torch.zeros(3))
+
+    z = torch.tensor([1 + 2j, 3 - 4j, -5 + 6j])
+    sd = {**WithComplex().state_dict(), "z": z.conj(), "n": torch._neg_view(z.real.clone())}
+    path = tmp_path / "bits.pt"
+    torch.save(sd, path)
+    bf16 = WithComplex()
+    bf16.lin.to(torch.bfloat16)
+    bf16.n = bf16.n.to(torch.bfloat16)
+    for model in (WithComplex(), bf16):  # the file's tensors converted as read, or not
+        load_into(model, path)
+        assert torch.equal(model.z.data.resolve_conj(), z.conj().resolve_conj())
+        assert torch.equal(model.n, -z.real.to(model.n.dtype))
+    entries = catalog(path).entries
+    assert not entries["z"].addressable and "conj bit" in entries["z"].why
+    assert not entries["n"].addressable and "neg bit" in entries["n"].why
+
+
+def test_a_whole_model_the_catalog_refuses_is_still_called_a_whole_model(tmp_path: Path) -> None:
+    """Its data records deflated (the catalog reads only stored ones): the pickle alone is read
+    for what the file would run, so the refusal still says what it is and what to do."""
+    from torchplace.checkpoint._catalog import catalog, code_globals
+
+    saved = tmp_path / "saved.pt"
+    torch.save(nn.Linear(2, 2), saved)
+    path = tmp_path / "deflated.pt"
+    with zipfile.ZipFile(saved) as src, zipfile.ZipFile(path, "w") as out:
+        for info in src.infolist():
+            packed = zipfile.ZIP_DEFLATED if "/data/" in info.filename else zipfile.ZIP_STORED
+            out.writestr(info.filename, src.read(info), compress_type=packed)
+    with pytest.raises(CheckpointError, match="compressed"):
+        catalog(path)
+    assert code_globals(path) == ["torch.nn.modules.linear.Linear"]
+    with pytest.raises(CheckpointError, match=r"holds a whole model saved with torch\.save"):
+        load(path)

@@ -39,6 +39,7 @@ from ._pickle_reader import (
     RecordingUnpickler,
     TensorRecord,
     TensorRef,
+    legacy_code,
     legacy_records,
     readable,
     rebuild_tensor,
@@ -299,11 +300,15 @@ def zip_layout(p: Path, /) -> ZipLayout | None:
                 start = record_start(f, info)
                 f.seek(start)
                 data = f.read(info.file_size)
-                starts = {i.filename: _data_start(f, i) for i in infos}
+                starts = {  # the records a read may need: data, and the byte order
+                    i.filename: _data_start(f, i)
+                    for i in infos
+                    if i.filename.startswith(f"{prefix}data/") or i.filename == f"{prefix}byteorder"
+                }
                 order = archive.NameToInfo.get(f"{prefix}byteorder")
                 byteorder = None
                 if order is not None:
-                    first = starts[order.filename]
+                    first = starts.get(order.filename, -1)
                     f.seek(first)
                     byteorder = f.read(order.file_size) if first >= 0 else b"?"
     except NotImplementedError as exc:  # a version field zipfile does not know: a damaged one
@@ -339,7 +344,7 @@ def _data_start(f: Any, info: zipfile.ZipInfo) -> int:
     """``record_start``, or -1 for a record whose local header is damaged."""
     try:
         return record_start(f, info)
-    except zipfile.BadZipFile:
+    except (zipfile.BadZipFile, OSError, ValueError, OverflowError):  # offset past any file
         return -1
 
 
@@ -437,8 +442,40 @@ def code_globals(source: PathLike, /) -> list[str]:
     >>> torch.save(torch.nn.Linear(1, 1), path)
     >>> code_globals(path)
     ['torch.nn.modules.linear.Linear']
+
+    A file whose catalog is refused (a record missing or compressed, say) still has its pickle
+    read alone, so that a refusal can say what the file would run.
     """
-    return catalog(source).code
+    try:
+        return catalog(source).code
+    except CheckpointError:
+        p = as_path(source)
+        p = model_file(p) if is_dir(p) else p
+        kind = format_of(p)
+        if kind != "index":
+            return _pickle_code(p, kind)
+        from ._index import weight_map
+
+        found: list[str] = []
+        for _, shard_path, _ in shards(p, weight_map(p)):
+            found += code_globals(shard_path)
+        return list(dict.fromkeys(found))
+
+
+def _pickle_code(p: Path, kind: str) -> list[str]:
+    """The code globals of a torch file's pickles alone, none of its records read."""
+    found: list[str] = []
+    with readable(p):
+        if kind == "zip":
+            with zipfile.ZipFile(p) as archive:
+                pickles = [n for n in archive.namelist() if n.endswith("data.pkl")]
+                if pickles:
+                    recorder = RecordingUnpickler(io.BytesIO(archive.read(min(pickles, key=len))))
+                    recorder.load()
+                    found = recorder.found
+        elif kind == "legacy":
+            found = legacy_code(p)
+    return list(dict.fromkeys(found))
 
 
 def _stamped(p: Path, parse: Callable[[], dict[str, Entry]]) -> tuple[dict[str, Entry], Stamp]:
@@ -486,13 +523,17 @@ def _safetensors_catalog(p: Path) -> Catalog:
 class _Located(TensorRef):
     offset: int = 0
     stride: tuple[int, ...] | None = None
+    bits: tuple[str, ...] = ()  # saved metadata that changes its values ("conj", "neg")
 
 
 def _rebuild_located(storage: Any, offset: Any, size: Any, stride: Any = None, *rest: Any) -> Any:
     ref = rebuild_tensor(storage, offset, size, stride, *rest)
     strides = shape_of(stride) if isinstance(stride, (tuple, list)) else None
     where = offset if isinstance(offset, int) else -1
-    return _Located(ref.storage, ref.dtype, ref.shape, where, strides)
+    # the metadata dict torch saves last (its backward hooks are an OrderedDict): a conjugate
+    # or negative view's bit, which its bytes alone do not show
+    bits = tuple(str(k) for x in rest if type(x) is dict for k, v in x.items() if v is not False)
+    return _Located(ref.storage, ref.dtype, ref.shape, where, strides, bits)
 
 
 class _Locator(RecordingUnpickler):
@@ -602,6 +643,10 @@ def _zip_entries(p: Path, code: list[str]) -> dict[str, Entry]:
                     )
                 elif big_endian:
                     why, order = "the file was written on a big-endian machine", None
+                elif ref.bits:  # read whole by torch, which applies them
+                    bits = " and ".join(ref.bits)
+                    why = f"it is saved with its {bits} bit set, which its bytes do not show"
+                    order = None
             entries[name] = Entry(
                 name,
                 ref.dtype,

@@ -37,8 +37,9 @@ from ._conversions import (
     may_convert,
 )
 from ._formats import PathLike, first_sentence
-from ._load import Assembled, DTypeWish, load_state, read_assembled, source_bytes, whole_plan
+from ._load import Assembled, load_state, read_assembled, source_bytes, whole_plan
 from ._progress import reporting, wanted
+from ._reader import DTypeWish
 from ._rename import Rename, as_renamer, guarded, renamed
 from ._skeleton import ModuleT, swap
 from ._source import resolve

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import io
 import pickle
 import sys
-import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +17,6 @@ from .._errors import CheckpointError
 from ._catalog import (
     Catalog,
     Piece,
-    Stamp,
-    ZipLayout,
     catalog,
     code_globals,
     format_of,
@@ -41,7 +36,15 @@ from ._formats import (
 )
 from ._pickle_reader import WHOLE_MODEL, pickles_a_model
 from ._progress import reporting, wanted
-from ._reader import SPARSE_CHECK_NOTE, check_records, read_into, safetensors_load, torch_load
+from ._reader import (
+    UNUSUAL,
+    DTypeWish,
+    check_records,
+    read_into,
+    read_zip,
+    safetensors_load,
+    torch_load,
+)
 from ._reader import Piece as ReadPiece
 from ._source import resolve
 
@@ -145,8 +148,8 @@ def _load_torch(
     if zip_format:
         layout = zip_layout(p)  # the pickle record's CRC-32 is checked, however it is read
         if layout is not None and not mmap and not trusted and target.type in ("cpu", "cuda"):
-            read = _read_zip(layout, target, when, check_crc, dtype_of)
-            if read is not _UNUSUAL:
+            read = read_zip(layout, target, when, check_crc, dtype_of)
+            if read is not UNUSUAL:
                 return read
         if check_crc:  # read by torch.load below: every record checked in a pass of its own
             check_records(p)
@@ -185,194 +188,6 @@ def _load_torch(
         raise CheckpointError(f"{p}: {diagnose(exc, zip_format, target)}") from exc
 
 
-_UNUSUAL = object()  # what _read_zip returns for a file it leaves to torch.load
-
-
-class _Unusual(Exception):
-    """A zip file laid out in a way _read_zip does not read (torch.load reads it instead)."""
-
-
-def _read_zip(
-    layout: ZipLayout,
-    target: torch.device,
-    when: Stamp,
-    check_crc: bool,
-    dtype_of: DTypeWish | None = None,
-) -> Any:
-    """A torch zip file's objects, each record read into a storage on ``target``.
-
-    Returns ``_UNUSUAL`` for anything it does not read itself, or that fails: a refused
-    global, a compressed or mis-sized record, a file written big-endian. ``torch.load`` then
-    reads it, or raises the error the caller turns into a sentence about the file. Only a lack
-    of memory or a failing device is reported here, since it would fail there again.
-
-    With ``dtype_of`` (``load_into``'s wish: the model's floating dtype by the file's name), a
-    state dict's storages are first unpickled onto ``meta``; a floating storage whose tensors
-    all want one other floating dtype is then allocated in that dtype and converted a chunk at a
-    time as it is read, so the file's dtype never lands whole on the target.
-    """
-    mine = sys.byteorder.encode()
-    if layout.byteorder != mine and (layout.byteorder is not None or mine != b"little"):
-        return _UNUSUAL
-    if dtype_of is not None:
-        read = _read_zip_once(layout, target, when, check_crc, dtype_of)
-        if read is not _UNUSUAL:
-            return read
-    return _read_zip_once(layout, target, when, check_crc, None)
-
-
-class _Record:
-    """A storage record of a zip file as the unpickler met it: where its bytes are, its dtype
-    in the file and elements, its CRC-32 to check (if asked), and the bytes given to the
-    unpickler (on ``meta`` while the dtype it is read in waits for the tensors' wishes)."""
-
-    __slots__ = ("check", "data", "dtype", "numel", "start")
-
-    def __init__(
-        self,
-        start: int,
-        dtype: torch.dtype,
-        numel: int,
-        check: tuple[int, str] | None,
-        data: torch.Tensor,
-    ) -> None:
-        self.start, self.dtype, self.numel, self.check, self.data = start, dtype, numel, check, data
-
-
-def _read_zip_once(
-    layout: ZipLayout,
-    target: torch.device,
-    when: Stamp,
-    check_crc: bool,
-    dtype_of: DTypeWish | None,
-) -> Any:
-    p = layout.path
-    defer = dtype_of is not None  # storages on meta until every tensor's wish is known
-    records: dict[str, _Record] = {}
-    storages: dict[str, Any] = {}
-    try:
-
-        def persistent_load(saved_id: Any) -> Any:
-            if not isinstance(saved_id, tuple) or len(saved_id) != 5:
-                raise _Unusual(f"persistent id {saved_id!r}")
-            typename, storage_type, key, _location, numel = saved_id
-            if typename not in ("storage", b"storage") or not isinstance(key, str):
-                raise _Unusual(f"persistent id {saved_id!r}")
-            if key in storages:
-                return storages[key]
-            if storage_type is torch.UntypedStorage:
-                dtype = torch.uint8
-            else:
-                dtype = storage_type.dtype
-            nbytes = numel * dtype.itemsize
-            name = f"{layout.prefix}data/{key}"
-            info = layout.records.get(name)
-            start = layout.starts.get(name, -1)
-            if info is None or info.compress_type != 0 or info.file_size != nbytes or start < 0:
-                raise _Unusual(f"record data/{key}")
-            check = (info.CRC, info.filename) if check_crc and info.CRC else None  # 0: none
-            data = torch.empty(nbytes, dtype=torch.uint8, device="meta" if defer else target)
-            records[key] = _Record(start, dtype, numel, check, data)
-            storage = storages[key] = torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
-                wrap_storage=data.untyped_storage(), dtype=dtype, _internal=True
-            )
-            return storage
-
-        from torch import _weights_only_unpickler
-
-        unpickler = _weights_only_unpickler.Unpickler(io.BytesIO(layout.pickle), encoding="utf-8")
-        unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
-        result = unpickler.load()  # type: ignore[no-untyped-call]
-        if dtype_of is not None:
-            reads = _read_in_wished_dtypes(result, records, target, dtype_of)
-        else:
-            reads = [(r.start, r.data) for r in records.values()]
-        checks = {r.start: r.check for r in records.values() if r.check is not None}
-        read_into(p, reads, when, checks)
-        _check_sparse()  # once their bytes are in: before, they hold what the allocator left
-    except CheckpointError:  # the file changed while it was read
-        _forget_sparse_checks()
-        raise
-    except KeyboardInterrupt:
-        _forget_sparse_checks()
-        raise
-    except Exception as exc:
-        _forget_sparse_checks()  # queued by this read: torch.load would check them next
-        if out_of_memory(exc) or device_failure(exc):
-            raise CheckpointError(f"{p}: {diagnose(exc, True, target)}") from exc
-        return _UNUSUAL
-    return result
-
-
-def _read_in_wished_dtypes(
-    result: Any, records: Mapping[str, _Record], target: torch.device, dtype_of: DTypeWish
-) -> list[ReadPiece]:
-    """A state dict unpickled onto ``meta`` given real storages on ``target``, in place: a
-    floating storage whose tensors all wish for one other floating dtype in that dtype (read
-    converting), any other in the file's bytes. Returns what to read into them.
-
-    Raises ``_Unusual`` for anything but a dict of plain dense tensors (a parameter, a sparse
-    or quantized tensor, a nested object), which is then read as saved."""
-    if not isinstance(result, dict):
-        raise _Unusual("not a state dict")
-    by_storage = {r.data.untyped_storage()._cdata: r for r in records.values()}
-    users: dict[int, list[tuple[Any, torch.Tensor]]] = {}
-    for name, t in result.items():
-        if type(t) is not torch.Tensor or t.layout != torch.strided or not isinstance(name, str):
-            raise _Unusual(f"{name!r} is not a plain tensor")
-        key = t.untyped_storage()._cdata
-        record = by_storage.get(key)
-        if record is None or t.dtype != record.dtype:
-            raise _Unusual(f"{name!r} views a storage of another dtype")
-        users.setdefault(key, []).append((name, t))
-    reads: list[ReadPiece] = []
-    for key, record in by_storage.items():
-        wishes = {dtype_of(name) for name, _ in users.get(key, [])}
-        want = wishes.pop() if len(wishes) == 1 else None
-        dtype = record.dtype
-        floating = want is not None and want.is_floating_point and dtype.is_floating_point
-        if floating and want != dtype:
-            assert want is not None
-            real = torch.empty(record.numel, dtype=want, device=target)
-            reads.append((record.start, real, dtype))  # converted a chunk at a time
-            dtype = want
-        else:
-            real = torch.empty(record.numel * dtype.itemsize, dtype=torch.uint8, device=target)
-            reads.append((record.start, real))
-        for name, t in users.get(key, []):
-            made = torch.empty(0, dtype=dtype, device=target)
-            made.set_(real.untyped_storage(), t.storage_offset(), t.size(), t.stride())
-            result[name] = made.requires_grad_(t.requires_grad)
-    return reads
-
-
-def _check_sparse() -> None:
-    """torch's check of the sparse tensors just read, as its safe loader makes it: always from
-    torch 2.15 (bad indices would be read out of bounds later), before only when
-    ``torch.sparse.check_sparse_tensor_invariants`` is on (torch 2.6: always too)."""
-    validate: Any = torch._utils._validate_loaded_sparse_tensors  # its signature varies
-    if "weights_only" not in inspect.signature(validate).parameters:
-        validate()
-        return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=SPARSE_CHECK_NOTE)
-        validate(weights_only=True)
-
-
-def _forget_sparse_checks() -> None:
-    """Drop the sparse tensors an abandoned read queued for torch's check on their indices.
-
-    torch keeps them in a list that the next load empties; left there, a read that failed
-    half-way would have ``torch.load`` check tensors never filled, and refuse a sound file as
-    corrupt."""
-    getter = getattr(torch._utils, "_get_sparse_tensors_to_validate", None)  # torch 2.15
-    queued = (
-        getter() if callable(getter) else getattr(torch._utils, "_sparse_tensors_to_validate", None)
-    )
-    if isinstance(queued, list):
-        queued.clear()
-
-
 def _load_safetensors(p: Path, target: torch.device, *, mmap: bool) -> dict[str, torch.Tensor]:
     found = catalog(p)
     if target.type == "meta":  # safetensors rejects meta; the header says all there is to know
@@ -396,7 +211,9 @@ def _load_safetensors(p: Path, target: torch.device, *, mmap: bool) -> dict[str,
             f"{p}: is a safetensors file, and {how} install it with {SAFETENSORS_HINT}"
         ) from exc
     try:
-        return safetensors_load(p, target, mmap=mmap)
+        return safetensors_load(p, target, mmap=mmap, stamp=found.stamps.get(p))
+    except CheckpointError:  # the file changed while it was read
+        raise
     except Exception as exc:
         reason = "it is truncated or corrupt"
         raise _unreadable(p, exc, target, first_sentence(str(exc)), reason) from exc
@@ -407,9 +224,6 @@ def _whole_model(p: Path) -> bool:
         return pickles_a_model(code_globals(p))
     except CheckpointError:
         return False
-
-
-DTypeWish = Callable[[str], "torch.dtype | None"]
 
 
 def read_entries(

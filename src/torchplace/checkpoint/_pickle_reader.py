@@ -29,6 +29,7 @@ __all__ = [
     "RecordingUnpickler",
     "TensorRecord",
     "TensorRef",
+    "legacy_code",
     "legacy_records",
     "pickles_a_model",
     "readable",
@@ -445,6 +446,19 @@ class _BoundedReader:
 
     def readline(self) -> bytes:
         return self.f.readline()
+
+
+def legacy_code(p: Path) -> list[str]:
+    """The globals a legacy torch file's pickles name that a safe load refuses, read alone
+    (its storages unchecked)."""
+    found: list[str] = []
+    with p.open("rb") as raw:
+        f = _BoundedReader(raw, p.stat().st_size)
+        for _ in range(4):  # magic number, protocol, system info, the object
+            recorder = RecordingUnpickler(f)
+            recorder.load()
+            found += recorder.found
+    return found
 
 
 def legacy_records(p: Path) -> tuple[list[TensorRecord], list[str]]:
