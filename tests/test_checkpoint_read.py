@@ -603,7 +603,7 @@ def test_a_bf16_model_from_an_fp32_file_is_converted_on_the_gpu_chunk_by_chunk(
     """Peak GPU memory: the model's bytes plus a few staging chunks, not the fp32 tensors too."""
     torch.manual_seed(0)
     weights = {f"{i}.weight": torch.randn(4096, 1024) for i in range(16)}  # 256 MiB of fp32
-    path = _fp32_file(tmp_path, suffix, weights)
+    path = _saved(tmp_path / f"fp32{suffix}", weights)
     layers = skeleton(lambda: nn.Sequential(*(nn.Linear(1024, 4096, bias=False) for _ in "x" * 16)))
     model = layers.to(torch.bfloat16)
     torch.cuda.synchronize()
@@ -619,15 +619,18 @@ def test_a_bf16_model_from_an_fp32_file_is_converted_on_the_gpu_chunk_by_chunk(
         assert torch.equal(layer.weight.cpu(), weights[f"{i}.weight"].to(torch.bfloat16)), i
 
 
+def _saved(path: Path, weights: dict[str, torch.Tensor]) -> Path:
+    """``weights`` saved to ``path`` by its suffix: safetensors or ``torch.save``."""
+    if path.suffix == ".safetensors":
+        safetensors_torch.save_file(weights, path)
+    else:
+        torch.save(weights, path)
+    return path
+
+
 def _linear_file(tmp_path: Path, fmt: str) -> Path:
     torch.manual_seed(0)
-    sd = nn.Linear(1024, 1024).state_dict()
-    path = tmp_path / f"lin.{fmt}"
-    if fmt == "pt":
-        torch.save(sd, path)
-    else:
-        safetensors_torch.save_file(sd, path)
-    return path
+    return _saved(tmp_path / f"lin.{fmt}", nn.Linear(1024, 1024).state_dict())
 
 
 # ------------------------------------------------------------------------------------- Ctrl-C
@@ -827,15 +830,6 @@ print(extra, model_bytes, READ_THREADS * READ_CHUNK_BYTES)
 """
 
 
-def _fp32_file(tmp_path: Path, suffix: str, weights: dict[str, torch.Tensor]) -> Path:
-    path = tmp_path / f"fp32{suffix}"
-    if suffix == ".safetensors":
-        safetensors_torch.save_file(weights, path)
-    else:
-        torch.save(weights, path)
-    return path
-
-
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
 def test_a_bf16_model_from_an_fp32_file_peaks_at_its_own_bytes_plus_staging(
@@ -846,7 +840,7 @@ def test_a_bf16_model_from_an_fp32_file_peaks_at_its_own_bytes_plus_staging(
     tensors plus the bf16 model, 3x the model's bytes; for a zip file until this release)."""
     torch.manual_seed(0)
     weights = {f"{i}.weight": torch.randn(4096, 1024) for i in range(16)}  # 256 MiB of fp32
-    path = _fp32_file(tmp_path, suffix, weights)
+    path = _saved(tmp_path / f"fp32{suffix}", weights)
     path.read_bytes()  # in the page cache, which no process's peak counts
     done = subprocess.run(
         [sys.executable, "-c", _PEAK_CHILD, str(path)], capture_output=True, text=True, timeout=300
