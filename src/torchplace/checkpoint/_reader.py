@@ -9,9 +9,13 @@ a 512 MiB read into a fresh process against a fault per 4 KiB page; asking for h
 (``MADV_HUGEPAGE``) made warm reads 3x faster but fresh processes 3x slower on the 2-core VM it was
 measured on (the host backs new huge pages slowly), so it is not done. Onto a CUDA device the bytes
 go through the process's bounded pool of pinned buffers (``moving._staging.pinned_pool``, which
-moves use too), each chunk read into a slot and sent on with an asynchronous copy while the next
-chunk is read into the next slot, as ``_staging.Stager`` does for tensors already in memory: the
-model never passes through a pageable copy of itself, and loads and moves share one bounded pool.
+moves use too): ``CUDA_READ_THREADS`` threads (never more than the pool has slots) each take a
+slot, read a chunk into it and queue its asynchronous copy on the caller's current stream, then
+give the slot back behind the copy's event, so reads, copies and other threads' reads overlap
+as ``_staging.Stager`` overlaps packing and copies for tensors already in memory: the model never
+passes through a pageable copy of itself, and loads and moves share one bounded pool. Nothing of
+this has been timed on a GPU yet: ``benchmarks/bench_load_gpu.py --sweep`` is to set the thread
+count and the pool's shape.
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ import torch
 
 from .._errors import CheckpointError
 from ..moving._staging import (
-    STAGE_CHUNK_BYTES,
     CudaTransport,
     PinnedPool,
     Transport,
@@ -271,7 +274,7 @@ def _read_cuda(
     every thread), so the model's first use is ordered after them."""
     pool = pool if pool is not None else pinned_pool()
     transport = transport if transport is not None else _CurrentStream(device)
-    chunk = min(STAGE_CHUNK_BYTES, pool.slot_bytes)
+    chunk = pool.slot_bytes  # a chunk fills a slot
     sends: list[_Send] = []
     checked: list[tuple[int, int, str, list[int]]] = []  # CRC, 1st chunk, name, chunk lengths
     crc_chunks = 0

@@ -238,7 +238,8 @@ class PinnedPool:
     def _grow(self, nbytes: int) -> torch.Tensor:
         """A new pinned buffer; on failure (memory pressure) the idle slots and PyTorch's own
         cache of pinned blocks are released and it is tried once more."""
-        self.allocations += 1
+        with self._lock:  # several reader threads may grow the pool at once
+            self.allocations += 1
         try:
             return self._allocate(nbytes)
         except RuntimeError:
