@@ -88,6 +88,27 @@ class _LateCopies:
             return any(low <= src.data_ptr() < high for _, src in self.queue)
 
 
+class _PatientLock:
+    """The pool's lock, but one that gives up after a while: a test that leaves it held fails
+    instead of hanging."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self._lock.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._lock.release()
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(timeout=10):
+            raise AssertionError("the pool's lock was left held")
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
 class _WatchedPool(PinnedPool):
     """A pool of ordinary host memory that refuses to hand out a slot a copy still reads."""
 
@@ -99,6 +120,7 @@ class _WatchedPool(PinnedPool):
             available=lambda: None,
         )
         self.copies = copies
+        self._lock = _PatientLock()  # type: ignore[assignment]
 
     def take(self, nbytes: int) -> Slot:
         slot = super().take(nbytes)
