@@ -239,7 +239,8 @@ class _CurrentStream(CudaTransport):
 # Threads that read onto a CUDA device. A guess from the H200 host (positional reads
 # into pinned memory: 4-5 GB/s with 1 thread, 21-30 with 8, 33-39 with 16), never measured on a
 # GPU with this reader: set it by ``benchmarks/bench_load_gpu.py --sweep`` on a GPU host (which
-# also sweeps the pool's shape, since at most one thread per slot of the pool reads at a time).
+# also sweeps the pool's shape, since at most one thread per slot of the pool reads at a time:
+# with today's pool of 4 slots of 16 MiB, 4 threads read however large this is).
 CUDA_READ_THREADS = max(1, min(8, os.cpu_count() or 1)) if _PREADV else 1
 
 # One chunk onto the device: (where it lands, the file's dtype if it differs from the landing
