@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One GPU check: the CUDA tests, then every GPU benchmark, then one table of figures against
-# targets, ready for benchmarks/RESULTS.md. Each step has a time limit (120 + 45 + 120 + 45 s)
-# so the whole stays under 6 minutes on an H100/H200; a step that runs out counts as failed.
+# targets, ready for benchmarks/RESULTS.md. Each step has a time limit (120 + 45 + 120 + 45 + 90
+# s) so the whole stays under 7 minutes on an H100/H200; a step that runs out counts as failed.
+# The checkpoint load also sweeps the CUDA reader's thread count and the pinned pool's shape
+# (bench_load_gpu.py --sweep): its table says what _reader.CUDA_READ_THREADS should be.
 #
 #   bash benchmarks/gpu_check.sh            # from the source tree (PYTHONPATH=src is set here)
 #   bash benchmarks/gpu_check.sh --dry-run  # print what it would run, run nothing
@@ -54,6 +56,7 @@ step 120 "$PY" -m pytest -m requires_cuda -q $XDIST tests src/torchplace
 step 45 "$PY" benchmarks/bench_copies.py --rows "$ROWS"
 step 120 "$PY" benchmarks/bench_move.py --rows "$ROWS"
 step 45 "$PY" benchmarks/bench_loader.py --batches 16 --rows "$ROWS"
+step 90 "$PY" benchmarks/bench_load_gpu.py --sweep --rows "$ROWS"
 
 if [ "$DRY" = 1 ]; then
     echo "+ $PY benchmarks/_rows.py $ROWS"

@@ -4,6 +4,8 @@ performs its copies late, as a DMA engine does."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from torch import nn
@@ -222,8 +224,6 @@ def test_pool_releases_and_retries_when_pinning_fails() -> None:
 
 
 def test_pool_gives_consistent_accounts_across_threads() -> None:
-    import threading
-
     pool = host_pool(limit=4 * 64)
 
     def work() -> None:
@@ -253,36 +253,43 @@ def test_the_process_pool_is_released_on_request() -> None:
 class _LateTransport:
     """Queues copies and performs them only when an event after them is waited for (or at
     ``finish``/``wait``), as an asynchronous copy engine may: a ring that refilled a slot
-    before its transfer ran would send the wrong bytes, and the values would show it."""
+    before its transfer ran would send the wrong bytes, and the values would show it. Several
+    threads may queue onto it at once (the reader's do), as onto one CUDA stream."""
 
     def __init__(self) -> None:
         self.queue: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.done = 0  # copies performed so far
         self.log: list[str] = []
+        self.lock = threading.RLock()
 
     def run(self, upto: int) -> None:
-        while self.done < upto:
-            dst, src = self.queue.pop(0)
-            dst.copy_(src)
-            self.done += 1
+        with self.lock:
+            while self.done < upto:
+                dst, src = self.queue.pop(0)
+                dst.copy_(src)
+                self.done += 1
 
     def begin(self) -> None:
         self.log.append("begin")
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self.queue.append((dst, src))
-        self.log.append("copy")
+        with self.lock:
+            self.queue.append((dst, src))
+            self.log.append("copy")
 
     def mark(self) -> _Event:
-        return _Event(self, self.done + len(self.queue))
+        with self.lock:
+            return _Event(self, self.done + len(self.queue))
 
     def finish(self) -> None:
-        self.log.append("finish")
-        self.run(self.done + len(self.queue))
+        with self.lock:
+            self.log.append("finish")
+            self.run(self.done + len(self.queue))
 
     def wait(self) -> None:
-        self.log.append("wait")
-        self.run(self.done + len(self.queue))
+        with self.lock:
+            self.log.append("wait")
+            self.run(self.done + len(self.queue))
 
 
 def ring(pool: PinnedPool, transport: _LateTransport) -> Stager:

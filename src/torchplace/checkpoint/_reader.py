@@ -9,9 +9,13 @@ a 512 MiB read into a fresh process against a fault per 4 KiB page; asking for h
 (``MADV_HUGEPAGE``) made warm reads 3x faster but fresh processes 3x slower on the 2-core VM it was
 measured on (the host backs new huge pages slowly), so it is not done. Onto a CUDA device the bytes
 go through the process's bounded pool of pinned buffers (``moving._staging.pinned_pool``, which
-moves use too), each chunk read into a slot and sent on with an asynchronous copy while the next
-chunk is read into the next slot, as ``_staging.Stager`` does for tensors already in memory: the
-model never passes through a pageable copy of itself, and loads and moves share one bounded pool.
+moves use too): ``CUDA_READ_THREADS`` threads (never more than the pool has slots) each take a
+slot, read a chunk into it and queue its asynchronous copy on the caller's current stream, then
+give the slot back behind the copy's event, so reads, copies and other threads' reads overlap
+as ``_staging.Stager`` overlaps packing and copies for tensors already in memory: the model never
+passes through a pageable copy of itself, and loads and moves share one bounded pool. Nothing of
+this has been timed on a GPU yet: ``benchmarks/bench_load_gpu.py --sweep`` is to set the thread
+count and the pool's shape.
 """
 
 from __future__ import annotations
@@ -35,7 +39,6 @@ import torch
 
 from .._errors import CheckpointError
 from ..moving._staging import (
-    STAGE_CHUNK_BYTES,
     CudaTransport,
     PinnedPool,
     Transport,
@@ -267,6 +270,18 @@ class _CurrentStream(CudaTransport):
         """Nothing to order: the copies run on the caller's own stream."""
 
 
+# Threads that read onto a CUDA device. A guess from the issue's H200 host (positional reads
+# into pinned memory: 4-5 GB/s with 1 thread, 21-30 with 8, 33-39 with 16), never measured on a
+# GPU with this reader: set it by ``benchmarks/bench_load_gpu.py --sweep`` on a GPU host (which
+# also sweeps the pool's shape, since at most one thread per slot of the pool reads at a time:
+# with today's pool of 4 slots of 16 MiB, 4 threads read however large this is).
+CUDA_READ_THREADS = max(1, min(8, os.cpu_count() or 1)) if _PREADV else 1
+
+# One chunk onto the device: (where it lands, the file's dtype if it differs from the landing
+# tensor's, where it starts in the file, its bytes, its index among checked chunks or -1).
+_Send = tuple[torch.Tensor, torch.dtype | None, int, int, int]
+
+
 def _read_cuda(
     fd: int,
     pieces: Sequence[Piece],
@@ -277,55 +292,97 @@ def _read_cuda(
     pool: PinnedPool | None = None,
     transport: Transport | None = None,
 ) -> list[str]:
-    """Chunks read into pinned slots of the process's pool (``moving._staging.pinned_pool``,
-    the bounded pool that moves take theirs from too), each sent on with an asynchronous copy
-    while the next one is read into the next slot. A slot is taken back only once its last
-    copy is done (the pool waits for its event). A chunk of another dtype than its tensor is
-    converted by the copy itself, on the device (peak device memory: the model plus a chunk).
-    ``pool`` and ``transport`` are for tests; by default the copies run on the device's current
-    stream, so the model's first use is ordered after them."""
+    """Chunks read by several threads, each into a pinned slot of the process's pool
+    (``moving._staging.pinned_pool``, the bounded pool that moves take theirs from too) and
+    sent on with an asynchronous copy; the slot goes back to the pool behind the copy's event
+    and is taken again only once that copy is done (the pool waits for its event).
+
+    Threads: ``CUDA_READ_THREADS``, but never more than the pool has slots (a thread holds one
+    slot from its read until its copy is queued), so the staging area stays the pool's size
+    whatever the thread count. Chunks go to threads in turn and arrive in any order: they land
+    in disjoint bytes, and a checked piece's CRC-32 is joined from its chunks' own. A chunk of
+    another dtype than its tensor is converted by the copy itself, on the device, through a
+    temporary of a chunk (peak device memory: the model plus a chunk per thread). A failure or
+    Ctrl-C in any thread stops the others at their next chunk; every copy already queued was
+    given back with its slot behind an event, and no thread outlives the call. ``pool`` and
+    ``transport`` are for tests; by default the copies run on the device's current stream (from
+    every thread), so the model's first use is ordered after them."""
     pool = pool if pool is not None else pinned_pool()
     transport = transport if transport is not None else _CurrentStream(device)
-    chunk = min(STAGE_CHUNK_BYTES, pool.slot_bytes)
-    failed = []
+    chunk = pool.slot_bytes  # a chunk fills a slot
+    sends: list[_Send] = []
+    checked: list[tuple[int, int, str, list[int]]] = []  # CRC, 1st chunk, name, chunk lengths
+    crc_chunks = 0
     for piece in pieces:
         offset, t, stored = _split(piece)
-        check = checks.get(offset) if checks and stored is None else None
-        crc = 0
-        landing = _as_bytes(t)
-        flat = t.detach().reshape(-1)
+        check = checks.get(offset) if checks else None  # the file's bytes, as staged
         size = 1 if stored is None else stored.itemsize
         step = chunk // size * size  # whole elements per chunk
-        total = landing.numel() if stored is None else flat.numel() * size
-        for start in range(0, total, step):
-            stop = min(start + step, total)
-            slot = pool.take(stop - start)  # waits only for this slot's last copy
-            event = None
-            queued = False  # a copy from the slot may be in flight: it is given back behind it
-            try:
-                staged = slot.buffer[: stop - start]
-                _pread_exactly(fd, _memory(staged), offset + start)
-                if check is not None:
-                    crc = zlib.crc32(_memory(staged), crc)  # chunks in order: a running CRC
-                queued = True
-                if stored is None:
-                    transport.copy(landing[start:stop], staged)
-                else:  # converted into the tensor's dtype by the copy
-                    first = start // size
-                    part = flat[first : first + (stop - start) // size]
-                    transport.copy(part, staged.view(stored))
-                event = transport.mark()
-            finally:
-                if event is None and queued:  # failed or interrupted after queuing the copy
-                    try:
-                        event = transport.mark()
-                    except BaseException:
-                        transport.wait()
-                pool.give(slot, event)
-            if advance is not None:
-                advance(stop - start)
-        if check is not None and crc != check[0]:
-            failed.append(check[1])
+        if stored is None:
+            landing = _as_bytes(t)
+            total = landing.numel()
+        else:
+            landing = t.detach().reshape(-1)
+            total = landing.numel() * size
+        lengths = [min(step, total - start) for start in range(0, total, step)]
+        if check is not None:
+            checked.append((check[0], crc_chunks, check[1], lengths))
+        for k, start in enumerate(range(0, total, step)):
+            part = landing[start // size : (start + lengths[k]) // size]
+            crc_at = crc_chunks + k if check is not None else -1
+            sends.append((part, stored, offset + start, lengths[k], crc_at))
+        if check is not None:
+            crc_chunks += len(lengths)
+    crcs = [0] * crc_chunks  # each checked chunk's CRC-32, written by the thread that read it
+    stop = threading.Event()  # set on a failure or Ctrl-C: the other threads read no more
+
+    def send(n: int) -> None:
+        part, stored, offset, nbytes, crc_at = sends[n]
+        slot = pool.take(nbytes)  # waits only for this slot's last copy
+        event = None
+        queued = False  # a copy from the slot may be in flight: it is given back behind it
+        try:
+            staged = slot.buffer[:nbytes]
+            _pread_exactly(fd, _memory(staged), offset)
+            if crc_at >= 0:
+                crcs[crc_at] = zlib.crc32(_memory(staged))  # while it is in this core's cache
+            queued = True
+            # converted into the tensor's dtype by the copy where the file's dtype differs
+            transport.copy(part, staged if stored is None else staged.view(stored))
+            event = transport.mark()
+        finally:
+            if event is None and queued:  # failed or interrupted after queuing the copy
+                try:
+                    event = transport.mark()
+                except BaseException:
+                    transport.wait()
+            pool.give(slot, event)
+        if advance is not None:
+            advance(nbytes)
+
+    def share(k: int, threads: int) -> None:
+        try:
+            for n in range(k, len(sends), threads):
+                if stop.is_set():
+                    return
+                send(n)
+        except BaseException:
+            stop.set()
+            raise
+
+    slots = max(1, pool.limit // pool.slot_bytes)
+    threads = min(CUDA_READ_THREADS, slots, len(sends))
+    if threads <= 1:
+        share(0, 1)
+    else:
+        _run_shares(share, threads, stop)
+    failed = []
+    for expected, first, name, lengths in checked:
+        crc = crcs[first] if lengths else 0  # an empty piece: the CRC-32 of no bytes
+        for k, length in enumerate(lengths[1:], start=1):
+            crc = combine(crc, crcs[first + k], length)
+        if crc != expected:
+            failed.append(name)
     return failed
 
 

@@ -211,6 +211,8 @@ class PinnedPool:
                 self.kept_bytes += self.slot_bytes  # reserved now, allocated below
             elif slot is None and fits and self._free:
                 slot = self._free.popleft()
+            if slot is None:
+                self.allocations += 1  # made below; counted here, where threads cannot race
         if slot is not None:
             if slot.event is not None:
                 slot.event.synchronize()  # the transfer out of (or into) it has finished
@@ -238,7 +240,6 @@ class PinnedPool:
     def _grow(self, nbytes: int) -> torch.Tensor:
         """A new pinned buffer; on failure (memory pressure) the idle slots and PyTorch's own
         cache of pinned blocks are released and it is tried once more."""
-        self.allocations += 1
         try:
             return self._allocate(nbytes)
         except RuntimeError:
