@@ -20,6 +20,7 @@ import functools
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -52,7 +53,8 @@ def keep_destroyed_gloo_groups() -> None:
     after it, and a new group can start), but the group objects it drops are kept in a list
     that is never freed, not even when the interpreter exits, so no Gloo group's destructor
     ever runs in the test process. The few groups made here (groups of one, with two idle
-    threads each) live until the process ends. Scripts run by torchrun are other processes.
+    threads each) live until the process ends; at exit, their workers are given a moment to
+    finish freeing tensors first. Scripts run by torchrun are other processes.
     """
     import torch
     import torch.distributed as dist
@@ -76,6 +78,14 @@ def keep_destroyed_gloo_groups() -> None:
         kept.extend(g for g in groups if "gloo" in str(dist.get_backend(g)))
         destroy(group)
 
+    def let_gloo_workers_finish() -> None:
+        # A Gloo worker may still be freeing the tensors of the last collective, and so want the
+        # GIL; one that asks for it while the interpreter shuts down aborts the process
+        # ("terminate called without an active exception"). The GIL is free while this sleeps.
+        if kept:
+            time.sleep(0.2)
+
+    atexit.register(let_gloo_workers_finish)
     destroy_process_group.kept = kept  # type: ignore[attr-defined]
     distributed_c10d.destroy_process_group = destroy_process_group
     dist.destroy_process_group = destroy_process_group
