@@ -6,15 +6,21 @@ its own imports and may write files by plain names. A block that opens with ``>>
 doctest (its output checked, ``...`` matching anything). Blocks that are not meant to run are
 tagged with another language (``sh``, ``text``); a rare exception carries
 ``<!-- skip: next "why" -->`` on the line before it.
+
+It also keeps, on a torch older than 2.8, every Gloo process group that the tests, doctests and
+documentation destroy in this process (``keep_destroyed_gloo_groups`` says why).
 """
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import doctest
+import functools
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -28,6 +34,65 @@ except ImportError:  # sybil comes with the dev extra; without it each page is o
 
 
 _ROOT: list[str] = []  # one temporary directory for the session, removed at exit
+
+
+def keep_destroyed_gloo_groups() -> None:
+    """On torch < 2.8, ``destroy_process_group`` in this process leaves Gloo groups undestroyed.
+
+    Before torch 2.8 (pytorch/pytorch#154976) a ``ProcessGroup`` is freed with the GIL held:
+    when its last Python reference goes, ``~ProcessGroupGloo`` joins Gloo's worker threads
+    under the GIL. A worker that has just finished a collective drops the tensors it held, and
+    one whose Python object was already dropped (the temporary tensors of
+    ``all_gather_object``, which ``torchplace.distributed.verify`` uses, or of
+    ``all_reduce(torch.ones(3))``) must take the GIL to free it: the two wait for each other
+    forever. On torch 2.6 a group of one destroyed right after ``verify`` hangs so within a
+    hundred tries, and the whole suite (its doctests and documentation blocks do just that)
+    hung about one run in three.
+
+    Here ``destroy_process_group`` still unregisters the group (``is_initialized()`` is False
+    after it, and a new group can start), but the group objects it drops are kept in a list
+    that is never freed, not even when the interpreter exits, so no Gloo group's destructor
+    ever runs in the test process. The few groups made here (groups of one, with two idle
+    threads each) live until the process ends; at exit, their workers are given a moment to
+    finish freeing tensors first. Scripts run by torchrun are other processes.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_available() or torch.torch_version.TorchVersion(torch.__version__) >= (2, 8):
+        return  # torch 2.8 and later release the GIL before a process group's destructor
+    from torch.distributed import distributed_c10d
+
+    destroy = distributed_c10d.destroy_process_group
+    if hasattr(destroy, "kept"):
+        return  # already in place
+    kept: list[object] = []
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(kept))  # a reference nobody ever drops
+
+    @functools.wraps(destroy)
+    def destroy_process_group(group: Any = None) -> None:
+        if group is None or group is distributed_c10d.GroupMember.WORLD:
+            groups = list(distributed_c10d._world.pg_map)  # the default group drops them all
+        else:
+            groups = [group] if group in distributed_c10d._world.pg_map else []
+        kept.extend(g for g in groups if "gloo" in str(dist.get_backend(g)))
+        destroy(group)
+
+    def let_gloo_workers_finish() -> None:
+        # A Gloo worker may still be freeing the tensors of the last collective, and so want the
+        # GIL; one that asks for it while the interpreter shuts down aborts the process
+        # ("terminate called without an active exception"). The GIL is free while this sleeps.
+        if kept:
+            time.sleep(0.2)
+
+    atexit.register(let_gloo_workers_finish)
+    destroy_process_group.kept = kept  # type: ignore[attr-defined]
+    distributed_c10d.destroy_process_group = destroy_process_group
+    dist.destroy_process_group = destroy_process_group
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    keep_destroyed_gloo_groups()
 
 
 def _fresh_directory() -> str:
