@@ -383,3 +383,41 @@ def test_the_sharded_reader_refuses_a_file_changed_since_it_was_catalogued(
             _sharded._fill(reader, entries["w"], ((4, 0), (4, 8)), dest)
     finally:
         reader.close()
+
+
+@pytest.mark.parametrize("trusted", [False, True], ids=["read-here", "torch-load"])
+def test_check_crc_on_a_file_that_records_none_says_so_and_refuses_nothing(
+    tmp_path: Path, trusted: bool
+) -> None:
+    """A file saved with torch's CRC-32 option off (every CRC field 0) or in the legacy format
+    holds nothing to check: a warning says so, and the sound file loads (before, the torch.load
+    path refused it as corrupt and the fast path checked nothing in silence)."""
+    sd = {"w": torch.arange(100.0)}
+    path = tmp_path / "nocrc.pt"
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(sd, path)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    with pytest.warns(UserWarning, match=r"nocrc\.pt: check_crc=True, but it records no CRC-32"):
+        got = load(path, check_crc=True, trusted=trusted)
+    assert torch.equal(got["w"], sd["w"])
+    legacy = tmp_path / "legacy.pt"
+    torch.save(sd, legacy, _use_new_zipfile_serialization=False)
+    with pytest.warns(UserWarning, match=r"legacy \(non-zip\) torch file records no CRC-32"):
+        assert torch.equal(load(legacy, check_crc=True, trusted=trusted)["w"], sd["w"])
+
+
+def test_remap_checks_every_records_crc_before_writing_new_ones(tmp_path: Path) -> None:
+    """remap writes fresh CRC-32s: over damaged bytes they would hide the damage for good."""
+    from torchplace.checkpoint._checkpoint_cli import remap
+
+    path = tmp_path / "w.pt"
+    torch.save({"w": torch.arange(64.0)}, path)
+    entry = catalog(path).entries["w"]
+    data = bytearray(path.read_bytes())
+    data[entry.start + 9] ^= 0x04
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="CRC-32"):
+        remap(path, tmp_path / "out.pt", to="cpu")
+    assert not (tmp_path / "out.pt").exists()

@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import random
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator
@@ -1179,3 +1180,26 @@ def test_remap_of_a_whole_pickled_model_gives_a_rewrite_that_remap_then_takes(
     exec(fix, {"torch": torch, "torchplace": torchplace})  # the fix, as given
     remap(out, tmp_path / "x.pt", to="cpu")
     assert set(load(tmp_path / "x.pt")) == {"0.weight", "0.bias"}
+
+
+def test_remap_of_a_dict_holding_an_object_gives_a_rewrite_that_remap_then_takes(
+    tmp_path: Path,
+) -> None:
+    """Saving the loaded dict again would pickle its object again (and the advice would loop):
+    the fix keeps its tensors."""
+    import fractions
+
+    import torchplace
+
+    path = tmp_path / "mixed.pt"
+    torch.save({"w": torch.arange(3.0), "ratio": fractions.Fraction(1, 3)}, path)
+    with pytest.raises(CheckpointError, match="remap never runs") as info:
+        remap(path, tmp_path / "x.pt", to="cpu")
+    found = re.search(r"(torch\.save\(.*\)), then remap", str(info.value))
+    assert found is not None
+    fix = found.group(1)
+    assert "isinstance(v, torch.Tensor)" in fix
+    exec(fix, {"torch": torch, "torchplace": torchplace})  # the fix, as given
+    remap(tmp_path / "mixed-weights.pt", tmp_path / "x.pt", to="cpu")
+    assert torch.equal(load(tmp_path / "x.pt")["w"], torch.arange(3.0))
+    assert set(load(tmp_path / "x.pt")) == {"w"}

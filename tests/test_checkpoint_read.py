@@ -1023,3 +1023,16 @@ def test_a_whole_model_the_catalog_refuses_is_still_called_a_whole_model(tmp_pat
     assert code_globals(path) == ["torch.nn.modules.linear.Linear"]
     with pytest.raises(CheckpointError, match=r"holds a whole model saved with torch\.save"):
         load(path)
+
+
+def test_a_whole_model_in_the_legacy_format_is_described_and_named(tmp_path: Path) -> None:
+    """Its module classes are saved as persistent ids with their source: the inert reader
+    stands in for them as classes, so inspect lists the weights and load names the model."""
+    from torchplace.checkpoint._catalog import catalog, code_globals
+
+    path = tmp_path / "legacy-model.pt"
+    torch.save(nn.Linear(2, 2), path, _use_new_zipfile_serialization=False)
+    assert code_globals(path) == ["torch.nn.modules.linear.Linear"]
+    assert [e.shape for e in catalog(path).entries.values()] == [(2, 2), (2,)]
+    with pytest.raises(CheckpointError, match=r"holds a whole model saved with torch\.save"):
+        load(path)

@@ -26,6 +26,7 @@ import pickle
 import shutil
 import sys
 import types
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -377,7 +378,11 @@ def _read_for_remap(src: Path, kind: str) -> Any:
             entry.torch_dtype(str(src))
         return None
     try:
-        return load(src, "cpu")
+        # every record's CRC-32 checked, where the file records them: the rewrite records new
+        # ones over what it read (a file with none is rewritten as it is, without a word)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*check_crc=True, but")
+            return load(src, "cpu", check_crc=True)
     except CheckpointError as exc:
         # Refused for the code it would run, or for pickle opcodes the safe loader does not
         # read (a newer protocol), which load's own message already explains.
@@ -387,14 +392,19 @@ def _read_for_remap(src: Path, kind: str) -> Any:
                 found = code_globals(src)
         if not found:
             raise
-        # A whole model stays a whole model when saved again: only its state dict can be remapped.
-        weights = ".state_dict()" if pickles_a_model(found) else ""
+        # Saved again, the objects would be pickled again: only the tensors can be remapped. A
+        # whole model's are its state dict; a mapping's, the entries that are tensors.
         resaved = str(src.with_name(f"{src.stem}-weights.pt"))
+        loaded = f"torchplace.load({str(src)!r}, 'cpu', trusted=True)"
+        if pickles_a_model(found):
+            kept, note = f"{loaded}.state_dict()", ""
+        else:
+            kept = f"{{k: v for k, v in {loaded}.items() if isinstance(v, torch.Tensor)}}"
+            note = " (for a file holding a dict: its tensors kept, the other objects left out)"
         raise CheckpointError(
             f"{src}: would run code when loaded ({', '.join(found)}), "
-            "and remap never runs a file's code. If you trust its source, rewrite it yourself: "
-            f"torch.save(torchplace.load({str(src)!r}, 'cpu', trusted=True){weights}, "
-            f"{resaved!r}), then remap {resaved!r}"
+            "and remap never runs a file's code. If you trust its source, rewrite it yourself"
+            f"{note}: torch.save({kept}, {resaved!r}), then remap {resaved!r}"
         ) from exc
 
 

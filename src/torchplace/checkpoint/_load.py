@@ -37,6 +37,7 @@ from ._formats import (
 from ._pickle_reader import WHOLE_MODEL, pickles_a_model
 from ._progress import reporting, wanted
 from ._reader import (
+    NO_CRC,
     UNUSUAL,
     DTypeWish,
     check_records,
@@ -44,6 +45,7 @@ from ._reader import (
     read_zip,
     safetensors_load,
     torch_load,
+    unchecked_warning,
 )
 from ._reader import Piece as ReadPiece
 from ._source import resolve
@@ -145,8 +147,13 @@ def _load_torch(
             "magic number); a pickle is not a checkpoint, and torchplace does not unpickle it"
         )
     when = stamp(p)  # the file read must stay the one whose layout was found
+    if check_crc and not zip_format:
+        unchecked_warning(p, "a legacy (non-zip) torch file records no CRC-32")
     if zip_format:
         layout = zip_layout(p)  # the pickle record's CRC-32 is checked, however it is read
+        if check_crc and layout is not None and not any(i.CRC for i in layout.records.values()):
+            unchecked_warning(p, NO_CRC)
+            check_crc = False
         if layout is not None and not mmap and not trusted and target.type in ("cpu", "cuda"):
             read = read_zip(layout, target, when, check_crc, dtype_of)
             if read is not UNUSUAL:

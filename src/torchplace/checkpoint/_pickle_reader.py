@@ -257,6 +257,13 @@ class InertUnpickler(pickle._Unpickler):  # pure Python: corrupt lengths fail cl
             else:
                 ref = _StorageRef("?", str(key), str(location), 1, numel)
             return self.storages.setdefault(ref.key, ref)
+        if (
+            isinstance(pid, tuple)
+            and len(pid) >= 2
+            and pid[0] == "module"
+            and isinstance(pid[1], type)
+        ):
+            return pid[1]  # a legacy file's module class (saved with its source): its stand-in
         return _Opaque(pid)
 
 

@@ -50,6 +50,7 @@ from ._formats import device_failure, diagnose, first_sentence, out_of_memory
 from ._progress import current
 
 __all__ = [
+    "NO_CRC",
     "READ_CHUNK_BYTES",
     "READ_THREADS",
     "SPARSE_CHECK_NOTE",
@@ -63,6 +64,7 @@ __all__ = [
     "read_zip",
     "safetensors_load",
     "torch_load",
+    "unchecked_warning",
 ]
 
 READ_CHUNK_BYTES = 16 << 20
@@ -785,10 +787,16 @@ def _safetensors_device(target: torch.device) -> str:
 
 
 def check_records(p: Path) -> None:
-    """Every record of a zip file read through ``zipfile``, which checks each one's CRC-32."""
+    """Every record of a zip file that records a CRC-32 read through ``zipfile``, which checks
+    it (a CRC of 0 is "not recorded": torch writes none with its CRC-32 option off); a warning
+    where no record has one, since nothing could be checked."""
+    checked = 0
     try:
         with zipfile.ZipFile(p) as archive:
             for info in archive.infolist():
+                if not info.CRC:
+                    continue
+                checked += 1
                 with archive.open(info) as record:
                     while record.read(16 << 20):
                         pass
@@ -797,6 +805,20 @@ def check_records(p: Path) -> None:
             f"{p}: is corrupt ({type(exc).__name__}: {first_sentence(str(exc))}); the bytes were "
             "damaged after the file was written, so save or fetch it again"
         ) from exc
+    if not checked:
+        unchecked_warning(p, NO_CRC)
+
+
+NO_CRC = "it records no CRC-32 (saved with torch.serialization.set_crc32_options(False))"
+
+
+def unchecked_warning(p: Path, why: str) -> None:
+    """Say that ``check_crc=True`` could check nothing in ``p``, and why."""
+    warnings.warn(
+        f"{p}: check_crc=True, but {why}, so nothing was checked: its bytes are read as they are",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def copy_file(path: Path, out: Any) -> None:
