@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-import torchplace
+from test_interrupts import Interrupter
+from test_staging import _Event, _LateTransport
 from torchplace.checkpoint import _reader
 from torchplace.moving import _staging
 from torchplace.moving._staging import PinnedPool, Slot
@@ -29,56 +30,21 @@ SLOT = 64  # bytes per slot of the test pools: a few elements per chunk, many ch
 HOST = torch.device("cpu")
 
 
-class _Event:
-    def __init__(self, copies: _LateCopies, upto: int) -> None:
-        self.copies = copies
-        self.upto = upto
-
-    def synchronize(self) -> None:
-        self.copies.run(self.upto)
-
-    def query(self) -> bool:
-        return self.copies.done >= self.upto
-
-
-class _LateCopies:
-    """One queue of copies, as one CUDA stream is, that host threads add to side by side; a
-    copy runs only when an event recorded behind it is waited for (or at ``wait``)."""
+class _LateCopies(_LateTransport):
+    """The ring tests' late copy engine (one queue, as one CUDA stream is), noting which host
+    threads queued copies and letting another thread in between a read and its copy."""
 
     def __init__(self) -> None:
-        self.lock = threading.RLock()
-        self.queue: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.done = 0  # copies performed so far
+        super().__init__()
         self.queued = 0  # copies queued so far
         self.threads: set[str] = set()  # the threads that queued copies
-
-    def run(self, upto: int) -> None:
-        with self.lock:
-            while self.done < upto:
-                dst, src = self.queue.pop(0)
-                dst.copy_(src)
-                self.done += 1
-
-    def begin(self) -> None:
-        """Nothing to order."""
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         time.sleep(0)  # let another thread in between the read and the copy
         with self.lock:
-            self.queue.append((dst, src))
+            super().copy(dst, src)
             self.queued += 1
             self.threads.add(threading.current_thread().name)
-
-    def mark(self) -> _Event:
-        with self.lock:
-            return _Event(self, self.done + len(self.queue))
-
-    def finish(self) -> None:
-        self.wait()
-
-    def wait(self) -> None:
-        with self.lock:
-            self.run(self.done + len(self.queue))
 
     def pending_from(self, buffer: torch.Tensor) -> bool:
         """Whether a queued copy still reads from ``buffer``'s bytes."""
@@ -390,33 +356,17 @@ def test_a_mark_that_fails_after_its_copy_still_fences_the_slot(
     assert not _reader_threads() and pool.settled()
 
 
-_PACKAGE = str(Path(torchplace.__file__).resolve().parent)
-
-
-class _Interrupter:
-    """Raises ``KeyboardInterrupt`` at the ``at``-th line torchplace runs in this thread
-    (0: never), counting them all. Not in ``_run_shares``, the host reader's too: an interrupt
-    injected at the first lines of its ``finally`` (before the ``try`` that waits for the
-    threads) skips the wait, a window a real SIGINT does not seem to reach (CPython checks for
-    signals at calls and backward jumps, not at those lines) but one this injection does."""
-
-    def __init__(self, at: int) -> None:
-        self.at = at
-        self.count = 0
+class _Interrupter(Interrupter):
+    """``test_interrupts``' interrupter (``KeyboardInterrupt`` at the ``at``-th line torchplace
+    runs in this thread), not in ``_run_shares``, the host reader's too: an interrupt injected at
+    the first lines of its ``finally`` (before the ``try`` that waits for the threads) skips the
+    wait, a window a real SIGINT does not seem to reach (CPython checks for signals at calls and
+    backward jumps, not at those lines) but one this injection does."""
 
     def __call__(self, frame: FrameType, event: str, arg: Any) -> Any:
-        if not frame.f_code.co_filename.startswith(_PACKAGE):
-            return None
         if frame.f_code.co_name == "_run_shares":
             return None
-        return self.local
-
-    def local(self, frame: FrameType, event: str, arg: Any) -> Any:
-        if event == "line":
-            self.count += 1
-            if self.count == self.at:
-                raise KeyboardInterrupt
-        return self.local
+        return super().__call__(frame, event, arg)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
