@@ -27,16 +27,10 @@ from __future__ import annotations
 
 from ._catalog import safetensors_header
 from ._fill import load_into
-from ._formats import (
-    SAFETENSORS_DTYPES,
-    SAFETENSORS_HINT,
-    PathLike,
-    as_path,
-    detect_format,
-    shards,
-)
+from ._formats import SAFETENSORS_DTYPES, SAFETENSORS_HINT
 from ._load import load
 from ._skeleton import skeleton
+from ._source import PathLike, as_path, detect_format, shards
 
 __all__ = [
     "SAFETENSORS_DTYPES",

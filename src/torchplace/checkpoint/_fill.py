@@ -36,13 +36,13 @@ from ._conversions import (
     hub_converted,
     may_convert,
 )
-from ._formats import PathLike, first_sentence
+from ._formats import first_sentence
 from ._load import Assembled, load_state, read_assembled, source_bytes, whole_plan
 from ._progress import reporting, wanted
 from ._reader import DTypeWish
 from ._rename import Rename, as_renamer, guarded, renamed
 from ._skeleton import ModuleT, swap
-from ._source import resolve
+from ._source import PathLike, resolve
 from ._statedict import (
     as_load_state_dict_sees,
     has_post_hooks,

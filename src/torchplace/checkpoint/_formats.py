@@ -2,9 +2,8 @@
 
 ``safetensors_header`` reads and checks a safetensors header as strictly as a loader would with
 dtypes this torch holds, and the ``diagnose`` family turns what torch raised into a sentence about
-the file. Telling a path's format and resolving a directory or an index is ``_source``'s
-(re-exported here for the modules that used to find it here); what a file holds, the layout of
-its records included, is the catalog's (``_catalog``).
+the file. Telling a path's format and resolving a directory or an index is ``_source``'s; what a
+file holds, the layout of its records included, is the catalog's (``_catalog``).
 """
 
 from __future__ import annotations
@@ -14,29 +13,15 @@ import re
 import torch
 
 from . import _safetensors
-from ._source import (
-    PathLike,
-    as_path,
-    detect_format,
-    is_dir,
-    model_file,
-    shards,
-)
 
 __all__ = [
     "SAFETENSORS_DTYPES",
     "SAFETENSORS_HINT",
-    "PathLike",
-    "as_path",
-    "detect_format",
     "device_failure",
     "diagnose",
     "first_sentence",
-    "is_dir",
-    "model_file",
     "out_of_memory",
     "refusal_reason",
-    "shards",
 ]
 
 SAFETENSORS_HINT = "pip install safetensors (torchplace's [safetensors] extra)"

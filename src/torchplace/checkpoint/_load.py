@@ -27,7 +27,6 @@ from ._catalog import (
 )
 from ._formats import (
     SAFETENSORS_HINT,
-    PathLike,
     device_failure,
     diagnose,
     first_sentence,
@@ -48,7 +47,7 @@ from ._reader import (
     unchecked_warning,
 )
 from ._reader import Piece as ReadPiece
-from ._source import resolve
+from ._source import PathLike, resolve
 
 # ------------------------------------------------------------------------------------------ load
 
