@@ -646,6 +646,7 @@ class _Interrupter:
         self.at = at
         self.count = 0
         self.where = ""
+        self.fired = False  # whether its interrupt came through to the caller
 
     def __call__(self, frame: Any, event: str, arg: Any) -> Any:
         if not frame.f_code.co_filename.startswith(_PACKAGE):
@@ -659,6 +660,26 @@ class _Interrupter:
                 self.where = f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
                 raise KeyboardInterrupt
         return self.local
+
+
+def _traced_load(model: nn.Module, path: Path, at: int) -> _Interrupter:
+    """``load_into(model, path)`` under an ``_Interrupter`` at ``at`` (0: never), returned.
+
+    An interrupt raised where a with block calls ``__exit__`` skips it (CPython's own limit),
+    leaving a file to the garbage collector, or ``torch.no_grad()`` on: not what the tests look
+    at, so both are tidied after each run."""
+    interrupter = _Interrupter(at)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)
+        sys.settrace(interrupter)
+        try:
+            load_into(model, path)
+        except KeyboardInterrupt:
+            interrupter.fired = True
+        finally:
+            sys.settrace(None)
+            torch.set_grad_enabled(True)
+    return interrupter
 
 
 class _Stateful(nn.Module):
@@ -706,35 +727,19 @@ def test_ctrl_c_at_any_point_of_load_into_leaves_the_skeleton_as_it_was(tmp_path
     path = tmp_path / "w.pt"
     torch.save(src.state_dict(), path)
     load_into(skeleton(_Stateful), path)  # warm: caches filled once change no later count
-    clean = _Interrupter(0)
     model = skeleton(_Stateful)
-    sys.settrace(clean)
-    try:
-        load_into(model, path)
-    finally:
-        sys.settrace(None)
+    clean = _traced_load(model, path, 0)
     assert clean.count > 100 and model.note == "after" and not model.lin.weight.is_meta
     broken = []
     for at in range(1, clean.count + 1):
         model = skeleton(_Stateful)
         before = _snapshot(model)
-        interrupter = _Interrupter(at)
-        # An interrupt raised where a with block calls __exit__ skips it (CPython's own limit),
-        # leaving a file to the garbage collector, or torch.no_grad() on: not what this test
-        # looks at, so both are tidied after each run.
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ResourceWarning)
-            sys.settrace(interrupter)
-            try:
-                load_into(model, path)
-            except KeyboardInterrupt:
-                pass
-            else:
-                broken.append(f"{at}: no interrupt came through ({interrupter.where})")
-            finally:
-                sys.settrace(None)
-                torch.set_grad_enabled(True)
-            if at % 500 == 0:
+        interrupter = _traced_load(model, path, at)
+        if not interrupter.fired:
+            broken.append(f"{at}: no interrupt came through ({interrupter.where})")
+        if at % 500 == 0:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ResourceWarning)
                 gc.collect()
         if not _same(model, before, "before"):
             broken.append(f"{at}: the model changed ({interrupter.where})")
@@ -768,28 +773,13 @@ def test_ctrl_c_at_any_point_of_load_into_a_real_model_leaves_it_before_or_loade
     torch.save(src.state_dict(), path)
     loaded_values = {k: v.clone() for k, v in src.state_dict().items() if k != "_extra_state"}
     load_into(_Stateful(), path)  # warm
-    clean = _Interrupter(0)
-    sys.settrace(clean)
-    try:
-        load_into(_Stateful(), path)
-    finally:
-        sys.settrace(None)
+    clean = _traced_load(_Stateful(), path, 0)
     mixed = []
     for at in range(1, clean.count + 1):
         torch.manual_seed(1)
         model = _Stateful()
         before = {k: v.clone() for k, v in model.state_dict().items() if k != "_extra_state"}
-        interrupter = _Interrupter(at)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ResourceWarning)
-            sys.settrace(interrupter)
-            try:
-                load_into(model, path)
-            except KeyboardInterrupt:
-                pass
-            finally:
-                sys.settrace(None)
-                torch.set_grad_enabled(True)
+        interrupter = _traced_load(model, path, at)
         now = model.state_dict()
         as_before = all(torch.equal(now[k], before[k]) for k in before)
         as_loaded = all(torch.equal(now[k], loaded_values[k]) for k in before)
