@@ -74,12 +74,13 @@ def pinned_copy_seconds(nbytes: int, *, back: bool = False) -> float:
     return best
 
 
-def by_hand(model: nn.Module, opt: torch.optim.Optimizer) -> None:
-    model.to("cuda")
+def by_hand(model: nn.Module, opt: torch.optim.Optimizer, device: str = "cuda") -> None:
+    """The hand-written move: ``model.to`` and a loop over the optimizer's state."""
+    model.to(device)
     for state in opt.state.values():
         for key, value in state.items():
             if key != "step" and isinstance(value, torch.Tensor):
-                state[key] = value.to("cuda")
+                state[key] = value.to(device)
 
 
 def _with(min_bytes: int, chunk: int, buffers: int) -> None:
@@ -240,11 +241,7 @@ def _move_back(m: nn.Module, o: torch.optim.Optimizer) -> None:
 
 
 def _by_hand_back(m: nn.Module, o: torch.optim.Optimizer) -> None:
-    m.to("cpu")
-    for state in o.state.values():
-        for key, value in state.items():
-            if key != "step" and isinstance(value, torch.Tensor):
-                state[key] = value.to("cpu")
+    by_hand(m, o, "cpu")
 
 
 def _extra_peak_bytes(layers: int, width: int, nbytes: int) -> int:
