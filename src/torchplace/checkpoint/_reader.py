@@ -162,46 +162,34 @@ def _read_host(
     of the pieces whose CRC-32 differs from the one recorded.
     """
     # (where to, from where, its address) for a direct chunk; (tensor's elements, first and
-    # last element, from where, the file's dtype) for a converting one
+    # last element, from where, the file's dtype) for a converting one. A chunk's task is
+    # (0, its index in ``direct``) or (1, its index in ``converting``).
     direct: list[tuple[memoryview, int, int]] = []
     converting: list[tuple[torch.Tensor, int, int, int, torch.dtype]] = []
-    checked: list[tuple[int, int, str, list[int]]] = []  # CRC, 1st chunk, name, chunk lengths
-    crcs: dict[int, int] = {}  # a checked chunk's index in ``direct`` -> its CRC-32
-    converted_checked: list[tuple[int, int, str, list[int]]] = []  # the same, converting
-    converted_crcs: dict[int, int] = {}  # by index in ``converting``: the file's bytes' CRC
+    checked: list[tuple[int, str, list[tuple[tuple[int, int], int]]]] = []  # (task, length)s
+    crcs: dict[tuple[int, int], int] = {}  # a checked chunk's task -> its file bytes' CRC-32
     for piece in pieces:
         offset, t, stored = _split(piece)
+        chunks: list[tuple[tuple[int, int], int]] = []
         if stored is None:
             data = _as_bytes(t)
             view = _memory(data)
             address = data.data_ptr()
-            check = checks.get(offset) if checks else None
-            if check is not None:
-                lengths = [
-                    min(READ_CHUNK_BYTES, len(view) - a)
-                    for a in range(0, len(view), READ_CHUNK_BYTES)
-                ]
-                checked.append((check[0], len(direct), check[1], lengths))
             for start in range(0, len(view), READ_CHUNK_BYTES):
                 chunk = view[start : start + READ_CHUNK_BYTES]
-                if check is not None:
-                    crcs[len(direct)] = 0
+                chunks.append(((0, len(direct)), len(chunk)))
                 direct.append((chunk, offset + start, address + start))
-            continue
-        flat = t.detach().reshape(-1)
-        step = READ_CHUNK_BYTES // stored.itemsize
+        else:
+            flat = t.detach().reshape(-1)
+            step = READ_CHUNK_BYTES // stored.itemsize
+            for first in range(0, flat.numel(), step):
+                last = min(first + step, flat.numel())
+                chunks.append(((1, len(converting)), (last - first) * stored.itemsize))
+                converting.append((flat, first, last, offset + first * stored.itemsize, stored))
         check = checks.get(offset) if checks else None
         if check is not None:
-            lengths = [
-                (min(first + step, flat.numel()) - first) * stored.itemsize
-                for first in range(0, flat.numel(), step)
-            ]
-            converted_checked.append((check[0], len(converting), check[1], lengths))
-        for first in range(0, flat.numel(), step):
-            last = min(first + step, flat.numel())
-            if check is not None:
-                converted_crcs[len(converting)] = 0
-            converting.append((flat, first, last, offset + first * stored.itemsize, stored))
+            checked.append((check[0], check[1], chunks))
+            crcs.update(dict.fromkeys((task for task, _ in chunks), 0))
     tasks = [(0, k) for k in range(len(direct))] + [(1, k) for k in range(len(converting))]
 
     stop = threading.Event()  # set on a failure or Ctrl-C: the other threads read no more
@@ -223,8 +211,8 @@ def _read_host(
                 if populate:
                     _populate(address, len(view))
                 _pread_exactly(fd, view, offset)
-                if n in crcs:
-                    crcs[n] = zlib.crc32(view)  # while the chunk is in this core's cache
+                if (0, n) in crcs:
+                    crcs[0, n] = zlib.crc32(view)  # while the chunk is in this core's cache
                 if advance is not None:
                     advance(len(view))
                 continue
@@ -234,8 +222,8 @@ def _read_host(
                 staging = torch.empty(READ_CHUNK_BYTES, dtype=torch.uint8)
             raw = staging[:nbytes]
             _pread_exactly(fd, _memory(raw), offset)
-            if n in converted_crcs:
-                converted_crcs[n] = zlib.crc32(_memory(raw))  # the file's bytes, as stored
+            if (1, n) in crcs:
+                crcs[1, n] = zlib.crc32(_memory(raw))  # the file's bytes, as stored
             flat[first:last].copy_(raw.view(stored))  # converted in place, a chunk at a time
             if advance is not None:
                 advance(nbytes)
@@ -245,14 +233,22 @@ def _read_host(
         share(0, 1)
     else:
         _run_shares(share, threads, stop)
+    return _failed_checks(
+        [(crc, name, [(crcs[task], n) for task, n in chunks]) for crc, name, chunks in checked]
+    )
+
+
+def _failed_checks(checked: Sequence[tuple[int, str, Sequence[tuple[int, int]]]]) -> list[str]:
+    """The names of the checked pieces whose CRC-32 differs from the one recorded. Each is
+    (the recorded CRC-32, its name, [(a chunk's CRC-32, its length), ...] in file order): the
+    chunks' CRCs are joined (an empty piece's is the CRC-32 of no bytes, 0)."""
     failed = []
-    for found, listed in ((crcs, checked), (converted_crcs, converted_checked)):
-        for expected, first, name, lengths in listed:
-            crc = found[first]
-            for k, length in enumerate(lengths[1:], start=1):
-                crc = combine(crc, found[first + k], length)
-            if crc != expected:
-                failed.append(name)
+    for expected, name, chunks in checked:
+        crc = chunks[0][0] if chunks else 0
+        for part, length in chunks[1:]:
+            crc = combine(crc, part, length)
+        if crc != expected:
+            failed.append(name)
     return failed
 
 
@@ -378,14 +374,12 @@ def _read_cuda(
         share(0, 1)
     else:
         _run_shares(share, threads, stop)
-    failed = []
-    for expected, first, name, lengths in checked:
-        crc = crcs[first] if lengths else 0  # an empty piece: the CRC-32 of no bytes
-        for k, length in enumerate(lengths[1:], start=1):
-            crc = combine(crc, crcs[first + k], length)
-        if crc != expected:
-            failed.append(name)
-    return failed
+    return _failed_checks(
+        [
+            (crc, name, [(crcs[first + k], n) for k, n in enumerate(lengths)])
+            for crc, first, name, lengths in checked
+        ]
+    )
 
 
 class OpenFiles:
