@@ -468,9 +468,9 @@ def _pickle_code(p: Path, kind: str) -> list[str]:
     with readable(p):
         if kind == "zip":
             with zipfile.ZipFile(p) as archive:
-                pickles = [n for n in archive.namelist() if n.endswith("data.pkl")]
-                if pickles:
-                    recorder = RecordingUnpickler(io.BytesIO(archive.read(min(pickles, key=len))))
+                name = _pickle_record(archive)
+                if name is not None:
+                    recorder = RecordingUnpickler(io.BytesIO(archive.read(name)))
                     recorder.load()
                     found = recorder.found
         elif kind == "legacy":
@@ -577,14 +577,20 @@ def _itemsize(dtype: str) -> int:
     return found.itemsize if isinstance(found, torch.dtype) else 1
 
 
+def _pickle_record(archive: zipfile.ZipFile) -> str | None:
+    """The name of a torch zip file's pickle record (the top one, ``archive/data.pkl``), or
+    None where it has none."""
+    pickles = [n for n in archive.namelist() if n.endswith("data.pkl")]
+    return min(pickles, key=len) if pickles else None
+
+
 def _zip_entries(p: Path, code: list[str]) -> dict[str, Entry]:
     # any other failure than a CheckpointError (zipfile's NotImplementedError for a damaged
     # version field included): the file is damaged
     with readable(p), zipfile.ZipFile(p) as archive, p.open("rb") as raw:
-        pickles = [n for n in archive.namelist() if n.endswith("data.pkl")]
-        if not pickles:
+        pickle_name = _pickle_record(archive)
+        if pickle_name is None:
             raise CheckpointError(f"{p}: is a zip archive but not a torch.save file (no data.pkl)")
-        pickle_name = min(pickles, key=len)
         prefix = pickle_name[: -len("data.pkl")]
         locator = _Locator(io.BytesIO(archive.read(pickle_name)))
         try:

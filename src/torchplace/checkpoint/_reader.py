@@ -576,10 +576,11 @@ def read_zip(
 
 class _Record:
     """A storage record of a zip file as the unpickler met it: where its bytes are, its dtype
-    in the file and elements, its CRC-32 to check (if asked), and the bytes given to the
-    unpickler (on ``meta`` while the dtype it is read in waits for the tensors' wishes)."""
+    in the file and elements, its CRC-32 to check (if asked), the bytes given to the unpickler
+    (on ``meta`` while the dtype it is read in waits for the tensors' wishes), and the typed
+    storage over them that the unpickler was handed."""
 
-    __slots__ = ("check", "data", "dtype", "numel", "start")
+    __slots__ = ("check", "data", "dtype", "numel", "start", "storage")
 
     def __init__(
         self,
@@ -590,6 +591,9 @@ class _Record:
         data: torch.Tensor,
     ) -> None:
         self.start, self.dtype, self.numel, self.check, self.data = start, dtype, numel, check, data
+        self.storage = torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
+            wrap_storage=data.untyped_storage(), dtype=dtype, _internal=True
+        )
 
 
 def _read_zip_once(
@@ -602,7 +606,6 @@ def _read_zip_once(
     p = layout.path
     defer = dtype_of is not None  # storages on meta until every tensor's wish is known
     records: dict[str, _Record] = {}
-    storages: dict[str, Any] = {}
     try:
 
         def persistent_load(saved_id: Any) -> Any:
@@ -611,8 +614,8 @@ def _read_zip_once(
             typename, storage_type, key, _location, numel = saved_id
             if typename not in ("storage", b"storage") or not isinstance(key, str):
                 raise _Unusual(f"persistent id {saved_id!r}")
-            if key in storages:
-                return storages[key]
+            if key in records:
+                return records[key].storage
             if storage_type is torch.UntypedStorage:
                 dtype = torch.uint8
             else:
@@ -626,10 +629,7 @@ def _read_zip_once(
             check = (info.CRC, info.filename) if check_crc and info.CRC else None  # 0: none
             data = torch.empty(nbytes, dtype=torch.uint8, device="meta" if defer else target)
             records[key] = _Record(start, dtype, numel, check, data)
-            storage = storages[key] = torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
-                wrap_storage=data.untyped_storage(), dtype=dtype, _internal=True
-            )
-            return storage
+            return records[key].storage
 
         from torch import _weights_only_unpickler
 
