@@ -1081,8 +1081,13 @@ def test_inspect_output_golden(
     check_golden(golden, out.getvalue(), regen_golden)
 
 
-def test_an_index_remapped_to_a_name_without_its_suffix_loads(tmp_path: Path) -> None:
-    """The format is known from the file's bytes, so `-o NAME` need not end in .index.json."""
+def test_an_index_remapped_to_a_name_without_json_makes_a_directory_that_loads(
+    tmp_path: Path,
+) -> None:
+    """`-o NAME` without the .json an index is found by used to write the index under the bare
+    name beside its shards, a file nothing finds as an index: NAME is now a directory made for
+    the index (under its own name) and its shards, which load takes; an existing file of that
+    name is refused, untouched."""
     pytest.importorskip("safetensors")
     from safetensors.torch import save_file
 
@@ -1095,8 +1100,17 @@ def test_an_index_remapped_to_a_name_without_its_suffix_loads(tmp_path: Path) ->
     out = tmp_path / "out"
     out.mkdir()
     assert main(["remap", str(index), "--to", "cpu", "-o", str(out / "remapped")]) == 0
-    loaded = load(out / "remapped")
+    made = out / "remapped"
+    assert sorted(p.name for p in made.iterdir()) == sorted(
+        [index.name, "s1.safetensors", "s2.safetensors"]
+    )
+    assert list(out.iterdir()) == [made]
+    loaded = load(made)
     assert torch.equal(loaded["a"], torch.arange(3.0)) and torch.equal(loaded["b"], torch.ones(2))
+    (out / "taken").write_bytes(b"mine")
+    with pytest.raises(CheckpointError, match=r"taken: is a file, not a directory.*\.json"):
+        remap(index, out / "taken", to="cpu")
+    assert (out / "taken").read_bytes() == b"mine"
 
 
 def test_a_file_remapped_to_meta_still_counts_its_bytes(tmp_path: Path) -> None:

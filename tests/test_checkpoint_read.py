@@ -1015,6 +1015,28 @@ def test_a_whole_model_the_catalog_refuses_is_still_called_a_whole_model(tmp_pat
         load(path)
 
 
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_a_whole_models_tensors_are_named_as_its_state_dict_names_them(
+    tmp_path: Path, legacy: bool
+) -> None:
+    """``0.weight``, not ``_modules.0._parameters.weight``: the names inspect shows are the keys
+    the model's state dict would have, nested modules and buffers included; a non-persistent
+    buffer is listed too (it is in the file) under its own name."""
+    from torchplace.checkpoint._catalog import catalog
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Sequential(nn.BatchNorm1d(4)))
+    model.register_buffer("scratch", torch.zeros(2), persistent=False)
+    path = tmp_path / "whole.pt"
+    torch.save({"model": model, "step": 3}, path, _use_new_zipfile_serialization=not legacy)
+    want = [f"model.{k}" for k in model.state_dict()] + ["model.scratch"]
+    assert sorted(catalog(path).entries) == sorted(want)
+    shown = subprocess.run(
+        [sys.executable, "-m", "torchplace", "inspect", str(path)],
+        capture_output=True, text=True, check=True, env={**os.environ, "COLUMNS": "200"},
+    ).stdout  # fmt: skip
+    assert "model.2.0.running_mean" in shown and "_parameters" not in shown
+
+
 def test_a_whole_model_in_the_legacy_format_is_described_and_named(tmp_path: Path) -> None:
     """Its module classes are saved as persistent ids with their source: the inert reader
     stands in for them as classes, so inspect lists the weights and load names the model."""

@@ -93,3 +93,41 @@ def test_out_of_memory_while_allocating_is_a_checkpoint_error(
     assert model.weight.is_meta  # untouched
     monkeypatch.setattr(_load, "_allocated", real)
     assert torch.equal(torchplace.load(path)["weight"], torch.ones(4, 4))
+
+
+@pytest.mark.parametrize(
+    ("local_world", "cores", "threads"),
+    [(None, 8, 4), ("1", 8, 4), ("2", 2, 1), ("2", 8, 4), ("4", 8, 2), ("16", 8, 1), ("x", 2, 4)],
+)
+def test_ranks_on_one_machine_share_its_cores(
+    tmp_path: Path,
+    four_threads: None,
+    monkeypatch: pytest.MonkeyPatch,
+    local_world: str | None,
+    cores: int,
+    threads: int,
+) -> None:
+    """Under torchrun each local rank reads with its share of the cores: two ranks of two
+    threads each on two cores filled shards 25% more slowly than one thread each. A value of
+    LOCAL_WORLD_SIZE that is not a number leaves the reader as it is, and every byte lands."""
+    if local_world is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world)
+    monkeypatch.setattr(_reader.os, "cpu_count", lambda: cores)
+    path = tmp_path / "data.bin"
+    data = os.urandom(64 * 4096)
+    path.write_bytes(data)
+    seen: set[int] = set()
+    real = _reader._pread_exactly
+
+    def counted(fd: int, view: memoryview, offset: int) -> None:
+        seen.add(threading.get_ident())
+        time.sleep(0.001)  # every thread gets to take a chunk
+        real(fd, view, offset)
+
+    monkeypatch.setattr(_reader, "_pread_exactly", counted)
+    out = torch.empty(len(data), dtype=torch.uint8)
+    _reader.read_into(path, [(0, out)])
+    assert len(seen) == threads
+    assert bytes(out.numpy()) == data

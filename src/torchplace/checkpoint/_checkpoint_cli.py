@@ -500,9 +500,9 @@ def remap(
 
     A shard index (``*.index.json``) is remapped whole: every shard it lists is rewritten (or,
     for safetensors, copied) beside the new index, laid out as beside the old one, and the
-    index is copied last. ``out`` names the new index, or a directory to write it into under
-    its own name; it may not be where the shards are read from. Nothing is renamed into place
-    until every shard is written.
+    index is copied last. ``out`` names the new index (a name ending in ``.json``), or a
+    directory to write it into under its own name, made if its parent exists; it may not be
+    where the shards are read from. Nothing is renamed into place until every shard is written.
 
     A ``save_pretrained`` directory is remapped through its checkpoint (its index, or its one
     model file): ``out`` then names a directory, made if its parent exists, that receives the
@@ -515,7 +515,16 @@ def remap(
     src = resolve(given)  # a save_pretrained directory: its index, or its one checkpoint file
     target = _parse_target(to) if isinstance(to, str) else to
     made: Path | None = None  # the output directory this call made, removed if it fails
-    if src != given:  # from a directory, -o names the directory the copy goes into
+    # From a directory, -o names the directory the copy goes into; from an index, so does an
+    # -o without the .json an index is found by (the index is written in it under its name).
+    into_folder = src != given or (format_of(src) == "index" and not dst.name.endswith(".json"))
+    if into_folder and src == given and dst.exists() and not dst.is_dir():
+        raise CheckpointError(
+            f"{dst}: is a file, not a directory or an index name; give -o a directory for the "
+            f"remapped shards, or an index name ending in .json such as {src.name}. Nothing "
+            "was written"
+        )
+    if into_folder:
         try:
             if not dst.exists() and dst.parent.is_dir():
                 dst.mkdir()
@@ -640,7 +649,8 @@ def register(subparsers: Any) -> None:
         "--output",
         required=True,
         metavar="OUT",
-        help="file to write; for an index, the new index file, or a directory to write it "
-        "into under its own name (not the directory its shards are read from)",
+        help="file to write; for an index, the new index file (ending in .json), or a "
+        "directory to write it into under its own name, made if missing (not the directory its "
+        "shards are read from)",
     )
     remap_cmd.set_defaults(func=_run_remap)

@@ -392,8 +392,30 @@ def tensor_refs(root: Any) -> Iterator[tuple[str, TensorRef]]:
             elif isinstance(obj, (list, tuple)):
                 children = [((path, i), v) for i, v in enumerate(obj)]
             else:
-                children = [(path, part) for part in (obj.args, obj.state, obj.items, obj.values)]
+                children = _module_children(path, obj.state) or [
+                    (path, part) for part in (obj.args, obj.state, obj.items, obj.values)
+                ]
         stack.extend(reversed(children))
+
+
+_MODULE_PARTS = ("_parameters", "_buffers", "_modules")
+
+
+def _module_children(path: _Path, state: Any) -> list[tuple[_Path, Any]] | None:
+    """The parts of a pickled ``nn.Module`` (a whole model saved with ``torch.save(model)``),
+    named as its ``state_dict`` names them: ``0.weight``, not ``_modules.0._parameters.weight``.
+    Its other attributes keep their own names. None when ``state`` is not a module's."""
+    if not isinstance(state, dict) or not all(
+        isinstance(state.get(part), dict) for part in ("_parameters", "_modules")
+    ):
+        return None
+    children: list[tuple[_Path, Any]] = []
+    for part in _MODULE_PARTS:
+        held = state.get(part)
+        if isinstance(held, dict):
+            children += [((path, key), value) for key, value in held.items()]
+    children += [((path, k), v) for k, v in state.items() if k not in _MODULE_PARTS]
+    return children
 
 
 def _records(root: Any, file: str, owners: dict[str, str] | None = None) -> list[TensorRecord]:
