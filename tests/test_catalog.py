@@ -421,3 +421,24 @@ def test_remap_checks_every_records_crc_before_writing_new_ones(tmp_path: Path) 
     with pytest.raises(CheckpointError, match="CRC-32"):
         remap(path, tmp_path / "out.pt", to="cpu")
     assert not (tmp_path / "out.pt").exists()
+
+
+def test_a_safetensors_file_cut_short_after_its_header_was_read_is_said_to_have_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer truncating the file between the header's read and the catalog's own look at
+    its first 8 bytes let a raw struct.error escape (a new-user trial, 1-2 loads in 150)."""
+    from torchplace.checkpoint import _catalog
+
+    path = tmp_path / "m.safetensors"
+    save_file({"w": torch.ones(4)}, str(path))
+    real = _catalog.read_safetensors_header
+
+    def then_cut(p: Path) -> dict[str, Any]:
+        header = real(p)
+        os.truncate(path, 3)  # the writer starts over
+        return header
+
+    monkeypatch.setattr(_catalog, "read_safetensors_header", then_cut)
+    with pytest.raises(CheckpointError, match=r"changed while it was read.*writer"):
+        _catalog.catalog(path)

@@ -237,8 +237,8 @@ def test_remap_refuses_unsafe_file_and_bad_targets(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"builtins\.exec.*remap never runs.*trusted=True"):
         remap(src, tmp_path / "out.pt", to="cpu")
     assert not marker.exists() and not (tmp_path / "out.pt").exists()
-    with pytest.raises(CheckpointError, match="is a directory"):
-        remap(src, tmp_path, to="cpu")
+    with pytest.raises(CheckpointError, match="would write over it"):
+        remap(src, tmp_path, to="cpu")  # into its own directory, under its own name
     with pytest.raises(CheckpointError, match="does not exist"):
         remap(src, tmp_path / "no" / "out.pt", to="cpu")
 
@@ -1217,3 +1217,25 @@ def test_remap_of_a_dict_holding_an_object_gives_a_rewrite_that_remap_then_takes
     remap(tmp_path / "mixed-weights.pt", tmp_path / "x.pt", to="cpu")
     assert torch.equal(load(tmp_path / "x.pt")["w"], torch.arange(3.0))
     assert set(load(tmp_path / "x.pt")) == {"w"}
+
+
+def test_remap_of_a_file_into_a_directory_writes_it_there_under_its_own_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`-o newdir/` wrote a file named newdir (the slash was dropped); `-o existing_dir` was
+    refused while an index or a directory source took it. Now, as cp takes it: a directory
+    (made if its parent exists) gets the file under its own name; a file named with a slash
+    is refused, untouched."""
+    src = tmp_path / "model.pt"
+    torch.save({"w": torch.arange(3.0)}, src)
+    assert main(["remap", str(src), "--to", "meta", "-o", f"{tmp_path / 'new'}/"]) == 0
+    assert "new/model.pt" in capsys.readouterr().out
+    assert describe_file(tmp_path / "new" / "model.pt")[0].device == "meta"
+    (tmp_path / "there").mkdir()
+    assert main(["remap", str(src), "--to", "meta", "-o", str(tmp_path / "there")]) == 0
+    assert [p.name for p in (tmp_path / "there").iterdir()] == ["model.pt"]
+    (tmp_path / "taken").write_bytes(b"mine")
+    with pytest.raises(CheckpointError, match=r"taken: is a file, not a directory.*model\.pt"):
+        remap(src, f"{tmp_path / 'taken'}/", to="cpu")
+    assert (tmp_path / "taken").read_bytes() == b"mine"
+    assert torch.equal(torch.load(src)["w"], torch.arange(3.0))  # the source untouched

@@ -249,12 +249,41 @@ def test_a_sharded_model_is_filled_where_it_is_or_refused_untouched(
     model.to_empty(device="cpu")
     with torch.no_grad():
         model.weight.to_local().fill_(7.0)
-    with pytest.raises(CheckpointError, match=r"device='meta' holds no data.*device=None"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"device='meta' holds no data.*leave the device out, "
+        r"torchplace\.load_into\(model, source\)",
+    ):
         torchplace.load_into(model, path, "meta")
     assert bool((model.weight.to_local() == 7.0).all())
     torchplace.load_into(model, path)
     assert torch.equal(model.weight.to_local(), state["weight"][:3])  # rows 0-2 of 10 on rank 0
     assert torch.equal(model.bias.to_local(), state["bias"][:3])
+
+
+def test_a_file_cut_short_during_a_sharded_read_is_said_to_have_changed(
+    fake_world: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sharded path said "EOFError: the file ends at byte ..." where the plain path says
+    the file changed while it was read: a writer truncating it is now named as such."""
+    from torch.distributed.fsdp import fully_shard
+
+    from torchplace.checkpoint import _reader
+
+    path = tmp_path / "m.safetensors"
+    save_file({"weight": torch.randn(64, 64), "bias": torch.randn(64)}, str(path))
+    with torch.device("meta"):
+        model = torch.nn.Linear(64, 64)
+    fully_shard(model, mesh=fake_world)
+    real = _reader._pread_exactly
+
+    def cut_first(fd: int, view: memoryview, offset: int) -> None:
+        os.truncate(path, 100)  # a writer starts over, mid-load
+        real(fd, view, offset)
+
+    monkeypatch.setattr(_reader, "_pread_exactly", cut_first)
+    with pytest.raises(CheckpointError, match=r"changed while it was read.*partly filled"):
+        torchplace.load_into(model, path)
 
 
 class _SelfLoading(torch.nn.Linear):
@@ -499,9 +528,53 @@ def _():
 
 @case("strict-false-leaves-what-the-file-lacks-on-meta")
 def _():
+    import warnings
+
     model = fsdp(torchplace.skeleton(Net))
-    torchplace.load_into(model, os.path.join(folder, "net-no-bias.safetensors"), strict=False)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        torchplace.load_into(model, os.path.join(folder, "net-no-bias.safetensors"), strict=False)
+    words = [str(w.message) for w in said if issubclass(w.category, UserWarning)]
+    assert any("Net on meta" in w and ": a.bias." in w for w in words), words
     assert model.a.bias.is_meta, "a parameter the file lacks got uninitialized memory"
+    assert "to_empty" not in words[0], words  # a.weight loaded: to_empty would wipe it
+    model = fsdp(torchplace.skeleton(Net))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        torchplace.load_into(model, os.path.join(folder, "net-no-c.safetensors"), strict=False)
+    (words,) = [str(w.message) for w in said if issubclass(w.category, UserWarning)]
+    assert "model.c.to_empty(device='cpu') then model.c.reset_parameters()" in words, words
+    model.c.to_empty(device="cpu")  # the fix, as given
+    model.c.reset_parameters()
+    assert not model.c.weight.is_meta and not model.c.weight.to_local().is_meta
+    assert torch.equal(model.a.weight.full_tensor(), reference["a.weight"]), "a.weight wiped"
+    train_step(model, torch.randn(2, 6))
+    with warnings.catch_warnings():  # where warnings are errors, nothing has been read yet
+        warnings.simplefilter("error")
+        again = fsdp(torchplace.skeleton(Net))
+        lacking = os.path.join(folder, "net-no-bias.safetensors")
+        try:
+            torchplace.load_into(again, lacking, strict=False)
+        except UserWarning:
+            pass
+        else:
+            raise AssertionError("no warning raised as an error")
+    assert again.a.weight.is_meta, "the model was filled before the warning"
+
+
+@case("ddp-prefix-is-named-with-the-rename-that-drops-it")
+def _():
+    model = fsdp(torchplace.skeleton(Net))
+    path = os.path.join(folder, "net-ddp.safetensors")
+    try:
+        torchplace.load_into(model, path)
+    except CheckpointError as exc:
+        fix = 'rename={r"^module\\.": ""}'
+        assert fix in str(exc), str(exc)
+    else:
+        raise AssertionError("a prefixed file loaded")
+    torchplace.load_into(model, path, rename={r"^module\.": ""})  # the fix, as given
+    check_equal(model, reference, "loaded")
     assert torch.equal(model.a.weight.full_tensor(), reference["a.weight"]), "a.weight differs"
     assert torch.equal(model.b.bias.full_tensor(), reference["b.bias"]), "b.bias differs"
 
@@ -571,6 +644,7 @@ CASES = (
     "tp-zip-skeleton",
     "missing-key",
     "strict-false-leaves-what-the-file-lacks-on-meta",
+    "ddp-prefix-is-named-with-the-rename-that-drops-it",
     "wrong-shape",
     "verify-names-stragglers-by-rank",
 )
@@ -595,6 +669,9 @@ def _checkpoints(folder: Path) -> None:
         {k: v for k, v in net.items() if k != "a.bias"}, str(folder / "net-no-bias.safetensors")
     )
     save_file(net | {"a.weight": torch.randn(7, 5)}, str(folder / "net-wide.safetensors"))
+    save_file({f"module.{k}": v for k, v in net.items()}, str(folder / "net-ddp.safetensors"))
+    no_c = {k: v for k, v in net.items() if not k.startswith("c.")}
+    save_file(no_c, str(folder / "net-no-c.safetensors"))
     torch.save(net, folder / "net.pt")
     first = {k: net[k] for k in ("a.weight", "scale")}
     second = {k: net[k] for k in ("a.bias", "b.weight", "b.bias", "c.weight", "c.bias")}

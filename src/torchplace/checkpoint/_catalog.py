@@ -492,7 +492,14 @@ def _safetensors_catalog(p: Path) -> Catalog:
     def parse() -> dict[str, Entry]:
         header = read_safetensors_header(p)
         with p.open("rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
+            head = f.read(8)
+        if len(head) < 8:  # its header was just read whole: the file was cut short since
+            raise CheckpointError(
+                f"{p}: the file changed while it was read (it is now {len(head)} bytes or "
+                "fewer), so another process may be writing it right now; load it again once "
+                "the writer is done"
+            )
+        (header_len,) = struct.unpack("<Q", head)
         base = 8 + header_len
         entries = {}
         for name, raw in header.items():

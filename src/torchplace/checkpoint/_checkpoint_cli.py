@@ -504,6 +504,9 @@ def remap(
     directory to write it into under its own name, made if its parent exists; it may not be
     where the shards are read from. Nothing is renamed into place until every shard is written.
 
+    ``out`` ending in a slash, or an existing directory, names a directory to write into under
+    the source's own name (made if its parent exists), for any source.
+
     A ``save_pretrained`` directory is remapped through its checkpoint (its index, or its one
     model file): ``out`` then names a directory, made if its parent exists, that receives the
     checkpoint under its own names (the directory's other files, such as ``config.json``, are
@@ -515,14 +518,21 @@ def remap(
     src = resolve(given)  # a save_pretrained directory: its index, or its one checkpoint file
     target = _parse_target(to) if isinstance(to, str) else to
     made: Path | None = None  # the output directory this call made, removed if it fails
-    # From a directory, -o names the directory the copy goes into; from an index, so does an
-    # -o without the .json an index is found by (the index is written in it under its name).
-    into_folder = src != given or (format_of(src) == "index" and not dst.name.endswith(".json"))
-    if into_folder and src == given and dst.exists() and not dst.is_dir():
+    # -o names a directory the copy goes into, under the source's own names: from a directory
+    # always; from an index, unless it ends in the .json an index is found by; and from any
+    # source, when it ends in a slash or is a directory already (as cp takes it).
+    slash = str(out).endswith(("/", os.sep))
+    index = format_of(src) == "index"
+    try:
+        is_dir, exists = dst.is_dir(), dst.exists()
+    except OSError as exc:  # a name too long, say
+        raise CheckpointError(f"{dst}: cannot be written ({exc.strerror or exc})") from exc
+    into_folder = src != given or slash or is_dir or (index and not dst.name.endswith(".json"))
+    if into_folder and src == given and exists and not is_dir:
+        name = "an index name ending in .json such as " if index else "the file's name, such as "
         raise CheckpointError(
-            f"{dst}: is a file, not a directory or an index name; give -o a directory for the "
-            f"remapped shards, or an index name ending in .json such as {src.name}. Nothing "
-            "was written"
+            f"{dst}: is a file, not a directory; give -o a directory for the remapped "
+            f"{'shards' if index else 'file'}, or {name}{src.name}. Nothing was written"
         )
     if into_folder:
         try:
@@ -533,6 +543,12 @@ def remap(
             raise CheckpointError(f"{dst}: cannot be made ({exc.strerror or exc})") from exc
         if dst.is_dir():
             dst = dst / src.name
+        if not index and dst.resolve() == src.resolve():
+            raise CheckpointError(
+                f"{src}: remapping it into {dst.parent} would write over it, the file it reads; "
+                f"give -o another directory, or name the file itself (-o {src}) to rewrite it in "
+                "place. Nothing was written"
+            )
     try:  # what remap checks before writing: a failure removes the directory it made
         kind = format_of(src)
         if kind == "index":
@@ -649,8 +665,8 @@ def register(subparsers: Any) -> None:
         "--output",
         required=True,
         metavar="OUT",
-        help="file to write; for an index, the new index file (ending in .json), or a "
-        "directory to write it into under its own name, made if missing (not the directory its "
-        "shards are read from)",
+        help="file to write, or a directory (ending in / or existing; made if missing) to write "
+        "it into under its own name; for an index, the new index file (ending in .json) or a "
+        "directory for it and its shards (not the directory its shards are read from)",
     )
     remap_cmd.set_defaults(func=_run_remap)

@@ -6,7 +6,6 @@ import bisect
 import dataclasses
 import functools
 import os
-import re
 import sys
 import warnings
 from collections.abc import Callable, Mapping
@@ -22,7 +21,6 @@ from .._devices import device as _device
 from .._errors import CheckpointError, MoveError, TorchplaceError
 from .._model_walk import Slot, tensor_slots
 from .._own_moves import AttributeSnapshot, run_own_moves
-from .._suggest import close_matches
 from ..moving._identity import parameter_like
 from ..moving._move import discarded_warning
 from ._catalog import Catalog, catalog, format_of
@@ -38,6 +36,14 @@ from ._conversions import (
 )
 from ._formats import first_sentence
 from ._load import Assembled, load_state, read_assembled, source_bytes, whole_plan
+from ._mismatch import (
+    check_state_dict,
+    keys_hint,
+    left_on_meta,
+    listing,
+    source_name,
+    target_for,
+)
 from ._progress import reporting, wanted
 from ._reader import DTypeWish
 from ._rename import Rename, as_renamer, guarded, renamed
@@ -50,157 +56,6 @@ from ._statedict import (
     run_post_hooks,
     set_extra_states,
 )
-
-
-def _listing(items: list[str], limit: int = 10) -> str:
-    shown = ", ".join(items[:limit])
-    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
-
-
-def _source(p: Path | str) -> str:
-    """How a suggested call names the source: the file's name as Python (``'/ckpt/last.pt'``),
-    or ``state_dict`` for a mapping given in memory."""
-    return repr(str(p)) if isinstance(p, Path) else "state_dict"
-
-
-def _keys_hint(p: Path | str, missing: list[str], unexpected: list[str]) -> str:
-    """Says when the file's keys differ from the model's by one prefix (``module.`` from DDP),
-    else which look misspelt (``_typo_hint``).
-
-    The prefix must account for every missing key, so that a file of another model whose keys
-    merely end alike (``emb.weight`` against ``weight``) gets no false hint.
-    """
-    names = [m.split(" (tied to ")[0] for m in missing]  # missing keys as listed, ties noted
-    if not names or not unexpected:
-        return ""
-    files = set(unexpected)
-    u = next((k for k in unexpected if k.endswith(names[0]) and k != names[0]), None)
-    if u is not None:
-        extra = u[: len(u) - len(names[0])]
-        if all(extra + n in files for n in names):
-            return (
-                f"; the file's keys carry an extra prefix {extra!r}: drop it as they load, "
-                f"torchplace.load_into(model, {_source(p)}, "
-                f'rename={{{_pattern("^" + re.escape(extra))}: ""}})'
-            )
-    m = next((n for n in names if n.endswith(unexpected[0]) and n != unexpected[0]), None)
-    if m is not None:
-        prefix = m[: len(m) - len(unexpected[0])]
-        if all(prefix + k in set(names) for k in unexpected):
-            return (
-                f"; the model's keys carry a prefix {prefix!r} the file lacks: load into that "
-                f"part of the model, torchplace.load_into(model.get_submodule("
-                f"{prefix.rstrip('.')!r}), {_source(p)})"
-            )
-    # A tied parameter is missing under every one of its names, any of which a file may hold.
-    tied = {
-        n for m in missing if " (tied to " in m for n in m[:-1].split(" (tied to ")[1].split(", ")
-    }
-    return _typo_hint(p, names, unexpected, tied)
-
-
-def _typo_hint(p: Path | str, missing: list[str], unexpected: list[str], tied: set[str]) -> str:
-    """Says which of the file's keys look like misspellings of the model's missing ones
-    (``dcoder.0.weight`` for ``decoder.0.weight``), and when one part of the name is misspelt
-    alike in every key, the ``rename`` that fits them all."""
-    pairs = _misspelt(missing, unexpected)
-    if not pairs:
-        return ""
-    rule = _one_part_rule(pairs, unexpected, {*missing, *tied})
-    if rule is not None:
-        pattern, replacement, wrong, right = rule
-        return (
-            f"; the file's keys spell {wrong!r} where the model has {right!r}: rename them as "
-            f"they load, torchplace.load_into(model, {_source(p)}, "
-            f'rename={{{_pattern(pattern)}: "{replacement}"}})'
-        )
-    shown = ", ".join(f"{key} for {name}" for key, name in pairs)
-    return (
-        f"; keys that look misspelt (the file's for the model's): {shown}; correct the names, "
-        "or fit them as they load with rename= (a dict of regular expressions or a callable)"
-    )
-
-
-def _misspelt(missing: list[str], unexpected: list[str], limit: int = 3) -> list[tuple[str, str]]:
-    """Up to ``limit`` pairs (the file's key, the model's missing key) that differ by a typo,
-    each name used once. Keys are compared a dotted part at a time (a typo within one part of
-    names alike in every other), which stays fast for models of any size; a few keys are also
-    compared whole (a dot dropped or added), and paired only when nearly equal. Names that
-    differ only in numbers (``layers.5`` for ``layers.4``: another depth, not a typo) are no
-    pair."""
-    blanked: dict[str, list[str]] = {}  # a missing key with one part blanked: the keys
-    for name in missing:
-        parts = name.split(".")
-        for i in range(len(parts)):
-            blanked.setdefault(_blank(parts, i), []).append(name)
-    whole = len(missing) * len(unexpected) <= 2500
-    pairs: list[tuple[str, str]] = []
-    taken: set[str] = set()
-    for key in unexpected:
-        parts = key.split(".")
-        found: list[str] = []
-        for i, part in enumerate(parts):
-            options: dict[str, str] = {}  # the part a missing key has in place of this one
-            for name in blanked.get(_blank(parts, i), []):
-                if name not in taken:
-                    options.setdefault(name.split(".")[i], name)
-            found += [options[c] for c in close_matches(part, options, n=1, cutoff=0.75)]
-        if not found and whole:
-            found = close_matches(key, [n for n in missing if n not in taken], n=1, cutoff=0.9)
-        found = [n for n in found if _digitless(n) != _digitless(key)]
-        if found:
-            pairs.append((key, found[0]))
-            taken.add(found[0])
-            if len(pairs) == limit:
-                break
-    return pairs
-
-
-def _blank(parts: list[str], i: int) -> str:
-    """A dotted name with its part ``i`` blanked out."""
-    return ".".join([*parts[:i], "\0", *parts[i + 1 :]])
-
-
-def _digitless(key: str) -> str:
-    return re.sub(r"\d+", "#", key)
-
-
-def _one_part_rule(
-    pairs: list[tuple[str, str]], unexpected: list[str], missing: set[str]
-) -> tuple[str, str, str, str] | None:
-    """``(pattern, replacement, wrong, right)`` when the first pair differs in one dotted part,
-    and renaming that part so in every file key fits each pair and takes each key it changes to
-    a missing key of the model; otherwise None."""
-    key, name = pairs[0]
-    have, want = key.split("."), name.split(".")
-    if len(have) != len(want):
-        return None
-    differ = [i for i, (a, b) in enumerate(zip(have, want, strict=True)) if a != b]
-    if len(differ) != 1 or not re.fullmatch(r"[\w-]+", want[differ[0]]):
-        return None
-    (i,) = differ
-    first, last = i == 0, i == len(have) - 1
-    pattern = ("^" if first else r"\.") + re.escape(have[i]) + ("$" if last else r"\.")
-    replacement = ("" if first else ".") + want[i] + ("" if last else ".")
-    compiled = re.compile(pattern)
-    if any(compiled.sub(replacement, k) != n for k, n in pairs):
-        return None
-    changed = [compiled.sub(replacement, k) for k in unexpected if compiled.search(k)]
-    if len(set(changed)) != len(changed) or not all(k in missing for k in changed):
-        return None
-    return pattern, replacement, have[i], want[i]
-
-
-def _pattern(regex: str) -> str:
-    """A regular expression as Python source, raw where that reads better."""
-    return f'r"{regex}"' if '"' not in regex and not regex.endswith("\\") else repr(regex)
-
-
-def _target_for(slot: Slot, target: torch.device | None) -> torch.device:
-    if target is not None:
-        return target
-    here = slot.tensor.device
-    return torch.device("cpu") if here.type == "meta" else here
 
 
 def _place(slot: Slot, value: torch.Tensor, undos: list[Callable[[], object]]) -> None:
@@ -417,7 +272,7 @@ def load_into(
             else:
                 rest = direct.rest
                 state, assembled = _read_direct(direct, read_on, wish)
-    _check_state_dict(p, model, state, loadable)
+    check_state_dict(p, model, state, loadable)
     if renamer is not None:
         state = renamed(str(p), state, renamer)
     if rest is not None:
@@ -625,82 +480,9 @@ def _warn_after_fill(fit: _Fit) -> None:
     left = [s for s in (*fit.loadable, *fit.transient) if s.tensor.is_meta]
     if not left:
         return
-    names = [s.names[0] for s in left]
-    model = fit.model
-    tied, meta = _tied_hint(model, left)
-    rest = [s for s in left if s.tensor is not meta]
-    fix = ""
-    if rest:
-        fix = (
-            " Give them values before the model runs: load them from a file that holds them, "
-            "or initialise them"
-        )
-        holder = rest[0].homes[0][0]
-        own = [*holder._parameters.values(), *holder._buffers.values()]
-        if (
-            hasattr(holder, "reset_parameters")
-            and holder is not model
-            and all(t is None or t.is_meta for t in own)  # else to_empty wipes what loaded
-        ):
-            code = _as_python(_path_of(model, holder))
-            dev = _target_for(rest[0], fit.target)
-            fix += f", e.g. {code}.to_empty(device={str(dev)!r}) then {code}.reset_parameters()"
-    why = "strict=False" if not fit.strict else "the model's load post-hooks"
     warnings.warn(
-        f"torchplace.load_into left {len(names)} tensor(s) of {type(model).__name__} on meta, "
-        f"where they hold no values: {_listing(names)}. {fit.p} has no key for them "
-        f"({why} let the load go ahead), and a model with tensors on meta fails or, "
-        "worse, computes garbage (F.linear of a real input and a meta weight returns "
-        f"uninitialised values).{tied}{fix}",
-        UserWarning,
-        stacklevel=4,
+        left_on_meta(fit.model, fit.p, left, fit.strict, fit.target), UserWarning, stacklevel=4
     )
-
-
-def _path_of(model: nn.Module, module: nn.Module) -> str:
-    path: str = next(name for name, m in model.named_modules() if m is module)
-    return path
-
-
-def _as_python(path: str) -> str:
-    """How code names the submodule of ``model`` at ``path``: ``model.lm_head``, or
-    ``model.get_submodule('layers.0')`` where attribute access cannot spell it."""
-    if all(part.isidentifier() for part in path.split(".")):
-        return "model." + path
-    return f"model.get_submodule({path!r})"
-
-
-def _tied_hint(model: nn.Module, left: list[Slot]) -> tuple[str, torch.Tensor | None]:
-    """Says when a weight left on meta is the output embedding of a Hugging Face model whose
-    input embedding loaded with the same shape: the file looks saved from a model with tied
-    embeddings (``tie_word_embeddings``), which saves the weight they share once. Returns the
-    words and that weight, or ``("", None)``."""
-    inputs = getattr(model, "get_input_embeddings", None)
-    outputs = getattr(model, "get_output_embeddings", None)
-    if not (callable(inputs) and callable(outputs)):
-        return "", None
-    try:
-        src, dst = inputs(), outputs()
-    except Exception:  # a model that has none raises NotImplementedError
-        return "", None
-    weight = getattr(src, "weight", None)
-    meta = getattr(dst, "weight", None)
-    if not isinstance(weight, torch.Tensor) or not isinstance(meta, torch.Tensor):
-        return "", None
-    if weight.is_meta or not meta.is_meta or weight.shape != meta.shape:
-        return "", None
-    if not any(s.tensor is meta for s in left):
-        return "", None
-    out_path, in_path = _path_of(model, dst), _path_of(model, src)
-    flag = getattr(getattr(model, "config", None), "tie_word_embeddings", None)
-    built = ", and this model was built with tie_word_embeddings=False" if flag is False else ""
-    words = (
-        " The file looks saved from a model with tied embeddings (tie_word_embeddings=True): "
-        f"such a model shares one weight between {out_path} and {in_path} and saves it once, "
-        f"as {in_path}.weight{built}. Tie them as it did, {_as_python(out_path)}.weight = "
-        f"{_as_python(in_path)}.weight, or build the model with tie_word_embeddings=True."
-    )
-    return words, meta
 
 
 def _dtype_wish(
@@ -735,7 +517,7 @@ def _read_on(loadable: list[Slot], target: torch.device | None) -> torch.device:
     skeleton), the bytes go through pinned buffers straight there. Otherwise the file is read
     into host memory, and tensors are filled or moved from it.
     """
-    devices = {target} if target is not None else {_target_for(s, None) for s in loadable}
+    devices = {target} if target is not None else {target_for(s, None) for s in loadable}
     if len(devices) != 1:
         return torch.device("cpu")
     (dev,) = devices
@@ -744,29 +526,6 @@ def _read_on(loadable: list[Slot], target: torch.device | None) -> torch.device:
     if dev.type == "cuda" and not any(s.tensor.device == dev for s in loadable):
         return dev
     return torch.device("cpu")
-
-
-def _check_state_dict(p: Path | str, model: nn.Module, state: Any, loadable: list[Slot]) -> None:
-    """A ``CheckpointError`` for what is not a state dict, with the way to the one inside."""
-    if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
-        raise CheckpointError(f"{p}: holds a {type(state).__name__}, not a state dict")
-    nested = [k for k, v in state.items() if isinstance(v, Mapping)]
-    if nested and not any(isinstance(v, torch.Tensor) for v in state.values()):
-        key = "state_dict" if "state_dict" in nested else nested[0]
-        inner = state[key]
-        names = {n for slot in loadable for n in slot.names}
-        rename = ""
-        if inner and not any(k in names for k in inner):
-            first = next(iter(inner))
-            head = first.split(".", 1)[0] + "." if "." in first else ""
-            fits = any(k[len(head) :] in names for k in inner)
-            if head and fits and all(k.startswith(head) for k in inner):
-                rename = f', rename={{r"^{re.escape(head)}": ""}}'
-        where = "state_dict" if isinstance(p, str) else f"torchplace.load({_source(p)})"
-        raise CheckpointError(
-            f"{p}: holds a dict of {_listing(sorted(nested), 5)}, not a state dict; load the "
-            f"part that holds the weights, torchplace.load_into(model, {where}[{key!r}]{rename})"
-        )
 
 
 class _Fit:
@@ -849,28 +608,28 @@ class _Fit:
         ]
         problems = []
         if mismatched:
-            problems.append(f"shape mismatches: {_listing(mismatched)}")
+            problems.append(f"shape mismatches: {listing(mismatched)}")
         if conflicts:
             drop = conflicts[0].split(" and ")[1]
             problems.append(
-                f"tied weights saved with different values: {_listing(conflicts)} (the file was "
+                f"tied weights saved with different values: {listing(conflicts)} (the file was "
                 "saved from a model that keeps them apart; keep the value you want and drop the "
                 f"other, e.g. rename=lambda k: None if k == {drop!r} else k)"
             )
         if seen.errors:
-            problems.append(f"refused by the model: {_listing(seen.errors)}")
+            problems.append(f"refused by the model: {listing(seen.errors)}")
         if empty:
             problems.append(
-                f"tensors on meta, which hold no values to load: {_listing(empty)} (the state "
+                f"tensors on meta, which hold no values to load: {listing(empty)} (the state "
                 "dict came from a model on meta or a skeleton not yet filled; load the weights "
                 "from the file they were saved to, or load onto 'meta' to check shapes only)"
             )
         if strict and no_data:
             problems.append(
-                f"non-persistent buffers on meta that no checkpoint holds: {_listing(no_data)} "
+                f"non-persistent buffers on meta that no checkpoint holds: {listing(no_data)} "
                 "(their values were lost when they went to meta, by a move or a load onto "
                 "'meta'; build the model again with torchplace.skeleton(YourModel, ...), which "
-                f"keeps such buffers real, then torchplace.load_into(model, {_source(p)}, "
+                f"keeps such buffers real, then torchplace.load_into(model, {source_name(p)}, "
                 f"{str(read_on)!r}))"
             )
         unexpected = self.unexpected
@@ -892,13 +651,11 @@ class _Fit:
                 [m.split(": ")[0] for m in mismatched],
             )
         if not strict and not self.matched and loadable and not self.hooked:
-            held = (
-                f"the file has {_listing(unexpected, 5)}" if unexpected else "the file holds none"
-            )
+            held = f"the file has {listing(unexpected, 5)}" if unexpected else "the file holds none"
             raise CheckpointError(
                 f"{p}: not one of its keys matches {type(model).__name__}, so strict=False "
-                f"would load nothing: the model has {_listing(missing, 5)}; {held}"
-                f"{_keys_hint(p, missing, unexpected)}"
+                f"would load nothing: the model has {listing(missing, 5)}; {held}"
+                f"{keys_hint(p, missing, unexpected)}"
             )
 
 
@@ -925,7 +682,7 @@ def _prepare(fit: _Fit, target: torch.device | None, *, copy: bool) -> _Prepared
     spans = _Spans()  # the bytes given to a slot so far
     try:
         for slot, value in fit.plan:
-            dev = _target_for(slot, target)
+            dev = target_for(slot, target)
             current = slot.tensor
             lazy = is_lazy(current)
             if current.device == dev and dev.type != "meta" and not lazy:
@@ -1148,7 +905,7 @@ def _run_own_loaders(
                 )
                 raise CheckpointError(
                     f"{fit.p}: {where} ({type(module).__name__}) loads itself "
-                    f"(_load_from_state_dict) and refused the file: {_listing(errors)}; {state}"
+                    f"(_load_from_state_dict) and refused the file: {listing(errors)}; {state}"
                 )
             missing += [k for k in reported if k not in missing and k not in fit.not_loaded]
 
@@ -1169,10 +926,10 @@ def _does_not_fit(
     """
     keys = []
     if missing:
-        keys.append(f"missing keys: {_listing(missing)}")
+        keys.append(f"missing keys: {listing(missing)}")
     if strict and unexpected:
-        keys.append(f"unexpected keys: {_listing(unexpected)}")
-    hint = _keys_hint(p, missing, unexpected) if strict else ""
+        keys.append(f"unexpected keys: {listing(unexpected)}")
+    hint = keys_hint(p, missing, unexpected) if strict else ""
     fix = "; pass strict=False to load what matches" if matched and not problems else ""
     cut = [
         name

@@ -30,6 +30,7 @@ import dataclasses
 import itertools
 import math
 import sys
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from .._errors import CheckpointError, TorchplaceError
 from .._model_walk import Slot, tensor_slots
 from ._catalog import Catalog, Stamp, catalog, contiguous_strides
 from ._conversions import Fused, Plan, conversion_plan, fused_boxes
+from ._mismatch import keys_hint, left_on_meta, listing
 from ._progress import reporting
 from ._reader import OpenFiles, check_records
 from ._rename import Rename, as_renamer, renamed
@@ -263,14 +265,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return t.to_local()  # type: ignore[attr-defined, no-any-return]
     return t.detach()
-
-
-def _listing(items: list[str], limit: int = 10) -> str:
-    more = f" and {len(items) - limit} more" if len(items) > limit else ""
-    return ", ".join(items[:limit]) + more
-
-
-# ---------------------------------------------------------------------------------- reading
 
 
 def _refuse_freed(t: torch.Tensor) -> None:
@@ -538,35 +532,39 @@ def load_sharded(
     unexpected = [k for k in entries if k not in used]
     problems = []
     if strict and missing:
-        problems.append(f"missing keys: {_listing(missing)}")
+        problems.append(f"missing keys: {listing(missing)}")
     if strict and unexpected:
-        problems.append(f"unexpected keys: {_listing(unexpected)}")
+        problems.append(f"unexpected keys: {listing(unexpected)}")
     if mismatched:
-        problems.append(f"shape mismatches: {_listing(mismatched)}")
+        problems.append(f"shape mismatches: {listing(mismatched)}")
     if strict and meta_transient:
         problems.append(
-            f"non-persistent buffers on meta that no checkpoint holds: {_listing(meta_transient)} "
+            f"non-persistent buffers on meta that no checkpoint holds: {listing(meta_transient)} "
             "(build the model with torchplace.skeleton so buffers stay real)"
         )
     if problems:
+        hint = keys_hint(where, missing, unexpected) if strict else ""
         fix = "; pass strict=False to load what matches" if plan and not mismatched else ""
         raise CheckpointError(
-            f"{where}: does not fit {type(model).__name__}: {'; '.join(problems)}{fix}; the "
-            "model is untouched",
+            f"{where}: does not fit {type(model).__name__}: {'; '.join(problems)}{hint}{fix}; "
+            "the model is untouched",
             missing=[m.split(" (tied to ")[0] for m in missing] if strict else [],
             unexpected=unexpected if strict else [],
             mismatched=[m.split(": ")[0] for m in mismatched],
         )
     if not strict and not plan and slots:
+        holds = f"the file has {listing(unexpected, 5)}" if unexpected else "the file holds none"
         raise CheckpointError(
             f"{where}: not one of its keys matches {type(model).__name__}, so strict=False would "
-            f"load nothing: the model has {_listing(missing, 5)}"
+            f"load nothing: the model has {listing(missing, 5)}; {holds}"
+            f"{keys_hint(where, missing, unexpected)}"
         )
 
     if target is not None and target.type == "meta":
         raise CheckpointError(
             f"{where}: device='meta' holds no data, so a sharded model cannot be filled there; "
-            "pass device=None to fill each rank's shards where they are"
+            "leave the device out, torchplace.load_into(model, source), to fill each rank's "
+            "shards where they are"
         )
     # Meta tensors get memory on ``device``; by default on the device type of the mesh.
     meshes = [getattr(slot.tensor, "device_mesh", None) for slot, _ in plan]
@@ -583,7 +581,8 @@ def load_sharded(
         elif target is not None and t.device != target:
             raise CheckpointError(
                 f"{name} is on {t.device}, not on device={target}: load_into fills a sharded "
-                "model's tensors where they are; pass device=None, or build the model on "
+                "model's tensors where they are; leave the device out, "
+                "torchplace.load_into(model, source), or build the model on "
                 f"{target} (or call model.to_empty(device={str(target)!r})) first"
             )
         if _is_dtensor(t):
@@ -592,9 +591,16 @@ def load_sharded(
             if kind is not None and kind.type != mesh_type:
                 raise CheckpointError(
                     f"{name}: its device mesh is on {mesh_type} but it would be filled on "
-                    f"{kind}; pass device={mesh_type!r}"
+                    f"{kind}; pass that device, torchplace.load_into(model, source, "
+                    f"{mesh_type!r})"
                 )
 
+    # Tensors that stay on meta (keys the file lacks, with strict=False): said before any read,
+    # so that where warnings are errors, the model is untouched.
+    planned = {id(slot) for slot, _ in plan}
+    left = [s for s in (*slots, *found.transient) if s.tensor.is_meta and id(s) not in planned]
+    if left:
+        warnings.warn(left_on_meta(model, where, left, strict, new_home), UserWarning, stacklevel=3)
     reader = _Reader(source_catalog.stamps)
     changed = False
     total = sum(
@@ -634,6 +640,10 @@ def load_sharded(
         state = (
             "the model is partly filled, so build it again" if changed else "the model is untouched"
         )
+        try:  # a file cut short or rewritten under the read: say that it changed
+            reader.verify()
+        except CheckpointError as moved:
+            raise CheckpointError(f"{moved}; {state}") from exc
         raise CheckpointError(
             f"{where}: could not be read into {type(model).__name__} ({type(exc).__name__}: "
             f"{exc}); {state}"
