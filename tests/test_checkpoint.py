@@ -821,6 +821,27 @@ def test_a_misspelt_key_in_a_state_dict_is_named_beside_the_models(tmp_path: Pat
     assert e.value.missing == ("body.0.weight", "body.1.bias")  # the data as before
 
 
+def test_a_rename_is_suggested_only_where_the_shapes_fit(tmp_path: Path) -> None:
+    """A file of ``encoder.*`` (8, 4) against a model's ``decoder`` (3, 2) was told to rename
+    encoder to decoder, which only moved the error to a shape mismatch; the same keys with the
+    model's shapes still get the rename, which loads."""
+
+    class Decoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.decoder = nn.Linear(2, 3)
+
+    other = {"encoder.weight": torch.ones(8, 4), "encoder.bias": torch.ones(8)}
+    with pytest.raises(CheckpointError, match=r"unexpected keys: encoder\.weight") as e:
+        load_into(Decoder(), other)
+    assert "rename" not in str(e.value) and "misspelt" not in str(e.value), str(e.value)
+    fitting = {"encoder.weight": torch.ones(3, 2), "encoder.bias": torch.ones(3)}
+    with pytest.raises(CheckpointError, match=r'rename=\{r"\^encoder\\\.": "decoder\."\}'):
+        load_into(Decoder(), fitting)
+    model = load_into(Decoder(), fitting, rename={r"^encoder\.": "decoder."})  # as given
+    assert torch.equal(model.decoder.weight, torch.ones(3, 2))
+
+
 def test_another_depth_or_another_model_is_no_typo(tmp_path: Path) -> None:
     """Keys that differ only by a number (a deeper model's layers) or merely look alike as a
     whole (conv.weight, norm.weight) are not called misspelt."""

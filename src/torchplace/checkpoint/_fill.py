@@ -37,6 +37,7 @@ from ._conversions import (
 from ._formats import first_sentence
 from ._load import Assembled, load_state, read_assembled, source_bytes, whole_plan
 from ._mismatch import (
+    Shapes,
     check_state_dict,
     keys_hint,
     left_on_meta,
@@ -288,7 +289,12 @@ def load_into(
     # What each module would be given by load_state_dict: older norm layers upgraded, every
     # pre-hook run (a layout converted, a key renamed), so values and shapes match its result.
     seen = as_load_state_dict_sees(p, model, state, extra)
-    fit = _Fit(p, model, seen, loadable, transient, extra, read_on, strict)
+    file_shapes = {
+        k: tuple(v.shape)
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor) and not is_lazy(v)
+    }
+    fit = _Fit(p, model, seen, loadable, transient, extra, read_on, strict, file_shapes)
     prepared = _prepare(fit, target, copy=from_memory)
     return _apply(fit, prepared, extra, seen.own)  # type: ignore[return-value]
 
@@ -545,8 +551,15 @@ class _Fit:
         extra: Mapping[str, nn.Module],
         read_on: torch.device,
         strict: bool,
+        file_shapes: Mapping[str, tuple[int, ...]] | None = None,
     ) -> None:
         self.p, self.model, self.strict, self.transient = p, model, strict, transient
+        # What key hints weigh: a rename is suggested only where the shapes agree.
+        self.shapes: Shapes = (
+            file_shapes or {},
+            {n: tuple(s.tensor.shape) for s in loadable if not is_lazy(s.tensor) for n in s.names},
+        )
+        shapes = self.shapes
         self.read_on, self.loadable = read_on, loadable
         # A load onto meta discards the values of the non-persistent buffers it moves there.
         self.discarded = [
@@ -649,13 +662,14 @@ class _Fit:
                 strict,
                 self.matched,
                 [m.split(": ")[0] for m in mismatched],
+                shapes,
             )
         if not strict and not self.matched and loadable and not self.hooked:
             held = f"the file has {listing(unexpected, 5)}" if unexpected else "the file holds none"
             raise CheckpointError(
                 f"{p}: not one of its keys matches {type(model).__name__}, so strict=False "
                 f"would load nothing: the model has {listing(missing, 5)}; {held}"
-                f"{keys_hint(p, missing, unexpected)}"
+                f"{keys_hint(p, missing, unexpected, shapes)}"
             )
 
 
@@ -820,20 +834,26 @@ def _apply_steps(
     left_missing, left_unexpected = list(fit.not_loaded), list(fit.unexpected)
     _run_own_loaders(fit, undos, left_missing, left_unexpected, put_back)
     if fit.strict and not fit.deferred and left_unexpected:  # keys a self-loader did not take
-        error = _does_not_fit(p, model, [], left_missing, left_unexpected, True, True)
+        error = _does_not_fit(
+            p, model, [], left_missing, left_unexpected, True, True, None, fit.shapes
+        )
         raise _said_more(error, f"; {state_after_put_back()}")
     if not fit.deferred:
         run_post_hooks(p, model, left_missing, left_unexpected, lambda: "the weights are loaded")
         if fit.strict and (left_missing or left_unexpected):  # a hook added keys: as torch does
             raise _said_more(
-                _does_not_fit(p, model, [], left_missing, left_unexpected, True, True),
+                _does_not_fit(
+                    p, model, [], left_missing, left_unexpected, True, True, None, fit.shapes
+                ),
                 " (reported by the model's load post-hooks once the weights were loaded, so "
                 "they are loaded)",
             )
         return
     run_post_hooks(p, model, left_missing, left_unexpected, state_after_put_back)
     if left_missing or left_unexpected:
-        error = _does_not_fit(p, model, [], left_missing, left_unexpected, fit.strict, fit.matched)
+        error = _does_not_fit(
+            p, model, [], left_missing, left_unexpected, fit.strict, fit.matched, None, fit.shapes
+        )
         raise _said_more(error, f"; {state_after_put_back()}")
 
 
@@ -919,6 +939,7 @@ def _does_not_fit(
     strict: bool,
     matched: bool,
     mismatched: list[str] | None = None,
+    shapes: Shapes | None = None,
 ) -> CheckpointError:
     """The error for a file that does not fit: missing and unexpected keys first.
 
@@ -929,7 +950,7 @@ def _does_not_fit(
         keys.append(f"missing keys: {listing(missing)}")
     if strict and unexpected:
         keys.append(f"unexpected keys: {listing(unexpected)}")
-    hint = keys_hint(p, missing, unexpected) if strict else ""
+    hint = keys_hint(p, missing, unexpected, shapes) if strict else ""
     fix = "; pass strict=False to load what matches" if matched and not problems else ""
     cut = [
         name

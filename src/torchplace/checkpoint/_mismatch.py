@@ -17,7 +17,11 @@ from .._errors import CheckpointError
 from .._model_walk import Slot
 from .._suggest import close_matches
 
+# The shapes of the file's tensors by key, and of the model's by name.
+Shapes = tuple[Mapping[str, tuple[int, ...]], Mapping[str, tuple[int, ...]]]
+
 __all__ = [
+    "Shapes",
     "as_pattern",
     "check_state_dict",
     "keys_hint",
@@ -41,7 +45,9 @@ def source_name(p: Path | str) -> str:
     return repr(str(p)) if isinstance(p, Path) else "state_dict"
 
 
-def keys_hint(p: Path | str, missing: list[str], unexpected: list[str]) -> str:
+def keys_hint(
+    p: Path | str, missing: list[str], unexpected: list[str], shapes: Shapes | None = None
+) -> str:
     """Says when the file's keys differ from the model's by one prefix (``module.`` from DDP),
     else which look misspelt (``_typo_hint``).
 
@@ -74,17 +80,23 @@ def keys_hint(p: Path | str, missing: list[str], unexpected: list[str]) -> str:
     tied = {
         n for m in missing if " (tied to " in m for n in m[:-1].split(" (tied to ")[1].split(", ")
     }
-    return _typo_hint(p, names, unexpected, tied)
+    return _typo_hint(p, names, unexpected, tied, shapes)
 
 
-def _typo_hint(p: Path | str, missing: list[str], unexpected: list[str], tied: set[str]) -> str:
+def _typo_hint(
+    p: Path | str,
+    missing: list[str],
+    unexpected: list[str],
+    tied: set[str],
+    shapes: Shapes | None = None,
+) -> str:
     """Says which of the file's keys look like misspellings of the model's missing ones
     (``dcoder.0.weight`` for ``decoder.0.weight``), and when one part of the name is misspelt
     alike in every key, the ``rename`` that fits them all."""
-    pairs = _misspelt(missing, unexpected)
+    pairs = _misspelt(missing, unexpected, shapes=shapes)
     if not pairs:
         return ""
-    rule = _one_part_rule(pairs, unexpected, {*missing, *tied})
+    rule = _one_part_rule(pairs, unexpected, {*missing, *tied}, shapes)
     if rule is not None:
         pattern, replacement, wrong, right = rule
         return (
@@ -99,13 +111,15 @@ def _typo_hint(p: Path | str, missing: list[str], unexpected: list[str], tied: s
     )
 
 
-def _misspelt(missing: list[str], unexpected: list[str], limit: int = 3) -> list[tuple[str, str]]:
+def _misspelt(
+    missing: list[str], unexpected: list[str], limit: int = 3, shapes: Shapes | None = None
+) -> list[tuple[str, str]]:
     """Up to ``limit`` pairs (the file's key, the model's missing key) that differ by a typo,
     each name used once. Keys are compared a dotted part at a time (a typo within one part of
     names alike in every other), which stays fast for models of any size; a few keys are also
     compared whole (a dot dropped or added), and paired only when nearly equal. Names that
     differ only in numbers (``layers.5`` for ``layers.4``: another depth, not a typo) are no
-    pair."""
+    pair, nor are names whose tensors' ``shapes`` differ (the rename would only move the error)."""
     blanked: dict[str, list[str]] = {}  # a missing key with one part blanked: the keys
     for name in missing:
         parts = name.split(".")
@@ -120,11 +134,12 @@ def _misspelt(missing: list[str], unexpected: list[str], limit: int = 3) -> list
         for i, part in enumerate(parts):
             options: dict[str, str] = {}  # the part a missing key has in place of this one
             for name in blanked.get(_blank(parts, i), []):
-                if name not in taken:
+                if name not in taken and _fits(shapes, key, name):
                     options.setdefault(name.split(".")[i], name)
             found += [options[c] for c in close_matches(part, options, n=1, cutoff=0.75)]
         if not found and whole:
-            found = close_matches(key, [n for n in missing if n not in taken], n=1, cutoff=0.9)
+            free = [n for n in missing if n not in taken and _fits(shapes, key, n)]
+            found = close_matches(key, free, n=1, cutoff=0.9)
         found = [n for n in found if _digitless(n) != _digitless(key)]
         if found:
             pairs.append((key, found[0]))
@@ -144,7 +159,10 @@ def _digitless(key: str) -> str:
 
 
 def _one_part_rule(
-    pairs: list[tuple[str, str]], unexpected: list[str], missing: set[str]
+    pairs: list[tuple[str, str]],
+    unexpected: list[str],
+    missing: set[str],
+    shapes: Shapes | None = None,
 ) -> tuple[str, str, str, str] | None:
     """``(pattern, replacement, wrong, right)`` when the first pair differs in one dotted part,
     and renaming that part so in every file key fits each pair and takes each key it changes to
@@ -163,10 +181,22 @@ def _one_part_rule(
     compiled = re.compile(pattern)
     if any(compiled.sub(replacement, k) != n for k, n in pairs):
         return None
-    changed = [compiled.sub(replacement, k) for k in unexpected if compiled.search(k)]
+    moves = [(k, compiled.sub(replacement, k)) for k in unexpected if compiled.search(k)]
+    changed = [n for _, n in moves]
     if len(set(changed)) != len(changed) or not all(k in missing for k in changed):
         return None
+    if not all(_fits(shapes, k, n) for k, n in moves):
+        return None
     return pattern, replacement, have[i], want[i]
+
+
+def _fits(shapes: Shapes | None, key: str, name: str) -> bool:
+    """Whether the file's ``key`` may hold the model's ``name``: their shapes agree, or one is
+    not known."""
+    if shapes is None:
+        return True
+    have, want = shapes[0].get(key), shapes[1].get(name)
+    return have is None or want is None or have == want
 
 
 def as_pattern(regex: str) -> str:

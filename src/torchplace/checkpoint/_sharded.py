@@ -542,8 +542,12 @@ def load_sharded(
             f"non-persistent buffers on meta that no checkpoint holds: {listing(meta_transient)} "
             "(build the model with torchplace.skeleton so buffers stay real)"
         )
+    shapes = (
+        {n: e.shape for n, e in entries.items()},
+        {n: tuple(s.tensor.shape) for s in slots for n in s.names},
+    )
     if problems:
-        hint = keys_hint(where, missing, unexpected) if strict else ""
+        hint = keys_hint(where, missing, unexpected, shapes) if strict else ""
         fix = "; pass strict=False to load what matches" if plan and not mismatched else ""
         raise CheckpointError(
             f"{where}: does not fit {type(model).__name__}: {'; '.join(problems)}{hint}{fix}; "
@@ -557,7 +561,7 @@ def load_sharded(
         raise CheckpointError(
             f"{where}: not one of its keys matches {type(model).__name__}, so strict=False would "
             f"load nothing: the model has {listing(missing, 5)}; {holds}"
-            f"{keys_hint(where, missing, unexpected)}"
+            f"{keys_hint(where, missing, unexpected, shapes)}"
         )
 
     if target is not None and target.type == "meta":
