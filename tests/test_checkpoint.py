@@ -336,7 +336,8 @@ def test_a_safetensors_file_cut_inside_its_header_is_called_so(tmp_path: Path) -
     safetensors_torch().save_file({"a": torch.ones(100)}, whole)
     cut = tmp_path / "model.safetensors"
     cut.write_bytes(whole.read_bytes()[:60])
-    with pytest.raises(CheckpointError, match=r"safetensors file cut short.*has 60; the save"):
+    cut_short = r"safetensors file cut short.*has 60; .*, or the save or download was"
+    with pytest.raises(CheckpointError, match=cut_short):
         load(cut)
 
 

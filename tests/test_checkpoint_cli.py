@@ -946,6 +946,41 @@ def test_remap_rewrites_every_shard_of_an_index(
     )
 
 
+@pytest.mark.parametrize(
+    ("shards", "said"),
+    [
+        (
+            ["s1.safetensors", "s2.bin"],
+            "(tensors load on cpu; safetensors shards are copied unchanged)",
+        ),
+        (["s1.bin", "s2.bin"], "(tensors load on cpu)"),
+        (
+            ["s1.safetensors", "s2.safetensors"],
+            "(shards copied unchanged: a safetensors file stores no device)",
+        ),
+    ],
+    ids=["mixed", "bin-only", "safetensors-only"],
+)
+def test_remap_of_an_index_says_what_it_did_to_the_shards_it_has(
+    tmp_path: Path, shards: list[str], said: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An index of .bin shards alone was told "safetensors shards are copied unchanged"."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i, shard in enumerate(shards):
+        tensors = {f"t{i}": torch.full((2,), float(i))}
+        if shard.endswith(".safetensors"):
+            safetensors_torch.save_file(tensors, src / shard)
+        else:
+            torch.save(tensors, src / shard)
+    index = src / "model.index.json"
+    index.write_text(json.dumps({"weight_map": {f"t{i}": s for i, s in enumerate(shards)}}))
+    assert main(["remap", str(index), "--to", "cpu", "-o", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    new = tmp_path / "out" / index.name
+    assert out == f"wrote {new} and its shards beside it {said}\n"
+
+
 def test_remap_of_a_save_pretrained_directory_writes_a_new_directory(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -210,6 +211,136 @@ def test_a_file_cut_short_is_a_checkpoint_error(tmp_path: Path) -> None:
     # a save still being written looks the same: the advice covers both, in our own words
     assert "another process may be writing it" in str(info.value)
     assert "miniz" not in str(info.value)
+
+
+_WRITER = "another process may be writing it right now (load it again once the writer is done)"
+
+
+def _half_written(tmp_path: Path, state: str) -> Path:
+    """A file in one of the states a reader meets while another process saves over it."""
+    sd = {f"w{i}": torch.full((1000,), float(i)) for i in range(4)}
+    if state == "empty":  # truncated to 0 bytes, nothing written yet
+        path = tmp_path / "f.pt"
+        path.write_bytes(b"")
+    elif state == "first-bytes":  # the first few bytes flushed
+        path = tmp_path / "f.pt"
+        path.write_bytes(b"\x05\x00\x00")
+    elif state == "zip-directory":  # an end record pointing where no directory record starts
+        path = tmp_path / "f.pt"
+        torch.save(sd, path)
+        data = bytearray(path.read_bytes())
+        at = data.find(b"PK\x01\x02")
+        data[at : at + 4] = b"PK\x00\x00"
+        path.write_bytes(bytes(data))
+    elif state == "safetensors-data":  # the header whole, the data cut inside a tensor
+        path = tmp_path / "f.safetensors"
+        safetensors_torch.save_file(sd, path)
+        data = path.read_bytes()
+        path.write_bytes(data[: len(data) - 2500])
+    else:  # "safetensors-header": cut inside the header
+        path = tmp_path / "f.safetensors"
+        safetensors_torch.save_file(sd, path)
+        path.write_bytes(path.read_bytes()[:60])
+    return path
+
+
+@pytest.mark.parametrize(
+    ("state", "message"),
+    [
+        (
+            "empty",
+            r"f\.pt: is empty \(0 bytes\); .*, or its save was interrupted \(save it again\)",
+        ),
+        ("first-bytes", r"f\.pt: is not a PyTorch .* at 3 bytes it is too short to be one: "),
+        (
+            "zip-directory",
+            r"f\.pt: is truncated or corrupt \(BadZipFile: Bad magic number for central "
+            r"directory\); .*, or save or fetch it again$",
+        ),
+        (
+            "safetensors-data",
+            r"f\.safetensors: is truncated or corrupt: tensor 'w3' \(F32, shape \[1000\]\) "
+            r"takes 4000 bytes, which do not fit its data offsets \[12000, 16000\] in the "
+            r"file's 13500 bytes of data; .*, or its save was interrupted",
+        ),
+        ("safetensors-header", r"f\.safetensors: is a safetensors file cut short: .* has 60; "),
+    ],
+    ids=["empty", "first-bytes", "zip-directory", "safetensors-data", "safetensors-header"],
+)
+def test_a_file_being_written_may_be_named_so(tmp_path: Path, state: str, message: str) -> None:
+    """What a reader finds while another process saves over the file (torch.save, or
+    safetensors' save_file: each truncates it, then writes) is said to be possibly that, the
+    advice for a damaged file kept beside it."""
+    path = _half_written(tmp_path, state)
+    for what in (load, lambda p: load_into(reference(), p)):
+        with pytest.raises(CheckpointError, match=message) as info:
+            what(path)
+        assert _WRITER in str(info.value)
+
+
+def test_damage_that_no_writer_makes_is_not_blamed_on_one(tmp_path: Path) -> None:
+    """A tensor whose offsets do not span its bytes is damage, whatever the file's length."""
+    header = json.dumps({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}).encode()
+    path = tmp_path / "f.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
+    with pytest.raises(CheckpointError, match="do not fit its data offsets") as info:
+        load(path)
+    assert "another process" not in str(info.value)
+    path.write_bytes(b"0123456789")  # long enough to start a checkpoint: just a foreign file
+    with pytest.raises(CheckpointError, match="not a PyTorch or safetensors") as info:
+        load(path)
+    assert "another process" not in str(info.value)
+
+
+def test_a_safetensors_file_cut_short_after_it_was_cataloged_may_be_being_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Cut between reading the header and reading the data, as a writer truncating it does:
+    the read runs out of file (the tester's EOFError)."""
+    import torchplace.checkpoint._load as loading
+
+    path = tmp_path / "f.safetensors"
+    safetensors_torch.save_file({"a": torch.ones(1000), "b": torch.ones(1000)}, path)
+    data = path.read_bytes()
+    real = loading.read_into
+
+    def truncate_then_read(where: Path, pieces: Any, stamp: Any) -> Any:
+        path.write_bytes(data[: len(data) // 2])
+        return real(where, pieces, None)  # the stamp of the file cut: it changes no more
+
+    monkeypatch.setattr(loading, "read_into", truncate_then_read)
+    with pytest.raises(CheckpointError, match=r"f\.safetensors: cannot be read .*EOFError") as e:
+        load_into(reference(), path, strict=False)
+    assert _WRITER in str(e.value)
+
+
+def test_a_file_that_shrinks_as_it_is_opened_is_said_to_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The size seen, then fewer bytes read: a writer truncated it in between (the tester's
+    "it starts with b''")."""
+    path = tmp_path / "f.pt"
+    torch.save({"w": torch.ones(10)}, path)
+    size = path.stat().st_size
+    path.write_bytes(b"")  # the writer's open(path, "wb"), after the reader's stat
+    real_stat = Path.stat
+
+    def stat_before_truncation(self: Path, **kwargs: Any) -> os.stat_result:
+        got = real_stat(self, **kwargs)
+        if self != path:
+            return got
+        fields = list(got[:10])
+        fields[6] = size  # st_size
+        return os.stat_result(fields)
+
+    monkeypatch.setattr(Path, "stat", stat_before_truncation)
+    went = rf"its size went from {size} to 0 bytes\)"
+    with pytest.raises(
+        CheckpointError, match=rf"f\.pt: the file changed while it was read \({went}"
+    ):
+        load(path)
+    with pytest.raises(CheckpointError, match=re.escape(_WRITER)):
+        load(path)
 
 
 # ---------------------------------------------------------------------------------- sources

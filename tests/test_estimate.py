@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import json
+import re
+import shlex
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+import torchplace
 from torchplace._errors import DeviceSpecError, TorchplaceError
+from torchplace.cli import main
 from torchplace.looking._estimate import Estimate, estimate
 from toy_models import CPU, CUDA0, CUDA1, LINEAR_BYTES, META, Net, TiedLM, on_fake_cuda
 
@@ -142,3 +147,38 @@ def test_estimate_of_a_lazy_module_says_its_size_is_not_known_yet() -> None:
         estimate(model)
     model(torch.ones(1, 4))  # initialized: sized as usual
     assert estimate(model, optimizer=None, grads=False).parameters == 2 * (4 * 4 + 4) * 4
+
+
+def test_estimate_of_a_path_suggests_sizing_a_skeleton(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A checkpoint's path is not a model: the message says so once (no doubled prefix), and
+    both suggestions run as typed."""
+    folder = tmp_path / "my model"
+    folder.mkdir()
+    torch.save({"weight": torch.ones(3, 4)}, folder / "pytorch_model.bin")
+    for given in (str(folder), folder):
+        with pytest.raises(TorchplaceError) as info:
+            estimate(given)  # type: ignore[arg-type]
+        message = str(info.value)
+        assert message.startswith(f"estimate(): sizes a model, not a path ({str(folder)!r}); ")
+        assert message.count("estimate()") == 1
+    code = re.search(r"(torchplace\.estimate\(torchplace\.skeleton\(.*?\)\))", message)
+    command = re.search(r"run: (torchplace inspect .*)$", message)
+    assert code is not None and command is not None
+
+    class YourModel(nn.Module):
+        def __init__(self, config: dict[str, int]) -> None:
+            super().__init__()
+            self.linear = nn.Linear(config["width"], config["width"])
+
+    namespace = {"torchplace": torchplace, "YourModel": YourModel, "config": {"width": 10}}
+    assert eval(code.group(1), namespace).parameters == 440  # the code the message gives
+    assert main(shlex.split(command.group(1))[1:]) == 0
+    assert "weight" in capsys.readouterr().out
+
+
+def test_estimate_of_something_else_names_its_type_once() -> None:
+    with pytest.raises(TorchplaceError) as info:
+        estimate(3)  # type: ignore[arg-type]
+    assert str(info.value) == "estimate(): sizes an nn.Module, not int; pass the model"

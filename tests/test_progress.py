@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -106,4 +107,29 @@ def test_a_forced_bar_off_a_terminal_says_what_was_read(
     torch.save({"w": torch.ones(1024, 256)}, path)
     torchplace.load(path, progress=True)
     err = capsys.readouterr().err
-    assert re.search(r"load w\.pt: 1\.0 MiB in \d+\.\d s", err), err
+    # that line alone: no blank line before it (rich's transient bar, never drawn, left one)
+    assert re.fullmatch(r"load w\.pt: 1\.0 MiB in \d+\.\d s(, \d+(\.\d)? ([KMGT]i)?B/s)?\n", err), (
+        err
+    )
+
+
+_CONTROL = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")  # cursor moves and line clears
+
+
+def test_a_bar_on_a_terminal_counts_in_the_binary_units_of_the_summary(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The live bar says MiB and MiB/s, as the closing line off a terminal does (rich's own
+    columns say MB, which made 300 MiB read "314.6 MB")."""
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")  # rich takes the captured stderr for a terminal
+    monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.setenv("COLUMNS", "160")
+    total = 300 << 20
+    with _progress.progress_bar(total, "load big.pt", True) as advance:
+        advance(total // 2)
+        time.sleep(0.2)  # two samples apart in time: rich has a rate to show
+        advance(total - total // 2)
+    drawn = [_CONTROL.sub("", line).strip() for line in capsys.readouterr().err.split("\r")]
+    last = [line for line in drawn if line.startswith("load big.pt")][-1]
+    assert re.fullmatch(r"load big\.pt \S+ 300\.0/300\.0 MiB \d+\.\d [KMGT]iB/s \S+", last), last
+    assert not re.search(r"\d ?[kMGT]B\b", "".join(drawn)), drawn

@@ -49,7 +49,16 @@ from ._pickle_reader import (
 from ._safetensors import DTYPES as SAFETENSORS_DTYPES
 from ._safetensors import read_header as read_safetensors_header
 from ._safetensors import sniff as sniff_safetensors
-from ._source import ZIP_MAGIC, PathLike, as_path, detect_format, is_dir, model_file, shards
+from ._source import (
+    WRITER_HINT,
+    ZIP_MAGIC,
+    PathLike,
+    as_path,
+    detect_format,
+    is_dir,
+    model_file,
+    shards,
+)
 
 __all__ = [
     "Catalog",
@@ -313,18 +322,20 @@ def zip_layout(p: Path, /) -> ZipLayout | None:
                     byteorder = f.read(order.file_size) if first >= 0 else b"?"
     except NotImplementedError as exc:  # a version field zipfile does not know: a damaged one
         raise CheckpointError(
-            f"{p}: is truncated or corrupt (NotImplementedError: {exc}); save or fetch it again"
+            f"{p}: is truncated or corrupt (NotImplementedError: {exc}); {WRITER_HINT}, or "
+            "save or fetch it again"
         ) from exc
     except zipfile.BadZipFile as exc:  # the catalog refuses it too: load agrees, whatever
         # the installed torch's own zip reader would make of it
         if "not a zip file" in str(exc):  # no central directory: cut short, or being written
             raise CheckpointError(
-                f"{p}: is truncated (its zip central directory is missing); another process may "
-                "be writing it right now (load it again once the writer is done), or its save "
-                "was interrupted (save it again)"
+                f"{p}: is truncated (its zip central directory is missing); {WRITER_HINT}, or "
+                "its save was interrupted (save it again)"
             ) from exc
-        raise CheckpointError(
-            f"{p}: is truncated or corrupt (BadZipFile: {exc}); save or fetch it again"
+        raise CheckpointError(  # a directory that does not match the records: a save rewriting
+            # the file under it looks so, as does damage
+            f"{p}: is truncated or corrupt (BadZipFile: {exc}); {WRITER_HINT}, or save or fetch "
+            "it again"
         ) from exc
     except (OSError, ValueError, EOFError, struct.error):
         return None

@@ -610,16 +610,23 @@ def _run_remap(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"torchplace remap: interrupted; {args.output} was not written", file=sys.stderr)
         return 130
-    kind = format_of(resolve(args.file))
+    src = resolve(args.file)
+    kind = format_of(src)
+    loads_on = f"tensors load on {_parse_target(args.to)}"
+    unchanged = "copied unchanged: a safetensors file stores no device"
     if kind == "safetensors":
-        print(f"wrote {_printable(out)} (copied unchanged: a safetensors file stores no device)")
+        print(f"wrote {_printable(out)} ({unchanged})")
     elif kind == "index":
-        print(
-            f"wrote {_printable(out)} and its shards beside it (tensors load on "
-            f"{_parse_target(args.to)}; safetensors shards are copied unchanged)"
-        )
+        kinds = set(catalog(src).kinds.values())  # each shard's format
+        if kinds == {"safetensors"}:
+            said = f"shards {unchanged}"
+        elif "safetensors" in kinds:
+            said = f"{loads_on}; safetensors shards are copied unchanged"
+        else:
+            said = loads_on
+        print(f"wrote {_printable(out)} and its shards beside it ({said})")
     else:
-        print(f"wrote {_printable(out)} (tensors load on {_parse_target(args.to)})")
+        print(f"wrote {_printable(out)} ({loads_on})")
     return 0
 
 

@@ -13,6 +13,7 @@ import re
 import torch
 
 from . import _safetensors
+from ._source import WRITER_HINT
 
 __all__ = [
     "SAFETENSORS_DTYPES",
@@ -83,10 +84,7 @@ def diagnose(exc: BaseException, zip_format: bool, target: torch.device) -> str:
     if isinstance(exc, EOFError) or "failed finding central directory" in text:
         if "central directory" in text:  # torch's words for it carry a miniz internal note
             text = "its zip central directory is missing"
-        return (
-            f"is truncated ({text}); another process may be writing it right now (load it "
-            "again once the writer is done), or its save was interrupted (save it again)"
-        )
+        return f"is truncated ({text}); {WRITER_HINT}, or its save was interrupted (save it again)"
     if "TorchScript" in text:
         return (
             "is a TorchScript archive (torch.jit.save), not a checkpoint of weights; load it "

@@ -47,7 +47,7 @@ from ._reader import (
     unchecked_warning,
 )
 from ._reader import Piece as ReadPiece
-from ._source import PathLike, resolve
+from ._source import WRITER_HINT, PathLike, resolve
 
 # ------------------------------------------------------------------------------------------ load
 
@@ -344,7 +344,7 @@ def read_assembled(
             raise
         except Exception as exc:
             detail = f"{type(exc).__name__}: {first_sentence(str(exc))}"
-            reason = "it is truncated, or it changed while being read"
+            reason = f"it is truncated: {WRITER_HINT}, or its save was interrupted (save it again)"
             raise _unreadable(path, exc, target, detail, reason) from exc
     for dest, buffer, inverse in later:
         dest.copy_(buffer if inverse is None else buffer.permute(inverse))

@@ -15,8 +15,13 @@ import contextlib
 import contextvars
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 __all__ = ["LOAD_PROGRESS_MIN_BYTES", "current", "progress_bar", "reporting", "wanted"]
 
@@ -56,40 +61,69 @@ def wanted(asked: bool | None) -> bool:
 
 @contextlib.contextmanager
 def progress_bar(total: int, label: str, enabled: bool) -> Iterator[Callable[[int], None]]:
-    """A transient bar on stderr (bytes, rate, time left) advanced by the callable it yields;
-    a callable that does nothing when not ``enabled``."""
+    """A transient bar on stderr (bytes, rate, time left, in binary units as ``format_bytes``
+    gives them) advanced by the callable it yields; where stderr is no terminal, no bar but one
+    line once it is over; a callable that does nothing when not ``enabled``."""
     if not enabled:
         yield lambda n: None
         return
     from rich.console import Console
+
+    from .._sizes import format_bytes
+
+    console = Console(stderr=True, emoji=False)
+    start = time.perf_counter()
+    if console.is_terminal:
+        with _live_bar(console, total, label) as advance:
+            yield advance
+        return
+    # A log file gets no live bar (rich's, never drawn there, would leave a blank line): the
+    # bytes are counted, and said in one line once it is over.
+    lock = threading.Lock()
+    done = 0
+
+    def count(n: int) -> None:
+        nonlocal done
+        with lock:  # advanced from the reader's threads
+            done += n
+
+    yield count
+    took = time.perf_counter() - start
+    rate = f", {format_bytes(int(done / took))}/s" if took > 0 else ""
+    console.print(f"{label}: {format_bytes(done)} in {took:.1f} s{rate}", markup=False)
+
+
+@contextlib.contextmanager
+def _live_bar(console: Console, total: int, label: str) -> Iterator[Callable[[int], None]]:
     from rich.progress import (
         BarColumn,
         DownloadColumn,
         Progress,
+        ProgressColumn,
+        Task,
         TextColumn,
         TimeRemainingColumn,
-        TransferSpeedColumn,
     )
+    from rich.text import Text
+
+    from .._sizes import format_bytes
+
+    class BinaryRateColumn(ProgressColumn):  # rich's TransferSpeedColumn is in decimal units
+        def render(self, task: Task) -> Text:
+            speed = task.finished_speed or task.speed
+            shown = "?" if speed is None else f"{format_bytes(int(speed))}/s"
+            return Text(shown, style="progress.data.speed")
 
     columns = (
         TextColumn("{task.description}", markup=False),
         BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
+        DownloadColumn(binary_units=True),
+        BinaryRateColumn(),
         TimeRemainingColumn(),
     )
-    console = Console(stderr=True, emoji=False)
-    start = time.perf_counter()
     with Progress(*columns, transient=True, console=console) as bar:
         task = bar.add_task(label, total=total)
         yield lambda n: bar.advance(task, n)
-        done = int(bar.tasks[0].completed)
-    if not console.is_terminal:  # a log file gets no live bar: one line once it is over
-        from .._sizes import format_bytes
-
-        took = time.perf_counter() - start
-        rate = f", {format_bytes(int(done / took))}/s" if took > 0 else ""
-        console.print(f"{label}: {format_bytes(done)} in {took:.1f} s{rate}", markup=False)
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import CheckpointError
+from ._source import WRITER_HINT
 
 __all__ = ["DTYPES", "MAX_HEADER", "read_header", "sniff"]
 
@@ -69,13 +70,21 @@ def read_header(path: str | os.PathLike[str], /) -> dict[str, Any]:
         with p.open("rb") as f:
             raw_len = f.read(8)
             if len(raw_len) < 8:
-                raise CheckpointError(f"{p}: is truncated (shorter than a safetensors header)")
+                raise CheckpointError(
+                    f"{p}: is truncated (shorter than a safetensors header); {WRITER_HINT}, or "
+                    "its save was interrupted (save it again)"
+                )
             (header_len,) = struct.unpack("<Q", raw_len)
             size = os.fstat(f.fileno()).st_size
             if header_len > min(size - 8, MAX_HEADER):
+                cut = (  # a length past the end: the file may still be growing
+                    f"; {WRITER_HINT}, or its save was interrupted (save it again)"
+                    if header_len <= MAX_HEADER
+                    else ""
+                )
                 raise CheckpointError(
                     f"{p}: is truncated or corrupt: its safetensors header claims {header_len} "
-                    f"bytes but the file holds {size} bytes"
+                    f"bytes but the file holds {size} bytes{cut}"
                 )
             header = json.loads(f.read(header_len))
     except OSError as exc:
@@ -179,9 +188,14 @@ def _span(path: Path, name: str, entry: Any, data_len: int) -> tuple[int, int]:
             f"any tensor can hold (its size overflows); {_RESAVE}"
         )
     if not start <= end <= data_len or end - start != nbytes:
+        cut = (  # its bytes would be there, the file longer: a save still writing it looks so
+            f"; {WRITER_HINT}, or its save was interrupted (save it again)"
+            if start <= end and end - start == nbytes
+            else ""
+        )
         raise CheckpointError(
             f"{path}: is truncated or corrupt: tensor {name!r} ({dtype}, shape {shape}) "
             f"takes {nbytes} bytes, which do not fit its data offsets {offsets} in the "
-            f"file's {data_len} bytes of data"
+            f"file's {data_len} bytes of data{cut}"
         )
     return start, end

@@ -21,6 +21,7 @@ from .._suggest import close_matches
 
 __all__ = [
     "CHECKPOINT_SUFFIXES",
+    "WRITER_HINT",
     "ZIP_MAGIC",
     "PathLike",
     "as_path",
@@ -44,6 +45,8 @@ _FOREIGN_MAGIC = (
 )
 ZIP_MAGIC = b"PK\x03\x04"
 CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".index.json")
+# Said of a file found empty, cut short or changing as it is read: a save in progress looks so.
+WRITER_HINT = "another process may be writing it right now (load it again once the writer is done)"
 
 
 def as_path(path: Any, /) -> Path:
@@ -102,7 +105,14 @@ def detect_format(path: PathLike, /) -> str:
     except OSError as exc:
         raise CheckpointError(f"{p}: cannot be read ({exc.strerror or exc})") from exc
     if size == 0:
-        raise CheckpointError(f"{p}: is empty (0 bytes); the save was probably interrupted")
+        raise CheckpointError(
+            f"{p}: is empty (0 bytes); {WRITER_HINT}, or its save was interrupted (save it again)"
+        )
+    if len(head) < min(size, 16):  # fewer bytes than the size just read: it shrank
+        raise CheckpointError(
+            f"{p}: the file changed while it was read (its size went from {size} to "
+            f"{len(head)} bytes); {WRITER_HINT}"
+        )
     if p.name.endswith(".json"):
         return "index"
     if head.startswith(ZIP_MAGIC):
@@ -114,8 +124,8 @@ def detect_format(path: PathLike, /) -> str:
         if head[8:9] == b"{" and p.name.endswith(".safetensors"):
             raise CheckpointError(
                 f"{p}: is a safetensors file cut short: its header alone should take "
-                f"{header_len + 8} bytes, and the file has {size}; the save or download was "
-                "interrupted, so write or fetch it again"
+                f"{header_len + 8} bytes, and the file has {size}; {WRITER_HINT}, or the save "
+                "or download was interrupted (write or fetch it again)"
             )
     if head[:1] == b"\x80":  # a pickle: torch's legacy format (torch checks its magic number)
         return "legacy"
@@ -124,10 +134,16 @@ def detect_format(path: PathLike, /) -> str:
     for magic, what in _FOREIGN_MAGIC:
         if head.startswith(magic):
             raise CheckpointError(f"{p}: is {what}, not a PyTorch or safetensors checkpoint")
+    short = (
+        f"; at {size} bytes it is too short to be one: {WRITER_HINT}, or its save was "
+        "interrupted (save it again)"
+        if size < 9  # shorter than any checkpoint's first bytes: the start of one, maybe
+        else ""
+    )
     raise CheckpointError(
         f"{p}: is not a PyTorch or safetensors checkpoint (it starts with {head[:8]!r}); "
         "torchplace reads torch.save files (zip or legacy), .safetensors files and "
-        "*.index.json shard maps"
+        f"*.index.json shard maps{short}"
     )
 
 

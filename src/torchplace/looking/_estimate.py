@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import io
+import os
+import shlex
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -227,10 +229,17 @@ def estimate(
     """
     try:
         name = _optimizer_name(optimizer)
-        if not isinstance(model, nn.Module):
+        if isinstance(model, (str, os.PathLike)):
+            path = os.fspath(model)
             raise TorchplaceError(
-                f"estimate() sizes an nn.Module, not {type(model).__name__}; pass the model"
+                f"sizes a model, not a path ({path!r}); build the model without memory and size "
+                "that: torchplace.estimate(torchplace.skeleton(YourModel, config)), where "
+                "skeleton(YourModel, config) calls YourModel(config) with its parameters on "
+                "meta. For the bytes the checkpoint holds, run: torchplace inspect "
+                f"{shlex.quote(str(path))}"
             )
+        if not isinstance(model, nn.Module):
+            raise TorchplaceError(f"sizes an nn.Module, not {type(model).__name__}; pass the model")
         copies, has_step = _OPTIMIZERS[name] if name is not None else (0, False)
         rows: dict[tuple[torch.device, torch.dtype], dict[str, int]] = {}
 

@@ -369,9 +369,7 @@ def plan(
     """
     try:
         if not isinstance(model, nn.Module):
-            raise TorchplaceError(
-                f"plan() maps an nn.Module, not {type(model).__name__}; pass the model"
-            )
+            raise TorchplaceError(f"maps an nn.Module, not {type(model).__name__}; pass the model")
         budgets = _parse_budgets(max_memory)
         classes = _no_split_classes(model, no_split)
         planner = _Planner(walk_model(model), budgets, classes, _dtype(dtype))
