@@ -579,6 +579,45 @@ def _():
     assert torch.equal(model.b.bias.full_tensor(), reference["b.bias"]), "b.bias differs"
 
 
+@case("a-failure-on-one-rank-raises-on-every-rank")
+def _():
+    model = fsdp(torchplace.skeleton(Net))
+    path = "net.safetensors" if rank == 0 else "mlp.safetensors"  # rank 1's does not fit
+    try:
+        torchplace.load_into(model, os.path.join(folder, path))
+    except CheckpointError as exc:
+        if rank == 0:
+            assert "rank 1 could not fill its part of FSDPNet" in str(exc), str(exc)
+            assert "missing keys" in str(exc) and "partly filled across ranks" in str(exc)
+        else:
+            assert "missing keys" in str(exc), str(exc)
+    else:
+        raise AssertionError("a rank loaded while the other failed")
+
+
+@case("ranks-that-read-two-versions-of-a-file-raise")
+def _():
+    import shutil
+    import time
+
+    path = os.path.join(folder, "net-rewritten.safetensors")
+    if rank == 0:
+        shutil.copy(os.path.join(folder, "net.safetensors"), path)
+    dist.barrier()
+    model = fsdp(torchplace.skeleton(Net))
+    if rank == 1:  # rank 0 has read it and waits to compare: now "rewrite" it, then read
+        time.sleep(2.0)
+        stat = os.stat(path)
+        os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    try:
+        torchplace.load_into(model, path)
+    except CheckpointError as exc:
+        assert "the ranks read different versions of it" in str(exc), str(exc)
+        assert "mixes two checkpoints" in str(exc), str(exc)
+    else:
+        raise AssertionError("ranks that read two versions loaded")
+
+
 @case("wrong-shape")
 def _():
     model = fsdp(torchplace.skeleton(Net))
@@ -645,6 +684,8 @@ CASES = (
     "missing-key",
     "strict-false-leaves-what-the-file-lacks-on-meta",
     "ddp-prefix-is-named-with-the-rename-that-drops-it",
+    "a-failure-on-one-rank-raises-on-every-rank",
+    "ranks-that-read-two-versions-of-a-file-raise",
     "wrong-shape",
     "verify-names-stragglers-by-rank",
 )

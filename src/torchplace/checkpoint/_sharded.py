@@ -21,6 +21,9 @@ with ``parallelize_module``) is filled here instead of by the general ``load_int
    files' stamps checked before and after); one that is not (a ``Shard(1)`` slice of a row-major
    matrix) goes run by run, or through a buffer of at most 16 MiB when the runs are short. No
    rank holds a full tensor and no collective ships weights.
+5. *Compare*: the ranks of the mesh share whether each failed and the stamps of the files each
+   read (a few bytes a rank; the whole errors only when one shows trouble), so that if any rank
+   failed, or ranks on one machine read different versions of a file, every rank raises.
 """
 
 from __future__ import annotations
@@ -476,10 +479,165 @@ def load_sharded(
     check_crc: bool = False,
     progress: bool | None = None,
 ) -> nn.Module:
-    """Fill a model holding DTensors from ``source``, each rank reading only its own slices.
+    """Fill a model holding DTensors from ``source``, each rank reading only its own slices;
+    then the ranks of its mesh compare what they did, so that every rank raises or none does.
 
     ``check_crc``: every record of a zip file is checked in a pass of its own first (a rank
     reads slices, never a whole record)."""
+    mesh = _mesh_of(model)
+    try:
+        read = _fill_sharded(
+            model,
+            source,
+            device,
+            strict=strict,
+            rename=rename,
+            check_crc=check_crc,
+            progress=progress,
+        )
+    except KeyboardInterrupt:  # torchrun stops every rank: no one is left to compare with
+        raise
+    except BaseException as exc:
+        with contextlib.suppress(Exception):  # this rank's own error is the one to raise
+            _compared(model, mesh, _Outcome.of(failure=exc))
+        raise
+    _compared(model, mesh, _Outcome.of(stamps=read))
+    return model
+
+
+@dataclasses.dataclass(frozen=True)
+class _Outcome:
+    """What one rank's fill did, as the ranks compare it: its failure (empty if none), and the
+    stamp of each file it read, by host (copies of a checkpoint on two machines differ)."""
+
+    rank: int
+    host: str
+    failure: str
+    stamps: tuple[tuple[str, int, int, int, int], ...]
+
+    @classmethod
+    def of(
+        cls, *, failure: BaseException | None = None, stamps: Mapping[Path, Stamp] | None = None
+    ) -> _Outcome:
+        import socket
+
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        said = "" if failure is None else (str(failure) or type(failure).__name__)
+        files = tuple(
+            (str(p), s.size, s.mtime_ns, s.inode, s.device)
+            for p, s in sorted((stamps or {}).items())
+        )
+        return cls(rank, socket.gethostname(), said, files)
+
+
+def _mesh_of(model: nn.Module) -> Any:
+    """The device mesh of the model's first DTensor (the ranks that fill it together)."""
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if _is_dtensor(t):
+            return t.device_mesh  # type: ignore[attr-defined]
+    return None
+
+
+def _digest(text: str) -> int:
+    """A 64-bit digest of ``text`` that every process computes alike (``hash`` is salted)."""
+    import hashlib
+
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def _exchanged(mesh: Any, mine: _Outcome) -> list[_Outcome]:
+    """Every rank's outcome across ``mesh`` where some rank failed or ranks on one machine read
+    different files; else only this rank's. First each rank's row (failed, its host's digest,
+    its stamps' digest) is gathered one mesh dim at a time, a few bytes a rank, so that after
+    the last dim every rank holds every row and takes the same branch; only then, and only
+    when a row shows trouble, the whole outcomes follow. Only this rank's where there is no
+    process group to ask, or only PyTorch's fake one (tests that play every rank in one
+    process)."""
+    import torch.distributed as dist
+
+    if mesh is None or not dist.is_available() or not dist.is_initialized():
+        return [mine]
+    if dist.get_backend() == "fake":
+        return [mine]
+    kind = mesh.device_type
+    index = getattr(torch, kind).current_device() if kind != "cpu" else None
+    where = torch.device(kind, index) if index is not None else torch.device(kind)
+    row = [int(bool(mine.failure)), _digest(mine.host), _digest(repr(mine.stamps))]
+    rows = torch.tensor([row], dtype=torch.int64, device=where)
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        parts = [torch.empty_like(rows) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, rows, group=group)
+        rows = torch.cat(parts)
+    versions: dict[int, set[int]] = {}
+    any_failed = False
+    for failed, host, stamps in rows.tolist():
+        versions.setdefault(host, set()).add(stamps)
+        any_failed = any_failed or bool(failed)
+    if not any_failed and all(len(v) == 1 for v in versions.values()):
+        return [mine]
+    known = {mine.rank: mine}
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, list(known.values()), group=group)
+        for part in gathered:
+            known.update((o.rank, o) for o in part)
+    return [known[r] for r in sorted(known)]
+
+
+def _compared(model: nn.Module, mesh: Any, mine: _Outcome) -> None:
+    """Raise ``CheckpointError`` on a rank whose own fill went through when another rank's
+    failed, or when ranks on one machine read different versions of a file (it was rewritten
+    between their reads): either way the model mixes what it should not. A rank whose own
+    fill failed goes on to raise its own error."""
+    everyone = _exchanged(mesh, mine)
+    name = type(model).__name__
+    failed = [o for o in everyone if o.failure]
+    if mine.failure:
+        return
+    if failed:
+        first = failed[0]
+        ranks = ", ".join(str(o.rank) for o in failed)
+        raise CheckpointError(
+            f"rank {ranks} could not fill its part of {name} (rank {first.rank}: "
+            f"{first.failure}); this rank's shards are filled, so {name} is partly filled "
+            "across ranks: every rank raises, so build it again once that is fixed"
+        )
+    seen: dict[tuple[str, str], dict[tuple[int, int, int, int], list[int]]] = {}
+    for o in everyone:
+        for path, size, mtime, inode, dev in o.stamps:
+            seen.setdefault((o.host, path), {}).setdefault((size, mtime, inode, dev), []).append(
+                o.rank
+            )
+    for (_, path), versions in seen.items():
+        if len(versions) > 1:
+            who = "; ".join(
+                f"rank {', '.join(map(str, ranks))} read {size} bytes modified at {mtime} ns"
+                f" (inode {inode})"
+                for (size, mtime, inode, _), ranks in versions.items()
+            )
+            raise CheckpointError(
+                f"{path}: the ranks read different versions of it ({who}): it was rewritten "
+                f"between their reads, so {name} mixes two checkpoints. Every rank raises; "
+                "build the model again and load once the writer is done"
+            )
+
+
+def _fill_sharded(
+    model: nn.Module,
+    source: Any,
+    device: Any = None,
+    /,
+    *,
+    strict: bool = True,
+    rename: Rename | None = None,
+    check_crc: bool = False,
+    progress: bool | None = None,
+) -> Mapping[Path, Stamp]:
+    """``load_sharded``'s fill on this rank; returns the stamps of the files it read."""
     source_catalog = catalog(source)  # a file, an index, a directory or a mapping
     if check_crc:
         for path, fmt in source_catalog.kinds.items():
@@ -655,4 +813,4 @@ def load_sharded(
     finally:
         reader.close()
         shown.close()
-    return model
+    return source_catalog.stamps
