@@ -237,8 +237,9 @@ def test_remap_refuses_unsafe_file_and_bad_targets(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"builtins\.exec.*remap never runs.*trusted=True"):
         remap(src, tmp_path / "out.pt", to="cpu")
     assert not marker.exists() and not (tmp_path / "out.pt").exists()
-    with pytest.raises(CheckpointError, match="would write over it"):
+    with pytest.raises(CheckpointError, match="would write over it") as e:
         remap(src, tmp_path, to="cpu")  # into its own directory, under its own name
+    assert f"torchplace remap {src} --to DEVICE -o {src}" in str(e.value)
     with pytest.raises(CheckpointError, match="does not exist"):
         remap(src, tmp_path / "no" / "out.pt", to="cpu")
 

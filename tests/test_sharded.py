@@ -536,6 +536,8 @@ def _():
         torchplace.load_into(model, os.path.join(folder, "net-no-bias.safetensors"), strict=False)
     words = [str(w.message) for w in said if issubclass(w.category, UserWarning)]
     assert any("Net on meta" in w and ": a.bias." in w for w in words), words
+    where = [w.filename for w in said if "on meta" in str(w.message)]
+    assert where == [__file__], where  # the user's line, not torchplace's
     assert model.a.bias.is_meta, "a parameter the file lacks got uninitialized memory"
     assert "to_empty" not in words[0], words  # a.weight loaded: to_empty would wipe it
     model = fsdp(torchplace.skeleton(Net))
@@ -569,7 +571,7 @@ def _():
     try:
         torchplace.load_into(model, path)
     except CheckpointError as exc:
-        fix = 'rename={r"^module\\.": ""}'
+        fix = f'torchplace.load_into(model, {path!r}, rename={{r"^module\\.": ""}})'
         assert fix in str(exc), str(exc)
     else:
         raise AssertionError("a prefixed file loaded")
@@ -593,6 +595,22 @@ def _():
             assert "missing keys" in str(exc), str(exc)
     else:
         raise AssertionError("a rank loaded while the other failed")
+
+
+@case("a-failure-on-one-rank-raises-on-every-rank-with-fsdp2-unsharded")
+def _():
+    if CANNOT_TRAIN:  # FSDP2 cannot unshard on this torch's CPU
+        return
+    model = fsdp(Net())
+    model.unshard()  # FSDP2 holds plain tensors now: the ranks still find their mesh
+    path = "net.safetensors" if rank == 0 else "mlp.safetensors"
+    try:
+        torchplace.load_into(model, os.path.join(folder, path))
+    except CheckpointError as exc:
+        assert rank == 1 or "rank 1 could not fill" in str(exc), str(exc)
+    else:
+        raise AssertionError("a rank loaded while the other failed")
+    model.reshard()
 
 
 @case("ranks-that-read-two-versions-of-a-file-raise")
@@ -685,6 +703,7 @@ CASES = (
     "strict-false-leaves-what-the-file-lacks-on-meta",
     "ddp-prefix-is-named-with-the-rename-that-drops-it",
     "a-failure-on-one-rank-raises-on-every-rank",
+    "a-failure-on-one-rank-raises-on-every-rank-with-fsdp2-unsharded",
     "ranks-that-read-two-versions-of-a-file-raise",
     "wrong-shape",
     "verify-names-stragglers-by-rank",

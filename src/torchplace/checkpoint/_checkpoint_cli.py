@@ -546,8 +546,9 @@ def remap(
         if not index and dst.resolve() == src.resolve():
             raise CheckpointError(
                 f"{src}: remapping it into {dst.parent} would write over it, the file it reads; "
-                f"give -o another directory, or name the file itself (-o {src}) to rewrite it in "
-                "place. Nothing was written"
+                "give -o another directory, or rewrite it in place by naming the file as both "
+                f"the source and the output (torchplace remap {src} --to DEVICE -o {src}). "
+                "Nothing was written"
             )
     try:  # what remap checks before writing: a failure removes the directory it made
         kind = format_of(src)

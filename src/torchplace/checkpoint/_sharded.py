@@ -524,7 +524,12 @@ class _Outcome:
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        said = "" if failure is None else (str(failure) or type(failure).__name__)
+        said = ""
+        if failure is not None:
+            try:
+                said = str(failure) or type(failure).__name__
+            except Exception:  # an error that cannot say itself still counts as one
+                said = type(failure).__name__
         files = tuple(
             (str(p), s.size, s.mtime_ns, s.inode, s.device)
             for p, s in sorted((stamps or {}).items())
@@ -533,11 +538,30 @@ class _Outcome:
 
 
 def _mesh_of(model: nn.Module) -> Any:
-    """The device mesh of the model's first DTensor (the ranks that fill it together)."""
+    """The device mesh whose ranks fill the model together: that of its DTensors, or of its
+    FSDP2 modules where FSDP2 holds them unsharded (``unshard()``, or
+    ``reshard_after_forward=False`` after a forward), when they are plain tensors for now.
+    Where the DTensors lie on several meshes of one root (a 2-D mesh's ``dp`` and ``tp``), the
+    root; where they lie on meshes of different roots, the first (only its ranks compare)."""
+    meshes: list[Any] = []
     for t in itertools.chain(model.parameters(), model.buffers()):
-        if _is_dtensor(t):
-            return t.device_mesh  # type: ignore[attr-defined]
-    return None
+        if _is_dtensor(t) and all(t.device_mesh is not m for m in meshes):  # type: ignore[attr-defined]
+            meshes.append(t.device_mesh)  # type: ignore[attr-defined]
+    if not meshes:
+        for module in model.modules():
+            try:  # FSDP2's own record of its mesh (a private attribute: absent, no mesh)
+                state = module._get_fsdp_state()  # type: ignore[operator]
+                meshes.append(state._fsdp_param_group.mesh_info.mesh)
+                break
+            except Exception:
+                continue
+    if len(meshes) <= 1:
+        return meshes[0] if meshes else None
+    try:
+        roots = {id(m._get_root_mesh()): m._get_root_mesh() for m in meshes}
+    except Exception:  # a torch without root meshes
+        return meshes[0]
+    return next(iter(roots.values())) if len(roots) == 1 else meshes[0]
 
 
 def _digest(text: str) -> int:
@@ -559,7 +583,9 @@ def _exchanged(mesh: Any, mine: _Outcome) -> list[_Outcome]:
 
     if mesh is None or not dist.is_available() or not dist.is_initialized():
         return [mine]
-    if dist.get_backend() == "fake":
+    if mesh.get_coordinate() is None:  # this rank holds no part of the model: nothing to say
+        return [mine]
+    if dist.get_backend(mesh.get_group(0)) == "fake":
         return [mine]
     kind = mesh.device_type
     index = getattr(torch, kind).current_device() if kind != "cpu" else None
@@ -700,12 +726,13 @@ def _fill_sharded(
             f"non-persistent buffers on meta that no checkpoint holds: {listing(meta_transient)} "
             "(build the model with torchplace.skeleton so buffers stay real)"
         )
+    named = source_catalog.path or where  # how a suggested call names the source
     shapes = (
         {n: e.shape for n, e in entries.items()},
         {n: tuple(s.tensor.shape) for s in slots for n in s.names},
     )
     if problems:
-        hint = keys_hint(where, missing, unexpected, shapes) if strict else ""
+        hint = keys_hint(named, missing, unexpected, shapes) if strict else ""
         fix = "; pass strict=False to load what matches" if plan and not mismatched else ""
         raise CheckpointError(
             f"{where}: does not fit {type(model).__name__}: {'; '.join(problems)}{hint}{fix}; "
@@ -719,7 +746,7 @@ def _fill_sharded(
         raise CheckpointError(
             f"{where}: not one of its keys matches {type(model).__name__}, so strict=False would "
             f"load nothing: the model has {listing(missing, 5)}; {holds}"
-            f"{keys_hint(where, missing, unexpected, shapes)}"
+            f"{keys_hint(named, missing, unexpected, shapes)}"
         )
 
     if target is not None and target.type == "meta":
@@ -762,7 +789,7 @@ def _fill_sharded(
     planned = {id(slot) for slot, _ in plan}
     left = [s for s in (*slots, *found.transient) if s.tensor.is_meta and id(s) not in planned]
     if left:
-        warnings.warn(left_on_meta(model, where, left, strict, new_home), UserWarning, stacklevel=3)
+        warnings.warn(left_on_meta(model, where, left, strict, new_home), UserWarning, stacklevel=4)
     reader = _Reader(source_catalog.stamps)
     changed = False
     total = sum(
