@@ -486,15 +486,8 @@ def load_sharded(
     reads slices, never a whole record)."""
     mesh = _mesh_of(model)
     try:
-        read = _fill_sharded(
-            model,
-            source,
-            device,
-            strict=strict,
-            rename=rename,
-            check_crc=check_crc,
-            progress=progress,
-        )
+        how = {"strict": strict, "rename": rename, "check_crc": check_crc, "progress": progress}
+        read = _fill_sharded(model, source, device, **how)
     except KeyboardInterrupt:  # torchrun stops every rank: no one is left to compare with
         raise
     except BaseException as exc:
@@ -652,18 +645,13 @@ def _compared(model: nn.Module, mesh: Any, mine: _Outcome) -> None:
             )
 
 
-def _fill_sharded(
-    model: nn.Module,
-    source: Any,
-    device: Any = None,
-    /,
-    *,
-    strict: bool = True,
-    rename: Rename | None = None,
-    check_crc: bool = False,
-    progress: bool | None = None,
-) -> Mapping[Path, Stamp]:
-    """``load_sharded``'s fill on this rank; returns the stamps of the files it read."""
+def _fill_sharded(model: nn.Module, source: Any, device: Any, **how: Any) -> Mapping[Path, Stamp]:
+    """``load_sharded``'s fill on this rank (``how``: its keywords); returns the stamps of the
+    checkpoint's files."""
+    strict: bool = how["strict"]
+    rename: Rename | None = how["rename"]
+    check_crc: bool = how["check_crc"]
+    progress: bool | None = how["progress"]
     source_catalog = catalog(source)  # a file, an index, a directory or a mapping
     if check_crc:
         for path, fmt in source_catalog.kinds.items():
