@@ -822,6 +822,26 @@ def test_a_misspelt_key_in_a_state_dict_is_named_beside_the_models(tmp_path: Pat
     assert e.value.missing == ("body.0.weight", "body.1.bias")  # the data as before
 
 
+def test_a_wrappers_prefix_is_named_even_when_the_names_under_it_differ() -> None:
+    """torch.compile's ``_orig_mod.`` on every key, over names that are not the model's (another
+    version of it): the prefix is the first thing to drop, and the error says which wrapper
+    added it; a model that has a part of that name gets no such hint."""
+    model = nn.Sequential(nn.Linear(2, 2))
+    state = {"_orig_mod.layer.weight": torch.ones(2, 2), "_orig_mod.layer.bias": torch.ones(2)}
+    with pytest.raises(CheckpointError, match=r"torch\.compile adds") as e:
+        load_into(model, state)
+    assert 'rename={r"^_orig_mod\\.": ""}' in str(e.value), str(e.value)
+
+    class Wrapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self._orig_mod = nn.Linear(2, 2)
+
+    with pytest.raises(CheckpointError) as e:
+        load_into(Wrapped(), state)
+    assert "torch.compile adds" not in str(e.value), str(e.value)
+
+
 def test_a_rename_is_suggested_only_where_the_shapes_fit(tmp_path: Path) -> None:
     """A file of ``encoder.*`` (8, 4) against a model's ``decoder`` (3, 2) was told to rename
     encoder to decoder, which only moved the error to a shape mismatch; the same keys with the

@@ -130,6 +130,11 @@ def test_rename_applies_first(mixtral: tuple[Any, torch.nn.Module, Path], tmp_pa
     state = torchplace.load(where / "single")
     path = tmp_path / "ddp.pt"
     torch.save({f"module.{k}": v for k, v in state.items()}, path)
+    with pytest.raises(CheckpointError) as info:  # the error says so, though the names differ
+        torchplace.load_into(_skeleton(config), path)
+    fix = f'torchplace.load_into(model, {str(path)!r}, rename={{r"^module\\.": ""}})'
+    assert fix in str(info.value) and "DistributedDataParallel" in str(info.value), info.value
+    assert "misspelt" not in str(info.value)
     loaded = torchplace.load_into(_skeleton(config), path, rename={r"^module\.": ""})
     assert hf.differences(model, loaded) == []
 

@@ -45,6 +45,13 @@ def source_name(p: Path | str) -> str:
     return repr(str(p)) if isinstance(p, Path) else "state_dict"
 
 
+# Prefixes that wrapping a model adds to its state dict's keys, and what adds them.
+_WRAPPER_PREFIXES = (
+    ("module.", "DistributedDataParallel (or DataParallel)"),
+    ("_orig_mod.", "torch.compile"),
+)
+
+
 def keys_hint(
     p: Path | str, missing: list[str], unexpected: list[str], shapes: Shapes | None = None
 ) -> str:
@@ -66,6 +73,17 @@ def keys_hint(
                 f"; the file's keys carry an extra prefix {extra!r}: drop it as they load, "
                 f"torchplace.load_into(model, {source_name(p)}, "
                 f'rename={{{as_pattern("^" + re.escape(extra))}: ""}})'
+            )
+    # A wrapper's prefix on every key of the file, where the names under it are not the model's
+    # own (a transformers model converts a file's hub names: they match no missing name).
+    for wrapper, adds in _WRAPPER_PREFIXES:
+        if all(k.startswith(wrapper) for k in unexpected) and not any(
+            n.startswith(wrapper) for n in names
+        ):
+            return (
+                f"; every key of the file starts with {wrapper!r}, the prefix {adds} adds to the "
+                f"model it wraps: drop it as they load, torchplace.load_into(model, "
+                f'{source_name(p)}, rename={{{as_pattern("^" + re.escape(wrapper))}: ""}})'
             )
     m = next((n for n in names if n.endswith(unexpected[0]) and n != unexpected[0]), None)
     if m is not None:
