@@ -432,13 +432,13 @@ def test_a_safetensors_file_cut_short_after_its_header_was_read_is_said_to_have_
 
     path = tmp_path / "m.safetensors"
     save_file({"w": torch.ones(4)}, str(path))
-    real = _catalog.read_safetensors_header
+    real = _catalog.read_safetensors_header_and_start
 
-    def then_cut(p: Path) -> dict[str, Any]:
+    def then_cut(p: Path) -> tuple[dict[str, Any], int]:
         header = real(p)
         os.truncate(path, 3)  # the writer starts over
         return header
 
-    monkeypatch.setattr(_catalog, "read_safetensors_header", then_cut)
+    monkeypatch.setattr(_catalog, "read_safetensors_header_and_start", then_cut)
     with pytest.raises(CheckpointError, match=r"changed while it was read.*writer"):
         _catalog.catalog(path)

@@ -48,6 +48,7 @@ from ._pickle_reader import (
 )
 from ._safetensors import DTYPES as SAFETENSORS_DTYPES
 from ._safetensors import read_header as read_safetensors_header
+from ._safetensors import read_header_and_start as read_safetensors_header_and_start
 from ._safetensors import sniff as sniff_safetensors
 from ._source import (
     WRITER_HINT,
@@ -501,17 +502,7 @@ def _stamped(p: Path, parse: Callable[[], dict[str, Entry]]) -> tuple[dict[str, 
 
 def _safetensors_catalog(p: Path) -> Catalog:
     def parse() -> dict[str, Entry]:
-        header = read_safetensors_header(p)
-        with p.open("rb") as f:
-            head = f.read(8)
-        if len(head) < 8:  # its header was just read whole: the file was cut short since
-            raise CheckpointError(
-                f"{p}: the file changed while it was read (it is now {len(head)} bytes or "
-                "fewer), so another process may be writing it right now; load it again once "
-                "the writer is done"
-            )
-        (header_len,) = struct.unpack("<Q", head)
-        base = 8 + header_len
+        header, base = read_safetensors_header_and_start(p)
         entries = {}
         for name, raw in header.items():
             if name == "__metadata__":

@@ -522,7 +522,8 @@ def remap(
     # always; from an index, unless it ends in the .json an index is found by; and from any
     # source, when it ends in a slash or is a directory already (as cp takes it).
     slash = str(out).endswith(("/", os.sep))
-    index = format_of(src) == "index"
+    kind = format_of(src)
+    index = kind == "index"
     try:
         is_dir, exists = dst.is_dir(), dst.exists()
     except OSError as exc:  # a name too long, say
@@ -551,8 +552,7 @@ def remap(
                 "Nothing was written"
             )
     try:  # what remap checks before writing: a failure removes the directory it made
-        kind = format_of(src)
-        if kind == "index":
+        if index:
             dst, shard_jobs = _index_outputs(src, dst)
         else:
             _output_file(dst)

@@ -65,6 +65,12 @@ def sniff(p: Path, /) -> bool:
 def read_header(path: str | os.PathLike[str], /) -> dict[str, Any]:
     """The JSON header of a safetensors file, checked whole (see ``_check_layout``); raises
     ``CheckpointError`` naming the file, and the tensor where one is at fault."""
+    return read_header_and_start(path)[0]
+
+
+def read_header_and_start(path: str | os.PathLike[str], /) -> tuple[dict[str, Any], int]:
+    """``read_header``'s header, and where the data it describes starts in the file (its
+    offsets count from there), both from one read of the file."""
     p = Path(path)
     try:
         with p.open("rb") as f:
@@ -96,7 +102,7 @@ def read_header(path: str | os.PathLike[str], /) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise CheckpointError(f"{p}: has a corrupt safetensors header (not a JSON object)")
     _check_layout(p, header, size - 8 - header_len)
-    return header
+    return header, 8 + header_len
 
 
 def _printable(text: Any) -> str:

@@ -715,15 +715,19 @@ def _fill_sharded(model: nn.Module, source: Any, device: Any, **how: Any) -> Map
             "(build the model with torchplace.skeleton so buffers stay real)"
         )
     named = source_catalog.path or where  # how a suggested call names the source
-    shapes = (
-        {n: e.shape for n, e in entries.items()},
-        {n: tuple(s.tensor.shape) for s in slots for n in s.names},
-    )
+
+    def hint() -> str:  # what the key lists mean, weighed by shapes: built only for an error
+        shapes = (
+            {n: e.shape for n, e in entries.items()},
+            {n: tuple(s.tensor.shape) for s in slots for n in s.names},
+        )
+        return keys_hint(named, missing, unexpected, shapes)
+
     if problems:
-        hint = keys_hint(named, missing, unexpected, shapes) if strict else ""
         fix = "; pass strict=False to load what matches" if plan and not mismatched else ""
         raise CheckpointError(
-            f"{where}: does not fit {type(model).__name__}: {'; '.join(problems)}{hint}{fix}; "
+            f"{where}: does not fit {type(model).__name__}: {'; '.join(problems)}"
+            f"{hint() if strict else ''}{fix}; "
             "the model is untouched",
             missing=[m.split(" (tied to ")[0] for m in missing] if strict else [],
             unexpected=unexpected if strict else [],
@@ -734,7 +738,7 @@ def _fill_sharded(model: nn.Module, source: Any, device: Any, **how: Any) -> Map
         raise CheckpointError(
             f"{where}: not one of its keys matches {type(model).__name__}, so strict=False would "
             f"load nothing: the model has {listing(missing, 5)}; {holds}"
-            f"{keys_hint(named, missing, unexpected, shapes)}"
+            f"{hint()}"
         )
 
     if target is not None and target.type == "meta":
