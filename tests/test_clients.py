@@ -999,3 +999,17 @@ def test_coming_from_page_examples_run(index: int, tmp_path: Path, monkeypatch: 
 
 def test_coming_from_page_has_examples() -> None:
     assert len(_doc_blocks()) >= 3
+
+
+def test_llama_with_rotary_embeddings_on_meta_names_the_keyword_input() -> None:
+    # A Llama dispatched over cpu + meta hands its decoder layers position_embeddings by
+    # keyword: the layer on the CPU gets torchplace's MoveError naming that keyword, not
+    # PyTorch's bare "Cannot copy out of meta tensor".
+    cls, config = llama()
+    model = torchplace.dispatch(cls(config), {"": "cpu", "model.rotary_emb": "meta"})
+    with pytest.raises(
+        MoveError,
+        match=r"model.model.layers.0 \(LlamaDecoderLayer\) runs on cpu but got "
+        r"kwargs\['position_embeddings'\]\[0\] on meta",
+    ):
+        model(IDS)

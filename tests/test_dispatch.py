@@ -356,9 +356,46 @@ def test_a_dispatched_model_can_be_copied_and_pickled() -> None:
 def test_meta_input_to_a_real_part_is_explained() -> None:
     model = dispatch(Net(), {"": "cpu", "blocks.1": "meta"})
     with pytest.raises(
-        MoveError, match=r"model.blocks.2 \(Block\) runs on cpu but got an input on meta"
+        MoveError, match=r"model.blocks.2 \(Block\) runs on cpu but got args\[0\] on meta"
     ):
         model(torch.ones(2, 8))
+
+
+class _Rotary(nn.Module):
+    """Takes its position embeddings as a keyword, as a transformers decoder layer does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, *, position_embeddings: tuple[Any, ...]) -> torch.Tensor:
+        cos, sin = position_embeddings
+        return self.proj(x) * cos + sin
+
+
+class _RotaryNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rope = nn.Linear(8, 8)
+        self.layer = _Rotary()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        emb = self.rope(x)
+        return self.layer(x, position_embeddings=(emb, emb))
+
+
+def test_meta_keyword_input_to_a_real_part_is_explained() -> None:
+    # A meta tensor reaching a part by keyword (a Llama's position_embeddings over cpu+meta)
+    # gets the same MoveError as a positional one, naming the keyword, not torch's bare
+    # "Cannot copy out of meta tensor".
+    model = dispatch(_RotaryNet(), {"": "cpu", "rope": "meta"})
+    with pytest.raises(
+        MoveError,
+        match=r"model.layer \(_Rotary\) runs on cpu but got "
+        r"kwargs\['position_embeddings'\]\[0\] on meta",
+    ) as caught:
+        model(torch.ones(2, 8))
+    assert caught.value.name == "kwargs['position_embeddings'][0]"
 
 
 def test_signature_of_a_wrapped_forward_is_kept() -> None:

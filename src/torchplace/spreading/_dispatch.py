@@ -49,19 +49,30 @@ _DEVICE_ERROR = re.compile(
 )
 
 
-def _to(obj: Any, dev: torch.device, *, keep_meta: bool = False) -> Any:
+class _MetaInput(Exception):
+    """A tensor on ``meta`` bound for a real device: it holds no data to copy. Carries the
+    input's path (``kwargs['position_embeddings'][0]``)."""
+
+
+def _to(obj: Any, dev: torch.device, *, keep_meta: bool = False, root: str = "input") -> Any:
     """``obj`` with every tensor on ``dev``, by the collection rules of ``move`` (objects with
     their own ``.to`` use it); containers with nothing to move come back as the same object.
-    With ``keep_meta``, meta tensors stay where they are. Errors surface as they were raised."""
+    With ``keep_meta``, meta tensors stay where they are; otherwise a meta tensor bound for a
+    real device raises ``_MetaInput`` with its path under ``root``. Other errors surface as they
+    were raised."""
 
     def one(t: torch.Tensor) -> torch.Tensor:
         if t.device == dev or (keep_meta and t.is_meta):
             return t
+        if t.is_meta:
+            raise _MetaInput
         return t.to(dev)
 
     try:
-        return map_tensors(obj, one, to=lambda o: o.to(dev), root="input")
+        return map_tensors(obj, one, to=lambda o: o.to(dev), root=root)
     except Located as located:
+        if isinstance(located.cause, _MetaInput):
+            raise _MetaInput(located.path(root)) from None
         raise located.cause from located.cause.__cause__
 
 
@@ -205,15 +216,23 @@ class _MoveInputs:
         if self.device is None:
             return None
         try:
-            return _to(args, self.device), _to(kwargs, self.device)
-        except NotImplementedError as err:  # "Cannot copy out of meta tensor"
-            if _first_device((args, kwargs)) != torch.device("meta"):
+            return _to(args, self.device, root="args"), _to(kwargs, self.device, root="kwargs")
+        except _MetaInput as meta:
+            raise self._meta_error(module, str(meta), name=str(meta)) from None
+        except NotImplementedError as err:  # an input's own .to() met a meta tensor
+            leaves = iter_leaves((args, kwargs), "input", skip_cycles=True)
+            if not any(isinstance(leaf, torch.Tensor) and leaf.is_meta for _, leaf in leaves):
                 raise
-            raise MoveError(
-                f"{display(self.path)} ({type(module).__name__}) runs on {self.device} but got "
-                "an input on meta, which holds no data (an earlier part of the model is on "
-                f"meta); map the parts before it to meta as well, or load real weights"
-            ) from err
+            raise self._meta_error(module, "an input") from err
+
+    def _meta_error(self, module: nn.Module, what: str, name: str | None = None) -> MoveError:
+        return MoveError(
+            f"{display(self.path)} ({type(module).__name__}) runs on {self.device} but got "
+            f"{what} on meta, which holds no data (an earlier part of the model is on meta, or "
+            "the caller passed it); map the parts before it to meta as well, or load real "
+            "weights",
+            name=name,
+        )
 
 
 class _ReturnOutput:
