@@ -1013,3 +1013,14 @@ def test_llama_with_rotary_embeddings_on_meta_names_the_keyword_input() -> None:
         r"kwargs\['position_embeddings'\]\[0\] on meta",
     ):
         model(IDS)
+
+
+def test_plan_no_split_auto_keeps_each_llama_decoder_layer_whole() -> None:
+    cls, config = llama()
+    model = torchplace.skeleton(cls, config)
+    layer = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
+    embed = model.model.embed_tokens.weight.numel() * 4
+    budgets = {"cpu": embed + int(1.5 * layer), "meta": "1GiB"}  # the embedding, 1.5 layers
+    assert any(".self_attn" in name or ".mlp" in name for name in torchplace.plan(model, budgets))
+    device_map = torchplace.plan(model, budgets, no_split="auto")
+    assert all(name.count(".") <= 2 for name in device_map), device_map  # layers.N at most

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -208,22 +209,61 @@ def test_plan_class_entries_in_no_split_match_by_class_and_subclass() -> None:
         plan(model, tight, no_split=[Block])
 
 
-def test_plan_refuses_class_entries_that_match_no_module() -> None:
+def test_plan_refuses_a_class_that_only_shares_its_name_with_the_models() -> None:
     namesake = type("Block", (nn.Module,), {})  # another class that happens to share the name
-    # Matched by name, it kept the real Block whole; now it is refused like an unknown name.
-    with pytest.raises(DeviceSpecError, match=r"not the model's toy_models.Block.*name 'Block'"):
+    # Matched by name, it kept the real Block whole; it is refused, naming both classes.
+    with pytest.raises(TorchplaceError, match=r"not the model's toy_models.Block.*name 'Block'"):
         plan(Net(device="meta"), {"cpu": "1GiB"}, no_split=[namesake])
-    with pytest.raises(DeviceSpecError, match=r"no module of the model is a Conv2d.*Linear"):
-        plan(Net(device="meta"), {"cpu": "1GiB"}, no_split=[nn.Conv2d])
-    with pytest.raises(DeviceSpecError, match=r"neither a module class nor a class name"):
+    with pytest.raises(TorchplaceError, match=r"neither a module class nor a class name"):
         plan(Net(device="meta"), {"cpu": "1GiB"}, no_split=[int])
-
-
-def test_plan_rejects_unknown_no_split_names() -> None:
-    with pytest.raises(DeviceSpecError, match=r"'Blok'.*did you mean 'Block'"):
-        plan(Net(device="meta"), {"cpu": "1GiB"}, no_split=["Blok"])
-    with pytest.raises(DeviceSpecError, match=r"neither a module class nor a class name"):
+    with pytest.raises(TorchplaceError, match=r"neither a module class nor a class name"):
         plan(Net(device="meta"), {"cpu": "1GiB"}, no_split=[3])  # type: ignore[list-item]
+
+
+@pytest.mark.fake_cuda
+def test_plan_ignores_no_split_entries_the_model_lacks() -> None:
+    # One list for several model families, as Accelerate takes it: absent entries are ignored
+    # (no warning) and the present ones still keep their modules whole.
+    budgets = {"cuda:0": "2KiB", "cuda:1": "1GiB"}
+    assert "blocks.0.a" in plan(Net(device="meta"), budgets)  # Block splits without no_split
+    for no_split in (["Conv2d", "Block"], [nn.Conv2d, Block], ["Blok", Block]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            device_map = plan(Net(device="meta"), budgets, no_split=no_split)
+        assert not any(name.startswith("blocks.0.") for name in device_map), device_map
+
+
+def test_plan_warns_when_no_no_split_entry_is_in_the_model() -> None:
+    with pytest.warns(UserWarning, match=r"'Blok' \(did you mean 'Block'\?\).*classes present"):
+        device_map = plan(Net(device="meta"), {"cpu": "1GiB"}, no_split=["Blok", nn.Conv2d])
+    assert device_map == {"": torch.device("cpu")}
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16, device="meta"), nn.Linear(16, 16, device="meta")
+
+
+class _Pretrained(nn.Module):
+    """Declares the classes it keeps whole, as a transformers PreTrainedModel does."""
+
+    _no_split_modules: ClassVar[list[str]] = ["_Layer"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Layer() for _ in range(3))
+
+
+@pytest.mark.fake_cuda
+def test_plan_no_split_auto_reads_the_models_no_split_modules() -> None:
+    budgets = {"cuda:0": 3 * LINEAR_BYTES, "cuda:1": "1GiB"}  # room for 1.5 layers
+    split = plan(_Pretrained(), budgets)
+    assert "layers.1.a" in split, split
+    whole = plan(_Pretrained(), budgets, no_split="auto")
+    assert whole == {"layers.0": CUDA0, "layers.1": CUDA1, "layers.2": CUDA1}
+    with pytest.raises(TorchplaceError, match=r"no_split='auto'.*_no_split_modules.*Net"):
+        plan(Net(device="meta"), {"cpu": "1GiB"}, no_split="auto")
 
 
 @pytest.mark.fake_cuda

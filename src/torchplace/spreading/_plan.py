@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import warnings
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -122,48 +123,83 @@ def _qualified(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _no_split_classes(model: nn.Module, no_split: Iterable[type | str]) -> _NoSplit:
-    """The classes never split; each entry, a class or a name, must match a module of the model
-    (a typo or a class from another model would otherwise be ignored without a word)."""
-    if isinstance(no_split, (str, type)):
-        no_split = [no_split]
+NoSplitSpec = Iterable[type | str] | type | str  # or "auto"
+
+
+def _auto_no_split(modules: list[nn.Module]) -> list[type | str]:
+    """``no_split="auto"``: the class names a transformers model keeps whole, gathered from the
+    ``_no_split_modules`` of each of its modules (a model nests others: a vision tower)."""
+    declared = [m for m in modules if hasattr(m, "_no_split_modules")]
+    if not declared:
+        raise TorchplaceError(
+            f"no_split='auto' reads a transformers model's _no_split_modules, and no module "
+            f"of this {type(modules[0]).__name__} has one; pass the classes to keep whole "
+            "(no_split=[Block]) or their names (no_split=['Block'])"
+        )
+    names: dict[str, None] = {}
+    for module in declared:
+        declared_names: Iterable[object] = getattr(module, "_no_split_modules", None) or ()
+        for name in declared_names:
+            names[str(name)] = None
+    return list(names)
+
+
+def _no_split_classes(model: nn.Module, no_split: NoSplitSpec) -> _NoSplit:
+    """The classes never split. An entry that matches no module of the model is ignored, as
+    Accelerate ignores it, so that one list serves several model families; when no entry
+    matches at all, a warning says so (with the near names, for a typo), since then nothing is
+    kept whole. A class that only shares its name with the model's own is refused: it is
+    almost always the class from another import of the same code."""
     modules = list(model.modules())
+    if isinstance(no_split, str) and no_split == "auto":
+        no_split = _auto_no_split(modules)
+    elif isinstance(no_split, (str, type)):
+        no_split = [no_split]
     present = sorted({type(m).__name__ for m in modules})
     names: set[str] = set()
     classes: list[type[nn.Module]] = []
+    absent: list[str] = []
     for entry in no_split:
         if isinstance(entry, type) and issubclass(entry, nn.Module):
-            if not any(isinstance(m, entry) for m in modules):
-                namesake = next(
-                    (type(m) for m in modules if type(m).__name__ == entry.__name__), None
+            if any(isinstance(m, entry) for m in modules):
+                classes.append(entry)
+                continue
+            namesake = next((type(m) for m in modules if type(m).__name__ == entry.__name__), None)
+            if namesake is not None:
+                raise TorchplaceError(
+                    f"no_split: {_qualified(entry)} is not the model's "
+                    f"{_qualified(namesake)}, only a class of the same name, and no module "
+                    f"of the model is an instance of it; pass the model's class or the name "
+                    f"{entry.__name__!r}"
                 )
-                if namesake is not None:
-                    raise DeviceSpecError(
-                        f"no_split: {_qualified(entry)} is not the model's "
-                        f"{_qualified(namesake)}, only a class of the same name, and no module "
-                        f"of the model is an instance of it; pass the model's class or the name "
-                        f"{entry.__name__!r}"
-                    )
-                raise DeviceSpecError(
-                    f"no_split: no module of the model is a {entry.__qualname__} (or a subclass "
-                    f"of it); classes present: {', '.join(present)}"
-                )
-            classes.append(entry)
+            absent.append(entry.__name__)
         elif isinstance(entry, str):
-            if entry not in present:
-                guess = difflib.get_close_matches(entry, present, n=1)
-                hint = f"did you mean {guess[0]!r}? " if guess else ""
-                raise DeviceSpecError(
-                    f"no_split: no module of class {entry!r} is in the model; {hint}"
-                    f"classes present: {', '.join(present)}"
-                )
-            names.add(entry)
+            if entry in present:
+                names.add(entry)
+            else:
+                absent.append(entry)
         else:
-            raise DeviceSpecError(
+            raise TorchplaceError(
                 f"no_split: {entry!r} is neither a module class nor a class name; "
                 "pass classes (no_split=[Block]) or their names (no_split=['Block'])"
             )
+    if absent and not names and not classes:
+        _warn_none_present(absent, present)
     return _NoSplit(frozenset(names), tuple(classes))
+
+
+def _warn_none_present(absent: list[str], present: list[str]) -> None:
+    guesses = [
+        f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name)
+        for name in absent
+        for close in [difflib.get_close_matches(name, present, n=1)]
+    ]
+    warnings.warn(
+        f"plan(): no_split names no class of the model ({', '.join(guesses)}), so every module "
+        f"may be split; classes present: {', '.join(present)}",
+        UserWarning,
+        stacklevel=4,
+    )
 
 
 def _dtype(dtype: object) -> torch.dtype | None:
@@ -334,7 +370,7 @@ def plan(
     /,
     max_memory: MemorySpec,
     *,
-    no_split: Iterable[type | str] = (),
+    no_split: NoSplitSpec = (),
     dtype: torch.dtype | str | None = None,
 ) -> dict[str, torch.device]:
     """Assign submodules, in registration order, to devices within budgets: a device map.
@@ -360,8 +396,10 @@ def plan(
     device changes per forward than a map in running order. A module that does not fit where
     the last one went is split into its children, unless it is in ``no_split``: a class name
     keeps whole the modules whose class has exactly that name (as Accelerate's
-    ``no_split_module_classes``), a class keeps whole its instances, subclasses included; an
-    entry that matches no module of the model is refused. Modules that hold the same tensor
+    ``no_split_module_classes``), a class keeps whole its instances, subclasses included;
+    entries that match no module of the model are ignored, so one list serves several model
+    families (a warning says when none matches), and ``no_split="auto"`` reads a transformers
+    model's ``_no_split_modules``. Modules that hold the same tensor
     (tied weights) share a device: the group goes where its first member goes. ``dtype``
     sizes floating tensors as if cast to it. The map is the smallest that says it: a module
     whose whole subtree shares a device is one entry, and a name covers its submodules unless
