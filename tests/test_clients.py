@@ -1024,3 +1024,19 @@ def test_plan_no_split_auto_keeps_each_llama_decoder_layer_whole() -> None:
     assert any(".self_attn" in name or ".mlp" in name for name in torchplace.plan(model, budgets))
     device_map = torchplace.plan(model, budgets, no_split="auto")
     assert all(name.count(".") <= 2 for name in device_map), device_map  # layers.N at most
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's own, importing torch.compile
+@pytest.mark.parametrize("compiled", [False, True], ids=["fabric", "fabric+compile"])
+def test_report_names_a_fabric_model_as_the_users_model(compiled: bool) -> None:
+    lf = pytest.importorskip("lightning_fabric")
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    expected = torchplace.report(model, optimizer=opt, detail=True).to_dict()["rows"]
+    fabric = lf.Fabric(accelerator="cpu", devices=1)
+    wrapped, wrapped_opt = fabric.setup(torch.compile(model) if compiled else model, opt)
+    found = torchplace.report(wrapped, optimizer=wrapped_opt, detail=True)
+    assert found.to_dict()["rows"] == expected
+    assert "0.weight" in [row["path"] for row in expected]

@@ -133,3 +133,25 @@ def test_a_batch_report_names_its_rows_as_tensors_and_a_model_report_as_modules(
     model_table = str(torchplace.report(torch.nn.Linear(2, 2)))
     assert "┃ tensor " in batch_table and "┃ module " not in batch_table
     assert "┃ module " in model_table
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's own, importing torch.compile
+def test_wrapped_models_are_named_as_the_users_own_model() -> None:
+    # torch.compile and DataParallel wrap the model: its rows, stragglers and optimizer state
+    # are named as the model itself names them, not under _orig_mod. or module.
+    model, opt = trained()
+    plain = torchplace.report(model, optimizer=opt, detail=True).to_dict()
+    for wrapped in (torch.compile(model), nn.DataParallel(model)):
+        found = torchplace.report(wrapped, optimizer=opt, detail=True)
+        assert found.to_dict()["rows"] == plain["rows"]
+        assert found.title == "Where the tensors of the Net model live"
+        names = [s.name for s in torchplace.stragglers(wrapped, "meta", optimizer=opt)]
+        assert names == [s.name for s in torchplace.stragglers(model, "meta", optimizer=opt)]
+        assert "embed.weight" in names
+
+
+def test_a_wrapper_holding_a_tensor_of_its_own_keeps_its_names() -> None:
+    model = nn.Linear(2, 2)
+    wrapped = nn.DataParallel(model)
+    wrapped.register_buffer("extra", torch.zeros(1))
+    assert {row.path for row in torchplace.report(wrapped).rows} == {"module", "(model)"}

@@ -25,6 +25,7 @@ __all__ = [
     "join",
     "tensor_slots",
     "user_attributes",
+    "user_model",
     "walk_model",
 ]
 
@@ -253,3 +254,40 @@ def user_attributes(module: nn.Module) -> list[tuple[str, Any]]:
         order = {key: index for index, key in enumerate(attrs)}
         found.sort(key=lambda item: order[item[0]])
     return found
+
+
+# Wrappers that hold the user's model and nothing of their own, by (module, class) name so that
+# torch._dynamo and Lightning are never imported to recognise them: the attribute holding it.
+_WRAPPERS = {
+    ("torch._dynamo.eval_frame", "OptimizedModule"): "_orig_mod",  # torch.compile(model)
+    ("lightning_fabric.wrappers", "_FabricModule"): "_forward_module",  # fabric.setup(model)
+    ("lightning.fabric.wrappers", "_FabricModule"): "_forward_module",
+    ("torch.nn.parallel.distributed", "DistributedDataParallel"): "module",
+    ("torch.nn.parallel.data_parallel", "DataParallel"): "module",
+}
+
+
+def user_model(module: nn.Module) -> nn.Module:
+    """The model inside wrappers (``torch.compile``, Fabric's ``setup``, DDP), so that reports
+    name its tensors as the user's own model does (``encoder.weight``, not
+    ``_orig_mod.encoder.weight``). A wrapper holding any tensor of its own, or a module beside
+    the one it wraps, is kept: its names are then the only true ones.
+
+    >>> import torch
+    >>> from torchplace._model_walk import user_model
+    >>> model = torch.nn.Linear(2, 2)
+    >>> user_model(torch.nn.DataParallel(model)) is model
+    True
+    """
+    while True:
+        cls = type(module)
+        attr = _WRAPPERS.get((cls.__module__, cls.__qualname__))
+        inner = module._modules.get(attr) if attr is not None else None
+        if inner is None or module._parameters or module._buffers:
+            return module
+        if any(isinstance(value, torch.Tensor) for _, value in user_attributes(module)):
+            return module
+        inside = {id(m) for m in inner.modules()}
+        if any(id(child) not in inside for child in module._modules.values() if child is not None):
+            return module
+        module = inner

@@ -25,7 +25,7 @@ from .._errors import (
     Straggler,
     TorchplaceError,
 )
-from .._model_walk import user_attributes
+from .._model_walk import user_attributes, user_model
 from .._own_moves import moves_itself
 from .._sizes import format_bytes  # its home; imported from here by several modules
 from .._tensor_size import nbytes
@@ -218,8 +218,8 @@ def entries(obj: Any, /, *, optimizer: Any = None, root: str = "batch") -> list[
         if isinstance(obj, torch.optim.Optimizer):
             if obj not in optimizers:
                 optimizers.insert(0, obj)
-        else:
-            visit(obj, "")
+        else:  # a model wrapped by torch.compile, Fabric or DDP is named as the user names it
+            visit(user_model(obj) if isinstance(obj, nn.Module) else obj, "")
     finally:
         del visit  # it refers to itself: a cycle holding every entry's tensor otherwise
     if not isinstance(obj, torch.optim.Optimizer):
@@ -273,7 +273,7 @@ def _summary(found: Iterable[Entry]) -> dict[torch.device, list[Entry]]:
 
 def describe(obj: Any) -> str:
     if isinstance(obj, nn.Module):
-        return f"the {type(obj).__name__} model"
+        return f"the {type(user_model(obj)).__name__} model"
     if isinstance(obj, torch.optim.Optimizer):
         return f"the {type(obj).__name__} optimizer"
     if isinstance(obj, torch.Tensor):
