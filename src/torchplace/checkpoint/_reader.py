@@ -399,8 +399,9 @@ def _read_cuda(
 
 class OpenFiles:
     """Files open for reading by path, each the file its catalog parsed: its stamp (size, mtime,
-    inode) is checked when it is opened and again by ``verify`` after the reads, so that a file
-    rewritten while it was read raises ``CheckpointError`` instead of mixing old and new bytes.
+    inode, ctime) is checked when it is opened and again by ``verify`` after the reads, so that a
+    file rewritten while it was read raises ``CheckpointError`` instead of mixing old and new
+    bytes.
 
     ``read_into`` reads one file's pieces this way; the sharded loader keeps one ``OpenFiles``
     for a whole load, reading each rank's boxes through it.
@@ -499,10 +500,10 @@ def read_into(
     bytes plus a chunk per reading thread is all the memory the read takes). Raises ``OSError``
     for a read that fails and ``EOFError`` for a file that ends too soon; the tensors then hold
     what was read so far. With the ``stamp`` the file had when its catalog was made, the open
-    file must still match it before the first read and after the last (its size, mtime and
-    inode), or ``CheckpointError`` says that it changed while it was read. ``checks`` maps a
-    piece's offset to the CRC-32 its bytes must have and a name for them (a zip record's), and
-    a piece that fails it raises ``CheckpointError`` naming it. ``fresh=False`` says the host
+    file must still match it before the first read and after the last (its size, mtime,
+    inode and ctime), or ``CheckpointError`` says that it changed while it was read. ``checks``
+    maps a piece's offset to the CRC-32 its bytes must have and a name for them (a zip record's),
+    and a piece that fails it raises ``CheckpointError`` naming it. ``fresh=False`` says the host
     tensors' pages are already resident (a model's own memory, filled in place), so they are not
     populated first (that costs about 40% of a read from the page cache into resident memory).
     """
