@@ -12,6 +12,7 @@ import json
 import os
 import random
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +202,66 @@ def test_a_file_rewritten_while_it_is_read_raises_and_leaves_the_model_as_it_was
     before = {k: v.clone() for k, v in model.state_dict().items()}
     done = _rewrite_while_reading(monkeypatch, victim)
     with pytest.raises(CheckpointError, match="changed while it was read"):
+        load_into(model, path)
+    assert done
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def rewrite_keeping_mtime(monkeypatch: pytest.MonkeyPatch, victim: Path) -> list[int]:
+    """Just before the reader opens ``victim`` (after the catalog stamped it), rewrite it in
+    place with the same size and new bytes, then put its times back (``touch -r``)."""
+    real = _readinto.OpenFiles.fd
+    done: list[int] = []
+
+    def rewrite_then_open(self: Any, path: Path) -> int:
+        if path == victim and not done:
+            done.append(1)
+            info = victim.stat()
+            data = victim.read_bytes()
+            while True:  # until the inode change time moves past the stamp's (a clock tick)
+                with victim.open("r+b") as f:
+                    f.seek(len(data) - 4)
+                    f.write(bytes(b ^ 0xFF for b in data[-4:]))
+                os.utime(victim, ns=(info.st_atime_ns, info.st_mtime_ns))
+                if victim.stat().st_ctime_ns != info.st_ctime_ns:
+                    break
+                time.sleep(0.005)
+                data = victim.read_bytes()
+            now = victim.stat()
+            assert (now.st_size, now.st_mtime_ns, now.st_ino) == (
+                info.st_size,
+                info.st_mtime_ns,
+                info.st_ino,
+            )
+        return real(self, path)
+
+    monkeypatch.setattr(_readinto.OpenFiles, "fd", rewrite_then_open)
+    return done
+
+
+@pytest.mark.parametrize("kind", ["zip", "safetensors", "index"])
+def test_a_same_size_rewrite_with_its_mtime_put_back_raises(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Size, mtime and inode all as stamped: only the inode change time tells the rewrite."""
+    torch.manual_seed(0)
+    sd = nn.Linear(4, 3).state_dict()
+    if kind == "zip":
+        path = victim = tmp_path / "w.pt"
+        torch.save(sd, path)
+    elif kind == "safetensors":
+        path = victim = tmp_path / "w.safetensors"
+        save_file(sd, str(path))
+    else:
+        victim = tmp_path / "s1.safetensors"
+        save_file(sd, str(victim))
+        path = tmp_path / "w.index.json"
+        path.write_text(json.dumps({"weight_map": dict.fromkeys(sd, "s1.safetensors")}))
+    model = nn.Linear(4, 3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    done = rewrite_keeping_mtime(monkeypatch, victim)
+    with pytest.raises(CheckpointError, match=r"changed while it was read.*inode change time"):
         load_into(model, path)
     assert done
     for k, v in model.state_dict().items():

@@ -920,6 +920,99 @@ def test_ctrl_c_at_any_point_of_load_into_a_real_model_leaves_it_before_or_loade
     assert not mixed, f"{len(mixed)} of {clean.count}: {mixed[:8]}"
 
 
+_SIGINT_CHILD = """
+import ctypes, json, os, queue, signal, sys, threading, time
+import torch
+from torch import nn
+from safetensors.torch import load_file
+import torchplace
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(256, 256, bias=False)  # the first written, watched
+        self.rest = nn.Sequential(*(nn.Linear(512, 512, bias=False) for _ in range(4)))
+        self.norm = nn.BatchNorm1d(512)  # buffers: kept to put back, so a half state shows
+
+paths = sys.argv[1:3]
+rounds = int(sys.argv[3])
+values = [load_file(p) for p in paths]
+model = Net()
+model.load_state_dict(values[0])
+watch = model.first.weight
+jobs, sent = queue.Queue(), threading.Event()
+
+def watcher():  # a real SIGINT the moment the in-place write has begun
+    while (job := jobs.get()) is not None:
+        address, before = job
+        cell = ctypes.c_float.from_address(address)
+        while cell.value == before:
+            time.sleep(0.0002)  # lets the main thread run its Python; polls while it is in C
+        os.kill(os.getpid(), signal.SIGINT)
+        sent.set()
+
+threading.Thread(target=watcher, daemon=True).start()
+current, counts, half = 0, {"in_load": 0, "after": 0, "loaded": 0, "kept": 0}, []
+for i in range(rounds):
+    target = 1 - current
+    sent.clear()
+    jobs.put((watch.data_ptr(), watch.view(-1)[0].item()))
+    inside = True
+    try:
+        torchplace.load_into(model, paths[target])
+        inside = False
+        sent.wait(60)
+        for _ in range(100):  # the signal sent late lands here at the latest
+            time.sleep(0.001)
+        raise AssertionError("no interrupt came")
+    except KeyboardInterrupt:
+        counts["in_load" if inside else "after"] += 1
+    now = model.state_dict()
+    if all(torch.equal(now[k], values[target][k]) for k in now):
+        counts["loaded"] += 1
+        current = target
+    elif all(torch.equal(now[k], values[current][k]) for k in now):
+        counts["kept"] += 1
+    else:
+        half.append(i)
+        model.load_state_dict(values[current])
+jobs.put(None)
+print(json.dumps({"counts": counts, "half": half}))
+"""
+
+
+def test_a_real_sigint_during_the_in_place_write_leaves_the_model_before_or_loaded(
+    tmp_path: Path,
+) -> None:
+    """A real Ctrl-C sent while the weights are being written into a real model's memory (CPython
+    raises it as the write's call returns): the model is as it was, or wholly loaded, every
+    parameter and buffer bit for bit, never some of each."""
+    torch.manual_seed(0)
+    first = {k: v.clone() for k, v in _SigintNet().state_dict().items()}
+    second = {k: v + 1 for k, v in first.items()}
+    paths = [tmp_path / "a.safetensors", tmp_path / "b.safetensors"]
+    for path, weights in zip(paths, (first, second), strict=True):
+        safetensors_torch.save_file(weights, str(path))
+    rounds = 40
+    child = [sys.executable, "-c", _SIGINT_CHILD, *map(str, paths), str(rounds)]
+    done = subprocess.run(child, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    counts, half = report["counts"], report["half"]
+    assert not half, f"{len(half)} of {rounds} interrupts left the model half-loaded: {report}"
+    assert counts["in_load"] >= rounds // 2, report  # the signals did land inside the load
+
+
+class _SigintNet(nn.Module):
+    """The child's model, as built here to write its two checkpoints."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(256, 256, bias=False)
+        self.rest = nn.Sequential(*(nn.Linear(512, 512, bias=False) for _ in range(4)))
+        self.norm = nn.BatchNorm1d(512)
+
+
 _PEAK_CHILD = """
 import sys, torch
 from torch import nn

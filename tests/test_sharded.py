@@ -286,6 +286,37 @@ def test_a_file_cut_short_during_a_sharded_read_is_said_to_have_changed(
         torchplace.load_into(model, path)
 
 
+def test_a_same_size_sharded_rewrite_with_its_mtime_put_back_raises(
+    fake_world: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sharded reader checks the inode change time too (``touch -r`` after a rewrite)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from test_catalog import rewrite_keeping_mtime
+
+    path = tmp_path / "m.safetensors"
+    save_file({"weight": torch.randn(64, 64), "bias": torch.randn(64)}, str(path))
+    with torch.device("meta"):
+        model = torch.nn.Linear(64, 64)
+    fully_shard(model, mesh=fake_world)
+    done = rewrite_keeping_mtime(monkeypatch, path)
+    with pytest.raises(CheckpointError, match=r"changed while it was read.*inode change time"):
+        torchplace.load_into(model, path)
+    assert done
+
+
+def test_the_ranks_compare_the_inode_change_time_of_each_file(tmp_path: Path) -> None:
+    """Two ranks whose stamps differ only in ctime read two versions: their rows differ."""
+    from torchplace.checkpoint._catalog import Stamp
+    from torchplace.checkpoint._sharded import _digest, _Outcome
+
+    p = tmp_path / "m.safetensors"
+    first, second = Stamp(8, 1, 2, 3, 4), Stamp(8, 1, 2, 3, 5)
+    a, b = _Outcome.of(stamps={p: first}), _Outcome.of(stamps={p: second})
+    assert a.stamps != b.stamps
+    assert _digest(repr(a.stamps)) != _digest(repr(b.stamps))
+
+
 class _SelfLoading(torch.nn.Linear):
     def _load_from_state_dict(self, *args: object, **kwargs: object) -> None:
         raise AssertionError("never called")

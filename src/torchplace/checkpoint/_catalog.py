@@ -87,20 +87,24 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class Stamp:
-    """What says a file is the one that was read: its size, modification time and inode.
+    """What says a file is the one that was read: its size, modification time, inode and
+    inode change time.
 
     A file rewritten in place changes its size or its mtime; one replaced by another (a save
-    that writes a new file and renames it over the old) changes its inode.
+    that writes a new file and renames it over the old) changes its inode. A rewrite of the
+    same size whose mtime is put back (``touch -r``, ``os.utime``) changes the ctime, which no
+    call can set.
     """
 
     size: int
     mtime_ns: int
     inode: int
     device: int
+    ctime_ns: int
 
     @classmethod
     def of(cls, info: os.stat_result) -> Stamp:
-        return cls(info.st_size, info.st_mtime_ns, info.st_ino, info.st_dev)
+        return cls(info.st_size, info.st_mtime_ns, info.st_ino, info.st_dev, info.st_ctime_ns)
 
 
 def stamp(p: Path, /) -> Stamp:
@@ -235,6 +239,11 @@ def changed_error(p: Path, before: Stamp, now: Stamp) -> CheckpointError:
         what.append("its modification time changed")
     if (now.inode, now.device) != (before.inode, before.device):
         what.append("it is another file now (replaced under the same name)")
+    elif not what and now.ctime_ns != before.ctime_ns:
+        what.append(
+            "its inode change time changed: rewritten with its modification time put back, "
+            "or its metadata changed"
+        )
     return CheckpointError(
         f"{p}: the file changed while it was read ({'; '.join(what)}), so what was read may mix "
         "old and new tensors; nothing read from it is kept. Load it again once the writer is "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import functools
 import os
@@ -676,12 +677,13 @@ class _Fit:
 class _Prepared:
     """Phase 1's result: tensors to fill in place, tensors to swap in, values kept for undo."""
 
-    __slots__ = ("backups", "fills", "places", "written")
+    __slots__ = ("backups", "fills", "places", "writing", "written")
 
     def __init__(self) -> None:
         self.fills: list[tuple[Slot, torch.Tensor]] = []  # memory on the target: filled
         self.places: list[tuple[Slot, torch.Tensor]] = []  # a new tensor swapped in
         self.backups: list[tuple[torch.Tensor, torch.Tensor]] = []  # filled tensors' values
+        self.writing = False  # the fills may have begun: set before the write's call
         self.written = False  # the fills are done: values with no copy kept were overwritten
 
 
@@ -742,6 +744,15 @@ _WRITE: Callable[[list[torch.Tensor], list[torch.Tensor]], Any] = getattr(
 )
 
 
+def _write_fills(ready: _Prepared) -> None:
+    """Every value of ``ready.fills`` copied into its tensor, in one call."""
+    targets = [slot.tensor for slot, _ in ready.fills]
+    values = [value for _, value in ready.fills]
+    if targets:
+        with torch.no_grad():
+            _WRITE(targets, values)
+
+
 def _lost_on_undo(fit: _Fit, ready: _Prepared) -> bool:
     """Whether the fills overwrite parameters in place with no copy kept to put back."""
     return not fit.deferred and any(slot.is_param for slot, _ in ready.fills)
@@ -755,9 +766,10 @@ def _apply(
 
     Each step records how to undo it before it is taken (and the undo checks whether it was),
     so an error or a ``KeyboardInterrupt`` at any point puts the model back as it was, except
-    values filled in place into a real model's memory with no copy kept (then said). The steps
-    run in a frame of their own, so that wherever an interrupt lands in them, it reaches the
-    handler here through a call.
+    values filled in place into a real model's memory with no copy kept: an error in that write
+    says the model is partly filled, and an interrupt once it may have begun finishes it, so
+    that every weight is loaded. The steps run in a frame of their own, so that wherever an
+    interrupt lands in them, it reaches the handler here through a call.
     """
     undos: list[Callable[[], object]] = []
 
@@ -783,9 +795,12 @@ def _apply(
     except CheckpointError:  # said what state the model is in, and put it back where it could
         raise
     except BaseException:  # Ctrl-C (or a bug): the model goes back as it was
-        if ready.written and _lost_on_undo(fit, ready):
-            # Parameters were overwritten in place with no copy kept, so putting the rest back
-            # would mix old and new values: every weight stays loaded instead.
+        if ready.writing and _lost_on_undo(fit, ready):
+            # Parameters are (or may be) overwritten in place with no copy kept, so putting
+            # the rest back would mix old and new values: every weight stays loaded instead.
+            if not ready.written:  # it came as the write began or returned: finish it
+                with contextlib.suppress(Exception):  # a write that failed said so already
+                    _write_fills(ready)  # a value copied twice is the same value
             raise
         put_back()
         raise
@@ -815,13 +830,13 @@ def _apply_steps(
         for slot, value in ready.places:
             _place(slot, value, undos)
         filled = _lost_on_undo(fit, ready)  # said if the write below fails part way
-        targets = [slot.tensor for slot, _ in ready.fills]
-        values = [value for _, value in ready.fills]
-        with torch.no_grad():
-            # Every read and check is done: the in-place writes are one call (copy_ converts
-            # the dtype), and ``written`` is set on its line, so a Ctrl-C lands before it (the
-            # model is put back) or after it (every weight is loaded), never between two.
-            ready.written = not targets or _WRITE(targets, values) is None or True
+        # Every read and check is done: the in-place writes are one call (copy_ converts the
+        # dtype). A real Ctrl-C that comes during the call is raised as it returns, before any
+        # line after it, so ``writing`` is set before the call: an interrupt from here on
+        # finds it set and the write finished (see _apply), one before it the model put back.
+        ready.writing = True
+        _write_fills(ready)
+        ready.written = True
     except Exception as exc:
         failure = put_back()
         state = "the model is untouched"

@@ -399,16 +399,23 @@ def _read_cuda(
 
 class OpenFiles:
     """Files open for reading by path, each the file its catalog parsed: its stamp (size, mtime,
-    inode) is checked when it is opened and again by ``verify`` after the reads, so that a file
-    rewritten while it was read raises ``CheckpointError`` instead of mixing old and new bytes.
+    inode, ctime) is checked when it is opened and again by ``verify`` after the reads, so that a
+    file rewritten while it was read raises ``CheckpointError`` instead of mixing old and new
+    bytes.
 
     ``read_into`` reads one file's pieces this way; the sharded loader keeps one ``OpenFiles``
     for a whole load, reading each rank's boxes through it.
+
+    Each file is an ``io.FileIO``, which opens its descriptor and holds it in one C call, closes
+    it at most once, and closes it when dropped: wherever a ``KeyboardInterrupt`` lands (just
+    after the open, part-way through ``close``, where a ``with`` block skips ``__exit__``), no
+    descriptor outlives the interrupt, and none is closed twice (a number another file may have
+    taken by then).
     """
 
     def __init__(self, stamps: Mapping[Path, Stamp | None] | None = None) -> None:
         self.stamps = {p: s for p, s in (stamps or {}).items() if s is not None}
-        self.fds: dict[Path, int] = {}
+        self.files: dict[Path, io.FileIO] = {}
 
     def __enter__(self) -> OpenFiles:
         return self
@@ -418,16 +425,16 @@ class OpenFiles:
 
     def fd(self, path: Path) -> int:
         """The open file of ``path`` (opened, and its stamp checked, on first use)."""
-        fd = self.fds.get(path)
-        if fd is None:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
+        file = self.files.get(path)
+        if file is None:
+            file = self.files[path] = io.FileIO(path)  # recorded at once: close() closes it
             try:
-                _same_file(path, fd, self.stamps.get(path))
+                _same_file(path, file.fileno(), self.stamps.get(path))
             except BaseException:
-                os.close(fd)
+                file.close()
+                del self.files[path]
                 raise
-            self.fds[path] = fd
-        return fd
+        return file.fileno()
 
     def read(
         self,
@@ -465,13 +472,23 @@ class OpenFiles:
 
     def verify(self) -> None:
         """Every file read is still the one catalogued (``CheckpointError`` if not)."""
-        for p, fd in self.fds.items():
-            _same_file(p, fd, self.stamps.get(p))
+        for p, file in self.files.items():
+            _same_file(p, file.fileno(), self.stamps.get(p))
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
+        """Every file closed, whatever interrupts arrive meanwhile (a closed one is skipped);
+        the first of them is raised once the last file is closed."""
+        interrupted: BaseException | None = None
+        while True:
+            try:
+                for file in self.files.values():
+                    file.close()
+                break
+            except BaseException as exc:  # a Ctrl-C part-way: close the rest, then raise it
+                interrupted = interrupted or exc
+        self.files.clear()
+        if interrupted is not None:
+            raise interrupted
 
 
 def read_into(
@@ -499,10 +516,10 @@ def read_into(
     bytes plus a chunk per reading thread is all the memory the read takes). Raises ``OSError``
     for a read that fails and ``EOFError`` for a file that ends too soon; the tensors then hold
     what was read so far. With the ``stamp`` the file had when its catalog was made, the open
-    file must still match it before the first read and after the last (its size, mtime and
-    inode), or ``CheckpointError`` says that it changed while it was read. ``checks`` maps a
-    piece's offset to the CRC-32 its bytes must have and a name for them (a zip record's), and
-    a piece that fails it raises ``CheckpointError`` naming it. ``fresh=False`` says the host
+    file must still match it before the first read and after the last (its size, mtime,
+    inode and ctime), or ``CheckpointError`` says that it changed while it was read. ``checks``
+    maps a piece's offset to the CRC-32 its bytes must have and a name for them (a zip record's),
+    and a piece that fails it raises ``CheckpointError`` naming it. ``fresh=False`` says the host
     tensors' pages are already resident (a model's own memory, filled in place), so they are not
     populated first (that costs about 40% of a read from the page cache into resident memory).
     """

@@ -506,7 +506,7 @@ class _Outcome:
     rank: int
     host: str
     failure: str
-    stamps: tuple[tuple[str, int, int, int, int], ...]
+    stamps: tuple[tuple[str, int, int, int, int, int], ...]
 
     @classmethod
     def of(
@@ -524,7 +524,7 @@ class _Outcome:
             except Exception:  # an error that cannot say itself still counts as one
                 said = type(failure).__name__
         files = tuple(
-            (str(p), s.size, s.mtime_ns, s.inode, s.device)
+            (str(p), s.size, s.mtime_ns, s.inode, s.device, s.ctime_ns)
             for p, s in sorted((stamps or {}).items())
         )
         return cls(rank, socket.gethostname(), said, files)
@@ -625,18 +625,16 @@ def _compared(model: nn.Module, mesh: Any, mine: _Outcome) -> None:
             f"{first.failure}); this rank's shards are filled, so {name} is partly filled "
             "across ranks: every rank raises, so build it again once that is fixed"
         )
-    seen: dict[tuple[str, str], dict[tuple[int, int, int, int], list[int]]] = {}
+    seen: dict[tuple[str, str], dict[tuple[int, ...], list[int]]] = {}
     for o in everyone:
-        for path, size, mtime, inode, dev in o.stamps:
-            seen.setdefault((o.host, path), {}).setdefault((size, mtime, inode, dev), []).append(
-                o.rank
-            )
+        for path, *version in o.stamps:
+            seen.setdefault((o.host, path), {}).setdefault(tuple(version), []).append(o.rank)
     for (_, path), versions in seen.items():
         if len(versions) > 1:
             who = "; ".join(
                 f"rank {', '.join(map(str, ranks))} read {size} bytes modified at {mtime} ns"
-                f" (inode {inode})"
-                for (size, mtime, inode, _), ranks in versions.items()
+                f" (inode {inode}, changed at {ctime} ns)"
+                for (size, mtime, inode, _, ctime), ranks in versions.items()
             )
             raise CheckpointError(
                 f"{path}: the ranks read different versions of it ({who}): it was rewritten "
