@@ -2,13 +2,14 @@
 
 Every byte a move sends travels through ``copy_tensor`` or the copies it stands for.
 ``Copier`` copies each distinct tensor once for one move: many small host tensors packed into
-one consolidated copy (``_consolidate``; a batch's land as views of bounded shared buffers, a
-model's each own their storage), large pageable ones staged through the pinned ring
-(``_staging``), a model's large tensors back to the host through the same ring, the rest one
-by one with ``non_blocking`` chosen per (source, target) (``choose_non_blocking``), and the
-host syncs it owes remembered. ``tensor_mover`` decides once per target what a batch
-move can decide once. ``object_to`` is the one rule for objects with a ``.to`` of their own.
-The loader uses ``consolidate_small`` and ``pinned_copy`` on its own stream.
+one consolidated copy (``_consolidate``; each result owns its storage, or, for a batch moved
+with ``views=True``, lands as a view of a bounded shared buffer), large pageable ones staged
+through the pinned ring (``_staging``), a model's large tensors back to the host through the
+same ring, the rest one by one with ``non_blocking`` chosen per (source, target)
+(``choose_non_blocking``), and the host syncs it owes remembered. ``tensor_mover`` decides
+once per target what a batch move can decide once. ``object_to`` is the one rule for objects
+with a ``.to`` of their own. The loader uses ``consolidate_small`` and ``pinned_copy`` on its
+own stream.
 
 To copy one host tensor to a device, staged: ``Copier(device, None).copy(t, device)`` then
 ``synchronize()``.
