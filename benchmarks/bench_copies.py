@@ -19,8 +19,8 @@ and one ``_foreach_copy_`` (the owned path on CUDA), ``empty_like`` each and one
 
 Without CUDA the default run says so and exits 0: the targets only mean something on a GPU.
 
-``--host`` runs the consolidation engines from the CPU to the CPU (real bytes, no device: the
-owned split is ``pack_and_copy``'s host split, views are ``consolidated_views``) against one
+``--host`` runs the consolidation engines from the CPU to the CPU (real bytes, no device:
+``packed_host_copy`` with its host split, and ``consolidated_views``) against one
 ``.to(copy=True)`` each, with the floors measured beside them, then times the host-side
 bookkeeping alone by copying to ``meta``, which moves no bytes. It is how a change to that
 bookkeeping is measured on a machine without a GPU; its ratios are not the GPU's.
@@ -43,7 +43,7 @@ from torchplace.moving._consolidate import (
     MIN_COUNT,
     consolidated_copy,
     consolidated_views,
-    pack_and_copy,
+    packed_host_copy,
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -161,7 +161,7 @@ def compare_on_host(
     tensors = small_tensors(count, distinct=distinct)
     ways: dict[str, Callable[[], object]] = {
         "per_tensor": lambda: [t.to(cpu, copy=True) for t in tensors],
-        "owned": lambda: pack_and_copy(tensors, cpu, pin=False, non_blocking=False),
+        "owned": lambda: packed_host_copy(tensors, cpu, non_blocking=False),
         "views": lambda: consolidated_views(tensors, cpu, pin=False, non_blocking=False),
         **_floors_and_splits(tensors, cpu, pin=False),
     }
@@ -236,7 +236,7 @@ def host_side(count: int = 500, repeat: int = 200) -> dict[str, float]:
     best = {}
     for name, tensors in cases.items():
         views = functools.partial(consolidated_views, tensors, meta, pin=False, non_blocking=False)
-        owned = functools.partial(pack_and_copy, tensors, meta, pin=False, non_blocking=False)
+        owned = functools.partial(packed_host_copy, tensors, meta, non_blocking=False)
         best[f"{name}, views"] = _time(views, repeat)
         best[f"{name}, owned (a clone each on meta)"] = _time(owned, repeat)
     for name, seconds in best.items():
@@ -251,7 +251,7 @@ def kept(batches: int = 300, masks: int = 250) -> dict[str, int]:
     held: dict[str, list[torch.Tensor]] = {"owned": [], "views": []}
     for i in range(batches):
         batch = [torch.arange(16) + i, *(torch.rand(SMALL) for _ in range(masks))]
-        held["owned"].append(pack_and_copy(batch, cpu, pin=False, non_blocking=False)[0])
+        held["owned"].append(packed_host_copy(batch, cpu, non_blocking=False)[0])
         held["views"].append(consolidated_views(batch, cpu, pin=False, non_blocking=False)[0][0])
     figures = {}
     for way, labels in held.items():

