@@ -288,7 +288,7 @@ class _Copier:
                 f"{len(small)} small tensors, packed into one consolidated copy of "
                 f"{format_bytes(sum(t.nbytes for t in small))}, failed: {exc}"
             ) from exc
-        created.extend(storages)  # the shared buffers: one record_stream for all their views
+        created.extend(storages)  # each owned result, or the shared buffers of views
 
         def one(t: torch.Tensor) -> torch.Tensor:
             out = moved.get(id(t))
