@@ -26,8 +26,8 @@ crossover on a GPU and prints the values to put here.
 
 This owned split is the default for batches too (``move`` and ``DeviceLoader`` with
 ``views=False``): a small tensor kept after its batch (labels kept for a metric) keeps only its
-own bytes alive. Through these functions on the CPU, 300 labels kept from 300 batches hold
-about 300 MiB as views and 0.1 MiB owned (``benchmarks/bench_copies.py --kept``).
+own bytes alive. Through these functions on the CPU, 300 labels kept from 300 batches held
+293 MiB as views and 0.04 MiB owned (``benchmarks/bench_copies.py --kept``).
 
 **Batches may land as views** (``consolidated_views``, with ``views=True``), as tensordict's
 ``consolidate`` does, for loops that drop their batches: the fused split above allocates every
