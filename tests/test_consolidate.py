@@ -12,7 +12,9 @@ from torchplace.moving._consolidate import (
     MIN_COUNT,
     consolidated_copy,
     pack_and_copy,
+    packed_host_copy,
     should_consolidate,
+    small_host_tensors,
 )
 
 CPU = torch.device("cpu")
@@ -129,6 +131,16 @@ def test_results_own_their_storage() -> None:
     first = out[0].clone()
     out[1].zero_()  # writing one result leaves the others alone
     assert torch.equal(out[0], first)
+
+
+def test_the_owned_copy_of_small_host_tensors_is_bit_identical_and_owned() -> None:
+    """``packed_host_copy``, what a batch takes by default: the small host tensors only."""
+    tensors = small_host_tensors([t for t in mixed() if t.dtype != torch.complex128] * 3)
+    out = packed_host_copy(tensors, CPU, non_blocking=False)
+    for a, b in zip(out, tensors, strict=True):
+        assert_same(a, b)
+        assert a.stride() == b.clone().stride()
+    assert_owns_storage(out)
 
 
 def test_sources_are_untouched() -> None:
@@ -248,6 +260,22 @@ def test_cuda_host_to_device_bit_identical_and_owned(non_blocking: bool) -> None
         assert a.device == cuda
         assert_same(a, b)
         assert a.stride() == b.to(cuda).stride()
+    assert_owns_storage(out, exact=False)  # the caching allocator rounds storages up
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("non_blocking", [True, False])
+def test_cuda_owned_copy_of_small_host_tensors(non_blocking: bool) -> None:
+    dtypes = [d for d in DTYPES if d not in (torch.float8_e4m3fn, torch.complex128)]
+    expected = [random_bits((i % 37 + 1,), dtypes[i % len(dtypes)], seed=i) for i in range(300)]
+    tensors = [t.clone() for t in expected]
+    out = packed_host_copy(tensors, torch.device("cuda"), non_blocking=non_blocking)
+    for t in tensors:
+        t.zero_()  # the bytes are already in the staging buffer
+    torch.cuda.synchronize()
+    for a, b in zip(out, expected, strict=True):
+        assert a.device == torch.device("cuda", torch.cuda.current_device())
+        assert_same(a, b)
     assert_owns_storage(out, exact=False)  # the caching allocator rounds storages up
 
 

@@ -429,7 +429,7 @@ def test_repr() -> None:
     text = repr(DeviceLoader([1, 2], "meta", prefetch=3))
     assert text == (
         "DeviceLoader([1, 2], device='meta', prefetch=3, pin_memory=None, non_blocking=True, "
-        "views=True)"
+        "views=False)"
     )
 
 

@@ -712,7 +712,7 @@ def test_many_small_tensors_to_an_accelerator_go_as_one_consolidated_copy(
     for module in (_move, _transfer):
         monkeypatch.setattr(module, "is_accelerator", lambda dev: dev.type != "cpu")
     monkeypatch.setattr(_transfer, "should_consolidate", lambda tensors, dev: len(tensors) >= 8)
-    monkeypatch.setattr(_transfer, "consolidated_copy", consolidated)
+    monkeypatch.setattr(_transfer, "packed_host_copy", consolidated)
 
     def as_views(
         tensors: list[torch.Tensor], device: torch.device, *, pin: bool, non_blocking: bool

@@ -24,6 +24,7 @@ from torchplace.moving import _move, _transfer
 from torchplace.moving._consolidate import (
     VIEW_BUFFER_BYTES,
     consolidated_views,
+    pack_and_copy,
     plan_views,
 )
 from torchplace.moving._loader import DeviceLoader
@@ -247,12 +248,13 @@ def test_move_of_a_batch_lands_small_tensors_as_views_and_large_ones_owned() -> 
         "mask": torch.ones(3, 4, dtype=torch.bool),
     }
     batch["again"] = batch["ids"][0]
-    moved = torchplace.move(batch, "meta")
+    moved = torchplace.move(batch, "meta", views=True)
     assert all(shares(t) for t in moved["ids"]) and shares(moved["mask"])
     assert not shares(moved["image"])
     assert moved["again"] is moved["ids"][0]
-    owned = torchplace.move(batch, "meta", views=False)
+    owned = torchplace.move(batch, "meta")  # the default: each tensor owns its storage
     assert not any(shares(t) for t in [*owned["ids"], owned["mask"], owned["image"]])
+    assert owned["again"] is owned["ids"][0]
 
 
 @pytest.mark.usefixtures("meta_consolidates")
@@ -267,7 +269,7 @@ def test_parameters_buffers_and_state_in_a_batch_own_their_storage() -> None:
         "weight": model[0].weight,  # and a parameter
         "xs": [torch.ones(2) for _ in range(10)],
     }
-    moved = torchplace.move(batch, "meta")
+    moved = torchplace.move(batch, "meta", views=True)
     assert all(shares(t) for t in moved["xs"])
     for t in [*model.parameters(), *model.buffers()]:
         assert not shares(t), t.shape
@@ -278,6 +280,7 @@ def test_parameters_buffers_and_state_in_a_batch_own_their_storage() -> None:
             "xs": [torch.ones(2) for _ in range(10)],
         },
         "meta",
+        views=True,
     )
     assert not shares(loose["w"])
 
@@ -293,18 +296,86 @@ def test_module_moves_consolidate_into_owned_results() -> None:
 def test_small_tensors_travel_in_groups_of_bounded_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     """The device memory a model move needs beyond the moved bytes is one group at most."""
     sizes: list[int] = []
-    real = _transfer.consolidated_copy
+    real = _transfer.packed_host_copy
 
     def counted(tensors: list[torch.Tensor], device: torch.device, **kw: Any) -> Any:
         sizes.append(sum(t.nbytes for t in tensors))
         return real(tensors, device, **kw)
 
-    monkeypatch.setattr(_transfer, "consolidated_copy", counted)
+    monkeypatch.setattr(_transfer, "packed_host_copy", counted)
     monkeypatch.setattr(_transfer, "OWNED_GROUP_BYTES", 100)
     model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(6)])  # 12 tensors of 16 or 8 bytes
     torchplace.move(model, "meta")
     assert len(sizes) > 1 and max(sizes) <= 100 and sum(sizes) == 6 * (16 + 8)
     assert not any(shares(t) for t in model.parameters())
+
+
+# --- the default: a batch's tensors own their storage --------------------------------------------
+
+
+def labelled_batches(count: int) -> list[dict[str, Any]]:
+    """Batches of 8 labels (64 bytes) beside 40 small masks (1 KiB each)."""
+    return [
+        {"labels": torch.arange(8) + i, "masks": [torch.ones(256) for _ in range(40)]}
+        for i in range(count)
+    ]
+
+
+@pytest.mark.usefixtures("meta_consolidates")
+def test_a_label_kept_from_each_moved_batch_holds_only_its_own_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A loop that keeps one small tensor per batch (labels for a metric; torchmetrics' mAP keeps
+    every target) keeps those bytes alone, not each batch's shared buffer (issue 31: 300 kept
+    labels held 295.5 MiB as views, 0.1 MiB owned)."""
+    packed: list[int] = []
+    real = _transfer.packed_host_copy
+
+    def counted(tensors: list[torch.Tensor], device: torch.device, **kw: Any) -> Any:
+        packed.append(len(tensors))
+        return real(tensors, device, **kw)
+
+    monkeypatch.setattr(_transfer, "packed_host_copy", counted)
+    batches = labelled_batches(5)
+    kept = [torchplace.move(batch, "meta")["labels"] for batch in batches]
+    assert packed == [41] * 5  # each batch still travels as one consolidated copy
+    assert [t.untyped_storage().nbytes() for t in kept] == [64] * 5
+    assert [(t.shape, t.dtype) for t in kept] == [(b["labels"].shape, torch.int64) for b in batches]
+    shared = [torchplace.move(batch, "meta", views=True)["labels"] for batch in batches]
+    assert all(t.untyped_storage().nbytes() >= 40 * 1024 for t in shared)  # the opt-in's cost
+
+
+@pytest.mark.usefixtures("meta_consolidates")
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_label_kept_from_each_loaded_batch_holds_only_its_own_bytes(prefetch: int) -> None:
+    batches = labelled_batches(5)
+    kept = [batch["labels"] for batch in DeviceLoader(batches, "meta", prefetch=prefetch)]
+    assert [t.untyped_storage().nbytes() for t in kept] == [64] * 5
+    loader = DeviceLoader(batches, "meta", prefetch=prefetch, views=True)
+    assert all(b["labels"].untyped_storage().nbytes() >= 40 * 1024 for b in loader)
+
+
+def test_the_owned_split_leaves_a_kept_tensor_alone_with_its_bits() -> None:
+    """The measurement of issue 31, scaled down, with real bytes on the CPU: each batch packed
+    into one buffer, copied once and split (the path of ``views=False``, the default), one
+    tensor kept per batch. Each kept tensor holds its own bytes in a storage of its own; the
+    same loop with views holds every batch's buffer."""
+    owned_kept, view_kept, sources = [], [], []
+    for i in range(20):
+        labels = random_bits((16,), torch.int64, seed=i)
+        masks = [random_bits((1024,), torch.float32, seed=100 + 40 * i + j) for j in range(40)]
+        batch = [labels, *masks]
+        owned = pack_and_copy(batch, CPU, pin=False, non_blocking=False)
+        for a, b in zip(owned, batch, strict=True):
+            assert_same(a, b)
+        owned_kept.append(owned[0])
+        view_kept.append(views(batch)[0][0])
+        sources.append(labels)
+    for kept, labels in zip(owned_kept, sources, strict=True):
+        assert_same(kept, labels)
+        assert kept.untyped_storage().nbytes() == labels.nbytes == 128
+    assert len({t.untyped_storage().data_ptr() for t in owned_kept}) == 20
+    assert sum(t.untyped_storage().nbytes() for t in view_kept) >= 20 * 40 * 4096
 
 
 def test_views_must_be_a_bool() -> None:
@@ -328,9 +399,9 @@ def test_loader_passes_views_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_loader, "consolidate_small", consolidate)
     batches = [[torch.ones(2) for _ in range(3)]]
     assert next(iter(DeviceLoader(batches, "meta", prefetch=0)))[0].device == META
-    list(DeviceLoader(batches, "meta", prefetch=0, views=False))
-    assert seen == [True, False]
-    assert "views=False" in repr(DeviceLoader(batches, "meta", views=False))
+    list(DeviceLoader(batches, "meta", prefetch=0, views=True))
+    assert seen == [False, True]  # owned storage unless views=True asks
+    assert "views=True" in repr(DeviceLoader(batches, "meta", views=True))
 
 
 # --- CUDA ----------------------------------------------------------------------------------------
@@ -341,23 +412,27 @@ def test_cuda_batch_lands_as_views_bit_identical() -> None:
     cuda = torch.device("cuda", 0)
     tensors = [random_bits((257 + i % 7,), torch.float32, seed=i) for i in range(500)]
     tensors += [random_bits((3, 5), torch.bfloat16, seed=1), torch.zeros(1 << 19)]
-    moved = torchplace.move(tensors, "cuda:0")
+    moved = torchplace.move(tensors, "cuda:0", views=True)
     for a, b in zip(moved, tensors, strict=True):
         assert a.device == cuda
         assert_same(a, b)
     sizes = {t.untyped_storage().nbytes() for t in moved[:-1]}
     assert max(sizes) <= VIEW_BUFFER_BYTES and len(moved[0].untyped_storage()) > moved[0].nbytes
     assert moved[-1].untyped_storage().nbytes() == moved[-1].nbytes  # large: its own
-    owned = torchplace.move(tensors, "cuda:0", views=False)
+    owned = torchplace.move(tensors, "cuda:0")  # the default
+    for a, b in zip(owned, tensors, strict=True):
+        assert_same(a, b)
     assert all(t.untyped_storage().nbytes() == t.nbytes for t in owned)
+    assert len({t.untyped_storage().data_ptr() for t in owned}) == len(owned)
 
 
 @pytest.mark.requires_cuda
-def test_cuda_loader_views_survive_the_next_batches() -> None:
-    """A kept view must not be overwritten by later batches (record_stream on its buffer)."""
+@pytest.mark.parametrize("shared", [True, False], ids=["views", "owned"])
+def test_cuda_loader_views_survive_the_next_batches(shared: bool) -> None:
+    """A kept tensor must not be overwritten by later batches (record_stream on its storage)."""
     batches = [[torch.full((64,), float(i)) for _ in range(40)] for i in range(6)]
     kept = []
-    for batch in DeviceLoader(batches, "cuda:0", prefetch=2):
+    for batch in DeviceLoader(batches, "cuda:0", prefetch=2, views=shared):
         kept.append(batch[0])
         torch.cuda._sleep(1000)  # type: ignore[attr-defined]
     torch.cuda.synchronize()

@@ -72,10 +72,11 @@ class DeviceLoader(Generic[T]):
     ``prefetch=0`` copies each batch when it is asked for. ``pin_memory=None`` pins on CUDA;
     ``False`` copies straight from pageable memory (the copy then blocks the thread that makes
     it). ``non_blocking=False`` hands a batch over only once its copy has finished. A batch's
-    many small tensors travel as one copy and land as views of shared device buffers of at most
-    1 MiB each, as with ``move``: a small tensor kept after its batch keeps at most that buffer
-    alive; ``views=False`` gives each tensor its own storage (do that, or ``.clone()``, before
-    growing a batch tensor in place with ``resize_`` or ``set_``).
+    many small tensors travel as one copy and are split into tensors that each own their
+    storage, as with ``move``, so a tensor kept after its batch (labels kept for a metric)
+    keeps nothing else alive. ``views=True`` lets them land as views of shared device buffers
+    of at most 1 MiB each (faster, for loops that drop their batches): a tensor kept then keeps
+    its buffer alive, and growing one in place (``resize_``, ``set_``) reaches its neighbours.
 
     ``len()`` is the source's. Each ``iter()`` starts a new pass over the source, so the loader
     is re-iterable when the source is; a one-shot source (a generator) can have one live
@@ -102,7 +103,7 @@ class DeviceLoader(Generic[T]):
         prefetch: int = 2,
         pin_memory: bool | None = None,
         non_blocking: bool = True,
-        views: bool = True,
+        views: bool = False,
     ) -> None:
         if not isinstance(iterable, Iterable) and not hasattr(type(iterable), "__getitem__"):
             raise TorchplaceError(
@@ -221,7 +222,13 @@ class _Copier:
     """
 
     def __init__(
-        self, device: torch.device, *, pin: bool, non_blocking: bool, side: bool, views: bool = True
+        self,
+        device: torch.device,
+        *,
+        pin: bool,
+        non_blocking: bool,
+        side: bool,
+        views: bool = False,
     ):
         self.device = device
         self.views = views
@@ -281,7 +288,7 @@ class _Copier:
                 f"{len(small)} small tensors, packed into one consolidated copy of "
                 f"{format_bytes(sum(t.nbytes for t in small))}, failed: {exc}"
             ) from exc
-        created.extend(storages)  # the shared buffers: one record_stream for all their views
+        created.extend(storages)  # each owned result, or the shared buffers of views
 
         def one(t: torch.Tensor) -> torch.Tensor:
             out = moved.get(id(t))

@@ -516,7 +516,7 @@ def move(
     optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer] | None = None,
     non_blocking: bool | None = None,
     attributes: Attributes = "warn",
-    views: bool = True,
+    views: bool = False,
 ) -> T:
     """Move a tensor, batch, module (in place) or optimizer's state to ``device``, all or nothing.
 
@@ -534,14 +534,14 @@ def move(
     >>> torchplace.move(batch, "cpu") is batch  # nothing to do: the very same object
     True
 
-    Many small tensors of a batch bound for a GPU travel as one copy and land as views of a few
-    shared device buffers of at most 1 MiB each: a small tensor kept after the batch is gone
-    keeps at most its 1 MiB buffer alive, never the batch's large tensors, which always own
-    their storage, as parameters, buffers and optimizer state do. ``views=False`` gives every
-    tensor of the batch its own storage (a little slower); ``.clone()`` one tensor to keep it
-    on its own. Values are independent under every ordinary in-place operation, but one that
-    grows a tensor's storage in place (``resize_`` to more elements, ``set_``) would write into
-    its neighbours' bytes: ``.clone()`` it first, or pass ``views=False``.
+    Many small tensors of a batch bound for a GPU travel as one copy (packed into pinned
+    staging, one transfer) and are split into tensors that each own their storage, as
+    parameters, buffers and optimizer state always do: keeping one keeps nothing else alive.
+    ``views=True`` lets them land as views of a few shared device buffers of at most 1 MiB each
+    instead (faster; for loops that drop their batches): a small tensor kept after its batch
+    then keeps its whole buffer alive (``.clone()`` it to keep it on its own), and an in-place
+    operation that grows a tensor's storage (``resize_`` to more elements, ``set_``) would
+    write into its neighbours' bytes. Values are independent either way.
     """
     if attributes not in _ATTRIBUTE_MODES:
         hint = did_you_mean(attributes, _ATTRIBUTE_MODES) if isinstance(attributes, str) else ""
@@ -680,7 +680,7 @@ def _move_collection(
     attributes: Attributes,
     log: UndoLog,
     *,
-    views: bool = True,
+    views: bool = False,
 ) -> tuple[Any, list[str]]:
     """Move a batch: tensors copied into a rebuilt structure, modules and optimizers in place.
 

@@ -2,13 +2,14 @@
 
 Every byte a move sends travels through ``copy_tensor`` or the copies it stands for.
 ``Copier`` copies each distinct tensor once for one move: many small host tensors packed into
-one consolidated copy (``_consolidate``; a batch's land as views of bounded shared buffers, a
-model's each own their storage), large pageable ones staged through the pinned ring
-(``_staging``), a model's large tensors back to the host through the same ring, the rest one
-by one with ``non_blocking`` chosen per (source, target) (``choose_non_blocking``), and the
-host syncs it owes remembered. ``tensor_mover`` decides once per target what a batch
-move can decide once. ``object_to`` is the one rule for objects with a ``.to`` of their own.
-The loader uses ``consolidate_small`` and ``pinned_copy`` on its own stream.
+one consolidated copy (``_consolidate``; each result owns its storage, or, for a batch moved
+with ``views=True``, lands as a view of a bounded shared buffer), large pageable ones staged
+through the pinned ring (``_staging``), a model's large tensors back to the host through the
+same ring, the rest one by one with ``non_blocking`` chosen per (source, target)
+(``choose_non_blocking``), and the host syncs it owes remembered. ``tensor_mover`` decides
+once per target what a batch move can decide once. ``object_to`` is the one rule for objects
+with a ``.to`` of their own. The loader uses ``consolidate_small`` and ``pinned_copy`` on its
+own stream.
 
 To copy one host tensor to a device, staged: ``Copier(device, None).copy(t, device)`` then
 ``synchronize()``.
@@ -28,8 +29,8 @@ from .._errors import MoveError, first_line
 from .._sizes import format_bytes
 from .._tensor_size import nbytes
 from ._consolidate import (
-    consolidated_copy,
     consolidated_views,
+    packed_host_copy,
     should_consolidate,
     small_host_tensors,
 )
@@ -293,7 +294,7 @@ class Copier:
                         group, self.target, pin=pin, non_blocking=non_blocking
                     )
                 else:
-                    results = consolidated_copy(group, self.target, non_blocking=non_blocking)
+                    results = packed_host_copy(group, self.target, non_blocking=non_blocking)
             except Exception:
                 return
             for t, new in zip(originals[start:stop], results, strict=True):
@@ -474,6 +475,6 @@ def consolidate_small(
         pin = target.type == "cuda"
         outs, buffers = consolidated_views(small, target, pin=pin, non_blocking=non_blocking)
     else:
-        outs = consolidated_copy(small, target, non_blocking=non_blocking)
+        outs = packed_host_copy(small, target, non_blocking=non_blocking)
         buffers = outs
     return {id(t): out for t, out in zip(small, outs, strict=True)}, buffers
