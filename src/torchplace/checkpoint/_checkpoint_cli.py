@@ -82,9 +82,8 @@ def _printable(text: Any) -> str:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    path = Path(args.file)
     try:
-        found = catalog(path)  # a file, an index or a save_pretrained directory
+        found = catalog(args.file)  # a file, an index or a save_pretrained directory
         kind, records, code = found.kind, found.records(), found.code
     except CheckpointError as exc:
         print(f"torchplace inspect: error: {exc}", file=sys.stderr)
@@ -645,10 +644,16 @@ def register(subparsers: Any) -> None:
         "inspect",
         help="list a checkpoint's tensors by saved device, dtype and size (runs no code)",
         description="List every tensor of a checkpoint with its saved device, dtype, shape and "
-        "bytes, and totals per device and dtype. Pickled code is never run and no GPU is needed.",
+        "bytes, and totals per device and dtype. FILE is a torch.save file, a .safetensors "
+        "file, a shard index (*.index.json: every shard it lists) or a directory as "
+        "save_pretrained writes it (its index or its one model file). Pickled code is never "
+        "run and no GPU is needed.",
     )
     inspect.add_argument(
-        "file", metavar="FILE", help="a torch.save file, a .safetensors file or an *.index.json"
+        "file",
+        metavar="FILE",
+        help="a torch.save file, a .safetensors file, a shard index (*.index.json) or a "
+        "save_pretrained directory",
     )
     inspect.add_argument("--json", action="store_true", help="print JSON instead of tables")
     inspect.set_defaults(func=_run_inspect)
@@ -665,7 +670,10 @@ def register(subparsers: Any) -> None:
         "same directory.",
     )
     remap_cmd.add_argument(
-        "file", metavar="FILE", help="the checkpoint to read: a file or an *.index.json"
+        "file",
+        metavar="FILE",
+        help="the checkpoint to read: a torch.save or .safetensors file, a shard index "
+        "(*.index.json) or a save_pretrained directory",
     )
     remap_cmd.add_argument("--to", required=True, metavar="DEVICE", help="e.g. cpu or cuda:0")
     remap_cmd.add_argument(

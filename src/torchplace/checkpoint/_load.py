@@ -100,6 +100,12 @@ def load(
     shows it when stderr is a terminal and the checkpoint holds at least 2 GiB; ``True`` and
     ``False`` force it on or off. On many ranks only rank 0 shows it.
     """
+    if isinstance(path, Mapping):
+        raise CheckpointError(
+            f"load() reads a checkpoint from its path, not a {type(path).__name__} already in "
+            "memory; to fill a model from a state dict, use torchplace.load_into(model, "
+            "state_dict)"
+        )
     target = _device(device)
     p = resolve(path)  # a directory's model file
     kind = format_of(p)
