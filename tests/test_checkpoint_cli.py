@@ -579,20 +579,50 @@ def test_remap_refuses_a_corrupt_safetensors_file(tmp_path: Path) -> None:
     assert not (tmp_path / "o.safetensors").exists()
 
 
-def test_remap_to_a_number_means_accelerator_n(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """The usage error lists "an int" as a device, and bench takes "0": so does remap."""
+@pytest.fixture
+def no_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     for backend in (getattr(torch.backends, "mps", None), getattr(torch, "xpu", None)):
         if backend is not None:
             monkeypatch.setattr(backend, "is_available", lambda: False)
+
+
+@pytest.mark.usefixtures("no_accelerator")
+@pytest.mark.parametrize(
+    ("spec", "tag"),
+    [("cuda", "cuda:0"), ("gpu", "cuda:0"), ("GPU:1", "cuda:1"), ("0", "cuda:0"), ("2", "cuda:2")],
+)
+def test_remap_to_gpu_or_a_number_needs_no_gpu_as_cuda_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], spec: str, tag: str
+) -> None:
+    """ "gpu", "gpu:N" and a bare N (the int device() takes) name the machine's accelerator
+    type, cuda on a machine without one: a rewrite of saved tags needs no device present."""
     torch.save({"w": torch.ones(1)}, tmp_path / "a.pt")
-    assert main(["remap", str(tmp_path / "a.pt"), "--to", "0", "-o", str(tmp_path / "b.pt")]) == 1
-    err = capsys.readouterr().err
-    assert "accelerator 0 requested" in err and "unknown device spec" not in err
-    assert not (tmp_path / "b.pt").exists()
+    assert main(["remap", str(tmp_path / "a.pt"), "--to", spec, "-o", str(tmp_path / "b.pt")]) == 0
+    assert f"tensors load on {tag}" in capsys.readouterr().out
+    assert [r.device for r in describe_file(tmp_path / "b.pt")] == [tag]
+
+
+@pytest.mark.usefixtures("no_accelerator")
+@pytest.mark.parametrize("spec", ["auto", "best"])
+def test_remap_to_auto_or_best_without_a_gpu_is_the_cpu(tmp_path: Path, spec: str) -> None:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        torch.save({"w": torch.ones(1)}, tmp_path / "a.pt")
+    assert main(["remap", str(tmp_path / "a.pt"), "--to", spec, "-o", str(tmp_path / "b.pt")]) == 0
+    assert [r.device for r in describe_file(tmp_path / "b.pt")] == ["cpu"]
+
+
+def test_remap_to_gpu_is_the_machines_accelerator_type(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    torch.save({"w": torch.ones(1)}, tmp_path / "a.pt")
+    remap(tmp_path / "a.pt", tmp_path / "b.pt", to="gpu")
+    assert [r.device for r in describe_file(tmp_path / "b.pt")] == ["mps"]
 
 
 # --------------------------------------------------------------- inspect and remap agree with load

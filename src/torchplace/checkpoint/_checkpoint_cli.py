@@ -23,6 +23,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import sys
 import types
@@ -196,16 +197,24 @@ def _print_rows(
 
 
 def _parse_target(spec: str) -> Any:
-    """A device to tag storages with; it need not exist on this machine (no GPU needed)."""
+    """A device to tag storages with; it need not exist on this machine (no GPU needed).
+
+    ``gpu``, ``gpu:N`` and a bare ``N`` name the machine's accelerator type (``cuda`` on a
+    machine without one), as ``cuda`` and ``cuda:N`` do, so that no GPU is needed for them
+    either; ``auto`` and ``best`` are the devices ``torchplace.device`` picks here (the CPU on a
+    machine without an accelerator)."""
     import torch
 
+    from .._devices import accelerator_type
     from .._devices import device as resolve
 
     text = spec.strip().lower()
-    if text in ("auto", "best", "gpu"):
+    if text in ("auto", "best"):
         return resolve(text)
-    if text.isdecimal():  # accelerator N, as the int N is to torchplace.device
-        return resolve(int(text))
+    accelerator = re.fullmatch(r"(?:gpu(?::\s*(\d+))?|(\d+))", text)
+    if accelerator:  # accelerator N, as the int N and "gpu:N" are to torchplace.device
+        number = accelerator.group(1) or accelerator.group(2)
+        text = accelerator_type() + (f":{int(number)}" if number else "")
     try:
         dev = torch.device(text)
     except (RuntimeError, ValueError):
@@ -675,7 +684,14 @@ def register(subparsers: Any) -> None:
         help="the checkpoint to read: a torch.save or .safetensors file, a shard index "
         "(*.index.json) or a save_pretrained directory",
     )
-    remap_cmd.add_argument("--to", required=True, metavar="DEVICE", help="e.g. cpu or cuda:0")
+    remap_cmd.add_argument(
+        "--to",
+        required=True,
+        metavar="DEVICE",
+        help="e.g. cpu or cuda:0; need not exist here: gpu, gpu:N and a bare N mean this "
+        "machine's accelerator type (cuda on a machine without one), as cuda and cuda:N do; "
+        "auto and best are the device torchplace.device picks here (cpu without an accelerator)",
+    )
     remap_cmd.add_argument(
         "-o",
         "--output",
