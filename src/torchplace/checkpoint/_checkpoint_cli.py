@@ -12,7 +12,10 @@ device, or every shard of a shard index. It reads files safely (``weights_only=T
 memory-mapped), writes temporary files (``.NAME.torchplace-tmp-PID``) beside the outputs with
 every storage tagged for the new device, and renames them into place only when all are
 complete, so an interrupted run leaves no partial output; the temporary files of a run that was
-killed outright are swept by the next remap into the same directory.
+killed outright are swept by the next remap into the same directory. An output that exists
+already is refused unless ``--force`` (a file rewritten in place excepted), and a
+``save_pretrained`` directory's other files (``config.json``, tokenizer files) are copied beside
+its remapped checkpoint as they are.
 """
 
 from __future__ import annotations
@@ -564,7 +567,6 @@ def remap(
     ``force=True`` (``--force``): remap never replaces a file it was not asked to. A file
     remapped in place (``out`` the file ``path`` names) is replaced atomically, as asked.
     """
-
     given, dst = as_path(path), as_path(out)
     src = resolve(given)  # a save_pretrained directory: its index, or its one checkpoint file
     target = _parse_target(to) if isinstance(to, str) else to
