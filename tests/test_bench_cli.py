@@ -196,6 +196,24 @@ def test_counts_must_be_positive(option: str, capsys: pytest.CaptureFixture[str]
     assert "above 0" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("count", ["1001", "1000000000000"])
+def test_repeat_has_an_upper_bound(count: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from torchplace.cli._main import _parser
+
+    with pytest.raises(SystemExit) as info:  # parsed only: an unbounded run is never started
+        _parser("bench").parse_args(["bench", "--repeat", count])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --repeat: expected 1 to 1000 timed runs, got '{count}'" in err
+
+
+def test_repeat_at_its_bound_is_accepted() -> None:
+    from torchplace.cli._main import _parser
+
+    args = _parser("bench").parse_args(["bench", "--repeat", "1000"])
+    assert args.repeat == 1000
+
+
 @pytest.mark.requires_cuda
 def test_cuda_measures_both_directions() -> None:
     rows = measure(torch.device("cuda:0"), size=8 << 20, tensors=50, repeat=2)

@@ -13,6 +13,7 @@ import os
 import random
 import struct
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -467,6 +468,103 @@ def test_check_crc_on_a_file_that_records_none_says_so_and_refuses_nothing(
     torch.save(sd, legacy, _use_new_zipfile_serialization=False)
     with pytest.warns(UserWarning, match=r"legacy \(non-zip\) torch file records no CRC-32"):
         assert torch.equal(load(legacy, check_crc=True, trusted=trusted)["w"], sd["w"])
+
+
+def _crc_warnings(call: Any) -> list[warnings.WarningMessage]:
+    """The warnings ``call()`` gives about check_crc, every one kept (none merged away)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        call()
+    return [w for w in caught if "check_crc=True" in str(w.message)]
+
+
+def _safetensors_checkpoints(tmp_path: Path) -> dict[str, Path]:
+    """A safetensors file, an index of three safetensors shards, an index mixing one with a
+    torch shard, and a directory holding the all-safetensors index."""
+    sd = {f"t{i}": torch.full((4,), float(i)) for i in range(3)}
+    save_file(sd, str(tmp_path / "one.safetensors"))
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    for i in range(3):
+        save_file({f"t{i}": sd[f"t{i}"]}, str(folder / f"s{i}.safetensors"))
+    weight_map = {f"t{i}": f"s{i}.safetensors" for i in range(3)}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    torch.save({"t2": sd["t2"]}, folder / "s2.pt")
+    mixed = folder / "mixed.index.json"
+    mixed.write_text(json.dumps({"weight_map": {**weight_map, "t2": "s2.pt"}}))
+    return {
+        "file": tmp_path / "one.safetensors",
+        "index": folder / "model.safetensors.index.json",
+        "mixed": mixed,
+    }
+
+
+class _Three(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        for i in range(3):
+            self.register_buffer(f"t{i}", torch.zeros(4))
+
+
+@pytest.mark.parametrize("source", ["file", "index", "mixed"])
+@pytest.mark.parametrize(
+    "how", ["load", "load-mmap", "load_into", "load_into-skeleton", "load_into-mmap"]
+)
+def test_check_crc_on_safetensors_warns_once_that_it_checks_nothing(
+    tmp_path: Path, source: str, how: str
+) -> None:
+    """Safetensors records no checksum: check_crc=True used to check nothing in silence. One
+    warning per call, never one per shard, pointing at the caller's line."""
+    path = _safetensors_checkpoints(tmp_path)[source]
+    mmap = how.endswith("mmap")
+    if how.startswith("load-") or how == "load":
+        caught = _crc_warnings(lambda: load(path, check_crc=True, mmap=mmap))
+    else:
+        model = torchplace.skeleton(_Three) if how.endswith("skeleton") else _Three()
+        caught = _crc_warnings(lambda: load_into(model, path, check_crc=True, mmap=mmap))
+        assert torch.equal(model.t1, torch.full((4,), 1.0))
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    message = str(caught[0].message)
+    assert message.startswith(f"{path}: check_crc=True, but ")
+    if source == "mixed":
+        assert "its safetensors shards record no checksum, so only its torch shards" in message
+    else:
+        assert "no checksum, so nothing was checked" in message
+    assert caught[0].category is UserWarning
+    assert caught[0].filename == __file__  # said at the user's line
+
+
+def test_check_crc_on_a_save_pretrained_directory_warns_once(tmp_path: Path) -> None:
+    folder = _safetensors_checkpoints(tmp_path)["index"].parent
+    (folder / "mixed.index.json").unlink()
+    (folder / "s2.pt").unlink()
+    caught = _crc_warnings(lambda: load(folder, check_crc=True))
+    assert len(caught) == 1 and "model.safetensors.index.json" in str(caught[0].message)
+    assert _crc_warnings(lambda: load(folder)) == []  # asked for nothing: no word
+
+
+def test_check_crc_on_a_sharded_model_from_safetensors_warns_once(
+    fake_world: object, tmp_path: Path
+) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    state = {"weight": torch.randn(8, 3), "bias": torch.randn(8)}
+    save_file({"weight": state["weight"]}, str(folder / "a.safetensors"))
+    save_file({"bias": state["bias"]}, str(folder / "b.safetensors"))
+    index = folder / "model.safetensors.index.json"
+    index.write_text(
+        json.dumps({"weight_map": {"weight": "a.safetensors", "bias": "b.safetensors"}})
+    )
+    with torch.device("meta"):
+        model = nn.Linear(3, 8)
+    fully_shard(model, mesh=fake_world)
+    model.to_empty(device="cpu")
+    caught = _crc_warnings(lambda: load_into(model, index, check_crc=True))
+    assert len(caught) == 1 and str(caught[0].message).startswith(f"{index}: check_crc=True")
+    assert caught[0].filename == __file__
+    assert torch.equal(model.weight.to_local(), state["weight"][:2])  # rank 0 of 4: 2 rows
 
 
 def test_remap_checks_every_records_crc_before_writing_new_ones(tmp_path: Path) -> None:

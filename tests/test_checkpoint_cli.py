@@ -205,8 +205,8 @@ def test_interrupted_remap_leaves_no_partial_output(
     assert written  # it did get half-way
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no output, no temp file
 
-    out.write_bytes(b"previous contents")
-    assert main(["remap", str(gpu_file), "--to", "cpu", "-o", str(out)]) == 130
+    out.write_bytes(b"previous contents")  # replaced only once complete, even with --force
+    assert main(["remap", str(gpu_file), "--to", "cpu", "-o", str(out), "--force"]) == 130
     assert out.read_bytes() == b"previous contents"
 
 
@@ -224,7 +224,7 @@ def test_remap_bad_input_touches_no_output(
     out = tmp_path / "out.pt"
     out.write_bytes(b"keep me")
     before = sorted(p.name for p in tmp_path.iterdir())
-    assert main(["remap", str(src), "--to", "cpu", "-o", str(out)]) == 1
+    assert main(["remap", str(src), "--to", "cpu", "-o", str(out), "--force"]) == 1
     assert "in.pt" in capsys.readouterr().err
     assert out.read_bytes() == b"keep me"
     assert sorted(p.name for p in tmp_path.iterdir()) == before
@@ -579,20 +579,50 @@ def test_remap_refuses_a_corrupt_safetensors_file(tmp_path: Path) -> None:
     assert not (tmp_path / "o.safetensors").exists()
 
 
-def test_remap_to_a_number_means_accelerator_n(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """The usage error lists "an int" as a device, and bench takes "0": so does remap."""
+@pytest.fixture
+def no_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     for backend in (getattr(torch.backends, "mps", None), getattr(torch, "xpu", None)):
         if backend is not None:
             monkeypatch.setattr(backend, "is_available", lambda: False)
+
+
+@pytest.mark.usefixtures("no_accelerator")
+@pytest.mark.parametrize(
+    ("spec", "tag"),
+    [("cuda", "cuda:0"), ("gpu", "cuda:0"), ("GPU:1", "cuda:1"), ("0", "cuda:0"), ("2", "cuda:2")],
+)
+def test_remap_to_gpu_or_a_number_needs_no_gpu_as_cuda_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], spec: str, tag: str
+) -> None:
+    """ "gpu", "gpu:N" and a bare N (the int device() takes) name the machine's accelerator
+    type, cuda on a machine without one: a rewrite of saved tags needs no device present."""
     torch.save({"w": torch.ones(1)}, tmp_path / "a.pt")
-    assert main(["remap", str(tmp_path / "a.pt"), "--to", "0", "-o", str(tmp_path / "b.pt")]) == 1
-    err = capsys.readouterr().err
-    assert "accelerator 0 requested" in err and "unknown device spec" not in err
-    assert not (tmp_path / "b.pt").exists()
+    assert main(["remap", str(tmp_path / "a.pt"), "--to", spec, "-o", str(tmp_path / "b.pt")]) == 0
+    assert f"tensors load on {tag}" in capsys.readouterr().out
+    assert [r.device for r in describe_file(tmp_path / "b.pt")] == [tag]
+
+
+@pytest.mark.usefixtures("no_accelerator")
+@pytest.mark.parametrize("spec", ["auto", "best"])
+def test_remap_to_auto_or_best_without_a_gpu_is_the_cpu(tmp_path: Path, spec: str) -> None:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        torch.save({"w": torch.ones(1)}, tmp_path / "a.pt")
+    assert main(["remap", str(tmp_path / "a.pt"), "--to", spec, "-o", str(tmp_path / "b.pt")]) == 0
+    assert [r.device for r in describe_file(tmp_path / "b.pt")] == ["cpu"]
+
+
+def test_remap_to_gpu_is_the_machines_accelerator_type(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    torch.save({"w": torch.ones(1)}, tmp_path / "a.pt")
+    remap(tmp_path / "a.pt", tmp_path / "b.pt", to="gpu")
+    assert [r.device for r in describe_file(tmp_path / "b.pt")] == ["mps"]
 
 
 # --------------------------------------------------------------- inspect and remap agree with load
@@ -1275,3 +1305,141 @@ def test_remap_of_a_file_into_a_directory_writes_it_there_under_its_own_name(
         remap(src, f"{tmp_path / 'taken'}/", to="cpu")
     assert (tmp_path / "taken").read_bytes() == b"mine"
     assert torch.equal(torch.load(src)["w"], torch.arange(3.0))  # the source untouched
+
+
+# ----------------------------------------------------------- remap's outputs: refused, or copied
+
+
+def _listing(root: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def test_remap_refuses_an_existing_output_file_unless_forced(
+    gpu_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "other.pt"
+    torch.save({"unrelated": torch.zeros(3)}, out)
+    before = _listing(tmp_path)
+    assert main(["remap", str(gpu_file), "--to", "cpu", "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"{out}: exists already" in err and "--force" in err and "Nothing was written" in err
+    assert _listing(tmp_path) == before  # untouched, no temporary file left
+    assert main(["remap", str(gpu_file), "--to", "cpu", "-o", str(out), "--force"]) == 0
+    assert {r.device for r in describe_file(out)} == {"cpu"}
+    assert torch.equal(load(out)["model"]["w"], STATE["model"]["w"])
+
+
+def test_the_remap_function_refuses_an_existing_output_unless_forced(
+    gpu_file: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "other.pt"
+    out.write_bytes(b"someone else's file")
+    with pytest.raises(CheckpointError, match=r"exists already.*force=True"):
+        remap(gpu_file, out, to="cpu")
+    assert out.read_bytes() == b"someone else's file"
+    assert remap(gpu_file, out, to="cpu", force=True) == out
+    assert {r.device for r in describe_file(out)} == {"cpu"}
+
+
+def test_remap_in_place_needs_no_force(gpu_file: Path) -> None:
+    assert main(["remap", str(gpu_file), "--to", "cuda:1", "-o", str(gpu_file)]) == 0
+    assert {r.device for r in describe_file(gpu_file)} == {"cuda:1"}
+    assert remap(gpu_file, gpu_file, to="cpu") == gpu_file
+    assert {r.device for r in describe_file(gpu_file)} == {"cpu"}
+
+
+def test_remap_into_a_directory_refuses_the_file_it_would_replace(
+    gpu_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "out").mkdir()
+    taken = tmp_path / "out" / gpu_file.name
+    taken.write_bytes(b"keep me")
+    assert main(["remap", str(gpu_file), "--to", "cpu", "-o", str(tmp_path / "out")]) == 1
+    assert f"{taken}: exists already" in capsys.readouterr().err
+    assert taken.read_bytes() == b"keep me"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [gpu_file.name]
+
+
+@pytest.mark.parametrize("output", ["directory", "index-file"])
+def test_remap_of_an_index_refuses_existing_outputs(
+    tmp_path: Path, output: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    index = _sharded(tmp_path)
+    (tmp_path / "out" / "more").mkdir(parents=True)
+    taken = tmp_path / "out" / "more" / "s3.bin"  # one shard's output, deep in the layout
+    taken.write_bytes(b"keep me")
+    dst = tmp_path / "out" / ("" if output == "directory" else "new.index.json")
+    before = _listing(tmp_path / "out")
+    assert main(["remap", str(index), "--to", "cpu", "-o", str(dst)]) == 1
+    assert f"{taken}: exists already" in capsys.readouterr().err
+    assert _listing(tmp_path / "out") == before
+    assert main(["remap", str(index), "--to", "cpu", "-o", str(dst), "--force"]) == 0
+    assert torch.equal(load(taken)["c"], torch.ones(2, dtype=torch.bfloat16))
+
+
+def test_remap_of_a_directory_copies_its_other_files(tmp_path: Path) -> None:
+    index = _sharded(tmp_path)
+    folder = index.parent
+    (folder / "config.json").write_text('{"model_type": "x"}')
+    (folder / "tokenizer.json").write_bytes(bytes(range(256)))
+    (folder / "extra" / "deep").mkdir(parents=True)
+    (folder / "extra" / "deep" / "notes.txt").write_text("kept as it is")
+    os.utime(folder / "config.json", (1_000_000, 1_000_000))
+    (folder / "tokenizer.json").chmod(0o640)
+    remap(folder, tmp_path / "copy", to="cpu")
+    new = tmp_path / "copy"
+    for name in ("config.json", "tokenizer.json", "extra/deep/notes.txt"):
+        assert (new / name).read_bytes() == (folder / name).read_bytes(), name
+    assert (new / "config.json").stat().st_mtime == 1_000_000  # copied as shutil.copy2 does
+    assert (new / "tokenizer.json").stat().st_mode & 0o777 == 0o640
+    assert {r.device for r in describe_file(new / "more" / "s3.bin")} == {"cpu"}  # rewritten
+    assert sorted(_listing(new)) == sorted(_listing(folder))  # nothing else, nothing missing
+
+
+def test_remap_of_a_directory_refuses_an_existing_copy_of_its_other_files(
+    tmp_path: Path,
+) -> None:
+    index = _sharded(tmp_path)
+    (index.parent / "config.json").write_text("{}")
+    (tmp_path / "copy").mkdir()
+    (tmp_path / "copy" / "config.json").write_text("mine")
+    with pytest.raises(CheckpointError, match=r"config\.json: exists already"):
+        remap(index.parent, tmp_path / "copy", to="cpu")
+    assert _listing(tmp_path / "copy") == {"config.json": b"mine"}
+
+
+@pytest.mark.parametrize("saved", ["sharded-safetensors", "torch-on-gpu"])
+def test_remap_of_a_save_pretrained_directory_loads_with_from_pretrained(
+    tmp_path: Path, saved: str
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    src = tmp_path / "src"
+    if saved == "sharded-safetensors":
+        model.save_pretrained(src, max_shard_size="10KB")
+        assert (src / "model.safetensors.index.json").exists()
+    else:  # a torch file saved on a GPU, beside the config save_pretrained writes
+        model.save_pretrained(src)
+        (src / "model.safetensors").unlink()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+            torch.save(model.state_dict(), src / "pytorch_model.bin")
+    (src / "tokenizer_config.json").write_text('{"model_max_length": 32}')
+    assert (src / "generation_config.json").exists()
+    assert main(["remap", str(src), "--to", "cpu", "-o", str(tmp_path / "new")]) == 0
+    new = tmp_path / "new"
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+        assert (new / name).read_bytes() == (src / name).read_bytes(), name
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(new)  # config.json decides
+    want, got = model.state_dict(), loaded.state_dict()
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].device == torch.device("cpu"), name
+        assert torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), name

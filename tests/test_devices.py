@@ -217,10 +217,24 @@ def test_best_reads_nvml_first_without_a_context(
     assert torchplace.device("best") == torch.device("cuda:1")
 
 
-def test_best_without_accelerator(gpus: FakeGPUs) -> None:
+@pytest.mark.parametrize("local_rank", [None, "0", "1"])
+def test_best_without_accelerator_is_the_cpu_as_auto_is(
+    gpus: FakeGPUs, monkeypatch: pytest.MonkeyPatch, local_rank: str | None
+) -> None:
     gpus(0)
-    with pytest.raises(torchplace.DeviceUnavailableError, match="device\\('auto'\\)"):
-        torchplace.device("best")
+    if local_rank is not None:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    assert torchplace.device("best") == torchplace.device("auto") == torch.device("cpu")
+
+
+@pytest.mark.parametrize("spec", [-1, "-1", "cuda:-1", " CUDA:-1 ", "gpu:-1", "xpu:-1", "cpu:-1"])
+def test_a_negative_index_is_one_error_however_spelt(spec: object) -> None:
+    with pytest.raises(torchplace.DeviceSpecError) as info:
+        torchplace.device(spec)  # type: ignore[arg-type]
+    assert str(info.value) == "device index -1 is negative; accelerators count from 0"
+    with pytest.raises(torchplace.DeviceSpecError) as info:
+        torchplace.device(-7 if isinstance(spec, int) else spec.replace("1", "7"))  # type: ignore[arg-type]
+    assert str(info.value) == "device index -7 is negative; accelerators count from 0"
 
 
 def test_mps_when_there_is_no_cuda(gpus: FakeGPUs) -> None:

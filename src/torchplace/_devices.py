@@ -259,11 +259,8 @@ def _auto() -> torch.device:
 
 def _best() -> torch.device:
     kind = _accelerator()
-    if kind is None:
-        raise DeviceUnavailableError(
-            f"'best' picks the accelerator with most free memory, but {visible_devices('cuda')}; "
-            "use device('auto') to fall back to the CPU"
-        )
+    if kind is None:  # as "auto": the CPU is the best a machine without an accelerator has
+        return _auto()
     rank = _local_rank()
     if rank is not None and _local_world() != 1:
         # Several processes on this machine: each would see the same free memory and pick the
@@ -292,7 +289,9 @@ def device(spec: DeviceSpec = "auto", /) -> torch.device:
 
     ``"auto"`` (or ``None``) picks ``cuda:LOCAL_RANK`` under torchrun, else the current CUDA
     device, then MPS, then XPU, then the CPU. ``"gpu"`` is the machine's accelerator type, an
-    ``int`` N is accelerator N, and ``"best"`` is the accelerator with most free memory.
+    ``int`` N is accelerator N, and ``"best"`` is the accelerator with most free memory (lowest
+    index on ties), or the CPU on a machine without one, as for ``"auto"``. A negative index,
+    ``-1`` or ``"cuda:-1"`` alike, is a ``DeviceSpecError``.
 
     Under torchrun no two local ranks share an accelerator: with several processes on the
     machine (``LOCAL_WORLD_SIZE`` above 1, or unset beside ``LOCAL_RANK``), ``"best"`` is the
@@ -313,6 +312,9 @@ def device(spec: DeviceSpec = "auto", /) -> torch.device:
     if isinstance(spec, int):
         return _accelerator_index(spec, spec)
     text = spec.strip().lower()
+    negative = re.fullmatch(r"(?:[a-z_0-9]+:)?\s*(-\d+)", text)
+    if negative:  # torch would call it no device at all: said as for the int
+        raise _negative_index(int(negative.group(1)))
     if text == "auto":
         return _auto()
     if text == "best":
@@ -359,13 +361,24 @@ def normalize(spec: DeviceSpec) -> torch.device:
     return device(spec)
 
 
+def _negative_index(index: int) -> DeviceSpecError:
+    """The error for a negative device index, one for every spelling (``-1``, ``"cuda:-1"``)."""
+    return DeviceSpecError(f"device index {index} is negative; accelerators count from 0")
+
+
 def _accelerator_index(index: int, spec: object) -> torch.device:
     if index < 0:
-        raise DeviceSpecError(f"device index {spec!r} is negative; accelerators count from 0")
+        raise _negative_index(index)
     kind = _accelerator()
     if kind is None:
         raise DeviceUnavailableError(f"accelerator {index} requested but {visible_devices('cuda')}")
     return _checked(kind, index, spec)
+
+
+def accelerator_type() -> str:
+    """The type ``"gpu"`` names here: the machine's accelerator's, or ``cuda`` on a machine
+    without one (for naming a device that need not exist here, such as a checkpoint's tag)."""
+    return _accelerator() or "cuda"
 
 
 def available() -> list[torch.device]:

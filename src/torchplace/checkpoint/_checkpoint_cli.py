@@ -12,7 +12,10 @@ device, or every shard of a shard index. It reads files safely (``weights_only=T
 memory-mapped), writes temporary files (``.NAME.torchplace-tmp-PID``) beside the outputs with
 every storage tagged for the new device, and renames them into place only when all are
 complete, so an interrupted run leaves no partial output; the temporary files of a run that was
-killed outright are swept by the next remap into the same directory.
+killed outright are swept by the next remap into the same directory. An output that exists
+already is refused unless ``--force`` (a file rewritten in place excepted), and a
+``save_pretrained`` directory's other files (``config.json``, tokenizer files) are copied beside
+its remapped checkpoint as they are.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import sys
 import types
@@ -38,7 +42,7 @@ from ._catalog import catalog, code_globals, describe_file, format_of
 from ._hub_names import hub_names_note
 from ._pickle_reader import TensorRecord, pickles_a_model
 from ._progress import progress_bar, wanted
-from ._source import resolve
+from ._source import as_path, resolve
 
 __all__ = [
     "TensorRecord",
@@ -82,9 +86,8 @@ def _printable(text: Any) -> str:
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
-    path = Path(args.file)
     try:
-        found = catalog(path)  # a file, an index or a save_pretrained directory
+        found = catalog(args.file)  # a file, an index or a save_pretrained directory
         kind, records, code = found.kind, found.records(), found.code
     except CheckpointError as exc:
         print(f"torchplace inspect: error: {exc}", file=sys.stderr)
@@ -197,16 +200,24 @@ def _print_rows(
 
 
 def _parse_target(spec: str) -> Any:
-    """A device to tag storages with; it need not exist on this machine (no GPU needed)."""
+    """A device to tag storages with; it need not exist on this machine (no GPU needed).
+
+    ``gpu``, ``gpu:N`` and a bare ``N`` name the machine's accelerator type (``cuda`` on a
+    machine without one), as ``cuda`` and ``cuda:N`` do, so that no GPU is needed for them
+    either; ``auto`` and ``best`` are the devices ``torchplace.device`` picks here (the CPU on a
+    machine without an accelerator)."""
     import torch
 
+    from .._devices import accelerator_type
     from .._devices import device as resolve
 
     text = spec.strip().lower()
-    if text in ("auto", "best", "gpu"):
+    if text in ("auto", "best"):
         return resolve(text)
-    if text.isdecimal():  # accelerator N, as the int N is to torchplace.device
-        return resolve(int(text))
+    accelerator = re.fullmatch(r"(?:gpu(?::\s*(\d+))?|(\d+))", text)
+    if accelerator:  # accelerator N, as the int N and "gpu:N" are to torchplace.device
+        number = accelerator.group(1) or accelerator.group(2)
+        text = accelerator_type() + (f":{int(number)}" if number else "")
     try:
         dev = torch.device(text)
     except (RuntimeError, ValueError):
@@ -350,11 +361,14 @@ class _PendingOutputs:
             return tmp, fd
         raise FileExistsError(f"{out.parent}: too many temporary files named for {out.name}")
 
-    def commit(self, modes_from: list[Path]) -> None:
-        """Rename every file into place, in order. Only a failing rename (the files are on one
-        file system, so hardly ever) can leave some renamed: shards, never the index after."""
+    def commit(self, modes_from: list[Path | None]) -> None:
+        """Rename every file into place, in order, each with the mode of the output it replaces
+        or else of its source in ``modes_from`` (``None``: the file's mode is set already). Only
+        a failing rename (the files are on one file system, so hardly ever) can leave some
+        renamed: shards, never the index after."""
         for (tmp, out), source in zip(self.files, modes_from, strict=True):
-            shutil.copymode(out if out.exists() else source, tmp)  # not O_CREAT's private 0600
+            if source is not None:  # not O_CREAT's private 0600
+                shutil.copymode(out if out.exists() else source, tmp)
         for tmp, out in self.files:
             os.replace(tmp, out)
         self.files = []
@@ -473,6 +487,41 @@ def _index_outputs(src: Path, dst: Path) -> tuple[Path, list[tuple[Path, Path, s
     return dst, outputs
 
 
+def _other_files(folder: Path, rewritten: set[Path], into: Path) -> list[tuple[Path, Path, str]]:
+    """The files of the ``save_pretrained`` directory ``folder`` that remap does not rewrite
+    (``config.json``, ``generation_config.json``, tokenizer files; in sub-directories too), each
+    as a job that copies it as it is to the same place under ``into``."""
+    skip = into.resolve()  # an output directory inside the source is not copied into itself
+    jobs = []
+    for root, dirs, files in os.walk(folder):
+        here = Path(root)
+        dirs[:] = sorted(d for d in dirs if (here / d).resolve() != skip)
+        for name in sorted(files):
+            file = here / name
+            if _TMP_MARK in name or file.resolve() in rewritten or not file.is_file():
+                continue  # a model file remap rewrites, a remap's temporary, a socket
+            jobs.append((file, into / file.relative_to(folder), "copy"))
+    return jobs
+
+
+def _refuse_existing(jobs: list[tuple[Path, Path, str]]) -> None:
+    """Refuse outputs that exist already, but for a file rewritten in place (source = output,
+    replaced atomically as any output is)."""
+    taken = [
+        str(out)
+        for source, out, _ in jobs
+        if os.path.lexists(out) and out.resolve() != source.resolve()
+    ]
+    if taken:
+        more = f" and {len(taken) - 3} more" if len(taken) > 3 else ""
+        them = "it" if len(taken) == 1 else "them"
+        raise CheckpointError(
+            f"{', '.join(taken[:3])}{more}: exist{'s' if len(taken) == 1 else ''} already, and "
+            f"remap does not write over a file it does not read unless told to: pass --force "
+            f"(force=True) to replace {them}, or choose another -o. Nothing was written"
+        )
+
+
 def remap(
     path: str | os.PathLike[str],
     out: str | os.PathLike[str],
@@ -480,6 +529,7 @@ def remap(
     *,
     to: Any,
     progress: bool | None = None,
+    force: bool = False,
 ) -> Path:
     """Rewrite a checkpoint so that ``torch.load`` puts its tensors on ``to``; returns the file
     written (for a shard index, the new index).
@@ -509,11 +559,14 @@ def remap(
 
     A ``save_pretrained`` directory is remapped through its checkpoint (its index, or its one
     model file): ``out`` then names a directory, made if its parent exists, that receives the
-    checkpoint under its own names (the directory's other files, such as ``config.json``, are
-    not copied).
-    """
-    from ._checkpoint import as_path
+    checkpoint under its own names, and every other file of the directory (``config.json``,
+    ``generation_config.json``, tokenizer files, sub-directories too) copied as it is, so that
+    ``from_pretrained`` loads the new directory as it loaded the old one.
 
+    An output that exists already is refused (``CheckpointError``, nothing written) unless
+    ``force=True`` (``--force``): remap never replaces a file it was not asked to. A file
+    remapped in place (``out`` the file ``path`` names) is replaced atomically, as asked.
+    """
     given, dst = as_path(path), as_path(out)
     src = resolve(given)  # a save_pretrained directory: its index, or its one checkpoint file
     target = _parse_target(to) if isinstance(to, str) else to
@@ -557,7 +610,12 @@ def remap(
         else:
             _output_file(dst)
             shard_jobs = []
+        if src != given:  # a directory's other files, copied as they are, before its index
+            rewritten = {job[0].resolve() for job in [*shard_jobs, (src, dst, kind)]}
+            shard_jobs += _other_files(given, rewritten, dst.parent)
         jobs = [*shard_jobs, (src, dst, kind)]  # the index, or the one file, last
+        if not force:
+            _refuse_existing(jobs)
         total = sum(job[0].stat().st_size for job in jobs)
         show = (wanted(None) and total >= PROGRESS_MIN_BYTES) if progress is None else progress
         for d in {job[1].parent for job in jobs}:
@@ -571,10 +629,11 @@ def remap(
     try:
         with _progress(total, f"remap {src.name}", show) as advance:
             for source, output, fmt in jobs:
-                # the index itself is copied as it is: its shards keep their names
-                obj = None if fmt == "index" else _read_for_remap(source, fmt)
+                # the index itself is copied as it is (its shards keep their names), and so are
+                # a directory's other files
+                obj = None if fmt in ("index", "copy") else _read_for_remap(source, fmt)
                 try:
-                    _, fd = pending.open(output)
+                    tmp, fd = pending.open(output)
                 except OSError as exc:
                     raise CheckpointError(
                         f"{output}: cannot be written ({exc.strerror or exc}: no file could be "
@@ -582,7 +641,9 @@ def remap(
                         "was written"
                     ) from exc
                 _write_remapped(source, obj, fd, target, advance)
-        pending.commit([job[0] for job in jobs])
+                if fmt == "copy":  # as shutil.copy2 copies: its mode and times too
+                    shutil.copystat(source, tmp)
+        pending.commit([None if job[2] == "copy" else job[0] for job in jobs])
     except BaseException as exc:
         pending.discard()
         if made is not None:
@@ -601,7 +662,7 @@ def remap(
 
 def _run_remap(args: argparse.Namespace) -> int:
     try:
-        out = remap(args.file, args.output, to=args.to)
+        out = remap(args.file, args.output, to=args.to, force=args.force)
     except DeviceSpecError as exc:  # bad usage, not a bad file
         print(f"torchplace remap: error: {exc}", file=sys.stderr)
         return 2
@@ -628,6 +689,8 @@ def _run_remap(args: argparse.Namespace) -> int:
         print(f"wrote {_printable(out)} and its shards beside it ({said})")
     else:
         print(f"wrote {_printable(out)} ({loads_on})")
+    if src != as_path(args.file):  # a save_pretrained directory
+        print(f"copied the other files of {_printable(args.file)} beside it, as they are")
     return 0
 
 
@@ -645,10 +708,16 @@ def register(subparsers: Any) -> None:
         "inspect",
         help="list a checkpoint's tensors by saved device, dtype and size (runs no code)",
         description="List every tensor of a checkpoint with its saved device, dtype, shape and "
-        "bytes, and totals per device and dtype. Pickled code is never run and no GPU is needed.",
+        "bytes, and totals per device and dtype. FILE is a torch.save file, a .safetensors "
+        "file, a shard index (*.index.json: every shard it lists) or a directory as "
+        "save_pretrained writes it (its index or its one model file). Pickled code is never "
+        "run and no GPU is needed.",
     )
     inspect.add_argument(
-        "file", metavar="FILE", help="a torch.save file, a .safetensors file or an *.index.json"
+        "file",
+        metavar="FILE",
+        help="a torch.save file, a .safetensors file, a shard index (*.index.json) or a "
+        "save_pretrained directory",
     )
     inspect.add_argument("--json", action="store_true", help="print JSON instead of tables")
     inspect.set_defaults(func=_run_inspect)
@@ -665,9 +734,19 @@ def register(subparsers: Any) -> None:
         "same directory.",
     )
     remap_cmd.add_argument(
-        "file", metavar="FILE", help="the checkpoint to read: a file or an *.index.json"
+        "file",
+        metavar="FILE",
+        help="the checkpoint to read: a torch.save or .safetensors file, a shard index "
+        "(*.index.json) or a save_pretrained directory",
     )
-    remap_cmd.add_argument("--to", required=True, metavar="DEVICE", help="e.g. cpu or cuda:0")
+    remap_cmd.add_argument(
+        "--to",
+        required=True,
+        metavar="DEVICE",
+        help="e.g. cpu or cuda:0; need not exist here: gpu, gpu:N and a bare N mean this "
+        "machine's accelerator type (cuda on a machine without one), as cuda and cuda:N do; "
+        "auto and best are the device torchplace.device picks here (cpu without an accelerator)",
+    )
     remap_cmd.add_argument(
         "-o",
         "--output",
@@ -675,6 +754,14 @@ def register(subparsers: Any) -> None:
         metavar="OUT",
         help="file to write, or a directory (ending in / or existing; made if missing) to write "
         "it into under its own name; for an index, the new index file (ending in .json) or a "
-        "directory for it and its shards (not the directory its shards are read from)",
+        "directory for it and its shards (not the directory its shards are read from); for a "
+        "save_pretrained directory, a directory that also receives its other files "
+        "(config.json, tokenizer files, ...) copied as they are. An existing output is refused "
+        "unless --force is given; naming FILE itself rewrites it in place",
+    )
+    remap_cmd.add_argument(
+        "--force",
+        action="store_true",
+        help="replace outputs that exist already (by default remap refuses to write over them)",
     )
     remap_cmd.set_defaults(func=_run_remap)

@@ -36,7 +36,14 @@ from ._conversions import (
     may_convert,
 )
 from ._formats import first_sentence
-from ._load import Assembled, load_state, read_assembled, source_bytes, whole_plan
+from ._load import (
+    Assembled,
+    load_state,
+    read_assembled,
+    source_bytes,
+    warn_unchecked_safetensors,
+    whole_plan,
+)
 from ._mismatch import (
     Shapes,
     check_state_dict,
@@ -266,6 +273,8 @@ def load_into(
         # Tensors of another floating dtype than the model's are converted as they are read.
         wish = _dtype_wish(model, loadable, renamer)
         kind = format_of(p)
+        if check_crc:
+            warn_unchecked_safetensors(p, kind, None, stacklevel=2)
         direct = _direct_plan(p, model, renamer, read_on, mmap=mmap, kind=kind)
         total = source_bytes(p, kind) if wanted(progress) else 0
         with reporting(total, f"load_into {p.name}", progress):

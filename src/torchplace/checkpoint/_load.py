@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import sys
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -94,19 +95,61 @@ def load(
     ``CheckpointError`` naming the record. The pickle record is always checked; the tensors'
     records are not by default, because computing the CRC cannot hide behind a read from the page
     cache (zlib's CRC-32 runs at about the speed of the read itself), so it adds about the read's
-    time again (``benchmarks/RESULTS.md``). Safetensors files carry no checksum.
+    time again (``benchmarks/RESULTS.md``). Safetensors files carry no checksum: asked of one
+    (or of an index with safetensors shards), ``check_crc=True`` warns once that nothing was
+    checked there.
 
     ``progress``: a bar on stderr (bytes, rate, time left) while the file is read. ``None``
     shows it when stderr is a terminal and the checkpoint holds at least 2 GiB; ``True`` and
     ``False`` force it on or off. On many ranks only rank 0 shows it.
     """
+    if isinstance(path, Mapping):
+        raise CheckpointError(
+            f"load() reads a checkpoint from its path, not a {type(path).__name__} already in "
+            "memory; to fill a model from a state dict, use torchplace.load_into(model, "
+            "state_dict)"
+        )
     target = _device(device)
     p = resolve(path)  # a directory's model file
     kind = format_of(p)
+    if check_crc:
+        warn_unchecked_safetensors(p, kind, None, stacklevel=2)
     if wanted(progress):  # a bar only where one may show: no size asked for otherwise
         with reporting(source_bytes(p, kind), f"load {p.name}", progress):
             return _load(p, kind, target, mmap=mmap, trusted=trusted, check_crc=check_crc)
     return _load(p, kind, target, mmap=mmap, trusted=trusted, check_crc=check_crc)
+
+
+def warn_unchecked_safetensors(
+    p: Path, kind: str, kinds: Mapping[Path, str] | None, *, stacklevel: int
+) -> None:
+    """Warn, once for a whole call, that ``check_crc=True`` checks nothing of a safetensors
+    file, nor of an index's safetensors shards: the format records no checksum. ``kinds``: the
+    index's shard formats, when its catalog is at hand; ``stacklevel``: as the caller would
+    pass it to ``warnings.warn`` (the user's frame)."""
+    if kind == "index":
+        found = set((catalog(p).kinds if kinds is None else kinds).values())
+        if "safetensors" not in found:
+            return
+        what = (
+            "its shards are safetensors files, which record no checksum, so nothing was "
+            "checked: their bytes are read as they are"
+            if found == {"safetensors"}
+            else "its safetensors shards record no checksum, so only its torch shards were "
+            "checked: theirs are read as they are"
+        )
+    elif kind == "safetensors":
+        what = (
+            "a safetensors file records no checksum, so nothing was checked: its bytes are read "
+            "as they are"
+        )
+    else:
+        return
+    warnings.warn(
+        f"{p}: check_crc=True, but {what}",
+        UserWarning,
+        stacklevel=stacklevel + 1,
+    )
 
 
 def source_bytes(p: Path, kind: str) -> int:
@@ -395,7 +438,8 @@ def load_state(
             check_crc=check_crc,
             dtype_of=dtype_of,
         )
-    return load(p, target, mmap=mmap, check_crc=check_crc)
+    # (a safetensors file has no checksum: load_into has said so already)
+    return load(p, target, mmap=mmap, check_crc=check_crc and kind != "safetensors")
 
 
 def _load_index(
@@ -433,7 +477,9 @@ def _load_index(
                     dtype_of=dtype_of,
                 )
             else:
-                loaded = load(shard, target, mmap=mmap, trusted=trusted, check_crc=check_crc)
+                crc = check_crc and found.kinds.get(shard) != "safetensors"  # none to check,
+                # said once for the whole index
+                loaded = load(shard, target, mmap=mmap, trusted=trusted, check_crc=crc)
             if not isinstance(loaded, Mapping):
                 raise CheckpointError(f"{shard}: holds a {type(loaded).__name__}, not tensors")
             part = loaded

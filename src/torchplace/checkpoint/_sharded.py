@@ -46,6 +46,7 @@ from .._errors import CheckpointError, TorchplaceError
 from .._model_walk import Slot, tensor_slots
 from ._catalog import Catalog, Stamp, catalog, contiguous_strides
 from ._conversions import Fused, Plan, conversion_plan, fused_boxes
+from ._load import warn_unchecked_safetensors
 from ._mismatch import keys_hint, left_on_meta, listing
 from ._progress import reporting
 from ._reader import OpenFiles, check_records
@@ -655,6 +656,11 @@ def _fill_sharded(model: nn.Module, source: Any, device: Any, **how: Any) -> Map
         for path, fmt in source_catalog.kinds.items():
             if fmt == "zip":
                 check_records(path)
+        read = source_catalog.path
+        if read is not None:  # stacklevel: here, load_sharded, load_into, the user's line
+            warn_unchecked_safetensors(
+                read, source_catalog.kind, source_catalog.kinds, stacklevel=4
+            )
     where = source_catalog.where
     entries = _renamed(_sharded_entries(source_catalog), rename, where)
     # A transformers model's hub names: renamed entries, and fused tensors read piece by piece.

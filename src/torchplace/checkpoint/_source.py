@@ -50,7 +50,8 @@ WRITER_HINT = "another process may be writing it right now (load it again once t
 
 
 def as_path(path: Any, /) -> Path:
-    """``path`` as a ``Path``, or a ``CheckpointError`` saying what a checkpoint path is.
+    """``path`` as a ``Path`` (a leading ``~`` expanded, as the shell does), or a
+    ``CheckpointError`` saying what a checkpoint path is (an empty one is none).
 
     >>> as_path(None)
     Traceback (most recent call last):
@@ -70,7 +71,9 @@ def as_path(path: Any, /) -> Path:
             f"a checkpoint is named by its path (a str or os.PathLike), not "
             f"{type(path).__name__}{extra}"
         )
-    return Path(path)
+    if not os.fspath(path):  # Path("") would be the current directory, read as a checkpoint
+        raise CheckpointError("an empty path names no checkpoint; give the checkpoint's path")
+    return Path(os.path.expanduser(path))  # "~/x.pt" as the shell would read it
 
 
 def detect_format(path: PathLike, /) -> str:

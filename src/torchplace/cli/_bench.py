@@ -75,7 +75,11 @@ def register(subparsers: Any) -> None:
         "--tensors", type=_positive, default=500, metavar="N", help="number of small tensors"
     )
     parser.add_argument(
-        "--repeat", type=_positive, default=5, metavar="R", help="timed runs (best kept)"
+        "--repeat",
+        type=_repeat,
+        default=5,
+        metavar="R",
+        help=f"timed runs, 1 to {MAX_REPEAT} (best kept)",
     )
     parser.set_defaults(func=run)
 
@@ -87,6 +91,20 @@ def _positive(text: str) -> int:
         value = 0
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a whole number above 0, got {text!r}")
+    return value
+
+
+# Each timed run copies every buffer once more: past this, a typo (--repeat 50000), not a plan.
+MAX_REPEAT = 1000
+
+
+def _repeat(text: str) -> int:
+    value = _positive(text)
+    if value > MAX_REPEAT:
+        raise argparse.ArgumentTypeError(
+            f"expected 1 to {MAX_REPEAT} timed runs, got {text!r}; the best of a few runs is "
+            "the figure (the default is 5)"
+        )
     return value
 
 

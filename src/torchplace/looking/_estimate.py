@@ -236,7 +236,7 @@ def estimate(
                 "that: torchplace.estimate(torchplace.skeleton(YourModel, config)), where "
                 "skeleton(YourModel, config) calls YourModel(config) with its parameters on "
                 "meta. For the bytes the checkpoint holds, run: torchplace inspect "
-                f"{shlex.quote(str(path))}"
+                f"{shlex.quote(os.path.expanduser(path))}"  # quoted, ~ would stay a name
             )
         if not isinstance(model, nn.Module):
             raise TorchplaceError(f"sizes an nn.Module, not {type(model).__name__}; pass the model")

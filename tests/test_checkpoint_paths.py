@@ -1,0 +1,136 @@
+"""Checkpoint paths as every path source takes them: ``~`` expanded as the shell would, an empty
+path refused (never read as the current directory), a mapping given to ``load`` pointed at
+``load_into``."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from torchplace import estimate
+from torchplace._errors import CheckpointError, TorchplaceError
+from torchplace.checkpoint._catalog import catalog
+from torchplace.checkpoint._checkpoint import load, load_into, skeleton
+from torchplace.checkpoint._checkpoint_cli import describe_file, remap
+from torchplace.cli import main
+
+STATE = {"weight": torch.arange(6.0).reshape(2, 3), "bias": torch.tensor([1.0, -2.0])}
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A home directory (``~``) holding ``x.pt``, the current directory elsewhere."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    torch.save(STATE, home / "x.pt")
+    return home
+
+
+def _equal(got: dict[str, torch.Tensor]) -> None:
+    assert set(got) == set(STATE)
+    for name, tensor in STATE.items():
+        assert torch.equal(got[name], tensor), name
+
+
+def test_load_expands_a_leading_tilde(home: Path) -> None:
+    _equal(load("~/x.pt"))
+    _equal(load(Path("~/x.pt")))
+
+
+def test_load_into_expands_a_leading_tilde(home: Path) -> None:
+    model = load_into(skeleton(nn.Linear, 3, 2), "~/x.pt")
+    assert torch.equal(model.weight.detach(), STATE["weight"])
+    assert torch.equal(model.bias.detach(), STATE["bias"])
+
+
+def test_inspect_and_catalog_expand_a_leading_tilde(
+    home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert {r.name for r in describe_file("~/x.pt")} == set(STATE)
+    assert set(catalog("~/x.pt").entries) == set(STATE)
+    assert main(["inspect", "--json", "~/x.pt"]) == 0
+    assert "weight" in capsys.readouterr().out
+
+
+def test_remap_expands_a_leading_tilde_in_source_and_output(home: Path) -> None:
+    out = remap("~/x.pt", "~/y.pt", to="cuda:1")
+    assert out == home / "y.pt"
+    assert {r.device for r in describe_file(home / "y.pt")} == {"cuda:1"}
+    assert main(["remap", "~/x.pt", "--to", "cpu", "-o", "~/z.pt"]) == 0
+    _equal(load(home / "z.pt"))
+    assert not Path("~").exists()  # nothing written under a directory named "~"
+
+
+def test_estimate_of_a_tilde_path_suggests_a_command_the_shell_can_run(home: Path) -> None:
+    with pytest.raises(TorchplaceError) as info:
+        estimate("~/x.pt")  # type: ignore[arg-type]
+    command = str(info.value).rpartition("run: ")[2]
+    # Quoted, a ~ is not expanded by the shell: the command names the file itself.
+    assert shlex.split(command) == ["torchplace", "inspect", str(home / "x.pt")]
+
+
+@pytest.mark.parametrize("empty", ["", b""])
+def test_an_empty_path_is_refused_by_load_and_load_into(
+    empty: str | bytes, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(home)  # a directory holding a checkpoint: "" must not read it
+    for call in (
+        lambda: load(empty),  # type: ignore[arg-type]
+        lambda: load_into(skeleton(nn.Linear, 3, 2), empty),  # type: ignore[arg-type]
+        lambda: catalog(empty),  # type: ignore[arg-type]
+        lambda: remap(empty, "out.pt", to="cpu"),  # type: ignore[arg-type]
+        lambda: remap("x.pt", empty, to="cpu"),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(CheckpointError, match="an empty path names no checkpoint"):
+            call()
+    assert sorted(p.name for p in home.iterdir()) == ["x.pt"]  # nothing written
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["inspect", ""], ["inspect", "--json", ""], ["remap", "", "--to", "cpu", "-o", "out.pt"]],
+)
+def test_an_empty_path_is_an_error_on_the_command_line(
+    argv: list[str], home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(home)
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert "an empty path names no checkpoint" in captured.err
+    assert captured.out == ""
+
+
+def test_remap_to_an_empty_output_is_an_error(
+    home: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(home)
+    assert main(["remap", "x.pt", "--to", "cpu", "-o", ""]) == 1
+    assert "an empty path names no checkpoint" in capsys.readouterr().err
+    assert sorted(p.name for p in home.iterdir()) == ["x.pt"]
+
+
+def test_load_of_a_state_dict_points_at_load_into() -> None:
+    with pytest.raises(CheckpointError) as info:
+        load(dict(STATE))  # type: ignore[arg-type]
+    message = str(info.value)
+    assert "not a dict already in memory" in message
+    assert "torchplace.load_into(model, state_dict)" in message
+
+
+@pytest.mark.parametrize("command", ["inspect", "remap"])
+def test_help_says_directories_and_indexes_are_accepted(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([command, "--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # as one line, whatever the wrapping
+    assert "a shard index (*.index.json)" in text
+    assert "a save_pretrained directory" in text
