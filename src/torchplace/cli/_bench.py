@@ -24,7 +24,7 @@ from .._devices import device as _parse_device
 from .._devices import free_memory
 from .._errors import TorchplaceError, first_line
 from .._sizes import format_bytes
-from ..moving._consolidate import consolidated_copy, consolidated_views, pack_and_copy
+from ..moving._consolidate import consolidated_copy, pack_and_copy, packed_host_copy
 
 __all__ = ["Measurement", "check_memory", "measure", "register"]
 
@@ -343,8 +343,8 @@ def measure(
         rows.append((h2d, "pinned", host.nbytes, 1, _time(copy_pinned, sync, repeat)))
     per_tensor = lambda: [t.to(target) for t in small]  # noqa: E731
     rows.append((h2d, "per-tensor", small_bytes, tensors, _time(per_tensor, sync, repeat)))
-    # As a batch travels: one copy, landing as views of bounded shared buffers.
-    together = lambda: consolidated_views(small, target, pin=pinned_ok, non_blocking=True)  # noqa: E731
+    # As a batch travels by default: one packed copy, each result owning its storage.
+    together = lambda: packed_host_copy(small, target, non_blocking=True)  # noqa: E731
     rows.append((h2d, "consolidated", small_bytes, tensors, _time(together, sync, repeat)))
 
     cpu = torch.device("cpu")
