@@ -15,8 +15,9 @@ Gemma 3, ...) writes legacy names (``language_model.model.*``), the reverse of t
 ``_checkpoint_conversion_mapping``, which ``from_pretrained`` maps back and so does
 ``load_into``. The whole list covers those multimodal models beside the causal LMs, built with
 tiny text and vision parts; ``.ci/run`` runs it on the oldest transformers the project accepts
-too. The tests of hub names (MoE experts, the ``mixtral`` fixture, conversions that are not
-slices) need transformers 5 and skip on 4.x.
+too (there: those multimodal models and ``TF4_SAMPLE``, for time). The tests of hub names (MoE
+experts, the ``mixtral`` fixture, conversions that are not slices) need transformers 5 and skip
+on 4.x.
 
 Left out, with the reason: other configs whose sizes live in sub-configs (multimodal models not
 in ``LEGACY_NAMES``), architectures whose tiny config does not build, and those whose own
@@ -329,6 +330,17 @@ def test_a_missing_expert_in_a_safetensors_file_is_named_by_the_model(
     assert skeleton.model.layers[0].mlp.experts.gate_up_proj.is_meta  # untouched
 
 
+# On transformers 4.x (.ci/run's step on the oldest release accepted) the whole list took 13 min
+# on 2 busy cores (157 types of 4.57.6, all ok but 16 left out, once skeleton took Bamba's init),
+# which CI's time does not afford: there the list is the multimodal models with legacy names and
+# these causal LMs, one of each kind of layout (tied embeddings, Conv1D, fused QKV, MoE, state
+# space and hybrid layers, an encoder-decoder family's decoder).
+TF4_SAMPLE = [
+    "bamba", "bart", "bloom", "falcon", "gemma2", "gpt2", "gpt_neox", "jamba", "llama", "mamba",
+    "mixtral", "olmoe", "opt", "phi3", "qwen2_moe", "recurrent_gemma", "rwkv",
+]  # fmt: skip
+
+
 def _whole_list_only(request: pytest.FixtureRequest) -> None:
     if "hf_architectures" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("the whole list runs with -m hf_architectures (.ci/run's second step)")
@@ -338,14 +350,17 @@ def _whole_list_only(request: pytest.FixtureRequest) -> None:
 def test_every_architecture(request: pytest.FixtureRequest) -> None:
     """The whole list; run it with ``python -m pytest -m hf_architectures``."""
     _whole_list_only(request)
-    types = hf.architecture_types()
+    if conversions is not None:
+        types = hf.architecture_types()
+    else:
+        types = sorted(set(hf.legacy_name_types()) | set(TF4_SAMPLE))
     found = hf.verdicts(types, jobs=max(1, min(4, os.cpu_count() or 1)))
     left_out = {t: v for t, v in found.items() if v[0] not in ("ok", "fail", "crash")}
     print(json.dumps({"left out": left_out}, indent=1))
     failed = {t: v for t, v in found.items() if v[0] in ("fail", "crash")}
     assert not failed, json.dumps(failed, indent=1)
-    # The list did not shrink unseen (transformers 4.57.6 has fewer architectures than 5.x).
-    assert sum(v[0] == "ok" for v in found.values()) >= (150 if conversions else 120)
+    # The list did not shrink unseen; on 4.x, every one of the sample is ok.
+    assert sum(v[0] == "ok" for v in found.values()) >= (150 if conversions else len(types))
     legacy = {t for t in hf.legacy_name_types() if found[t][0] != "ok"}
     assert not legacy, {t: found[t] for t in legacy}  # none of them left out either
 
