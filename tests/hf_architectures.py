@@ -37,9 +37,58 @@ TINY: dict[str, Any] = {
 }  # fmt: skip
 
 
+# Sizes of a multimodal model's vision part beside those of TINY (a vision tower's depth, its
+# global layers): only its sub-configs get them.
+TINY_PARTS: dict[str, Any] = {
+    "depth": 2, "num_global_layers": 1, "num_layers": 2, "cross_attention_layers": [1],
+}  # fmt: skip
+# What a multimodal config needs beyond sizes, by type, then by part ("" for the config
+# itself): Emu3 looks its image tokens up by name and has a VQ-VAE of its own to shrink,
+# Mllama's text part needs its kind of rotary embedding named.
+EXTRA: dict[str, dict[str, dict[str, Any]]] = {
+    "emu3": {
+        "": {"vocabulary_map": {"<|extra_200|>": 2, "<|visual token 000000|>": 3}},
+        "vq_config": {
+            "codebook_size": 64, "base_channels": 32, "channel_multiplier": [1, 1],
+            "num_res_blocks": 1, "attn_resolutions": [],
+        },
+    },
+    "mllama": {"text_config": {"rope_scaling": {"rope_type": "default"}}},
+}  # fmt: skip
+
+# Multimodal models whose transformers 4.x ``save_pretrained`` writes legacy names
+# (``language_model.model.*``, ``vision_tower.*``: the reverse of the class's
+# ``_checkpoint_conversion_mapping``), which ``from_pretrained`` maps back. Each is built with
+# tiny sub-configs (text, vision) and checked as the causal LMs are; the type -> the class.
+LEGACY_NAMES: dict[str, str] = {
+    "aria": "AriaForConditionalGeneration",
+    "aya_vision": "AyaVisionForConditionalGeneration",
+    "emu3": "Emu3ForConditionalGeneration",
+    "fuyu": "FuyuForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
+    "got_ocr2": "GotOcr2ForConditionalGeneration",
+    "internvl": "InternVLForConditionalGeneration",
+    "llava": "LlavaForConditionalGeneration",
+    "llava_next": "LlavaNextForConditionalGeneration",
+    "llava_next_video": "LlavaNextVideoForConditionalGeneration",
+    "llava_onevision": "LlavaOnevisionForConditionalGeneration",
+    "mistral3": "Mistral3ForConditionalGeneration",
+    "mllama": "MllamaForConditionalGeneration",
+    "paligemma": "PaliGemmaForConditionalGeneration",
+    "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "video_llava": "VideoLlavaForConditionalGeneration",
+    "vipllava": "VipLlavaForConditionalGeneration",
+}
+
+
 class Composite(ValueError):
     """A config whose sizes live in sub-configs (a multimodal model's text and vision parts)."""
 
+
+# Generation settings that every transformers 4.x config has (``top_k``): a size only for a
+# config whose own ``__init__`` takes it (an MoE's experts per token).
+_GENERATION = frozenset({"top_k"})
 
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")
 
@@ -51,14 +100,68 @@ def causal_lm_types() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-def _tiny_kwargs(default: Any) -> dict[str, Any]:
-    """The sizes of ``TINY`` that ``default``'s class takes (a property, such as Falcon's
-    ``head_dim``, is derived from the others, not passed)."""
-    return {
+def legacy_name_types() -> list[str]:
+    """The types of ``LEGACY_NAMES`` that the installed transformers has, sorted."""
+    import transformers
+
+    return sorted(t for t, name in LEGACY_NAMES.items() if hasattr(transformers, name))
+
+
+def architecture_types() -> list[str]:
+    """What the whole-list test checks: every causal LM and every multimodal model of
+    ``LEGACY_NAMES``."""
+    return sorted(set(causal_lm_types()) | set(legacy_name_types()))
+
+
+def maker(model_type: str) -> Any:
+    """What builds ``model_type``'s model from a config: its class of ``LEGACY_NAMES``, else
+    ``AutoModelForCausalLM``."""
+    import transformers
+
+    if model_type in LEGACY_NAMES:
+        return getattr(transformers, LEGACY_NAMES[model_type])._from_config
+    return transformers.AutoModelForCausalLM.from_config
+
+
+def _tiny_kwargs(default: Any, sizes: dict[str, Any] = TINY) -> dict[str, Any]:
+    """The ``sizes`` that ``default``'s class takes (a property, such as Falcon's ``head_dim``,
+    is derived from the others, not passed), special tokens kept inside the vocabulary."""
+    import inspect
+
+    own = inspect.signature(type(default).__init__).parameters
+    out = {
         k: v
-        for k, v in TINY.items()
-        if hasattr(default, k) and not isinstance(getattr(type(default), k, None), property)
+        for k, v in sizes.items()
+        if hasattr(default, k)
+        and not isinstance(getattr(type(default), k, None), property)
+        and (k not in _GENERATION or k in own)
     }
+    vocab = out.get("vocab_size", 512)
+    for key in _TOKEN_IDS:  # special tokens of the full vocabulary would fall outside
+        value = getattr(default, key, None)
+        if isinstance(value, int) and value >= vocab:
+            out[key] = 1
+        elif isinstance(value, list):
+            out[key] = [v if v < vocab else 1 for v in value]
+    return out
+
+
+def _tiny_composite(model_type: str, default: Any) -> Any:
+    """A multimodal config of ``LEGACY_NAMES`` with each part (text, vision, ...) tiny."""
+    import transformers
+
+    kwargs = _tiny_kwargs(default, {k: v for k, v in TINY.items() if k != "vocab_size"})
+    extra = EXTRA.get(model_type, {})
+    kwargs.update(extra.get("", {}))
+    for name in default.sub_configs:
+        part = getattr(default, name, None)
+        if part is not None and hasattr(part, "to_dict"):
+            tiny = _tiny_kwargs(part, {**TINY, **TINY_PARTS})
+            kwargs[name] = {"model_type": part.model_type, **tiny, **extra.get(name, {})}
+            rope = getattr(part, "rope_scaling", None)  # the part's own kind of rotary embedding
+            if rope:
+                kwargs[name].setdefault("rope_scaling", rope)
+    return transformers.AutoConfig.for_model(model_type, **kwargs)
 
 
 def tiny_config(model_type: str) -> Any:
@@ -70,6 +173,8 @@ def tiny_config(model_type: str) -> Any:
 
     default = transformers.AutoConfig.for_model(model_type)
     parts = dict(getattr(default, "sub_configs", None) or {})
+    if model_type in LEGACY_NAMES:
+        return _tiny_composite(model_type, default)
     if "text_config" in parts:
         raise Composite(
             f"{model_type} is a multimodal composite config ({', '.join(parts)}): its sizes "
@@ -80,23 +185,14 @@ def tiny_config(model_type: str) -> Any:
         part = getattr(default, name, None)
         if part is not None and hasattr(part, "to_dict"):
             kwargs[name] = _tiny_kwargs(part)
-    vocab = kwargs.get("vocab_size", 512)
-    for key in _TOKEN_IDS:  # special tokens of the full vocabulary would fall outside
-        value = getattr(default, key, None)
-        if isinstance(value, int) and value >= vocab:
-            kwargs[key] = 1
-        elif isinstance(value, list):
-            kwargs[key] = [v if v < vocab else 1 for v in value]
     return transformers.AutoConfig.for_model(model_type, **kwargs)
 
 
 def build(model_type: str) -> tuple[Any, Any]:
     """The tiny config and a model built from it, random weights, seeded."""
-    import transformers
-
     config = tiny_config(model_type)
     torch.manual_seed(0)
-    return config, transformers.AutoModelForCausalLM.from_config(config)
+    return config, maker(model_type)(config)
 
 
 def differences(saved: torch.nn.Module, loaded: torch.nn.Module) -> list[str]:
@@ -139,8 +235,6 @@ def check(model_type: str, directory: str) -> str:
     differs (or what failed)."""
     import os
 
-    import transformers
-
     import torchplace
 
     config, model = build(model_type)
@@ -148,7 +242,7 @@ def check(model_type: str, directory: str) -> str:
     names = os.listdir(directory)
     index = [n for n in names if n.endswith(".index.json")]
     source = os.path.join(directory, index[0]) if index else directory
-    skeleton = torchplace.skeleton(transformers.AutoModelForCausalLM.from_config, config)
+    skeleton = torchplace.skeleton(maker(model_type), config)
     loaded = torchplace.load_into(skeleton, source)
     return "; ".join(differences(model, loaded)[:5])
 
@@ -229,7 +323,7 @@ if __name__ == "__main__":
         import time
 
         start = time.perf_counter()
-        results = verdicts(sys.argv[1:] or causal_lm_types())
+        results = verdicts(sys.argv[1:] or architecture_types())
         for name, (kind, detail) in sorted(results.items()):
             print(f"{name}\t{kind}\t{detail}")
         print(f"{len(results)} types in {time.perf_counter() - start:.0f}s")

@@ -494,6 +494,24 @@ def test_skeleton_sweeps_untouched_parameters_and_keeps_ties() -> None:
     assert model.alpha.device.type == "meta" and model.alpha is model.beta
 
 
+class _SetsData(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a_log = nn.Parameter(torch.empty(4))
+        self.tied = self.a_log
+        # as Bamba's _init_weights does under transformers 4.x
+        self.a_log.data = torch.log(torch.arange(1, 6, dtype=torch.float64))
+
+
+def test_skeleton_takes_values_set_through_data_on_meta() -> None:
+    """A parameter's ``.data`` set to a real tensor inside the factory: the parameter (sent to
+    meta as soon as a torch call touched it) takes the new shape and dtype on meta, not torch's
+    RuntimeError about incompatible tensor types."""
+    model = skeleton(_SetsData)
+    assert model.a_log.device.type == "meta" and model.a_log is model.tied
+    assert model.a_log.shape == (5,) and model.a_log.dtype == torch.float64
+
+
 def test_skeleton_patches_nothing_other_threads_see() -> None:
     originals = (nn.Module.register_parameter, nn.Module.__setattr__, nn.Parameter.__new__)
     inside = threading.Event()

@@ -445,6 +445,24 @@ def test_rename_as_a_callable_drops_keys_it_maps_to_none(tmp_path: Path) -> None
     assert all(torch.equal(p, sd[n]) for n, p in model.named_parameters())
 
 
+def test_rename_as_a_dict_drops_keys_whose_pattern_maps_to_none(tmp_path: Path) -> None:
+    """A pattern mapped to None drops the keys it matches, in the dict's order: it sees each
+    name as the patterns before it left it."""
+    sd = reference().state_dict()
+    path = tmp_path / "ddp.pt"
+    extra = {"head.weight": torch.ones(3), "step": torch.tensor(5)}
+    torch.save({f"module.{k}": v for k, v in {**sd, **extra}.items()}, path)
+    model = load_into(
+        skeleton(Net), path, rename={r"^module\.": "", r"^head\.": None, r"^step$": None}
+    )
+    assert all(torch.equal(p, sd[n]) for n, p in model.named_parameters())
+    # Before the prefix is taken off, "^head\." matches nothing: the key stays, unexpected.
+    with pytest.raises(CheckpointError, match=r"unexpected keys: head\.weight;"):
+        load_into(skeleton(Net), path, rename={r"^head\.": None, r"^module\.": "", "step": None})
+    with pytest.raises(TorchplaceError, match=r"replacements \(str, or None.*'x': 3"):
+        load_into(skeleton(Net), path, rename={"x": 3})  # type: ignore[dict-item]
+
+
 def test_rename_that_merges_two_keys_is_refused(tmp_path: Path) -> None:
     sd = reference().state_dict()
     path = tmp_path / "w.pt"

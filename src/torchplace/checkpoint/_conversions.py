@@ -22,8 +22,14 @@ mapping, taken from the installed transformers when it is used (nothing is copie
 A plan depends only on names, shapes and dtypes (a catalog), never on values, so the reader
 decides how bytes reach the views: ``apply_plan`` copies tensors already read (``_fill``), and
 ``fused_boxes`` gives a rank of a sharded model the parts of each piece that fall in the slice it
-holds (``_sharded``). Models that are not transformers models, and transformers
-releases without a conversion mapping (4.x), get no plan: their files load as before.
+holds (``_sharded``). Models that are not transformers models get no plan.
+
+transformers 4.x has no conversion mapping; its ``from_pretrained`` renames each file key
+instead (``_legacy_renamer``): the model's ``_fix_state_dict_key_on_load`` (``LayerNorm.gamma``
+is ``LayerNorm.weight``), then, for the multimodal classes ``modeling_utils.VLMS`` names, the
+first pattern of the class's ``_checkpoint_conversion_mapping`` that matches (its
+``save_pretrained`` writes ``language_model.model.*`` for ``model.language_model.*``). Those
+renames are the whole plan there.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import collections
 import copy
 import dataclasses
 import importlib.util
+import re
 import sys
 import types
 from collections.abc import Callable, Mapping, Sequence
@@ -172,6 +179,52 @@ def _hf_api() -> Any | None:
         WeightConverter=loading.WeightConverter,
         WeightRenaming=loading.WeightRenaming,
     )
+
+
+def _legacy_renamer(model: nn.Module) -> Callable[[str], str] | None:
+    """How a transformers 4.x ``from_pretrained`` renames a file key for ``model``, or None
+    where the installed transformers does not rename keys so (5.x has conversion mappings).
+
+    As 4.x's ``_get_key_renaming_mapping``: the model's ``_fix_state_dict_key_on_load``, then
+    the first pattern of the class's ``_checkpoint_conversion_mapping`` that matches, replaced
+    with ``re.subn`` (only for a class whose name, or a base's, holds one of
+    ``modeling_utils.VLMS``, as ``from_pretrained`` decides it).
+    """
+    fix = getattr(model, "_fix_state_dict_key_on_load", None)
+    if not callable(fix):
+        return None
+    vlms = getattr(sys.modules.get("transformers.modeling_utils"), "VLMS", None) or ()
+    mapping = getattr(type(model), "_checkpoint_conversion_mapping", None)
+    rules: list[tuple[re.Pattern[str], str]] = []
+    if isinstance(mapping, Mapping) and any(
+        name in cls.__name__.lower() for cls in type(model).__mro__[:-1] for name in vlms
+    ):
+        rules = [(re.compile(p), r) for p, r in mapping.items()]
+
+    def rename(key: str) -> str:
+        new = fix(key)[0]
+        for pattern, replacement in rules:
+            new, count = pattern.subn(replacement, new)
+            if count:
+                break
+        return str(new)
+
+    return rename
+
+
+def _legacy_plan(
+    rename: Callable[[str], str],
+    catalog: Mapping[str, Any],
+    expected: Mapping[str, Any],
+) -> Plan | None:
+    """The renames of a transformers 4.x ``from_pretrained`` (``_legacy_renamer``); a key whose
+    new name the model lacks keeps its file name, as a 5.x plan does."""
+    plan = Plan()
+    for key in catalog:
+        new = rename(key)
+        if new != key and new in expected:
+            plan.renames[new] = key
+    return plan if plan else None
 
 
 def _is_transformers_model(model: nn.Module) -> bool:
@@ -356,11 +409,15 @@ def conversion_plan(
     if not _is_transformers_model(model):
         return None
     api = _hf_api()
-    if api is None:
+    legacy = _legacy_renamer(model) if api is None else None
+    if api is None and legacy is None:
         return None
     expected = {n: (tuple(t.shape), t.dtype) for n, t in model.state_dict(keep_vars=True).items()}
     if all(k in expected for k in catalog):
         return None  # the model's own names (a torchplace or load_state_dict file)
+    if api is None:
+        assert legacy is not None
+        return _legacy_plan(legacy, catalog, expected)
     try:
         transforms = api.get_model_conversion_mapping(model)
     except Exception:  # a model transformers cannot map (custom code, an odd config)

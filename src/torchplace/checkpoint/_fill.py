@@ -196,7 +196,9 @@ def load_into(
     tensors, so the two never share memory. ``rename`` fits another program's names to the
     model's before anything is checked: a callable ``str -> str | None`` (None drops the key) or
     a dict of regular expressions to replacements applied in order, e.g. ``{r"^module\\.": ""}``
-    for a file saved from DDP or ``{r"^model\\.": ""}`` for a Lightning module's state dict.
+    for a file saved from DDP or ``{r"^model\\.": ""}`` for a Lightning module's state dict; a
+    replacement of None drops the keys its pattern matches (``{r"^head\\.": None}``), as the
+    patterns before it left them.
 
     ``device`` defaults to where each tensor already is, or the CPU for a skeleton's ``meta``
     parameters. A file's bytes are read straight into the memory the model keeps (onto a GPU,

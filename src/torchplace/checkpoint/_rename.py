@@ -2,7 +2,8 @@
 
 A rename is a callable ``str -> str | None`` (None drops the key) or a dict of regular
 expressions to replacements, applied in order with ``re.sub`` (``{r"^module\\.": ""}`` for a file
-saved from DDP, ``{r"^model\\.": ""}`` for a Lightning module's ``state_dict``).
+saved from DDP, ``{r"^model\\.": ""}`` for a Lightning module's ``state_dict``); a replacement of
+None drops a key that its pattern matches at that point of the order.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any, Union
 
 from .._errors import CheckpointError, TorchplaceError
 
-Rename = Union[Callable[[str], Union[str, None]], Mapping[str, str]]  # noqa: UP007
+Rename = Union[Callable[[str], Union[str, None]], Mapping[str, Union[str, None]]]  # noqa: UP007
 
 
 def guarded(label: str, rename: Callable[[str], str | None], /) -> Callable[[str], str | None]:
@@ -37,6 +38,8 @@ def as_renamer(rename: Any, /) -> Callable[[str], str | None]:
 
     >>> as_renamer({r"^module\\.": "", r"\\.gamma$": ".weight"})("module.norm.gamma")
     'norm.weight'
+    >>> as_renamer({r"^module\\.": "", r"^head\\.": None})("module.head.bias") is None
+    True
     """
     if callable(rename):
         return rename  # type: ignore[no-any-return]
@@ -45,12 +48,12 @@ def as_renamer(rename: Any, /) -> Callable[[str], str | None]:
             f"rename= takes a callable str -> str | None or a dict of regular expressions to "
             f"replacements, not {type(rename).__name__}; e.g. rename={{r'^module\\.': ''}}"
         )
-    rules = []
+    rules: list[tuple[re.Pattern[str], str | None]] = []
     for pattern, replacement in rename.items():
-        if not isinstance(pattern, str) or not isinstance(replacement, str):
+        if not isinstance(pattern, str) or not isinstance(replacement, (str, type(None))):
             raise TorchplaceError(
-                f"rename= maps regular expressions (str) to replacements (str), but it holds "
-                f"{pattern!r}: {replacement!r}"
+                f"rename= maps regular expressions (str) to replacements (str, or None to drop "
+                f"the keys the pattern matches), but it holds {pattern!r}: {replacement!r}"
             )
         try:
             rules.append((re.compile(pattern), replacement))
@@ -59,9 +62,13 @@ def as_renamer(rename: Any, /) -> Callable[[str], str | None]:
                 f"rename= holds {pattern!r}, which is not a regular expression ({exc})"
             ) from exc
 
-    def renamer(key: str) -> str:
+    def renamer(key: str) -> str | None:
         for rule, replacement in rules:
-            key = rule.sub(replacement, key)
+            if replacement is None:
+                if rule.search(key):
+                    return None  # dropped, as the name stands after the patterns before it
+            else:
+                key = rule.sub(replacement, key)
         return key
 
     return renamer

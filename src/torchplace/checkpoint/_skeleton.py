@@ -51,6 +51,12 @@ def _tensors(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
+def _sets_data(func: Any) -> bool:
+    """Whether ``func`` is the setter of ``Tensor.data`` (``p.data = t``)."""
+    owner = getattr(func, "__self__", None)
+    return getattr(func, "__name__", None) == "__set__" and getattr(owner, "__name__", "") == "data"
+
+
 class _SkeletonMode(TorchFunctionMode):
     """Sends parameters born inside it to ``meta`` and skips ``nn.init`` on them.
 
@@ -84,6 +90,12 @@ class _SkeletonMode(TorchFunctionMode):
             if isinstance(a, nn.Parameter) and a.device.type != "meta" and self.is_fresh(a):
                 self.to_meta(a)
             input_ptrs.add(_storage_ptr(a))
+        if _sets_data(func) and len(args) == 2 and isinstance(args[1], torch.Tensor):
+            target, value = args
+            if isinstance(target, nn.Parameter) and target.device.type == "meta":
+                # A model's init setting a parameter's values (Bamba's under transformers 4.x):
+                # the parameter, on meta by now, takes their shape and dtype there.
+                args = (target, torch.empty_like(value, device="meta"))
         if getattr(func, "__module__", None) == "torch.nn.init":
             target = args[0] if args else kwargs.get("tensor")
             if isinstance(target, torch.Tensor) and target.device.type == "meta":
