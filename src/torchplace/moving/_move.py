@@ -42,6 +42,7 @@ from .._tree import (
     opaque_tensors,
     refuse_unwalkable,
 )
+from ._compiled import traced_move
 from ._hooks import is_dispatched, undispatch
 from ._identity import (
     UndoLog,
@@ -559,6 +560,8 @@ def move(
     refuse_unwalkable(obj, "move")
     target = _device(device)
     optimizers = optimizer_list(optimizer)
+    if torch.compiler.is_compiling():  # inside torch.compile: what Dynamo can trace
+        return traced_move(obj, target, non_blocking, optimizers)  # type: ignore[no-any-return]
     copier = Copier(target, non_blocking)
     log = UndoLog()
     left_behind: list[str] = []
