@@ -51,6 +51,7 @@ def make_batch() -> dict[str, Any]:
         "ordered": OrderedDict(a=torch.ones(1), b=None),
         "counts": defaultdict(list, n=torch.zeros(2)),
         "again": shared,  # the same tensor twice: one copy, met twice
+        "max": torch.max(torch.arange(6.0).view(2, 3), 1),  # torch.return_types, a tuple kind
     }
 
 
@@ -125,6 +126,7 @@ def test_a_nested_batch_moves_as_in_eager() -> None:
     assert got["x"] is got["again"]  # met twice, copied once, as in eager
     assert isinstance(got["pair"], Pair) and isinstance(got["frozen"], Frozen)
     assert got["counts"].default_factory is list
+    assert type(got["max"]) is type(batch["max"]) and got["max"].indices.is_meta
     assert all(a is b for a, b in zip(_leaves(batch), before, strict=True))  # caller's untouched
 
 
@@ -177,11 +179,17 @@ def test_what_cannot_trace_is_refused_by_name(what: str, name: str) -> None:
     assert model.weight.device.type == "cpu"  # nothing moved
 
 
-def test_a_container_that_cannot_be_rebuilt_faithfully_is_refused() -> None:
+class Tagged(list):  # type: ignore[type-arg]
+    """A list subclass: Dynamo's copy of one (or of a mapping class) may lose items."""
+
+
+@pytest.mark.parametrize("container", [UserDict(a=torch.ones(1)), Tagged([torch.ones(1)])])
+def test_a_container_that_cannot_be_rebuilt_faithfully_is_refused(container: Any) -> None:
     with pytest.raises(RuntimeError) as excinfo:
-        _compiled({"x": UserDict(a=torch.ones(1))}, "meta")
+        _compiled({"x": container}, "meta")
     message = _message(excinfo)
-    assert "batch['x']" in message and "cannot rebuild a UserDict inside torch.compile" in message
+    cls = type(container).__name__
+    assert "batch['x']" in message and f"cannot rebuild a {cls} inside torch.compile" in message
 
 
 def test_a_module_or_optimizer_argument_is_refused() -> None:
