@@ -55,7 +55,7 @@ def make_batch() -> dict[str, Any]:
     }
 
 
-def _move(batch: Any, device: str) -> Any:
+def _move(batch: Any, device: str | None) -> Any:
     return torchplace.move(batch, device)
 
 
@@ -140,6 +140,19 @@ def test_values_cross_bit_for_bit_and_keep_autograd() -> None:
     step = lambda b: torchplace.move(b, "cpu")["a"] * 1  # noqa: E731
     out = torch.compile(step, fullgraph=True, backend="aot_eager")({"a": a})  # through AOT
     assert torch.equal(out, a)
+
+
+@pytest.mark.parametrize("spec", ["auto", None])
+def test_auto_resolves_as_outside(spec: str | None) -> None:
+    # "auto" asks the drivers how many devices there are, which Dynamo cannot trace.
+    moved = _compiled({"a": torch.ones(1)}, spec)
+    assert moved["a"].device == torchplace.device(spec)
+
+
+def test_a_wrong_device_spec_says_so() -> None:
+    with pytest.raises(RuntimeError) as excinfo:
+        _compiled({"a": torch.ones(1)}, "cdua")
+    assert "unknown device spec 'cdua'; did you mean 'cuda'?" in _message(excinfo)
 
 
 def test_no_graph_break_reported_by_explain() -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._devices import DeviceSpec, device
 from .._errors import MoveError
 from .._tree import Located, map_tensors
 from ._transfer import data_meta_message, on
@@ -60,10 +61,21 @@ def _what(obj: Any) -> str:
     return f"a {type(obj).__name__} with its own .to(), which torchplace does not trace"
 
 
+def _resolve(spec: DeviceSpec) -> torch.device:
+    """``torchplace.device(spec)``, run as it is while torch.compile traces and its result
+    taken as a constant: what a spec means does not change within a process (Dynamo cannot
+    trace asking the drivers how many devices there are, which ``"auto"`` does)."""
+    return device(spec)
+
+
+_resolve = torch.compiler.assume_constant_result(_resolve)  # type: ignore[no-untyped-call]
+
+
 def traced_move(
-    obj: Any, target: torch.device, non_blocking: bool | None, optimizers: list[Any]
+    obj: Any, spec: DeviceSpec, non_blocking: bool | None, optimizers: list[Any]
 ) -> Any:
-    """``move(obj, target)`` of a batch (or tensor) as torch.compile can trace it."""
+    """``move(obj, spec)`` of a batch (or tensor) as torch.compile can trace it."""
+    target = _resolve(spec)
     if optimizers or isinstance(obj, (nn.Module, torch.optim.Optimizer)):
         what = _what(optimizers[0] if optimizers else obj)
         raise _error(

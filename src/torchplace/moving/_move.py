@@ -558,10 +558,10 @@ def move(
             "buffers) or False (each tensor owns its storage)"
         )
     refuse_unwalkable(obj, "move")
-    target = _device(device)
     optimizers = optimizer_list(optimizer)
     if torch.compiler.is_compiling():  # inside torch.compile: what Dynamo can trace
-        return traced_move(obj, target, non_blocking, optimizers)  # type: ignore[no-any-return]
+        return traced_move(obj, device, non_blocking, optimizers)  # type: ignore[no-any-return]
+    target = _device(device)
     copier = Copier(target, non_blocking)
     log = UndoLog()
     left_behind: list[str] = []
