@@ -161,6 +161,26 @@ def test_no_graph_break_reported_by_explain() -> None:
     assert explained.graph_count == 1
 
 
+def _move_again(batch: Any) -> Any:
+    return torchplace.move(batch, "meta")
+
+
+def test_new_batches_and_types_met_elsewhere_compile_nothing_again() -> None:
+    # A type torchplace meets for the first time, in the trace or outside, must not change
+    # anything Dynamo guards on: each such change would compile the step again.
+    compiled = torch.compile(_move_again, fullgraph=True, backend="eager")
+    compiled(make_batch())
+
+    @dataclasses.dataclass
+    class Fresh:
+        t: torch.Tensor
+
+    torchplace.move(Fresh(torch.ones(1)), "meta")  # eager, a type never seen before
+    compiled(make_batch())
+    compiled(make_batch())
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
 def _message(excinfo: pytest.ExceptionInfo[BaseException]) -> str:
     """What the user reads: torch.compile reports the exception it observed, chained."""
     text = str(excinfo.value)

@@ -59,7 +59,8 @@ _SEQUENCES = (_LIST, _TUPLE, _NAMEDTUPLE, _LIST_LIKE, _TUPLE_LIKE)
 _MAPPINGS = (_DICT, _MAPPING)
 _ITEMS = frozenset(_SEQUENCES + _MAPPINGS)
 
-_kinds: dict[type, int] = {
+# The kinds of the common types, never changed; ``_kinds`` adds every other type met, once.
+_BASE_KINDS: dict[type, int] = {
     torch.Tensor: _TENSOR,
     nn.Parameter: _TENSOR,
     dict: _DICT,
@@ -72,10 +73,22 @@ _kinds: dict[type, int] = {
     bool: _LEAF,
     type(None): _LEAF,
 }
+_kinds: dict[type, int] = dict(_BASE_KINDS)
 
 
 def _classify(cls: type) -> int:
+    """The kind of ``cls``, worked out once per type (``_kind_of``) and remembered."""
     kind = _kinds.get(cls)
+    if kind is None:
+        kind = _kinds[cls] = _kind_of(cls)
+    return kind
+
+
+def _kind_of(cls: type) -> int:
+    """The kind of ``cls``, worked out afresh: while torch.compile traces, a type met for the
+    first time would change ``_kinds``, on which Dynamo guards, compiling every function that
+    moves anything again at its next call."""
+    kind = _BASE_KINDS.get(cls)
     if kind is not None:
         return kind
     if issubclass(cls, torch.Tensor):
@@ -103,7 +116,6 @@ def _classify(cls: type) -> int:
         kind = _DATACLASS
     else:
         kind = _LEAF
-    _kinds[cls] = kind
     return kind
 
 
@@ -253,9 +265,9 @@ def map_tensors(
     # Containers met before, by id, so that one shared (or met twice) is rebuilt once. Not while
     # torch.compile traces: the Dynamo of older torch (2.6) cannot take the id of a dict, list
     # or tuple.
-    memo: dict[int, Any] | None = None if torch.compiler.is_compiling() else {}
-    classify = _classify
-    kinds = _kinds
+    tracing = torch.compiler.is_compiling()
+    memo: dict[int, Any] | None = None if tracing else {}
+    classify, kinds = (_kind_of, _BASE_KINDS) if tracing else (_classify, _kinds)
     tensor_cls = torch.Tensor  # read once: a global and an attribute per value otherwise
 
     def walk(node: Any, depth: int) -> Any:
@@ -383,7 +395,7 @@ def refuse_unwalkable(obj: Any, verb: str) -> None:
     (``model.state_dict`` without its call) is the method, not its result.
     """
     cls = type(obj)
-    if _classify(cls) != _LEAF:
+    if (_kind_of(cls) if torch.compiler.is_compiling() else _classify(cls)) != _LEAF:
         return
     what = ("an " if cls.__name__[0] in "aeiou" else "a ") + cls.__name__
     rest = ", ..." if verb in ("move", "verify", "stragglers") else ""  # the device, and more
@@ -475,15 +487,20 @@ _cached_names: dict[type, tuple[str, ...]] = {}
 def cached_properties(cls: type) -> tuple[str, ...]:
     """The names of ``cls``'s ``functools.cached_property`` attributes (their values live in
     the instance's ``__dict__`` once computed)."""
+    if torch.compiler.is_compiling():  # remembered, it would make Dynamo compile again
+        return _cached_property_names(cls)
     names = _cached_names.get(cls)
     if names is None:
-        names = tuple(
-            name
-            for name in dict.fromkeys(n for klass in cls.__mro__ for n in vars(klass))
-            if isinstance(getattr(cls, name, None), functools.cached_property)
-        )
-        _cached_names[cls] = names
+        names = _cached_names[cls] = _cached_property_names(cls)
     return names
+
+
+def _cached_property_names(cls: type) -> tuple[str, ...]:
+    return tuple(
+        name
+        for name in dict.fromkeys(n for klass in cls.__mro__ for n in vars(klass))
+        if isinstance(getattr(cls, name, None), functools.cached_property)
+    )
 
 
 def read_attribute(obj: Any, name: str, default: Any = None) -> Any:
