@@ -241,3 +241,19 @@ def test_a_meta_tensor_of_a_batch_has_no_values_to_bring_back() -> None:
     with pytest.raises(RuntimeError) as excinfo:
         _compiled({"x": [torch.ones(1), torch.empty(2, device="meta")]}, "cpu")
     assert "batch['x'][1] is on meta" in _message(excinfo)
+
+
+def _move_to_meta(batch: Any) -> Any:
+    return torchplace.move(batch, "meta")
+
+
+def test_without_fullgraph_what_cannot_trace_moves_eagerly() -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    compiled = torch.compile(_move_to_meta, backend="eager")  # Dynamo falls back to eager
+    moved = compiled({"model": model, "opt": opt, "x": torch.ones(1)})
+    assert moved["model"] is model and moved["x"].is_meta
+    assert model.weight.is_meta and opt.state[model.weight]["momentum_buffer"].is_meta
+    torch._dynamo.utils.counters.clear()  # that fallback is a graph break, as it must be

@@ -654,6 +654,9 @@ def _owned_ids(holders: list[Any]) -> set[int]:
     return ids
 
 
+# Never traced: where torch.compile without fullgraph=True runs a move it cannot trace (a
+# module in a batch) eagerly, Dynamo would still trace into these steps, and fail there.
+@torch.compiler.disable  # type: ignore[untyped-decorator]
 def _move_owners(
     modules: list[tuple[str, nn.Module]],
     optimizers: list[torch.optim.Optimizer],
