@@ -29,8 +29,10 @@ The tree, with when each is raised (every ``raise`` in the package, as of this r
     │                                 dispatch(): a device clash inside a dispatched part
     ├── MoveError                     move(): a copy failed, a meta tensor has no data to move, an
     │                                 object's own .to() misbehaved, an optimizer of another
-    │                                 model; DeviceLoader: a batch's copy failed; dispatch: a
-    │                                 part got an input on meta (``.name`` names the object)
+    │                                 model; inside torch.compile, a module, optimizer, own-.to()
+    │                                 object or container it cannot trace; DeviceLoader: a
+    │                                 batch's copy failed; dispatch: a part got an input on meta
+    │                                 (``.name`` names the object)
     └── CheckpointError               load()/load_into()/inspect/remap: a missing, corrupt,
                                       foreign or unsafe file, or one that does not fit the model
                                       (``.path``, ``.missing``, ``.unexpected``, ``.mismatched``)

@@ -19,6 +19,7 @@ import copy
 import copyreg
 import dataclasses
 import functools
+from collections import OrderedDict, defaultdict
 from collections.abc import (
     Callable,
     Iterable,
@@ -58,7 +59,8 @@ _SEQUENCES = (_LIST, _TUPLE, _NAMEDTUPLE, _LIST_LIKE, _TUPLE_LIKE)
 _MAPPINGS = (_DICT, _MAPPING)
 _ITEMS = frozenset(_SEQUENCES + _MAPPINGS)
 
-_kinds: dict[type, int] = {
+# The kinds of the common types, never changed; ``_kinds`` adds every other type met, once.
+_BASE_KINDS: dict[type, int] = {
     torch.Tensor: _TENSOR,
     nn.Parameter: _TENSOR,
     dict: _DICT,
@@ -71,10 +73,22 @@ _kinds: dict[type, int] = {
     bool: _LEAF,
     type(None): _LEAF,
 }
+_kinds: dict[type, int] = dict(_BASE_KINDS)
 
 
 def _classify(cls: type) -> int:
+    """The kind of ``cls``, worked out once per type (``_kind_of``) and remembered."""
     kind = _kinds.get(cls)
+    if kind is None:
+        kind = _kinds[cls] = _kind_of(cls)
+    return kind
+
+
+def _kind_of(cls: type) -> int:
+    """The kind of ``cls``, worked out afresh: while torch.compile traces, a type met for the
+    first time would change ``_kinds``, on which Dynamo guards, compiling every function that
+    moves anything again at its next call."""
+    kind = _BASE_KINDS.get(cls)
     if kind is not None:
         return kind
     if issubclass(cls, torch.Tensor):
@@ -102,7 +116,6 @@ def _classify(cls: type) -> int:
         kind = _DATACLASS
     else:
         kind = _LEAF
-    _kinds[cls] = kind
     return kind
 
 
@@ -110,12 +123,20 @@ _NO_KEY = object()  # no key is being walked (a dict key may be None)
 
 
 class Located(Exception):
-    """Carries an exception raised at some leaf up to the entry point, gathering its path."""
+    """Carries an exception raised at some leaf up to the entry point, gathering its path.
 
-    def __init__(self, cause: BaseException) -> None:
-        super().__init__(cause)
-        self.cause = cause
-        self.keys: list[tuple[bool, Any]] = []  # innermost first; (is_attribute, key)
+    Made as ``Located(cause, [])``: with no ``__init__`` of its own, torch.compile can trace
+    building one (it cannot trace a call to a built-in exception's ``__init__``).
+    """
+
+    @property
+    def cause(self) -> BaseException:
+        return cast(BaseException, self.args[0])
+
+    @property
+    def keys(self) -> list[tuple[bool, Any]]:
+        """(is_attribute, key) pairs, innermost first."""
+        return cast("list[tuple[bool, Any]]", self.args[1])
 
     def path(self, root: str) -> str:
         return format_path(root, reversed(self.keys))
@@ -143,6 +164,8 @@ _UNSET = object()
 
 def _rebuild_mapping(obj: Mapping[Any, Any], changed: dict[Any, Any]) -> Mapping[Any, Any]:
     """A new mapping of ``obj``'s exact type with the changed values, ``obj`` left untouched."""
+    if torch.compiler.is_compiling():
+        return _rebuild_traced(obj, changed)
     if isinstance(obj, dict) or (
         isinstance(obj, MutableMapping) and getattr(type(obj), "__copy__", None) is not None
     ):
@@ -165,6 +188,26 @@ def _rebuild_mapping(obj: Mapping[Any, Any], changed: dict[Any, Any]) -> Mapping
         ) from exc
 
 
+def _rebuild_traced(obj: Any, changed: dict[Any, Any]) -> Mapping[Any, Any]:
+    """A mapping rebuilt while torch.compile traces, by its constructor: the copy that
+    ``_rebuild_mapping`` makes can lose items under Dynamo (an OrderedDict's None values), so
+    kinds other than these are refused rather than rebuilt wrong."""
+    cls = type(obj)
+    if cls is OrderedDict:
+        return OrderedDict((key, changed.get(key, value)) for key, value in obj.items())
+    if cls is defaultdict:
+        items = {key: changed.get(key, value) for key, value in obj.items()}
+        return defaultdict(obj.default_factory, items)
+    raise _untraceable(cls)
+
+
+def _untraceable(cls: type) -> TypeError:
+    return TypeError(
+        f"torchplace cannot rebuild a {cls.__name__} inside torch.compile; use a dict, list, "
+        "tuple, namedtuple or dataclass there, or move it outside the compiled function"
+    )
+
+
 def _rebuild_sequence(obj: Sequence[Any], values: list[Any]) -> Sequence[Any]:
     """A new sequence of ``obj``'s exact type holding ``values``, ``obj`` left untouched."""
     if isinstance(obj, tuple):
@@ -185,6 +228,8 @@ def _rebuild_sequence(obj: Sequence[Any], values: list[Any]) -> Sequence[Any]:
             f"{cls.__name__}([...]) nor {cls.__name__}(*items) gives back the items; use a "
             "tuple or a namedtuple, or give the class a constructor that takes one sequence"
         )
+    if torch.compiler.is_compiling():  # copying it may lose items under Dynamo
+        raise _untraceable(type(obj))
     new = copy.copy(obj)  # a list subclass keeps its attributes; UserList copies its items
     if isinstance(new, list):
         new[:] = values
@@ -217,26 +262,33 @@ def map_tensors(
     >>> map_tensors(batch, lambda t: t) is batch
     True
     """
-    memo: dict[int, Any] = {}
-    classify = _classify
-    kinds = _kinds
+    # Containers met before, by id, so that one shared (or met twice) is rebuilt once. Not while
+    # torch.compile traces: the Dynamo of older torch (2.6) cannot take the id of a dict, list
+    # or tuple.
+    tracing = torch.compiler.is_compiling()
+    memo: dict[int, Any] | None = None if tracing else {}
+    classify, kinds = (_kind_of, _BASE_KINDS) if tracing else (_classify, _kinds)
     tensor_cls = torch.Tensor  # read once: a global and an attribute per value otherwise
 
     def walk(node: Any, depth: int) -> Any:
+        """``node`` rebuilt with ``fn`` applied, or None when nothing in it changed: never
+        compared with ``node`` by identity, which torch.compile cannot do for a rebuilt tuple."""
         cls = type(node)
         kind = kinds.get(cls)
         if kind is None:
             kind = classify(cls)
         if kind == _TENSOR:
             try:
-                return fn(node)
+                new = fn(node)
             except Exception as exc:
-                raise Located(exc) from exc
+                raise Located(exc, []) from exc
+            return None if new is node else new
         if kind == _LEAF:
-            return node
-        done = memo.get(id(node))
-        if done is not None:
-            return done
+            return None
+        if memo is not None:
+            done = memo.get(id(node))
+            if done is not None:
+                return done
         if depth > MAX_DEPTH:
             raise _TooDeep
         depth += 1
@@ -254,17 +306,20 @@ def map_tensors(
                         try:
                             new = fn(value)
                         except Exception as exc:
-                            raise Located(exc) from exc
+                            raise Located(exc, []) from exc
+                        if new is value:
+                            continue
                     elif kinds.get(leaf) == _LEAF:
                         continue
                     else:
-                        new = walk(value, depth)  # noqa: F821 (deleted once done)
-                    if new is not value:
-                        if changed is None:
-                            changed = {} if is_mapping else list(node)
-                        changed[key] = new
+                        new = walk(value, depth)
+                        if new is None:
+                            continue
+                    if changed is None:
+                        changed = {} if is_mapping else list(node)
+                    changed[key] = new
                 if changed is None:
-                    return node
+                    return None
                 key = _NO_KEY
                 if kind == _DICT:
                     result: Any = dict(node)  # a copy and an update, both in C: keys keep order
@@ -285,11 +340,11 @@ def map_tensors(
                 is_attr = True
                 updates = {}
                 for key, value in _dataclass_items(node):
-                    new = walk(value, depth)  # noqa: F821 (deleted once done)
-                    if new is not value:
+                    new = walk(value, depth)
+                    if new is not None:
                         updates[key] = new
                 if not updates:
-                    return node
+                    return None
                 key = _NO_KEY
                 result = copy.copy(node)
                 for name, value in updates.items():
@@ -297,32 +352,35 @@ def map_tensors(
             else:
                 handler = to if kind == _TO else owner
                 if handler is None:
-                    return node
+                    return None
                 result = handler(node)
                 if result is node:
-                    return node
+                    return None
         except Located as located:
             if key is not _NO_KEY:  # None is a key like any other
-                if kind == _NAMEDTUPLE:  # named by its field: batch.pair.boxes, not [0]
-                    located.keys.append((True, node._fields[key]))
-                else:
-                    located.keys.append((is_attr, key))
+                # Named by its field for a namedtuple: batch.pair.boxes, not [0]. A new Located
+                # rather than the list appended to: torch.compile would drop that change.
+                here = (True, node._fields[key]) if kind == _NAMEDTUPLE else (is_attr, key)
+                raise Located(located.cause, [*located.keys, here]) from located.cause
             raise
         except _TooDeep:
             raise
         except Exception as exc:  # rebuilding failed, or a .to() / owner handler raised
-            raise Located(exc) from exc
-        memo[id(node)] = result
+            raise Located(exc, []) from exc
+        if memo is not None:
+            memo[id(node)] = result
         return result
 
     try:
-        return walk(obj, 0)
+        new = walk(obj, 0)
     except (_TooDeep, RecursionError):
         raise TorchplaceError(_depth_message(obj, root)) from None
     finally:
         # walk refers to itself through its closure: a cycle holding the memo (and so every
-        # rebuilt container) until the garbage collector runs. Broken here, it is freed at once.
-        del walk
+        # rebuilt container) until the garbage collector runs. Broken here, it is freed at once;
+        # by rebinding, not `del`, which torch.compile cannot trace (DELETE_DEREF).
+        walk = None  # type: ignore[assignment]
+    return obj if new is None else new
 
 
 _VIEWS: tuple[type, ...] = (type({}.keys()), type({}.values()), type({}.items()))
@@ -337,7 +395,7 @@ def refuse_unwalkable(obj: Any, verb: str) -> None:
     (``model.state_dict`` without its call) is the method, not its result.
     """
     cls = type(obj)
-    if _classify(cls) != _LEAF:
+    if (_kind_of(cls) if torch.compiler.is_compiling() else _classify(cls)) != _LEAF:
         return
     what = ("an " if cls.__name__[0] in "aeiou" else "a ") + cls.__name__
     rest = ", ..." if verb in ("move", "verify", "stragglers") else ""  # the device, and more
@@ -429,15 +487,20 @@ _cached_names: dict[type, tuple[str, ...]] = {}
 def cached_properties(cls: type) -> tuple[str, ...]:
     """The names of ``cls``'s ``functools.cached_property`` attributes (their values live in
     the instance's ``__dict__`` once computed)."""
+    if torch.compiler.is_compiling():  # remembered, it would make Dynamo compile again
+        return _cached_property_names(cls)
     names = _cached_names.get(cls)
     if names is None:
-        names = tuple(
-            name
-            for name in dict.fromkeys(n for klass in cls.__mro__ for n in vars(klass))
-            if isinstance(getattr(cls, name, None), functools.cached_property)
-        )
-        _cached_names[cls] = names
+        names = _cached_names[cls] = _cached_property_names(cls)
     return names
+
+
+def _cached_property_names(cls: type) -> tuple[str, ...]:
+    return tuple(
+        name
+        for name in dict.fromkeys(n for klass in cls.__mro__ for n in vars(klass))
+        if isinstance(getattr(cls, name, None), functools.cached_property)
+    )
 
 
 def read_attribute(obj: Any, name: str, default: Any = None) -> Any:

@@ -42,6 +42,7 @@ from .._tree import (
     opaque_tensors,
     refuse_unwalkable,
 )
+from ._compiled import traced_move
 from ._hooks import is_dispatched, undispatch
 from ._identity import (
     UndoLog,
@@ -557,8 +558,10 @@ def move(
             "buffers) or False (each tensor owns its storage)"
         )
     refuse_unwalkable(obj, "move")
-    target = _device(device)
     optimizers = optimizer_list(optimizer)
+    if torch.compiler.is_compiling():  # inside torch.compile: what Dynamo can trace
+        return traced_move(obj, device, non_blocking, optimizers)  # type: ignore[no-any-return]
+    target = _device(device)
     copier = Copier(target, non_blocking)
     log = UndoLog()
     left_behind: list[str] = []
@@ -651,6 +654,9 @@ def _owned_ids(holders: list[Any]) -> set[int]:
     return ids
 
 
+# Never traced: where torch.compile without fullgraph=True runs a move it cannot trace (a
+# module in a batch) eagerly, Dynamo would still trace into these steps, and fail there.
+@torch.compiler.disable  # type: ignore[untyped-decorator]
 def _move_owners(
     modules: list[tuple[str, nn.Module]],
     optimizers: list[torch.optim.Optimizer],

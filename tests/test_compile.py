@@ -1,0 +1,259 @@
+"""move() inside torch.compile(fullgraph=True): a batch traces whole, results as in eager.
+
+Compiling is slow: every test shares a few compiled functions (backend "eager": Dynamo's trace
+is what is tested, not a code generator), and a device or batch shape each makes one graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict, UserDict, defaultdict, namedtuple
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import torchplace
+
+Pair = namedtuple("Pair", "boxes labels")
+
+
+@dataclasses.dataclass
+class Sample:
+    pixels: torch.Tensor
+    label: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    mask: torch.Tensor
+
+
+class OwnTo:
+    """An object with its own .to(), as a tokenizer's BatchEncoding."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def to(self, device: Any) -> OwnTo:
+        return OwnTo(self.t.to(device))
+
+
+def make_batch() -> dict[str, Any]:
+    shared = torch.arange(6.0, requires_grad=True)
+    return {
+        "x": shared,
+        "ids": [torch.arange(3), (torch.ones(2, 2), 7), "name"],
+        "pair": Pair(torch.zeros(1, 4), torch.tensor([1])),
+        "sample": Sample(torch.rand(3), 5),
+        "frozen": Frozen(torch.tensor([True, False])),
+        "ordered": OrderedDict(a=torch.ones(1), b=None),
+        "counts": defaultdict(list, n=torch.zeros(2)),
+        "again": shared,  # the same tensor twice: one copy, met twice
+        "max": torch.max(torch.arange(6.0).view(2, 3), 1),  # torch.return_types, a tuple kind
+    }
+
+
+def _move(batch: Any, device: str | None) -> Any:
+    return torchplace.move(batch, device)
+
+
+def _move_model(batch: Any) -> Any:
+    return torchplace.move(batch, "meta")
+
+
+def _move_with_optimizer(t: torch.Tensor, opt: torch.optim.Optimizer) -> Any:
+    return torchplace.move(t, "meta", optimizer=opt)
+
+
+_compiled = torch.compile(_move, fullgraph=True, backend="eager")
+_compiled_model = torch.compile(_move_model, fullgraph=True, backend="eager")
+
+
+def _leaves(obj: Any) -> list[Any]:
+    """Every tensor and plain value in order, with the containers' types, to compare trees."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [
+            type(obj),
+            *(x for f in dataclasses.fields(obj) for x in _leaves(getattr(obj, f.name))),
+        ]
+    if isinstance(obj, dict):
+        return [type(obj), *(x for k, v in obj.items() for x in (k, *_leaves(v)))]
+    if isinstance(obj, (list, tuple)):
+        return [type(obj), *(x for v in obj for x in _leaves(v))]
+    return [obj]
+
+
+def assert_same_tree(got: Any, want: Any) -> None:
+    got_leaves, want_leaves = _leaves(got), _leaves(want)
+    assert len(got_leaves) == len(want_leaves)
+    for a, b in zip(got_leaves, want_leaves, strict=True):
+        if isinstance(b, torch.Tensor):
+            assert isinstance(a, torch.Tensor)
+            assert (a.device, a.dtype, a.shape, a.requires_grad) == (
+                b.device,
+                b.dtype,
+                b.shape,
+                b.requires_grad,
+            )
+            if not b.is_meta:
+                assert torch.equal(a, b)  # bit for bit
+        else:
+            assert a == b
+
+
+@pytest.fixture(autouse=True)
+def _counters() -> Any:
+    torch._dynamo.utils.counters.clear()
+    yield
+    assert not torch._dynamo.utils.counters["graph_break"]  # nothing fell out of the graph
+
+
+def test_a_batch_already_there_traces_whole_and_comes_back_itself() -> None:
+    batch = make_batch()
+    got = _compiled(batch, "cpu")
+    assert got is torchplace.move(batch, "cpu") is batch
+
+
+def test_a_nested_batch_moves_as_in_eager() -> None:
+    batch = make_batch()
+    before = _leaves(batch)
+    got = _compiled(batch, "meta")
+    assert_same_tree(got, torchplace.move(batch, "meta"))
+    assert got["x"] is got["again"]  # met twice, copied once, as in eager
+    assert isinstance(got["pair"], Pair) and isinstance(got["frozen"], Frozen)
+    assert got["counts"].default_factory is list
+    assert type(got["max"]) is type(batch["max"]) and got["max"].indices.is_meta
+    assert all(a is b for a, b in zip(_leaves(batch), before, strict=True))  # caller's untouched
+
+
+def test_values_cross_bit_for_bit_and_keep_autograd() -> None:
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    moved = _compiled({"y": [x], "half": torch.ones(2, dtype=torch.float16)}, "meta")
+    assert moved["y"][0].is_meta and moved["half"].dtype == torch.float16
+    assert moved["y"][0].requires_grad  # the copy is part of the graph, as Tensor.to is
+
+    a = torch.randn(4, 3, dtype=torch.bfloat16)
+    step = lambda b: torchplace.move(b, "cpu")["a"] * 1  # noqa: E731
+    out = torch.compile(step, fullgraph=True, backend="aot_eager")({"a": a})  # through AOT
+    assert torch.equal(out, a)
+
+
+@pytest.mark.parametrize("spec", ["auto", None])
+def test_auto_resolves_as_outside(spec: str | None) -> None:
+    # "auto" asks the drivers how many devices there are, which Dynamo cannot trace.
+    moved = _compiled({"a": torch.ones(1)}, spec)
+    assert moved["a"].device == torchplace.device(spec)
+
+
+def test_a_wrong_device_spec_says_so() -> None:
+    with pytest.raises(RuntimeError) as excinfo:
+        _compiled({"a": torch.ones(1)}, "cdua")
+    assert "unknown device spec 'cdua'; did you mean 'cuda'?" in _message(excinfo)
+
+
+def test_no_graph_break_reported_by_explain() -> None:
+    explained = torch._dynamo.explain(_move)(make_batch(), "meta")
+    assert explained.graph_break_count == 0
+    assert explained.graph_count == 1
+
+
+def _move_again(batch: Any) -> Any:
+    return torchplace.move(batch, "meta")
+
+
+def test_new_batches_and_types_met_elsewhere_compile_nothing_again() -> None:
+    # A type torchplace meets for the first time, in the trace or outside, must not change
+    # anything Dynamo guards on: each such change would compile the step again.
+    compiled = torch.compile(_move_again, fullgraph=True, backend="eager")
+    compiled(make_batch())
+
+    @dataclasses.dataclass
+    class Fresh:
+        t: torch.Tensor
+
+    torchplace.move(Fresh(torch.ones(1)), "meta")  # eager, a type never seen before
+    compiled(make_batch())
+    compiled(make_batch())
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+
+
+def _message(excinfo: pytest.ExceptionInfo[BaseException]) -> str:
+    """What the user reads: torch.compile reports the exception it observed, chained."""
+    text = str(excinfo.value)
+    cause = excinfo.value.__cause__
+    return text + (f"\n{cause}" if cause is not None else "")
+
+
+@pytest.mark.parametrize(
+    ("what", "name"),
+    [
+        ("module", "batch['model'] is a module (Linear)"),
+        ("own_to", "batch['encoding'] is a OwnTo with its own .to()"),
+        ("optimizer", "batch['opt'] is an optimizer (SGD)"),
+    ],
+)
+def test_what_cannot_trace_is_refused_by_name(what: str, name: str) -> None:
+    model = nn.Linear(2, 2)
+    found = {
+        "module": model,
+        "own_to": OwnTo(torch.ones(1)),
+        "optimizer": torch.optim.SGD(model.parameters(), lr=0.1),
+    }
+    key = {"module": "model", "own_to": "encoding", "optimizer": "opt"}[what]
+    batch = {"x": torch.ones(1), key: found[what]}
+    with pytest.raises(RuntimeError) as excinfo:
+        _compiled_model(batch)
+    message = _message(excinfo)
+    assert name in message and "move it outside the compiled function" in message
+    assert model.weight.device.type == "cpu"  # nothing moved
+
+
+class Tagged(list):  # type: ignore[type-arg]
+    """A list subclass: Dynamo's copy of one (or of a mapping class) may lose items."""
+
+
+@pytest.mark.parametrize("container", [UserDict(a=torch.ones(1)), Tagged([torch.ones(1)])])
+def test_a_container_that_cannot_be_rebuilt_faithfully_is_refused(container: Any) -> None:
+    with pytest.raises(RuntimeError) as excinfo:
+        _compiled({"x": container}, "meta")
+    message = _message(excinfo)
+    cls = type(container).__name__
+    assert "batch['x']" in message and f"cannot rebuild a {cls} inside torch.compile" in message
+
+
+def test_a_module_or_optimizer_argument_is_refused() -> None:
+    model = nn.Linear(2, 2)
+    with pytest.raises(RuntimeError) as excinfo:
+        _compiled_model(model)
+    assert "given a module (Linear)" in _message(excinfo)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    compiled = torch.compile(_move_with_optimizer, fullgraph=True, backend="eager")
+    with pytest.raises(RuntimeError) as excinfo:
+        compiled(torch.ones(1), opt)
+    assert "given an optimizer (SGD)" in _message(excinfo)
+
+
+def test_a_meta_tensor_of_a_batch_has_no_values_to_bring_back() -> None:
+    with pytest.raises(RuntimeError) as excinfo:
+        _compiled({"x": [torch.ones(1), torch.empty(2, device="meta")]}, "cpu")
+    assert "batch['x'][1] is on meta" in _message(excinfo)
+
+
+def _move_to_meta(batch: Any) -> Any:
+    return torchplace.move(batch, "meta")
+
+
+def test_without_fullgraph_what_cannot_trace_moves_eagerly() -> None:
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    compiled = torch.compile(_move_to_meta, backend="eager")  # Dynamo falls back to eager
+    moved = compiled({"model": model, "opt": opt, "x": torch.ones(1)})
+    assert moved["model"] is model and moved["x"].is_meta
+    assert model.weight.is_meta and opt.state[model.weight]["momentum_buffer"].is_meta
+    torch._dynamo.utils.counters.clear()  # that fallback is a graph break, as it must be
