@@ -40,7 +40,10 @@ __all__ = ["ABSENT", "TIMEOUT_VARIABLE", "Meeting", "compare_timeout", "meeting"
 TIMEOUT_VARIABLE = "TORCHPLACE_COMPARE_TIMEOUT"
 DEFAULT_TIMEOUT = 10.0  # seconds without a sign of life before a rank is given up on
 ABSENT = "absent"  # what a slot holds once the others gave up on its rank
-_LONGEST_PAUSE = 0.05  # the most a waiting rank sleeps between two looks at the store
+# A waiting rank looks at the store every millisecond per rank of the mesh (2 ms for 2 ranks),
+# at most every 50 ms: all the waiting ranks together ask about 1,000 times a second at most.
+_PAUSE_PER_RANK = 0.001
+_LONGEST_PAUSE = 0.05
 
 _rounds: dict[str, int] = {}  # this process's last round, by mesh
 _left: dict[str, list[int]] = {}  # rounds whose keys this process still has to delete
@@ -79,7 +82,8 @@ class Meeting:
 
     @contextlib.contextmanager
     def beating(self) -> Iterator[None]:
-        """This rank shows it is alive while the body runs."""
+        """This rank shows it is alive while the body runs. The thread is not waited for at
+        the end (it ends on its own at once; the store takes one call at a time)."""
         stop = threading.Event()
         every = min(1.0, self.timeout / 5)
         key = f"{self.prefix}/beat/{self.rank}"
@@ -95,7 +99,6 @@ class Meeting:
             yield
         finally:
             stop.set()
-            thread.join()
 
     def post(self, row: str, full: str) -> bool:
         """Post this rank's row; False where the others gave up on this rank (then this
@@ -119,7 +122,7 @@ class Meeting:
         every = min(1.0, self.timeout / 5)
         start = time.monotonic()
         look = start + every
-        pause = 0.0005
+        pause, longest = 0.0002, min(_LONGEST_PAUSE, _PAUSE_PER_RANK * len(self.ranks))
         while missing and not self.store.check([keys[r] for r in missing]):
             now = time.monotonic()
             if now >= look:
@@ -128,7 +131,7 @@ class Meeting:
                     self.store.compare_set(keys[r], "", ABSENT)  # unless it posted just now
                 look = now + every
             time.sleep(pause)
-            pause = min(2 * pause, _LONGEST_PAUSE)
+            pause = min(2 * pause, longest)
         got = _get_all(self.store, [keys[r] for r in self.ranks])
         self._tidy()
         return {r: _text(value) for r, value in zip(self.ranks, got, strict=True)}
