@@ -979,3 +979,18 @@ def test_a_slow_rank_that_is_alive_is_waited_for(tmp_path: Path) -> None:
     for (the bound counts from its last sign of life, not from rank 0's arrival)."""
     said = _two_ranks_where_one_stops(tmp_path, "slow")
     assert said[0][0].startswith("loaded after ") and said[1][0].startswith("loaded after "), said
+
+
+@pytest.mark.parametrize("text", ["abc", "0", "-3", "inf", "nan"])
+def test_a_compare_timeout_that_is_not_seconds_is_named(
+    monkeypatch: pytest.MonkeyPatch, text: str
+) -> None:
+    from torchplace.checkpoint import _rendezvous
+
+    monkeypatch.setenv("TORCHPLACE_COMPARE_TIMEOUT", text)
+    with pytest.raises(CheckpointError, match=rf"TORCHPLACE_COMPARE_TIMEOUT='{text}': expected"):
+        _rendezvous.compare_timeout()
+    monkeypatch.setenv("TORCHPLACE_COMPARE_TIMEOUT", " 2.5 ")
+    assert _rendezvous.compare_timeout() == 2.5
+    monkeypatch.delenv("TORCHPLACE_COMPARE_TIMEOUT")
+    assert _rendezvous.compare_timeout() == _rendezvous.DEFAULT_TIMEOUT == 10.0
