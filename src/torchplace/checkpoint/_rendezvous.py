@@ -132,9 +132,12 @@ class Meeting:
                 look = now + every
             time.sleep(pause)
             pause = min(2 * pause, longest)
-        got = _get_all(self.store, [keys[r] for r in self.ranks])
-        self._tidy()
-        return {r: _text(value) for r, value in zip(self.ranks, got, strict=True)}
+        got = _get_all(self.store, list(keys.values()))
+        rows = {r: _text(value) for r, value in zip(self.ranks, got, strict=True)}
+        if ABSENT not in rows.values():
+            with contextlib.suppress(Exception):  # keys left behind are a few bytes
+                self._tidy()
+        return rows
 
     def _stalled(
         self, missing: list[int], seen: dict[int, tuple[int, float]], start: float, now: float
@@ -158,7 +161,8 @@ class Meeting:
         return {r: _text(value) for r, value in zip(ranks, got, strict=True)}
 
     def _tidy(self) -> None:
-        """Every rank has posted in this round, so none reads this rank's earlier keys."""
+        """Every rank has posted in this round, so none reads this rank's earlier keys: they
+        go."""
         earlier = [n for n in _left.get(self.prefix, []) if n != self.round]
         for n in earlier:
             for kind in ("row", "full"):
