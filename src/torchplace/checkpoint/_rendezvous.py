@@ -19,7 +19,8 @@ work and who is gone:
   that comes later finds it and fails too, never agreeing with ranks that have already raised.
   Such a late rank moves on to the latest round any rank of the mesh has begun, so the calls
   after a failure meet again.
-- Each rank deletes its own keys of earlier rounds once a round shows every rank past them.
+- Each rank deletes its own keys of earlier rounds once a round shows every rank past them
+  (in its next fill, by the thread that beats).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ _PAUSE_PER_RANK = 0.001
 _LONGEST_PAUSE = 0.05
 
 _rounds: dict[str, int] = {}  # this process's last round, by mesh
-_left: dict[str, list[int]] = {}  # rounds whose keys this process still has to delete
+_posted: dict[str, list[int]] = {}  # rounds this process has posted in, by mesh
+_done: dict[str, list[int]] = {}  # rounds whose keys no rank reads any more: to be deleted
 
 
 def compare_timeout() -> float:
@@ -82,13 +84,21 @@ class Meeting:
 
     @contextlib.contextmanager
     def beating(self) -> Iterator[None]:
-        """This rank shows it is alive while the body runs. The thread is not waited for at
-        the end (it ends on its own at once; the store takes one call at a time)."""
+        """This rank shows it is alive while the body runs. The same thread first says which
+        round this rank has begun and deletes its keys of rounds no rank reads any more, off
+        the fill's path. It is not waited for at the end (it ends on its own at once; the
+        store takes one call at a time)."""
         stop = threading.Event()
         every = min(1.0, self.timeout / 5)
         key = f"{self.prefix}/beat/{self.rank}"
+        done = _done.pop(self.prefix, [])
 
         def beat() -> None:
+            with contextlib.suppress(Exception):  # keys left behind are a few bytes
+                _raise_latest(self.store, f"{self.prefix}/latest", self.round)
+                for n in done:
+                    for kind in ("row", "full"):
+                        self.store.delete_key(self._key(kind, self.rank, n))
             with contextlib.suppress(Exception):  # a store gone: the waiting ranks will say
                 while not stop.wait(every):
                     self.store.add(key, 1)
@@ -106,10 +116,11 @@ class Meeting:
         while True:
             self.store.set(self._key("full", self.rank), full)
             held = self.store.compare_set(self._key("row", self.rank), "", row)
-            _left.setdefault(self.prefix, []).append(self.round)
+            _posted.setdefault(self.prefix, []).append(self.round)
             if _text(held) != ABSENT:
                 return True
-            latest = int(_text(self.store.get(f"{self.prefix}/latest")) or 0)
+            held = _text(self.store.compare_set(f"{self.prefix}/latest", "-", "-"))
+            latest = int(held) if held.isdigit() else 0  # "-": none (a get would block)
             if latest <= self.round:
                 return False
             self.round = _rounds[self.prefix] = latest  # join the round the others are in
@@ -134,9 +145,10 @@ class Meeting:
             pause = min(2 * pause, longest)
         got = _get_all(self.store, list(keys.values()))
         rows = {r: _text(value) for r, value in zip(self.ranks, got, strict=True)}
-        if ABSENT not in rows.values():
-            with contextlib.suppress(Exception):  # keys left behind are a few bytes
-                self._tidy()
+        if ABSENT not in rows.values():  # every rank has left the earlier rounds
+            earlier = [n for n in _posted.get(self.prefix, []) if n != self.round]
+            _done.setdefault(self.prefix, []).extend(earlier)
+            _posted[self.prefix] = [self.round]
         return rows
 
     def _stalled(
@@ -160,15 +172,6 @@ class Meeting:
         got = _get_all(self.store, [self._key("full", r) for r in ranks])
         return {r: _text(value) for r, value in zip(ranks, got, strict=True)}
 
-    def _tidy(self) -> None:
-        """Every rank has posted in this round, so none reads this rank's earlier keys: they
-        go."""
-        earlier = [n for n in _left.get(self.prefix, []) if n != self.round]
-        for n in earlier:
-            for kind in ("row", "full"):
-                self.store.delete_key(self._key(kind, self.rank, n))
-        _left[self.prefix] = [self.round]
-
 
 def meeting(store: Any, ranks: Sequence[int], rank: int) -> Meeting:
     """This call's round among ``ranks`` (global ranks, this one among them); every rank of
@@ -177,7 +180,6 @@ def meeting(store: Any, ranks: Sequence[int], rank: int) -> Meeting:
     name = hashlib.blake2b(",".join(map(str, ranks)).encode(), digest_size=8).hexdigest()
     prefix = f"torchplace/compare/{name}"
     round_ = _rounds[prefix] = _rounds.get(prefix, 0) + 1
-    _raise_latest(store, f"{prefix}/latest", round_)
     return Meeting(store, prefix, tuple(ranks), rank, round_, timeout)
 
 
