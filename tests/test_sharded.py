@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 import torchplace
-from helpers import fsdp2_cannot_train_on_cpu, torchrun_two_cpu
+from helpers import TORCHRUN_VARIABLES, fsdp2_cannot_train_on_cpu, torchrun_two_cpu
 from torchplace._errors import CheckpointError
 from torchplace.checkpoint import _sharded
 
@@ -807,3 +807,221 @@ def test_two_ranks_fill_fsdp2_and_tensor_parallel_models_bit_for_bit(tmp_path: P
             assert f"CASE {name} rank {rank}: ok" in lines[rank], output
     errors = [[line for line in found if line.startswith("ERROR")] for found in lines]
     assert errors[0] == errors[1] and len(errors[0]) == 3, errors  # the same errors on each rank
+
+
+# ------------------------------------- 2 ranks where one stops: the others fail in bounded time
+
+STOPPING = r"""
+import os, signal, sys, time
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import torchplace
+from torchplace.checkpoint import _sharded
+
+folder, scenario = sys.argv[1], sys.argv[2]
+dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_*: rank 0 holds the store
+rank = dist.get_rank()
+mesh = init_device_mesh("cpu", (2,))
+bound = float(os.environ["TORCHPLACE_COMPARE_TIMEOUT"])
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 7)
+        self.b = nn.Linear(7, 3)
+
+
+def say(text):
+    with open(os.path.join(folder, f"said-{rank}.txt"), "a") as f:
+        f.write(text.replace("\n", " | ") + "\n")
+
+
+def build():
+    model = torchplace.skeleton(Net)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def load(model=None):
+    model = model or build()
+    began = time.monotonic()
+    try:
+        torchplace.load_into(model, os.path.join(folder, "net.safetensors"))
+    except BaseException as exc:
+        say(f"{type(exc).__name__} after {time.monotonic() - began:.0f} s: {exc}")
+    else:
+        say(f"loaded after {time.monotonic() - began:.0f} s")
+
+
+def during_fill(action):  # ``action`` runs on this rank inside load_into, before the compare
+    fill = _sharded._fill_sharded
+
+    def acting(*args, **kwargs):
+        action()
+        return fill(*args, **kwargs)
+
+    _sharded._fill_sharded = acting
+
+
+def interrupt():  # a real SIGINT, as Ctrl-C in a notebook: KeyboardInterrupt in the sleep
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(30)
+
+
+def die_once_rank_1_fills():
+    while not os.path.exists(os.path.join(folder, "filling-1")):
+        time.sleep(0.05)
+    time.sleep(0.2)
+    os._exit(3)
+
+
+if scenario == "store-host-killed" and rank == 1:
+    during_fill(lambda: open(os.path.join(folder, "filling-1"), "w").close())
+late = 1 if scenario != "store-host-killed" else 0
+if rank == late:
+    if scenario == "interrupted":
+        during_fill(interrupt)
+    elif scenario == "killed":
+        during_fill(lambda: os._exit(3))
+    elif scenario == "store-host-killed":  # once the other rank is filling or comparing
+        during_fill(die_once_rank_1_fills)
+    elif scenario == "slow":
+        during_fill(lambda: time.sleep(2.5 * bound))
+if scenario == "absent" and rank == 1:  # never calls load_into, until rank 0 calls it again
+    model = build()
+    while not os.path.exists(os.path.join(folder, "again")):
+        time.sleep(0.05)
+    time.sleep(0.5)
+else:
+    load()
+if scenario == "absent" and rank == 0:
+    open(os.path.join(folder, "again"), "w").close()
+    load()
+if scenario == "absent" and rank == 1:
+    load(model)
+if scenario in ("absent", "slow"):  # rank 0's store outlives rank 1's last look at it
+    dist.barrier()
+say("done")
+time.sleep(0 if scenario != "interrupted" else 600)  # an interrupted notebook lives on
+os._exit(0)
+"""
+
+
+def _two_ranks_where_one_stops(folder: Path, scenario: str, timeout: float = 60) -> list[str]:
+    """Run STOPPING on two processes (Gloo, rank 0 holding the store) until each surviving rank
+    said "done"; what each said (a list per rank). Fails the test on a hang."""
+    import socket
+    import time
+
+    save_file(
+        {
+            "a.weight": torch.randn(7, 6),
+            "a.bias": torch.randn(7),
+            "b.weight": torch.randn(3, 7),
+            "b.bias": torch.randn(3),
+        },
+        str(folder / "net.safetensors"),
+    )
+    script = folder / "stopping.py"
+    script.write_text(STOPPING)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
+    env |= {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    env |= {"TORCHPLACE_COMPARE_TIMEOUT": "4", "GLOO_SOCKET_IFNAME": "lo"}
+    env["PYTHONPATH"] = str(Path(torchplace.__file__).parent.parent)
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(folder), scenario],
+            env=env | {"RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for rank in (0, 1)
+    ]
+    said = [folder / f"said-{rank}.txt" for rank in (0, 1)]
+    killed = {"killed": 1, "store-host-killed": 0}.get(scenario)
+    deadline = time.monotonic() + timeout
+    alive = [r for r in (0, 1) if r != killed]
+    try:
+        while time.monotonic() < deadline:
+            if all(said[r].exists() and "done" in said[r].read_text() for r in alive):
+                break
+            time.sleep(0.1)
+    finally:
+        for process in ranks:
+            process.kill()
+        output = b"".join(process.communicate()[0] for process in ranks).decode(errors="replace")
+    lines = [p.read_text().splitlines() if p.exists() else [] for p in said]
+    if not all("done" in lines[r] for r in alive):
+        pytest.fail(f"{scenario}: a surviving rank did not finish in {timeout} s: {lines} {output}")
+    assert killed is None or ranks[killed].returncode == 3, output
+    return lines
+
+
+@pytest.mark.parametrize("scenario", ["interrupted", "killed"])
+def test_a_rank_that_stops_in_a_sharded_load_fails_the_other_with_checkpoint_error(
+    tmp_path: Path, scenario: str
+) -> None:
+    """Interrupted (its process lives on, as a notebook's) or killed: the other rank raises
+    ``CheckpointError`` naming it and saying its own shards are filled, instead of waiting
+    for the process group's timeout or raising Gloo's own error."""
+    said = _two_ranks_where_one_stops(tmp_path, scenario)
+    (first, done) = said[0]
+    assert done == "done", said
+    assert first.startswith("CheckpointError after "), said
+    assert "rank 1" in first and "this rank's shards are filled" in first, said
+    assert "load it again on every rank" in first or "build it again" in first, said
+    if scenario == "interrupted":
+        assert said[1] == ["KeyboardInterrupt after 0 s: ", "done"], said
+
+
+def test_a_rank_that_never_arrives_is_named_after_the_bound_and_the_next_load_agrees(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 skips a load: rank 0 raises naming it once it has not arrived within
+    TORCHPLACE_COMPARE_TIMEOUT (4 s here); then both load again, and both succeed."""
+    said = _two_ranks_where_one_stops(tmp_path, "absent")
+    assert said[0][0].startswith("CheckpointError after "), said
+    assert "rank 1 did not arrive within 4 s" in said[0][0], said
+    assert "this rank's shards are filled" in said[0][0], said
+    assert said[0][1].startswith("loaded after ") and said[0][2] == "done", said
+    assert said[1][0].startswith("loaded after ") and said[1][1] == "done", said
+
+
+def test_the_rank_holding_the_store_killed_fails_the_other_with_checkpoint_error(
+    tmp_path: Path,
+) -> None:
+    said = _two_ranks_where_one_stops(tmp_path, "store-host-killed")
+    (first, done) = said[1]
+    assert done == "done" and first.startswith("CheckpointError after "), said
+    assert "this rank's shards are filled" in first and "rank 0" in first, said
+
+
+def test_a_slow_rank_that_is_alive_is_waited_for(tmp_path: Path) -> None:
+    """Rank 1 fills 10 s longer than rank 0, over twice the bound: still working, so waited
+    for (the bound counts from its last sign of life, not from rank 0's arrival)."""
+    said = _two_ranks_where_one_stops(tmp_path, "slow")
+    assert said[0][0].startswith("loaded after ") and said[1][0].startswith("loaded after "), said
+
+
+@pytest.mark.parametrize("text", ["abc", "0", "-3", "inf", "nan"])
+def test_a_compare_timeout_that_is_not_seconds_is_named(
+    monkeypatch: pytest.MonkeyPatch, text: str
+) -> None:
+    from torchplace.checkpoint import _rendezvous
+
+    monkeypatch.setenv("TORCHPLACE_COMPARE_TIMEOUT", text)
+    with pytest.raises(CheckpointError, match=rf"TORCHPLACE_COMPARE_TIMEOUT='{text}': expected"):
+        _rendezvous.compare_timeout()
+    monkeypatch.setenv("TORCHPLACE_COMPARE_TIMEOUT", " 2.5 ")
+    assert _rendezvous.compare_timeout() == 2.5
+    monkeypatch.delenv("TORCHPLACE_COMPARE_TIMEOUT")
+    assert _rendezvous.compare_timeout() == _rendezvous.DEFAULT_TIMEOUT == 10.0

@@ -23,7 +23,9 @@ with ``parallelize_module``) is filled here instead of by the general ``load_int
    rank holds a full tensor and no collective ships weights.
 5. *Compare*: the ranks of the mesh share whether each failed and the stamps of the files each
    read (a few bytes a rank; the whole errors only when one shows trouble), so that if any rank
-   failed, or ranks on one machine read different versions of a file, every rank raises.
+   failed, or ranks on one machine read different versions of a file, every rank raises. They
+   meet through the process group's store (``_rendezvous``), not a collective, so that a rank
+   interrupted, killed or absent makes the others raise within a bound, naming it.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import json
 import math
 import sys
 import warnings
@@ -51,6 +54,7 @@ from ._mismatch import keys_hint, left_on_meta, listing
 from ._progress import reporting
 from ._reader import OpenFiles, check_records
 from ._rename import Rename, as_renamer, renamed
+from ._rendezvous import ABSENT, TIMEOUT_VARIABLE, Meeting, meeting
 
 __all__ = ["has_dtensors", "load_sharded", "strided_shards_readable"]
 
@@ -485,29 +489,32 @@ def load_sharded(
 
     ``check_crc``: every record of a zip file is checked in a pass of its own first (a rank
     reads slices, never a whole record)."""
-    mesh = _mesh_of(model)
+    meets = _meeting_of(model, _mesh_of(model))
     try:
         how = {"strict": strict, "rename": rename, "check_crc": check_crc, "progress": progress}
-        read = _fill_sharded(model, source, device, **how)
-    except KeyboardInterrupt:  # torchrun stops every rank: no one is left to compare with
-        raise
-    except BaseException as exc:
+        with meets.beating() if meets is not None else contextlib.nullcontext():
+            read = _fill_sharded(model, source, device, **how)
+    except BaseException as exc:  # an interrupt too: the others hear of it now, not later
         with contextlib.suppress(Exception):  # this rank's own error is the one to raise
-            _compared(model, mesh, _Outcome.of(failure=exc))
+            if meets is not None:
+                mine = _Outcome.of(failure=exc)
+                meets.post(_row(mine), _full(mine))
         raise
-    _compared(model, mesh, _Outcome.of(stamps=read))
+    _compared(model, meets, _Outcome.of(stamps=read))
     return model
 
 
 @dataclasses.dataclass(frozen=True)
 class _Outcome:
     """What one rank's fill did, as the ranks compare it: its failure (empty if none), and the
-    stamp of each file it read, by host (copies of a checkpoint on two machines differ)."""
+    stamp of each file it read, by host (copies of a checkpoint on two machines differ);
+    ``arrived`` False for a rank given up on (it did not come within the bound)."""
 
     rank: int
     host: str
     failure: str
     stamps: tuple[tuple[str, int, int, int, int, int], ...]
+    arrived: bool = True
 
     @classmethod
     def of(
@@ -565,59 +572,105 @@ def _digest(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
-def _exchanged(mesh: Any, mine: _Outcome) -> list[_Outcome]:
-    """Every rank's outcome across ``mesh`` where some rank failed or ranks on one machine read
-    different files; else only this rank's. First each rank's row (failed, its host's digest,
-    its stamps' digest) is gathered one mesh dim at a time, a few bytes a rank, so that after
-    the last dim every rank holds every row and takes the same branch; only then, and only
-    when a row shows trouble, the whole outcomes follow. Only this rank's where there is no
-    process group to ask, or only PyTorch's fake one (tests that play every rank in one
-    process)."""
+def _meeting_of(model: nn.Module, mesh: Any) -> Meeting | None:
+    """This call's round of the comparison across ``mesh``; None where there is nothing to
+    compare: no process group, only PyTorch's fake one (tests that play every rank in one
+    process), or a rank that holds no part of the model."""
     import torch.distributed as dist
 
     if mesh is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    if mesh.get_coordinate() is None or dist.get_backend(mesh.get_group(0)) == "fake":
+        return None
+    from torch.distributed import distributed_c10d
+
+    store_of = getattr(distributed_c10d, "_get_default_store", None)  # every torch since 1.8
+    if store_of is None:
+        return None
+    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    try:
+        return meeting(store_of(), ranks, dist.get_rank())
+    except TorchplaceError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(
+            f"{type(model).__name__}: the process group's store cannot be reached "
+            f"({type(exc).__name__}: {exc}), as when the process holding it (rank 0's, unless "
+            "torchrun's agent holds it) has died, so the ranks of its mesh cannot compare their "
+            "loads; the model is untouched"
+        ) from exc
+
+
+def _row(o: _Outcome) -> str:
+    """What every rank reads of ``o``: failed or not, its host's and its stamps' digests."""
+    return f"{int(bool(o.failure))},{_digest(o.host)},{_digest(repr(o.stamps))}"
+
+
+def _full(o: _Outcome) -> str:
+    """All of ``o``, read only when some row shows trouble."""
+    return json.dumps([o.rank, o.host, o.failure, o.stamps])
+
+
+def _outcome(text: str) -> _Outcome:
+    rank, host, failure, stamps = json.loads(text)
+    return _Outcome(rank, host, failure, tuple(tuple(s) for s in stamps))
+
+
+def _exchanged(meets: Meeting | None, mine: _Outcome) -> list[_Outcome]:
+    """Every rank's outcome across the mesh where some rank failed, did not arrive, or ranks
+    on one machine read different files; else only this rank's. Each rank posts its row
+    (failed, its host's digest, its stamps' digest) and reads everyone's; only when a row
+    shows trouble are the whole outcomes read. Only this rank's where there is no one to
+    compare with; only this rank's, not arrived, where the others gave up on it."""
+    if meets is None:
         return [mine]
-    if mesh.get_coordinate() is None:  # this rank holds no part of the model: nothing to say
-        return [mine]
-    if dist.get_backend(mesh.get_group(0)) == "fake":
-        return [mine]
-    kind = mesh.device_type
-    index = getattr(torch, kind).current_device() if kind != "cpu" else None
-    where = torch.device(kind, index) if index is not None else torch.device(kind)
-    row = [int(bool(mine.failure)), _digest(mine.host), _digest(repr(mine.stamps))]
-    rows = torch.tensor([row], dtype=torch.int64, device=where)
-    for dim in range(mesh.ndim):
-        group = mesh.get_group(dim)
-        parts = [torch.empty_like(rows) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, rows, group=group)
-        rows = torch.cat(parts)
-    versions: dict[int, set[int]] = {}
+    if not meets.post(_row(mine), _full(mine)):
+        return [dataclasses.replace(mine, arrived=False)]
+    rows = meets.rows()
+    late = [r for r, row in rows.items() if row == ABSENT]
+    if late:
+        return [_Outcome(r, "", "", (), arrived=False) for r in late]
+    versions: dict[str, set[str]] = {}
     any_failed = False
-    for failed, host, stamps in rows.tolist():
+    for row in rows.values():
+        failed, host, stamps = row.split(",")
         versions.setdefault(host, set()).add(stamps)
-        any_failed = any_failed or bool(failed)
+        any_failed = any_failed or failed == "1"
     if not any_failed and all(len(v) == 1 for v in versions.values()):
         return [mine]
-    known = {mine.rank: mine}
-    for dim in range(mesh.ndim):
-        group = mesh.get_group(dim)
-        gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, list(known.values()), group=group)
-        for part in gathered:
-            known.update((o.rank, o) for o in part)
-    return [known[r] for r in sorted(known)]
+    return [_outcome(text) for text in meets.fulls(sorted(rows)).values()]
 
 
-def _compared(model: nn.Module, mesh: Any, mine: _Outcome) -> None:
+def _compared(model: nn.Module, meets: Meeting | None, mine: _Outcome) -> None:
     """Raise ``CheckpointError`` on a rank whose own fill went through when another rank's
-    failed, or when ranks on one machine read different versions of a file (it was rewritten
-    between their reads): either way the model mixes what it should not. A rank whose own
-    fill failed goes on to raise its own error."""
-    everyone = _exchanged(mesh, mine)
+    failed or did not arrive within the bound, when the comparison itself failed, or when
+    ranks on one machine read different versions of a file (it was rewritten between their
+    reads): either way the model mixes what it should not."""
     name = type(model).__name__
+    again = f"{name} may differ across ranks: load it again on every rank"
+    try:
+        everyone = _exchanged(meets, mine)
+    except Exception as exc:  # the store gone with the process that held it
+        raise CheckpointError(
+            f"{name}: this rank's shards are filled, but it cannot compare them with the other "
+            f"ranks of its mesh: the process group's store failed ({type(exc).__name__}: {exc}),"
+            " as when the process holding it (rank 0's, unless torchrun's agent holds it) has "
+            f"died; {again}"
+        ) from exc
+    late = [o.rank for o in everyone if not o.arrived]
+    if late and meets is not None:
+        bound = f"{meets.timeout:g} s ({TIMEOUT_VARIABLE} sets it)"
+        if late == [mine.rank]:
+            raise CheckpointError(
+                f"{name}: this rank's shards are filled, but the other ranks of its mesh gave "
+                f"up waiting for it: it came more than {bound} after their fills; {again}"
+            )
+        raise CheckpointError(
+            f"{name}: this rank's shards are filled, but rank {', '.join(map(str, late))} did "
+            f"not arrive within {bound}: interrupted, killed, or not calling load_into, which "
+            f"every rank of the mesh must call; {again}"
+        )
     failed = [o for o in everyone if o.failure]
-    if mine.failure:
-        return
     if failed:
         first = failed[0]
         ranks = ", ".join(str(o.rank) for o in failed)

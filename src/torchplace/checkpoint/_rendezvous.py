@@ -1,0 +1,204 @@
+"""Where the ranks of a sharded ``load_into`` meet after their fills: the process group's
+key-value store (the one ``init_process_group`` or torchrun started), not a collective.
+
+A collective would wait for a missing rank until the process group's timeout (30 minutes by
+default), could not say which rank is missing, would leave the group unusable once timed out,
+and turns a peer's death into the backend's own error. Through the store each rank posts a
+short row under a key of its own, and a waiting rank sees who has posted, who is still at
+work and who is gone:
+
+- Each call is a *round*, numbered alike on every rank of the mesh (each call on a rank is its
+  next round). Its keys: ``torchplace/compare/<mesh>/<round>/row/<rank>`` (and ``full/``: the
+  whole outcome, read only when a row shows trouble).
+- While its fill runs, a rank *beats*: a thread adds 1 to ``beat/<rank>`` every
+  ``timeout / 5`` s (at most every second). A waiting rank gives up on another once it has
+  neither posted nor beaten for ``timeout`` seconds (``TORCHPLACE_COMPARE_TIMEOUT``, 10 by
+  default). A rank still reading is waited for however long its fill takes; one interrupted,
+  killed, or not calling at all is not.
+- Giving up on a rank is posted in that rank's own slot, atomically (``compare_set``): a rank
+  that comes later finds it and fails too, never agreeing with ranks that have already raised.
+  Such a late rank moves on to the latest round any rank of the mesh has begun, so the calls
+  after a failure meet again.
+- Each rank deletes its own keys of earlier rounds once a round shows every rank past them
+  (in its next fill, by the thread that beats).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from .._errors import CheckpointError
+
+__all__ = ["ABSENT", "TIMEOUT_VARIABLE", "Meeting", "compare_timeout", "meeting"]
+
+TIMEOUT_VARIABLE = "TORCHPLACE_COMPARE_TIMEOUT"
+DEFAULT_TIMEOUT = 10.0  # seconds without a sign of life before a rank is given up on
+ABSENT = "absent"  # what a slot holds once the others gave up on its rank
+# A waiting rank looks at the store every millisecond per rank of the mesh (2 ms for 2 ranks),
+# at most every 50 ms: all the waiting ranks together ask about 1,000 times a second at most.
+_PAUSE_PER_RANK = 0.001
+_LONGEST_PAUSE = 0.05
+
+_rounds: dict[str, int] = {}  # this process's last round, by mesh
+_posted: dict[str, list[int]] = {}  # rounds this process has posted in, by mesh
+_done: dict[str, list[int]] = {}  # rounds whose keys no rank reads any more: to be deleted
+
+
+def compare_timeout() -> float:
+    """``TORCHPLACE_COMPARE_TIMEOUT`` in seconds (``DEFAULT_TIMEOUT`` where unset)."""
+    text = os.environ.get(TIMEOUT_VARIABLE, "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise CheckpointError(
+            f"{TIMEOUT_VARIABLE}={text!r}: expected a number of seconds above 0, such as "
+            f"{DEFAULT_TIMEOUT:g}; the model is untouched"
+        )
+    return seconds
+
+
+@dataclasses.dataclass
+class Meeting:
+    """One call's round on this rank: its store, the ranks that meet, the bound."""
+
+    store: Any
+    prefix: str
+    ranks: tuple[int, ...]
+    rank: int
+    round: int
+    timeout: float
+
+    def _key(self, kind: str, rank: int, round_: int | None = None) -> str:
+        return f"{self.prefix}/{self.round if round_ is None else round_}/{kind}/{rank}"
+
+    @contextlib.contextmanager
+    def beating(self) -> Iterator[None]:
+        """This rank shows it is alive while the body runs. The same thread first says which
+        round this rank has begun and deletes its keys of rounds no rank reads any more, off
+        the fill's path. It is not waited for at the end (it ends on its own at once; the
+        store takes one call at a time)."""
+        stop = threading.Event()
+        every = min(1.0, self.timeout / 5)
+        key = f"{self.prefix}/beat/{self.rank}"
+        done = _done.pop(self.prefix, [])
+
+        def beat() -> None:
+            with contextlib.suppress(Exception):  # keys left behind are a few bytes
+                _raise_latest(self.store, f"{self.prefix}/latest", self.round)
+                for n in done:
+                    for kind in ("row", "full"):
+                        self.store.delete_key(self._key(kind, self.rank, n))
+            with contextlib.suppress(Exception):  # a store gone: the waiting ranks will say
+                while not stop.wait(every):
+                    self.store.add(key, 1)
+
+        thread = threading.Thread(target=beat, name="torchplace-beat", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+
+    def post(self, row: str, full: str) -> bool:
+        """Post this rank's row; False where the others gave up on this rank (then this
+        process's next round is the latest any rank has begun)."""
+        while True:
+            self.store.set(self._key("full", self.rank), full)
+            held = self.store.compare_set(self._key("row", self.rank), "", row)
+            _posted.setdefault(self.prefix, []).append(self.round)
+            if _text(held) != ABSENT:
+                return True
+            held = _text(self.store.compare_set(f"{self.prefix}/latest", "-", "-"))
+            latest = int(held) if held.isdigit() else 0  # "-": none (a get would block)
+            if latest <= self.round:
+                return False
+            self.round = _rounds[self.prefix] = latest  # join the round the others are in
+
+    def rows(self) -> dict[int, str]:
+        """Every rank's row, once each has posted or been given up on (``ABSENT``)."""
+        keys = {r: self._key("row", r) for r in self.ranks}
+        missing = [r for r in self.ranks if r != self.rank]
+        seen: dict[int, tuple[int, float]] = {}  # a rank's last beat, and since when
+        every = min(1.0, self.timeout / 5)
+        start = time.monotonic()
+        look = start + every
+        pause, longest = 0.0002, min(_LONGEST_PAUSE, _PAUSE_PER_RANK * len(self.ranks))
+        while missing and not self.store.check([keys[r] for r in missing]):
+            now = time.monotonic()
+            if now >= look:
+                missing = [r for r in missing if not self.store.check([keys[r]])]
+                for r in self._stalled(missing, seen, start, now):
+                    self.store.compare_set(keys[r], "", ABSENT)  # unless it posted just now
+                look = now + every
+            time.sleep(pause)
+            pause = min(2 * pause, longest)
+        got = _get_all(self.store, list(keys.values()))
+        rows = {r: _text(value) for r, value in zip(self.ranks, got, strict=True)}
+        if ABSENT not in rows.values():  # every rank has left the earlier rounds
+            earlier = [n for n in _posted.get(self.prefix, []) if n != self.round]
+            _done.setdefault(self.prefix, []).extend(earlier)
+            _posted[self.prefix] = [self.round]
+        return rows
+
+    def _stalled(
+        self, missing: list[int], seen: dict[int, tuple[int, float]], start: float, now: float
+    ) -> list[int]:
+        """The ranks of ``missing`` with no beat for ``timeout`` seconds (``seen``: each one's
+        last beat and since when, from ``start``, when this rank began to wait)."""
+        stalled = []
+        for r in missing:
+            beats = int(self.store.add(f"{self.prefix}/beat/{r}", 0))
+            last, since = seen.get(r, (beats, start))
+            if beats != last:
+                since = now
+            seen[r] = (beats, since)
+            if now - since >= self.timeout:
+                stalled.append(r)
+        return stalled
+
+    def fulls(self, ranks: Sequence[int]) -> dict[int, str]:
+        """The whole outcomes the ``ranks`` posted."""
+        got = _get_all(self.store, [self._key("full", r) for r in ranks])
+        return {r: _text(value) for r, value in zip(ranks, got, strict=True)}
+
+
+def meeting(store: Any, ranks: Sequence[int], rank: int) -> Meeting:
+    """This call's round among ``ranks`` (global ranks, this one among them); every rank of
+    them starts one per call."""
+    timeout = compare_timeout()
+    name = hashlib.blake2b(",".join(map(str, ranks)).encode(), digest_size=8).hexdigest()
+    prefix = f"torchplace/compare/{name}"
+    round_ = _rounds[prefix] = _rounds.get(prefix, 0) + 1
+    return Meeting(store, prefix, tuple(ranks), rank, round_, timeout)
+
+
+def _raise_latest(store: Any, key: str, round_: int) -> None:
+    """The store's ``key`` holds the latest round any rank has begun (a few tries at most:
+    it only helps a late rank find the others)."""
+    expected = str(round_ - 1) if round_ > 1 else ""
+    for _ in range(8):
+        held = _text(store.compare_set(key, expected, str(round_)))
+        if held.isdigit() and int(held) >= round_:
+            return
+        expected = "" if held == expected else held  # unchanged: the key was missing
+
+
+def _get_all(store: Any, keys: list[str]) -> list[Any]:
+    if store.has_extended_api():
+        return list(store.multi_get(keys))
+    return [store.get(k) for k in keys]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
