@@ -503,21 +503,18 @@ def _stamped(p: Path, parse: Callable[[], dict[str, Entry]]) -> tuple[dict[str, 
 def _safetensors_catalog(p: Path) -> Catalog:
     def parse() -> dict[str, Entry]:
         header, base = read_safetensors_header_and_start(p)
+        header.pop("__metadata__", None)
+        dtypes = {code: name for code, (name, _) in SAFETENSORS_DTYPES.items()}
+        orders = [tuple(range(n)) for n in range(9)]  # row-major, shared by rank
         entries = {}
         for name, raw in header.items():
-            if name == "__metadata__":
-                continue
             start, end = raw["data_offsets"]
             shape = tuple(raw["shape"])
+            rank = len(shape)
+            order = orders[rank] if rank < 9 else tuple(range(rank))
+            nbytes = end - start
             entries[name] = Entry(
-                name,
-                SAFETENSORS_DTYPES[raw["dtype"]][0],
-                shape,
-                end - start,
-                p,
-                base + start,
-                tuple(range(len(shape))),
-                stored=end - start,
+                name, dtypes[raw["dtype"]], shape, nbytes, p, base + start, order, stored=nbytes
             )
         return entries
 
@@ -727,21 +724,37 @@ def _index_catalog(p: Path) -> Catalog:
         stamps.update(part.stamps)
         kinds.update(part.kinds)
         code += part.code
-        # A name holds a tensor, or (sparse, quantized) tensors listed under name.part.
+        if _check_listed(p, shard, names, part.entries):  # the shard holds these alone
+            entries.update(part.entries)
+            continue
         wanted = set(names)
-        held = {n.rsplit(".", k)[0] for n in part.entries for k in range(n.count(".") + 1)}
-        for name in names:
-            if name not in held:
-                raise CheckpointError(
-                    f"{p}: says {name!r} is in {shard!r}, but that shard does not hold it; the "
-                    "index and its shards do not match"
-                )
         for name, entry in part.entries.items():
-            prefixes = {name.rsplit(".", k)[0] for k in range(name.count(".") + 1)}
-            if prefixes & wanted:
+            if name in wanted or not wanted.isdisjoint(_prefixes(name)):
                 entries[name] = entry
     stamps[p] = index_stamp
     return Catalog(str(p), "index", p, entries, stamps, kinds, list(dict.fromkeys(code)))
+
+
+def _prefixes(name: str) -> list[str]:
+    """``name`` and every dotted prefix of it: ``a.b.c``, ``a.b``, ``a``."""
+    return [name.rsplit(".", k)[0] for k in range(name.count(".") + 1)]
+
+
+def _check_listed(p: Path, shard: str, names: list[str], held: Mapping[str, Entry]) -> bool:
+    """Refuse an index that lists a name its shard does not hold; True when the names are
+    exactly the shard's entries. A name holds a tensor, or (sparse, quantized) tensors listed
+    under ``name.part``: those prefixes are built only when some name is not an entry itself."""
+    missing = [name for name in names if name not in held]
+    if not missing:
+        return len(names) == len(held)  # the names of a weight map are unique
+    parents = {prefix for n in held for prefix in _prefixes(n)}
+    for name in missing:
+        if name not in parents:
+            raise CheckpointError(
+                f"{p}: says {name!r} is in {shard!r}, but that shard does not hold it; the "
+                "index and its shards do not match"
+            )
+    return False
 
 
 def _mapping_catalog(source: Mapping[Any, Any]) -> Catalog:
