@@ -558,3 +558,22 @@ def test_a_safetensors_entry_is_taken_or_refused_as_each_check_in_turn_says(entr
             return str(exc)
 
     assert outcome(_safetensors._span) == outcome(_safetensors._checked_span)
+
+
+def test_a_safetensors_entry_is_the_entry_its_fields_make(tmp_path: Path) -> None:
+    """The catalog's quick constructor makes the Entry its dataclass makes: equal, hashed
+    alike, every field set, and still frozen."""
+    import dataclasses
+
+    from torchplace.checkpoint._catalog import Entry, _file_entry
+
+    path = tmp_path / "m.safetensors"
+    quick = _file_entry("w", "float32", (2, 3), 24, path, 80, (0, 1))
+    made = Entry("w", "float32", (2, 3), 24, path, 80, (0, 1), stored=24)
+    assert quick == made and hash(quick) == hash(made) and repr(quick) == repr(made)
+    assert set(vars(quick)) == {f.name for f in dataclasses.fields(Entry)}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        quick.name = "v"  # type: ignore[misc]
+    save_file({"w": torch.ones(2, 3)}, path)
+    (entry,) = catalog(path).entries.values()
+    assert entry == dataclasses.replace(entry) and entry.addressable
