@@ -28,7 +28,6 @@ import sys
 import types
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any, cast
 
@@ -95,23 +94,9 @@ def _inspect(args: argparse.Namespace) -> int:
     except CheckpointError as exc:
         print(f"torchplace inspect: error: {exc}", file=sys.stderr)
         return 1
-    summary = {
-        "file": str(args.file),
-        "format": kind,
-        "code_globals": code,
-        "tensors": [{**asdict(r), "shape": list(r.shape)} for r in records],
-        "totals": {
-            "count": len(records),
-            "bytes": sum(_stored(r) for r in records),
-            "by_device": _totals_by(records, "device"),
-            "by_dtype": _totals_by(records, "dtype"),
-        },
-    }
     note = hub_names_note(r.name for r in records)
-    if note:
-        summary["note"] = note
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(json.dumps(_summary(str(args.file), kind, records, code, note), indent=2))
         return 0
     from rich.console import Console  # rich is imported only to render
 
@@ -123,6 +108,28 @@ def _inspect(args: argparse.Namespace) -> int:
 
         console.print(escape(note))
     return 0
+
+
+def _summary(
+    file: str, kind: str, records: list[TensorRecord], code: list[str], note: str | None
+) -> dict[str, Any]:
+    """What ``inspect --json`` prints. A record's fields are copied as they are (``asdict``
+    copied each deeply, which took most of the time of an index of 100,000 tensors)."""
+    summary = {
+        "file": file,
+        "format": kind,
+        "code_globals": code,
+        "tensors": [{**vars(r), "shape": list(r.shape)} for r in records],
+        "totals": {
+            "count": len(records),
+            "bytes": sum(_stored(r) for r in records),
+            "by_device": _totals_by(records, "device"),
+            "by_dtype": _totals_by(records, "dtype"),
+        },
+    }
+    if note:
+        summary["note"] = note
+    return summary
 
 
 def _render(console: Any, title: str, records: list[TensorRecord], code: list[str]) -> None:
