@@ -601,3 +601,138 @@ def test_a_safetensors_file_cut_short_after_its_header_was_read_is_said_to_have_
     monkeypatch.setattr(_catalog, "read_safetensors_header_and_start", then_cut)
     with pytest.raises(CheckpointError, match=r"changed while it was read.*writer"):
         _catalog.catalog(path)
+
+
+# ------------------------------------------------------------------- the cost of each tensor
+
+
+def _index(root: Path, shards: dict[str, dict[str, torch.Tensor]], listed: dict[str, str]) -> Path:
+    """Shards written with safetensors, and an index listing ``listed`` (name -> shard)."""
+    for shard, tensors in shards.items():
+        save_file(tensors, root / shard)
+    index = root / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": listed}))
+    return index
+
+
+def test_every_missing_shard_is_named_before_any_shard_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An index whose shards are partly missing is refused naming all that are missing, before
+    a single header is parsed (the largest checkpoints list 91,000 tensors in 163 shards)."""
+    from torchplace.checkpoint import _catalog
+
+    save_file({"a": torch.ones(2)}, tmp_path / "s1.safetensors")
+    listed = {"a": "s1.safetensors", "b": "s2.safetensors", "c": "s3.safetensors"}
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": listed}))
+
+    def parsed(p: Any) -> Any:
+        raise AssertionError(f"{p} was parsed before the missing shards were named")
+
+    monkeypatch.setattr(_catalog, "read_safetensors_header_and_start", parsed)
+    with pytest.raises(CheckpointError) as caught:
+        catalog(index)
+    message = str(caught.value)
+    assert "2 shards" in message and "'s2.safetensors', 's3.safetensors'" in message
+    assert str(tmp_path.resolve()) in message and "download or copy every shard" in message
+
+
+def test_an_index_catalog_takes_exactly_the_tensors_it_lists(tmp_path: Path) -> None:
+    """The fast path (a shard holding just the names listed) and the slow one (a shard holding
+    more, a name standing for its parts, one shard spelt two ways) give the entries the shards'
+    own catalogs give, in the shards' order."""
+    shards = {
+        "s1.safetensors": {"x.weight": torch.ones(2, 3), "x.bias": torch.zeros(3)},
+        "s2.safetensors": {
+            "q.weight": torch.arange(4.0),
+            "q.weight.scales": torch.ones(1),  # listed as q.weight
+            "extra": torch.ones(1),  # not listed: left out
+        },
+    }
+    listed = {
+        "x.weight": "s1.safetensors",
+        "x.bias": "./s1.safetensors",
+        "q.weight": "s2.safetensors",
+    }
+    found = catalog(_index(tmp_path, shards, listed))
+    expected = {
+        **catalog(tmp_path / "s1.safetensors").entries,
+        **{k: v for k, v in catalog(tmp_path / "s2.safetensors").entries.items() if k != "extra"},
+    }
+    assert list(found.entries) == list(expected)
+    assert found.entries == expected
+    assert set(found.stamps) == {tmp_path / "s1.safetensors", tmp_path / "s2.safetensors"} | {
+        tmp_path / "model.safetensors.index.json"
+    }
+
+
+def test_an_index_naming_a_tensor_its_shard_lacks_is_refused_naming_it(tmp_path: Path) -> None:
+    shards = {"s1.safetensors": {"a": torch.ones(1), "a.b": torch.ones(1)}}
+    listed = {"a": "s1.safetensors", "a.c": "s1.safetensors"}
+    with pytest.raises(CheckpointError, match=r"says 'a\.c' is in 's1\.safetensors'"):
+        catalog(_index(tmp_path, shards, listed))
+
+
+_ENTRIES: list[Any] = [
+    {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+    {"dtype": "F32", "shape": [], "data_offsets": [0, 4]},
+    {"dtype": "F32", "shape": [0, 3], "data_offsets": [0, 0]},
+    {"dtype": "BF16", "shape": [3], "data_offsets": [4, 10]},
+    {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 12]},
+    {"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]},
+    {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]},
+    {"dtype": "F32", "shape": [2.0], "data_offsets": [0, 8]},
+    {"dtype": "F32", "shape": "2", "data_offsets": [0, 8]},
+    {"dtype": "F32", "shape": [2], "data_offsets": [0, 8, 9]},
+    {"dtype": "F32", "shape": [2], "data_offsets": (0, 8)},
+    {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]},
+    {"dtype": "F32", "shape": [2], "data_offsets": [-8, 0]},
+    {"dtype": "F32", "shape": [2], "data_offsets": [False, 8]},
+    {"dtype": "F32", "shape": [2], "data_offsets": [0, 400]},
+    {"dtype": "F32", "shape": [2**62, 4], "data_offsets": [0, 8]},
+    {"dtype": "F32", "shape": [2**61, 2], "data_offsets": [0, 8]},
+    {"dtype": "F32", "shape": [2**63], "data_offsets": [0, 8]},
+    {"dtype": "F32", "shape": [0, 2**63], "data_offsets": [0, 0]},
+    {"dtype": "F99", "shape": [2], "data_offsets": [0, 8]},
+    {"dtype": ["F32"], "shape": [2], "data_offsets": [0, 8]},
+    {"shape": [2], "data_offsets": [0, 8]},
+    ["F32", [2], [0, 8]],
+    "F32",
+]
+
+
+@pytest.mark.parametrize("entry", _ENTRIES, ids=range(len(_ENTRIES)))
+def test_a_safetensors_entry_is_taken_or_refused_as_each_check_in_turn_says(entry: Any) -> None:
+    """The one-pass check of a header entry takes exactly the entries that the checks made one
+    by one take, with the same offsets, and leaves every other to their words."""
+    from torchplace.checkpoint import _safetensors
+
+    path = Path("m.safetensors")
+
+    def outcome(check: Any) -> Any:
+        try:
+            return check(path, "w", entry, 64)
+        except CheckpointError as exc:
+            return str(exc)
+
+    assert outcome(_safetensors._span) == outcome(_safetensors._checked_span)
+
+
+def test_a_safetensors_entry_is_the_entry_its_fields_make(tmp_path: Path) -> None:
+    """The catalog's quick constructor makes the Entry its dataclass makes: equal, hashed
+    alike, every field set, and still frozen."""
+    import dataclasses
+
+    from torchplace.checkpoint._catalog import Entry, _file_entry
+
+    path = tmp_path / "m.safetensors"
+    quick = _file_entry("w", "float32", (2, 3), 24, path, 80, (0, 1))
+    made = Entry("w", "float32", (2, 3), 24, path, 80, (0, 1), stored=24)
+    assert quick == made and hash(quick) == hash(made) and repr(quick) == repr(made)
+    assert set(vars(quick)) == {f.name for f in dataclasses.fields(Entry)}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        quick.name = "v"  # type: ignore[misc]
+    save_file({"w": torch.ones(2, 3)}, path)
+    (entry,) = catalog(path).entries.values()
+    assert entry == dataclasses.replace(entry) and entry.addressable

@@ -31,14 +31,13 @@ import shutil
 import sys
 import types
 import warnings
-from collections.abc import Callable
-from dataclasses import asdict
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any, cast
 
 from .._errors import CheckpointError, DeviceSpecError, TorchplaceError
 from .._sizes import format_bytes
-from ._catalog import catalog, code_globals, describe_file, format_of
+from ._catalog import catalog, code_globals, describe_file, format_of, gc_paused
 from ._hub_names import hub_names_note
 from ._pickle_reader import TensorRecord, pickles_a_model
 from ._progress import progress_bar, wanted
@@ -82,33 +81,25 @@ def _note(r: TensorRecord) -> str:
 def _printable(text: Any) -> str:
     """``text`` as stdout can encode it: a lone surrogate (a pickle's string, or a file name
     that is not UTF-8) is shown escaped instead of failing the print."""
-    return str(text).encode("utf-8", "backslashreplace").decode("utf-8")
+    plain = str(text)
+    return plain if plain.isascii() else plain.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _run_inspect(args: argparse.Namespace) -> int:
+    with gc_paused():  # its tables make two objects a cell, none in a cycle
+        return _inspect(args)
+
+
+def _inspect(args: argparse.Namespace) -> int:
     try:
         found = catalog(args.file)  # a file, an index or a save_pretrained directory
         kind, records, code = found.kind, found.records(), found.code
     except CheckpointError as exc:
         print(f"torchplace inspect: error: {exc}", file=sys.stderr)
         return 1
-    summary = {
-        "file": str(args.file),
-        "format": kind,
-        "code_globals": code,
-        "tensors": [{**asdict(r), "shape": list(r.shape)} for r in records],
-        "totals": {
-            "count": len(records),
-            "bytes": sum(_stored(r) for r in records),
-            "by_device": _totals_by(records, "device"),
-            "by_dtype": _totals_by(records, "dtype"),
-        },
-    }
     note = hub_names_note(r.name for r in records)
-    if note:
-        summary["note"] = note
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print(json.dumps(_summary(str(args.file), kind, records, code, note), indent=2))
         return 0
     from rich.console import Console  # rich is imported only to render
 
@@ -122,6 +113,28 @@ def _run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _summary(
+    file: str, kind: str, records: list[TensorRecord], code: list[str], note: str | None
+) -> dict[str, Any]:
+    """What ``inspect --json`` prints. A record's fields are copied as they are (``asdict``
+    copied each deeply, which took most of the time of an index of 100,000 tensors)."""
+    summary = {
+        "file": file,
+        "format": kind,
+        "code_globals": code,
+        "tensors": [{**vars(r), "shape": list(r.shape)} for r in records],
+        "totals": {
+            "count": len(records),
+            "bytes": sum(_stored(r) for r in records),
+            "by_device": _totals_by(records, "device"),
+            "by_dtype": _totals_by(records, "dtype"),
+        },
+    }
+    if note:
+        summary["note"] = note
+    return summary
+
+
 def _render(console: Any, title: str, records: list[TensorRecord], code: list[str]) -> None:
     """Print ``inspect``'s tables on a rich ``console``. No cell is ever cut: into a pipe or a
     file, a table takes the width it needs; on a terminal too narrow for it, each row is printed
@@ -131,12 +144,16 @@ def _render(console: Any, title: str, records: list[TensorRecord], code: list[st
     sharded = len({r.file for r in records}) > 1
     notes = [_note(r) for r in records]
     headers = ["name", *(["file"] if sharded else []), "saved device", "dtype", "shape", "bytes"]
-    headers += ["note"] if any(notes) else []
+    noted = any(notes)  # once: asked for each row, it made a table of n rows take n**2 steps
+    headers += ["note"] if noted else []
     rows = []
+    shapes: dict[tuple[int, ...], str] = {}  # the same few shapes and sizes, spelt once each
+    sizes: dict[int, str] = {}
     for r, note in zip(records, notes, strict=True):
-        shape = "[" + ", ".join(map(str, r.shape)) + "]"
-        cells = [r.name, *([r.file] if sharded else []), r.device, r.dtype, shape]
-        rows.append([*cells, format_bytes(r.nbytes), *([note] if any(notes) else [])])
+        shape = shapes.get(r.shape) or shapes.setdefault(r.shape, str(list(r.shape)))
+        size = sizes.get(r.nbytes) or sizes.setdefault(r.nbytes, format_bytes(r.nbytes))
+        cells = [r.name, *([r.file] if sharded else []), r.device, r.dtype, shape, size]
+        rows.append([*cells, note] if noted else cells)
     totals = []
     for key in ("device", "dtype"):
         for value, entry in _totals_by(records, key).items():
@@ -166,34 +183,81 @@ def _render(console: Any, title: str, records: list[TensorRecord], code: list[st
 def _print_rows(
     console: Any, title: str, headers: list[str], rows: list[list[str]], right: tuple[str, ...]
 ) -> None:
-    """One table, printed whole: see ``_render``."""
-    from rich.cells import cell_len
-    from rich.table import Table
-    from rich.text import Text
+    """One table, printed whole: see ``_render``. Drawn as rich draws a table (heavy head,
+    light body) but line by line: a checkpoint may list 100,000 tensors, whose table rich took
+    minutes to lay out."""
+    from rich.style import Style
 
-    # Cells come from the file, which may be anyone's: shown as plain text, never as markup.
-    table = Table(title=Text(_printable(title)))
-    for col in headers:
-        table.add_column(col, justify="right" if col in right else "left", no_wrap=True)
-    for row in rows:
-        table.add_row(*(Text(_printable(c)) for c in row))
-    # The width the table takes with no cell wrapped (squeezing it is what cut names short):
-    # each column's widest cell and a space either side, and a border between and around them.
-    widths = [
-        max(cell_len(_printable(c)) for c in column) for column in zip(headers, *rows, strict=True)
-    ]
-    needed = sum(widths) + 3 * len(widths) + 1
+    measured: dict[str, tuple[str, int]] = {}  # a column's cells repeat: measured once each
+
+    def cell(text: str) -> tuple[str, int]:
+        found = measured.get(text)
+        if found is None:
+            found = measured[text] = _cell(text)
+        return found
+
+    head = [_cell(c) for c in headers]
+    body = [[cell(c) for c in row] for row in rows]
+    widths = [max(w for _, w in column) for column in zip(head, *body, strict=True)]
+    needed = sum(widths) + 3 * len(widths) + 1  # a space either side of a cell, borders
+
+    def styled(text: str, style: str) -> str:  # no codes where the console shows none
+        return Style.parse(style).render(text, color_system=console.color_system)
+
+    out = console.file
+    text, width = _cell(title)
     if needed <= console.width or not console.is_terminal:  # a pipe or a file: no width to keep
-        console.width = max(needed, console.width)
-        console.print(table)
+        console.width = max(needed, console.width)  # what follows is not wrapped narrower
+        left = max(needed - width, 0) // 2
+        line = " " * left + text + " " * max(needed - left - width, 0)
+        out.write(styled(line, "italic") + "\n")
+        out.writelines(_box(head, body, widths, [h in right for h in headers], styled))
         return
-    console.print(Text(_printable(title), style="italic"), soft_wrap=True)
-    for head, *rest in rows:  # the first cell whole on a line of its own, the rest indented
+    out.write(styled(text, "italic") + "\n")
+    for (name, _), *rest in body:  # the first cell whole on a line of its own, the rest indented
         details = "  ".join(
-            f"{h}: {c}" if h else c for h, c in zip(headers[1:], rest, strict=True) if c
+            f"{h}: {c}" if h else c for (h, _), (c, _) in zip(head[1:], rest, strict=True) if c
         )
-        console.print(Text(_printable(head), style="bold"), soft_wrap=True)
-        console.print(Text("    " + _printable(details)), soft_wrap=True)
+        out.write(f"{styled(name, 'bold')}\n    {details}\n")
+
+
+def _cell(value: Any) -> tuple[str, int]:
+    """A cell's text and the columns it takes. Cells come from the file, which may be anyone's:
+    plain text, never markup, without the control codes rich drops from a ``Text``."""
+    text = _printable(value)
+    if text.isascii() and text.isprintable():  # the common case, measured without rich
+        return text, len(text)
+    from rich.cells import cell_len
+    from rich.control import strip_control_codes
+
+    text = strip_control_codes(text)
+    return text, cell_len(text)
+
+
+def _box(
+    head: list[tuple[str, int]],
+    body: list[list[tuple[str, int]]],
+    widths: list[int],
+    right: list[bool],
+    styled: Callable[..., str],
+) -> Iterator[str]:
+    """The lines of a table of these cells, its header's cells in bold."""
+
+    def cells(row: list[tuple[str, int]]) -> list[str]:
+        return [
+            " " * (w - n) + c if r else c + " " * (w - n)
+            for (c, n), w, r in zip(row, widths, right, strict=True)
+        ]
+
+    def rule(left: str, fill: str, mid: str, end: str) -> str:
+        return left + mid.join(fill * (w + 2) for w in widths) + end + "\n"
+
+    yield rule("┏", "━", "┳", "┓")
+    yield "┃ " + " ┃ ".join(styled(c, "bold") for c in cells(head)) + " ┃\n"
+    yield rule("┡", "━", "╇", "┩")
+    for row in body:
+        yield "│ " + " │ ".join(cells(row)) + " │\n"
+    yield rule("└", "─", "┴", "┘")
 
 
 # ---------------------------------------------------------------------------------------- remap

@@ -26,9 +26,8 @@ def weight_map(p: Path, /) -> dict[str, str]:
     except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise CheckpointError(f"{p}: is not a readable JSON shard index ({exc})") from exc
     found = index.get("weight_map") if isinstance(index, dict) else None
-    if not isinstance(found, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in found.items()
-    ):
+    # JSON's keys are strings: its values are what may not be
+    if not isinstance(found, dict) or not all(type(v) is str for v in found.values()):
         raise CheckpointError(
             f"{p}: is JSON but not a shard index; a sharded checkpoint's index maps every tensor "
             'name to its file under "weight_map"'

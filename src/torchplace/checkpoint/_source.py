@@ -175,30 +175,41 @@ def shards(p: Path, weight_map: Mapping[str, str]) -> list[tuple[str, Path, list
     A shard must be a file inside the index's own directory and not an index itself (an index
     naming itself, or two naming each other, would never end). A shard spelt two ways
     (``s1.safetensors`` and ``./s1.safetensors``) is one file, listed (and read) once under the
-    first spelling.
+    first spelling. Every shard is looked for before any is read: the error for missing ones
+    names them all, however many tensors the index lists.
     """
+    by_spelling: dict[str, list[str]] = {}  # one path resolved per shard, not per tensor
+    for name, shard in weight_map.items():
+        by_spelling.setdefault(str(shard), []).append(name)
     root = p.parent.resolve()
     by_shard: dict[Path, tuple[str, list[str]]] = {}
-    for name, shard in weight_map.items():
+    for shard, names in by_spelling.items():
         try:
-            where = (p.parent / str(shard)).resolve()
+            where = (p.parent / shard).resolve()
         except (OSError, ValueError) as exc:  # a NUL in the name, a loop of links
             raise CheckpointError(
                 f"{p}: names shard {shard!r}, which is not a usable file name ({exc})"
             ) from exc
-        by_shard.setdefault(where, (str(shard), []))[1].append(name)
-    found = []
-    for shard_path, (shard, names) in by_shard.items():
+        by_shard.setdefault(where, (shard, []))[1].extend(names)
+    for shard_path, (shard, _) in by_shard.items():
         if root not in shard_path.parents:
             raise CheckpointError(
                 f"{p}: names shard {shard!r} outside its own directory; refusing to read it"
             )
-        if not shard_path.is_file():
-            raise CheckpointError(
-                f"{p}: names shard {shard!r}, which is missing from {p.parent.resolve()}; "
-                "download or copy "
-                "every shard the index lists"
-            )
+    missing = [shard for shard_path, (shard, _) in by_shard.items() if not shard_path.is_file()]
+    if missing:
+        which = (
+            f"shard {missing[0]!r}, which is"
+            if len(missing) == 1
+            else f"{len(missing)} shards that are"
+        )
+        listed = "" if len(missing) == 1 else f" ({', '.join(map(repr, missing))})"
+        raise CheckpointError(
+            f"{p}: names {which} missing from {root}{listed}; download or copy every shard the "
+            "index lists"
+        )
+    found = []
+    for shard_path, (shard, names) in by_shard.items():
         if detect_format(shard_path) == "index":
             raise CheckpointError(
                 f"{p}: names shard {shard!r}, which is itself a shard index; an index lists "
