@@ -887,6 +887,8 @@ def _fill_sharded(model: nn.Module, source: Any, device: Any, **how: Any) -> Map
             f"{exc}); {state}"
         ) from exc
     finally:
-        reader.close()
-        shown.close()
+        try:
+            reader.close()  # closes every file even through a Ctrl-C, then raises it
+        finally:
+            shown.close()
     return source_catalog.stamps
