@@ -1025,3 +1025,34 @@ def test_a_compare_timeout_that_is_not_seconds_is_named(
     assert _rendezvous.compare_timeout() == 2.5
     monkeypatch.delenv("TORCHPLACE_COMPARE_TIMEOUT")
     assert _rendezvous.compare_timeout() == _rendezvous.DEFAULT_TIMEOUT == 10.0
+
+
+_NO_STORE = """
+import socket, warnings
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+from torch.distributed.device_mesh import init_device_mesh
+from torchplace.checkpoint import _sharded
+
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+assert _sharded._meeting_of(object(), mesh) is not None  # the store is there: a meeting
+del distributed_c10d._get_default_store
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    assert _sharded._meeting_of(object(), mesh) is None
+print([str(w.message) for w in caught])
+"""
+
+
+def test_a_torch_without_the_store_says_the_ranks_did_not_compare() -> None:
+    # Should a torch drop the private accessor of the process group's store, the comparison is
+    # skipped with a warning, never silently. (A subprocess: it initialises a Gloo group.)
+    done = subprocess.run(
+        [sys.executable, "-c", _NO_STORE], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ranks did not compare their loads" in done.stdout, done.stdout

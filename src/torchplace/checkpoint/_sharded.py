@@ -585,7 +585,15 @@ def _meeting_of(model: nn.Module, mesh: Any) -> Meeting | None:
     from torch.distributed import distributed_c10d
 
     store_of = getattr(distributed_c10d, "_get_default_store", None)  # every torch since 1.8
-    if store_of is None:
+    if store_of is None:  # a torch that dropped it: say so rather than skip the check unseen
+        warnings.warn(
+            "torchplace cannot reach the process group's store in this torch "
+            "(torch.distributed.distributed_c10d._get_default_store is gone), so the ranks did "
+            "not compare their loads: a rank that failed is not noticed by the others; please "
+            "report it to torchplace",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return None
     ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
     try:
