@@ -10,8 +10,8 @@ length (a record's chunks but its last have one length, so a join is one 32-step
 the ``torchplace[fast]`` extra) where it can be imported, else ``zlib.crc32``; both give the
 same values and release the GIL while they run, so reading threads overlap. In the reader's
 threads ISA-L's runs at about 8.5 GB/s a core and zlib's at 2.5 (``bench_read.py --crc``): a
-check adding about 13% to a read from the page cache against 40-60%
-(``benchmarks/RESULTS.md``). It is picked once, on first use.
+check adding about 13% to a read from the page cache against 40-60%, which is what lets it run
+by default (``check_as_read``, ``benchmarks/RESULTS.md``). It is picked once, on first use.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["combine", "crc32", "fast_crc"]
+__all__ = ["check_as_read", "combine", "crc32", "fast_crc"]
 
 Crc32 = Callable[[Any], int]  # a buffer's CRC-32, as zlib.crc32 computes it
 
@@ -54,6 +54,13 @@ def crc32() -> Crc32:
 def fast_crc() -> bool:
     """Whether ``crc32()`` is ISA-L's (``pip install isal``, or ``torchplace[fast]``)."""
     return _pick()[1]
+
+
+def check_as_read(check_crc: bool | None) -> bool:
+    """Whether the reader checks each record's CRC-32 as it reads it: ``check_crc`` if given;
+    left to ``None`` (the default), when the CRC-32 is ISA-L's: a default may cost at most 15%
+    of a read from the page cache, and ISA-L's costs about 13%, zlib's 40-60%."""
+    return fast_crc() if check_crc is None else check_crc
 
 
 _POLY = 0xEDB88320  # CRC-32's polynomial, reflected
