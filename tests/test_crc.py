@@ -118,6 +118,7 @@ def test_with_isal_a_damaged_record_is_caught_by_default(
     monkeypatch.setattr(_reader, "READ_CHUNK_BYTES", chunk)
     calls = _counting_isal(monkeypatch)
     assert _crc.check_as_read(None) is True
+    assert _crc.check_as_read(None, "cuda") is False  # pinned reads: the check's share is larger
     path, sd = _damaged(tmp_path)
     with pytest.raises(CheckpointError, match=r"w\.pt: is corrupt: w/data/0 fails its CRC"):
         load(path)

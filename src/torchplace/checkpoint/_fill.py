@@ -196,7 +196,7 @@ def load_into(
     through pinned buffers), with no second copy of the weights, so the file may be rewritten at
     once (``torch.save(model.state_dict(), path)`` to the path it came from is safe).
     ``check_crc`` checks a zip file's tensor records against their CRC-32 (by default where
-    ISA-L is installed, as they are read; not by default into DTensors, read slice by slice), and
+    ISA-L is installed, as they are read into host memory; not onto a GPU or into DTensors), and
     ``progress`` shows a bar while the file is read, as for ``load``. ``mmap=True`` assigns
     pages of the memory-mapped file instead (zero-copy, copy-on-write): the model then dies with
     the file, and **rewriting or truncating it while the model lives crashes the process**

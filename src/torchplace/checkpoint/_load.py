@@ -93,12 +93,13 @@ def load(
     ``check_crc`` checks every tensor record of a zip file against the CRC-32 it was saved with
     (torch writes one per record), so a flipped bit in a tensor's bytes raises
     ``CheckpointError`` naming the record; the pickle record is always checked. Left to
-    ``None`` (the default), the records are checked as they are read when ISA-L's CRC-32 is
-    installed (``pip install isal``, or ``torchplace[fast]``): in the reader's threads it adds
-    about 13% to a read from the page cache, where zlib's, the fallback, adds 40-60%
-    (``benchmarks/RESULTS.md``). Without it, or where the file is mapped (``mmap=True``) or
-    read by ``torch.load`` (``trusted=True``, a legacy or unusual file), nothing more is
-    checked by default. ``True`` always checks (with zlib's CRC-32 if need be, in a pass of its
+    ``None`` (the default), the records are checked as they are read into host memory when
+    ISA-L's CRC-32 is installed (``pip install isal``, or ``torchplace[fast]``): in the reader's
+    threads it adds about 13% to a read from the page cache, where zlib's, the fallback, adds
+    40-60% (``benchmarks/RESULTS.md``). Without it, onto a GPU (where the reads are faster and
+    the check's share larger), or where the file is mapped (``mmap=True``) or read by
+    ``torch.load`` (``trusted=True``, a legacy or unusual file), nothing more is checked by
+    default. ``True`` always checks (with zlib's CRC-32 if need be, in a pass of its
     own where ``torch.load`` reads) and warns where the file records no CRC-32; ``False`` never
     checks. Safetensors files carry no checksum.
 
@@ -159,7 +160,7 @@ def _load_torch(
         )
     when = stamp(p)  # the file read must stay the one whose layout was found
     # Only an explicit True warns of nothing to check, or checks in a pass of its own; left to
-    # None, records are checked only where the reader reads them, and with ISA-L's CRC-32 only.
+    # None, records are checked only as the reader reads them into host memory, by ISA-L's CRC-32.
     if check_crc and not zip_format:
         unchecked_warning(p, "a legacy (non-zip) torch file records no CRC-32")
     if zip_format:
@@ -168,7 +169,7 @@ def _load_torch(
             unchecked_warning(p, NO_CRC)
             check_crc = False
         if layout is not None and not mmap and not trusted and target.type in ("cpu", "cuda"):
-            read = read_zip(layout, target, when, check_as_read(check_crc), dtype_of)
+            read = read_zip(layout, target, when, check_as_read(check_crc, target.type), dtype_of)
             if read is not UNUSUAL:
                 return read
         if check_crc:  # read by torch.load below: every record checked in a pass of its own
