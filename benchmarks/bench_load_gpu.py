@@ -26,6 +26,12 @@ thread per slot reads, so counts above a shape's slots are left out. It prints t
 setting, to be written into ``_reader.py`` (and, weighed against ``bench_move.py --sweep``, into
 ``_staging.py``); no default has been set by a GPU measurement yet.
 
+``--crc`` also saves the weights as a torch zip file (``.pt``) and times ``load_into`` of it
+onto the GPU unchecked and with ``check_crc=True``, by zlib's CRC-32 and by ISA-L's (where
+``isal`` is installed): what the check costs there, which decides whether ``check_crc``'s
+default (``None``, on for reads into host memory where ISA-L is installed) should check reads
+onto a GPU too (at most +15%).
+
 Needs a CUDA device (and safetensors); without one it says so and exits 0.
 """
 
@@ -151,11 +157,58 @@ def sweep(path: Path, layers: int, nbytes: int, rounds: int) -> tuple[float, str
     return top, top_setting
 
 
+def crc_cost(
+    folder: Path, layers: int, rounds: int, rows: str | None, device: str = "cuda"
+) -> None:
+    """``load_into`` of a ``.pt`` onto the GPU, unchecked and checked by each CRC-32 function."""
+    import zlib
+
+    from torchplace import load_into, skeleton
+    from torchplace.checkpoint import _crc
+
+    gen = torch.Generator().manual_seed(0)
+    pt = folder / "model.pt"
+    weights = {
+        f"layers.{i}.weight": torch.randn(WIDTH, WIDTH, generator=gen) for i in range(layers)
+    }
+    torch.save(weights, pt)
+    del weights
+    pt.read_bytes()  # into the page cache
+    functions: dict[str, Callable[..., int] | None] = {"unchecked": None, "zlib": zlib.crc32}
+    try:
+        from isal import isal_zlib
+
+        functions["isal"] = isal_zlib.crc32
+    except ImportError:
+        print("isal is not installed (pip install isal): ISA-L's CRC-32 is not timed")
+    seconds = {}
+    saved = _crc._pick
+    try:
+        for name, fn in functions.items():
+            _crc._pick = lambda fn=fn: (fn or zlib.crc32, fn is not None)
+
+            def load(fn: object = fn) -> nn.Module:
+                model = skeleton(Model, layers)
+                return load_into(model, pt, device, check_crc=fn is not None, progress=False)
+
+            load()
+            seconds[name] = best(load, rounds)
+    finally:
+        _crc._pick = saved
+    for name, s in seconds.items():
+        extra = s / seconds["unchecked"] - 1
+        print(f".pt onto the GPU, {name:9s} {s * 1e3:6.0f} ms ({extra:+.0%})")
+        if name != "unchecked":
+            what = f"check_crc onto the GPU by {name}'s CRC-32, over the unchecked read"
+            add_row(rows, what, extra * 100, "<= +15%", extra <= 0.15, unit="%")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sweep", action="store_true", help="thread count x pool shape")
+    parser.add_argument("--crc", action="store_true", help="time check_crc onto the GPU")
     parser.add_argument("--rows", help="append the figures as JSON lines to this file")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -199,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
             f"bf16 model ({model_bytes / MiB:.0f} MiB) from the fp32 file: GPU peak beyond it "
             f"{peak / MiB:.1f} MiB"
         )
+        if args.crc:
+            crc_cost(Path(folder), layers, rounds, rows)
         if args.sweep:
             top, setting = sweep(path, layers, nbytes, rounds)
             add_row(rows, f"load_into to GPU, fastest of the sweep ({setting})", top, "-", None,

@@ -93,6 +93,9 @@ def _agree(path: Path) -> None:
         # reader decides; releases differ on damaged records (torch 2.6 refuses two of these
         # fuzzed files that 2.13 and 2.15 read), and the refusal is still a CheckpointError.
         return
+    if refused == [False, False, True] and "fails its CRC-32" in why:
+        return  # a damaged tensor byte: load checks it by default where ISA-L is installed,
+        # the catalog and inspect read no tensor bytes
     assert all(refused) or not any(refused), (path, refused)
     if entries is None:
         return
@@ -326,7 +329,7 @@ def test_check_crc_finds_a_flipped_bit_in_a_tensors_bytes(
     data = bytearray(path.read_bytes())
     data[entry.start + entry.nbytes - 5] ^= 0x10  # one bit, in the last chunk
     path.write_bytes(bytes(data))
-    assert not torch.equal(load(path)["w"], sd["w"])  # unnoticed by default (the cost)
+    assert not torch.equal(load(path, check_crc=False)["w"], sd["w"])  # unnoticed unchecked
     with pytest.raises(CheckpointError, match=r"w\.pt: is corrupt: w/data/0 fails its CRC"):
         load(path, check_crc=True)
     model = nn.Module()

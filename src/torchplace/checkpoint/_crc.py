@@ -5,13 +5,72 @@ record side by side can each check the chunk they read.
 (zlib's ``crc32_combine``, which Python's ``zlib`` does not offer): appending ``len_b`` zero bytes
 to ``a`` is a linear map over GF(2), found by squaring the one-zero-bit operator, and cached by
 length (a record's chunks but its last have one length, so a join is one 32-step product).
+
+``crc32()`` is the function that computes a chunk's CRC-32: ISA-L's (``isal.isal_zlib.crc32``,
+the ``torchplace[fast]`` extra) where it can be imported, else ``zlib.crc32``; both give the
+same values and release the GIL while they run, so reading threads overlap. In the reader's
+threads ISA-L's runs at about 8.5 GB/s a core and zlib's at 2.5 (``bench_read.py --crc``): a
+check adding about 13% to a read from the page cache against 40-60%, which is what lets it run
+by default (``check_as_read``, ``benchmarks/RESULTS.md``). It is picked once, on first use.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+import zlib
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["combine"]
+__all__ = ["check_as_read", "combine", "crc32", "fast_crc"]
+
+Crc32 = Callable[[Any], int]  # a buffer's CRC-32, as zlib.crc32 computes it
+
+_CHECK = (b"123456789", 0xCBF43926)  # CRC-32's check value
+
+
+@functools.cache
+def _pick() -> tuple[Crc32, bool]:
+    """(the CRC-32 function, whether it is ISA-L's): ISA-L's where it imports and gives the
+    check value, else zlib's."""
+    try:
+        fast = importlib.import_module("isal.isal_zlib").crc32
+    except (ImportError, AttributeError):
+        return zlib.crc32, False
+    if fast(_CHECK[0]) != _CHECK[1]:  # a broken build: zlib's is right, if slower
+        return zlib.crc32, False
+    return fast, True
+
+
+def crc32() -> Crc32:
+    """The CRC-32 function the reader's threads call: ISA-L's, else zlib's.
+
+    >>> crc32()(b"checkpoint") == zlib.crc32(b"checkpoint")
+    True
+    """
+    return _pick()[0]
+
+
+def fast_crc() -> bool:
+    """Whether ``crc32()`` is ISA-L's (``pip install isal``, or ``torchplace[fast]``)."""
+    return _pick()[1]
+
+
+def check_as_read(check_crc: bool | None, target: str = "cpu") -> bool:
+    """Whether the reader checks each record's CRC-32 as it reads it onto a ``target`` device
+    type: ``check_crc`` if given. Left to ``None`` (the default): into host memory when the
+    CRC-32 is ISA-L's. A default may cost at most 15% of a read from the page cache; ISA-L's
+    costs about 13% of one into fresh memory (its page faults dominate), zlib's 40-60%. Onto a
+    GPU the reads go into pinned buffers already faulted in, memcpy-fast: there ISA-L's check
+    took 56% more of a thread's time on the CPU (not yet measured on a GPU), so it is off.
+
+    >>> check_as_read(True, "cuda"), check_as_read(False), check_as_read(None, "cuda")
+    (True, False, False)
+    """
+    if check_crc is not None:
+        return check_crc
+    return target == "cpu" and fast_crc()
+
 
 _POLY = 0xEDB88320  # CRC-32's polynomial, reflected
 

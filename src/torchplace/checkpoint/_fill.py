@@ -177,7 +177,7 @@ def load_into(
     strict: bool = True,
     mmap: bool = False,
     rename: Rename | None = None,
-    check_crc: bool = False,
+    check_crc: bool | None = None,
     progress: bool | None = None,
 ) -> ModuleT:
     """Fill ``model`` (a skeleton or a real model) from a checkpoint, weights on ``device``.
@@ -204,7 +204,8 @@ def load_into(
     parameters. A file's bytes are read straight into the memory the model keeps (onto a GPU,
     through pinned buffers), with no second copy of the weights, so the file may be rewritten at
     once (``torch.save(model.state_dict(), path)`` to the path it came from is safe).
-    ``check_crc=True`` checks a zip file's tensor records against their CRC-32, and
+    ``check_crc`` checks a zip file's tensor records against their CRC-32 (by default where
+    ISA-L is installed, as they are read into host memory; not onto a GPU or into DTensors), and
     ``progress`` shows a bar while the file is read, as for ``load``. ``mmap=True`` assigns
     pages of the memory-mapped file instead (zero-copy, copy-on-write): the model then dies with
     the file, and **rewriting or truncating it while the model lives crashes the process**

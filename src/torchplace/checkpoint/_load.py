@@ -26,6 +26,7 @@ from ._catalog import (
     stamp,
     zip_layout,
 )
+from ._crc import check_as_read
 from ._formats import (
     SAFETENSORS_HINT,
     device_failure,
@@ -60,7 +61,7 @@ def load(
     *,
     mmap: bool = False,
     trusted: bool = False,
-    check_crc: bool = False,
+    check_crc: bool | None = None,
     progress: bool | None = None,
 ) -> Any:
     """Load a checkpoint with its tensors on ``device``, whatever device they were saved from.
@@ -90,14 +91,19 @@ def load(
     serve weights read-only from a file nothing writes to; ``mmap=True`` safetensors need
     ``pip install safetensors``.
 
-    ``check_crc=True`` checks every record of a zip file against the CRC-32 it was saved with
+    ``check_crc`` checks every tensor record of a zip file against the CRC-32 it was saved with
     (torch writes one per record), so a flipped bit in a tensor's bytes raises
-    ``CheckpointError`` naming the record. The pickle record is always checked; the tensors'
-    records are not by default, because computing the CRC cannot hide behind a read from the page
-    cache (zlib's CRC-32 runs at about the speed of the read itself), so it adds about the read's
-    time again (``benchmarks/RESULTS.md``). Safetensors files carry no checksum: asked of one
-    (or of an index with safetensors shards), ``check_crc=True`` warns once that nothing was
-    checked there.
+    ``CheckpointError`` naming the record; the pickle record is always checked. Left to
+    ``None`` (the default), the records are checked as they are read into host memory when
+    ISA-L's CRC-32 is installed (``pip install isal``, or ``torchplace[fast]``): in the reader's
+    threads it adds about 13% to a read from the page cache, where zlib's, the fallback, adds
+    40-60% (``benchmarks/RESULTS.md``). Without it, onto a GPU (where the reads are faster and
+    the check's share larger), or where the file is mapped (``mmap=True``) or read by
+    ``torch.load`` (``trusted=True``, a legacy or unusual file), nothing more is checked by
+    default. ``True`` always checks (with zlib's CRC-32 if need be, in a pass of its
+    own where ``torch.load`` reads) and warns where the file records no CRC-32; ``False`` never
+    checks. Safetensors files carry no checksum: asked of one (or of an index with safetensors
+    shards), ``check_crc=True`` warns once that nothing was checked there.
 
     ``progress``: a bar on stderr (bytes, rate, time left) while the file is read. ``None``
     shows it when stderr is a terminal and the checkpoint holds at least 2 GiB; ``True`` and
@@ -160,7 +166,13 @@ def source_bytes(p: Path, kind: str) -> int:
 
 
 def _load(
-    p: Path, kind: str, target: torch.device, *, mmap: bool, trusted: bool, check_crc: bool
+    p: Path,
+    kind: str,
+    target: torch.device,
+    *,
+    mmap: bool,
+    trusted: bool,
+    check_crc: bool | None,
 ) -> Any:
     if kind == "index":
         return _load_index(p, target, mmap=mmap, trusted=trusted, check_crc=check_crc)
@@ -179,7 +191,7 @@ def _load_torch(
     zip_format: bool,
     mmap: bool,
     trusted: bool,
-    check_crc: bool = False,
+    check_crc: bool | None = None,
     dtype_of: DTypeWish | None = None,
 ) -> Any:
     use_mmap = mmap and zip_format and target.type != "meta"
@@ -189,6 +201,8 @@ def _load_torch(
             "magic number); a pickle is not a checkpoint, and torchplace does not unpickle it"
         )
     when = stamp(p)  # the file read must stay the one whose layout was found
+    # Only an explicit True warns of nothing to check, or checks in a pass of its own; left to
+    # None, records are checked only as the reader reads them into host memory, by ISA-L's CRC-32.
     if check_crc and not zip_format:
         unchecked_warning(p, "a legacy (non-zip) torch file records no CRC-32")
     if zip_format:
@@ -197,7 +211,7 @@ def _load_torch(
             unchecked_warning(p, NO_CRC)
             check_crc = False
         if layout is not None and not mmap and not trusted and target.type in ("cpu", "cuda"):
-            read = read_zip(layout, target, when, check_crc, dtype_of)
+            read = read_zip(layout, target, when, check_as_read(check_crc, target.type), dtype_of)
             if read is not UNUSUAL:
                 return read
         if check_crc:  # read by torch.load below: every record checked in a pass of its own
@@ -415,7 +429,7 @@ def load_state(
     *,
     mmap: bool,
     dtype_of: DTypeWish | None,
-    check_crc: bool = False,
+    check_crc: bool | None = None,
 ) -> Any:
     """``load(path, target, mmap=mmap)`` for ``load_into``: tensors of safetensors files (alone
     or in an index) are read in the dtype ``dtype_of`` asks for, converted as they are read."""
@@ -449,7 +463,7 @@ def _load_index(
     mmap: bool,
     trusted: bool,
     dtype_of: DTypeWish | None = None,
-    check_crc: bool = False,
+    check_crc: bool | None = None,
 ) -> dict[str, Any]:
     """Every tensor an index lists: safetensors shards read from the catalog's entries (or
     mapped, with ``mmap=True``), torch shards loaded whole and the listed names taken."""

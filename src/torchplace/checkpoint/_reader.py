@@ -30,7 +30,6 @@ import sys
 import threading
 import warnings
 import zipfile
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -46,7 +45,7 @@ from ..moving._staging import (
     pinned_pool,
 )
 from ._catalog import Stamp, ZipLayout, changed_error
-from ._crc import combine
+from ._crc import combine, crc32
 from ._formats import device_failure, diagnose, first_sentence, out_of_memory
 from ._progress import current
 
@@ -206,6 +205,7 @@ def _read_host(
             checked.append((check[0], check[1], chunks))
             crcs.update(dict.fromkeys((task for task, _ in chunks), 0))
     tasks = [(0, k) for k in range(len(direct))] + [(1, k) for k in range(len(converting))]
+    crc = crc32()  # ISA-L's where installed, else zlib's
 
     stop = threading.Event()  # set on a failure or Ctrl-C: the other threads read no more
 
@@ -227,7 +227,7 @@ def _read_host(
                     _populate(address, len(view))
                 _pread_exactly(fd, view, offset)
                 if (0, n) in crcs:
-                    crcs[0, n] = zlib.crc32(view)  # while the chunk is in this core's cache
+                    crcs[0, n] = crc(view)  # while the chunk is in this core's cache
                 if advance is not None:
                     advance(len(view))
                 continue
@@ -238,7 +238,7 @@ def _read_host(
             raw = staging[:nbytes]
             _pread_exactly(fd, _memory(raw), offset)
             if (1, n) in crcs:
-                crcs[1, n] = zlib.crc32(_memory(raw))  # the file's bytes, as stored
+                crcs[1, n] = crc(_memory(raw))  # the file's bytes, as stored
             flat[first:last].copy_(raw.view(stored))  # converted in place, a chunk at a time
             if advance is not None:
                 advance(nbytes)
@@ -347,6 +347,7 @@ def _read_cuda(
         if check is not None:
             crc_chunks += len(lengths)
     crcs = [0] * crc_chunks  # each checked chunk's CRC-32, written by the thread that read it
+    crc = crc32()  # ISA-L's where installed, else zlib's
     stop = threading.Event()  # set on a failure or Ctrl-C: the other threads read no more
 
     def send(n: int) -> None:
@@ -358,7 +359,7 @@ def _read_cuda(
             staged = slot.buffer[:nbytes]
             _pread_exactly(fd, _memory(staged), offset)
             if crc_at >= 0:
-                crcs[crc_at] = zlib.crc32(_memory(staged))  # while it is in this core's cache
+                crcs[crc_at] = crc(_memory(staged))  # while it is in this core's cache
             queued = True
             # converted into the tensor's dtype by the copy where the file's dtype differs
             transport.copy(part, staged if stored is None else staged.view(stored))

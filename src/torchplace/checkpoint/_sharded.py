@@ -481,14 +481,14 @@ def load_sharded(
     *,
     strict: bool = True,
     rename: Rename | None = None,
-    check_crc: bool = False,
+    check_crc: bool | None = None,
     progress: bool | None = None,
 ) -> nn.Module:
     """Fill a model holding DTensors from ``source``, each rank reading only its own slices;
     then the ranks of its mesh compare what they did, so that every rank raises or none does.
 
-    ``check_crc``: every record of a zip file is checked in a pass of its own first (a rank
-    reads slices, never a whole record)."""
+    ``check_crc=True``: every record of a zip file is checked in a pass of its own first (a rank
+    reads slices, never a whole record); the default, ``None``, does not make that pass."""
     meets = _meeting_of(model, _mesh_of(model))
     try:
         how = {"strict": strict, "rename": rename, "check_crc": check_crc, "progress": progress}
@@ -710,7 +710,7 @@ def _fill_sharded(model: nn.Module, source: Any, device: Any, **how: Any) -> Map
     checkpoint's files."""
     strict: bool = how["strict"]
     rename: Rename | None = how["rename"]
-    check_crc: bool = how["check_crc"]
+    check_crc: bool | None = how["check_crc"]
     progress: bool | None = how["progress"]
     source_catalog = catalog(source)  # a file, an index, a directory or a mapping
     if check_crc:
