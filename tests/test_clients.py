@@ -1040,3 +1040,41 @@ def test_report_names_a_fabric_model_as_the_users_model(compiled: bool) -> None:
     found = torchplace.report(wrapped, optimizer=wrapped_opt, detail=True)
     assert found.to_dict()["rows"] == expected
     assert "0.weight" in [row["path"] for row in expected]
+
+
+def _saved(model: nn.Module, path: Path) -> dict[str, torch.Tensor]:
+    torch.save(model.state_dict(), path)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's own, importing torch.compile
+@pytest.mark.parametrize("wrap", ["compile", "data_parallel", "fabric"])
+@pytest.mark.parametrize("saved_from", ["model", "wrapper"])
+def test_load_into_a_wrapped_model_fills_the_model_inside(
+    wrap: str, saved_from: str, tmp_path: Path
+) -> None:
+    # The resume loop with a wrapper: load_into(wrapped, file) fills the user's model, whether
+    # the file was saved from the model (its own names) or from the wrapper (_orig_mod.*,
+    # module.*; Fabric's state_dict gives the model's names).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    if wrap == "compile":
+        wrapped: nn.Module = torch.compile(model)
+    elif wrap == "data_parallel":
+        wrapped = nn.DataParallel(model)
+    else:
+        lf = pytest.importorskip("lightning_fabric")
+        wrapped = lf.Fabric(accelerator="cpu", devices=1).setup(model)
+    torch.manual_seed(1)
+    other = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    expected = _saved(other if saved_from == "model" else model, tmp_path / "last.pt")
+    if saved_from == "wrapper":  # the file holds the wrapper's names; give the model others
+        torch.save(wrapped.state_dict(), tmp_path / "last.pt")
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+    weight = model[0].weight
+    assert torchplace.load_into(wrapped, tmp_path / "last.pt") is wrapped
+    assert model[0].weight is weight  # filled in place
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, expected[name]), name

@@ -24,6 +24,7 @@ __all__ = [
     "display",
     "join",
     "tensor_slots",
+    "unwrapped",
     "user_attributes",
     "user_model",
     "walk_model",
@@ -279,15 +280,22 @@ def user_model(module: nn.Module) -> nn.Module:
     >>> user_model(torch.nn.DataParallel(model)) is model
     True
     """
+    return unwrapped(module)[0]
+
+
+def unwrapped(module: nn.Module) -> tuple[nn.Module, str]:
+    """``user_model(module)`` and the prefix its wrappers put before its names in their own
+    state dict (``"_orig_mod."``, ``"module."``; ``""`` for a model that is not wrapped)."""
+    prefix = ""
     while True:
         cls = type(module)
         attr = _WRAPPERS.get((cls.__module__, cls.__qualname__))
         inner = module._modules.get(attr) if attr is not None else None
         if inner is None or module._parameters or module._buffers:
-            return module
+            return module, prefix
         if any(isinstance(value, torch.Tensor) for _, value in user_attributes(module)):
-            return module
+            return module, prefix
         inside = {id(m) for m in inner.modules()}
         if any(id(child) not in inside for child in module._modules.values() if child is not None):
-            return module
-        module = inner
+            return module, prefix
+        module, prefix = inner, f"{prefix}{attr}."

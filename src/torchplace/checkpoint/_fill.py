@@ -20,7 +20,7 @@ from torch.nn.parameter import is_lazy
 from .._devices import DeviceSpec
 from .._devices import device as _device
 from .._errors import CheckpointError, MoveError, TorchplaceError
-from .._model_walk import Slot, tensor_slots
+from .._model_walk import Slot, tensor_slots, unwrapped
 from .._own_moves import AttributeSnapshot, run_own_moves
 from ..moving._identity import parameter_like
 from ..moving._move import discarded_warning
@@ -198,7 +198,9 @@ def load_into(
     a dict of regular expressions to replacements applied in order, e.g. ``{r"^module\\.": ""}``
     for a file saved from DDP or ``{r"^model\\.": ""}`` for a Lightning module's state dict; a
     replacement of None drops the keys its pattern matches (``{r"^head\\.": None}``), as the
-    patterns before it left them.
+    patterns before it left them. A model wrapped by ``torch.compile``, Fabric's ``setup``, DDP
+    or DataParallel is filled through the model inside it: a file saved from either (with or
+    without ``_orig_mod.`` or ``module.`` before its names) fits, and the wrapper is returned.
 
     ``device`` defaults to where each tensor already is, or the CPU for a skeleton's ``meta``
     parameters. A file's bytes are read straight into the memory the model keeps (onto a GPU,
@@ -245,6 +247,19 @@ def load_into(
             "first, e.g. torchplace.load_into(torchplace.skeleton(MyModel, ...), checkpoint)"
         )
     _check_source(source)
+    inner, prefix = unwrapped(model)
+    if inner is not model:  # torch.compile, Fabric, DDP: the file holds the user's model's names
+        load_into(
+            inner,
+            source,
+            device,
+            strict=strict,
+            mmap=mmap,
+            rename=_without_prefix(prefix, rename),
+            check_crc=check_crc,
+            progress=progress,
+        )
+        return model
     from ._sharded import has_dtensors, load_sharded
 
     if has_dtensors(model):  # FSDP2, tensor parallelism: each rank reads its own slices
@@ -310,6 +325,19 @@ def load_into(
     fit = _Fit(p, model, seen, loadable, transient, extra, read_on, strict, file_shapes)
     prepared = _prepare(fit, target, copy=from_memory)
     return _apply(fit, prepared, extra, seen.own)  # type: ignore[return-value]
+
+
+def _without_prefix(prefix: str, rename: Rename | None) -> Rename:
+    """``rename``, then a wrapper's ``prefix`` taken off the names that carry it: a file saved
+    from the wrapper (``compiled.state_dict()``: ``_orig_mod.*``) and one saved from the model
+    inside it both fill that model."""
+    first = None if rename is None else as_renamer(rename)
+
+    def renamer(key: str) -> str | None:
+        name = key if first is None else first(key)
+        return None if name is None else name.removeprefix(prefix)
+
+    return renamer
 
 
 def _check_source(source: object) -> None:
