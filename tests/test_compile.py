@@ -7,6 +7,8 @@ is what is tested, not a code generator), and a device or batch shape each makes
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 from collections import OrderedDict, UserDict, defaultdict, namedtuple
 from typing import Any
 
@@ -257,3 +259,18 @@ def test_without_fullgraph_what_cannot_trace_moves_eagerly() -> None:
     assert moved["model"] is model and moved["x"].is_meta
     assert model.weight.is_meta and opt.state[model.weight]["momentum_buffer"].is_meta
     torch._dynamo.utils.counters.clear()  # that fallback is a graph break, as it must be
+
+
+def test_importing_and_moving_eagerly_never_imports_dynamo() -> None:
+    # torch._dynamo takes seconds to import: torchplace loads what it needs for tracing only
+    # once torch.compile traces a move.
+    code = (
+        "import sys, torch, torchplace\n"
+        "torchplace.move({'x': [torch.ones(2)]}, 'meta')\n"
+        "torchplace.move(torch.nn.Linear(2, 2), 'meta')\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert done.stdout.strip() == "False", done.stdout + done.stderr

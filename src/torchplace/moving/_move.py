@@ -42,7 +42,6 @@ from .._tree import (
     opaque_tensors,
     refuse_unwalkable,
 )
-from ._compiled import traced_move
 from ._hooks import is_dispatched, undispatch
 from ._identity import (
     UndoLog,
@@ -560,6 +559,9 @@ def move(
     refuse_unwalkable(obj, "move")
     optimizers = optimizer_list(optimizer)
     if torch.compiler.is_compiling():  # inside torch.compile: what Dynamo can trace
+        # Imported here, never before torch.compile runs: it needs torch._dynamo (2 s to import).
+        from ._compiled import traced_move
+
         return traced_move(obj, device, non_blocking, optimizers)  # type: ignore[no-any-return]
     target = _device(device)
     copier = Copier(target, non_blocking)
@@ -655,8 +657,9 @@ def _owned_ids(holders: list[Any]) -> set[int]:
 
 
 # Never traced: where torch.compile without fullgraph=True runs a move it cannot trace (a
-# module in a batch) eagerly, Dynamo would still trace into these steps, and fail there.
-@torch.compiler.disable  # type: ignore[untyped-decorator]
+# module in a batch) eagerly, Dynamo would still trace into these steps, and fail there. The
+# first trace of a move (importing ._compiled) puts torch.compiler.disable round it, so that
+# importing torchplace never imports torch._dynamo.
 def _move_owners(
     modules: list[tuple[str, nn.Module]],
     optimizers: list[torch.optim.Optimizer],
