@@ -34,6 +34,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from ._dynamo_compat import raise_in_trace, traced_supports
 from ._errors import TorchplaceError
 
 __all__ = [
@@ -195,17 +196,38 @@ def _rebuild_traced(obj: Any, changed: dict[Any, Any]) -> Mapping[Any, Any]:
     cls = type(obj)
     if cls is OrderedDict:
         return OrderedDict((key, changed.get(key, value)) for key, value in obj.items())
-    if cls is defaultdict:
+    if cls is defaultdict and traced_supports("defaultdict"):  # else one comes back a dict
         items = {key: changed.get(key, value) for key, value in obj.items()}
         return defaultdict(obj.default_factory, items)
     raise _untraceable(cls)
 
 
 def _untraceable(cls: type) -> TypeError:
-    return TypeError(
+    message = (
         f"torchplace cannot rebuild a {cls.__name__} inside torch.compile; use a dict, list, "
         "tuple, namedtuple or dataclass there, or move it outside the compiled function"
     )
+    if not traced_supports("exceptions"):  # torch 2.6: said now, as it cannot say where
+        raise_in_trace(TypeError, message)
+    return TypeError(message)
+
+
+def _rebuild_dataclass_traced(node: Any, updates: dict[str, Any]) -> Any:
+    """A dataclass rebuilt with ``updates`` while torch.compile traces: copied and updated as
+    in eager where Dynamo can copy it, else (torch 2.6) by its constructor, which only gives
+    the same object for a class whose fields all go through ``__init__`` and that has no
+    ``__post_init__`` to run again; any other class is refused rather than rebuilt wrong."""
+    if traced_supports("copy"):
+        result = copy.copy(node)
+    else:
+        cls = type(node)
+        fields = dataclasses.fields(node)
+        if hasattr(cls, "__post_init__") or not all(field.init for field in fields):
+            raise _untraceable(cls)
+        result = cls(**{field.name: getattr(node, field.name) for field in fields})
+    for name, value in updates.items():
+        object.__setattr__(result, name, value)  # frozen dataclasses too
+    return result
 
 
 def _rebuild_sequence(obj: Sequence[Any], values: list[Any]) -> Sequence[Any]:
@@ -346,9 +368,12 @@ def map_tensors(
                 if not updates:
                     return None
                 key = _NO_KEY
-                result = copy.copy(node)
-                for name, value in updates.items():
-                    object.__setattr__(result, name, value)  # frozen dataclasses too
+                if tracing:
+                    result = _rebuild_dataclass_traced(node, updates)
+                else:
+                    result = copy.copy(node)
+                    for name, value in updates.items():
+                        object.__setattr__(result, name, value)  # frozen dataclasses too
             else:
                 handler = to if kind == _TO else owner
                 if handler is None:
@@ -488,7 +513,7 @@ def cached_properties(cls: type) -> tuple[str, ...]:
     """The names of ``cls``'s ``functools.cached_property`` attributes (their values live in
     the instance's ``__dict__`` once computed)."""
     if torch.compiler.is_compiling():  # remembered, it would make Dynamo compile again
-        return _cached_property_names(cls)
+        return _traced_cached_property_names(cls)
     names = _cached_names.get(cls)
     if names is None:
         names = _cached_names[cls] = _cached_property_names(cls)
@@ -501,6 +526,14 @@ def _cached_property_names(cls: type) -> tuple[str, ...]:
         for name in dict.fromkeys(n for klass in cls.__mro__ for n in vars(klass))
         if isinstance(getattr(cls, name, None), functools.cached_property)
     )
+
+
+# While torch.compile traces: run as it is and its result taken as a constant, as a class's
+# attributes do not change once it is in use (the Dynamo of torch 2.6 cannot trace ``vars`` of
+# a class).
+_traced_cached_property_names: Callable[[type], tuple[str, ...]] = (
+    torch.compiler.assume_constant_result(_cached_property_names)  # type: ignore[no-untyped-call]
+)
 
 
 def read_attribute(obj: Any, name: str, default: Any = None) -> Any:
