@@ -13,6 +13,10 @@ optimizer (whether moved itself or found in a batch, or passed as ``optimizer=``
 with its own ``.to``. Those raise ``MoveError`` naming the object and saying to move it outside
 the compiled function. With ``fullgraph=True`` torch.compile reports it as the exception it
 observed; without, Dynamo runs ``move`` eagerly instead, where all of them move as usual.
+
+torch 2.6's Dynamo can neither raise nor catch an exception class of a user's
+(``_dynamo_compat``): there the refusal is raised while tracing, from outside the trace, naming
+what was met but not where, and torch.compile reports it with or without ``fullgraph``.
 """
 
 from __future__ import annotations
