@@ -19,7 +19,7 @@ import copy
 import copyreg
 import dataclasses
 import functools
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict, UserDict, UserList, defaultdict
 from collections.abc import (
     Callable,
     Iterable,
@@ -117,6 +117,12 @@ def _kind_of(cls: type) -> int:
         kind = _DATACLASS
     else:
         kind = _LEAF
+    if (
+        issubclass(cls, (UserDict, UserList))
+        and torch.compiler.is_compiling()
+        and not traced_supports("exceptions")  # torch 2.6 cannot even look inside one
+    ):
+        raise _untraceable(cls)
     return kind
 
 
@@ -290,6 +296,7 @@ def map_tensors(
     tracing = torch.compiler.is_compiling()
     memo: dict[int, Any] | None = None if tracing else {}
     classify, kinds = (_kind_of, _BASE_KINDS) if tracing else (_classify, _kinds)
+    dataclass_items = _dataclass_items_traced if tracing else _dataclass_items
     tensor_cls = torch.Tensor  # read once: a global and an attribute per value otherwise
 
     def walk(node: Any, depth: int) -> Any:
@@ -361,7 +368,7 @@ def map_tensors(
             elif kind == _DATACLASS:
                 is_attr = True
                 updates = {}
-                for key, value in _dataclass_items(node):
+                for key, value in dataclass_items(node):
                     new = walk(value, depth)
                     if new is not None:
                         updates[key] = new
@@ -564,6 +571,25 @@ def _dataclass_items(node: Any) -> Iterator[tuple[str, Any]]:
             value = attrs.get(name, _UNSET)
             if value is not _UNSET:
                 yield name, value
+
+
+def _dataclass_items_traced(node: Any) -> Iterator[tuple[str, Any]]:
+    """``_dataclass_items`` while torch.compile traces, telling ``_UNSET`` by its type: torch
+    2.6's Dynamo fails on ``is`` between it and an int field that it has made dynamic (one that
+    changed from one call to the next)."""
+    for key, value in _dataclass_items_unset(node):
+        if type(value) is not object:
+            yield key, value
+
+
+def _dataclass_items_unset(node: Any) -> Iterator[tuple[str, Any]]:
+    for field in dataclasses.fields(node):
+        yield field.name, read_attribute(node, field.name, _UNSET)
+    cached = cached_properties(type(node))
+    if cached:
+        attrs = getattr(node, "__dict__", {})
+        for name in cached:
+            yield name, attrs.get(name, _UNSET)
 
 
 def opaque_tensors(obj: Any, root: str = "batch") -> Iterator[tuple[str, torch.Tensor]]:
