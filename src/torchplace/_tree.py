@@ -295,8 +295,11 @@ def map_tensors(
     # or tuple.
     tracing = torch.compiler.is_compiling()
     memo: dict[int, Any] | None = None if tracing else {}
-    classify, kinds = (_kind_of, _BASE_KINDS) if tracing else (_classify, _kinds)
-    dataclass_items = _dataclass_items_traced if tracing else _dataclass_items
+    classify, kinds, dataclass_items = (
+        (_kind_of, _BASE_KINDS, _dataclass_items_traced)
+        if tracing
+        else (_classify, _kinds, _dataclass_items)
+    )
     tensor_cls = torch.Tensor  # read once: a global and an attribute per value otherwise
 
     def walk(node: Any, depth: int) -> Any:
