@@ -19,7 +19,7 @@ import copy
 import copyreg
 import dataclasses
 import functools
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict, UserDict, UserList, defaultdict
 from collections.abc import (
     Callable,
     Iterable,
@@ -116,6 +116,11 @@ def _kind_of(cls: type) -> int:
         kind = _DATACLASS
     else:
         kind = _LEAF
+    if issubclass(cls, (UserDict, UserList)) and torch.compiler.is_compiling():
+        from ._dynamo_compat import traced_supports  # only while tracing: it needs Dynamo
+
+        if not traced_supports("exceptions"):  # torch 2.6 cannot even look inside one
+            raise _untraceable(cls)
     return kind
 
 
@@ -192,20 +197,48 @@ def _rebuild_traced(obj: Any, changed: dict[Any, Any]) -> Mapping[Any, Any]:
     """A mapping rebuilt while torch.compile traces, by its constructor: the copy that
     ``_rebuild_mapping`` makes can lose items under Dynamo (an OrderedDict's None values), so
     kinds other than these are refused rather than rebuilt wrong."""
+    from ._dynamo_compat import traced_supports  # only while tracing: it needs Dynamo
+
     cls = type(obj)
     if cls is OrderedDict:
         return OrderedDict((key, changed.get(key, value)) for key, value in obj.items())
-    if cls is defaultdict:
+    if cls is defaultdict and traced_supports("defaultdict"):  # else one comes back a dict
         items = {key: changed.get(key, value) for key, value in obj.items()}
         return defaultdict(obj.default_factory, items)
     raise _untraceable(cls)
 
 
 def _untraceable(cls: type) -> TypeError:
-    return TypeError(
+    """Called only while torch.compile traces."""
+    from ._dynamo_compat import raise_in_trace, traced_supports
+
+    message = (
         f"torchplace cannot rebuild a {cls.__name__} inside torch.compile; use a dict, list, "
         "tuple, namedtuple or dataclass there, or move it outside the compiled function"
     )
+    if not traced_supports("exceptions"):  # torch 2.6: said now, as it cannot say where
+        raise_in_trace(TypeError, message)
+    return TypeError(message)
+
+
+def _rebuild_dataclass_traced(node: Any, updates: dict[str, Any]) -> Any:
+    """A dataclass rebuilt with ``updates`` while torch.compile traces: copied and updated as
+    in eager where Dynamo can copy it, else (torch 2.6) by its constructor, which only gives
+    the same object for a class whose fields all go through ``__init__`` and that has no
+    ``__post_init__`` to run again; any other class is refused rather than rebuilt wrong."""
+    from ._dynamo_compat import traced_supports  # only while tracing: it needs Dynamo
+
+    if traced_supports("copy"):
+        result = copy.copy(node)
+    else:
+        cls = type(node)
+        fields = dataclasses.fields(node)
+        if hasattr(cls, "__post_init__") or not all(field.init for field in fields):
+            raise _untraceable(cls)
+        result = cls(**{field.name: getattr(node, field.name) for field in fields})
+    for name, value in updates.items():
+        object.__setattr__(result, name, value)  # frozen dataclasses too
+    return result
 
 
 def _rebuild_sequence(obj: Sequence[Any], values: list[Any]) -> Sequence[Any]:
@@ -267,7 +300,11 @@ def map_tensors(
     # or tuple.
     tracing = torch.compiler.is_compiling()
     memo: dict[int, Any] | None = None if tracing else {}
-    classify, kinds = (_kind_of, _BASE_KINDS) if tracing else (_classify, _kinds)
+    classify, kinds, dataclass_items = (
+        (_kind_of, _BASE_KINDS, _dataclass_items_traced)
+        if tracing
+        else (_classify, _kinds, _dataclass_items)
+    )
     tensor_cls = torch.Tensor  # read once: a global and an attribute per value otherwise
 
     def walk(node: Any, depth: int) -> Any:
@@ -339,16 +376,19 @@ def map_tensors(
             elif kind == _DATACLASS:
                 is_attr = True
                 updates = {}
-                for key, value in _dataclass_items(node):
+                for key, value in dataclass_items(node):
                     new = walk(value, depth)
                     if new is not None:
                         updates[key] = new
                 if not updates:
                     return None
                 key = _NO_KEY
-                result = copy.copy(node)
-                for name, value in updates.items():
-                    object.__setattr__(result, name, value)  # frozen dataclasses too
+                if tracing:
+                    result = _rebuild_dataclass_traced(node, updates)
+                else:
+                    result = copy.copy(node)
+                    for name, value in updates.items():
+                        object.__setattr__(result, name, value)  # frozen dataclasses too
             else:
                 handler = to if kind == _TO else owner
                 if handler is None:
@@ -488,7 +528,9 @@ def cached_properties(cls: type) -> tuple[str, ...]:
     """The names of ``cls``'s ``functools.cached_property`` attributes (their values live in
     the instance's ``__dict__`` once computed)."""
     if torch.compiler.is_compiling():  # remembered, it would make Dynamo compile again
-        return _cached_property_names(cls)
+        from ._dynamo_compat import traced_cached_property_names
+
+        return traced_cached_property_names(cls)
     names = _cached_names.get(cls)
     if names is None:
         names = _cached_names[cls] = _cached_property_names(cls)
@@ -531,6 +573,25 @@ def _dataclass_items(node: Any) -> Iterator[tuple[str, Any]]:
             value = attrs.get(name, _UNSET)
             if value is not _UNSET:
                 yield name, value
+
+
+def _dataclass_items_traced(node: Any) -> Iterator[tuple[str, Any]]:
+    """``_dataclass_items`` while torch.compile traces, telling ``_UNSET`` by its type: torch
+    2.6's Dynamo fails on ``is`` between it and an int field that it has made dynamic (one that
+    changed from one call to the next)."""
+    for key, value in _dataclass_items_unset(node):
+        if type(value) is not object:
+            yield key, value
+
+
+def _dataclass_items_unset(node: Any) -> Iterator[tuple[str, Any]]:
+    for field in dataclasses.fields(node):
+        yield field.name, read_attribute(node, field.name, _UNSET)
+    cached = cached_properties(type(node))
+    if cached:
+        attrs = getattr(node, "__dict__", {})
+        for name in cached:
+            yield name, attrs.get(name, _UNSET)
 
 
 def opaque_tensors(obj: Any, root: str = "batch") -> Iterator[tuple[str, torch.Tensor]]:

@@ -13,6 +13,10 @@ optimizer (whether moved itself or found in a batch, or passed as ``optimizer=``
 with its own ``.to``. Those raise ``MoveError`` naming the object and saying to move it outside
 the compiled function. With ``fullgraph=True`` torch.compile reports it as the exception it
 observed; without, Dynamo runs ``move`` eagerly instead, where all of them move as usual.
+
+torch 2.6's Dynamo can neither raise nor catch an exception class of a user's
+(``_dynamo_compat``): there the refusal is raised while tracing, from outside the trace, naming
+what was met but not where, and torch.compile reports it with or without ``fullgraph``.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 from torch import nn
 
 from .._devices import DeviceSpec, device
+from .._dynamo_compat import raise_in_trace, traced_supports
 from .._errors import MoveError
 from .._tree import Located, map_tensors
 from . import _move
@@ -31,6 +36,7 @@ from ._transfer import data_meta_message, on
 __all__ = ["traced_move"]
 
 _OUTSIDE = "move it outside the compiled function (before calling it, or on its result)"
+_CANNOT = "torchplace.move cannot move it inside torch.compile"
 
 
 class _TracedMoveError(MoveError):
@@ -41,6 +47,8 @@ class _TracedMoveError(MoveError):
 
 
 def _error(message: str, name: str | None) -> MoveError:
+    if not traced_supports("exceptions"):  # torch 2.6: raised from outside the trace
+        raise_in_trace(MoveError, message)
     error: MoveError = _TracedMoveError(message)
     error.name = name
     return error
@@ -52,6 +60,15 @@ class _Refused(Exception):
 
 class _OnMeta(Exception):
     """A batch tensor on meta bound for a real device: it has no values to copy."""
+
+
+def _meta_refusal(name: str, shape: tuple[int, ...], dtype: torch.dtype, target: Any) -> None:
+    """Raises the error of a batch's tensor on meta from outside the trace (torch 2.6)."""
+    tensor = torch.empty(shape, dtype=dtype, device="meta")
+    raise MoveError(data_meta_message(name, tensor, target) + ". Nothing was moved")
+
+
+_raise_on_meta = torch.compiler.assume_constant_result(_meta_refusal)  # type: ignore[no-untyped-call]
 
 
 def _what(obj: Any) -> str:
@@ -99,12 +116,16 @@ def traced_move(
             if seen is t:
                 return copy
         if t.is_meta:
+            if not traced_supports("exceptions"):  # torch 2.6: said now, without the path
+                _raise_on_meta(f"a tensor of the {root}", tuple(t.shape), t.dtype, target)
             raise _OnMeta(t)
         new = t.to(target, non_blocking=asynchronous)
         moved.append((t, new))
         return new
 
     def refuse(node: Any) -> Any:
+        if not traced_supports("exceptions"):  # torch 2.6: said now, without the path
+            _error(f"the {root} holds {_what(node)}: {_CANNOT}; {_OUTSIDE}", None)
         raise _Refused(node)
 
     try:
@@ -114,10 +135,7 @@ def traced_move(
         if isinstance(cause, _OnMeta):
             message = data_meta_message(where, cause.args[0], target) + ". Nothing was moved"
         elif isinstance(cause, _Refused):
-            message = (
-                f"{where} is {_what(cause.args[0])}: torchplace.move cannot move it inside "
-                f"torch.compile; {_OUTSIDE}"
-            )
+            message = f"{where} is {_what(cause.args[0])}: {_CANNOT}; {_OUTSIDE}"
         else:
             message = f"could not move {where} to {target}: {cause}"
         raise _error(message, where) from cause
