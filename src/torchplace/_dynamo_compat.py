@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from ._tree import _cached_property_names
+from ._cached import cached_property_names
 
 __all__ = [
     "TRACED_FEATURES",
@@ -81,5 +81,5 @@ raise_in_trace: Callable[[type[Exception], str], None] = torch.compiler.assume_c
 # attributes do not change once it is in use (the Dynamo of torch 2.6 cannot trace ``vars`` of
 # a class).
 traced_cached_property_names: Callable[[type], tuple[str, ...]] = (
-    torch.compiler.assume_constant_result(_cached_property_names)  # type: ignore[no-untyped-call]
+    torch.compiler.assume_constant_result(cached_property_names)  # type: ignore[no-untyped-call]
 )

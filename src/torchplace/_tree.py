@@ -18,7 +18,6 @@ from __future__ import annotations
 import copy
 import copyreg
 import dataclasses
-import functools
 from collections import OrderedDict, UserDict, UserList, defaultdict
 from collections.abc import (
     Callable,
@@ -34,6 +33,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from ._cached import cached_property_names
 from ._errors import TorchplaceError
 
 __all__ = [
@@ -533,16 +533,8 @@ def cached_properties(cls: type) -> tuple[str, ...]:
         return traced_cached_property_names(cls)
     names = _cached_names.get(cls)
     if names is None:
-        names = _cached_names[cls] = _cached_property_names(cls)
+        names = _cached_names[cls] = cached_property_names(cls)
     return names
-
-
-def _cached_property_names(cls: type) -> tuple[str, ...]:
-    return tuple(
-        name
-        for name in dict.fromkeys(n for klass in cls.__mro__ for n in vars(klass))
-        if isinstance(getattr(cls, name, None), functools.cached_property)
-    )
 
 
 def read_attribute(obj: Any, name: str, default: Any = None) -> Any:

@@ -30,7 +30,6 @@ from .._devices import DeviceSpec, device
 from .._dynamo_compat import raise_in_trace, traced_supports
 from .._errors import MoveError
 from .._tree import Located, map_tensors
-from . import _move
 from ._transfer import data_meta_message, on
 
 __all__ = ["traced_move"]
@@ -87,10 +86,6 @@ def _resolve(spec: DeviceSpec) -> torch.device:
 
 
 _resolve = torch.compiler.assume_constant_result(_resolve)  # type: ignore[no-untyped-call]
-
-# Moves of modules and optimizers are never traced (see _move._move_owners); this module is
-# imported by the first trace of a move, so torch._dynamo is already there to disable them.
-_move._move_owners = torch.compiler.disable(_move._move_owners)  # type: ignore[no-untyped-call]
 
 
 def traced_move(

@@ -15,6 +15,8 @@ the replacement is remembered so that ``stragglers`` can still name an optimizer
 from __future__ import annotations
 
 import contextlib
+import functools
+import sys
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -572,7 +574,7 @@ def move(
     grad_mode, flags = torch.is_grad_enabled(), conversion_flags()
     try:
         if isinstance(obj, nn.Module):
-            left_behind = _move_owners([("", obj)], optimizers, target, copier, attributes, log)
+            left_behind = _owners_mover()([("", obj)], optimizers, target, copier, attributes, log)
             result: Any = obj
         elif isinstance(obj, torch.optim.Optimizer):
             others = [o for o in optimizers if o is not obj]
@@ -656,10 +658,19 @@ def _owned_ids(holders: list[Any]) -> set[int]:
     return ids
 
 
-# Never traced: where torch.compile without fullgraph=True runs a move it cannot trace (a
-# module in a batch) eagerly, Dynamo would still trace into these steps, and fail there. The
-# first trace of a move (importing ._compiled) puts torch.compiler.disable round it, so that
-# importing torchplace never imports torch._dynamo.
+def _owners_mover() -> Callable[..., list[str]]:
+    """``_move_owners``, never traced: where torch.compile without fullgraph=True runs a move it
+    cannot trace (a module in a batch) eagerly, Dynamo would still trace into its steps, and
+    fail there. Wrapped in torch.compiler.disable only once torch._dynamo is imported (by
+    torch.compile), so that importing torchplace never imports it."""
+    return _untraced_owners() if "torch._dynamo" in sys.modules else _move_owners
+
+
+@functools.cache
+def _untraced_owners() -> Callable[..., list[str]]:
+    return torch.compiler.disable(_move_owners)  # type: ignore[no-untyped-call,no-any-return]
+
+
 def _move_owners(
     modules: list[tuple[str, nn.Module]],
     optimizers: list[torch.optim.Optimizer],
@@ -757,7 +768,7 @@ def _move_collection(
         # Name each module by its place in the batch: batch['model'].encoder.weight.
         paths = {id(leaf): path for path, leaf in iter_leaves(obj, root)}
         modules = [(paths.get(id(m), root) + ".", m) for _, m in modules]
-        left_behind = _move_owners(modules, all_optimizers, target, copier, attributes, log)
+        left_behind = _owners_mover()(modules, all_optimizers, target, copier, attributes, log)
         if copier.finals:  # a parameter listed beside its model comes back as that parameter
             finals = copier.finals
             result = map_tensors(result, lambda t: finals.get(id(t), t), root=root)
