@@ -75,3 +75,15 @@ def torchrun_two_cpu(script: Path, *args: str, timeout: int = 120) -> str:
     output = done.stdout + done.stderr
     assert done.returncode == 0, output
     return output
+
+
+def torch_save(obj: Any, path: Path, *, crcs: bool = True) -> None:
+    """``torch.save``, with the CRC-32 of each record recorded or not (torch's process-wide
+    option, put back afterwards)."""
+    import torch
+
+    torch.serialization.set_crc32_options(crcs)
+    try:
+        torch.save(obj, path)
+    finally:
+        torch.serialization.set_crc32_options(True)

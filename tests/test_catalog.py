@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import torchplace
+from helpers import torch_save
 from torchplace import load, load_into
 from torchplace._errors import CheckpointError
 from torchplace.checkpoint import _reader as _readinto
@@ -183,6 +184,20 @@ def _rewrite_while_reading(monkeypatch: pytest.MonkeyPatch, victim: Path) -> lis
     return done
 
 
+def _saved_as(kind: str, sd: dict[str, torch.Tensor], tmp_path: Path) -> tuple[Path, Path]:
+    """``sd`` saved as a ``kind`` checkpoint: the path to load and the file holding the bytes."""
+    if kind == "zip":
+        torch.save(sd, tmp_path / "w.pt")
+        return tmp_path / "w.pt", tmp_path / "w.pt"
+    victim = tmp_path / ("w.safetensors" if kind == "safetensors" else "s1.safetensors")
+    save_file(sd, str(victim))
+    if kind == "safetensors":
+        return victim, victim
+    path = tmp_path / "w.index.json"
+    path.write_text(json.dumps({"weight_map": dict.fromkeys(sd, "s1.safetensors")}))
+    return path, victim
+
+
 @pytest.mark.parametrize("kind", ["zip", "safetensors", "index"])
 def test_a_file_rewritten_while_it_is_read_raises_and_leaves_the_model_as_it_was(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str
@@ -190,17 +205,7 @@ def test_a_file_rewritten_while_it_is_read_raises_and_leaves_the_model_as_it_was
     torch.manual_seed(0)
     src = nn.Linear(4, 3)
     sd = src.state_dict()
-    if kind == "zip":
-        path = victim = tmp_path / "w.pt"
-        torch.save(sd, path)
-    elif kind == "safetensors":
-        path = victim = tmp_path / "w.safetensors"
-        save_file(sd, str(path))
-    else:
-        victim = tmp_path / "s1.safetensors"
-        save_file(sd, str(victim))
-        path = tmp_path / "w.index.json"
-        path.write_text(json.dumps({"weight_map": dict.fromkeys(sd, "s1.safetensors")}))
+    path, victim = _saved_as(kind, sd, tmp_path)
     os.utime(victim, ns=(10**18, 10**18))  # so a rewrite within one clock tick still shows
     model = nn.Linear(4, 3)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -251,17 +256,7 @@ def test_a_same_size_rewrite_with_its_mtime_put_back_raises(
     """Size, mtime and inode all as stamped: only the inode change time tells the rewrite."""
     torch.manual_seed(0)
     sd = nn.Linear(4, 3).state_dict()
-    if kind == "zip":
-        path = victim = tmp_path / "w.pt"
-        torch.save(sd, path)
-    elif kind == "safetensors":
-        path = victim = tmp_path / "w.safetensors"
-        save_file(sd, str(path))
-    else:
-        victim = tmp_path / "s1.safetensors"
-        save_file(sd, str(victim))
-        path = tmp_path / "w.index.json"
-        path.write_text(json.dumps({"weight_map": dict.fromkeys(sd, "s1.safetensors")}))
+    path, victim = _saved_as(kind, sd, tmp_path)
     model = nn.Linear(4, 3)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     done = rewrite_keeping_mtime(monkeypatch, victim)
@@ -459,11 +454,7 @@ def test_check_crc_on_a_file_that_records_none_says_so_and_refuses_nothing(
     path refused it as corrupt and the fast path checked nothing in silence)."""
     sd = {"w": torch.arange(100.0)}
     path = tmp_path / "nocrc.pt"
-    torch.serialization.set_crc32_options(False)
-    try:
-        torch.save(sd, path)
-    finally:
-        torch.serialization.set_crc32_options(True)
+    torch_save(sd, path, crcs=False)
     with pytest.warns(UserWarning, match=r"nocrc\.pt: check_crc=True, but it records no CRC-32"):
         got = load(path, check_crc=True, trusted=trusted)
     assert torch.equal(got["w"], sd["w"])

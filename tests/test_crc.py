@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import torch_save
 from torchplace import CheckpointError, load, load_into
 from torchplace.checkpoint import _crc, _reader
 from torchplace.checkpoint._catalog import catalog
@@ -64,11 +65,7 @@ def _damaged(tmp_path: Path, numel: int = 3 << 18, *, crcs: bool = True) -> tupl
     """A torch zip file whose tensor ``w`` has one bit flipped after the CRCs were recorded."""
     sd = {"w": torch.arange(numel, dtype=torch.float32), "b": torch.ones(3)}
     path = tmp_path / "w.pt"
-    torch.serialization.set_crc32_options(crcs)
-    try:
-        torch.save(sd, path)
-    finally:
-        torch.serialization.set_crc32_options(True)
+    torch_save(sd, path, crcs=crcs)
     entry = catalog(path).entries["w"]
     data = bytearray(path.read_bytes())
     data[entry.start + entry.nbytes - 5] ^= 0x10  # one bit, in the last chunk
@@ -156,11 +153,7 @@ def test_a_file_without_crcs_loads_without_a_warning_unless_the_check_is_asked_f
     _counting_isal(monkeypatch)
     sd = {"w": torch.arange(100.0)}
     path = tmp_path / "nocrc.pt"
-    torch.serialization.set_crc32_options(False)
-    try:
-        torch.save(sd, path)
-    finally:
-        torch.serialization.set_crc32_options(True)
+    torch_save(sd, path, crcs=False)
     legacy = tmp_path / "legacy.pt"
     torch.save(sd, legacy, _use_new_zipfile_serialization=False)
     for p in (path, legacy):
