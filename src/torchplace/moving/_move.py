@@ -15,7 +15,6 @@ the replacement is remembered so that ``stragglers`` can still name an optimizer
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 import warnings
 from collections.abc import Callable
@@ -663,12 +662,15 @@ def _owners_mover() -> Callable[..., list[str]]:
     cannot trace (a module in a batch) eagerly, Dynamo would still trace into its steps, and
     fail there. Wrapped in torch.compiler.disable only once torch._dynamo is imported (by
     torch.compile), so that importing torchplace never imports it."""
-    return _untraced_owners() if "torch._dynamo" in sys.modules else _move_owners
+    if "torch._dynamo" not in sys.modules:
+        return _move_owners
+    untraced = _UNTRACED.get("owners")
+    if untraced is None:  # a dict, not functools.cache: Dynamo warns on traced lru_caches
+        untraced = _UNTRACED["owners"] = torch.compiler.disable(_move_owners)  # type: ignore[no-untyped-call]
+    return untraced
 
 
-@functools.cache
-def _untraced_owners() -> Callable[..., list[str]]:
-    return torch.compiler.disable(_move_owners)  # type: ignore[no-untyped-call,no-any-return]
+_UNTRACED: dict[str, Callable[..., list[str]]] = {}
 
 
 def _move_owners(
