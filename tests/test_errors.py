@@ -222,3 +222,14 @@ def test_move_error_names_the_tensor() -> None:
     with pytest.raises(MoveError) as info:
         torchplace.move(model, "cpu")
     assert info.value.name == "0.weight"
+
+
+def test_rename_collision_says_how_to_drop_a_key_with_a_dict(tmp_path: Path) -> None:
+    model = nn.Linear(2, 2)
+    path = tmp_path / "m.pt"
+    torch.save(model.state_dict(), path)
+    with pytest.raises(torchplace.CheckpointError) as info:
+        torchplace.load_into(nn.Linear(2, 2), path, rename={"^bias$": "weight"})
+    message = str(info.value)
+    assert "the same name 'weight'" in message
+    assert "a pattern to None in a dict" in message

@@ -161,3 +161,15 @@ def test_paths_name_namedtuple_fields_and_none_keys() -> None:
     with pytest.raises(torchplace.MoveError) as info:
         torchplace.move({"pair": Pair(1, _Refuses())}, "meta")
     assert info.value.name == "batch['pair'].labels"
+
+
+def test_refusal_names_a_class_with_its_article() -> None:
+    class Endless:  # an iterator whose name starts with a capital vowel
+        def __iter__(self) -> Endless:
+            return self
+
+        def __next__(self) -> torch.Tensor:
+            return torch.zeros(1)
+
+    with pytest.raises(torchplace.TorchplaceError, match="was given an Endless, an iterator"):
+        torchplace.move(Endless(), "meta")

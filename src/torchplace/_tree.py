@@ -437,7 +437,7 @@ def refuse_unwalkable(obj: Any, verb: str) -> None:
     cls = type(obj)
     if (_kind_of(cls) if torch.compiler.is_compiling() else _classify(cls)) != _LEAF:
         return
-    what = ("an " if cls.__name__[0] in "aeiou" else "a ") + cls.__name__
+    what = ("an " if cls.__name__[0].lower() in "aeiou" else "a ") + cls.__name__
     rest = ", ..." if verb in ("move", "verify", "stragglers") else ""  # the device, and more
     if isinstance(obj, Iterator):
         raise TorchplaceError(

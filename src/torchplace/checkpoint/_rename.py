@@ -101,7 +101,8 @@ def renamed(
         if new in out:
             raise CheckpointError(
                 f"{label}: rename= gives {source[new]!r} and {key!r} the same name {new!r}, so "
-                "one of them would be lost; rename them apart, or drop one (return None for it)"
+                "one of them would be lost; rename them apart, or drop one (map it to None: a "
+                "pattern to None in a dict, or return None from a callable)"
             )
         out[new] = value
         source[new] = key
