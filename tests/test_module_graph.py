@@ -218,7 +218,7 @@ NOT_A_SOURCE = {
     ("checkpoint._checkpoint_cli", "", "import pickle"): "remap writes with a pickler of its own",
     ("checkpoint._load", "", "import pickle"): "pickle.UnpicklingError: torch.load's refusals",
     ("checkpoint._load", "", "import safetensors.torch"): "whether the package is installed",
-    ("cli._bench", "_host_available", "open"): "/proc/meminfo",
+    ("_devices", "host_available", "open"): "/proc/meminfo",
     ("cli._doctor", "_nvidia_driver", "open"): "the driver's version in /proc",
     ("cli._main", "_silence_stdout", "os.open"): "/dev/null",
     ("moving._staging", "_available_host_bytes", "open"): "/proc/meminfo",
