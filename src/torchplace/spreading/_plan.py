@@ -365,6 +365,28 @@ class _Planner:
         return out
 
 
+def _refuse_overfull(total: int, budgets: dict[torch.device, int], dtype: object) -> None:
+    """The error for a model whose parameters and buffers exceed all budgets together."""
+    capacity = sum(budgets.values())
+    if total > capacity:
+        listed = ", ".join(f"{d}: {_format_bytes(b)}" for d, b in budgets.items())
+        cast_to = _dtype(dtype)
+        cast = "" if cast_to is None else f" in {str(cast_to).removeprefix('torch.')}"
+        # Host memory is the usual room to grow: suggest adding it, or, when it is already
+        # budgeted, raising it (adding the cpu again is no advice).
+        more = (
+            "raise a budget by that much (the cpu's, if the machine has the memory)"
+            if torch.device("cpu") in budgets
+            else "raise a budget by that much, add a device (for example 'cpu')"
+        )
+        raise TorchplaceError(
+            f"the model does not fit: its parameters and buffers need "
+            f"{_format_bytes(total)}{cast} but the budgets hold {_format_bytes(capacity)} "
+            f"({listed}), {_format_bytes(total - capacity)} short; {more}, or plan with "
+            "a smaller dtype"
+        )
+
+
 def plan(
     model: nn.Module,
     /,
@@ -411,25 +433,7 @@ def plan(
         budgets = _parse_budgets(max_memory)
         classes = _no_split_classes(model, no_split)
         planner = _Planner(walk_model(model), budgets, classes, _dtype(dtype))
-        total = sum(planner.size.values())
-        capacity = sum(budgets.values())
-        if total > capacity:
-            listed = ", ".join(f"{d}: {_format_bytes(b)}" for d, b in budgets.items())
-            cast_to = _dtype(dtype)
-            cast = "" if cast_to is None else f" in {str(cast_to).removeprefix('torch.')}"
-            # Host memory is the usual room to grow: suggest adding it, or, when it is already
-            # budgeted, raising it (adding the cpu again is no advice).
-            more = (
-                "raise a budget by that much (the cpu's, if the machine has the memory)"
-                if torch.device("cpu") in budgets
-                else "raise a budget by that much, add a device (for example 'cpu')"
-            )
-            raise TorchplaceError(
-                f"the model does not fit: its parameters and buffers need "
-                f"{_format_bytes(total)}{cast} but the budgets hold {_format_bytes(capacity)} "
-                f"({listed}), {_format_bytes(total - capacity)} short; {more}, or plan with "
-                "a smaller dtype"
-            )
+        _refuse_overfull(sum(planner.size.values()), budgets, dtype)
         planner.visit("")
         return planner.device_map()
     except TorchplaceError as err:
