@@ -3,7 +3,7 @@
 ``plan(model, max_memory)`` returns ``{module name: device}``, filling the budgets in the order
 given with submodules in registration order (plan never runs the model, so the order in which
 ``forward`` calls them is not known to it); it never touches a device. The walk of a model lives in
-``_model_walk``, sizes such as ``"10GiB"`` are read by ``_sizes.parse_size``.
+``_model_walk``, budgets are read by ``_budgets``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -19,84 +19,16 @@ from torch import nn
 from .._errors import DeviceSpecError, TorchplaceError
 from .._model_walk import ModelTree, display, walk_model
 from .._sizes import format_bytes as _format_bytes
-from .._sizes import parse_size
 from .._tensor_size import nbytes_as
+from ._budgets import MemorySpec, parse_budgets
 
 __all__ = [
     "plan",
 ]
 
-Size = int | str  # bytes, or "10GiB", "500MB"
-MemorySpec = Mapping[str | int | torch.device, Size]  # device -> budget
-
 # ---------------------------------------------------------------------------------------------
 # plan
 # ---------------------------------------------------------------------------------------------
-
-_PLANNABLE_WORDS = {
-    "auto": "plan never looks at the machine",
-    "best": "plan never looks at the machine",
-    "gpu": "plan never looks at the machine",
-    "disk": "offloading to disk is not supported",
-}
-
-
-def _budget_device(key: object) -> torch.device:
-    """A budget key as an explicit device, parsed without asking whether it exists."""
-    where = f"max_memory[{key!r}]"
-    if isinstance(key, bool):
-        raise DeviceSpecError(f"{where}: a budget key is a device like 'cuda:0', not {key!r}")
-    if isinstance(key, int):
-        if key < 0:
-            raise DeviceSpecError(f"{where}: device index {key} is negative; use 'cuda:0' and up")
-        return torch.device("cuda", key)
-    if isinstance(key, torch.device):
-        parsed = key
-    elif isinstance(key, str):
-        text = key.strip().lower()
-        if text in _PLANNABLE_WORDS:
-            raise DeviceSpecError(
-                f"{where}: {_PLANNABLE_WORDS[text]}, so it needs a named device such as "
-                "'cuda:0', 'cuda:1' or 'cpu'"
-            )
-        try:
-            parsed = torch.device(text)
-        except (RuntimeError, ValueError):
-            guess = difflib.get_close_matches(text.split(":")[0], ["cpu", "cuda", "meta", "xpu"])
-            hint = f"did you mean {guess[0]!r}? " if guess else ""
-            raise DeviceSpecError(
-                f"{where}: unknown device {key!r}; {hint}budget keys are devices such as "
-                "'cuda:0', 'cuda:1', 'xpu:0', 'mps', 'cpu' or an int N for 'cuda:N'"
-            ) from None
-    else:
-        raise DeviceSpecError(
-            f"{where}: a budget key is a device name, an int or a torch.device, "
-            f"not {type(key).__name__}"
-        )
-    if parsed.type in ("cpu", "meta"):
-        if parsed.index not in (None, 0):
-            raise DeviceSpecError(f"{where}: the {parsed.type} device has no index {parsed.index}")
-        return torch.device(parsed.type)
-    return torch.device(parsed.type, 0 if parsed.index is None else parsed.index)
-
-
-def _parse_budgets(max_memory: object) -> dict[torch.device, int]:
-    if not isinstance(max_memory, Mapping) or not max_memory:
-        raise DeviceSpecError(
-            f"max_memory must be a non-empty dict of budgets such as "
-            f"{{'cuda:0': '10GiB', 'cpu': '64GiB'}}, not {max_memory!r}"
-        )
-    budgets: dict[torch.device, int] = {}
-    spelled: dict[torch.device, object] = {}
-    for key, value in max_memory.items():
-        dev = _budget_device(key)
-        if dev in budgets:
-            raise DeviceSpecError(
-                f"max_memory names {dev} twice ({spelled[dev]!r} and {key!r}); give it one budget"
-            )
-        budgets[dev] = parse_size(value, f"max_memory[{key!r}]")
-        spelled[dev] = key
-    return budgets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -430,7 +362,7 @@ def plan(
     try:
         if not isinstance(model, nn.Module):
             raise TorchplaceError(f"maps an nn.Module, not {type(model).__name__}; pass the model")
-        budgets = _parse_budgets(max_memory)
+        budgets = parse_budgets(max_memory)
         classes = _no_split_classes(model, no_split)
         planner = _Planner(walk_model(model), budgets, classes, _dtype(dtype))
         _refuse_overfull(sum(planner.size.values()), budgets, dtype)
