@@ -476,6 +476,19 @@ def test_plan_fills_the_disk_after_the_accelerators_and_the_cpu() -> None:
     assert plan(_layers(8), {"cpu": 0, "disk": 10**6}) == {"": "disk"}
 
 
+def test_plan_result_is_a_dict_that_keeps_its_budgets_through_copies() -> None:
+    import copy
+    import pickle
+
+    device_map = plan(_layers(2), {"cpu": 100 * LINEAR_BYTES, "disk": "1TB"})
+    assert device_map == {"": CPU} and dict(device_map) == {"": CPU}
+    for copied in (copy.copy(device_map), copy.deepcopy(device_map)):
+        assert copied == device_map and copied.budgets == device_map.budgets
+    back = pickle.loads(pickle.dumps(device_map))
+    assert back.budgets == {CPU: 100 * LINEAR_BYTES, "disk": 10**12}
+    assert back.headroom == device_map.headroom
+
+
 def test_plan_that_does_not_fit_even_on_disk_names_the_shortfall_and_the_largest_part() -> None:
     model = nn.Sequential(
         nn.Linear(16, 16, device="meta"),  # 1088 B: cuda:0

@@ -539,10 +539,12 @@ def plan(
     for activations: with ``example_input``, the activations and temporaries of a forward of
     it as ``estimate`` measures them on fake tensors; without, a tenth of their free memory.
     The host keeps a tenth for the process itself and the staging of offloaded weights (or,
-    on a machine without an accelerator, room for activations as above). ``"auto"`` never
-    includes the disk: for that, give a mapping. The result is a plain ``dict`` that also
-    carries ``.budgets`` (bytes per device as used) and ``.headroom`` (per device, a
-    ``Headroom`` with ``.bytes`` and ``.how``, the way the figure was obtained).
+    on a machine without an accelerator, room for activations as above). An accelerator whose
+    free memory cannot be read (MPS) is left out, as is a host whose available memory cannot
+    be read (named in ``.headroom``). ``"auto"`` never includes the disk: give a mapping.
+    The result is a plain ``dict`` that also carries ``.budgets`` (bytes per device as used)
+    and ``.headroom`` (per device, a ``Headroom`` with ``.bytes`` and ``.how``, the way the
+    figure was obtained).
 
     ``strategy="sequential"`` fills each device before the next. ``"balanced"`` spreads the
     model evenly by bytes over the accelerators (as evenly as their budgets allow): a module
