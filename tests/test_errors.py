@@ -121,7 +121,8 @@ def test_bare_root_error_sites_are_the_ones_the_drawing_describes() -> None:
         "_optim_state",  # optimizer= of the wrong kind
         "_loader",  # DeviceLoader's arguments, a one-shot source read twice
         "_move",  # attributes=, non_blocking=
-        "_plan",  # a non-module, a model that does not fit
+        "_plan",  # a non-module, a model that does not fit, example_input beside budgets
+        "_budgets",  # max_memory="auto" where no memory can be read
         "_model_walk",  # a model that contains itself (plan, dispatch)
         "_tree",  # cycles and absurd depth
         "distributed",  # setup() outside torchrun / no distributed / no group; verify()

@@ -137,6 +137,15 @@ def test_every_module_imports(name: str) -> None:
     assert importlib.import_module(f"torchplace.{dotted}" if dotted else "torchplace")
 
 
+# Imports between siblings of one layer that the layout allows, each with its reason.
+SIBLING_IMPORTS = {
+    ("spreading._budgets", "looking._estimate"): (
+        "plan's max_memory='auto' keeps the activations of a step as headroom, measured by "
+        "estimate(example_input=...)"
+    ),
+}
+
+
 def test_imports_run_down_the_layers() -> None:
     bad = []
     for name in _modules():
@@ -147,6 +156,8 @@ def test_imports_run_down_the_layers() -> None:
                 if module == "__init__" and _ != "*":  # __version__ only
                     continue
                 bad.append(f"{name} imports {module}")
+            elif (name, module) in SIBLING_IMPORTS:
+                continue
             elif _package(module) != _package(name) and _layer(module) >= _layer(name):
                 bad.append(f"{name} imports {module}")
     assert bad == []
@@ -195,6 +206,8 @@ def test_the_layering_test_can_fail() -> None:
     assert _layer("moving._move") > _layer("_tree")
     assert _package("looking._inspect") != _package("checkpoint._fill")
     assert _layer("looking._inspect") == _layer("checkpoint._fill")  # siblings may not mix
+    for name, module in SIBLING_IMPORTS:  # each exemption names an import that is there
+        assert module in {found for found, _ in _imports(name, typing=False)}, (name, module)
 
 
 # Issue 26, item 3: a checkpoint source is opened and parsed in one place. The catalog (with the
@@ -218,7 +231,7 @@ NOT_A_SOURCE = {
     ("checkpoint._checkpoint_cli", "", "import pickle"): "remap writes with a pickler of its own",
     ("checkpoint._load", "", "import pickle"): "pickle.UnpicklingError: torch.load's refusals",
     ("checkpoint._load", "", "import safetensors.torch"): "whether the package is installed",
-    ("cli._bench", "_host_available", "open"): "/proc/meminfo",
+    ("_devices", "host_available", "open"): "/proc/meminfo",
     ("cli._doctor", "_nvidia_driver", "open"): "the driver's version in /proc",
     ("cli._main", "_silence_stdout", "os.open"): "/dev/null",
     ("moving._staging", "_available_host_bytes", "open"): "/proc/meminfo",

@@ -97,7 +97,8 @@ def test_any_integral_or_whole_real_budget_is_bytes() -> None:
     [
         ({"cdua:0": "1GiB"}, r"unknown device 'cdua:0'; did you mean 'cuda'"),
         ({"gpu": "1GiB"}, r"'gpu'.*named device such as 'cuda:0'"),
-        ({"disk": "1GiB"}, r"disk is not supported"),
+        ({"auto": "1GiB"}, r"one named device.*pass max_memory='auto'"),
+        ({"dsik": "1GiB"}, r"unknown device 'dsik'.*'disk'"),
         ({"cuda": 10, "cuda:0": 10}, r"names cuda:0 twice"),
         ({"cpu:3": 10}, r"no index 3"),
         ({-1: 10}, r"negative"),
@@ -322,3 +323,327 @@ def test_plan_dtype_sizes_floating_tensors_as_cast() -> None:
     assert plan(model, {"cuda:0": half}, dtype="bfloat16") == {"": CUDA0}
     with pytest.raises(DeviceSpecError, match=r"dtype='float17'"):
         plan(model, {"cuda:0": half}, dtype="float17")
+
+
+# --- plan: budgets read from the machine (max_memory="auto") ----------------------------------
+
+GiB = 2**30
+
+
+@contextlib.contextmanager
+def machine(
+    free: list[int], host: int | None, *, nvml: bool = False
+) -> Iterator[pytest.MonkeyPatch]:
+    """A machine with len(free) fake GPUs having these free bytes (read by NVML or, as on
+    ROCm, by mem_get_info) and ``host`` bytes of available host memory; creating a CUDA
+    context (torch.cuda._lazy_init) fails the test."""
+    import torchplace._devices as devices_module
+    import torchplace.spreading._budgets as budgets_module
+
+    def lazy_init() -> None:
+        raise AssertionError("plan created a CUDA context")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: bool(free))
+        patch.setattr(torch.cuda, "device_count", lambda: len(free))
+        patch.setattr(torch.cuda, "_lazy_init", lazy_init)
+        patch.setattr(
+            devices_module, "_nvml_free_memory", (lambda i: free[i]) if nvml else (lambda i: None)
+        )
+        if nvml:
+            patch.setattr(torch.cuda, "mem_get_info", lambda i: pytest.fail("mem_get_info read"))
+        else:
+            patch.setattr(torch.cuda, "mem_get_info", lambda i: (free[i], 80 * GiB))
+        patch.setattr(budgets_module, "host_available", lambda: host)
+        yield patch
+
+
+def _layers(count: int, width: int = 16) -> nn.Sequential:
+    return nn.Sequential(*(nn.Linear(width, width, device="meta") for _ in range(count)))
+
+
+@pytest.mark.fake_cuda
+@pytest.mark.parametrize("nvml", [True, False])
+def test_plan_auto_budgets_are_free_memory_less_a_tenth(nvml: bool) -> None:
+    free = [40 * LINEAR_BYTES, 20 * LINEAR_BYTES]  # a tenth of each is a whole number of bytes
+    with machine(free, host=100 * LINEAR_BYTES, nvml=nvml):
+        device_map = plan(_layers(60))
+        fake = plan(on_fake_cuda(_layers(60), {"": "cuda:1"}))
+    # 36 layers fit in 90% of cuda:0, 18 in 90% of cuda:1, the last 6 go to the host.
+    expected = {str(i): CUDA0 for i in range(36)}
+    expected.update({str(i): CUDA1 for i in range(36, 54)})
+    expected.update({str(i): CPU for i in range(54, 60)})
+    assert device_map == expected == fake
+    assert type(device_map) is not dict and isinstance(device_map, dict)
+    assert device_map.budgets == {CUDA0: 36 * LINEAR_BYTES, CUDA1: 18 * LINEAR_BYTES,
+                                  CPU: 90 * LINEAR_BYTES}  # fmt: skip
+    assert {d: h.bytes for d, h in device_map.headroom.items()} == {
+        CUDA0: 4 * LINEAR_BYTES,
+        CUDA1: 2 * LINEAR_BYTES,
+        CPU: 10 * LINEAR_BYTES,
+    }
+    assert device_map.headroom[CUDA0].how.startswith("10% of the free memory")
+    assert "no example_input" in device_map.headroom[CUDA1].how
+    assert "process" in device_map.headroom[CPU].how  # the host runs nothing here
+
+
+def test_plan_auto_without_an_accelerator_keeps_the_hosts_room_for_activations() -> None:
+    with machine([], host=50 * LINEAR_BYTES):
+        device_map = plan(_layers(3))
+    assert device_map == {"": CPU}
+    assert device_map.budgets == {CPU: 45 * LINEAR_BYTES}
+    assert device_map.headroom[CPU].bytes == 5 * LINEAR_BYTES
+    assert "kept for activations" in device_map.headroom[CPU].how
+
+
+def test_plan_auto_says_when_no_memory_can_be_read() -> None:
+    with machine([], host=None), pytest.raises(TorchplaceError, match=r"'auto' could read the"):
+        plan(_layers(3))
+
+
+def test_plan_auto_leaves_out_a_host_it_cannot_read() -> None:
+    with machine([10 * LINEAR_BYTES], host=None):
+        device_map = plan(_layers(3))
+    assert device_map == {"": CUDA0}
+    assert CPU not in device_map.budgets
+    assert "left out" in device_map.headroom[CPU].how
+
+
+class _Step:
+    """What an estimate of a step reports: its peak, parameters and buffers."""
+
+    def __init__(self, peak: int, parameters: int) -> None:
+        self.peak, self.parameters, self.buffers = peak, parameters, 0
+
+
+@pytest.mark.fake_cuda
+def test_plan_auto_keeps_the_estimated_activations_of_an_example_input() -> None:
+    import torchplace.looking._estimate as estimate_module
+
+    calls: list[dict[str, Any]] = []
+
+    def measuring(model: nn.Module, /, *, example_input: Any = None, **kw: Any) -> _Step:
+        calls.append({"example_input": example_input, **kw})
+        return _Step(peak=8 * LINEAR_BYTES + 3000, parameters=8 * LINEAR_BYTES)
+
+    batch = torch.ones(2, 16)
+    with machine([10 * LINEAR_BYTES] * 2, host=100 * LINEAR_BYTES) as patch:
+        patch.setattr(estimate_module, "estimate", measuring)
+        device_map = plan(_layers(8), example_input=batch)
+    assert calls == [{"example_input": batch, "optimizer": None, "grads": False, "step": "forward"}]
+    assert {d: h.bytes for d, h in device_map.headroom.items()} == {
+        CUDA0: 3000,
+        CUDA1: 3000,
+        CPU: 10 * LINEAR_BYTES,
+    }
+    assert "example_input, as estimated" in device_map.headroom[CUDA0].how
+    assert device_map.budgets[CUDA0] == 10 * LINEAR_BYTES - 3000  # room for 7 layers
+    assert device_map == {**{str(i): CUDA0 for i in range(7)}, "7": CUDA1}
+
+
+def test_plan_auto_falls_back_to_a_tenth_when_estimate_cannot_run_a_step() -> None:
+    import torchplace.looking._estimate as estimate_module
+
+    def weights_only(model: nn.Module, /, *, optimizer: Any = None, grads: bool = True) -> None:
+        raise AssertionError("called although it takes no example_input")
+
+    with machine([10 * LINEAR_BYTES], host=100 * LINEAR_BYTES) as patch:
+        patch.setattr(estimate_module, "estimate", weights_only)
+        device_map = plan(_layers(2), example_input=torch.ones(1, 16))
+    assert device_map.headroom[CUDA0].bytes == LINEAR_BYTES
+    assert "cannot run a step with example_input" in device_map.headroom[CUDA0].how
+
+
+def test_plan_example_input_with_given_budgets_is_refused() -> None:
+    with pytest.raises(TorchplaceError, match=r"example_input.*used as given.*'auto'"):
+        plan(_layers(2), {"cpu": "1GiB"}, example_input=torch.ones(1, 16))
+    given = plan(_layers(2), {"cpu": "1GiB"})
+    assert given.budgets == {CPU: GiB}
+    assert given.headroom[CPU].bytes == 0
+
+
+# --- plan: the disk tier ---------------------------------------------------------------------
+
+
+def test_plan_fills_the_disk_after_the_accelerators_and_the_cpu() -> None:
+    budgets = {"disk": "1TB", "cuda:0": 2 * LINEAR_BYTES, "cpu": 3 * LINEAR_BYTES}
+    with cuda_forbidden():
+        device_map = plan(_layers(8), budgets)  # listed first, the disk still comes last
+    assert device_map == {"0": CUDA0, "1": CUDA0, "2": CPU, "3": CPU, "4": CPU,
+                          "5": "disk", "6": "disk", "7": "disk"}  # fmt: skip
+    assert list(device_map.budgets) == [CUDA0, CPU, "disk"]
+    assert device_map.budgets["disk"] == 10**12
+    assert plan(_layers(8), {"cpu": 0, "disk": 10**6}) == {"": "disk"}
+
+
+def test_plan_result_is_a_dict_that_keeps_its_budgets_through_copies() -> None:
+    import copy
+    import pickle
+
+    device_map = plan(_layers(2), {"cpu": 100 * LINEAR_BYTES, "disk": "1TB"})
+    assert device_map == {"": CPU} and dict(device_map) == {"": CPU}
+    for copied in (copy.copy(device_map), copy.deepcopy(device_map)):
+        assert copied == device_map and copied.budgets == device_map.budgets
+    back = pickle.loads(pickle.dumps(device_map))
+    assert back.budgets == {CPU: 100 * LINEAR_BYTES, "disk": 10**12}
+    assert back.headroom == device_map.headroom
+
+
+def test_plan_that_does_not_fit_even_on_disk_names_the_shortfall_and_the_largest_part() -> None:
+    model = nn.Sequential(
+        nn.Linear(16, 16, device="meta"),  # 1088 B: cuda:0
+        nn.Linear(16, 32, device="meta"),  # 2176 B: the disk
+        nn.Linear(32, 16, device="meta"),  # 2112 B: no room left
+        nn.Linear(16, 16, device="meta"),  # 1088 B: no room left
+    )
+    budgets = {"cuda:0": 1088, "disk": 2200}
+    short = 1088 + 2176 + 2112 + 1088 - 1088 - 2200
+    with pytest.raises(TorchplaceError) as info:
+        plan(model, budgets)
+    message = str(info.value)
+    assert f"{plan_module._format_bytes(short)} ({short} bytes) short" in message
+    assert "the largest part left without room is model.2 (Linear, 2.1 KiB)" in message
+    assert "disk: 2.1 KiB" in message
+    assert "add a 'disk' budget" not in message  # there is one
+    with pytest.raises(TorchplaceError, match=r"add a 'disk' budget"):
+        plan(model, {"cuda:0": 1088})
+
+
+def test_plan_auto_that_does_not_fit_says_to_add_a_disk() -> None:
+    message = r"short.*mapping that adds a 'disk' budget"
+    with (
+        machine([LINEAR_BYTES * 10], host=LINEAR_BYTES * 10),
+        pytest.raises(TorchplaceError, match=message),
+    ):
+        plan(_layers(20))
+
+
+# --- plan: balanced strategies ---------------------------------------------------------------
+
+
+def _gpus(count: int, budget: int | str = "1MiB") -> dict[str, int | str]:
+    return {f"cuda:{i}": budget for i in range(count)}
+
+
+def _spread(
+    *counts: int, device_of: Callable[[int], Any] = lambda i: torch.device("cuda", i)
+) -> dict[str, Any]:
+    """The map of consecutive layers, counts[i] of them on device_of(i)."""
+    out: dict[str, Any] = {}
+    for index, count in enumerate(counts):
+        out.update({str(len(out) + k): device_of(index) for k in range(count)})
+    return out
+
+
+@pytest.mark.parametrize(
+    ("gpus", "strategy", "counts"),
+    [
+        (2, "balanced", (4, 4)),
+        (4, "balanced", (2, 2, 2, 2)),
+        (3, "balanced", (3, 2, 3)),  # 8/3 layers each: each layer goes where its middle falls
+        (2, "sequential", (8,)),
+        (3, "balanced_low_0", (0, 4, 4)),  # the first gets what the others cannot hold
+        (4, "balanced_low_0", (0, 3, 2, 3)),
+    ],
+)
+def test_plan_balanced_spreads_layers_evenly_over_the_gpus(
+    gpus: int, strategy: str, counts: tuple[int, ...]
+) -> None:
+    with cuda_forbidden():
+        device_map = plan(_layers(8), _gpus(gpus), strategy=strategy)
+    expected = {"": CUDA0} if counts == (8,) else _spread(*counts)
+    assert device_map == expected
+
+
+def test_plan_balanced_low_0_puts_on_the_first_gpu_only_what_the_others_cannot_hold() -> None:
+    budgets = {"cuda:0": "1MiB", "cuda:1": 3 * LINEAR_BYTES, "cuda:2": 3 * LINEAR_BYTES}
+    assert plan(_layers(8), budgets, strategy="balanced_low_0") == _spread(2, 3, 3)
+
+
+def test_plan_balanced_follows_budgets_too_small_for_an_even_share() -> None:
+    budgets = {"cuda:0": "1MiB", "cuda:1": LINEAR_BYTES, "cuda:2": "1MiB", "cuda:3": "1MiB"}
+    # cuda:1 holds one layer; the other seven share the rest evenly, in order
+    assert plan(_layers(8), budgets, strategy="balanced") == _spread(2, 1, 3, 2)
+
+
+def test_plan_balanced_leaves_no_gpu_empty_for_a_layer_past_its_share() -> None:
+    big = nn.Linear(16, 160, device="meta")  # 10880 B, ten small layers' worth
+    model = nn.Sequential(big, *_layers(2))
+    # 12 layers' worth over three GPUs: 4 each. The big layer's middle (5) is past cuda:0's
+    # share, but cuda:0 is still empty, so it stays there rather than leave cuda:0 unused.
+    device_map = plan(model, _gpus(3), strategy="balanced")
+    assert device_map == {"0": CUDA0, "1": CUDA1, "2": torch.device("cuda", 2)}
+
+
+def test_plan_balanced_fills_the_cpu_and_disk_after_full_gpus() -> None:
+    budgets = {**_gpus(2, 2 * LINEAR_BYTES), "cpu": LINEAR_BYTES, "disk": "1GiB"}
+    device_map = plan(_layers(8), budgets, strategy="balanced")
+    places: list[Any] = [CUDA0, CUDA1, CPU, "disk"]
+    assert device_map == _spread(2, 2, 1, 3, device_of=places.__getitem__)
+
+
+@pytest.mark.fake_cuda
+@pytest.mark.parametrize("kind", KINDS)
+def test_plan_balanced_keeps_no_split_and_ties(kind: str) -> None:
+    # Net: embed 576 B, three Blocks of 2176 B, head 272 B; 7376 B over two GPUs: 3688 each.
+    model = built(kind, Net)
+    split = plan(model, _gpus(2), strategy="balanced")
+    assert split == {"embed": CUDA0, "blocks.0": CUDA0, "blocks.1.a": CUDA0,
+                     "blocks.1.b": CUDA1, "blocks.2": CUDA1, "head": CUDA1}  # fmt: skip
+    whole = plan(model, _gpus(2), strategy="balanced", no_split=[Block])
+    # blocks.1 spans 2752..4928 B: its middle, 3840, is past 3688
+    assert whole == {"embed": CUDA0, "blocks.0": CUDA0, "blocks.1": CUDA1,
+                     "blocks.2": CUDA1, "head": CUDA1}  # fmt: skip
+    tied = plan(TiedLM(device="meta"), _gpus(2), strategy="balanced")
+    assert tied["embed"] == tied["lm_head"]
+
+
+def test_plan_balanced_falls_back_to_sequential_when_it_cannot_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Targets that send everything past cuda:0 overflow cuda:1; sequential packing fits.
+    monkeypatch.setattr(plan_module, "_targets", lambda *args: [0.0, None])
+    budgets = _gpus(2, 4 * LINEAR_BYTES)
+    assert plan(_layers(8), budgets, strategy="balanced") == _spread(4, 4)
+    assert plan(_layers(3), budgets, strategy="balanced") == {"": CUDA1}
+
+
+@pytest.mark.parametrize("strategy", ["balance", "even", 3])
+def test_plan_unknown_strategy_names_the_valid_ones(strategy: Any) -> None:
+    with pytest.raises(DeviceSpecError, match=r"'sequential', 'balanced', 'balanced_low_0'"):
+        plan(_layers(2), {"cpu": "1GiB"}, strategy=strategy)
+
+
+# --- plan: a transformers model --------------------------------------------------------------
+
+
+def _tiny_llama() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(config)
+
+
+def test_plan_balances_a_tiny_llama_by_its_decoder_layers() -> None:
+    model = _tiny_llama()
+    # Bytes: embed_tokens 16384, each decoder layer 37120, norm 128, lm_head 16384, in all
+    # 181408 with the rotary buffers; two GPUs: 90704 each, four: 45352 each.
+    layers = [f"model.layers.{i}" for i in range(4)]
+    tail = ["model.norm", "model.rotary_emb", "lm_head"]
+    with cuda_forbidden():
+        two = plan(model, _gpus(2), no_split="auto", strategy="balanced")
+        four = plan(model, _gpus(4), no_split="auto", strategy="balanced")
+        low = plan(model, _gpus(3), no_split="auto", strategy="balanced_low_0")
+    assert two == {"model.embed_tokens": CUDA0, layers[0]: CUDA0, layers[1]: CUDA0,
+                   layers[2]: CUDA1, layers[3]: CUDA1} | dict.fromkeys(tail, CUDA1)  # fmt: skip
+    # layer 0 ends at 53504 B, past 45352, but its middle (34944) is not: it stays on cuda:0
+    assert four == {"model.embed_tokens": CUDA0, layers[0]: CUDA0, layers[1]: CUDA1,
+                    layers[2]: torch.device("cuda", 2), layers[3]: torch.device("cuda", 3)
+                    } | dict.fromkeys(tail, torch.device("cuda", 3))  # fmt: skip
+    cuda2 = torch.device("cuda", 2)
+    assert low == {"model.embed_tokens": CUDA1, layers[0]: CUDA1, layers[1]: CUDA1,
+                   layers[2]: cuda2, layers[3]: cuda2} | dict.fromkeys(tail, cuda2)  # fmt: skip
+    assert all(p.device == META for p in model.parameters())

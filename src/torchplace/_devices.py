@@ -116,6 +116,23 @@ def free_memory(dev: torch.device) -> int | None:
     return None
 
 
+def host_available() -> int | None:
+    """Bytes of host memory available to a new allocation without swapping: MemAvailable on
+    Linux (a kernel that overcommits would let an allocation past it succeed, and then kill
+    the process), free pages elsewhere; None when neither can be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
 def visible_devices(kind: str) -> str:
     """Says which devices of a type are visible, for error messages."""
     count = count_of(kind)

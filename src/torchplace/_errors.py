@@ -10,15 +10,18 @@ The tree, with when each is raised (every ``raise`` in the package, as of this r
     │                                skeleton factory that returns something else, load_into's
     │                                rename= that is no callable or dict of patterns), a cyclic or
     │                                absurdly deep object or model, a model that does not fit
-    │                                plan()'s budgets, a lazy module estimate() cannot size,
-    │                                a one-shot source read by two DeviceLoader loops, bench
+    │                                plan()'s budgets, plan's example_input beside given
+    │                                budgets, max_memory='auto' where no memory can be read, a
+    │                                lazy module estimate() cannot size, a one-shot source read
+    │                                by two DeviceLoader loops, bench
     │                                --device meta, and distributed's setup() outside torchrun,
     │                                without torch.distributed, or when the process group does
     │                                not start, and its verify() without a process group
     ├── DeviceSpecError (ValueError)  a device spec torchplace cannot parse ("cdua", -1, 3.5), and
     │                                 the other settings that name devices or sizes: a budget or
-    │                                 key of plan's max_memory, a dispatch device map, estimate's
-    │                                 optimizer name, remap --to, distributed's backend= and the
+    │                                 key of plan's max_memory, plan's strategy, a dispatch
+    │                                 device map, estimate's optimizer name, remap --to,
+    │                                 distributed's backend= and the
     │                                 torchrun variables (LOCAL_RANK, RANK, MASTER_PORT, ...)
     ├── DeviceUnavailableError        a valid spec naming a device this machine does not have
     ├── MixedDevicesError             where(): the object's tensors live on several devices

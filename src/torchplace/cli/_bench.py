@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ import torch
 
 from .._devices import device as _parse_device
 from .._devices import free_memory
+from .._devices import host_available as _host_available
 from .._errors import TorchplaceError, first_line
 from .._sizes import format_bytes
 from ..moving._consolidate import consolidated_copy, pack_and_copy, packed_host_copy
@@ -208,23 +208,6 @@ def _needs(target: torch.device, size_mib: int, tensors: int) -> dict[str, int]:
         "host": 2 * size + pinned + 3 * (small + tensors * _TENSOR_OVERHEAD),
         "device": size + 3 * small,
     }
-
-
-def _host_available() -> int | None:
-    """Bytes of host memory available to a new allocation without swapping: MemAvailable on
-    Linux (a kernel that overcommits would let an allocation past it succeed, and then kill
-    the process), free pages elsewhere; None when neither can be read."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError):
-        return None
 
 
 def _largest(fits: Callable[[int], bool], start: int) -> int:

@@ -3,7 +3,7 @@
 ``plan(model, max_memory)`` returns ``{module name: device}``, filling the budgets in the order
 given with submodules in registration order (plan never runs the model, so the order in which
 ``forward`` calls them is not known to it); it never touches a device. The walk of a model lives in
-``_model_walk``, sizes such as ``"10GiB"`` are read by ``_sizes.parse_size``.
+``_model_walk``, budgets are read by ``_budgets``.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import warnings
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,84 +20,25 @@ from torch import nn
 from .._errors import DeviceSpecError, TorchplaceError
 from .._model_walk import ModelTree, display, walk_model
 from .._sizes import format_bytes as _format_bytes
-from .._sizes import parse_size
 from .._tensor_size import nbytes_as
+from ._budgets import (
+    DISK,
+    Headroom,
+    MemorySpec,
+    Place,
+    describe,
+    machine_budgets,
+    parse_budgets,
+)
 
 __all__ = [
+    "DeviceMap",
     "plan",
 ]
-
-Size = int | str  # bytes, or "10GiB", "500MB"
-MemorySpec = Mapping[str | int | torch.device, Size]  # device -> budget
 
 # ---------------------------------------------------------------------------------------------
 # plan
 # ---------------------------------------------------------------------------------------------
-
-_PLANNABLE_WORDS = {
-    "auto": "plan never looks at the machine",
-    "best": "plan never looks at the machine",
-    "gpu": "plan never looks at the machine",
-    "disk": "offloading to disk is not supported",
-}
-
-
-def _budget_device(key: object) -> torch.device:
-    """A budget key as an explicit device, parsed without asking whether it exists."""
-    where = f"max_memory[{key!r}]"
-    if isinstance(key, bool):
-        raise DeviceSpecError(f"{where}: a budget key is a device like 'cuda:0', not {key!r}")
-    if isinstance(key, int):
-        if key < 0:
-            raise DeviceSpecError(f"{where}: device index {key} is negative; use 'cuda:0' and up")
-        return torch.device("cuda", key)
-    if isinstance(key, torch.device):
-        parsed = key
-    elif isinstance(key, str):
-        text = key.strip().lower()
-        if text in _PLANNABLE_WORDS:
-            raise DeviceSpecError(
-                f"{where}: {_PLANNABLE_WORDS[text]}, so it needs a named device such as "
-                "'cuda:0', 'cuda:1' or 'cpu'"
-            )
-        try:
-            parsed = torch.device(text)
-        except (RuntimeError, ValueError):
-            guess = difflib.get_close_matches(text.split(":")[0], ["cpu", "cuda", "meta", "xpu"])
-            hint = f"did you mean {guess[0]!r}? " if guess else ""
-            raise DeviceSpecError(
-                f"{where}: unknown device {key!r}; {hint}budget keys are devices such as "
-                "'cuda:0', 'cuda:1', 'xpu:0', 'mps', 'cpu' or an int N for 'cuda:N'"
-            ) from None
-    else:
-        raise DeviceSpecError(
-            f"{where}: a budget key is a device name, an int or a torch.device, "
-            f"not {type(key).__name__}"
-        )
-    if parsed.type in ("cpu", "meta"):
-        if parsed.index not in (None, 0):
-            raise DeviceSpecError(f"{where}: the {parsed.type} device has no index {parsed.index}")
-        return torch.device(parsed.type)
-    return torch.device(parsed.type, 0 if parsed.index is None else parsed.index)
-
-
-def _parse_budgets(max_memory: object) -> dict[torch.device, int]:
-    if not isinstance(max_memory, Mapping) or not max_memory:
-        raise DeviceSpecError(
-            f"max_memory must be a non-empty dict of budgets such as "
-            f"{{'cuda:0': '10GiB', 'cpu': '64GiB'}}, not {max_memory!r}"
-        )
-    budgets: dict[torch.device, int] = {}
-    spelled: dict[torch.device, object] = {}
-    for key, value in max_memory.items():
-        dev = _budget_device(key)
-        if dev in budgets:
-            raise DeviceSpecError(
-                f"max_memory names {dev} twice ({spelled[dev]!r} and {key!r}); give it one budget"
-            )
-        budgets[dev] = parse_size(value, f"max_memory[{key!r}]")
-        spelled[dev] = key
-    return budgets
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,25 +156,50 @@ def _dtype(dtype: object) -> torch.dtype | None:
     )
 
 
+def _running_totals(targets: list[float | None]) -> list[float | None]:
+    total = 0.0
+    out: list[float | None] = []
+    for target in targets:
+        if target is not None:
+            total += target
+        out.append(None if target is None else total)
+    return out
+
+
 class _Planner:
-    """Fills devices in the order of the budgets with units of tensors in registration order."""
+    """Fills devices in the order of the budgets with units of tensors in registration order.
+
+    ``targets`` (balanced strategies) gives some devices the bytes they should hold; the
+    running total of the targets up to a device bounds what the bounded devices hold up to it:
+    a unit goes there whole when it ends within the bound; one that crosses it is split when
+    it can be, else it goes where its middle falls (on a device still empty, a unit that
+    crosses its bound stays, so that no device with a target is left empty). ``collect``
+    makes the last device's overflow a list instead of an error.
+    """
 
     def __init__(
         self,
         tree: ModelTree,
-        budgets: dict[torch.device, int],
+        budgets: dict[Place, int],
         no_split: _NoSplit,
-        dtype: torch.dtype | None,
+        size: dict[int, int],
+        targets: list[float | None] | None = None,
+        *,
+        collect: bool = False,
     ) -> None:
         self.tree = tree
         self.devices = list(budgets)
         self.budgets = budgets
         self.left = [budgets[d] for d in self.devices]
+        self.targets = targets or [None] * len(self.devices)
+        self.bounds = _running_totals(self.targets)
+        self.spread = 0  # bytes placed on bounded devices so far
         self.current = 0
         self.no_split = no_split
-        self.size = {key: nbytes_as(t, dtype) for key, t in tree.tensors.items()}
-        self.placed: dict[int, int] = {}  # tensor id -> index into self.devices
+        self.size = size
+        self.placed: dict[int, int] = {}  # tensor id -> index into self.devices, -1: left out
         self.tied = self._tied_closures()
+        self.overflow: list[tuple[str, int]] | None = [] if collect else None
 
     def _tied_closures(self) -> dict[int, set[int]]:
         """For each tensor, every tensor that must share its device.
@@ -269,6 +236,20 @@ class _Planner:
         for key in ids:
             self.placed[key] = self.current
         self.left[self.current] -= self.need(ids)
+        if self.bounds[self.current] is not None:
+            self.spread += self.need(ids)
+
+    def fits(self, ids: set[int], *, splittable: bool) -> bool:
+        """Whether the unit goes to the current device (whole, or by its middle)."""
+        need = self.need(ids)
+        bound = self.bounds[self.current]
+        if need > self.left[self.current]:
+            return False
+        if bound is None or self.spread + need <= bound:
+            return True
+        empty = self.left[self.current] == self.budgets[self.devices[self.current]]
+        target = self.targets[self.current] or 0
+        return not splittable and (self.spread + need / 2 <= bound or (empty and target > 0))
 
     def splittable(self, path: str) -> bool:
         module = self.tree.modules[path]
@@ -277,25 +258,38 @@ class _Planner:
 
     def visit(self, path: str) -> None:
         ids = self.unplaced(self.tree.subtree(path))
+        splittable = self.splittable(path)
         while ids:
-            if self.need(ids) <= self.left[self.current]:
+            if self.fits(ids, splittable=splittable):
                 self.assign(ids)
                 return
-            if self.splittable(path):
-                direct = self.unplaced(self.tree.direct[path])
-                while direct and self.need(direct) > self.left[self.current]:
-                    self.advance(path, direct, whole=False)
-                if direct:
-                    self.assign(direct)
-                for child in self.tree.children[path]:
-                    self.visit(child)
+            if splittable:
+                self.split(path)
                 return
-            self.advance(path, ids, whole=True)
+            if not self.advance(path, ids, whole=True):
+                return
 
-    def advance(self, path: str, ids: set[int], *, whole: bool) -> None:
+    def split(self, path: str) -> None:
+        """Place a module's own tensors, then its children one by one."""
+        direct = self.unplaced(self.tree.direct[path])
+        while direct and not self.fits(direct, splittable=False):
+            if not self.advance(path, direct, whole=False):
+                direct = set()
+        if direct:
+            self.assign(direct)
+        for child in self.tree.children[path]:
+            self.visit(child)
+
+    def advance(self, path: str, ids: set[int], *, whole: bool) -> bool:
+        """Go on to the next device (True). At the last one, the unit is left out when
+        collecting (False), else the error says what does not fit and why."""
         if self.current + 1 < len(self.devices):
             self.current += 1
-            return
+            return True
+        if self.overflow is not None:
+            self.overflow.append((path, self.need(ids)))
+            self.placed.update(dict.fromkeys(ids, -1))
+            return False
         module = self.tree.modules[path]
         name = type(module).__name__
         entry = self.no_split.entry(module)
@@ -336,10 +330,10 @@ class _Planner:
             f"{last} by at least {_format_bytes(remaining - self.left[-1])}, {fixes}"
         )
 
-    def device_map(self) -> dict[str, torch.device]:
-        out: dict[str, torch.device] = {}
+    def device_map(self) -> dict[str, Place]:
+        out: dict[str, Place] = {}
 
-        def emit(path: str, inherited: torch.device | None) -> None:
+        def emit(path: str, inherited: Place | None) -> None:
             ids = self.tree.subtree(path)
             devices = {self.devices[self.placed[key]] for key in ids}
             if not devices:
@@ -365,14 +359,164 @@ class _Planner:
         return out
 
 
+_STRATEGIES = ("sequential", "balanced", "balanced_low_0")
+
+
+class DeviceMap(dict[str, Place]):
+    """What ``plan`` returns: a plain dict ``{module name: device}`` (``"disk"`` for the disk
+    tier), equal to any dict with the same entries, that also says what it was planned with:
+    ``budgets``, the bytes per device as used (after the headroom), and ``headroom``, per
+    device the bytes kept free and how that figure was obtained (a ``Headroom``)."""
+
+    budgets: dict[Place, int]
+    headroom: dict[Place, Headroom]
+
+    def __init__(
+        self,
+        entries: Mapping[str, Place] | None = None,
+        /,
+        *,
+        budgets: Mapping[Place, int] | None = None,
+        headroom: Mapping[Place, Headroom] | None = None,
+    ) -> None:
+        super().__init__(entries or {})
+        self.budgets = dict(budgets or {})
+        self.headroom = dict(headroom or {})
+
+
+def _strategy(strategy: object) -> str:
+    if isinstance(strategy, str) and strategy in _STRATEGIES:
+        return strategy
+    close = difflib.get_close_matches(str(strategy), _STRATEGIES, n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise DeviceSpecError(
+        f"strategy={strategy!r} is not one plan knows; {hint}use one of "
+        f"{', '.join(repr(name) for name in _STRATEGIES)}"
+    )
+
+
+def _budgets_of(
+    model: nn.Module, max_memory: object, example_input: Any
+) -> tuple[dict[Place, int], dict[Place, Headroom]]:
+    """The budgets plan fills, and the headroom each keeps."""
+    if isinstance(max_memory, str) and max_memory.strip().lower() == "auto":
+        return machine_budgets(model, example_input)
+    if example_input is not None:
+        raise TorchplaceError(
+            "example_input sizes the headroom that max_memory='auto' keeps for activations, "
+            "but budgets given as a mapping are used as given; leave room in them yourself, "
+            "or pass max_memory='auto'"
+        )
+    budgets = parse_budgets(max_memory)
+    return budgets, {d: Headroom(0, "none: the budgets were given") for d in budgets}
+
+
+def _level(capacities: list[int], amount: int) -> float:
+    """The fill level that spreads ``amount`` over devices of these capacities as evenly as
+    they allow: each holds ``min(capacity, level)``."""
+    left, count = float(amount), len(capacities)
+    for i, capacity in enumerate(sorted(capacities)):
+        if capacity * (count - i) >= left:
+            return left / (count - i)
+        left -= capacity
+    return float(max(capacities))
+
+
+def _targets(budgets: dict[Place, int], total: int, strategy: str) -> list[float | None] | None:
+    """Bytes each accelerator should hold under a balanced strategy (None: fill as sequential).
+
+    ``"balanced"`` spreads the model evenly over the accelerators (as evenly as their budgets
+    allow); ``"balanced_low_0"`` spreads it over all but the first, which gets only what the
+    others cannot hold. The last accelerator, and the cpu and disk after it, are filled as
+    sequential: they take whatever is left."""
+    accelerators = [d for d in budgets if isinstance(d, torch.device) and d.type != "cpu"]
+    if strategy == "sequential" or len(accelerators) < 2:
+        return None
+    shared = accelerators[1:] if strategy == "balanced_low_0" else accelerators
+    amount = min(total, sum(budgets[d] for d in accelerators))
+    level = _level([budgets[d] for d in shared], min(amount, sum(budgets[d] for d in shared)))
+    targets: dict[Place, float] = {d: min(float(budgets[d]), level) for d in shared}
+    if strategy == "balanced_low_0":
+        targets[accelerators[0]] = max(amount - sum(targets.values()), 0.0)
+    last = accelerators[-1]
+    return [None if d == last else targets.get(d) for d in budgets]
+
+
+def _place(
+    tree: ModelTree,
+    budgets: dict[Place, int],
+    no_split: _NoSplit,
+    size: dict[int, int],
+    targets: list[float | None] | None,
+) -> dict[str, Place]:
+    """The device map; a balanced fill that does not fit (whole units that cannot follow the
+    even split) falls back to the sequential fill, which packs tighter."""
+    planner = _Planner(tree, budgets, no_split, size, targets)
+    try:
+        planner.visit("")
+    except TorchplaceError:
+        if targets is None:
+            raise
+        planner = _Planner(tree, budgets, no_split, size)
+        planner.visit("")
+    return planner.device_map()
+
+
+def _refuse_overfull(
+    tree: ModelTree,
+    budgets: dict[Place, int],
+    no_split: _NoSplit,
+    size: dict[int, int],
+    *,
+    dtype: torch.dtype | None,
+    auto: bool,
+) -> None:
+    """The error for a model whose parameters and buffers exceed all budgets together: the
+    shortfall in bytes, and the largest part that finds no room when the devices are filled."""
+    total, capacity = sum(size.values()), sum(budgets.values())
+    if total <= capacity:
+        return
+    collecting = _Planner(tree, budgets, no_split, size, collect=True)
+    collecting.visit("")
+    path, largest = max(collecting.overflow or [("", total)], key=lambda item: item[1])
+    part = f"{display(path)} ({type(tree.modules[path]).__name__}, {_format_bytes(largest)})"
+    cast = "" if dtype is None else f" in {str(dtype).removeprefix('torch.')}"
+    # Host memory is the usual room to grow: suggest adding it, or, when it is already
+    # budgeted, raising it (adding the cpu again is no advice); then the disk.
+    more = (
+        "free memory on these devices, or pass max_memory as a mapping that adds a 'disk' budget"
+        if auto
+        else "raise a budget by that much (the cpu's, if the machine has the memory)"
+        if torch.device("cpu") in budgets
+        else "raise a budget by that much, add a device (for example 'cpu')"
+    )
+    if not auto and DISK not in budgets:
+        more += ", add a 'disk' budget"
+    raise TorchplaceError(
+        f"the model does not fit: its parameters and buffers need "
+        f"{_format_bytes(total)}{cast} but the budgets hold {_format_bytes(capacity)} "
+        f"({describe(budgets)}), {_exact(total - capacity)} short, and the largest part "
+        f"left without room is {part}; {more}, or plan with a "
+        "smaller dtype"
+    )
+
+
+def _exact(nbytes: int) -> str:
+    """``1.5 GiB (1610612736 bytes)``, or ``12 B`` where that is already exact."""
+    shown = _format_bytes(nbytes)
+    return shown if shown.endswith(" B") else f"{shown} ({nbytes} bytes)"
+
+
 def plan(
     model: nn.Module,
     /,
-    max_memory: MemorySpec,
+    max_memory: MemorySpec = "auto",
     *,
     no_split: NoSplitSpec = (),
     dtype: torch.dtype | str | None = None,
-) -> dict[str, torch.device]:
+    strategy: str = "sequential",
+    example_input: Any = None,
+) -> DeviceMap:
     """Assign submodules, in registration order, to devices within budgets: a device map.
 
     >>> import torch, torchplace
@@ -382,11 +526,35 @@ def plan(
     {'0': 'cuda:0', '1': 'cuda:0', '2': 'cuda:1', '3': 'cuda:1'}
     >>> torchplace.plan(model, {"cpu": "10GiB"})
     {'': device(type='cpu')}
+    >>> torchplace.plan(model, {"cpu": "600KiB", "disk": "1TB"})
+    {'0': device(type='cpu'), '1': device(type='cpu'), '2': 'disk', '3': 'disk'}
 
-    Budgets (``"10GiB"``, ``"512MiB"``, ``"500MB"``, ``"2GB"``, or bytes as any integer or a
-    whole real number) count parameters and buffers and are used exactly as given: leave room
-    for activations yourself. Devices fill in the order the budgets are listed; an int key N
-    means ``cuda:N``.
+    Budgets: a mapping of devices to sizes (``"10GiB"``, ``"512MiB"``, ``"500MB"``,
+    ``"2GB"``, or bytes as any integer or a whole real number), which count parameters and
+    buffers and are used exactly as given: leave room for activations yourself. Devices fill
+    in the order the budgets are listed, except ``"disk"``, always filled last; an int key N
+    means ``cuda:N``. Or ``"auto"`` (the default): each visible accelerator's free memory
+    (read through NVML, which creates no CUDA context, else ``mem_get_info``), in index
+    order, then the host's available memory, each less a headroom. The accelerators keep room
+    for activations: with ``example_input``, the activations and temporaries of a forward of
+    it as ``estimate`` measures them on fake tensors; without, a tenth of their free memory.
+    The host keeps a tenth for the process itself and the staging of offloaded weights (or,
+    on a machine without an accelerator, room for activations as above). An accelerator whose
+    free memory cannot be read (MPS) is left out, as is a host whose available memory cannot
+    be read (named in ``.headroom``). ``"auto"`` never includes the disk: give a mapping.
+    The result is a plain ``dict`` that also carries ``.budgets`` (bytes per device as used)
+    and ``.headroom`` (per device, a ``Headroom`` with ``.bytes`` and ``.how``, the way the
+    figure was obtained).
+
+    ``strategy="sequential"`` fills each device before the next. ``"balanced"`` spreads the
+    model evenly by bytes over the accelerators (as evenly as their budgets allow): a module
+    goes whole to a GPU when it ends within that GPU's share, is split when it crosses it
+    (unless in ``no_split``), and an unsplittable one goes where its middle falls.
+    ``"balanced_low_0"`` spreads it over all accelerators but the first, which holds only what
+    the others cannot, keeping it free for what generation adds there (the inputs, the
+    generated tokens). The cpu and the disk are filled after the accelerators as in
+    ``"sequential"``. Should the even split not fit where the sequential fill would, the
+    sequential map is returned.
 
     Submodules are taken in registration order (the order of ``model.named_modules()``), as
     Accelerate's ``infer_auto_device_map`` does: plan never runs the model, so it cannot know
@@ -403,34 +571,23 @@ def plan(
     (tied weights) share a device: the group goes where its first member goes. ``dtype``
     sizes floating tensors as if cast to it. The map is the smallest that says it: a module
     whose whole subtree shares a device is one entry, and a name covers its submodules unless
-    a longer name overrides it. Works on skeletons and fake tensors; no device is touched.
+    a longer name overrides it. A model that does not fit raises, naming the shortfall in
+    bytes and the largest part left without room. Works on skeletons and fake tensors, and
+    allocates nothing on the devices it plans for.
     """
     try:
         if not isinstance(model, nn.Module):
             raise TorchplaceError(f"maps an nn.Module, not {type(model).__name__}; pass the model")
-        budgets = _parse_budgets(max_memory)
+        chosen = _strategy(strategy)
+        cast = _dtype(dtype)
+        budgets, headroom = _budgets_of(model, max_memory, example_input)
         classes = _no_split_classes(model, no_split)
-        planner = _Planner(walk_model(model), budgets, classes, _dtype(dtype))
-        total = sum(planner.size.values())
-        capacity = sum(budgets.values())
-        if total > capacity:
-            listed = ", ".join(f"{d}: {_format_bytes(b)}" for d, b in budgets.items())
-            cast_to = _dtype(dtype)
-            cast = "" if cast_to is None else f" in {str(cast_to).removeprefix('torch.')}"
-            # Host memory is the usual room to grow: suggest adding it, or, when it is already
-            # budgeted, raising it (adding the cpu again is no advice).
-            more = (
-                "raise a budget by that much (the cpu's, if the machine has the memory)"
-                if torch.device("cpu") in budgets
-                else "raise a budget by that much, add a device (for example 'cpu')"
-            )
-            raise TorchplaceError(
-                f"the model does not fit: its parameters and buffers need "
-                f"{_format_bytes(total)}{cast} but the budgets hold {_format_bytes(capacity)} "
-                f"({listed}), {_format_bytes(total - capacity)} short; {more}, or plan with "
-                "a smaller dtype"
-            )
-        planner.visit("")
-        return planner.device_map()
+        tree = walk_model(model)
+        size = {key: nbytes_as(t, cast) for key, t in tree.tensors.items()}
+        auto = isinstance(max_memory, str)
+        _refuse_overfull(tree, budgets, classes, size, dtype=cast, auto=auto)
+        targets = _targets(budgets, sum(size.values()), chosen)
+        device_map = _place(tree, budgets, classes, size, targets)
+        return DeviceMap(device_map, budgets=budgets, headroom=headroom)
     except TorchplaceError as err:
         raise type(err)(f"plan(): {err}") from err.__cause__
