@@ -9,6 +9,7 @@ three must list the same names, dtypes and shapes, or all refuse the file with a
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import struct
@@ -711,6 +712,38 @@ def test_a_safetensors_entry_is_taken_or_refused_as_each_check_in_turn_says(entr
             return str(exc)
 
     assert outcome(_safetensors._span) == outcome(_safetensors._checked_span)
+
+
+@pytest.mark.parametrize("first", [[2, 2], [1, 2], [2], []], ids=str)
+@pytest.mark.parametrize("entry", _ENTRIES, ids=range(len(_ENTRIES)))
+def test_a_safetensors_header_read_quickly_is_taken_or_refused_as_checked_one_by_one(
+    tmp_path: Path, entry: Any, first: list[int]
+) -> None:
+    """The quick pass over a header (each dtype and shape checked once, for every tensor of
+    them) takes what the checks made entry by entry take, and leaves the rest to their words:
+    ``[True, 2]`` after a ``[1, 2]`` and ``[2.0]`` after a ``[2]`` (equal as Python keys) are
+    refused, a header whose offsets are out of order is taken, in its own order."""
+    from torchplace.checkpoint import _safetensors
+
+    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+    end = offsets[1] if isinstance(offsets, list | tuple) and len(offsets) > 1 else 0
+    end = end if type(end) is int and 0 <= end < 2**20 else 0
+    size = 4 * math.prod(first)  # "a" first in the header, after "w" in the file
+    header = {"a": {"dtype": "F32", "shape": first, "data_offsets": [end, end + size]}}
+    raw = json.dumps({**header, "w": entry}).encode()
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(end + size))
+
+    def outcome(read: Any) -> Any:
+        try:
+            return read()
+        except CheckpointError as exc:
+            return str(exc)
+
+    checked = outcome(
+        lambda: _safetensors._check_layout(path, json.loads(raw), end + size, quick=False)
+    )
+    assert outcome(lambda: _safetensors.read_layout(path)[2]) == checked
 
 
 def test_a_safetensors_entry_is_the_entry_its_fields_make(tmp_path: Path) -> None:

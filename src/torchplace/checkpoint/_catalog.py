@@ -33,7 +33,7 @@ import zipfile
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .._errors import CheckpointError
 from ._index import LEGACY_MAGIC
@@ -48,9 +48,8 @@ from ._pickle_reader import (
     shape_of,
     tensor_refs,
 )
-from ._safetensors import DTYPES as SAFETENSORS_DTYPES
 from ._safetensors import read_header as read_safetensors_header
-from ._safetensors import read_header_and_start as read_safetensors_header_and_start
+from ._safetensors import read_layout as read_safetensors_header_and_start  # and its rows
 from ._safetensors import sniff as sniff_safetensors
 from ._source import (
     WRITER_HINT,
@@ -84,6 +83,8 @@ __all__ = [
     "zip_layout",
 ]
 
+
+_T = TypeVar("_T")
 
 # ------------------------------------------------------------------------------------- stamps
 
@@ -175,13 +176,10 @@ def _file_entry(
     order: tuple[int, ...],
 ) -> Entry:
     """``Entry(name, dtype, shape, nbytes, file, start, order, stored=nbytes)``, made in half
-    the time: a safetensors header of 100,000 tensors spent most of its catalog in the frozen
-    dataclass's ``__init__`` (one ``object.__setattr__`` per field). Its fields are set as
-    that ``__init__`` sets them, in one step."""
-    entry = object.__new__(Entry)
-    object.__setattr__(
-        entry,
-        "__dict__",
+    the time (``_frozen``): a safetensors header of 100,000 tensors spent most of its catalog
+    in the frozen dataclass's ``__init__``."""
+    return _frozen(
+        Entry,
         {
             "name": name,
             "dtype": dtype,
@@ -197,7 +195,15 @@ def _file_entry(
             "tensor": None,
         },
     )
-    return entry
+
+
+def _frozen(cls: type[_T], fields: dict[str, Any]) -> _T:
+    """An instance of the frozen dataclass ``cls`` whose ``fields`` (every one, in order) are
+    set as its ``__init__`` sets them, in one step instead of one ``object.__setattr__``
+    each."""
+    made = object.__new__(cls)
+    made.__dict__.update(fields)
+    return made
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,15 +261,28 @@ class Catalog:
     def records(self) -> list[TensorRecord]:
         """The entries as ``inspect`` lists them, a shared storage's bytes counted once."""
         owners: dict[tuple[Path | None, str], str] = {}
+        names: dict[Path | None, str] = {None: "-"}  # each file's name, asked once
         out = []
         for e in self.entries.values():
             shares = None
             if e.storage:
                 first = owners.setdefault((e.file, e.storage), e.name)
                 shares = None if first == e.name else first
-            name = e.file.name if e.file is not None else "-"
+            name = names.get(e.file) or names.setdefault(e.file, e.file.name)  # type: ignore[union-attr]
             out.append(
-                TensorRecord(e.name, e.device, e.dtype, e.shape, e.nbytes, name, e.stored, shares)
+                _frozen(
+                    TensorRecord,
+                    {
+                        "name": e.name,
+                        "device": e.device,
+                        "dtype": e.dtype,
+                        "shape": e.shape,
+                        "nbytes": e.nbytes,
+                        "file": name,
+                        "stored": e.stored,
+                        "shares": shares,
+                    },
+                )
             )
         return out
 
@@ -564,19 +583,13 @@ def _stamped(p: Path, parse: Callable[[], dict[str, Entry]]) -> tuple[dict[str, 
 
 def _safetensors_catalog(p: Path) -> Catalog:
     def parse() -> dict[str, Entry]:
-        header, base = read_safetensors_header_and_start(p)
-        header.pop("__metadata__", None)
-        dtypes = {code: name for code, (name, _) in SAFETENSORS_DTYPES.items()}
+        _, base, rows = read_safetensors_header_and_start(p)  # rows: checked, dtypes named
         orders = [tuple(range(n)) for n in range(9)]  # row-major, shared by rank
         entries = {}
-        for name, raw in header.items():
-            start, end = raw["data_offsets"]
-            shape = tuple(raw["shape"])
+        for name, start, _, (dtype, shape, nbytes) in rows:
             rank = len(shape)
             order = orders[rank] if rank < 9 else tuple(range(rank))
-            entries[name] = _file_entry(
-                name, dtypes[raw["dtype"]], shape, end - start, p, base + start, order
-            )
+            entries[name] = _file_entry(name, dtype, shape, nbytes, p, base + start, order)
         return entries
 
     entries, when = _stamped(p, parse)

@@ -31,9 +31,12 @@ import shutil
 import sys
 import types
 import warnings
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
+from itertools import compress, repeat
+from operator import attrgetter, eq
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO, Any, NamedTuple, cast
 
 from .._errors import CheckpointError, DeviceSpecError, TorchplaceError
 from .._sizes import format_bytes
@@ -56,18 +59,23 @@ __all__ = [
 PROGRESS_MIN_BYTES = 16 * 1024 * 1024
 
 
-def _stored(r: TensorRecord) -> int:
-    """The bytes ``r`` adds to its file: its storage's, once per storage."""
-    return 0 if r.shares is not None else r.stored
+def _sizes(records: list[TensorRecord]) -> list[int]:
+    """The bytes each record adds to its file: its storage's, once per storage."""
+    return [0 if r.shares is not None else r.stored for r in records]
 
 
-def _totals_by(records: list[TensorRecord], key: str) -> dict[str, dict[str, int]]:
-    totals: dict[str, dict[str, int]] = {}
-    for r in records:
-        entry = totals.setdefault(getattr(r, key), {"count": 0, "bytes": 0})
-        entry["count"] += 1
-        entry["bytes"] += _stored(r)
-    return totals
+def _totals_by(
+    records: list[TensorRecord], key: str, sizes: list[int] | None = None
+) -> dict[str, dict[str, int]]:
+    """Tensors and bytes (``sizes``, ``_sizes`` of the records where not given) per value of
+    ``key``, in the order each value first comes. A checkpoint holds a few devices and dtypes:
+    each is summed in one pass of C (``compress``), not one step of Python per tensor."""
+    values = list(map(attrgetter(key), records))
+    sizes = _sizes(records) if sizes is None else sizes
+    return {
+        value: {"count": count, "bytes": sum(compress(sizes, map(eq, values, repeat(value))))}
+        for value, count in Counter(values).items()
+    }
 
 
 def _note(r: TensorRecord) -> str:
@@ -118,6 +126,7 @@ def _summary(
 ) -> dict[str, Any]:
     """What ``inspect --json`` prints. A record's fields are copied as they are (``asdict``
     copied each deeply, which took most of the time of an index of 100,000 tensors)."""
+    sizes = _sizes(records)
     summary = {
         "file": file,
         "format": kind,
@@ -125,9 +134,9 @@ def _summary(
         "tensors": [{**vars(r), "shape": list(r.shape)} for r in records],
         "totals": {
             "count": len(records),
-            "bytes": sum(_stored(r) for r in records),
-            "by_device": _totals_by(records, "device"),
-            "by_dtype": _totals_by(records, "dtype"),
+            "bytes": sum(sizes),
+            "by_device": _totals_by(records, "device", sizes),
+            "by_dtype": _totals_by(records, "dtype", sizes),
         },
     }
     if note:
@@ -141,25 +150,13 @@ def _render(console: Any, title: str, records: list[TensorRecord], code: list[st
     as plain lines instead (a tensor's name whole on a line of its own, the rest below)."""
     from rich.markup import escape
 
-    sharded = len({r.file for r in records}) > 1
-    notes = [_note(r) for r in records]
-    headers = ["name", *(["file"] if sharded else []), "saved device", "dtype", "shape", "bytes"]
-    noted = any(notes)  # once: asked for each row, it made a table of n rows take n**2 steps
-    headers += ["note"] if noted else []
-    rows = []
-    shapes: dict[tuple[int, ...], str] = {}  # the same few shapes and sizes, spelt once each
-    sizes: dict[int, str] = {}
-    for r, note in zip(records, notes, strict=True):
-        shape = shapes.get(r.shape) or shapes.setdefault(r.shape, str(list(r.shape)))
-        size = sizes.get(r.nbytes) or sizes.setdefault(r.nbytes, format_bytes(r.nbytes))
-        cells = [r.name, *([r.file] if sharded else []), r.device, r.dtype, shape, size]
-        rows.append([*cells, note] if noted else cells)
+    headers, rows = _tensor_rows(records)
+    sizes = _sizes(records)
     totals = []
     for key in ("device", "dtype"):
-        for value, entry in _totals_by(records, key).items():
+        for value, entry in _totals_by(records, key, sizes).items():
             totals.append([key, value, str(entry["count"]), format_bytes(entry["bytes"])])
-    total = sum(_stored(r) for r in records)
-    totals.append(["all", "", str(len(records)), format_bytes(total)])
+    totals.append(["all", "", str(len(records)), format_bytes(sum(sizes))])
 
     if code:
         console.print(
@@ -180,25 +177,46 @@ def _render(console: Any, title: str, records: list[TensorRecord], code: list[st
         )
 
 
+def _tensor_rows(records: list[TensorRecord]) -> tuple[list[str], list[tuple[str, ...]]]:
+    """The headers and rows of ``inspect``'s table of tensors, made column by column: the
+    same few devices, dtypes, shapes and sizes are spelt once each."""
+    files = [r.file for r in records]
+    sharded = len(set(files)) > 1
+    shapes = [r.shape for r in records]
+    nbytes = [r.nbytes for r in records]
+    shape_text = {shape: str(list(shape)) for shape in set(shapes)}
+    size_text = {n: format_bytes(n) for n in set(nbytes)}
+    columns = [
+        [r.name for r in records],
+        *([files] if sharded else []),
+        [r.device for r in records],
+        [r.dtype for r in records],
+        list(map(shape_text.__getitem__, shapes)),
+        list(map(size_text.__getitem__, nbytes)),
+    ]
+    headers = ["name", *(["file"] if sharded else []), "saved device", "dtype", "shape", "bytes"]
+    # once: asked for each row, it made a table of n rows take n**2 steps
+    if any(r.shares is not None or r.stored > r.nbytes for r in records):
+        headers.append("note")
+        columns.append([_note(r) for r in records])
+    return headers, list(zip(*columns, strict=True))
+
+
 def _print_rows(
-    console: Any, title: str, headers: list[str], rows: list[list[str]], right: tuple[str, ...]
+    console: Any,
+    title: str,
+    headers: list[str],
+    rows: Sequence[Sequence[str]],
+    right: tuple[str, ...],
 ) -> None:
     """One table, printed whole: see ``_render``. Drawn as rich draws a table (heavy head,
-    light body) but line by line: a checkpoint may list 100,000 tensors, whose table rich took
-    minutes to lay out."""
+    light body) but column by column: a checkpoint may list 100,000 tensors, whose table rich
+    took minutes to lay out (about 1 ms a row)."""
     from rich.style import Style
 
-    measured: dict[str, tuple[str, int]] = {}  # a column's cells repeat: measured once each
-
-    def cell(text: str) -> tuple[str, int]:
-        found = measured.get(text)
-        if found is None:
-            found = measured[text] = _cell(text)
-        return found
-
     head = [_cell(c) for c in headers]
-    body = [[cell(c) for c in row] for row in rows]
-    widths = [max(w for _, w in column) for column in zip(head, *body, strict=True)]
+    columns = [_column(list(c)) for c in zip(*rows, strict=True)] or [_column([])] * len(head)
+    widths = [max(w, c.width) for (_, w), c in zip(head, columns, strict=True)]
     needed = sum(widths) + 3 * len(widths) + 1  # a space either side of a cell, borders
 
     def styled(text: str, style: str) -> str:  # no codes where the console shows none
@@ -211,14 +229,43 @@ def _print_rows(
         left = max(needed - width, 0) // 2
         line = " " * left + text + " " * max(needed - left - width, 0)
         out.write(styled(line, "italic") + "\n")
-        out.writelines(_box(head, body, widths, [h in right for h in headers], styled))
+        aligned = [h in right for h in headers]
+        out.writelines(_box(head, columns, widths, aligned, styled))
         return
     out.write(styled(text, "italic") + "\n")
-    for (name, _), *rest in body:  # the first cell whole on a line of its own, the rest indented
-        details = "  ".join(
-            f"{h}: {c}" if h else c for (h, _), (c, _) in zip(head[1:], rest, strict=True) if c
+    for name, *rest in zip(*(c.texts for c in columns), strict=True):  # the first cell whole
+        details = "  ".join(  # on a line of its own, the rest indented below
+            f"{h}: {c}" if h else c for (h, _), c in zip(head[1:], rest, strict=True) if c
         )
         out.write(f"{styled(name, 'bold')}\n    {details}\n")
+
+
+class _Column(NamedTuple):
+    """A table column's cells (see ``_cell``), the columns each takes (None: as many as its
+    characters) and the widest's width."""
+
+    texts: list[str]
+    sizes: list[int] | None
+    width: int
+
+    def padded(self, width: int, right: bool) -> list[str]:
+        """The cells, each padded to ``width``, on the left where ``right``."""
+        if self.sizes is None:  # str.rjust, str.ljust: no step of Python's per cell
+            return list(map(str.rjust if right else str.ljust, self.texts, repeat(width)))
+        if right:
+            return [" " * (width - n) + t for t, n in zip(self.texts, self.sizes, strict=True)]
+        return [t + " " * (width - n) for t, n in zip(self.texts, self.sizes, strict=True)]
+
+
+def _column(texts: list[str]) -> _Column:
+    """A column of these cells. One of printable ASCII, the common case, is measured whole."""
+    joined = "".join(texts)
+    if joined.isascii() and joined.isprintable():
+        return _Column(texts, None, max(map(len, texts), default=0))
+    measured = {t: _cell(t) for t in dict.fromkeys(texts)}  # a column's cells repeat
+    cells = [measured[t] for t in texts]
+    sizes = [n for _, n in cells]
+    return _Column([t for t, _ in cells], sizes, max(sizes))
 
 
 def _cell(value: Any) -> tuple[str, int]:
@@ -236,27 +283,25 @@ def _cell(value: Any) -> tuple[str, int]:
 
 def _box(
     head: list[tuple[str, int]],
-    body: list[list[tuple[str, int]]],
+    columns: list[_Column],
     widths: list[int],
     right: list[bool],
     styled: Callable[..., str],
 ) -> Iterator[str]:
-    """The lines of a table of these cells, its header's cells in bold."""
-
-    def cells(row: list[tuple[str, int]]) -> list[str]:
-        return [
-            " " * (w - n) + c if r else c + " " * (w - n)
-            for (c, n), w, r in zip(row, widths, right, strict=True)
-        ]
+    """The lines of a table of these columns, its header's cells in bold."""
 
     def rule(left: str, fill: str, mid: str, end: str) -> str:
         return left + mid.join(fill * (w + 2) for w in widths) + end + "\n"
 
+    titles = [
+        _Column([t], [n], n).padded(w, r)[0]
+        for (t, n), w, r in zip(head, widths, right, strict=True)
+    ]
     yield rule("┏", "━", "┳", "┓")
-    yield "┃ " + " ┃ ".join(styled(c, "bold") for c in cells(head)) + " ┃\n"
+    yield "┃ " + " ┃ ".join(styled(t, "bold") for t in titles) + " ┃\n"
     yield rule("┡", "━", "╇", "┩")
-    for row in body:
-        yield "│ " + " │ ".join(cells(row)) + " │\n"
+    body = [c.padded(w, r) for c, w, r in zip(columns, widths, right, strict=True)]
+    yield from map("│ {} │\n".format, map(" │ ".join, zip(*body, strict=True)))
     yield rule("└", "─", "┴", "┘")
 
 

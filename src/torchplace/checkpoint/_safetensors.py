@@ -18,7 +18,7 @@ from typing import Any
 from .._errors import CheckpointError
 from ._source import WRITER_HINT
 
-__all__ = ["DTYPES", "MAX_HEADER", "read_header", "sniff"]
+__all__ = ["DTYPES", "MAX_HEADER", "Kind", "Row", "read_header", "read_layout", "sniff"]
 
 # safetensors dtype names, as written in a file's JSON header -> (torch's name for the dtype,
 # bytes per element).
@@ -42,6 +42,12 @@ DTYPES: dict[str, tuple[str, int]] = {
 }
 MAX_HEADER = 100 * 1024 * 1024  # a safetensors header larger than this is corrupt
 _MAX_INDEX = 1 << 63  # torch sizes and strides are int64
+# What a tensor's dtype and shape come to: torch's name for its dtype, its shape, its bytes.
+Kind = tuple[str, tuple[int, ...], int]
+# One tensor of a checked header: its name, its first byte and the byte past its last
+# (counted from the start of the data, as its data_offsets), and its ``Kind``, which tensors
+# of the same dtype and shape share.
+Row = tuple[str, int, int, Kind]
 _RESAVE = "the file is damaged or was not written by a safetensors writer; save it again"
 
 
@@ -71,7 +77,15 @@ def read_header(path: str | os.PathLike[str], /) -> dict[str, Any]:
 def read_header_and_start(path: str | os.PathLike[str], /) -> tuple[dict[str, Any], int]:
     """``read_header``'s header, and where the data it describes starts in the file (its
     offsets count from there), both from one read of the file."""
+    header, start, _ = read_layout(path)
+    return header, start
+
+
+def read_layout(path: str | os.PathLike[str], /) -> tuple[dict[str, Any], int, list[Row]]:
+    """``read_header_and_start``'s header and start, and a ``Row`` for each tensor, in the
+    order of the header: what its checks found, so that a catalog need not look again."""
     p = Path(path)
+    odd: list[str] = []  # floats, NaN or infinities the JSON holds (no count is one)
     try:
         with p.open("rb") as f:
             raw_len = f.read(8)
@@ -92,7 +106,9 @@ def read_header_and_start(path: str | os.PathLike[str], /) -> tuple[dict[str, An
                     f"{p}: is truncated or corrupt: its safetensors header claims {header_len} "
                     f"bytes but the file holds {size} bytes{cut}"
                 )
-            header = json.loads(f.read(header_len))
+            raw = f.read(header_len)
+            noted = _noted(odd)
+            header = json.loads(raw, parse_float=noted, parse_constant=noted)
     except OSError as exc:
         raise CheckpointError(f"{p}: cannot be read ({exc.strerror or exc})") from exc
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # nesting past any limit
@@ -101,8 +117,20 @@ def read_header_and_start(path: str | os.PathLike[str], /) -> tuple[dict[str, An
         ) from exc
     if not isinstance(header, dict):
         raise CheckpointError(f"{p}: has a corrupt safetensors header (not a JSON object)")
-    _check_layout(p, header, size - 8 - header_len)
-    return header, 8 + header_len
+    # 1 == True == 1.0: the quick pass, which looks at each (dtype, shape) once, is for JSON
+    # whose numbers can only be ints (a name that spells true or false takes the long way)
+    quick = not odd and b"true" not in raw and b"false" not in raw
+    return header, 8 + header_len, _check_layout(p, header, size - 8 - header_len, quick)
+
+
+def _noted(odd: list[str]) -> Any:
+    """JSON's parser of floats (and of NaN and the infinities), noting each one in ``odd``."""
+
+    def note(text: str) -> float:
+        odd.append(text)
+        return float(text)
+
+    return note
 
 
 def _printable(text: Any) -> str:
@@ -114,11 +142,17 @@ def _is_count(n: Any) -> bool:
     return type(n) is int and 0 <= n < _MAX_INDEX
 
 
-def _check_layout(path: Path, header: dict[str, Any], data_len: int) -> None:
+def _check_layout(
+    path: Path, header: dict[str, Any], data_len: int, quick: bool = False
+) -> list[Row]:
     """Refuse a header no reader should trust: an entry without a known dtype, a list of counts
     for its shape and two offsets that hold exactly its bytes; a shape whose sizes overflow
     torch's 64-bit indices; tensors whose bytes overlap, or leave a gap between them or at the
-    end of the file; ``__metadata__`` that is not a map of strings to strings."""
+    end of the file; ``__metadata__`` that is not a map of strings to strings. Returns each
+    tensor's ``Row``, in the order of the header.
+
+    ``quick`` (JSON whose numbers are all ints) first tries ``_quick_rows``; a header it does
+    not take is checked entry by entry, which names what is wrong."""
     meta = header.get("__metadata__", {})
     if not isinstance(meta, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
@@ -127,11 +161,17 @@ def _check_layout(path: Path, header: dict[str, Any], data_len: int) -> None:
             f"{path}: has corrupt __metadata__ ({_printable(repr(meta))[:200]}): safetensors "
             f"metadata maps strings to strings; {_RESAVE}"
         )
-    spans: list[tuple[int, int, str]] = []
+    rows = _quick_rows(header, data_len) if quick else None
+    if rows is not None:
+        return rows
+    rows = []
     for name, entry in header.items():
         if name != "__metadata__":
-            spans.append((*_span(path, name, entry, data_len), name))
-    spans.sort()
+            start, end = _span(path, name, entry, data_len)
+            shape = tuple(entry["shape"])
+            nbytes = end - start
+            rows.append((name, start, end, (DTYPES[entry["dtype"]][0], shape, nbytes)))
+    spans = sorted((start, end, name) for name, start, end, _ in rows)
     reached, last = 0, None  # bytes accounted for so far, by tensor ``last``
     for start, end, name in spans:
         if start < reached:
@@ -152,6 +192,65 @@ def _check_layout(path: Path, header: dict[str, Any], data_len: int) -> None:
             f"{path}: is truncated or corrupt: it holds {data_len} bytes of data, and "
             f"{data_len - reached} bytes {after} are no tensor's; {_RESAVE}"
         )
+    return rows
+
+
+def _quick_rows(header: dict[str, Any], data_len: int) -> list[Row] | None:
+    """``_check_layout``'s rows where every check passes, else None; for JSON whose numbers
+    are all ints. A header of 100,000 tensors holds a few dozen (dtype, shape) pairs: each is
+    checked once (``_kind``), and each entry costs a look-up, its offsets and where it ends.
+    Entries whose offsets follow one another (as safetensors writes them) need no sort.
+
+    An entry that is not a map, a dtype that is a list, offsets that are not two ints (None, a
+    string, a list) all raise KeyError, TypeError or ValueError here: None too. Without floats
+    or bools, a shape whose ``tuple`` equals a valid one is that list of ints (a string's or a
+    map's ``tuple`` holds strings), so the one check of its pair holds for it."""
+    kinds: dict[tuple[Any, tuple[Any, ...]], Kind] = {}
+    rows: list[Row] = []
+    reached = 0
+    ordered = True
+    try:
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            key = (entry["dtype"], tuple(entry["shape"]))
+            kind = kinds.get(key)
+            if kind is None:
+                kind = _kind(*key)
+                if kind is None:
+                    return None
+                kinds[key] = kind
+            start, end = entry["data_offsets"]
+            if not 0 <= start <= end <= data_len or end - start != kind[2]:
+                return None
+            ordered = ordered and start == reached
+            reached = end
+            rows.append((name, start, end, kind))
+    except (KeyError, TypeError, ValueError):
+        return None
+    if not ordered:  # sorted, each starts where the one before ends
+        spans = sorted((start, end) for _, start, end, _ in rows)
+        reached = 0
+        for start, end in spans:
+            if start != reached:
+                return None
+            reached = end
+    return rows if reached == data_len else None
+
+
+def _kind(dtype: Any, shape: tuple[Any, ...]) -> Kind | None:
+    """What a dtype and shape come to, where both are sound (see ``_plain_span``), else None."""
+    if type(dtype) is not str or dtype not in DTYPES:
+        return None
+    numel = extent = 1
+    for n in shape:
+        if type(n) is not int or n < 0:
+            return None
+        numel *= n
+        extent *= n or 1  # a size past 2**63 takes extent past it too
+    name, itemsize = DTYPES[dtype]
+    nbytes = numel * itemsize
+    return (name, shape, nbytes) if extent < _MAX_INDEX and nbytes < _MAX_INDEX else None
 
 
 def _span(path: Path, name: str, entry: Any, data_len: int) -> tuple[int, int]:
