@@ -596,7 +596,33 @@ def _move_optimizer_state(
         log.apply(set_item(opt.state, p, new_state), set_item(opt.state, p, old_state))
 
 
+def _move_optimizers_alone(
+    optimizers: list[torch.optim.Optimizer], target: torch.device, copier: Copier, log: UndoLog
+) -> None:
+    """Move the state of optimizers on their own, each labelled as an error would name it."""
+    for index, opt in enumerate(optimizers):
+        label = "optimizer" if len(optimizers) == 1 else f"optimizer[{index}]"
+        _move_optimizer_state(opt, label, target, copier, log)
+
+
 _ATTRIBUTE_MODES = ("warn", "move", "ignore")
+
+
+def _check_options(attributes: Any, non_blocking: Any, views: Any) -> None:
+    """Refuse ``move``'s keyword arguments when they are not what it takes."""
+    if attributes not in _ATTRIBUTE_MODES:
+        hint = did_you_mean(attributes, _ATTRIBUTE_MODES) if isinstance(attributes, str) else ""
+        raise TorchplaceError(
+            f"attributes={attributes!r} is not one of 'warn', 'move', 'ignore'; {hint}'move' "
+            "also moves plain tensor attributes of modules, 'ignore' leaves them silently"
+        )
+    if non_blocking is not None and not isinstance(non_blocking, bool):
+        raise TorchplaceError(f"non_blocking={non_blocking!r} must be True, False or None")
+    if not isinstance(views, bool):
+        raise TorchplaceError(
+            f"views={views!r} must be True (a batch's small tensors share bounded device "
+            "buffers) or False (each tensor owns its storage)"
+        )
 
 
 def move(
@@ -634,19 +660,7 @@ def move(
     operation that grows a tensor's storage (``resize_`` to more elements, ``set_``) would
     write into its neighbours' bytes. Values are independent either way.
     """
-    if attributes not in _ATTRIBUTE_MODES:
-        hint = did_you_mean(attributes, _ATTRIBUTE_MODES) if isinstance(attributes, str) else ""
-        raise TorchplaceError(
-            f"attributes={attributes!r} is not one of 'warn', 'move', 'ignore'; {hint}'move' "
-            "also moves plain tensor attributes of modules, 'ignore' leaves them silently"
-        )
-    if non_blocking is not None and not isinstance(non_blocking, bool):
-        raise TorchplaceError(f"non_blocking={non_blocking!r} must be True, False or None")
-    if not isinstance(views, bool):
-        raise TorchplaceError(
-            f"views={views!r} must be True (a batch's small tensors share bounded device "
-            "buffers) or False (each tensor owns its storage)"
-        )
+    _check_options(attributes, non_blocking, views)
     refuse_unwalkable(obj, "move")
     optimizers = optimizer_list(optimizer)
     if torch.compiler.is_compiling():  # inside torch.compile: what Dynamo can trace
@@ -667,10 +681,7 @@ def move(
             result: Any = obj
         elif isinstance(obj, torch.optim.Optimizer):
             others = [o for o in optimizers if o is not obj]
-            everything: list[torch.optim.Optimizer] = [obj, *others]
-            for index, opt in enumerate(everything):
-                label = "optimizer" if not others else f"optimizer[{index}]"
-                _move_optimizer_state(opt, label, target, copier, log)
+            _move_optimizers_alone([obj, *others], target, copier, log)
             result = obj
         else:
             result, left_behind = _move_collection(
@@ -678,14 +689,32 @@ def move(
             )
         copier.synchronize()
     except BaseException as exc:
-        copier.abandon()
-        torch.set_grad_enabled(grad_mode)
-        if conversion_flags() != flags:
-            set_conversion_flags(flags)
-        log.rollback()
+        _roll_back(copier, log, grad_mode, flags)
         if isinstance(exc, TorchplaceError) or not isinstance(exc, Exception):
             raise
         raise MoveError(f"could not move {type(obj).__name__} to {target}: {exc}") from exc
+    _warn_after(obj, result, target, copier, left_behind, attributes)
+    return result  # type: ignore[no-any-return]
+
+
+def _roll_back(copier: Copier, log: UndoLog, grad_mode: bool, flags: tuple[bool, bool]) -> None:
+    """Undo a failed move: pending copies dropped, process-wide modes and the model restored."""
+    copier.abandon()
+    torch.set_grad_enabled(grad_mode)
+    if conversion_flags() != flags:
+        set_conversion_flags(flags)
+    log.rollback()
+
+
+def _warn_after(
+    obj: Any,
+    result: Any,
+    target: torch.device,
+    copier: Copier,
+    left_behind: list[str],
+    attributes: Attributes,
+) -> None:
+    """After a move: the warnings for what it left where it was, or discarded."""
     opaque = [] if result is not obj else [path for path, _ in opaque_tensors(obj)]
     if opaque:
         cls = type(obj).__name__
@@ -696,10 +725,10 @@ def move(
             f"({names}) stay where they are; give {cls} a .to(device) method that returns the "
             "moved object, or make it a dataclass",
             UserWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
     if copier.discarded:
-        warnings.warn(discarded_warning("move", copier.discarded), UserWarning, stacklevel=2)
+        warnings.warn(discarded_warning("move", copier.discarded), UserWarning, stacklevel=3)
     if left_behind and attributes == "warn":
         names = ", ".join(left_behind[:5]) + (", ..." if len(left_behind) > 5 else "")
         warnings.warn(
@@ -708,9 +737,8 @@ def move(
             "Register tensors with self.register_buffer(name, tensor), keep modules in "
             "nn.ModuleList / nn.ModuleDict, or pass attributes='move' (or 'ignore').",
             UserWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
-    return result  # type: ignore[no-any-return]
 
 
 def place(model: nn.Module, destinations: dict[int, torch.device], /) -> None:
@@ -784,6 +812,34 @@ def _undispatch(module: nn.Module) -> None:
         undispatch(module)
 
 
+def _prefill_batch(obj: Any, root: str, copier: Copier, views: bool) -> None:
+    """Gather a batch's tensors bound for an accelerator, so that the copier sends many small
+    ones in one copy before the walk that rebuilds the batch asks for each."""
+    found: list[torch.Tensor] = []
+    holders: list[Any] = []
+
+    def collect(t: torch.Tensor) -> torch.Tensor:
+        found.append(t)
+        return t
+
+    def hold(node: Any) -> Any:
+        holders.append(node)
+        return node
+
+    with contextlib.suppress(Exception):  # the walk that rebuilds the batch reports any problem
+        map_tensors(obj, collect, owner=hold, root=root)
+    # Parameters, and tensors a module or optimizer in the batch holds, own their storage:
+    # they travel with their owner's move, never as views of a batch's shared buffer.
+    if views:  # (Parameter subclasses are not plain tensors: they never travel packed)
+        parameter = nn.Parameter
+        if holders:
+            owned = _owned_ids(holders)
+            found = [t for t in found if type(t) is not parameter and id(t) not in owned]
+        else:
+            found = [t for t in found if type(t) is not parameter]
+    copier.prefill(found, views=views)
+
+
 def _move_collection(
     obj: Any,
     target: torch.device,
@@ -819,37 +875,12 @@ def _move_collection(
         has_own_to.append(True)
         return node
 
-    def to(node: Any) -> Any:
-        return own_to(node, target, asynchronous=bool(copier.non_blocking))
-
     # Batch tensors move with autograd, as Tensor.to does: activations keep their graph.
     tensor = tensor_mover(target, copier)
 
     root = "tensor" if isinstance(obj, torch.Tensor) else "batch"
     if is_accelerator(target):  # gather first, so many small tensors travel in one copy
-        found: list[torch.Tensor] = []
-        holders: list[Any] = []
-
-        def collect(t: torch.Tensor) -> torch.Tensor:
-            found.append(t)
-            return t
-
-        def hold(node: Any) -> Any:
-            holders.append(node)
-            return node
-
-        with contextlib.suppress(Exception):  # the real walk below reports any problem
-            map_tensors(obj, collect, owner=hold, root=root)
-        # Parameters, and tensors a module or optimizer in the batch holds, own their storage:
-        # they travel with their owner's move, never as views of a batch's shared buffer.
-        if views:  # (Parameter subclasses are not plain tensors: they never travel packed)
-            parameter = nn.Parameter
-            if holders:
-                owned = _owned_ids(holders)
-                found = [t for t in found if type(t) is not parameter and id(t) not in owned]
-            else:
-                found = [t for t in found if type(t) is not parameter]
-        copier.prefill(found, views=views)
+        _prefill_batch(obj, root, copier, views)
     try:
         result = map_tensors(obj, tensor, to=later, owner=owner, root=root)
     except Located as located:
@@ -865,12 +896,19 @@ def _move_collection(
             finals = copier.finals
             result = map_tensors(result, lambda t: finals.get(id(t), t), root=root)
     else:
-        for index, opt in enumerate(all_optimizers):
-            label = "optimizer" if len(all_optimizers) == 1 else f"optimizer[{index}]"
-            _move_optimizer_state(opt, label, target, copier, log)
+        _move_optimizers_alone(all_optimizers, target, copier, log)
     if has_own_to:
-        try:
-            result = map_tensors(result, lambda t: t, to=to, root=root)
-        except Located as located:
-            _reraise(located, root, target)
+        result = _move_own_to(result, root, target, copier)
     return result, left_behind
+
+
+def _move_own_to(batch: Any, root: str, target: torch.device, copier: Copier) -> Any:
+    """The last step of a batch's move: objects in it with their own ``.to`` move by it."""
+
+    def to(node: Any) -> Any:
+        return own_to(node, target, asynchronous=bool(copier.non_blocking))
+
+    try:
+        return map_tensors(batch, lambda t: t, to=to, root=root)
+    except Located as located:
+        _reraise(located, root, target)
