@@ -291,6 +291,33 @@ def _best() -> torch.device:
     return torch.device(kind, best)
 
 
+def _gpu(text: str, spec: DeviceSpec) -> torch.device:
+    """``"gpu"`` (the current accelerator) or ``"gpu:N"`` (accelerator N), of this machine's
+    accelerator type."""
+    index_text = text[4:] if text.startswith("gpu:") else None
+    if index_text is not None and not index_text.isdigit():
+        raise DeviceSpecError(f"unknown device spec {spec!r}; use 'gpu' or 'gpu:N'")
+    if index_text is None:
+        kind = _accelerator()
+        if kind is None:
+            raise DeviceUnavailableError(f"{spec!r} requested but {visible_devices('cuda')}")
+        return torch.device(kind, _current_index(kind))
+    return _accelerator_index(int(index_text), spec)
+
+
+def _unknown_spec(text: str, spec: DeviceSpec) -> DeviceSpecError:
+    """The error for a spec torch does not parse either, with the nearest known one."""
+    name, digits = re.fullmatch(r"(.*?)(\d*)", text.split(":")[0]).groups()  # type: ignore[union-attr]
+    guess = difflib.get_close_matches(name, _KEYWORDS, n=1, cutoff=0.5)
+    if guess and digits and guess[0] not in ("auto", "best", "meta"):  # 'cuda0': 'cuda:0'
+        guess = [f"{guess[0]}:{int(digits)}"]
+    hint = f"did you mean {guess[0]!r}? " if guess else ""
+    return DeviceSpecError(
+        f"unknown device spec {spec!r}; {hint}use 'auto', 'best', 'gpu', 'cpu', 'meta', "
+        "'cuda', 'cuda:N', 'mps', 'xpu:N', an int or a torch.device"
+    )
+
+
 def device(spec: DeviceSpec = "auto", /) -> torch.device:
     """Turn a device spec into an explicit ``torch.device`` that exists on this machine.
 
@@ -337,27 +364,11 @@ def device(spec: DeviceSpec = "auto", /) -> torch.device:
     if text == "best":
         return _best()
     if text == "gpu" or text.startswith("gpu:"):
-        index_text = text[4:] if text.startswith("gpu:") else None
-        if index_text is not None and not index_text.isdigit():
-            raise DeviceSpecError(f"unknown device spec {spec!r}; use 'gpu' or 'gpu:N'")
-        if index_text is None:
-            kind = _accelerator()
-            if kind is None:
-                raise DeviceUnavailableError(f"{spec!r} requested but {visible_devices('cuda')}")
-            return torch.device(kind, _current_index(kind))
-        return _accelerator_index(int(index_text), spec)
+        return _gpu(text, spec)
     try:
         parsed = torch.device(text)
     except (RuntimeError, ValueError):
-        name, digits = re.fullmatch(r"(.*?)(\d*)", text.split(":")[0]).groups()  # type: ignore[union-attr]
-        guess = difflib.get_close_matches(name, _KEYWORDS, n=1, cutoff=0.5)
-        if guess and digits and guess[0] not in ("auto", "best", "meta"):  # 'cuda0': 'cuda:0'
-            guess = [f"{guess[0]}:{int(digits)}"]
-        hint = f"did you mean {guess[0]!r}? " if guess else ""
-        raise DeviceSpecError(
-            f"unknown device spec {spec!r}; {hint}use 'auto', 'best', 'gpu', 'cpu', 'meta', "
-            "'cuda', 'cuda:N', 'mps', 'xpu:N', an int or a torch.device"
-        ) from None
+        raise _unknown_spec(text, spec) from None
     return _checked(parsed.type, parsed.index, spec)
 
 

@@ -162,16 +162,7 @@ def tensor_slots(model: nn.Module, *, every_name: bool = True) -> Slots:
     extra: dict[str, nn.Module] = {}
     modules: dict[int, tuple[str, nn.Module]] = {}
     saves_extra: dict[type, bool] = {}  # asked once per class, not once per module
-    try:
-        walk = list(model.named_modules(remove_duplicate=not every_name))
-    except RecursionError:  # only with every_name: named_modules(remove_duplicate=False) loops
-        raise TorchplaceError(
-            f"the {type(model).__name__} model contains itself (a module registered as an "
-            "attribute of one of its own submodules), so it has no state dict to load: keep "
-            "such a link out of the module tree, e.g. in a plain attribute through "
-            "object.__setattr__ or a weakref"
-        ) from None
-    for prefix, module in walk:
+    for prefix, module in _named_modules(model, every_name):
         dot = f"{prefix}." if prefix else ""
         seen = id(module) in modules  # a module under a second name: a name, not a home
         if not seen:
@@ -196,6 +187,28 @@ def tensor_slots(model: nn.Module, *, every_name: bool = True) -> Slots:
             extra_state = saves_extra[cls] = cls.get_extra_state is not _NO_EXTRA_STATE
         if extra_state:
             extra[dot + "_extra_state"] = module
+    loadable, transient = _loadable_and_transient(by_id, saved_as, order)
+    return Slots(list(modules.values()), loadable, transient, extra)
+
+
+def _named_modules(model: nn.Module, every_name: bool) -> list[tuple[str, nn.Module]]:
+    """``model.named_modules()``: every module under each of its names, or each module once."""
+    try:
+        return list(model.named_modules(remove_duplicate=not every_name))
+    except RecursionError:  # only with every_name: named_modules(remove_duplicate=False) loops
+        raise TorchplaceError(
+            f"the {type(model).__name__} model contains itself (a module registered as an "
+            "attribute of one of its own submodules), so it has no state dict to load: keep "
+            "such a link out of the module tree, e.g. in a plain attribute through "
+            "object.__setattr__ or a weakref"
+        ) from None
+
+
+def _loadable_and_transient(
+    by_id: dict[int, Slot], saved_as: dict[int, list[str]], order: dict[int, int]
+) -> tuple[list[Slot], list[Slot]]:
+    """The slots in the state dict (in its order, buffers under their persistent names only),
+    and the non-persistent buffers."""
     loadable: list[Slot] = []
     transient: list[Slot] = []
     for key, slot in by_id.items():
@@ -208,7 +221,7 @@ def tensor_slots(model: nn.Module, *, every_name: bool = True) -> Slots:
         else:
             transient.append(slot)
     loadable.sort(key=lambda slot: order[id(slot.tensor)])
-    return Slots(list(modules.values()), loadable, transient, extra)
+    return loadable, transient
 
 
 # Attributes every nn.Module has; anything else in a module's __dict__ is the user's own.

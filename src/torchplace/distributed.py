@@ -100,6 +100,86 @@ def _set_current(dev: torch.device) -> None:
         torch.xpu.set_device(dev)
 
 
+def _torchrun_local_rank() -> int:
+    """LOCAL_RANK, once torchrun's variables are checked to be what torchrun would set."""
+    local_rank = _env_int("LOCAL_RANK")
+    port = _env_int("MASTER_PORT")
+    if not 0 < port < 65536:
+        raise DeviceSpecError(
+            f"MASTER_PORT={port} is not a TCP port (1 to 65535); torchrun sets it from "
+            "--master-port or --rdzv-endpoint"
+        )
+    world_size, rank = _env_int("WORLD_SIZE"), _env_int("RANK")
+    if rank >= world_size:
+        raise DeviceSpecError(
+            f"RANK={rank} is not below WORLD_SIZE={world_size}; launch with torchrun"
+        )
+    if "LOCAL_WORLD_SIZE" in os.environ:
+        local_world = _env_int("LOCAL_WORLD_SIZE")
+        if local_rank >= local_world or local_rank > rank:
+            raise DeviceSpecError(
+                f"LOCAL_RANK={local_rank} does not fit LOCAL_WORLD_SIZE={local_world} and "
+                f"RANK={rank}: torchrun would never set these; launch with torchrun"
+            )
+    return local_rank
+
+
+def _make_current(dev: torch.device, local_rank: int) -> None:
+    """Make ``dev`` this process's current device, or say why it could not be."""
+    try:
+        _set_current(dev)
+    except Exception as exc:  # a busy GPU (exclusive compute mode), a broken driver
+        raise DeviceUnavailableError(
+            f"setup() could not make {dev} the current device for LOCAL_RANK={local_rank}: "
+            f"{type(exc).__name__}: {first_line(exc)}; check with nvidia-smi that no other "
+            "process holds it and that CUDA_VISIBLE_DEVICES lists this machine's GPUs"
+        ) from exc
+
+
+def _start_group(name: str, dev: torch.device, under_torchrun: bool) -> None:
+    """Start the default process group on backend ``name``: from torchrun's variables, or as a
+    group of one; a failure leaves no group behind and says where to look."""
+    import torch.distributed as dist
+
+    options: dict[str, object] = {}
+    if dev.type == "cuda":
+        options["device_id"] = dev  # binds NCCL to this device from the start
+    try:
+        if under_torchrun:
+            dist.init_process_group(backend=name, **options)  # type: ignore[arg-type]
+        else:
+            dist.init_process_group(
+                backend=name,
+                store=dist.HashStore(),  # type: ignore[attr-defined]
+                rank=0,
+                world_size=1,
+                **options,  # type: ignore[arg-type]
+            )
+    except Exception as exc:  # a rendezvous that failed or timed out, a backend that broke
+        if dist.is_initialized():  # it failed after the group was made (TORCH_DIST_INIT_BARRIER)
+            dist.destroy_process_group()
+        if under_torchrun:
+            where = (
+                f"MASTER_ADDR={os.environ.get('MASTER_ADDR')!r}, "
+                f"MASTER_PORT={os.environ.get('MASTER_PORT')!r}"
+            )
+            fix = (
+                "Check that every rank can reach MASTER_ADDR on MASTER_PORT and that all were "
+                "started with the same torchrun arguments"
+            )
+        else:  # no rendezvous, no MASTER_ADDR: the backend itself failed
+            where = "a group of one process"
+            fix = (
+                "A group of one needs no other process, so the backend itself failed: for gloo, "
+                "set GLOO_SOCKET_IFNAME to an interface this machine has (lo), for nccl, run "
+                "with NCCL_DEBUG=INFO to see why"
+            )
+        raise TorchplaceError(
+            f"torch.distributed could not start the {name} process group for {dev} ({where}): "
+            f"{type(exc).__name__}: {first_line(exc)}. {fix}"
+        ) from exc
+
+
 def setup(backend: str | None = None, *, single_process: bool = False) -> torch.device:
     """Under torchrun: pick this process's device, make it current, start ``torch.distributed``.
 
@@ -139,77 +219,15 @@ def setup(backend: str | None = None, *, single_process: bool = False) -> torch.
             "--rdzv-endpoint=HOST:29400 --rdzv-id=JOB train.py' with the same HOST and JOB), or "
             "call setup(single_process=True) to run one process"
         )
-    local_rank = _env_int("LOCAL_RANK") if under_torchrun else 0
-    if under_torchrun:
-        port = _env_int("MASTER_PORT")
-        if not 0 < port < 65536:
-            raise DeviceSpecError(
-                f"MASTER_PORT={port} is not a TCP port (1 to 65535); torchrun sets it from "
-                "--master-port or --rdzv-endpoint"
-            )
-        world_size, rank = _env_int("WORLD_SIZE"), _env_int("RANK")
-        if rank >= world_size:
-            raise DeviceSpecError(
-                f"RANK={rank} is not below WORLD_SIZE={world_size}; launch with torchrun"
-            )
-        if "LOCAL_WORLD_SIZE" in os.environ:
-            local_world = _env_int("LOCAL_WORLD_SIZE")
-            if local_rank >= local_world or local_rank > rank:
-                raise DeviceSpecError(
-                    f"LOCAL_RANK={local_rank} does not fit LOCAL_WORLD_SIZE={local_world} and "
-                    f"RANK={rank}: torchrun would never set these; launch with torchrun"
-                )
+    local_rank = _torchrun_local_rank() if under_torchrun else 0
     dev = _local_device(local_rank)
     name = _check_backend(backend, dev) if backend is not None else _BACKENDS.get(dev.type)
     if name is None:
         name = dist.Backend.default_device_backend_map.get(dev.type, "gloo")
-    try:
-        _set_current(dev)
-    except Exception as exc:  # a busy GPU (exclusive compute mode), a broken driver
-        raise DeviceUnavailableError(
-            f"setup() could not make {dev} the current device for LOCAL_RANK={local_rank}: "
-            f"{type(exc).__name__}: {first_line(exc)}; check with nvidia-smi that no other "
-            "process holds it and that CUDA_VISIBLE_DEVICES lists this machine's GPUs"
-        ) from exc
+    _make_current(dev, local_rank)
     if dist.is_initialized():
         return dev
-    options: dict[str, object] = {}
-    if dev.type == "cuda":
-        options["device_id"] = dev  # binds NCCL to this device from the start
-    try:
-        if under_torchrun:
-            dist.init_process_group(backend=name, **options)  # type: ignore[arg-type]
-        else:
-            dist.init_process_group(
-                backend=name,
-                store=dist.HashStore(),  # type: ignore[attr-defined]
-                rank=0,
-                world_size=1,
-                **options,  # type: ignore[arg-type]
-            )
-    except Exception as exc:  # a rendezvous that failed or timed out, a backend that broke
-        if dist.is_initialized():  # it failed after the group was made (TORCH_DIST_INIT_BARRIER)
-            dist.destroy_process_group()
-        if under_torchrun:
-            where = (
-                f"MASTER_ADDR={os.environ.get('MASTER_ADDR')!r}, "
-                f"MASTER_PORT={os.environ.get('MASTER_PORT')!r}"
-            )
-            fix = (
-                "Check that every rank can reach MASTER_ADDR on MASTER_PORT and that all were "
-                "started with the same torchrun arguments"
-            )
-        else:  # no rendezvous, no MASTER_ADDR: the backend itself failed
-            where = "a group of one process"
-            fix = (
-                "A group of one needs no other process, so the backend itself failed: for gloo, "
-                "set GLOO_SOCKET_IFNAME to an interface this machine has (lo), for nccl, run "
-                "with NCCL_DEBUG=INFO to see why"
-            )
-        raise TorchplaceError(
-            f"torch.distributed could not start the {name} process group for {dev} ({where}): "
-            f"{type(exc).__name__}: {first_line(exc)}. {fix}"
-        ) from exc
+    _start_group(name, dev, under_torchrun)
     return dev
 
 

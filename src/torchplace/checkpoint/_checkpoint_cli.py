@@ -679,13 +679,52 @@ def remap(
     given, dst = as_path(path), as_path(out)
     src = resolve(given)  # a save_pretrained directory: its index, or its one checkpoint file
     target = _parse_target(to) if isinstance(to, str) else to
-    made: Path | None = None  # the output directory this call made, removed if it fails
-    # -o names a directory the copy goes into, under the source's own names: from a directory
-    # always; from an index, unless it ends in the .json an index is found by; and from any
-    # source, when it ends in a slash or is a directory already (as cp takes it).
-    slash = str(out).endswith(("/", os.sep))
     kind = format_of(src)
-    index = kind == "index"
+    slash = str(out).endswith(("/", os.sep))
+    dst, made = _remap_destination(given, src, dst, slash, kind == "index")
+    try:  # what remap checks before writing: a failure removes the directory it made
+        dst, jobs = _remap_jobs(given, src, dst, kind, force)
+        total = sum(job[0].stat().st_size for job in jobs)
+        show = (wanted(None) and total >= PROGRESS_MIN_BYTES) if progress is None else progress
+        for d in {job[1].parent for job in jobs}:
+            sweep_stale_temporaries(d)
+    except BaseException:
+        _remove_if_made(made)
+        raise
+    try:
+        _write_jobs(jobs, target, f"remap {src.name}", total, show)
+    except BaseException as exc:
+        _remove_if_made(made)
+        if isinstance(exc, (TorchplaceError, KeyboardInterrupt, SystemExit)):
+            raise
+        if isinstance(exc, Exception):
+            raise CheckpointError(
+                f"{src}: could not be rewritten to {dst} ({type(exc).__name__}: {exc}); "
+                f"{dst} was not touched"
+            ) from exc
+        raise
+    return dst
+
+
+def _remove_if_made(made: Path | None) -> None:
+    """Remove the output directory a failed remap made, only if empty: nothing of the user's
+    is removed."""
+    if made is not None:
+        with contextlib.suppress(OSError):
+            made.rmdir()
+
+
+def _remap_destination(
+    given: Path, src: Path, dst: Path, slash: bool, index: bool
+) -> tuple[Path, Path | None]:
+    """Where remap writes ``src`` (the file ``dst`` names, or one under the source's own name in
+    the directory it names), and the output directory this call made (None if none).
+
+    -o names a directory the copy goes into, under the source's own names: from a directory
+    always; from an index, unless it ends in the .json an index is found by; and from any
+    source, when it ends in a slash or is a directory already (as cp takes it).
+    """
+    made: Path | None = None
     try:
         is_dir, exists = dst.is_dir(), dst.exists()
     except OSError as exc:  # a name too long, say
@@ -713,30 +752,36 @@ def remap(
                 f"the source and the output (torchplace remap {src} --to DEVICE -o {src}). "
                 "Nothing was written"
             )
-    try:  # what remap checks before writing: a failure removes the directory it made
-        if index:
-            dst, shard_jobs = _index_outputs(src, dst)
-        else:
-            _output_file(dst)
-            shard_jobs = []
-        if src != given:  # a directory's other files, copied as they are, before its index
-            rewritten = {job[0].resolve() for job in [*shard_jobs, (src, dst, kind)]}
-            shard_jobs += _other_files(given, rewritten, dst.parent)
-        jobs = [*shard_jobs, (src, dst, kind)]  # the index, or the one file, last
-        if not force:
-            _refuse_existing(jobs)
-        total = sum(job[0].stat().st_size for job in jobs)
-        show = (wanted(None) and total >= PROGRESS_MIN_BYTES) if progress is None else progress
-        for d in {job[1].parent for job in jobs}:
-            sweep_stale_temporaries(d)
-    except BaseException:
-        if made is not None:
-            with contextlib.suppress(OSError):
-                made.rmdir()
-        raise
+    return dst, made
+
+
+def _remap_jobs(
+    given: Path, src: Path, dst: Path, kind: str, force: bool
+) -> tuple[Path, list[tuple[Path, Path, str]]]:
+    """What remap will write, checked before anything is: (source, output, format) for each
+    file, the index or the one file last; with the output that names the result."""
+    if kind == "index":
+        dst, shard_jobs = _index_outputs(src, dst)
+    else:
+        _output_file(dst)
+        shard_jobs = []
+    if src != given:  # a directory's other files, copied as they are, before its index
+        rewritten = {job[0].resolve() for job in [*shard_jobs, (src, dst, kind)]}
+        shard_jobs += _other_files(given, rewritten, dst.parent)
+    jobs = [*shard_jobs, (src, dst, kind)]  # the index, or the one file, last
+    if not force:
+        _refuse_existing(jobs)
+    return dst, jobs
+
+
+def _write_jobs(
+    jobs: list[tuple[Path, Path, str]], target: Any, title: str, total: int, show: bool
+) -> None:
+    """Write every output to a temporary file beside it, then rename them all into place; a
+    failure removes the temporaries and leaves every output as it was."""
     pending = _PendingOutputs()
     try:
-        with _progress(total, f"remap {src.name}", show) as advance:
+        with _progress(total, title, show) as advance:
             for source, output, fmt in jobs:
                 # the index itself is copied as it is (its shards keep their names), and so are
                 # a directory's other files
@@ -753,20 +798,9 @@ def remap(
                 if fmt == "copy":  # as shutil.copy2 copies: its mode and times too
                     shutil.copystat(source, tmp)
         pending.commit([None if job[2] == "copy" else job[0] for job in jobs])
-    except BaseException as exc:
+    except BaseException:
         pending.discard()
-        if made is not None:
-            with contextlib.suppress(OSError):
-                made.rmdir()  # only if empty: nothing of the user's is removed
-        if isinstance(exc, (TorchplaceError, KeyboardInterrupt, SystemExit)):
-            raise
-        if isinstance(exc, Exception):
-            raise CheckpointError(
-                f"{src}: could not be rewritten to {dst} ({type(exc).__name__}: {exc}); "
-                f"{dst} was not touched"
-            ) from exc
         raise
-    return dst
 
 
 def _run_remap(args: argparse.Namespace) -> int:
@@ -831,6 +865,11 @@ def register(subparsers: Any) -> None:
     inspect.add_argument("--json", action="store_true", help="print JSON instead of tables")
     inspect.set_defaults(func=_run_inspect)
 
+    _register_remap(subparsers)
+
+
+def _register_remap(subparsers: Any) -> None:
+    """Add ``remap`` to the ``torchplace`` command line."""
     remap_cmd = subparsers.add_parser(
         "remap",
         help="rewrite a checkpoint (or every shard of one) to load elsewhere",

@@ -459,6 +459,30 @@ def _run(group: Any, first: str, model: nn.Module) -> dict[str, Any]:
     return {k: (v[0] if isinstance(v, list) else v) for k, v in result.items()}
 
 
+def _as_fused(
+    tracer: _Tracer,
+    out: Mapping[str, torch.Tensor],
+    names: list[str],
+    expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+) -> tuple[list[Fused], str | None]:
+    """Each traced model tensor as the pieces of file tensors it is made of; or (as the second
+    item) why the trace cannot say, so that the conversion is run at load instead."""
+    fused: list[Fused] = []
+    opaque = tracer.opaque
+    if opaque is None:
+        try:
+            for name in names:
+                node = tracer.node(out[name])
+                if node is None:
+                    raise _Opaque(name)
+                pieces: list[Piece] = []
+                _pieces(node, (), pieces)
+                fused.append(Fused(name, expected[name][0], expected[name][1], pieces))
+        except _Opaque as why:
+            opaque = str(why)
+    return fused, opaque
+
+
 def _plan_group(
     model: nn.Module,
     plan: Plan,
@@ -495,19 +519,7 @@ def _plan_group(
         plan.mismatched.update(wrong)
         plan.mismatched_sources.update(keys)
         return
-    fused: list[Fused] = []
-    opaque = tracer.opaque
-    if opaque is None:
-        try:
-            for name in names:
-                node = tracer.node(out[name])
-                if node is None:
-                    raise _Opaque(name)
-                pieces: list[Piece] = []
-                _pieces(node, (), pieces)
-                fused.append(Fused(name, expected[name][0], expected[name][1], pieces))
-        except _Opaque as why:
-            opaque = str(why)
+    fused, opaque = _as_fused(tracer, out, names, expected)
     if opaque is None:
         plan.fused += fused
         return
@@ -586,11 +598,16 @@ def apply_plan(plan: Plan, state: Mapping[str, Any], /, *, owned: bool) -> Mappi
     out.update(results)
     if owned:
         return out  # type: ignore[no-any-return]
+    return _with_untaken(out, state, plan)
+
+
+def _with_untaken(out: dict[str, Any], state: Mapping[str, Any], plan: Plan) -> Mapping[str, Any]:
+    """A new mapping's results with the keys the plan does not take, and the state's metadata."""
     used = plan.consumed()
     out.update({k: v for k, v in state.items() if k not in used and k not in out})
     metadata = getattr(state, "_metadata", None)
     if metadata is None:
-        return out  # type: ignore[no-any-return]
+        return out
     result: Any = collections.OrderedDict(out)
     result._metadata = metadata
     return result  # type: ignore[no-any-return]

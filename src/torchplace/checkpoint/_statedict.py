@@ -150,6 +150,72 @@ def _upgrade_norm(
             local[key] = current if ok else torch.tensor(0, dtype=torch.long)
 
 
+def _run_pre_hooks(
+    p: Path | str,
+    module: nn.Module,
+    local: dict[str, Any],
+    prefix: str,
+    local_metadata: dict[str, Any],
+    seen: _Seen,
+) -> None:
+    """Run ``module``'s load_state_dict pre-hooks on its view, with PyTorch's arguments."""
+    for hook in module._load_state_dict_pre_hooks.values():
+        if _is_lazy_hook(hook):
+            continue
+        try:
+            hook(local, prefix, local_metadata, True, seen.missing, seen.unexpected, seen.errors)
+        except Exception as exc:
+            where = prefix[:-1] or "the model"
+            raise CheckpointError(
+                f"{p}: the load_state_dict pre-hook {_hook_name(hook)} of {where} "
+                f"({type(module).__name__}) raised {type(exc).__name__}: "
+                f"{first_sentence(str(exc))}; nothing was loaded"
+            ) from exc
+
+
+def _take_own_keys(
+    module: nn.Module,
+    local: dict[str, Any],
+    prefix: str,
+    local_metadata: dict[str, Any],
+    extra: Mapping[str, nn.Module],
+    seen: _Seen,
+) -> dict[str, dict[str, Any]]:
+    """Note the keys of ``module``'s own tensors and extra state (those that belong to none as
+    unexpected; all of them for a module that loads itself); returns its children's views."""
+    names = {n for n, t in module._parameters.items() if t is not None}
+    names.update(
+        n
+        for n, b in module._buffers.items()
+        if b is not None and n not in module._non_persistent_buffers_set
+    )
+    for name in names:
+        if prefix + name in local:
+            seen.own[prefix + name] = local[prefix + name]
+    extra_key = prefix + "_extra_state"
+    if extra_key in extra:
+        if extra_key in local:
+            seen.own[extra_key] = local[extra_key]
+    elif extra_key in local:
+        seen.unexpected.append(extra_key)
+    children: dict[str, dict[str, Any]] = {}
+    itself = loads_itself(module)
+    handed: dict[str, Any] = {}  # a self-loading module's own keys, all handed to it
+    for key, value in local.items():
+        if not key.startswith(prefix) or key == extra_key:
+            continue
+        head, dot, _ = key[len(prefix) :].partition(".")
+        if dot and head in module._modules:
+            children.setdefault(head, {})[key] = value
+        elif itself:
+            handed[key] = value  # what it leaves, it reports as unexpected itself
+        elif dot or head not in names:
+            seen.unexpected.append(key)
+    if itself:
+        seen.loaders.append((module, prefix, local_metadata, handed))
+    return children
+
+
 def as_load_state_dict_sees(
     p: Path | str, model: nn.Module, state: Mapping[str, Any], extra: Mapping[str, nn.Module]
 ) -> _Seen:
@@ -171,50 +237,8 @@ def as_load_state_dict_sees(
             _upgrade_norm(module, local, prefix, local_metadata.get("version"), seen.errors)
         elif _is_frozen_norm(module):
             local.pop(prefix + "num_batches_tracked", None)
-        for hook in module._load_state_dict_pre_hooks.values():
-            if _is_lazy_hook(hook):
-                continue
-            try:
-                hook(
-                    local, prefix, local_metadata, True, seen.missing, seen.unexpected, seen.errors
-                )
-            except Exception as exc:
-                where = prefix[:-1] or "the model"
-                raise CheckpointError(
-                    f"{p}: the load_state_dict pre-hook {_hook_name(hook)} of {where} "
-                    f"({type(module).__name__}) raised {type(exc).__name__}: "
-                    f"{first_sentence(str(exc))}; nothing was loaded"
-                ) from exc
-        names = {n for n, t in module._parameters.items() if t is not None}
-        names.update(
-            n
-            for n, b in module._buffers.items()
-            if b is not None and n not in module._non_persistent_buffers_set
-        )
-        for name in names:
-            if prefix + name in local:
-                seen.own[prefix + name] = local[prefix + name]
-        extra_key = prefix + "_extra_state"
-        if extra_key in extra:
-            if extra_key in local:
-                seen.own[extra_key] = local[extra_key]
-        elif extra_key in local:
-            seen.unexpected.append(extra_key)
-        children: dict[str, dict[str, Any]] = {}
-        itself = loads_itself(module)
-        handed: dict[str, Any] = {}  # a self-loading module's own keys, all handed to it
-        for key, value in local.items():
-            if not key.startswith(prefix) or key == extra_key:
-                continue
-            head, dot, _ = key[len(prefix) :].partition(".")
-            if dot and head in module._modules:
-                children.setdefault(head, {})[key] = value
-            elif itself:
-                handed[key] = value  # what it leaves, it reports as unexpected itself
-            elif dot or head not in names:
-                seen.unexpected.append(key)
-        if itself:
-            seen.loaders.append((module, prefix, local_metadata, handed))
+        _run_pre_hooks(p, module, local, prefix, local_metadata, seen)
+        children = _take_own_keys(module, local, prefix, local_metadata, extra, seen)
         for name, child in module._modules.items():
             if child is not None:
                 visit(child, children.get(name, {}), f"{prefix}{name}.")  # noqa: F821 (deleted once done)

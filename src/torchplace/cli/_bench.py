@@ -289,34 +289,16 @@ def measure(
     """
     numel = max(size // 4, 1)
     small = [torch.rand(_SMALL_NUMELS[i % len(_SMALL_NUMELS)]) for i in range(tensors)]
+    if target.type == "cpu":
+        return _rates(_host_rows(target, numel, small, repeat))
+
     small_bytes = sum(t.nbytes for t in small)
     rows: list[tuple[str, str, int, int, float]] = []
-
-    if target.type == "cpu":
-        sync: Callable[[], None] = _no_sync
-        src = torch.rand(numel)
-        dst = torch.empty_like(src)
-        rows.append(
-            ("host", "pageable", src.nbytes, 1, _time(lambda: dst.copy_(src), sync, repeat))
-        )
-        rows.append(
-            (
-                "host",
-                "per-tensor",
-                small_bytes,
-                tensors,
-                _time(lambda: [t.clone() for t in small], sync, repeat),
-            )
-        )
-        pack = lambda: pack_and_copy(small, target, pin=False, non_blocking=False)  # noqa: E731
-        rows.append(("host", "consolidated", small_bytes, tensors, _time(pack, sync, repeat)))
-        return _rates(rows)
-
     sync = _sync_for(target)
     pinned_ok = target.type == "cuda"
     host = torch.rand(numel)
     on_device = torch.empty(numel, device=target)
-    h2d, d2h = "host-to-device", "device-to-host"
+    h2d = "host-to-device"
     rows.append(
         (h2d, "pageable", host.nbytes, 1, _time(lambda: on_device.copy_(host), sync, repeat))
     )
@@ -330,6 +312,49 @@ def measure(
     together = lambda: packed_host_copy(small, target, non_blocking=True)  # noqa: E731
     rows.append((h2d, "consolidated", small_bytes, tensors, _time(together, sync, repeat)))
 
+    rows += _device_to_host_rows(on_device, small, target, sync, repeat)
+    return _rates(rows)
+
+
+def _host_rows(
+    target: torch.device, numel: int, small: list[torch.Tensor], repeat: int
+) -> list[tuple[str, str, int, int, float]]:
+    """The CPU alone: a large copy, the small tensors one by one, and packed together."""
+    tensors = len(small)
+    small_bytes = sum(t.nbytes for t in small)
+    rows: list[tuple[str, str, int, int, float]] = []
+    sync: Callable[[], None] = _no_sync
+    src = torch.rand(numel)
+    dst = torch.empty_like(src)
+    rows.append(("host", "pageable", src.nbytes, 1, _time(lambda: dst.copy_(src), sync, repeat)))
+    rows.append(
+        (
+            "host",
+            "per-tensor",
+            small_bytes,
+            tensors,
+            _time(lambda: [t.clone() for t in small], sync, repeat),
+        )
+    )
+    pack = lambda: pack_and_copy(small, target, pin=False, non_blocking=False)  # noqa: E731
+    rows.append(("host", "consolidated", small_bytes, tensors, _time(pack, sync, repeat)))
+    return rows
+
+
+def _device_to_host_rows(
+    on_device: torch.Tensor,
+    small: list[torch.Tensor],
+    target: torch.device,
+    sync: Callable[[], None],
+    repeat: int,
+) -> list[tuple[str, str, int, int, float]]:
+    """Back from ``target``: a large copy (pageable, then pinned on CUDA), the small tensors one
+    by one, and packed together."""
+    numel, tensors = on_device.numel(), len(small)
+    small_bytes = sum(t.nbytes for t in small)
+    pinned_ok = target.type == "cuda"
+    d2h = "device-to-host"
+    rows: list[tuple[str, str, int, int, float]] = []
     cpu = torch.device("cpu")
     back = torch.empty(numel)
     rows.append(
@@ -344,7 +369,7 @@ def measure(
     rows.append((d2h, "per-tensor", small_bytes, tensors, _time(each_back, sync, repeat)))
     all_back = lambda: consolidated_copy(small_on_device, cpu)  # noqa: E731
     rows.append((d2h, "consolidated", small_bytes, tensors, _time(all_back, sync, repeat)))
-    return _rates(rows)
+    return rows
 
 
 def _no_sync() -> None:

@@ -188,25 +188,35 @@ def _round_trip(hops: list[torch.device]) -> list[dict[str, Any]]:
             }
         )
     if hops and hops[-1].type == "cpu":
-        now = model.state_dict()
-        same = all(torch.equal(v, now[k]) for k, v in start.items())
-        same_state = all(
-            torch.equal(v, opt.state[model.embed.weight][k].cpu()) for k, v in start_state.items()
-        )
-        same_batch = torch.equal(start_batch[0], batch["ids"]) and torch.equal(
-            start_batch[1], batch["extra"][0]["scale"]
-        )
-        ok = same and same_state and same_batch
-        results.append(
-            {
-                "check": "values back on cpu bit for bit",
-                "ok": ok,
-                "detail": "parameters, Adam state and batch identical"
-                if ok
-                else "values changed in transit",
-            }
-        )
+        results.append(_values_back(model, opt, batch, start, start_state, start_batch))
     return results
+
+
+def _values_back(
+    model: _DoctorModel,
+    opt: torch.optim.Optimizer,
+    batch: dict[str, Any],
+    start: dict[str, torch.Tensor],
+    start_state: dict[str, torch.Tensor],
+    start_batch: tuple[torch.Tensor, torch.Tensor],
+) -> dict[str, Any]:
+    """Back on the CPU after the round trip: parameters, Adam state and batch bit for bit."""
+    now = model.state_dict()
+    same = all(torch.equal(v, now[k]) for k, v in start.items())
+    same_state = all(
+        torch.equal(v, opt.state[model.embed.weight][k].cpu()) for k, v in start_state.items()
+    )
+    same_batch = torch.equal(start_batch[0], batch["ids"]) and torch.equal(
+        start_batch[1], batch["extra"][0]["scale"]
+    )
+    ok = same and same_state and same_batch
+    return {
+        "check": "values back on cpu bit for bit",
+        "ok": ok,
+        "detail": "parameters, Adam state and batch identical"
+        if ok
+        else "values changed in transit",
+    }
 
 
 def _meta_check() -> dict[str, Any]:

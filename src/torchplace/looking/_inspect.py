@@ -380,30 +380,14 @@ def fix_for(entry: Entry, target: torch.device, *, rebuild: bool = False) -> str
             "was not passed to replaced it), so its steps would change the wrong tensor; "
             f"re-bind it: torchplace.move(model, {dev}, optimizer=opt)"
         )
+    return _fix_by_kind(entry, dev)
+
+
+def _fix_by_kind(entry: Entry, dev: str) -> str:
+    """The fix for a misplaced tensor with values and a live owner: by what kind of tensor it is."""
     kind = entry.kind
-    if kind == "attribute" and entry.own is not None:
-        return (
-            f"kept by a module that moves it itself ({entry.own}), as Module.to() would; "
-            f"torchplace.move(model, {dev}) runs that"
-        )
     if kind == "attribute":
-        attr = entry.name.rpartition(".")[2]
-        if "[" in entry.name:  # in a plain list, tuple or dict attribute (a module's, or a tensor)
-            return (
-                "held in a plain list or dict attribute, which Module.to() does not walk; keep "
-                "modules in nn.ModuleList / nn.ModuleDict and tensors as registered buffers "
-                "(one register_buffer each), or pass attributes='move' to torchplace.move"
-            )
-        if entry.cached:
-            return (
-                f"a value cached by a functools.cached_property, which torchplace.move "
-                f"moves with its module: torchplace.move(model, {dev}); or drop it with "
-                f"del model.{entry.name} and it is computed again where the model is"
-            )
-        return (
-            f"a plain tensor attribute, which Module.to() does not move; register it with "
-            f"self.register_buffer('{attr}', ...) or pass attributes='move' to torchplace.move"
-        )
+        return _fix_for_attribute(entry, dev)
     if kind == "optimizer_state":
         if entry.host:
             return (
@@ -421,6 +405,32 @@ def fix_for(entry: Entry, target: torch.device, *, rebuild: bool = False) -> str
         root = re.split(r"[\[.]", entry.name, maxsplit=1)[0]
         return f"{root} = torchplace.move({root}, {dev})"
     return f"torchplace.move(model, {dev})"
+
+
+def _fix_for_attribute(entry: Entry, dev: str) -> str:
+    """The fix for a tensor kept in a plain attribute of a module."""
+    if entry.own is not None:
+        return (
+            f"kept by a module that moves it itself ({entry.own}), as Module.to() would; "
+            f"torchplace.move(model, {dev}) runs that"
+        )
+    attr = entry.name.rpartition(".")[2]
+    if "[" in entry.name:  # in a plain list, tuple or dict attribute (a module's, or a tensor)
+        return (
+            "held in a plain list or dict attribute, which Module.to() does not walk; keep "
+            "modules in nn.ModuleList / nn.ModuleDict and tensors as registered buffers "
+            "(one register_buffer each), or pass attributes='move' to torchplace.move"
+        )
+    if entry.cached:
+        return (
+            f"a value cached by a functools.cached_property, which torchplace.move "
+            f"moves with its module: torchplace.move(model, {dev}); or drop it with "
+            f"del model.{entry.name} and it is computed again where the model is"
+        )
+    return (
+        f"a plain tensor attribute, which Module.to() does not move; register it with "
+        f"self.register_buffer('{attr}', ...) or pass attributes='move' to torchplace.move"
+    )
 
 
 def _lost_on_meta(entry: Entry, dev: str) -> str:

@@ -348,6 +348,47 @@ def pack_and_copy(
     return [t for t in results if t is not None]
 
 
+_Region = tuple[torch.dtype, dict[torch.Size, list[int]], int, int]  # dtype, shapes, offset, bytes
+
+
+def _pack_on_host(
+    packed: torch.Tensor, regions: list[_Region], tensors: Sequence[torch.Tensor]
+) -> None:
+    """Copy host tensors into their places in ``packed``, each dtype's region shape by shape."""
+    base, memmove = packed.data_ptr(), ctypes.memmove
+    for dtype, shapes, offset, _ in regions:
+        for shape, indices in shapes.items():
+            nbytes = shape.numel() * dtype.itemsize
+            if len(indices) >= _STACK_FROM and dtype in _STACKABLE:
+                block = packed.narrow(0, offset, nbytes * len(indices)).view(dtype)
+                torch.stack([tensors[i] for i in indices], out=block.view(-1, *shape))
+                offset += nbytes * len(indices)
+                continue
+            for i in indices:  # one memmove each: no tensor op, so no dispatch cost
+                memmove(base + offset, tensors[i].data_ptr(), nbytes)
+                offset += nbytes
+
+
+def _land(
+    packed: torch.Tensor, device: torch.device, *, pin: bool, non_blocking: bool
+) -> torch.Tensor:
+    """The packed bytes copied to ``device`` in one transfer."""
+    source, total = packed.device, packed.numel()
+    if source.type == "cpu" or device.type != "cpu":
+        landed = torch.empty(total, dtype=torch.uint8, device=device)
+        landed.copy_(packed, non_blocking=non_blocking and pin)
+    else:  # device to host: land in (pinned) host memory and wait for the bytes
+        landed = torch.empty(total, dtype=torch.uint8, device=device, pin_memory=pin)
+        if source.type == "cuda":
+            landed.copy_(packed, non_blocking=True)
+            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            done.record(torch.cuda.current_stream(source))
+            done.synchronize()
+        else:
+            landed.copy_(packed)
+    return landed
+
+
 def _pack_and_split(
     tensors: Sequence[torch.Tensor],
     groups: dict[torch.dtype, dict[torch.Size, list[int]]],
@@ -362,7 +403,7 @@ def _pack_and_split(
     Each dtype's region holds its tensors shape by shape, in the order of ``groups[dtype]``.
     """
     source = tensors[0].device  # one device for all, as _consolidate is given them
-    regions: list[tuple[torch.dtype, dict[torch.Size, list[int]], int, int]] = []
+    regions: list[_Region] = []
     total = 0
     for dtype, shapes in groups.items():
         nbytes = dtype.itemsize * sum(shape.numel() * len(ix) for shape, ix in shapes.items())
@@ -373,36 +414,14 @@ def _pack_and_split(
         total, dtype=torch.uint8, device=source, pin_memory=pin and source.type == "cpu"
     )
     if source.type == "cpu":
-        base, memmove = packed.data_ptr(), ctypes.memmove
-        for dtype, shapes, offset, _ in regions:
-            for shape, indices in shapes.items():
-                nbytes = shape.numel() * dtype.itemsize
-                if len(indices) >= _STACK_FROM and dtype in _STACKABLE:
-                    block = packed.narrow(0, offset, nbytes * len(indices)).view(dtype)
-                    torch.stack([tensors[i] for i in indices], out=block.view(-1, *shape))
-                    offset += nbytes * len(indices)
-                    continue
-                for i in indices:  # one memmove each: no tensor op, so no dispatch cost
-                    memmove(base + offset, tensors[i].data_ptr(), nbytes)
-                    offset += nbytes
+        _pack_on_host(packed, regions, tensors)
     else:
         for dtype, shapes, offset, nbytes in regions:
             group = [tensors[i] for indices in shapes.values() for i in indices]
             flat = _flatten_dense_tensors(group)  # type: ignore[no-untyped-call]
             packed[offset : offset + nbytes].view(dtype).copy_(flat)
 
-    if source.type == "cpu" or device.type != "cpu":
-        landed = torch.empty(total, dtype=torch.uint8, device=device)
-        landed.copy_(packed, non_blocking=non_blocking and pin)
-    else:  # device to host: land in (pinned) host memory and wait for the bytes
-        landed = torch.empty(total, dtype=torch.uint8, device=device, pin_memory=pin)
-        if source.type == "cuda":
-            landed.copy_(packed, non_blocking=True)
-            done = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            done.record(torch.cuda.current_stream(source))
-            done.synchronize()
-        else:
-            landed.copy_(packed)
+    landed = _land(packed, device, pin=pin, non_blocking=non_blocking)
 
     for dtype, shapes, offset, nbytes in regions:
         split = _split(landed[offset : offset + nbytes], dtype, shapes, tensors)

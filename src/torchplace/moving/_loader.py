@@ -52,6 +52,22 @@ _JOIN_SECONDS = 2.0
 _THREAD_NAME = "torchplace-DeviceLoader"
 
 
+def _check_iterable(iterable: object) -> None:
+    """Refuse what DeviceLoader cannot take batches from (a tensor, whose rows it would take)."""
+    if not isinstance(iterable, Iterable) and not hasattr(type(iterable), "__getitem__"):
+        raise TorchplaceError(
+            f"DeviceLoader(iterable=...) needs an iterable of batches (a DataLoader, a list, "
+            f"a generator), got {type(iterable).__name__} ({_short(iterable)})"
+        )
+    if isinstance(iterable, torch.Tensor):  # iterating one would hand over its rows
+        raise TorchplaceError(
+            f"DeviceLoader(iterable=...) needs an iterable of batches, got a tensor of shape "
+            f"{tuple(iterable.shape)}, whose rows it would hand over one by one; wrap it in "
+            "a DataLoader (DataLoader(TensorDataset(x), batch_size=...)), or move it "
+            "whole with x = torchplace.move(x, device)"
+        )
+
+
 class DeviceLoader(Generic[T]):
     """Wrap an iterable of batches so that each batch arrives on ``device``.
 
@@ -105,18 +121,7 @@ class DeviceLoader(Generic[T]):
         non_blocking: bool = True,
         views: bool = False,
     ) -> None:
-        if not isinstance(iterable, Iterable) and not hasattr(type(iterable), "__getitem__"):
-            raise TorchplaceError(
-                f"DeviceLoader(iterable=...) needs an iterable of batches (a DataLoader, a list, "
-                f"a generator), got {type(iterable).__name__} ({_short(iterable)})"
-            )
-        if isinstance(iterable, torch.Tensor):  # iterating one would hand over its rows
-            raise TorchplaceError(
-                f"DeviceLoader(iterable=...) needs an iterable of batches, got a tensor of shape "
-                f"{tuple(iterable.shape)}, whose rows it would hand over one by one; wrap it in "
-                "a DataLoader (DataLoader(TensorDataset(x), batch_size=...)), or move it "
-                "whole with x = torchplace.move(x, device)"
-            )
+        _check_iterable(iterable)
         try:
             target = _parse_device(device)
         except DeviceSpecError as exc:

@@ -222,42 +222,44 @@ def _moved_state(
     return new_state if changed else None
 
 
-def _move_modules(
-    roots: list[tuple[str, nn.Module]],
+def _note_meta_optimizer_state(
+    optimizers: list[torch.optim.Optimizer], target: torch.device, copier: Copier
+) -> None:
+    """Optimizer state on meta has no values either: a failure to copy the weights says so."""
+    if target.type != "meta" and any(
+        isinstance(v, torch.Tensor) and v.is_meta
+        for opt in optimizers
+        for entries in opt.state.values()
+        for v in entries.values()
+    ):
+        copier.meta_note = (
+            f". The optimizer's state on meta has no values either: once the weights are "
+            f"back, clear it with opt.state.clear() and re-bind the optimizer with "
+            f"torchplace.move(model, '{target}', optimizer=opt)"
+        )
+
+
+@dataclass
+class _Copies:
+    """Phase 1's copies by id of the original (the original itself where nothing moved)."""
+
+    params: dict[int, torch.Tensor]
+    grads: dict[int, torch.Tensor]
+    buffers: dict[int, torch.Tensor]
+
+
+def _copy_tensors(
+    plan: _Plan,
     target: torch.device,
     optimizers: list[torch.optim.Optimizer],
     copier: Copier,
-    attributes: Attributes,
-    log: UndoLog,
-    destinations: dict[int, torch.device] | None = None,
-) -> list[str]:
-    """Copy then commit every tensor of ``roots``; returns the attributes left where they were.
-
-    ``destinations`` (id of a parameter or buffer -> device) sends each tensor to its own device,
-    as ``dispatch`` needs; tensors it does not name stay where they are.
-    """
-    plan = _plan(roots, follow_unregistered=attributes == "move")
-    if destinations is None:
-        _check_non_persistent(plan, target, copier)
-        if target.type != "meta" and any(
-            isinstance(v, torch.Tensor) and v.is_meta
-            for opt in optimizers
-            for entries in opt.state.values()
-            for v in entries.values()
-        ):
-            copier.meta_note = (
-                f". The optimizer's state on meta has no values either: once the weights are "
-                f"back, clear it with opt.state.clear() and re-bind the optimizer with "
-                f"torchplace.move(model, '{target}', optimizer=opt)"
-            )
-    # Modules whose own overrides (torchmetrics' _apply, Lightning's to) move their extra state:
-    # their plain attributes are theirs to move, and are judged after those overrides ran.
-    covered = covered_modules([m for _, m in roots]) if destinations is None else {}
+    destinations: dict[int, torch.device] | None,
+) -> _Copies:
+    """Phase 1: copy every parameter, grad and buffer. Nothing the caller can see changes here."""
 
     def dest(t: torch.Tensor) -> torch.device:
         return target if destinations is None else destinations.get(id(t), t.device)
 
-    # Phase 1: copy. Nothing the caller can see changes here.
     if destinations is None:
         grads = [p.grad for _, p in plan.params.values() if p.grad is not None]
         state = [  # 0-dim entries (Adam's step) stay on the host
@@ -285,10 +287,25 @@ def _move_modules(
         new_buffers = {bid: copier(b, name, dest(b)) for bid, (name, b) in plan.buffers.items()}
     for bid, (_, b) in plan.buffers.items():  # copied without autograd: a leaf, as it was
         keep_requires_grad(b, new_buffers[bid])
+    return _Copies(new_params, new_grads, new_buffers)
 
-    replaced: dict[int, torch.Tensor] = {}  # id(old tensor) -> the object that replaces it
-    final: dict[int, torch.Tensor] = {}  # id(parameter) -> the parameter after the move
-    swapped: dict[int, nn.Parameter] = {}  # id(parameter) -> a shell to swap its contents with
+
+@dataclass
+class _Bindings:
+    """How each copy is bound: swapped into its parameter, replacing it, or (neither) set as its
+    data in place."""
+
+    replaced: dict[int, torch.Tensor]  # id(old tensor) -> the object that replaces it
+    final: dict[int, torch.Tensor]  # id(parameter) -> the parameter after the move
+    swapped: dict[int, nn.Parameter]  # id(parameter) -> a shell to swap its contents with
+
+
+def _bind_copies(plan: _Plan, copies: _Copies, copier: Copier) -> _Bindings:
+    """Decide, for each copied parameter and buffer, how the commit will put it in place."""
+    replaced: dict[int, torch.Tensor] = {}
+    final: dict[int, torch.Tensor] = {}
+    swapped: dict[int, nn.Parameter] = {}
+    new_params = copies.params
     swap = swaps()
     for pid, (_, p) in plan.params.items():
         final[pid] = p
@@ -303,23 +320,40 @@ def _move_modules(
                 continue
         if subclass or replaces(p, new):
             fresh = parameter_like(p, new)
-            if pid in new_grads:
-                fresh.grad = new_grads[pid]
+            if pid in copies.grads:
+                fresh.grad = copies.grads[pid]
             replaced[pid] = final[pid] = fresh
     for bid, (_, b) in plan.buffers.items():
-        if new_buffers[bid] is not b:
-            replaced[bid] = new_buffers[bid]
+        if copies.buffers[bid] is not b:
+            replaced[bid] = copies.buffers[bid]
     for pid, (_, p) in plan.params.items():
         if new_params[pid] is not p:
             copier.finals[id(new_params[pid])] = final[pid]
+    return _Bindings(replaced, final, swapped)
 
-    left_behind: list[str] = []
-    if attributes != "move":
-        for prefix, mod in plan.unregistered:
-            for _, p in mod.named_parameters(prefix=prefix.rstrip(".")):
-                if p.device != target:
-                    left_behind.append(prefix.rstrip("."))
-                    break
+
+def _unregistered_left_behind(plan: _Plan, target: torch.device) -> list[str]:
+    """Modules kept in plain lists or dicts whose parameters are off ``target``, named."""
+    left_behind = []
+    for prefix, mod in plan.unregistered:
+        for _, p in mod.named_parameters(prefix=prefix.rstrip(".")):
+            if p.device != target:
+                left_behind.append(prefix.rstrip("."))
+                break
+    return left_behind
+
+
+def _moved_attributes(
+    plan: _Plan,
+    target: torch.device,
+    copier: Copier,
+    attributes: Attributes,
+    covered: dict[int, nn.Module],
+    replaced: dict[int, torch.Tensor],
+) -> tuple[list[tuple[nn.Module, str, Any]], list[str]]:
+    """The new values of plain module attributes holding tensors, and those left where they
+    were (named): aliases of parameters and buffers follow them, the rest per ``attributes``."""
+    left_behind = _unregistered_left_behind(plan, target) if attributes != "move" else []
     new_attributes: list[tuple[nn.Module, str, Any]] = []
     for mod, key, name, value in plan.attributes:
         # A value a functools.cached_property computed is derived state: it goes with the
@@ -357,16 +391,86 @@ def _move_modules(
             continue  # a cyclic attribute holding tensors: left as it is, like Module.to does
         if new_value is not value:
             new_attributes.append((mod, key, new_value))
+    return new_attributes, left_behind
 
-    devices = {pid: new.device for pid, new in new_params.items()}
-    states = _plan_optimizer_states(optimizers, plan, final, devices, copier)
+
+def _move_modules(
+    roots: list[tuple[str, nn.Module]],
+    target: torch.device,
+    optimizers: list[torch.optim.Optimizer],
+    copier: Copier,
+    attributes: Attributes,
+    log: UndoLog,
+    destinations: dict[int, torch.device] | None = None,
+) -> list[str]:
+    """Copy then commit every tensor of ``roots``; returns the attributes left where they were.
+
+    ``destinations`` (id of a parameter or buffer -> device) sends each tensor to its own device,
+    as ``dispatch`` needs; tensors it does not name stay where they are.
+    """
+    plan = _plan(roots, follow_unregistered=attributes == "move")
+    if destinations is None:
+        _check_non_persistent(plan, target, copier)
+        _note_meta_optimizer_state(optimizers, target, copier)
+    # Modules whose own overrides (torchmetrics' _apply, Lightning's to) move their extra state:
+    # their plain attributes are theirs to move, and are judged after those overrides ran.
+    covered = covered_modules([m for _, m in roots]) if destinations is None else {}
+
+    # Phase 1: copy. Nothing the caller can see changes here.
+    copies = _copy_tensors(plan, target, optimizers, copier, destinations)
+    bindings = _bind_copies(plan, copies, copier)
+    new_attributes, left_behind = _moved_attributes(
+        plan, target, copier, attributes, covered, bindings.replaced
+    )
+    devices = {pid: new.device for pid, new in copies.params.items()}
+    states = _plan_optimizer_states(optimizers, plan, bindings.final, devices, copier)
 
     # Phase 2: commit, every step undoable.
+    _commit(roots, plan, copies, bindings, new_attributes, states, log)
+    if covered:
+        run_own_moves(roots, target, log.apply)
+        left_behind += _still_behind(plan, covered, target)
+    return left_behind
+
+
+def _commit(
+    roots: list[tuple[str, nn.Module]],
+    plan: _Plan,
+    copies: _Copies,
+    bindings: _Bindings,
+    new_attributes: list[tuple[nn.Module, str, Any]],
+    states: list[_StatePlan],
+    log: UndoLog,
+) -> None:
+    """Phase 2: put every copy in place through ``log``, so that a failure rolls it all back."""
     rnns = [m for _, root in roots for m in root.modules() if isinstance(m, nn.RNNBase)]
     for rnn in rnns:  # an RNN's weak references to its weights would block swap_tensors
         refs = rnn.__dict__.get("_flat_weight_refs")
         if isinstance(refs, list):  # cleared in place: another holder of the list keeps none
             log.apply(refs.clear, rnn._init_flat_weights)
+    _commit_parameters(plan, copies, bindings, log)
+    replaced = bindings.replaced
+    for bid, (_, b) in plan.buffers.items():
+        if bid in replaced:
+            for mod, key in plan.buffer_slots[bid]:
+                buffers = mod._buffers
+                log.apply(set_item(buffers, key, replaced[bid]), set_item(buffers, key, b))
+    for mod, key, new_value in new_attributes:
+        attrs = mod.__dict__
+        log.apply(set_item(attrs, key, new_value), set_item(attrs, key, attrs[key]))
+    _commit_optimizer_states(states, log)
+    for rnn in rnns:  # rebuild the RNN's cached list of its weights, as RNNBase._apply does
+        saved = {k: rnn.__dict__.get(k) for k in ("_flat_weights", "_flat_weight_refs")}
+        log.apply(rnn._init_flat_weights, restore(rnn.__dict__, saved))
+    for pid, (_, p) in plan.params.items():
+        if pid in replaced:
+            log.apply(*record_replacement(p, replaced[pid]))
+
+
+def _commit_parameters(plan: _Plan, copies: _Copies, bindings: _Bindings, log: UndoLog) -> None:
+    """Each parameter (and its grad) swapped, replaced in every slot, or given its new data."""
+    new_params, new_grads = copies.params, copies.grads
+    swapped, replaced = bindings.swapped, bindings.replaced
     for pid, (_, p) in plan.params.items():
         if pid in swapped:  # swap_tensors keeps the Python objects of parameter and grad
             grad = p.grad
@@ -386,14 +490,10 @@ def _move_modules(
             grad = p.grad
             if grad is not None and new_grads[pid] is not grad:
                 log.apply(set_data(grad, new_grads[pid]), set_data(grad, grad.data))
-    for bid, (_, b) in plan.buffers.items():
-        if bid in replaced:
-            for mod, key in plan.buffer_slots[bid]:
-                buffers = mod._buffers
-                log.apply(set_item(buffers, key, replaced[bid]), set_item(buffers, key, b))
-    for mod, key, new_value in new_attributes:
-        attrs = mod.__dict__
-        log.apply(set_item(attrs, key, new_value), set_item(attrs, key, attrs[key]))
+
+
+def _commit_optimizer_states(states: list[_StatePlan], log: UndoLog) -> None:
+    """Re-bind each optimizer to its parameters after the move, and give it their moved state."""
     for opt, group_params, index, old, bound, new_state in states:
         if bound is not old:
             log.apply(set_item(group_params, index, bound), set_item(group_params, index, old))
@@ -404,16 +504,6 @@ def _move_modules(
                 log.apply(set_item(opt.state, bound, new_state), del_item(opt.state, bound))
             else:
                 log.apply(set_item(opt.state, old, new_state), set_item(opt.state, old, old_state))
-    for rnn in rnns:  # rebuild the RNN's cached list of its weights, as RNNBase._apply does
-        saved = {k: rnn.__dict__.get(k) for k in ("_flat_weights", "_flat_weight_refs")}
-        log.apply(rnn._init_flat_weights, restore(rnn.__dict__, saved))
-    for pid, (_, p) in plan.params.items():
-        if pid in replaced:
-            log.apply(*record_replacement(p, replaced[pid]))
-    if covered:
-        run_own_moves(roots, target, log.apply)
-        left_behind += _still_behind(plan, covered, target)
-    return left_behind
 
 
 def _still_behind(plan: _Plan, covered: dict[int, nn.Module], target: torch.device) -> list[str]:
@@ -506,7 +596,33 @@ def _move_optimizer_state(
         log.apply(set_item(opt.state, p, new_state), set_item(opt.state, p, old_state))
 
 
+def _move_optimizers_alone(
+    optimizers: list[torch.optim.Optimizer], target: torch.device, copier: Copier, log: UndoLog
+) -> None:
+    """Move the state of optimizers on their own, each labelled as an error would name it."""
+    for index, opt in enumerate(optimizers):
+        label = "optimizer" if len(optimizers) == 1 else f"optimizer[{index}]"
+        _move_optimizer_state(opt, label, target, copier, log)
+
+
 _ATTRIBUTE_MODES = ("warn", "move", "ignore")
+
+
+def _check_options(attributes: Any, non_blocking: Any, views: Any) -> None:
+    """Refuse ``move``'s keyword arguments when they are not what it takes."""
+    if attributes not in _ATTRIBUTE_MODES:
+        hint = did_you_mean(attributes, _ATTRIBUTE_MODES) if isinstance(attributes, str) else ""
+        raise TorchplaceError(
+            f"attributes={attributes!r} is not one of 'warn', 'move', 'ignore'; {hint}'move' "
+            "also moves plain tensor attributes of modules, 'ignore' leaves them silently"
+        )
+    if non_blocking is not None and not isinstance(non_blocking, bool):
+        raise TorchplaceError(f"non_blocking={non_blocking!r} must be True, False or None")
+    if not isinstance(views, bool):
+        raise TorchplaceError(
+            f"views={views!r} must be True (a batch's small tensors share bounded device "
+            "buffers) or False (each tensor owns its storage)"
+        )
 
 
 def move(
@@ -544,19 +660,7 @@ def move(
     operation that grows a tensor's storage (``resize_`` to more elements, ``set_``) would
     write into its neighbours' bytes. Values are independent either way.
     """
-    if attributes not in _ATTRIBUTE_MODES:
-        hint = did_you_mean(attributes, _ATTRIBUTE_MODES) if isinstance(attributes, str) else ""
-        raise TorchplaceError(
-            f"attributes={attributes!r} is not one of 'warn', 'move', 'ignore'; {hint}'move' "
-            "also moves plain tensor attributes of modules, 'ignore' leaves them silently"
-        )
-    if non_blocking is not None and not isinstance(non_blocking, bool):
-        raise TorchplaceError(f"non_blocking={non_blocking!r} must be True, False or None")
-    if not isinstance(views, bool):
-        raise TorchplaceError(
-            f"views={views!r} must be True (a batch's small tensors share bounded device "
-            "buffers) or False (each tensor owns its storage)"
-        )
+    _check_options(attributes, non_blocking, views)
     refuse_unwalkable(obj, "move")
     optimizers = optimizer_list(optimizer)
     if torch.compiler.is_compiling():  # inside torch.compile: what Dynamo can trace
@@ -577,10 +681,7 @@ def move(
             result: Any = obj
         elif isinstance(obj, torch.optim.Optimizer):
             others = [o for o in optimizers if o is not obj]
-            everything: list[torch.optim.Optimizer] = [obj, *others]
-            for index, opt in enumerate(everything):
-                label = "optimizer" if not others else f"optimizer[{index}]"
-                _move_optimizer_state(opt, label, target, copier, log)
+            _move_optimizers_alone([obj, *others], target, copier, log)
             result = obj
         else:
             result, left_behind = _move_collection(
@@ -588,14 +689,32 @@ def move(
             )
         copier.synchronize()
     except BaseException as exc:
-        copier.abandon()
-        torch.set_grad_enabled(grad_mode)
-        if conversion_flags() != flags:
-            set_conversion_flags(flags)
-        log.rollback()
+        _roll_back(copier, log, grad_mode, flags)
         if isinstance(exc, TorchplaceError) or not isinstance(exc, Exception):
             raise
         raise MoveError(f"could not move {type(obj).__name__} to {target}: {exc}") from exc
+    _warn_after(obj, result, target, copier, left_behind, attributes)
+    return result  # type: ignore[no-any-return]
+
+
+def _roll_back(copier: Copier, log: UndoLog, grad_mode: bool, flags: tuple[bool, bool]) -> None:
+    """Undo a failed move: pending copies dropped, process-wide modes and the model restored."""
+    copier.abandon()
+    torch.set_grad_enabled(grad_mode)
+    if conversion_flags() != flags:
+        set_conversion_flags(flags)
+    log.rollback()
+
+
+def _warn_after(
+    obj: Any,
+    result: Any,
+    target: torch.device,
+    copier: Copier,
+    left_behind: list[str],
+    attributes: Attributes,
+) -> None:
+    """After a move: the warnings for what it left where it was, or discarded."""
     opaque = [] if result is not obj else [path for path, _ in opaque_tensors(obj)]
     if opaque:
         cls = type(obj).__name__
@@ -606,10 +725,10 @@ def move(
             f"({names}) stay where they are; give {cls} a .to(device) method that returns the "
             "moved object, or make it a dataclass",
             UserWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
     if copier.discarded:
-        warnings.warn(discarded_warning("move", copier.discarded), UserWarning, stacklevel=2)
+        warnings.warn(discarded_warning("move", copier.discarded), UserWarning, stacklevel=3)
     if left_behind and attributes == "warn":
         names = ", ".join(left_behind[:5]) + (", ..." if len(left_behind) > 5 else "")
         warnings.warn(
@@ -618,9 +737,8 @@ def move(
             "Register tensors with self.register_buffer(name, tensor), keep modules in "
             "nn.ModuleList / nn.ModuleDict, or pass attributes='move' (or 'ignore').",
             UserWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
-    return result  # type: ignore[no-any-return]
 
 
 def place(model: nn.Module, destinations: dict[int, torch.device], /) -> None:
@@ -694,6 +812,34 @@ def _undispatch(module: nn.Module) -> None:
         undispatch(module)
 
 
+def _prefill_batch(obj: Any, root: str, copier: Copier, views: bool) -> None:
+    """Gather a batch's tensors bound for an accelerator, so that the copier sends many small
+    ones in one copy before the walk that rebuilds the batch asks for each."""
+    found: list[torch.Tensor] = []
+    holders: list[Any] = []
+
+    def collect(t: torch.Tensor) -> torch.Tensor:
+        found.append(t)
+        return t
+
+    def hold(node: Any) -> Any:
+        holders.append(node)
+        return node
+
+    with contextlib.suppress(Exception):  # the walk that rebuilds the batch reports any problem
+        map_tensors(obj, collect, owner=hold, root=root)
+    # Parameters, and tensors a module or optimizer in the batch holds, own their storage:
+    # they travel with their owner's move, never as views of a batch's shared buffer.
+    if views:  # (Parameter subclasses are not plain tensors: they never travel packed)
+        parameter = nn.Parameter
+        if holders:
+            owned = _owned_ids(holders)
+            found = [t for t in found if type(t) is not parameter and id(t) not in owned]
+        else:
+            found = [t for t in found if type(t) is not parameter]
+    copier.prefill(found, views=views)
+
+
 def _move_collection(
     obj: Any,
     target: torch.device,
@@ -729,37 +875,12 @@ def _move_collection(
         has_own_to.append(True)
         return node
 
-    def to(node: Any) -> Any:
-        return own_to(node, target, asynchronous=bool(copier.non_blocking))
-
     # Batch tensors move with autograd, as Tensor.to does: activations keep their graph.
     tensor = tensor_mover(target, copier)
 
     root = "tensor" if isinstance(obj, torch.Tensor) else "batch"
     if is_accelerator(target):  # gather first, so many small tensors travel in one copy
-        found: list[torch.Tensor] = []
-        holders: list[Any] = []
-
-        def collect(t: torch.Tensor) -> torch.Tensor:
-            found.append(t)
-            return t
-
-        def hold(node: Any) -> Any:
-            holders.append(node)
-            return node
-
-        with contextlib.suppress(Exception):  # the real walk below reports any problem
-            map_tensors(obj, collect, owner=hold, root=root)
-        # Parameters, and tensors a module or optimizer in the batch holds, own their storage:
-        # they travel with their owner's move, never as views of a batch's shared buffer.
-        if views:  # (Parameter subclasses are not plain tensors: they never travel packed)
-            parameter = nn.Parameter
-            if holders:
-                owned = _owned_ids(holders)
-                found = [t for t in found if type(t) is not parameter and id(t) not in owned]
-            else:
-                found = [t for t in found if type(t) is not parameter]
-        copier.prefill(found, views=views)
+        _prefill_batch(obj, root, copier, views)
     try:
         result = map_tensors(obj, tensor, to=later, owner=owner, root=root)
     except Located as located:
@@ -775,12 +896,19 @@ def _move_collection(
             finals = copier.finals
             result = map_tensors(result, lambda t: finals.get(id(t), t), root=root)
     else:
-        for index, opt in enumerate(all_optimizers):
-            label = "optimizer" if len(all_optimizers) == 1 else f"optimizer[{index}]"
-            _move_optimizer_state(opt, label, target, copier, log)
+        _move_optimizers_alone(all_optimizers, target, copier, log)
     if has_own_to:
-        try:
-            result = map_tensors(result, lambda t: t, to=to, root=root)
-        except Located as located:
-            _reraise(located, root, target)
+        result = _move_own_to(result, root, target, copier)
     return result, left_behind
+
+
+def _move_own_to(batch: Any, root: str, target: torch.device, copier: Copier) -> Any:
+    """The last step of a batch's move: objects in it with their own ``.to`` move by it."""
+
+    def to(node: Any) -> Any:
+        return own_to(node, target, asynchronous=bool(copier.non_blocking))
+
+    try:
+        return map_tensors(batch, lambda t: t, to=to, root=root)
+    except Located as located:
+        _reraise(located, root, target)
