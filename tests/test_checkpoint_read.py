@@ -1290,3 +1290,16 @@ def test_a_whole_model_in_the_legacy_format_is_described_and_named(tmp_path: Pat
     assert [e.shape for e in catalog(path).entries.values()] == [(2, 2), (2,)]
     with pytest.raises(CheckpointError, match=r"holds a whole model saved with torch\.save"):
         load(path)
+
+
+# ------------------------------------------------------------------------------ rename= that raises
+
+
+def test_a_rename_callable_that_raises_is_a_checkpoint_error(tmp_path: Path) -> None:
+    torch.save(nn.Linear(2, 2).state_dict(), tmp_path / "w.pt")
+
+    def rename(key: str) -> str:
+        return {"weight": "weight"}[key]  # no entry for "bias"
+
+    with pytest.raises(CheckpointError, match=r"w\.pt: rename= raised KeyError on key 'bias'"):
+        load_into(skeleton(nn.Linear, 2, 2), tmp_path / "w.pt", rename=rename)
