@@ -124,6 +124,7 @@ def test_catalog_inspect_and_load_agree_on_every_kind_of_source(tmp_path: Path, 
                 assert raw == stored.reshape(-1).view(torch.uint8).numpy().tobytes(), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["zip", "safetensors"])
 def test_catalog_inspect_and_load_agree_on_fuzzed_files(tmp_path: Path, kind: str) -> None:
     path = _fixtures(tmp_path)[kind]

@@ -105,6 +105,7 @@ _RESUME = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_the_resume_loop_and_load_then_resave_survive(tmp_path: Path) -> None:
     """load_into a skeleton, train 20 steps, save to the same path (and load, re-save), for a
     .pt and a .safetensors file, in a subprocess: a crash there fails the test (SIGBUS: -7)."""
@@ -999,6 +1000,7 @@ print(json.dumps({"counts": counts, "half": half}))
 """
 
 
+@pytest.mark.slow
 def test_a_real_sigint_during_the_in_place_write_leaves_the_model_before_or_loaded(
     tmp_path: Path,
 ) -> None:
@@ -1062,6 +1064,7 @@ print(extra, model_bytes, READ_THREADS * READ_CHUNK_BYTES)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
 def test_a_bf16_model_from_an_fp32_file_peaks_at_its_own_bytes_plus_staging(
@@ -1257,6 +1260,7 @@ def test_a_whole_model_the_catalog_refuses_is_still_called_a_whole_model(tmp_pat
         load(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
 def test_a_whole_models_tensors_are_named_as_its_state_dict_names_them(
     tmp_path: Path, legacy: bool

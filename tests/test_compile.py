@@ -280,6 +280,7 @@ def test_without_fullgraph_what_cannot_trace_moves_eagerly() -> None:
     torch._dynamo.utils.counters.clear()  # that fallback is a graph break, as it must be
 
 
+@pytest.mark.slow
 def test_importing_and_moving_eagerly_never_imports_dynamo() -> None:
     # torch._dynamo takes seconds to import: torchplace loads what it needs for tracing only
     # once torch.compile traces a move.

@@ -400,6 +400,7 @@ def _fuzz_cases(data: bytes, seed: int, count: int) -> list[bytes]:
     return cases
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["zip", "legacy", "safetensors"])
 def test_fuzzed_files_load_or_raise_checkpoint_error(tmp_path: Path, fmt: str) -> None:
     sd = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.arange(3, dtype=torch.int64)}
