@@ -869,6 +869,7 @@ def _same(model: nn.Module, before: list[Any], note: str) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_ctrl_c_at_any_point_of_load_into_leaves_the_skeleton_as_it_was(tmp_path: Path) -> None:
     torch.manual_seed(0)
     src = _Stateful()
@@ -910,6 +911,7 @@ def test_the_names_others_import_stay_importable_from_checkpoint() -> None:
     assert checkpoint.load is torchplace.load and checkpoint.load_into is torchplace.load_into
 
 
+@pytest.mark.slow
 def test_ctrl_c_at_any_point_of_load_into_a_real_model_leaves_it_before_or_loaded(
     tmp_path: Path,
 ) -> None:

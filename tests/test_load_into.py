@@ -536,6 +536,7 @@ def _tiny_transformer(kind: str) -> tuple[type[nn.Module], object]:
     return transformers.LlamaForCausalLM, config
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("kind", "shard"),
     [("llama", False), ("llama", True), ("gpt2", False)],
