@@ -1,7 +1,9 @@
-"""Helpers several test files share: golden files, and running a script under torchrun."""
+"""Helpers several test files share: golden files, running a script under torchrun, and the model
+and files the checkpoint tests save and load."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
 GOLDEN = Path(__file__).parent / "golden"
 
@@ -87,3 +91,60 @@ def torch_save(obj: Any, path: Path, *, crcs: bool = True) -> None:
         torch.save(obj, path)
     finally:
         torch.serialization.set_crc32_options(True)
+
+
+# -------------------------------------------------------------------------------------- checkpoints
+
+
+def safetensors_torch() -> Any:
+    """safetensors' writer, for the tests that make such files: only they skip without it."""
+    return pytest.importorskip("safetensors.torch")
+
+
+class Net(nn.Module):
+    """Tied embedding and head, a persistent and a non-persistent buffer."""
+
+    def __init__(self, d: int = 8, vocab: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.body = nn.Sequential(nn.Linear(d, d), nn.LayerNorm(d))
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.full((d,), 0.5))
+        self.register_buffer("mask", torch.ones(4, 4).tril(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.emb(x)) * self.scale)
+
+
+X = torch.tensor([[1, 2, 3, 4]])
+
+
+def reference() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def save(obj: object, path: Path, *, legacy: bool = False) -> Path:
+    torch.save(obj, path, _use_new_zipfile_serialization=not legacy)
+    return path
+
+
+def write_shards(root: Path, sd: dict[str, torch.Tensor], *, torch_shards: bool = False) -> Path:
+    names = sorted(sd)
+    half = len(names) // 2
+    weight_map = {}
+    for i, part in enumerate((names[:half], names[half:])):
+        shard = f"model-0000{i + 1}-of-00002." + ("bin" if torch_shards else "safetensors")
+        chunk = {k: sd[k].contiguous() for k in part}
+        if torch_shards:
+            torch.save(chunk, root / shard)
+        else:
+            safetensors_torch().save_file(chunk, root / shard)
+        weight_map.update(dict.fromkeys(part, shard))
+    index = root / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return index
+
+
+DISCARDED_MASK = r"load_into to meta discarded the values of 1 non-persistent buffer\(s\) \(mask\)"

@@ -39,6 +39,7 @@ def test_every_benchmark_is_found() -> None:
     assert len(names) >= 9
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", BENCHMARKS, ids=lambda p: p.name)
 def test_benchmark_imports_and_answers_help(path: Path) -> None:
     done = run([sys.executable, str(path), "--help"])
@@ -46,6 +47,7 @@ def test_benchmark_imports_and_answers_help(path: Path) -> None:
     assert "usage:" in done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(GPU_ONLY))
 def test_gpu_benchmark_runs_its_main_and_skips_without_cuda(name: str) -> None:
     done = run([sys.executable, str(ROOT / "benchmarks" / name)])
@@ -53,6 +55,7 @@ def test_gpu_benchmark_runs_its_main_and_skips_without_cuda(name: str) -> None:
     assert "skipped, no CUDA device" in done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CPU_RUNS))
 def test_cpu_mode_runs(name: str) -> None:
     done = run([sys.executable, str(ROOT / "benchmarks" / name), *CPU_RUNS[name]])
@@ -60,6 +63,7 @@ def test_cpu_mode_runs(name: str) -> None:
     assert "ms" in done.stdout
 
 
+@pytest.mark.slow
 def test_rows_make_one_table(tmp_path: Path) -> None:
     rows = tmp_path / "rows.jsonl"
     lines = [
@@ -82,6 +86,7 @@ def test_rows_make_one_table(tmp_path: Path) -> None:
 BASH = shutil.which("bash")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(BASH is None, reason="needs bash")
 def test_gpu_check_parses_and_dry_runs() -> None:
     script = str(ROOT / "benchmarks" / "gpu_check.sh")
@@ -93,6 +98,7 @@ def test_gpu_check_parses_and_dry_runs() -> None:
         assert name in done.stdout  # every GPU benchmark is run
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(BASH is None, reason="needs bash")
 def test_gpu_check_fails_soft_without_cuda() -> None:
     done = run([str(BASH), str(ROOT / "benchmarks" / "gpu_check.sh")])

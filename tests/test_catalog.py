@@ -125,6 +125,7 @@ def test_catalog_inspect_and_load_agree_on_every_kind_of_source(tmp_path: Path, 
                 assert raw == stored.reshape(-1).view(torch.uint8).numpy().tobytes(), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["zip", "safetensors"])
 def test_catalog_inspect_and_load_agree_on_fuzzed_files(tmp_path: Path, kind: str) -> None:
     path = _fixtures(tmp_path)[kind]
@@ -763,3 +764,18 @@ def test_a_safetensors_entry_is_the_entry_its_fields_make(tmp_path: Path) -> Non
     save_file({"w": torch.ones(2, 3)}, path)
     (entry,) = catalog(path).entries.values()
     assert entry == dataclasses.replace(entry) and entry.addressable
+
+
+# ----------------------------------------------------------------------------------- shared objects
+
+
+def test_inspect_walks_shared_objects_once(tmp_path: Path) -> None:
+    from torchplace.checkpoint._catalog import describe_file as describe
+
+    shared: list[object] = [torch.ones(1)]
+    for _ in range(60):
+        shared = [shared, shared]  # 2**60 paths, 61 objects
+    path = tmp_path / "dag.pt"
+    torch.save(shared, path)
+    records = describe(path)
+    assert len(records) == 1

@@ -244,6 +244,7 @@ def test_remap_refuses_unsafe_file_and_bad_targets(tmp_path: Path) -> None:
         remap(src, tmp_path / "no" / "out.pt", to="cpu")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["zip", "legacy", "safetensors"])
 def test_describe_fuzzed_files(tmp_path: Path, fmt: str) -> None:
     src = tmp_path / "src"
@@ -1072,6 +1073,7 @@ def _dead_pid() -> int:
     return int(done.stdout)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.name != "posix", reason="tells dead processes by os.kill(pid, 0)")
 def test_remap_sweeps_the_temporary_files_of_a_killed_run(tmp_path: Path) -> None:
     """A remap killed mid-write (SIGKILL: no clean-up runs) left its temporary file for ever."""

@@ -4,6 +4,8 @@ path refused (never read as the current directory), a mapping given to ``load`` 
 
 from __future__ import annotations
 
+import io
+import os
 import shlex
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from helpers import save
 from torchplace import estimate
 from torchplace._errors import CheckpointError, TorchplaceError
 from torchplace.checkpoint._catalog import catalog
@@ -134,3 +137,61 @@ def test_help_says_directories_and_indexes_are_accepted(
     text = " ".join(capsys.readouterr().out.split())  # as one line, whatever the wrapping
     assert "a shard index (*.index.json)" in text
     assert "a save_pretrained directory" in text
+
+
+# ------------------------------------------------------------------------- paths that are not files
+
+
+@pytest.mark.parametrize(
+    ("path", "message", "into"),
+    [
+        (None, "not NoneType", "not NoneType"),
+        (123, "not int", "not int"),
+        (
+            io.BytesIO(b"PK"),
+            "not BytesIO; torchplace reads files by path",
+            r"not an open file \(BytesIO\).*torchplace reads files by path",
+        ),
+        ("x" * 5000, "cannot be read", "cannot be read"),  # longer than the file system allows
+    ],
+    ids=["none", "int", "file-object", "name-too-long"],
+)
+def test_bad_paths_are_checkpoint_errors(path: object, message: str, into: str) -> None:
+    with pytest.raises(CheckpointError, match=message):
+        load(path)  # type: ignore[arg-type]
+    with pytest.raises(CheckpointError, match=into):  # a mapping too (see below)
+        load_into(nn.Linear(1, 1), path)  # type: ignore[arg-type]
+
+
+def test_bytes_paths_are_read(tmp_path: Path) -> None:
+    torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
+    assert torch.equal(load(os.fsencode(tmp_path / "w.pt"))["w"], torch.ones(2))
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_a_pipe_is_refused_not_read_for_ever(tmp_path: Path) -> None:
+    os.mkfifo(tmp_path / "model.pt")  # opening it for reading would block with no writer
+    with pytest.raises(CheckpointError, match="not a regular file"):
+        load(tmp_path / "model.pt")
+
+
+@pytest.mark.parametrize(
+    ("given", "found"),
+    [
+        ("model.pth", "model.pt"),  # the same stem: found before, found now
+        ("model", "model.pt"),
+        ("modle.pt", "model.pt"),  # letters transposed
+        ("mode.pt", "model.pt"),  # a letter dropped
+        ("optimzer.pt", "optimizer.pt"),
+    ],
+)
+def test_a_missing_file_names_the_one_meant(tmp_path: Path, given: str, found: str) -> None:
+    save({"w": torch.ones(1)}, tmp_path / "model.pt")
+    save({"w": torch.ones(1)}, tmp_path / "optimizer.pt")
+    with pytest.raises(
+        CheckpointError, match=r"no such file; check the path \(found nearby: (.*)\)$"
+    ) as e:
+        load(tmp_path / given)
+    assert str(e.value).rsplit("found nearby: ", 1)[1].rstrip(")").split(", ")[0] == found
+    with pytest.raises(CheckpointError, match=r"no such file; check the path$"):
+        load(tmp_path / "zebra.pt")

@@ -105,6 +105,7 @@ _RESUME = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_the_resume_loop_and_load_then_resave_survive(tmp_path: Path) -> None:
     """load_into a skeleton, train 20 steps, save to the same path (and load, re-save), for a
     .pt and a .safetensors file, in a subprocess: a crash there fails the test (SIGBUS: -7)."""
@@ -868,6 +869,7 @@ def _same(model: nn.Module, before: list[Any], note: str) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_ctrl_c_at_any_point_of_load_into_leaves_the_skeleton_as_it_was(tmp_path: Path) -> None:
     torch.manual_seed(0)
     src = _Stateful()
@@ -909,6 +911,7 @@ def test_the_names_others_import_stay_importable_from_checkpoint() -> None:
     assert checkpoint.load is torchplace.load and checkpoint.load_into is torchplace.load_into
 
 
+@pytest.mark.slow
 def test_ctrl_c_at_any_point_of_load_into_a_real_model_leaves_it_before_or_loaded(
     tmp_path: Path,
 ) -> None:
@@ -999,6 +1002,7 @@ print(json.dumps({"counts": counts, "half": half}))
 """
 
 
+@pytest.mark.slow
 def test_a_real_sigint_during_the_in_place_write_leaves_the_model_before_or_loaded(
     tmp_path: Path,
 ) -> None:
@@ -1062,6 +1066,7 @@ print(extra, model_bytes, READ_THREADS * READ_CHUNK_BYTES)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
 def test_a_bf16_model_from_an_fp32_file_peaks_at_its_own_bytes_plus_staging(
@@ -1257,6 +1262,7 @@ def test_a_whole_model_the_catalog_refuses_is_still_called_a_whole_model(tmp_pat
         load(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
 def test_a_whole_models_tensors_are_named_as_its_state_dict_names_them(
     tmp_path: Path, legacy: bool
@@ -1290,3 +1296,16 @@ def test_a_whole_model_in_the_legacy_format_is_described_and_named(tmp_path: Pat
     assert [e.shape for e in catalog(path).entries.values()] == [(2, 2), (2,)]
     with pytest.raises(CheckpointError, match=r"holds a whole model saved with torch\.save"):
         load(path)
+
+
+# ------------------------------------------------------------------------------ rename= that raises
+
+
+def test_a_rename_callable_that_raises_is_a_checkpoint_error(tmp_path: Path) -> None:
+    torch.save(nn.Linear(2, 2).state_dict(), tmp_path / "w.pt")
+
+    def rename(key: str) -> str:
+        return {"weight": "weight"}[key]  # no entry for "bias"
+
+    with pytest.raises(CheckpointError, match=r"w\.pt: rename= raised KeyError on key 'bias'"):
+        load_into(skeleton(nn.Linear, 2, 2), tmp_path / "w.pt", rename=rename)

@@ -42,6 +42,7 @@ def _cli_then_modules(argv: list[str]) -> str:
     )
 
 
+@pytest.mark.slow
 def test_import_torchplace_imports_no_torch() -> None:
     assert _run("import sys, torchplace; print('torch' in sys.modules)") == ["False"]
     # a public name is torch's the first time it is used, and says it is torchplace's
@@ -50,6 +51,7 @@ def test_import_torchplace_imports_no_torch() -> None:
     ) == ["True torchplace"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("argv", "status"),
     [
@@ -82,6 +84,7 @@ def test_help_and_argument_errors_import_no_torch(argv: list[str], status: int) 
             assert command in text
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("as_json", [False, True], ids=["table", "json"])
 def test_inspect_of_a_safetensors_file_imports_no_torch(tmp_path: Path, as_json: bool) -> None:
     import torch

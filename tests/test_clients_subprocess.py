@@ -15,6 +15,8 @@ import pytest
 
 import torchplace
 
+pytestmark = pytest.mark.slow  # the resume loop of each client in subprocesses
+
 SCRIPT = r"""
 import sys
 import torch

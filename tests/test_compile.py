@@ -181,6 +181,7 @@ def _move_again(batch: Any) -> Any:
     return torchplace.move(batch, "meta")
 
 
+@pytest.mark.slow
 def test_new_batches_and_types_met_elsewhere_compile_nothing_again() -> None:
     # A type torchplace meets for the first time, in the trace or outside, must not change
     # anything Dynamo guards on: each such change would compile the step again.
@@ -267,6 +268,7 @@ def _move_to_meta(batch: Any) -> Any:
     return torchplace.move(batch, "meta")
 
 
+@pytest.mark.slow
 @needs_traced_errors
 def test_without_fullgraph_what_cannot_trace_moves_eagerly() -> None:
     model = nn.Linear(2, 2)
@@ -280,6 +282,7 @@ def test_without_fullgraph_what_cannot_trace_moves_eagerly() -> None:
     torch._dynamo.utils.counters.clear()  # that fallback is a graph break, as it must be
 
 
+@pytest.mark.slow
 def test_importing_and_moving_eagerly_never_imports_dynamo() -> None:
     # torch._dynamo takes seconds to import: torchplace loads what it needs for tracing only
     # once torch.compile traces a move.

@@ -369,6 +369,7 @@ class _Interrupter(Interrupter):
         return super().__call__(frame, event, arg)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threads", [1, 2])
 def test_ctrl_c_at_any_line_leaves_no_thread_and_no_slot_under_a_pending_copy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, threads: int

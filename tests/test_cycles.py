@@ -104,6 +104,7 @@ def calls(tmp_path: Path) -> dict[str, Callable[[], Any]]:
     return found
 
 
+@pytest.mark.slow
 def test_public_calls_leave_no_reference_cycles(tmp_path: Path, no_collector: None) -> None:
     everything = calls(tmp_path)
     for call in everything.values():  # first calls may fill torch's own caches

@@ -176,6 +176,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.slow
 def test_two_processes_under_torchrun_train_one_ddp_step(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(TRAIN_ONE_STEP))
@@ -247,6 +248,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.slow
 def test_gloo_groups_destroyed_right_after_a_collective_do_not_hang_the_process() -> None:
     code = DESTROY_AFTER_A_COLLECTIVE.replace("ROOT", repr(str(ROOT))).replace("ROUNDS", "100")
     try:

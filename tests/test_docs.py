@@ -68,6 +68,7 @@ def test_blocks_name_no_accelerator_literally(page: Path) -> None:
     assert not found, f"use torchplace.device() instead: {found}"
 
 
+@pytest.mark.slow
 def test_the_readme_training_script_trains_under_torchrun(tmp_path: Path) -> None:
     """The README's torchrun script, which Sybil skips, run as written on two CPU processes."""
     found = re.search(
@@ -96,6 +97,7 @@ DISTRIBUTED_SCRIPTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(DISTRIBUTED_SCRIPTS))
 def test_the_distributed_page_scripts_run_under_torchrun(tmp_path: Path, name: str) -> None:
     """docs/distributed.md's torchrun scripts, run as written on two CPU processes."""

@@ -230,6 +230,7 @@ def test_doctor_output_golden(
     check_golden("doctor_cpu.txt", text, regen_golden)
 
 
+@pytest.mark.slow
 def test_version_and_module_entry_point(capsys: pytest.CaptureFixture[str]) -> None:
     import subprocess
     import sys

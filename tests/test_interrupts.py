@@ -22,6 +22,8 @@ from torch import nn
 
 import torchplace
 
+pytestmark = pytest.mark.slow  # a sweep: the move interrupted at each of its lines
+
 PACKAGE = str(Path(torchplace.__file__).parent)
 
 

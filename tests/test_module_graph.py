@@ -191,6 +191,7 @@ def test_no_import_cycle_among_torchplace_modules() -> None:
             visit(node)
 
 
+@pytest.mark.slow
 def test_no_private_names_imported_across_modules() -> None:
     bad = [
         f"{name} imports {imported} from {module}"

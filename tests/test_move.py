@@ -580,6 +580,7 @@ def _count_copies(
     return calls
 
 
+@pytest.mark.slow
 def test_failure_at_every_copy_leaves_everything_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
     probe, probe_opt = trained()
     probe.scale = torch.ones(1)
@@ -609,6 +610,7 @@ def test_failure_at_every_copy_leaves_everything_as_it_was(monkeypatch: pytest.M
         assert model.emb.weight is model.head.weight
 
 
+@pytest.mark.slow
 def test_failure_at_every_commit_step_is_rolled_back(monkeypatch: pytest.MonkeyPatch) -> None:
     applied = 0
     real_apply = _identity.UndoLog.apply

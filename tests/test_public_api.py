@@ -79,6 +79,7 @@ def test_exception_tree() -> None:
     assert issubclass(torchplace.DeviceSpecError, ValueError)
 
 
+@pytest.mark.slow
 def test_import_has_no_side_effects() -> None:
     code = (
         "import sys, torchplace; "

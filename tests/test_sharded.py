@@ -117,6 +117,7 @@ def test_an_index_that_names_a_tensor_its_shard_lacks_is_refused(tmp_path: Path)
         _sharded._file_entries(tmp_path / "m.index.json")
 
 
+@pytest.mark.slow
 def test_a_plain_model_does_not_take_the_sharded_path(tmp_path: Path) -> None:
     """Nor does it pay for importing DTensor: a process that never imported it has none."""
     assert not _sharded.has_dtensors(torch.nn.Linear(2, 2))
@@ -792,6 +793,7 @@ def _checkpoints(folder: Path) -> None:
     torch.save(mlp, folder / "mlp.pt")
 
 
+@pytest.mark.slow
 def test_two_ranks_fill_fsdp2_and_tensor_parallel_models_bit_for_bit(tmp_path: Path) -> None:
     _checkpoints(tmp_path)
     script = tmp_path / "worker.py"
@@ -966,6 +968,7 @@ def _two_ranks_where_one_stops(folder: Path, scenario: str, timeout: float = 60)
     return lines
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scenario", ["interrupted", "killed"])
 def test_a_rank_that_stops_in_a_sharded_load_fails_the_other_with_checkpoint_error(
     tmp_path: Path, scenario: str
@@ -983,6 +986,7 @@ def test_a_rank_that_stops_in_a_sharded_load_fails_the_other_with_checkpoint_err
         assert said[1] == ["KeyboardInterrupt after 0 s: ", "done"], said
 
 
+@pytest.mark.slow
 def test_a_rank_that_never_arrives_is_named_after_the_bound_and_the_next_load_agrees(
     tmp_path: Path,
 ) -> None:
@@ -996,6 +1000,7 @@ def test_a_rank_that_never_arrives_is_named_after_the_bound_and_the_next_load_ag
     assert said[1][0].startswith("loaded after ") and said[1][1] == "done", said
 
 
+@pytest.mark.slow
 def test_the_rank_holding_the_store_killed_fails_the_other_with_checkpoint_error(
     tmp_path: Path,
 ) -> None:
@@ -1005,6 +1010,7 @@ def test_the_rank_holding_the_store_killed_fails_the_other_with_checkpoint_error
     assert "this rank's shards are filled" in first and "rank 0" in first, said
 
 
+@pytest.mark.slow
 def test_a_slow_rank_that_is_alive_is_waited_for(tmp_path: Path) -> None:
     """Rank 1 fills 10 s longer than rank 0, over twice the bound: still working, so waited
     for (the bound counts from its last sign of life, not from rank 0's arrival)."""
@@ -1048,6 +1054,7 @@ print([str(w.message) for w in caught])
 """
 
 
+@pytest.mark.slow
 def test_a_torch_without_the_store_says_the_ranks_did_not_compare() -> None:
     # Should a torch drop the private accessor of the process group's store, the comparison is
     # skipped with a warning, never silently. (A subprocess: it initialises a Gloo group.)

@@ -110,6 +110,7 @@ def assert_same_shape(before: Any, after: Any, device: torch.device, memo: dict[
         assert after == before or (after is before)
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(TREES)
 def test_any_tree_moves_to_meta_with_its_structure(tree: Any) -> None:
