@@ -1,0 +1,207 @@
+"""Offloaded execution (issue 33, items 2-5): modules mapped to "cpu" or "disk" run with their
+weights brought in just before their forward, a bounded window ahead, dropped after use.
+
+The ring is checked with a fake transport that logs every fetch, wait and release and says
+when a fetch's weights have arrived: a layer that runs before its weights arrived, or more
+units resident than the window allows, fails the test.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import torchplace
+from torchplace.moving._offloaded import HOME, Home
+from torchplace.spreading._offload import DeviceTransport, Fetched, Unit
+
+
+class MemorySource:
+    """A disk tier's reader over tensors held in memory (names inside the mapped module)."""
+
+    def __init__(self, state: dict[str, torch.Tensor], prefix: str = "") -> None:
+        self.state = {k: v.clone() for k, v in state.items()}
+        self.prefix = prefix
+        self.where = "memory"
+        self.reads = 0
+        self.nbytes = sum(v.numel() * v.element_size() for k, v in self._mine().items())
+
+    def _mine(self) -> dict[str, torch.Tensor]:
+        p = self.prefix
+        return {k: v for k, v in self.state.items() if not p or k.startswith(p + ".")}
+
+    def read(self, device: torch.device) -> dict[str, torch.Tensor]:
+        self.reads += 1
+        return {k: v.clone().to(device) for k, v in self._mine().items()}
+
+    def only(self, prefix: str) -> MemorySource:
+        return MemorySource(self.state, prefix)
+
+
+class FakeTransport:
+    """Logs ("fetch", path), ("wait", path), ("release", path); weights arrive at the wait."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str]] = []
+        self.arrived: set[str] = set()
+        self.resident: set[str] = set()
+        self.most = 0
+        self.real = DeviceTransport(torch.device("cpu"))
+
+    def fetch(self, unit: Unit) -> Fetched:
+        self.log.append(("fetch", unit.path))
+        self.resident.add(unit.path)
+        self.most = max(self.most, len(self.resident))
+        fetched = self.real.fetch(unit)
+        fetched.event = unit.path  # the "event" the compute stream waits on
+        return fetched
+
+    def ready(self, fetched: Fetched) -> list[torch.Tensor]:
+        self.log.append(("wait", fetched.event))
+        self.arrived.add(fetched.event)
+        path, fetched.event = fetched.event, None
+        tensors = self.real.ready(fetched)
+        fetched.event = path
+        return tensors
+
+    def release(self, fetched: Fetched) -> None:
+        self.log.append(("release", fetched.event))
+        self.resident.discard(fetched.event)
+        self.arrived.discard(fetched.event)
+
+
+def mlp(n: int = 6) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(n):
+        layers += [nn.Linear(8, 8), nn.Tanh()]
+    return nn.Sequential(*layers).eval()
+
+
+def on_disk(model: nn.Module, names: list[str]) -> dict[str, MemorySource]:
+    """``names`` left "on disk": parameters on meta, each module holding a reader of them."""
+    sources = {}
+    for name in names:
+        module = model.get_submodule(name)
+        source = MemorySource({k: v.detach() for k, v in module.named_parameters()})
+        module.to_empty(device="meta")
+        module.__dict__[HOME] = Home("disk", torch.device("cpu"), source)
+        sources[name] = source
+    return sources
+
+
+def checked(model: nn.Module, transport: FakeTransport, names: list[str]) -> list[str]:
+    """Pre-hooks (after the ring's) that fail a layer running before its weights arrived."""
+    ran: list[str] = []
+
+    def check(name: str) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            assert name in transport.arrived, f"{name} ran before its weights arrived"
+            assert all(not p.is_meta for p in module.parameters()), name
+            ran.append(name)
+
+        return hook
+
+    for name in names:
+        model.get_submodule(name).register_forward_pre_hook(check(name))
+    return ran
+
+
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_disk_layers_fetched_ahead_within_the_window(window: int) -> None:
+    reference = mlp()
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        want = reference(x)
+    model = copy.deepcopy(reference).requires_grad_(False)
+    disk = ["0", "2", "4", "6"]
+    on_disk(model, disk)
+    transport = FakeTransport()
+    device_map = {"": "cpu", **dict.fromkeys(disk, "disk")}
+    torchplace.dispatch(model, device_map, offload_window=window, _transport=transport)
+    ran = checked(model, transport, disk)
+    got = model(x)
+    assert torch.equal(got, want)
+    assert ran == disk
+    assert transport.most == window
+    waits = [path for kind, path in transport.log if kind == "wait"]
+    assert waits == disk
+    # Each layer's fetch was started before the layer ahead of it was waited for.
+    order = transport.log
+    for ahead in range(1, window):
+        for i in range(len(disk) - ahead):
+            fetched = order.index(("fetch", disk[i + ahead]))
+            assert fetched < order.index(("wait", disk[i]))
+    assert all(p.is_meta for name in disk for p in model.get_submodule(name).parameters())
+
+
+def test_a_second_call_finds_the_first_layers_prefetched() -> None:
+    model = mlp()
+    on_disk(model, ["0", "2"])
+    transport = FakeTransport()
+    torchplace.dispatch(model, {"": "cpu", "0": "disk", "2": "disk"}, _transport=transport)
+    with torch.no_grad():
+        model(torch.ones(1, 8))
+        transport.log.clear()
+        model(torch.ones(1, 8))
+    # "0" came into the window as "2" ran (the ring wraps round for the next call).
+    assert transport.log[:2] == [("fetch", "2"), ("wait", "0")]
+
+
+def test_the_real_transport_reads_disk_layers_in_the_background() -> None:
+    reference = mlp()
+    model = copy.deepcopy(reference)
+    sources = on_disk(model, ["2", "4"])
+    torchplace.dispatch(model, {"": "cpu", "2": "disk", "4": "disk"})
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+        assert torch.equal(model(x), reference(x))
+    assert sources["2"].reads >= 2 and sources["4"].reads >= 2
+    assert model[2].weight.is_meta  # dropped after use
+
+
+def test_training_through_an_offloaded_module_is_refused() -> None:
+    model = mlp(2)
+    on_disk(model, ["2"])
+    torchplace.dispatch(model, {"": "cpu", "2": "disk"})
+    with pytest.raises(torchplace.TorchplaceError, match=r"model\.2 \(Linear\).*no_grad"):
+        model(torch.ones(1, 8))
+    assert model[2].weight.is_meta
+    with torch.no_grad():
+        model(torch.ones(1, 8))
+
+
+def test_weights_in_memory_cannot_go_to_disk() -> None:
+    model = mlp(2)
+    with pytest.raises(torchplace.DeviceSpecError, match=r"device_map\['2'\] is 'disk'.*load_into"):
+        torchplace.dispatch(model, {"": "cpu", "2": "disk"})
+    assert not model[2].weight.is_meta
+
+
+def test_a_modulelist_on_disk_runs_layer_by_layer() -> None:
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(1)
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    reference = Stack()
+    model = copy.deepcopy(reference)
+    on_disk(model, ["layers"])
+    transport = FakeTransport()
+    torchplace.dispatch(model, {"": "cpu", "layers": "disk"}, _transport=transport)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    assert transport.most == 2
+    assert [p for k, p in transport.log if k == "wait"] == [f"layers.{i}" for i in range(4)]
