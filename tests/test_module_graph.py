@@ -4,8 +4,8 @@ imports running one way, no circle, no private cross-imports.
 The layout (``src/torchplace``)::
 
     cli/                 the torchplace command: doctor, bench, argument parsing
-    looking/ checkpoint/ spreading/
-                         where tensors are; checkpoints; one model over several devices
+    spreading/           one model over several devices (filled by a map from a checkpoint)
+    looking/ checkpoint/ where tensors are; checkpoints
     moving/              moves, the copy engine, parameter identity, optimizer-state rules
     (package root)       the base: devices, errors, the batch and model walks, sizes
 
@@ -35,7 +35,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "torchplace"
 
 # The layer of each subpackage ("" is the base at the package root); a module may import from
 # its own subpackage and from any subpackage on a lower layer.
-LAYERS = {"": 0, "moving": 1, "looking": 2, "checkpoint": 2, "spreading": 2, "cli": 3}
+LAYERS = {"": 0, "moving": 1, "looking": 2, "checkpoint": 2, "spreading": 3, "cli": 4}
 TOP = {"__init__", "__main__", "distributed"}  # root modules above every layer
 
 

@@ -205,3 +205,77 @@ def test_a_modulelist_on_disk_runs_layer_by_layer() -> None:
         assert torch.equal(model(x), reference(x))
     assert transport.most == 2
     assert [p for k, p in transport.log if k == "wait"] == [f"layers.{i}" for i in range(4)]
+
+
+# ------------------------------------------------------------ the disk tier, for real on the CPU
+
+tf = pytest.importorskip("transformers")
+
+
+def tiny_llama() -> tuple[type[nn.Module], Any]:
+    config = tf.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=100, max_position_embeddings=64, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    return tf.LlamaForCausalLM, config
+
+
+def tiny_mixtral() -> tuple[type[nn.Module], Any]:
+    config = tf.MixtralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=100, max_position_embeddings=64, num_local_experts=4,
+        num_experts_per_tok=2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    return tf.MixtralForCausalLM, config
+
+
+IDS = torch.tensor([[1, 5, 7, 9, 11]])
+
+
+def files_under(*folders: Any) -> dict[str, int]:
+    return {str(p): p.stat().st_size for f in folders for p in f.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_mixtral], ids=["llama", "mixtral"])
+def test_half_the_layers_on_disk_run_as_the_whole_model(
+    make: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cls, config = make()
+    torch.manual_seed(0)
+    reference = cls(config).eval()
+    saved = tmp_path / "saved"
+    reference.save_pretrained(saved)
+    monkeypatch.chdir(tmp_path)
+    before = files_under(tmp_path)
+    reads: list[str] = []
+    from torchplace.checkpoint._disk_weights import CheckpointWeights
+
+    real_read = CheckpointWeights.read
+
+    def counted(self: CheckpointWeights, device: torch.device) -> dict[str, torch.Tensor]:
+        reads.append(self.entry)
+        return real_read(self, device)
+
+    monkeypatch.setattr(CheckpointWeights, "read", counted)
+    disk = {"model.layers.1": "disk", "model.layers.3": "disk"}
+    model = torchplace.load_into(
+        torchplace.skeleton(cls, config), saved, device_map={"": "cpu", **disk}
+    )
+    assert model.model.layers[1].self_attn.q_proj.weight.is_meta
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, reference(IDS).logits)
+    assert sorted(set(reads)) == sorted(disk)
+    want = reference.generate(IDS, max_new_tokens=6, do_sample=False)
+    got = model.generate(IDS, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, want)
+    assert files_under(tmp_path) == before  # the checkpoint read, never copied
+    assert all(p.is_meta for p in model.model.layers[3].parameters())
+
+
+def test_a_state_dict_cannot_be_left_on_disk() -> None:
+    model = mlp(2)
+    with pytest.raises(torchplace.CheckpointError, match=r"model\.2.*mapping.*save it first"):
+        torchplace.load_into(
+            torchplace.skeleton(mlp, 2), model.state_dict(), device_map={"": "cpu", "2": "disk"}
+        )

@@ -96,7 +96,7 @@ def _first_device(obj: Any) -> torch.device | None:
     return None
 
 
-def _parse_device_map(tree: ModelTree, device_map: object) -> dict[str, torch.device | str]:
+def parse_device_map(tree: ModelTree, device_map: object) -> dict[str, torch.device | str]:
     if not isinstance(device_map, Mapping):
         raise DeviceSpecError(
             f"device_map must be a dict of module name -> device such as "
@@ -633,7 +633,7 @@ def dispatch(
                 f"dispatch() places an nn.Module, not {type(model).__name__}; pass the model"
             )
         tree = walk_model(model)
-        entries = _parse_device_map(tree, device_map)
+        entries = parse_device_map(tree, device_map)
         offload = _offloading(entries, execution_device)
         targets = _targets(tree, offload.runs)
         units = _units(tree, offload) if offload.tiers else []
