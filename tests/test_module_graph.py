@@ -221,7 +221,7 @@ NOT_A_SOURCE = {
     ("cli._bench", "_host_available", "open"): "/proc/meminfo",
     ("cli._doctor", "_nvidia_driver", "open"): "the driver's version in /proc",
     ("cli._main", "_silence_stdout", "os.open"): "/dev/null",
-    ("moving._staging", "_available_host_bytes", "open"): "/proc/meminfo",
+    ("moving._staging", "available_host_bytes", "open"): "/proc/meminfo",
 }
 # Calls that open or read a file, or parse one, whatever the receiver (``Path.read_bytes``,
 # ``torch.load``, ``pickle.load``, ``safetensors.torch.load_file``, ``numpy.fromfile``); the

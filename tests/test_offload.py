@@ -16,7 +16,9 @@ import torch
 from torch import nn
 
 import torchplace
-from torchplace.moving._offloaded import HOME, Home
+from torchplace.moving import _offloaded as offloaded
+from torchplace.moving._hooks import is_dispatched
+from torchplace.moving._offloaded import HOME, Home, homes
 from torchplace.spreading._offload import DeviceTransport, Fetched, Unit
 
 
@@ -279,3 +281,49 @@ def test_a_state_dict_cannot_be_left_on_disk() -> None:
         torchplace.load_into(
             torchplace.skeleton(mlp, 2), model.state_dict(), device_map={"": "cpu", "2": "disk"}
         )
+
+
+def saved_llama(tmp_path: Any) -> tuple[nn.Module, Any, Any]:
+    cls, config = tiny_llama()
+    torch.manual_seed(0)
+    reference = cls(config).eval()
+    reference.save_pretrained(tmp_path / "saved")
+    return reference, cls, config
+
+
+def test_move_gathers_a_disk_offloaded_model(tmp_path: Any) -> None:
+    reference, cls, config = saved_llama(tmp_path)
+    model = torchplace.load_into(
+        torchplace.skeleton(cls, config),
+        tmp_path / "saved",
+        device_map={"": "cpu", "model.layers.0": "disk", "model.layers.2": "disk"},
+    )
+    torchplace.move(model, "cpu")
+    assert not is_dispatched(model)
+    torchplace.verify(model, "cpu")
+    assert torchplace.where(model) == torch.device("cpu")
+    for (name, got), want in zip(
+        model.state_dict().items(), reference.state_dict().values(), strict=True
+    ):
+        assert torch.equal(got, want), name
+    assert list(homes(model)) == []
+    model(IDS).logits.sum().backward()  # a gathered model trains again
+
+
+def test_move_says_how_much_is_missing_and_changes_nothing(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reference, cls, config = saved_llama(tmp_path)
+    model = torchplace.load_into(
+        torchplace.skeleton(cls, config),
+        tmp_path / "saved",
+        device_map={"": "cpu", "model.layers.0": "disk", "model.layers.2": "disk"},
+    )
+    layer = sum(p.numel() * 4 for p in reference.model.layers[0].parameters())
+    monkeypatch.setattr(offloaded, "available_host_bytes", lambda: 1000)
+    with pytest.raises(torchplace.MoveError, match=rf"needs {layer * 2 // 1024}\.\d KiB.*missing"):
+        torchplace.move(model, "cpu")
+    assert is_dispatched(model)
+    assert model.model.layers[0].self_attn.q_proj.weight.is_meta
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, reference(IDS).logits)

@@ -7,19 +7,25 @@ leaves a ``"disk"`` module's weights in the checkpoint they came from, its param
 ``meta`` in the meantime. Each such module carries a ``Home`` (under ``HOME`` in its
 ``__dict__``): its tier, where it runs, and, for the disk tier, the ``WeightSource`` that reads
 its weights. ``looking`` reads it to report a module as offloaded; ``move`` reads the disk
-weights back with ``bring_home`` when it gathers the model onto one device.
+weights back with ``gather_homes`` when it gathers the model onto one device.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import torch
 from torch import nn
 
-__all__ = ["HOME", "Home", "WeightSource", "bring_home", "drop_homes", "homes"]
+from .._devices import free_memory
+from .._errors import MoveError
+from .._sizes import format_bytes
+from ._identity import UndoLog
+from ._staging import available_host_bytes
+
+__all__ = ["HOME", "Home", "WeightSource", "drop_homes", "gather_homes", "homes"]
 
 HOME = "_torchplace_home"
 
@@ -62,16 +68,17 @@ def drop_homes(model: nn.Module, /) -> None:
         module.__dict__.pop(HOME, None)
 
 
-def bring_home(model: nn.Module, /) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    """Read every disk-tier module's weights back into its parameters (on the CPU, as the
-    parameters' new data; identity kept), and return what was replaced, for an undo.
-
-    The module's parameter objects are kept: each ``meta`` parameter is swapped for a CPU one
-    holding the file's values, in the same slot, and the slot's old object is returned so that
-    a failed move can put it back.
-    """
-    replaced: list[tuple[nn.Module, str, nn.Parameter]] = []
-    for _, module, home in list(homes(model)):
+def gather_homes(model: nn.Module, target: torch.device, log: UndoLog, /) -> None:
+    """``move``'s first step for a model with offloaded modules: refuse when the whole model
+    does not fit on ``target`` (saying how much is missing), then read every disk-tier
+    module's weights back into its parameter slots (on the CPU; the move takes them on), each
+    swap recorded in ``log`` so that a failed move puts the ``meta`` parameters back. The
+    ``Home`` marks go with the hooks, when the move has gathered the model."""
+    offloaded = list(homes(model))
+    if not offloaded:
+        return
+    _check_fits(model, target)
+    for _, module, home in offloaded:
         if home.source is None:
             continue
         values = home.source.read(torch.device("cpu"))
@@ -81,7 +88,31 @@ def bring_home(model: nn.Module, /) -> list[tuple[nn.Module, str, nn.Parameter]]
             old = owner._parameters[leaf]
             assert old is not None
             new = nn.Parameter(value, requires_grad=old.requires_grad)
-            new.__dict__.update(old.__dict__)
-            owner._parameters[leaf] = new
-            replaced.append((owner, leaf, old))
-    return replaced
+            log.apply(_put(owner, leaf, new), _put(owner, leaf, old))
+
+
+def _put(owner: nn.Module, leaf: str, p: nn.Parameter) -> Callable[[], None]:
+    def put() -> None:
+        owner._parameters[leaf] = p
+
+    return put
+
+
+def _check_fits(model: nn.Module, target: torch.device) -> None:
+    """``MoveError`` when the bytes not on ``target`` yet exceed what is free there."""
+    disk = {id(p) for _, m, h in homes(model) if h.source is not None for p in m.parameters()}
+    needed = 0
+    seen: set[int] = set()
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) in seen or (t.device == target and id(t) not in disk):
+            continue
+        seen.add(id(t))
+        needed += t.numel() * t.element_size()
+    free = available_host_bytes() if target.type == "cpu" else free_memory(target)
+    if free is not None and needed > free:
+        raise MoveError(
+            f"{type(model).__name__} does not fit on {target}: gathering it there needs "
+            f"{format_bytes(needed)} more and {format_bytes(free)} is free, so "
+            f"{format_bytes(needed - free)} is missing; keep it dispatched (its offloaded "
+            "modules run from host memory or disk), or free memory on the target first"
+        )
