@@ -327,3 +327,27 @@ def test_move_says_how_much_is_missing_and_changes_nothing(
     assert model.model.layers[0].self_attn.q_proj.weight.is_meta
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, reference(IDS).logits)
+
+
+def test_report_where_and_verify_show_offloaded_modules(tmp_path: Any) -> None:
+    reference, cls, config = saved_llama(tmp_path)
+    device_map = {"": "cpu", "model.layers.1": "disk", "model.layers.3": "disk"}
+    model = torchplace.load_into(torchplace.skeleton(cls, config), tmp_path / "saved",
+                                 device_map=device_map)  # fmt: skip
+    found = torchplace.report(model)
+    rows = {row.path: row.device for row in found.rows}
+    assert rows["model.layers.1.self_attn.q_proj"] == "disk, runs on cpu"
+    assert rows["model.layers.2.self_attn.q_proj"] == "cpu"
+    layers = sum(p.numel() * 4 for i in (1, 3) for p in reference.model.layers[i].parameters())
+    assert found.to_dict()["totals"]["by_device"]["disk, runs on cpu"]["bytes"] == layers
+    assert "disk, runs on cpu" in str(found)
+    assert torchplace.where(model) == torch.device("cpu")
+    torchplace.verify(model, device_map)
+    with pytest.raises(torchplace.PlacementError, match=r"model\.layers\.1\..*offloaded to disk"):
+        torchplace.verify(model, {"": "cpu"})
+    model.model.norm.to("meta")
+    with pytest.raises(
+        torchplace.PlacementError,
+        match=r"model\.norm\.weight \(parameter\): it is on meta, the map says cpu",
+    ):
+        torchplace.verify(model, device_map)
