@@ -351,3 +351,132 @@ def test_report_where_and_verify_show_offloaded_modules(tmp_path: Any) -> None:
         match=r"model\.norm\.weight \(parameter\): it is on meta, the map says cpu",
     ):
         torchplace.verify(model, device_map)
+
+
+# ------------------------------------------------- the CUDA transport's streams, with fake ones
+
+
+class FakeStream:
+    def __init__(self, name: str, cuda: FakeCuda) -> None:
+        self.name, self.cuda = name, cuda
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.cuda.log.append(("wait_stream", self.name, other.name))
+
+    def wait_event(self, event: FakeEvent) -> None:
+        self.cuda.log.append(("wait_event", self.name, event.name))
+
+
+class FakeEvent:
+    def __init__(self, cuda: FakeCuda) -> None:
+        self.cuda, self.name = cuda, ""
+
+    def record(self, stream: FakeStream) -> None:
+        self.cuda.events += 1
+        self.name = f"event{self.cuda.events}"
+        self.cuda.log.append(("record", stream.name, self.name))
+
+
+class FakeCuda:
+    """Streams and events that log what is asked of them (torch.cuda's names)."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, ...]] = []
+        self.events = 0
+        self.current = FakeStream("compute", self)
+
+    def Stream(self, device: torch.device) -> FakeStream:
+        return FakeStream("side", self)
+
+    def Event(self) -> FakeEvent:
+        return FakeEvent(self)
+
+    def current_stream(self, device: torch.device) -> FakeStream:
+        return self.current
+
+    def stream(self, s: FakeStream) -> Any:
+        cuda = self
+
+        class Using:
+            def __enter__(self) -> None:
+                self.previous, cuda.current = cuda.current, s
+
+            def __exit__(self, *exc: object) -> None:
+                cuda.current = self.previous
+
+        return Using()
+
+
+class LoggingTransport(DeviceTransport):
+    """The real transport's logic over fake streams: copies are clones, logged with the stream
+    they were queued on."""
+
+    names: dict[int, str]
+
+    def copy(self, host: torch.Tensor) -> torch.Tensor:
+        self.cuda.log.append(("copy", self.cuda.current.name, self.names[id(host)]))
+        return host.clone()
+
+    def record(self, t: torch.Tensor, stream: Any) -> None:
+        self.cuda.log.append(("record_stream", stream.name, ""))
+
+
+def test_host_tier_copies_run_on_a_side_stream_that_compute_waits_for() -> None:
+    from torchplace.spreading._dispatch import _hook_units
+
+    reference = mlp(3)
+    model = copy.deepcopy(reference).requires_grad_(False)
+    cuda = FakeCuda()
+    transport = LoggingTransport(torch.device("cuda:0"), cuda)
+    transport.names = {id(p): n for n, p in model.named_parameters()}
+    units = []
+    for name in ("0", "2", "4"):
+        module = model.get_submodule(name)
+        slots = [(module, leaf, p) for leaf, p in module.named_parameters()]
+        home = Home("cpu", torch.device("cuda:0"))
+        units.append(Unit(name, module, slots, [s[1] for s in slots], home))
+    _hook_units(units, 2, transport)
+    for name in ("0", "2", "4"):
+        model.get_submodule(name).register_forward_pre_hook(
+            lambda m, a, name=name: cuda.log.append(("run", "compute", name))
+        )
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    log = cuda.log
+    for name in ("0", "2", "4"):
+        ran = log.index(("run", "compute", name))
+        copies = [
+            i for i, e in enumerate(log[:ran]) if e[0] == "copy" and e[2].startswith(name + ".")
+        ]
+        assert all(log[i][1] == "side" for i in copies), "copied on the compute stream"
+        assert log[copies[0] - 1] == ("wait_stream", "side", "compute")
+        record = log[copies[-1] + 1]
+        assert record[:2] == ("record", "side")
+        waited = log.index(("wait_event", "compute", record[2]))
+        assert waited < ran, f"{name} ran before compute waited for its copies"
+        released = [i for i, e in enumerate(log) if e[0] == "record_stream" and i > ran]
+        assert released, f"{name}'s copies were released without record_stream"
+    # 3 layers x (weight, bias), and layer 0's again, fetched ahead for the next call
+    assert sum(e[0] == "copy" for e in log) == 8
+
+
+@pytest.mark.requires_cuda
+def test_host_and_disk_tiers_on_a_gpu_match_the_model_on_the_gpu(tmp_path: Any) -> None:
+    reference, cls, config = saved_llama(tmp_path)
+    on_gpu = copy.deepcopy(reference).to("cuda:0")
+    device_map = {"": "cuda:0", "model.layers.0": "cpu", "model.layers.1": "disk",
+                  "model.layers.3": "cpu"}  # fmt: skip
+    model = torchplace.load_into(
+        torchplace.skeleton(cls, config), tmp_path / "saved", device_map=device_map
+    )
+    assert model.model.layers[0].self_attn.q_proj.weight.is_pinned()
+    ids = IDS.to("cuda:0")
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, on_gpu(ids).logits)
+        assert torch.equal(model(ids).logits, on_gpu(ids).logits)
+    want = on_gpu.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), want)
+    torchplace.verify(model, device_map)
+    torchplace.move(model, "cuda:0")
+    torchplace.verify(model, "cuda:0")

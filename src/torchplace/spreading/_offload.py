@@ -151,20 +151,26 @@ def _swap_in(unit: Unit, tensors: list[torch.Tensor]) -> list[tuple[nn.Module, s
 
 class DeviceTransport:
     """Real copies: host tiers on a side CUDA stream, disk tiers read in a background thread
-    (under that stream when the execution device is CUDA)."""
+    (under that stream when the execution device is CUDA). ``cuda`` is ``torch.cuda`` (tests
+    give a fake one that logs streams and events)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, cuda: Any = None) -> None:
         self.device = device
+        self.cuda = cuda if cuda is not None else torch.cuda
         self._stream: Any = None
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"device": self.device, "_stream": None, "_pool": None}
+        return {"device": self.device, "cuda": None, "_stream": None, "_pool": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.cuda = torch.cuda
 
     @property
     def stream(self) -> Any:
         if self._stream is None and self.device.type == "cuda":
-            self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            self._stream = self.cuda.Stream(self.device)
         return self._stream
 
     def _in_background(self, work: Callable[[], Any]) -> concurrent.futures.Future[Any]:
@@ -172,34 +178,43 @@ class DeviceTransport:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, "torchplace-offload")
         return self._pool.submit(work)
 
+    def _marked(self) -> Any:
+        """An event recorded on the side stream after the work queued on it so far."""
+        event = self.cuda.Event()
+        event.record(self.stream)
+        return event
+
     def fetch(self, unit: Unit) -> Fetched:
         if unit.home.source is not None:
             return Fetched(self._in_background(lambda: self._read(unit)))
         if self.stream is None:  # a host tier executed on the host: nothing to copy
             return Fetched([p for _, _, p in unit.slots])
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            tensors = [p.to(self.device, non_blocking=True) for _, _, p in unit.slots]
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(self.stream)
-        return Fetched(tensors, event)
+        # The side stream first waits for the compute queued so far: memory the allocator
+        # hands these copies may have been released by compute still in flight.
+        self.stream.wait_stream(self.cuda.current_stream(self.device))
+        with self.cuda.stream(self.stream):
+            tensors = [self.copy(p) for _, _, p in unit.slots]
+        return Fetched(tensors, self._marked())
+
+    def copy(self, host: torch.Tensor) -> torch.Tensor:
+        """One pinned host tensor's asynchronous copy to the device (on the current stream)."""
+        return host.to(self.device, non_blocking=True)
 
     def _read(self, unit: Unit) -> tuple[list[torch.Tensor], Any]:
         assert unit.home.source is not None
         if self.stream is None:
             by_name = unit.home.source.read(self.device)
             return [by_name[n] for n in unit.names], None
-        with torch.cuda.stream(self.stream):
+        with self.cuda.stream(self.stream):
             by_name = unit.home.source.read(self.device)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(self.stream)
+            event = self._marked()
         return [by_name[n] for n in unit.names], event
 
     def ready(self, fetched: Fetched) -> list[torch.Tensor]:
         if isinstance(fetched.tensors, concurrent.futures.Future):
             fetched.tensors, fetched.event = fetched.tensors.result()
         if fetched.event is not None:
-            torch.cuda.current_stream(self.device).wait_event(fetched.event)
+            self.cuda.current_stream(self.device).wait_event(fetched.event)
         tensors: list[torch.Tensor] = fetched.tensors
         return tensors
 
@@ -209,7 +224,10 @@ class DeviceTransport:
             return
         if self.stream is None:
             return
-        compute = torch.cuda.current_stream(self.device)
+        compute = self.cuda.current_stream(self.device)
         for t in fetched.tensors:
-            if t.device.type == "cuda":
-                t.record_stream(compute)
+            self.record(t, compute)
+
+    def record(self, t: torch.Tensor, stream: Any) -> None:
+        """Keep ``t``'s memory from reuse until the work queued on ``stream`` has run."""
+        t.record_stream(stream)
