@@ -480,3 +480,32 @@ def test_host_and_disk_tiers_on_a_gpu_match_the_model_on_the_gpu(tmp_path: Any) 
     torchplace.verify(model, device_map)
     torchplace.move(model, "cuda:0")
     torchplace.verify(model, "cuda:0")
+
+
+def test_a_unit_that_calls_itself_keeps_its_weights_until_the_outer_call_ends() -> None:
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, again: bool = True) -> torch.Tensor:
+            x = self.inner(x)
+            return self(x, again=False) + self.inner.weight.sum() if again else x
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(2)
+            self.block = Twice()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.block(x)
+
+    reference = Model()
+    model = copy.deepcopy(reference)
+    on_disk(model, ["block"])
+    torchplace.dispatch(model, {"": "cpu", "block": "disk"})
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    assert model.block.inner.weight.is_meta

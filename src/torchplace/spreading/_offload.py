@@ -104,12 +104,14 @@ class Ring:
         self.transport = transport
         self.resident: dict[int, Fetched] = {}
         self.attached: dict[int, list[tuple[nn.Module, str, nn.Parameter]]] = {}
+        self.inner: dict[int, int] = {}  # calls of a unit from inside its own forward
 
     def before(self, i: int) -> None:
         unit = self.units[i]
         if torch.is_grad_enabled() and any(p.requires_grad for _, _, p in unit.slots):
             raise _grad_error(unit)
         if i in self.attached:  # called again from inside itself: its weights are in place
+            self.inner[i] = self.inner.get(i, 0) + 1
             return
         n = len(self.units)
         wanted = [(i + k) % n for k in range(self.window)]
@@ -122,6 +124,9 @@ class Ring:
         self.attached[i] = _swap_in(unit, tensors)
 
     def after(self, i: int) -> None:
+        if self.inner.get(i):
+            self.inner[i] -= 1
+            return
         slots = self.attached.pop(i, None)
         if slots is None:
             return
@@ -133,7 +138,7 @@ class Ring:
 
     def __getstate__(self) -> dict[str, Any]:  # a copy starts with nothing resident
         state = dict(self.__dict__)
-        state["resident"], state["attached"] = {}, {}
+        state["resident"], state["attached"], state["inner"] = {}, {}, {}
         return state
 
 
