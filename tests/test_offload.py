@@ -509,3 +509,31 @@ def test_a_unit_that_calls_itself_keeps_its_weights_until_the_outer_call_ends() 
     with torch.no_grad():
         assert torch.equal(model(x), reference(x))
     assert model.block.inner.weight.is_meta
+
+
+@pytest.mark.parametrize(
+    ("device_map", "read_onto"),
+    [
+        ({"": "cpu", "2": "disk"}, torch.device("cpu")),
+        ({"": "meta", "2": "disk"}, torch.device("meta")),
+        ({"": "cpu", "0": "meta", "2": "disk"}, None),
+    ],
+    ids=["one-device", "meta", "two-devices"],
+)
+def test_the_modules_in_memory_are_read_straight_onto_their_one_device(
+    device_map: dict[str, str], read_onto: torch.device | None, tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    from torchplace.spreading import _load_by_map
+
+    torch.save(mlp(2).state_dict(), tmp_path / "mlp.pt")
+    asked: list[object] = []
+    real = _load_by_map.fill
+
+    def spy(model: nn.Module, source: Any, device: Any = None, /, **kw: Any) -> nn.Module:
+        asked.append(device)
+        return real(model, source, device, **kw)
+
+    monkeypatch.setattr(_load_by_map, "fill", spy)
+    torchplace.load_into(torchplace.skeleton(mlp, 2), tmp_path / "mlp.pt", device_map=device_map)
+    assert asked == [read_onto]

@@ -66,7 +66,8 @@ def load_into(
     for ``device``, ``strict``, ``mmap``, ``rename``, ``check_crc`` and ``progress``).
 
     With ``device_map`` (as ``plan`` returns it, or written by hand; ``device`` must then be
-    None), the modules mapped to devices are filled (each of their bytes read once), the
+    None), the modules mapped to devices are filled (each of their bytes read once: straight
+    onto the device when the map keeps them all on one, else into host memory and then placed), the
     modules mapped to ``"disk"`` are left in the checkpoint (their parameters on ``meta``;
     nothing is written to an offload folder) and read from it each time they run, and the
     model comes back dispatched by the map with ``execution_device`` and ``offload_window``
@@ -120,7 +121,7 @@ def _by_map(
     renamer = None if rename is None else as_renamer(rename)
     dtypes = {name: _dtypes(model.get_submodule(name)) for name in disk}
     with _held_out(model, disk):
-        fill(model, source, rename=_dropping(renamer, disk), **options)
+        fill(model, source, _one_device(entries), rename=_dropping(renamer, disk), **options)
     if disk:
         path = resolve(source)
         for name in disk:
@@ -156,6 +157,14 @@ def _check_disk(model: nn.Module, source: object, disk: list[str]) -> None:
                 "checkpoint keeps too; the disk tier leaves only parameters in the file, so "
                 f"map {name!r} to 'cpu' or to a device"
             )
+
+
+def _one_device(entries: Mapping[str, torch.device | str]) -> torch.device | None:
+    """The one device every module kept in memory is mapped to, read straight onto (onto CUDA
+    through pinned buffers); None when there are several (read into host memory, then placed
+    by ``dispatch``)."""
+    devices = {where for where in entries.values() if isinstance(where, torch.device)}
+    return devices.pop() if len(devices) == 1 else None
 
 
 def _dtypes(module: nn.Module) -> dict[str, torch.dtype]:
