@@ -537,3 +537,31 @@ def test_the_modules_in_memory_are_read_straight_onto_their_one_device(
     monkeypatch.setattr(_load_by_map, "fill", spy)
     torchplace.load_into(torchplace.skeleton(mlp, 2), tmp_path / "mlp.pt", device_map=device_map)
     assert asked == [read_onto]
+
+
+def test_a_checkpoint_rewritten_under_a_running_model_raises(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchplace.checkpoint._disk_weights import CheckpointWeights
+
+    torch.save(mlp(2).state_dict(), tmp_path / "mlp.pt")
+    model = torchplace.load_into(
+        torchplace.skeleton(mlp, 2), tmp_path / "mlp.pt", device_map={"": "cpu", "2": "disk"}
+    )
+    reads: list[str] = []
+    real_read = CheckpointWeights.read
+
+    def counted(self: CheckpointWeights, device: torch.device) -> dict[str, torch.Tensor]:
+        reads.append(self.entry)
+        return real_read(self, device)
+
+    with torch.no_grad():
+        model(torch.ones(1, 8))
+        torch.save({"other": torch.zeros(3)}, tmp_path / "mlp.pt")
+        monkeypatch.setattr(CheckpointWeights, "read", counted)
+        with pytest.raises(torchplace.CheckpointError, match=r"mlp\.pt"):
+            model(torch.ones(1, 8))
+        with pytest.raises(torchplace.CheckpointError, match=r"mlp\.pt"):
+            model(torch.ones(1, 8))
+    assert reads == ["2", "2"]  # the failed read is read again, not kept and re-raised
+    assert model[2].weight.is_meta

@@ -120,7 +120,11 @@ class Ring:
         for j in wanted:
             if j not in self.resident:
                 self.resident[j] = self.transport.fetch(self.units[j])
-        tensors = self.transport.ready(self.resident[i])
+        try:
+            tensors = self.transport.ready(self.resident[i])
+        except BaseException:
+            del self.resident[i]  # a failed read is not kept: the next call reads again
+            raise
         self.attached[i] = _swap_in(unit, tensors)
 
     def after(self, i: int) -> None:
