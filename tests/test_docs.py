@@ -56,12 +56,16 @@ def test_skips_are_rare_and_say_why(page: Path) -> None:
 
 @pytest.mark.parametrize("page", PAGES, ids=ids)
 def test_blocks_name_no_accelerator_literally(page: Path) -> None:
-    """A block that moves to "cuda" fails on a laptop; torchplace.device() runs everywhere."""
+    """A block that moves to "cuda" fails on a laptop; torchplace.device() runs everywhere.
+    Naming one is fine: a budget for plan (a key) or an assert that checks a map."""
     found = []
     for line, tag, code in fences(page):
         if tag != "python":
             continue
         code = re.sub(r"\.type\s*[!=]=\s*[\"']\w+[\"']", "", code)  # asking is fine
+        # naming a device without using it is fine too: a budget's key for plan, a check
+        code = re.sub(r"f?[\"'][^\"'\n]*[\"']\s*:", "", code)
+        code = re.sub(r"^[ \t]*assert\b.*$", "", code, flags=re.M)
         found += [
             f"line {line}: {m}" for m in re.findall(r"[\"'](?:cuda|mps|xpu)\b[^\"']*[\"']", code)
         ]

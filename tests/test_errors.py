@@ -115,6 +115,8 @@ def test_bare_root_error_sites_are_the_ones_the_drawing_describes() -> None:
         "_rename",  # rename= of the wrong kind
         "_skeleton",  # a skeleton() factory that returns no module
         "_dispatch",  # a non-module
+        "_offload",  # an offloaded module called with gradients on, offload_window < 1
+        "_load_by_map",  # load_into() of a non-module, execution_device= without a map
         "_estimate",  # a non-module, a lazy module
         "_guard",  # a non-module
         "_inspect",  # verify() with another model's optimizer

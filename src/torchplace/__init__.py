@@ -28,7 +28,7 @@ from ._errors import (
 if TYPE_CHECKING:  # what type checkers and editors see; nothing more is imported at run time
     from . import distributed as distributed
     from ._devices import available, device
-    from .checkpoint._checkpoint import load, load_into, skeleton
+    from .checkpoint._checkpoint import load, skeleton
     from .looking._estimate import Estimate, estimate
     from .looking._guard import Guard, guard
     from .looking._inspect import devices_of, stragglers, verify, where
@@ -36,6 +36,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; nothing more is importe
     from .moving._loader import DeviceLoader
     from .moving._move import move
     from .spreading._dispatch import dispatch
+    from .spreading._load_by_map import load_into
     from .spreading._plan import plan
 
 __version__ = "0.1.0.dev0"
@@ -89,7 +90,7 @@ _HOMES = {
     "device": "_devices",
     "dispatch": "spreading._dispatch",
     "load": "checkpoint._checkpoint",
-    "load_into": "checkpoint._checkpoint",
+    "load_into": "spreading._load_by_map",
     "skeleton": "checkpoint._checkpoint",
     "move": "moving._move",
     "plan": "spreading._plan",

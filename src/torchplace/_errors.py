@@ -16,7 +16,9 @@ The tree, with when each is raised (every ``raise`` in the package, as of this r
     │                                by two DeviceLoader loops, bench
     │                                --device meta, and distributed's setup() outside torchrun,
     │                                without torch.distributed, or when the process group does
-    │                                not start, and its verify() without a process group
+    │                                not start, and its verify() without a process group; an
+    │                                offloaded module called with gradients on (inference
+    │                                only), load_into's execution_device= without a device_map
     ├── DeviceSpecError (ValueError)  a device spec torchplace cannot parse ("cdua", -1, 3.5), and
     │                                 the other settings that name devices or sizes: a budget or
     │                                 key of plan's max_memory, plan's strategy, a dispatch

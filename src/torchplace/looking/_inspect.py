@@ -8,7 +8,7 @@ would look it up (``encoder.weight`` as in ``named_parameters()``, ``encoder.wei
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -32,6 +32,7 @@ from .._tensor_size import nbytes
 from .._tree import cached_properties, iter_leaves, opaque_tensors, refuse_unwalkable
 from ..moving._identity import current, replaced_outside
 from ..moving._move import NON_PERSISTENT_LOST, REBUILD
+from ..moving._offloaded import Home, homes
 from ..moving._optim_state import optimizer_list, rule_for
 
 __all__ = [
@@ -75,15 +76,26 @@ class Entry:
     foreign: bool = False
     # Kept in the attributes of an object of this class, which move does not walk.
     opaque: str | None = None
+    # A parameter of an offloaded module: its home tier ("cpu" or "disk") and the device it
+    # runs on (its weights are brought there for each call).
+    home: Home | None = None
+
+    @property
+    def place(self) -> str:
+        """The device as reports show it: ``disk, runs on cuda:0`` for an offloaded weight."""
+        if self.home is None:
+            return str(self.tensor.device)
+        return f"{self.home.tier}, runs on {self.home.execution}"
 
 
 def module_entries(module: nn.Module, prefix: str = "") -> Iterator[Entry]:
     """Parameters, gradients, buffers and plain tensor attributes of a module and its children."""
     registered: set[int] = set()
+    offloaded = {id(p): home for _, m, home in homes(module) for p in m.parameters()}
     for name, p in module.named_parameters():
         registered.add(id(p))
         owner = (prefix + name).rpartition(".")[0]
-        yield Entry(prefix + name, "parameter", p, module=owner)
+        yield Entry(prefix + name, "parameter", p, module=owner, home=offloaded.get(id(p)))
         if p.grad is not None:
             registered.add(id(p.grad))
             yield Entry(f"{prefix}{name}.grad", "grad", p.grad, module=owner)
@@ -264,10 +276,15 @@ def devices_of(obj: Any, /, *, optimizer: Any = None) -> frozenset[torch.device]
     return frozenset(e.tensor.device for e in entries(obj, optimizer=optimizer) if not e.host)
 
 
+def _runs_on(entry: Entry) -> torch.device:
+    """The device an entry counts on for ``where``: an offloaded weight's is where it runs."""
+    return entry.tensor.device if entry.home is None else entry.home.execution
+
+
 def _summary(found: Iterable[Entry]) -> dict[torch.device, list[Entry]]:
     by_device: dict[torch.device, list[Entry]] = {}
     for e in found:
-        by_device.setdefault(e.tensor.device, []).append(e)
+        by_device.setdefault(_runs_on(e), []).append(e)
     return dict(sorted(by_device.items(), key=lambda kv: -sum(nbytes(e.tensor) for e in kv[1])))
 
 
@@ -478,7 +495,9 @@ def _refuse_other_models_optimizer(found: list[Entry], optimizers: list[Any]) ->
             )
 
 
-def verify(obj: Any, device: DeviceSpec, /, *, optimizer: Any = None) -> None:
+def verify(
+    obj: Any, device: DeviceSpec | Mapping[str, DeviceSpec], /, *, optimizer: Any = None
+) -> None:
     """Raise ``PlacementError`` unless every tensor of ``obj`` (and ``optimizer``) is on ``device``.
 
     >>> import torch, torchplace
@@ -488,8 +507,16 @@ def verify(obj: Any, device: DeviceSpec, /, *, optimizer: Any = None) -> None:
     Traceback (most recent call last):
     ...
     torchplace.PlacementError: 2 tensors of the Linear model are not on meta: ...
+
+    ``device`` may be a device map (as ``dispatch`` and ``load_into`` take it) when ``obj`` is
+    a model: each parameter and buffer is then checked against the device of the most specific
+    entry that holds it, and an offloaded module's weights against their home tier (``"cpu"`` or
+    ``"disk"``; its buffers live on the device it runs on).
     """
     refuse_unwalkable(obj, "verify")
+    if isinstance(device, Mapping):
+        _verify_by_map(obj, device)
+        return
     target = normalize(device)
     found = entries(obj, optimizer=optimizer)
     _refuse_other_models_optimizer(found, optimizer_list(optimizer))
@@ -523,3 +550,47 @@ def verify(obj: Any, device: DeviceSpec, /, *, optimizer: Any = None) -> None:
         f"{count} {'are' if len(bad) != 1 else 'is'} not on {target}:\n" + "\n".join(lines),
         stragglers=[Straggler(e.name, e.kind, e.tensor.device, nbytes(e.tensor)) for e in bad],
     )
+
+
+def _verify_by_map(model: Any, device_map: Mapping[str, Any]) -> None:
+    """``verify`` against a device map: ``PlacementError`` naming each tensor out of its place."""
+    if not isinstance(model, nn.Module):
+        raise TorchplaceError(f"a device map describes a model, not {type(model).__name__}")
+    wants = {k: v if v == "disk" else normalize(v) for k, v in device_map.items()}
+    runs = {path: home.execution for path, _, home in homes(model)}
+    bad: list[tuple[Entry, str]] = []
+    for e in entries(model):
+        if e.kind not in ("parameter", "buffer") or e.module is None:
+            continue
+        want = _mapped(e.module, wants)
+        if want is None:
+            bad.append((e, "no entry of the map covers it"))
+        elif e.home is not None:
+            if e.home.tier != str(want):
+                bad.append((e, f"it is offloaded to {e.home.tier}, the map says {want}"))
+        elif e.kind == "buffer" and e.tensor.device == _mapped(e.module, runs):
+            continue  # an offloaded module's buffers live where it runs
+        elif e.tensor.device != want:
+            bad.append((e, f"it is on {e.tensor.device}, the map says {want}"))
+    if bad:
+        lines = [f"  - {e.name} ({e.kind}): {why}" for e, why in bad[:10]]
+        if len(bad) > 10:
+            lines.append(f"  ... and {len(bad) - 10} more")
+        raise PlacementError(
+            f"{len(bad)} tensor(s) of {describe(model)} are not where the device map puts them "
+            "(torchplace.dispatch(model, device_map) places them):\n" + "\n".join(lines),
+            stragglers=[
+                Straggler(e.name, e.kind, e.tensor.device, nbytes(e.tensor)) for e, _ in bad
+            ],
+        )
+
+
+def _mapped(path: str, table: Mapping[str, Any]) -> Any:
+    """The value of the most specific key of ``table`` that contains module ``path``."""
+    probe = path
+    while True:
+        if probe in table:
+            return table[probe]
+        if not probe:
+            return None
+        probe = probe.rpartition(".")[0]

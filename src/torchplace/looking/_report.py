@@ -160,7 +160,9 @@ def report(obj: Any, /, *, optimizer: Any = None, detail: bool = False) -> Repor
     object is a rich renderable. Rows group by the module that holds the tensors directly;
     optimizer state groups under ``optimizer.state``; ``detail=True`` gives one row per tensor.
     A sharded tensor (a DTensor, as FSDP2 and tensor parallelism make) counts the shard this
-    process holds, so each rank reports its own memory.
+    process holds, so each rank reports its own memory. The weights of a module that
+    ``dispatch`` offloads show their home tier and the device they run on
+    (``disk, runs on cuda:0``; ``cpu, runs on cuda:0``) in the device column.
     """
     refuse_unwalkable(obj, "report")
     found = entries(obj, optimizer=optimizer)
@@ -168,15 +170,13 @@ def report(obj: Any, /, *, optimizer: Any = None, detail: bool = False) -> Repor
     if detail:
         for e in found:
             t = e.tensor
-            rows.append(
-                ReportRow(e.name, e.kind, str(t.device), _dtype(t.dtype), 1, numel(t), nbytes(t))
-            )
+            rows.append(ReportRow(e.name, e.kind, e.place, _dtype(t.dtype), 1, numel(t), nbytes(t)))
     else:
         groups: dict[tuple[str, str, str, str], list[int]] = {}
         for e in found:
             t = e.tensor
             path = e.module if e.module is not None else e.name
-            key = (path or "(model)", e.kind, str(t.device), _dtype(t.dtype))
+            key = (path or "(model)", e.kind, e.place, _dtype(t.dtype))
             slot = groups.setdefault(key, [0, 0, 0])
             slot[0] += 1
             slot[1] += numel(t)

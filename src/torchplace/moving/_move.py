@@ -62,6 +62,7 @@ from ._identity import (
     swappable,
     swaps,
 )
+from ._offloaded import drop_homes, gather_homes
 from ._optim_state import optimizer_list, rule_for
 from ._transfer import Copier, CopyFailed, is_accelerator, own_to, tensor_mover
 
@@ -677,6 +678,7 @@ def move(
     grad_mode, flags = torch.is_grad_enabled(), conversion_flags()
     try:
         if isinstance(obj, nn.Module):
+            gather_homes(obj, target, log)  # disk-offloaded weights read back first
             left_behind = _owners_mover()([("", obj)], optimizers, target, copier, attributes, log)
             result: Any = obj
         elif isinstance(obj, torch.optim.Optimizer):
@@ -810,6 +812,7 @@ def _undispatch(module: nn.Module) -> None:
     """Remove the hooks of ``torchplace.dispatch`` once a model is gathered onto one device."""
     if is_dispatched(module):
         undispatch(module)
+        drop_homes(module)
 
 
 def _prefill_batch(obj: Any, root: str, copier: Copier, views: bool) -> None:

@@ -62,6 +62,7 @@ __all__ = [
     "Slot",
     "Stager",
     "Transport",
+    "available_host_bytes",
     "copy_stream",
     "pinned_pool",
     "release_pinned_memory",
@@ -137,7 +138,7 @@ class Slot:
         self.kept = kept  # counted in the pool's bytes (False: dropped when given back)
 
 
-def _available_host_bytes() -> int | None:
+def available_host_bytes() -> int | None:
     """Linux's MemAvailable in bytes, None where it cannot be read."""
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
@@ -183,7 +184,7 @@ class PinnedPool:
         slot_bytes: int,
         *,
         allocate: Callable[[int], torch.Tensor] = _pinned,
-        available: Callable[[], int | None] = _available_host_bytes,
+        available: Callable[[], int | None] = available_host_bytes,
     ) -> None:
         self.limit = limit
         self.slot_bytes = slot_bytes

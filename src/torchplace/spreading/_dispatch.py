@@ -12,6 +12,7 @@ model back onto one device with these two.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 import threading
@@ -33,6 +34,9 @@ from .._model_walk import ModelTree, display, walk_model
 from .._tree import Located, iter_leaves, map_tensors
 from ..moving._hooks import MARK, Installed, is_dispatched, undispatch
 from ..moving._move import place
+from ..moving._offloaded import HOME, Home, homes
+from ..moving._transfer import is_accelerator
+from ._offload import DEFAULT_WINDOW, DeviceTransport, Ring, Transport, Unit
 
 __all__ = [
     "dispatch",
@@ -41,6 +45,8 @@ __all__ = [
 ]
 
 DeviceMapSpec = Mapping[str, str | int | torch.device]  # module name -> device
+
+DISK = "disk"  # the tier a device map may name besides devices: weights left in their checkpoint
 
 _DEVICE_ERROR = re.compile(
     r"same device|expected device|two devices|different devices|wrong device|"
@@ -90,7 +96,7 @@ def _first_device(obj: Any) -> torch.device | None:
     return None
 
 
-def _parse_device_map(tree: ModelTree, device_map: object) -> dict[str, torch.device]:
+def parse_device_map(tree: ModelTree, device_map: object) -> dict[str, torch.device | str]:
     if not isinstance(device_map, Mapping):
         raise DeviceSpecError(
             f"device_map must be a dict of module name -> device such as "
@@ -98,7 +104,7 @@ def _parse_device_map(tree: ModelTree, device_map: object) -> dict[str, torch.de
             f"not {type(device_map).__name__}"
         )
     names = list(tree.modules)
-    entries: dict[str, torch.device] = {}
+    entries: dict[str, torch.device | str] = {}
     for name, spec in device_map.items():
         where = f"device_map[{name!r}]"
         if not isinstance(name, str):
@@ -117,6 +123,9 @@ def _parse_device_map(tree: ModelTree, device_map: object) -> dict[str, torch.de
                 f"{where}: the model has no submodule {name!r}; {hint}keys are names from "
                 "model.named_modules(), and '' is the whole model"
             )
+        if spec == DISK:
+            entries[name] = DISK
+            continue
         try:
             entries[name] = _device(spec)
         except TorchplaceError as err:
@@ -393,7 +402,180 @@ def _hook(tree: ModelTree, targets: dict[int, torch.device]) -> None:
             module.__dict__[MARK] = installed
 
 
-def dispatch(model: nn.Module, device_map: DeviceMapSpec, /) -> nn.Module:
+@dataclasses.dataclass
+class _Offload:
+    """How a map runs: the execution device of offloaded modules (None: each runs where it
+    is), each map entry's tier when it is offloaded, and the device each entry runs on."""
+
+    execution: torch.device | None
+    tiers: dict[str, str]  # entry -> "cpu" | "disk"
+    runs: dict[str, torch.device]  # entry -> the device its modules run on
+
+
+def _offloading(entries: dict[str, torch.device | str], execution_device: object) -> _Offload:
+    """Which entries are offloaded, and where everything runs (see ``dispatch``)."""
+    if execution_device is not None:
+        try:
+            execution: torch.device | None = _device(execution_device)  # type: ignore[arg-type]
+        except TorchplaceError as err:
+            raise type(err)(f"execution_device: {err}") from None
+    else:
+        accelerators = [
+            d for d in entries.values() if isinstance(d, torch.device) and is_accelerator(d)
+        ]
+        execution = accelerators[0] if accelerators else None
+    host = torch.device("cpu")
+    tiers: dict[str, str] = {}
+    runs: dict[str, torch.device] = {}
+    for name, where in entries.items():
+        if where == DISK:
+            tiers[name] = DISK
+            runs[name] = execution or host
+        elif where == host and execution is not None and execution != host:
+            tiers[name] = "cpu"
+            runs[name] = execution
+        else:
+            assert isinstance(where, torch.device)
+            runs[name] = where
+    return _Offload(execution, tiers, runs)
+
+
+def _entry_of(path: str, entries: Mapping[str, object]) -> str | None:
+    """The most specific map entry that contains ``path``."""
+    probe = path
+    while True:
+        if probe in entries:
+            return probe
+        if not probe:
+            return None
+        probe = probe.rpartition(".")[0]
+
+
+def _homes(
+    tree: ModelTree, offload: _Offload, targets: dict[int, torch.device]
+) -> dict[int, torch.device]:
+    """Where each tensor lives: as it runs, except offloaded parameters: on the CPU for the
+    host tier, and left where they are (``meta``, the bytes in the checkpoint) for the disk
+    tier, whose modules must carry the checkpoint's reader that ``load_into`` gave them."""
+    homes = dict(targets)
+    params = {id(p) for p in tree.modules[""].parameters()}
+    for key in params:
+        entry = _entry_of(tree.owner_modules[key][0], offload.tiers)
+        if entry is None:
+            continue
+        if offload.tiers[entry] == "cpu":
+            homes[key] = torch.device("cpu")
+            continue
+        del homes[key]
+        home = tree.modules[entry].__dict__.get(HOME)
+        if not isinstance(home, Home) or home.source is None or not tree.tensors[key].is_meta:
+            raise DeviceSpecError(
+                f"device_map[{entry!r}] is 'disk', but the weights of {display(entry)} are in "
+                "memory, not left in a checkpoint: dispatch writes no weights to disk. Fill the "
+                "model with torchplace.load_into(skeleton, checkpoint, device_map=...), which "
+                "leaves them in the file, or map it to 'cpu'"
+            )
+    return homes
+
+
+def _unit_paths(tree: ModelTree, path: str) -> list[str]:
+    """The modules that run for an offloaded entry: itself, or (a container that never runs
+    itself, such as a ``ModuleList``) its children, each in turn."""
+    if _runs(tree.modules[path]) or not tree.children[path]:
+        return [path]
+    return [p for child in tree.children[path] for p in _unit_paths(tree, child)]
+
+
+def _units(tree: ModelTree, offload: _Offload) -> list[Unit]:
+    """Every offloaded module that runs, in registration order, with its parameter slots."""
+    assert offload.execution is not None or DISK in offload.tiers.values()
+    execution = offload.execution or torch.device("cpu")
+    units: list[Unit] = []
+    for entry, tier in offload.tiers.items():
+        found = tree.modules[entry].__dict__.get(HOME)
+        entry_source = found.source if isinstance(found, Home) else None
+        for path in _unit_paths(tree, entry):
+            source = entry_source
+            slots, names = [], []
+            for key in tree.subtree(path):
+                tensor = tree.tensors[key]
+                if not isinstance(tensor, nn.Parameter):
+                    continue
+                for qualified in tree.owners[key]:
+                    owner, _, leaf = qualified.rpartition(".")
+                    if _entry_of(owner, offload.tiers) != entry or not _under(owner, path):
+                        continue
+                    slots.append((tree.modules[owner], leaf, tensor))
+                    names.append(qualified[len(entry) + 1 :] if entry else qualified)
+            if source is not None and tier == DISK and path != entry:
+                source = source.only(path[len(entry) + 1 :] if entry else path)
+            home = Home(tier, execution, source if tier == DISK else None)
+            units.append(Unit(path, tree.modules[path], slots, names, home))
+    units.sort(key=lambda u: list(tree.modules).index(u.path))
+    return units
+
+
+def _under(path: str, top: str) -> bool:
+    return not top or path == top or path.startswith(top + ".")
+
+
+def _pin(units: list[Unit], execution: torch.device | None) -> None:
+    """Host-tier weights in pinned memory, so that their copies to CUDA run asynchronously."""
+    if execution is None or execution.type != "cuda":
+        return
+    for unit in units:
+        for _, _, p in unit.slots:
+            if p.device.type == "cpu" and not p.is_pinned():
+                p.data = p.data.pin_memory()
+
+
+def _forget_host_homes(model: nn.Module) -> None:
+    """An earlier dispatch's host-tier marks (disk tiers keep theirs: their reader)."""
+    for _, module, home in list(homes(model)):
+        if home.source is None:
+            del module.__dict__[HOME]
+
+
+class _Before:
+    def __init__(self, ring: Ring, index: int) -> None:
+        self.ring, self.index = ring, index
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        self.ring.before(self.index)
+
+
+class _After:
+    def __init__(self, ring: Ring, index: int) -> None:
+        self.ring, self.index = ring, index
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        self.ring.after(self.index)
+
+
+def _hook_units(units: list[Unit], window: int, transport: Transport) -> None:
+    """The ring's hooks on each offloaded module, kept in its mark for ``undispatch``."""
+    if not units:
+        return
+    ring = Ring(units, window, transport)
+    for i, unit in enumerate(units):
+        installed = unit.module.__dict__.get(MARK) or Installed(handles=[])
+        installed.handles.append(unit.module.register_forward_pre_hook(_Before(ring, i)))
+        installed.handles.append(
+            unit.module.register_forward_hook(_After(ring, i), always_call=True)
+        )
+        unit.module.__dict__[MARK] = installed
+        unit.module.__dict__[HOME] = unit.home
+
+
+def dispatch(
+    model: nn.Module,
+    device_map: DeviceMapSpec,
+    /,
+    *,
+    execution_device: str | int | torch.device | None = None,
+    offload_window: int = DEFAULT_WINDOW,
+    _transport: Transport | None = None,
+) -> nn.Module:
     """Place each submodule on its device and move inputs to it as it runs.
 
     >>> import torch, torchplace
@@ -427,6 +609,19 @@ def dispatch(model: nn.Module, device_map: DeviceMapSpec, /) -> nn.Module:
     class that is neither a collection nor has a ``.to``, as Hugging Face's ``Cache`` classes
     are), which reaches every part as is.
 
+    Offloading: a module mapped to ``"cpu"`` while an accelerator executes
+    (``execution_device``, by default the map's first accelerator), or mapped to ``"disk"``,
+    is offloaded. Its parameters stay home between calls (pinned host memory; for ``"disk"``,
+    ``meta``, their bytes left in the checkpoint ``load_into(..., device_map=...)`` filled the
+    model from) and are brought to the execution device just before its forward, the next
+    offloaded modules fetched ahead (on a side CUDA stream, or read from the checkpoint in a
+    background thread) while it runs, and dropped after; at most ``offload_window`` offloaded
+    modules' weights are there at once. Their buffers live on the execution device. With no
+    accelerator in the map, ``"cpu"`` modules simply run on the CPU and ``"disk"`` ones run on
+    the CPU with their weights read just in time. Offloaded modules run for inference only: a
+    call with gradients enabled while an offloaded parameter requires grad raises
+    ``TorchplaceError`` (their weights are copies, so no gradient would reach them).
+
     Dispatching again replaces the hooks;
     ``torchplace.move(model, device)`` gathers the model onto one device and removes them.
     If a parent's own code mixes outputs of children on different devices, the error names it
@@ -438,11 +633,19 @@ def dispatch(model: nn.Module, device_map: DeviceMapSpec, /) -> nn.Module:
                 f"dispatch() places an nn.Module, not {type(model).__name__}; pass the model"
             )
         tree = walk_model(model)
-        entries = _parse_device_map(tree, device_map)
-        targets = _targets(tree, entries)
-        _place(tree, targets)  # all or nothing: on failure the model and its hooks are as they were
+        entries = parse_device_map(tree, device_map)
+        offload = _offloading(entries, execution_device)
+        targets = _targets(tree, offload.runs)
+        units = _units(tree, offload) if offload.tiers else []
+        if units and offload_window < 1:
+            raise DeviceSpecError(f"offload_window must be at least 1, not {offload_window}")
+        _place(tree, _homes(tree, offload, targets))  # all or nothing: on failure the model
+        _pin(units, offload.execution)  # and its hooks are as they were
         undispatch(model)  # only now: a bad map or a failed move keeps an earlier dispatch whole
+        _forget_host_homes(model)
         _hook(tree, targets)
+        transport = _transport or DeviceTransport(offload.execution or torch.device("cpu"))
+        _hook_units(units, offload_window, transport)
         return model
     except TorchplaceError as err:
         raise type(err)(f"dispatch(): {err}") from err.__cause__

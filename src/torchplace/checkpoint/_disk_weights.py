@@ -1,0 +1,98 @@
+"""The disk tier: a module's weights left in the checkpoint they came from, read when needed.
+
+``load_into(model, path, device_map=...)`` fills what lives in memory and gives each module
+mapped to ``"disk"`` a ``CheckpointWeights``: the file's keys under the module's name (found
+once in the catalog, after ``rename``), read straight from their byte ranges onto the device
+asked (onto CUDA through the reader's bounded pinned ring), converted from hub names as
+``load_into`` converts them and cast to the model's dtypes. Nothing is written anywhere: the
+file's stamp is checked on each read, so a checkpoint rewritten under a running model raises.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .._errors import CheckpointError
+from ._catalog import Catalog, catalog
+from ._conversions import hub_converted
+from ._load import read_entries
+
+__all__ = ["CheckpointWeights"]
+
+
+class CheckpointWeights:
+    """The weights of the module at ``entry`` (their names inside it, with their dtypes), read
+    from ``path`` on each ``read``; ``prefix`` narrows them to a submodule's."""
+
+    def __init__(
+        self,
+        path: Path,
+        model: nn.Module,
+        entry: str,
+        dtypes: dict[str, torch.dtype],
+        renamer: Callable[[str], str | None] | None,
+        prefix: str = "",
+    ) -> None:
+        self.path = path
+        self.where = str(path)
+        self._model = weakref.ref(model)  # the model holds this reader: no cycle through it
+        self.entry = entry
+        self.dtypes = {n: d for n, d in dtypes.items() if not prefix or n.startswith(prefix + ".")}
+        self.renamer = renamer
+        self.prefix = prefix
+        self._found: Catalog | None = None
+        self._keys: list[str] | None = None
+        self.nbytes = sum(_numel(model, entry, n) * d.itemsize for n, d in self.dtypes.items())
+
+    def only(self, prefix: str) -> CheckpointWeights:
+        model = self._model()
+        assert model is not None
+        return CheckpointWeights(self.path, model, self.entry, self.dtypes, self.renamer, prefix)
+
+    def _file_keys(self) -> tuple[Catalog, list[str]]:
+        if self._found is None or self._keys is None:
+            found = catalog(self.path)
+            head = f"{self.entry}.{self.prefix}" if self.prefix else self.entry
+            head = head + "." if head else ""
+            keys = []
+            for key in found.entries:
+                name = self.renamer(key) if self.renamer is not None else key
+                if name is not None and name.startswith(head):
+                    keys.append(key)
+            self._found, self._keys = found, keys
+        return self._found, self._keys
+
+    def read(self, device: torch.device) -> dict[str, torch.Tensor]:
+        model = self._model()
+        assert model is not None, "the model this reader belongs to is gone"
+        found, keys = self._file_keys()
+        state = read_entries(found, keys, device)
+        if self.renamer is not None:
+            state = {self.renamer(k) or k: v for k, v in state.items()}
+        state = hub_converted(self.where, model, state, owned=True)
+        cut = len(self.entry) + 1 if self.entry else 0
+        out = {}
+        for name, value in state.items():
+            local = name[cut:]
+            dtype = self.dtypes.get(local)
+            if dtype is not None:
+                out[local] = value if value.dtype == dtype else value.to(dtype)
+        missing = sorted(set(self.dtypes) - set(out))
+        if missing:
+            shown = ", ".join(f"{self.entry}.{n}" for n in missing[:5])
+            raise CheckpointError(
+                f"{self.where} no longer holds {shown} ({len(missing)} tensor(s) of the "
+                "offloaded module); the checkpoint a disk-offloaded model reads must stay as "
+                "it was loaded"
+            )
+        return out
+
+
+def _numel(model: nn.Module, entry: str, name: str) -> int:
+    full = f"{entry}.{name}" if entry else name
+    return model.get_parameter(full).numel()

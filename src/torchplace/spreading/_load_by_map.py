@@ -1,0 +1,214 @@
+"""``load_into`` by a device map: one flow from a skeleton to a model that runs.
+
+With ``device_map=``, the modules that live in memory (on accelerators or the host) are filled
+by the checkpoint package's fill while the modules mapped to ``"disk"`` are held out of the
+model (each of the file's bytes is read once, and theirs not at all); each ``"disk"`` module
+then gets a ``CheckpointWeights`` reader of its byte ranges, its parameters stay on ``meta``,
+and the model is dispatched by the map (``dispatch`` runs the disk modules from that reader).
+Without a map, ``load_into`` is the checkpoint package's, unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from .._devices import DeviceSpec
+from .._errors import CheckpointError, DeviceSpecError, TorchplaceError
+from .._model_walk import display, walk_model
+from ..checkpoint._checkpoint import load_into as fill
+from ..checkpoint._disk_weights import CheckpointWeights
+from ..checkpoint._rename import Rename, as_renamer
+from ..checkpoint._source import PathLike, resolve
+from ..moving._offloaded import HOME, Home
+from ._dispatch import DISK, DeviceMapSpec, dispatch, parse_device_map
+from ._offload import DEFAULT_WINDOW
+
+__all__ = ["load_into"]
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+def load_into(
+    model: ModuleT,
+    source: PathLike | Mapping[str, Any],
+    device: DeviceSpec = None,
+    /,
+    *,
+    strict: bool = True,
+    mmap: bool = False,
+    rename: Rename | None = None,
+    check_crc: bool | None = None,
+    progress: bool | None = None,
+    device_map: DeviceMapSpec | None = None,
+    execution_device: DeviceSpec = None,
+    offload_window: int = DEFAULT_WINDOW,
+) -> ModuleT:
+    """Fill ``model`` from a checkpoint; with ``device_map``, fill it by the map and dispatch it.
+
+    >>> import os, tempfile, torch, torchplace
+    >>> path = os.path.join(tempfile.mkdtemp(), "mlp.pt")
+    >>> make = lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    >>> torch.save(make().state_dict(), path)
+    >>> device_map = {"": "cpu", "1": "disk"}
+    >>> model = torchplace.load_into(torchplace.skeleton(make), path, device_map=device_map)
+    >>> model[1].weight.device  # left in the file, read just in time
+    device(type='meta')
+    >>> with torch.no_grad():
+    ...     model(torch.ones(1, 4)).shape
+    torch.Size([1, 2])
+
+    Without ``device_map`` this is the checkpoint package's ``load_into`` (see its docstring
+    for ``device``, ``strict``, ``mmap``, ``rename``, ``check_crc`` and ``progress``).
+
+    With ``device_map`` (as ``plan`` returns it, or written by hand; ``device`` must then be
+    None), the modules mapped to devices are filled (each of their bytes read once: straight
+    onto the device when the map keeps them all on one, else into host memory and then placed), the
+    modules mapped to ``"disk"`` are left in the checkpoint (their parameters on ``meta``;
+    nothing is written to an offload folder) and read from it each time they run, and the
+    model comes back dispatched by the map with ``execution_device`` and ``offload_window``
+    as for ``dispatch``. A mapping source cannot be left on disk.
+
+    Raises:
+        CheckpointError: as the fill raises; a mapping source with ``"disk"`` in the map.
+        DeviceSpecError: a bad map; ``device`` given with ``device_map``.
+    """
+    if device_map is None:
+        if execution_device is not None:
+            raise TorchplaceError("load_into(): execution_device is for a device_map; give one")
+        return fill(
+            model,
+            source,
+            device,
+            strict=strict,
+            mmap=mmap,
+            rename=rename,
+            check_crc=check_crc,
+            progress=progress,
+        )
+    options = {"strict": strict, "mmap": mmap, "check_crc": check_crc, "progress": progress}
+    try:
+        return _by_map(model, source, device, device_map, rename, options, execution_device,
+                       offload_window)  # fmt: skip
+    except TorchplaceError as err:
+        raise type(err)(f"load_into(): {err}") from err.__cause__
+
+
+def _by_map(
+    model: ModuleT,
+    source: PathLike | Mapping[str, Any],
+    device: DeviceSpec,
+    device_map: DeviceMapSpec,
+    rename: Rename | None,
+    options: dict[str, Any],
+    execution_device: DeviceSpec,
+    offload_window: int,
+) -> ModuleT:
+    if device is not None:
+        raise DeviceSpecError(
+            f"device={device!r} and a device_map were both given; the map says where each "
+            "module goes, so leave device out"
+        )
+    if not isinstance(model, nn.Module):
+        raise TorchplaceError(f"load_into() fills an nn.Module, not {type(model).__name__}")
+    entries = parse_device_map(walk_model(model), device_map)
+    disk = [name for name, where in entries.items() if where == DISK]
+    _check_disk(model, source, disk)
+    renamer = None if rename is None else as_renamer(rename)
+    dtypes = {name: _dtypes(model.get_submodule(name)) for name in disk}
+    with _held_out(model, disk):
+        fill(model, source, _one_device(entries), rename=_dropping(renamer, disk), **options)
+    if disk:
+        path = resolve(source)
+        for name in disk:
+            module = model.get_submodule(name)
+            reader = CheckpointWeights(path, model, name, dtypes[name], renamer)
+            _params_to_meta(module)
+            module.__dict__[HOME] = Home(DISK, torch.device("cpu"), reader)
+    dispatch(model, device_map, execution_device=execution_device, offload_window=offload_window)
+    return model
+
+
+def _check_disk(model: nn.Module, source: object, disk: list[str]) -> None:
+    if not disk:
+        return
+    if isinstance(source, Mapping):
+        raise CheckpointError(
+            f"the device_map puts {', '.join(map(display, disk[:3]))} on 'disk', but the source "
+            "is a mapping of tensors already in memory, not a file its weights could stay in; "
+            "save it first (torch.save or safetensors) and pass the path, or map them to 'cpu'"
+        )
+    if "" in disk:
+        raise DeviceSpecError(
+            "device_map[''] is 'disk': map the model's parts (its layers) to 'disk', not the "
+            "whole model, so that they are read one after another as they run"
+        )
+    for name in disk:
+        module = model.get_submodule(name)
+        params = {n for n, _ in module.named_parameters()}
+        kept = [n for n in module.state_dict(keep_vars=True) if n not in params]
+        if kept:
+            raise CheckpointError(
+                f"{display(name)} holds the buffer {display(f'{name}.{kept[0]}')}, which its "
+                "checkpoint keeps too; the disk tier leaves only parameters in the file, so "
+                f"map {name!r} to 'cpu' or to a device"
+            )
+
+
+def _one_device(entries: Mapping[str, torch.device | str]) -> torch.device | None:
+    """The one device every module kept in memory is mapped to, read straight onto (onto CUDA
+    through pinned buffers); None when there are several (read into host memory, then placed
+    by ``dispatch``)."""
+    devices = {where for where in entries.values() if isinstance(where, torch.device)}
+    return devices.pop() if len(devices) == 1 else None
+
+
+def _dtypes(module: nn.Module) -> dict[str, torch.dtype]:
+    return {name: p.dtype for name, p in module.named_parameters()}
+
+
+@contextlib.contextmanager
+def _held_out(model: nn.Module, names: list[str]) -> Iterator[None]:
+    """``names`` taken out of the model while it is filled, then put back as they were."""
+    taken: list[tuple[nn.Module, str, nn.Module]] = []
+    try:
+        for name in names:
+            parent_name, _, leaf = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            module = parent._modules[leaf]
+            assert module is not None
+            parent._modules[leaf] = None
+            taken.append((parent, leaf, module))
+        yield
+    finally:
+        for parent, leaf, module in reversed(taken):
+            parent._modules[leaf] = module
+
+
+def _dropping(
+    renamer: Callable[[str], str | None] | None, disk: list[str]
+) -> Callable[[str], str | None] | None:
+    """The fill's renamer: the user's, then the file keys of ``"disk"`` modules dropped."""
+    if not disk:
+        return renamer
+    heads = tuple(f"{name}." for name in disk)
+
+    def rename(key: str) -> str | None:
+        new = renamer(key) if renamer is not None else key
+        return None if new is None or new.startswith(heads) else new
+
+    return rename
+
+
+def _params_to_meta(module: nn.Module) -> None:
+    """A disk module's parameters as ``meta`` (their values stay in the file), objects kept
+    where they already were."""
+    for sub in module.modules():
+        for name, p in list(sub._parameters.items()):
+            if p is not None and not p.is_meta:
+                meta = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+                sub._parameters[name] = meta

@@ -1,0 +1,242 @@
+"""Running offloaded modules: weights brought to the execution device just before each forward.
+
+A module that ``dispatch`` offloads (mapped to ``"cpu"`` or ``"disk"`` while another device
+executes it, or to ``"disk"`` with the CPU executing) is a ``Unit``. Its parameters keep their
+home between calls (pinned host memory, or ``meta`` with the bytes left in the checkpoint) and
+the ``Ring`` of a model holds at most ``window`` units' weights on the execution device at once:
+before unit ``i`` runs, the units ``i .. i + window - 1`` (in registration order, wrapping round
+for the next call, as generation calls the model again) are fetched if they are not already,
+the current stream is ordered after unit ``i``'s copies, its parameters are swapped for the
+fetched ones, and after its forward they are swapped back and the fetched memory released.
+
+The ``Transport`` does the copies: ``DeviceTransport`` copies host tiers on a side CUDA stream
+(ordered by events; the fetched tensors are marked with ``record_stream`` on the compute stream
+when released, so the caching allocator reuses their memory only once the compute that read
+them is done) and reads disk tiers in a background thread (on the CPU, the read of the next
+units overlaps the current unit's compute). Tests give the ring a fake transport and check the
+order, the bound and the waits.
+
+Training through offloaded weights is refused (``TorchplaceError``): the fetched weights are
+copies, so no gradient would reach the parameters, and the autograd graph would keep every
+fetched copy alive until backward, defeating the bound.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from .._errors import TorchplaceError
+from .._model_walk import display
+from ..moving._offloaded import Home
+
+__all__ = ["DEFAULT_WINDOW", "DeviceTransport", "Fetched", "Ring", "Transport", "Unit"]
+
+DEFAULT_WINDOW = 2  # units resident on the execution device at once: the running one + 1 ahead
+
+
+@dataclasses.dataclass
+class Unit:
+    """One offloaded module: its path, the module, its parameter slots and its home."""
+
+    path: str
+    module: nn.Module
+    slots: list[tuple[nn.Module, str, nn.Parameter]]  # (owner, name, the parameter at home)
+    names: list[str]  # each slot's name inside the unit, for the disk tier's reader
+    home: Home
+
+    @property
+    def nbytes(self) -> int:
+        if self.home.source is not None:
+            return self.home.source.nbytes
+        seen = {id(p): p.numel() * p.element_size() for _, _, p in self.slots}
+        return sum(seen.values())
+
+
+@dataclasses.dataclass
+class Fetched:
+    """A unit's weights on their way to (or on) the execution device."""
+
+    tensors: Any  # list[torch.Tensor] in slot order, or a future of it
+    event: Any = None  # what the compute stream waits on before reading them
+
+
+class Transport(Protocol):
+    """Brings a unit's weights to the execution device and gives their memory back."""
+
+    def fetch(self, unit: Unit) -> Fetched:
+        """Start bringing ``unit``'s weights; returns at once."""
+        ...
+
+    def ready(self, fetched: Fetched) -> list[torch.Tensor]:
+        """The fetched tensors, with the compute stream ordered after their copies."""
+        ...
+
+    def release(self, fetched: Fetched) -> None:
+        """The compute stream is done queuing work on ``fetched``: its memory may be reused
+        once that work has run."""
+        ...
+
+
+def _grad_error(unit: Unit) -> TorchplaceError:
+    return TorchplaceError(
+        f"{display(unit.path)} ({type(unit.module).__name__}) is offloaded to "
+        f"{unit.home.tier} and runs on {unit.home.execution} with copies of its weights, so "
+        "gradients cannot reach its parameters: offloaded modules run for inference only. Call "
+        "the model under torch.no_grad() or torch.inference_mode() (or "
+        "model.requires_grad_(False)), or give it a map without 'cpu' or 'disk' entries to train"
+    )
+
+
+class Ring:
+    """The resident window over a model's units, in their order (see the module docstring)."""
+
+    def __init__(self, units: list[Unit], window: int, transport: Transport) -> None:
+        if window < 1:
+            raise TorchplaceError(f"offload_window must be at least 1, not {window}")
+        self.units = units
+        self.window = min(window, len(units))
+        self.transport = transport
+        self.resident: dict[int, Fetched] = {}
+        self.attached: dict[int, list[tuple[nn.Module, str, nn.Parameter]]] = {}
+        self.inner: dict[int, int] = {}  # calls of a unit from inside its own forward
+
+    def before(self, i: int) -> None:
+        unit = self.units[i]
+        if torch.is_grad_enabled() and any(p.requires_grad for _, _, p in unit.slots):
+            raise _grad_error(unit)
+        if i in self.attached:  # called again from inside itself: its weights are in place
+            self.inner[i] = self.inner.get(i, 0) + 1
+            return
+        n = len(self.units)
+        wanted = [(i + k) % n for k in range(self.window)]
+        for j in [j for j in self.resident if j not in wanted and j not in self.attached]:
+            self.transport.release(self.resident.pop(j))
+        for j in wanted:
+            if j not in self.resident:
+                self.resident[j] = self.transport.fetch(self.units[j])
+        try:
+            tensors = self.transport.ready(self.resident[i])
+        except BaseException:
+            del self.resident[i]  # a failed read is not kept: the next call reads again
+            raise
+        self.attached[i] = _swap_in(unit, tensors)
+
+    def after(self, i: int) -> None:
+        if self.inner.get(i):
+            self.inner[i] -= 1
+            return
+        slots = self.attached.pop(i, None)
+        if slots is None:
+            return
+        for owner, name, home in slots:
+            owner._parameters[name] = home
+        fetched = self.resident.pop(i, None)
+        if fetched is not None:
+            self.transport.release(fetched)
+
+    def __getstate__(self) -> dict[str, Any]:  # a copy starts with nothing resident
+        state = dict(self.__dict__)
+        state["resident"], state["attached"], state["inner"] = {}, {}, {}
+        return state
+
+
+def _swap_in(unit: Unit, tensors: list[torch.Tensor]) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """Put the fetched tensors in the unit's slots (tied slots share one); returns the slots
+    with their parameters at home, to put back."""
+    made: dict[int, nn.Parameter] = {}
+    for (owner, name, home), t in zip(unit.slots, tensors, strict=True):
+        fetched = made.get(id(home))
+        if fetched is None:
+            fetched = made[id(home)] = nn.Parameter(t, requires_grad=False)
+        owner._parameters[name] = fetched
+    return list(unit.slots)
+
+
+class DeviceTransport:
+    """Real copies: host tiers on a side CUDA stream, disk tiers read in a background thread
+    (under that stream when the execution device is CUDA). ``cuda`` is ``torch.cuda`` (tests
+    give a fake one that logs streams and events)."""
+
+    def __init__(self, device: torch.device, cuda: Any = None) -> None:
+        self.device = device
+        self.cuda = cuda if cuda is not None else torch.cuda
+        self._stream: Any = None
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"device": self.device, "cuda": None, "_stream": None, "_pool": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.cuda = torch.cuda
+
+    @property
+    def stream(self) -> Any:
+        if self._stream is None and self.device.type == "cuda":
+            self._stream = self.cuda.Stream(self.device)
+        return self._stream
+
+    def _in_background(self, work: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, "torchplace-offload")
+        return self._pool.submit(work)
+
+    def _marked(self) -> Any:
+        """An event recorded on the side stream after the work queued on it so far."""
+        event = self.cuda.Event()
+        event.record(self.stream)
+        return event
+
+    def fetch(self, unit: Unit) -> Fetched:
+        if unit.home.source is not None:
+            return Fetched(self._in_background(lambda: self._read(unit)))
+        if self.stream is None:  # a host tier executed on the host: nothing to copy
+            return Fetched([p for _, _, p in unit.slots])
+        # The side stream first waits for the compute queued so far: memory the allocator
+        # hands these copies may have been released by compute still in flight.
+        self.stream.wait_stream(self.cuda.current_stream(self.device))
+        with self.cuda.stream(self.stream):
+            tensors = [self.copy(p) for _, _, p in unit.slots]
+        return Fetched(tensors, self._marked())
+
+    def copy(self, host: torch.Tensor) -> torch.Tensor:
+        """One pinned host tensor's asynchronous copy to the device (on the current stream)."""
+        return host.to(self.device, non_blocking=True)
+
+    def _read(self, unit: Unit) -> tuple[list[torch.Tensor], Any]:
+        assert unit.home.source is not None
+        if self.stream is None:
+            by_name = unit.home.source.read(self.device)
+            return [by_name[n] for n in unit.names], None
+        with self.cuda.stream(self.stream):
+            by_name = unit.home.source.read(self.device)
+            event = self._marked()
+        return [by_name[n] for n in unit.names], event
+
+    def ready(self, fetched: Fetched) -> list[torch.Tensor]:
+        if isinstance(fetched.tensors, concurrent.futures.Future):
+            fetched.tensors, fetched.event = fetched.tensors.result()
+        if fetched.event is not None:
+            self.cuda.current_stream(self.device).wait_event(fetched.event)
+        tensors: list[torch.Tensor] = fetched.tensors
+        return tensors
+
+    def release(self, fetched: Fetched) -> None:
+        if isinstance(fetched.tensors, concurrent.futures.Future):
+            fetched.tensors.cancel()  # never used; one already running finishes on its own
+            return
+        if self.stream is None:
+            return
+        compute = self.cuda.current_stream(self.device)
+        for t in fetched.tensors:
+            self.record(t, compute)
+
+    def record(self, t: torch.Tensor, stream: Any) -> None:
+        """Keep ``t``'s memory from reuse until the work queued on ``stream`` has run."""
+        t.record_stream(stream)

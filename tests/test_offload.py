@@ -1,0 +1,567 @@
+"""Offloaded execution (issue 33, items 2-5): modules mapped to "cpu" or "disk" run with their
+weights brought in just before their forward, a bounded window ahead, dropped after use.
+
+The ring is checked with a fake transport that logs every fetch, wait and release and says
+when a fetch's weights have arrived: a layer that runs before its weights arrived, or more
+units resident than the window allows, fails the test.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import torchplace
+from torchplace.moving import _offloaded as offloaded
+from torchplace.moving._hooks import is_dispatched
+from torchplace.moving._offloaded import HOME, Home, homes
+from torchplace.spreading._offload import DeviceTransport, Fetched, Unit
+
+
+class MemorySource:
+    """A disk tier's reader over tensors held in memory (names inside the mapped module)."""
+
+    def __init__(self, state: dict[str, torch.Tensor], prefix: str = "") -> None:
+        self.state = {k: v.clone() for k, v in state.items()}
+        self.prefix = prefix
+        self.where = "memory"
+        self.reads = 0
+        self.nbytes = sum(v.numel() * v.element_size() for k, v in self._mine().items())
+
+    def _mine(self) -> dict[str, torch.Tensor]:
+        p = self.prefix
+        return {k: v for k, v in self.state.items() if not p or k.startswith(p + ".")}
+
+    def read(self, device: torch.device) -> dict[str, torch.Tensor]:
+        self.reads += 1
+        return {k: v.clone().to(device) for k, v in self._mine().items()}
+
+    def only(self, prefix: str) -> MemorySource:
+        return MemorySource(self.state, prefix)
+
+
+class FakeTransport:
+    """Logs ("fetch", path), ("wait", path), ("release", path); weights arrive at the wait."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, str]] = []
+        self.arrived: set[str] = set()
+        self.resident: set[str] = set()
+        self.most = 0
+        self.real = DeviceTransport(torch.device("cpu"))
+
+    def fetch(self, unit: Unit) -> Fetched:
+        self.log.append(("fetch", unit.path))
+        self.resident.add(unit.path)
+        self.most = max(self.most, len(self.resident))
+        fetched = self.real.fetch(unit)
+        fetched.event = unit.path  # the "event" the compute stream waits on
+        return fetched
+
+    def ready(self, fetched: Fetched) -> list[torch.Tensor]:
+        self.log.append(("wait", fetched.event))
+        self.arrived.add(fetched.event)
+        path, fetched.event = fetched.event, None
+        tensors = self.real.ready(fetched)
+        fetched.event = path
+        return tensors
+
+    def release(self, fetched: Fetched) -> None:
+        self.log.append(("release", fetched.event))
+        self.resident.discard(fetched.event)
+        self.arrived.discard(fetched.event)
+
+
+def mlp(n: int = 6) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(n):
+        layers += [nn.Linear(8, 8), nn.Tanh()]
+    return nn.Sequential(*layers).eval()
+
+
+def on_disk(model: nn.Module, names: list[str]) -> dict[str, MemorySource]:
+    """``names`` left "on disk": parameters on meta, each module holding a reader of them."""
+    sources = {}
+    for name in names:
+        module = model.get_submodule(name)
+        source = MemorySource({k: v.detach() for k, v in module.named_parameters()})
+        module.to_empty(device="meta")
+        module.__dict__[HOME] = Home("disk", torch.device("cpu"), source)
+        sources[name] = source
+    return sources
+
+
+def checked(model: nn.Module, transport: FakeTransport, names: list[str]) -> list[str]:
+    """Pre-hooks (after the ring's) that fail a layer running before its weights arrived."""
+    ran: list[str] = []
+
+    def check(name: str) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            assert name in transport.arrived, f"{name} ran before its weights arrived"
+            assert all(not p.is_meta for p in module.parameters()), name
+            ran.append(name)
+
+        return hook
+
+    for name in names:
+        model.get_submodule(name).register_forward_pre_hook(check(name))
+    return ran
+
+
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_disk_layers_fetched_ahead_within_the_window(window: int) -> None:
+    reference = mlp()
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        want = reference(x)
+    model = copy.deepcopy(reference).requires_grad_(False)
+    disk = ["0", "2", "4", "6"]
+    on_disk(model, disk)
+    transport = FakeTransport()
+    device_map = {"": "cpu", **dict.fromkeys(disk, "disk")}
+    torchplace.dispatch(model, device_map, offload_window=window, _transport=transport)
+    ran = checked(model, transport, disk)
+    got = model(x)
+    assert torch.equal(got, want)
+    assert ran == disk
+    assert transport.most == window
+    waits = [path for kind, path in transport.log if kind == "wait"]
+    assert waits == disk
+    # Each layer's fetch was started before the layer ahead of it was waited for.
+    order = transport.log
+    for ahead in range(1, window):
+        for i in range(len(disk) - ahead):
+            fetched = order.index(("fetch", disk[i + ahead]))
+            assert fetched < order.index(("wait", disk[i]))
+    assert all(p.is_meta for name in disk for p in model.get_submodule(name).parameters())
+
+
+def test_a_second_call_finds_the_first_layers_prefetched() -> None:
+    model = mlp()
+    on_disk(model, ["0", "2"])
+    transport = FakeTransport()
+    torchplace.dispatch(model, {"": "cpu", "0": "disk", "2": "disk"}, _transport=transport)
+    with torch.no_grad():
+        model(torch.ones(1, 8))
+        transport.log.clear()
+        model(torch.ones(1, 8))
+    # "0" came into the window as "2" ran (the ring wraps round for the next call).
+    assert transport.log[:2] == [("fetch", "2"), ("wait", "0")]
+
+
+def test_the_real_transport_reads_disk_layers_in_the_background() -> None:
+    reference = mlp()
+    model = copy.deepcopy(reference)
+    sources = on_disk(model, ["2", "4"])
+    torchplace.dispatch(model, {"": "cpu", "2": "disk", "4": "disk"})
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+        assert torch.equal(model(x), reference(x))
+    assert sources["2"].reads >= 2 and sources["4"].reads >= 2
+    assert model[2].weight.is_meta  # dropped after use
+
+
+def test_training_through_an_offloaded_module_is_refused() -> None:
+    model = mlp(2)
+    on_disk(model, ["2"])
+    torchplace.dispatch(model, {"": "cpu", "2": "disk"})
+    with pytest.raises(torchplace.TorchplaceError, match=r"model\.2 \(Linear\).*no_grad"):
+        model(torch.ones(1, 8))
+    assert model[2].weight.is_meta
+    with torch.no_grad():
+        model(torch.ones(1, 8))
+
+
+def test_weights_in_memory_cannot_go_to_disk() -> None:
+    model = mlp(2)
+    with pytest.raises(torchplace.DeviceSpecError, match=r"device_map\['2'\] is 'disk'.*load_into"):
+        torchplace.dispatch(model, {"": "cpu", "2": "disk"})
+    assert not model[2].weight.is_meta
+
+
+def test_a_modulelist_on_disk_runs_layer_by_layer() -> None:
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(1)
+            self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    reference = Stack()
+    model = copy.deepcopy(reference)
+    on_disk(model, ["layers"])
+    transport = FakeTransport()
+    torchplace.dispatch(model, {"": "cpu", "layers": "disk"}, _transport=transport)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    assert transport.most == 2
+    assert [p for k, p in transport.log if k == "wait"] == [f"layers.{i}" for i in range(4)]
+
+
+# ------------------------------------------------------------ the disk tier, for real on the CPU
+
+tf = pytest.importorskip("transformers")
+
+
+def tiny_llama() -> tuple[type[nn.Module], Any]:
+    config = tf.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=100, max_position_embeddings=64, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    return tf.LlamaForCausalLM, config
+
+
+def tiny_mixtral() -> tuple[type[nn.Module], Any]:
+    config = tf.MixtralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=100, max_position_embeddings=64, num_local_experts=4,
+        num_experts_per_tok=2, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    return tf.MixtralForCausalLM, config
+
+
+IDS = torch.tensor([[1, 5, 7, 9, 11]])
+
+
+def files_under(*folders: Any) -> dict[str, int]:
+    return {str(p): p.stat().st_size for f in folders for p in f.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("make", [tiny_llama, tiny_mixtral], ids=["llama", "mixtral"])
+def test_half_the_layers_on_disk_run_as_the_whole_model(
+    make: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cls, config = make()
+    torch.manual_seed(0)
+    reference = cls(config).eval()
+    saved = tmp_path / "saved"
+    reference.save_pretrained(saved)
+    monkeypatch.chdir(tmp_path)
+    before = files_under(tmp_path)
+    reads: list[str] = []
+    from torchplace.checkpoint._disk_weights import CheckpointWeights
+
+    real_read = CheckpointWeights.read
+
+    def counted(self: CheckpointWeights, device: torch.device) -> dict[str, torch.Tensor]:
+        reads.append(self.entry)
+        return real_read(self, device)
+
+    monkeypatch.setattr(CheckpointWeights, "read", counted)
+    disk = {"model.layers.1": "disk", "model.layers.3": "disk"}
+    model = torchplace.load_into(
+        torchplace.skeleton(cls, config), saved, device_map={"": "cpu", **disk}
+    )
+    assert model.model.layers[1].self_attn.q_proj.weight.is_meta
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, reference(IDS).logits)
+    assert sorted(set(reads)) == sorted(disk)
+    want = reference.generate(IDS, max_new_tokens=6, do_sample=False)
+    got = model.generate(IDS, max_new_tokens=6, do_sample=False)
+    assert torch.equal(got, want)
+    assert files_under(tmp_path) == before  # the checkpoint read, never copied
+    assert all(p.is_meta for p in model.model.layers[3].parameters())
+
+
+def test_a_state_dict_cannot_be_left_on_disk() -> None:
+    model = mlp(2)
+    with pytest.raises(torchplace.CheckpointError, match=r"model\.2.*mapping.*save it first"):
+        torchplace.load_into(
+            torchplace.skeleton(mlp, 2), model.state_dict(), device_map={"": "cpu", "2": "disk"}
+        )
+
+
+def saved_llama(tmp_path: Any) -> tuple[nn.Module, Any, Any]:
+    cls, config = tiny_llama()
+    torch.manual_seed(0)
+    reference = cls(config).eval()
+    reference.save_pretrained(tmp_path / "saved")
+    return reference, cls, config
+
+
+def test_move_gathers_a_disk_offloaded_model(tmp_path: Any) -> None:
+    reference, cls, config = saved_llama(tmp_path)
+    model = torchplace.load_into(
+        torchplace.skeleton(cls, config),
+        tmp_path / "saved",
+        device_map={"": "cpu", "model.layers.0": "disk", "model.layers.2": "disk"},
+    )
+    torchplace.move(model, "cpu")
+    assert not is_dispatched(model)
+    torchplace.verify(model, "cpu")
+    assert torchplace.where(model) == torch.device("cpu")
+    for (name, got), want in zip(
+        model.state_dict().items(), reference.state_dict().values(), strict=True
+    ):
+        assert torch.equal(got, want), name
+    assert list(homes(model)) == []
+    model(IDS).logits.sum().backward()  # a gathered model trains again
+
+
+def test_move_says_how_much_is_missing_and_changes_nothing(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reference, cls, config = saved_llama(tmp_path)
+    model = torchplace.load_into(
+        torchplace.skeleton(cls, config),
+        tmp_path / "saved",
+        device_map={"": "cpu", "model.layers.0": "disk", "model.layers.2": "disk"},
+    )
+    layer = sum(p.numel() * 4 for p in reference.model.layers[0].parameters())
+    monkeypatch.setattr(offloaded, "available_host_bytes", lambda: 1000)
+    with pytest.raises(torchplace.MoveError, match=rf"needs {layer * 2 // 1024}\.\d KiB.*missing"):
+        torchplace.move(model, "cpu")
+    assert is_dispatched(model)
+    assert model.model.layers[0].self_attn.q_proj.weight.is_meta
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, reference(IDS).logits)
+
+
+def test_report_where_and_verify_show_offloaded_modules(tmp_path: Any) -> None:
+    reference, cls, config = saved_llama(tmp_path)
+    device_map = {"": "cpu", "model.layers.1": "disk", "model.layers.3": "disk"}
+    model = torchplace.load_into(torchplace.skeleton(cls, config), tmp_path / "saved",
+                                 device_map=device_map)  # fmt: skip
+    found = torchplace.report(model)
+    rows = {row.path: row.device for row in found.rows}
+    assert rows["model.layers.1.self_attn.q_proj"] == "disk, runs on cpu"
+    assert rows["model.layers.2.self_attn.q_proj"] == "cpu"
+    layers = sum(p.numel() * 4 for i in (1, 3) for p in reference.model.layers[i].parameters())
+    assert found.to_dict()["totals"]["by_device"]["disk, runs on cpu"]["bytes"] == layers
+    assert "disk, runs on cpu" in str(found)
+    assert torchplace.where(model) == torch.device("cpu")
+    torchplace.verify(model, device_map)
+    with pytest.raises(torchplace.PlacementError, match=r"model\.layers\.1\..*offloaded to disk"):
+        torchplace.verify(model, {"": "cpu"})
+    model.model.norm.to("meta")
+    with pytest.raises(
+        torchplace.PlacementError,
+        match=r"model\.norm\.weight \(parameter\): it is on meta, the map says cpu",
+    ):
+        torchplace.verify(model, device_map)
+
+
+# ------------------------------------------------- the CUDA transport's streams, with fake ones
+
+
+class FakeStream:
+    def __init__(self, name: str, cuda: FakeCuda) -> None:
+        self.name, self.cuda = name, cuda
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.cuda.log.append(("wait_stream", self.name, other.name))
+
+    def wait_event(self, event: FakeEvent) -> None:
+        self.cuda.log.append(("wait_event", self.name, event.name))
+
+
+class FakeEvent:
+    def __init__(self, cuda: FakeCuda) -> None:
+        self.cuda, self.name = cuda, ""
+
+    def record(self, stream: FakeStream) -> None:
+        self.cuda.events += 1
+        self.name = f"event{self.cuda.events}"
+        self.cuda.log.append(("record", stream.name, self.name))
+
+
+class FakeCuda:
+    """Streams and events that log what is asked of them (torch.cuda's names)."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, ...]] = []
+        self.events = 0
+        self.current = FakeStream("compute", self)
+
+    def Stream(self, device: torch.device) -> FakeStream:
+        return FakeStream("side", self)
+
+    def Event(self) -> FakeEvent:
+        return FakeEvent(self)
+
+    def current_stream(self, device: torch.device) -> FakeStream:
+        return self.current
+
+    def stream(self, s: FakeStream) -> Any:
+        cuda = self
+
+        class Using:
+            def __enter__(self) -> None:
+                self.previous, cuda.current = cuda.current, s
+
+            def __exit__(self, *exc: object) -> None:
+                cuda.current = self.previous
+
+        return Using()
+
+
+class LoggingTransport(DeviceTransport):
+    """The real transport's logic over fake streams: copies are clones, logged with the stream
+    they were queued on."""
+
+    names: dict[int, str]
+
+    def copy(self, host: torch.Tensor) -> torch.Tensor:
+        self.cuda.log.append(("copy", self.cuda.current.name, self.names[id(host)]))
+        return host.clone()
+
+    def record(self, t: torch.Tensor, stream: Any) -> None:
+        self.cuda.log.append(("record_stream", stream.name, ""))
+
+
+def test_host_tier_copies_run_on_a_side_stream_that_compute_waits_for() -> None:
+    from torchplace.spreading._dispatch import _hook_units
+
+    reference = mlp(3)
+    model = copy.deepcopy(reference).requires_grad_(False)
+    cuda = FakeCuda()
+    transport = LoggingTransport(torch.device("cuda:0"), cuda)
+    transport.names = {id(p): n for n, p in model.named_parameters()}
+    units = []
+    for name in ("0", "2", "4"):
+        module = model.get_submodule(name)
+        slots = [(module, leaf, p) for leaf, p in module.named_parameters()]
+        home = Home("cpu", torch.device("cuda:0"))
+        units.append(Unit(name, module, slots, [s[1] for s in slots], home))
+    _hook_units(units, 2, transport)
+    for name in ("0", "2", "4"):
+        model.get_submodule(name).register_forward_pre_hook(
+            lambda m, a, name=name: cuda.log.append(("run", "compute", name))
+        )
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    log = cuda.log
+    for name in ("0", "2", "4"):
+        ran = log.index(("run", "compute", name))
+        copies = [
+            i for i, e in enumerate(log[:ran]) if e[0] == "copy" and e[2].startswith(name + ".")
+        ]
+        assert all(log[i][1] == "side" for i in copies), "copied on the compute stream"
+        assert log[copies[0] - 1] == ("wait_stream", "side", "compute")
+        record = log[copies[-1] + 1]
+        assert record[:2] == ("record", "side")
+        waited = log.index(("wait_event", "compute", record[2]))
+        assert waited < ran, f"{name} ran before compute waited for its copies"
+        released = [i for i, e in enumerate(log) if e[0] == "record_stream" and i > ran]
+        assert released, f"{name}'s copies were released without record_stream"
+    # 3 layers x (weight, bias), and layer 0's again, fetched ahead for the next call
+    assert sum(e[0] == "copy" for e in log) == 8
+
+
+@pytest.mark.requires_cuda
+def test_host_and_disk_tiers_on_a_gpu_match_the_model_on_the_gpu(tmp_path: Any) -> None:
+    reference, cls, config = saved_llama(tmp_path)
+    on_gpu = copy.deepcopy(reference).to("cuda:0")
+    device_map = {"": "cuda:0", "model.layers.0": "cpu", "model.layers.1": "disk",
+                  "model.layers.3": "cpu"}  # fmt: skip
+    model = torchplace.load_into(
+        torchplace.skeleton(cls, config), tmp_path / "saved", device_map=device_map
+    )
+    assert model.model.layers[0].self_attn.q_proj.weight.is_pinned()
+    ids = IDS.to("cuda:0")
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, on_gpu(ids).logits)
+        assert torch.equal(model(ids).logits, on_gpu(ids).logits)
+    want = on_gpu.generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False), want)
+    torchplace.verify(model, device_map)
+    torchplace.move(model, "cuda:0")
+    torchplace.verify(model, "cuda:0")
+
+
+def test_a_unit_that_calls_itself_keeps_its_weights_until_the_outer_call_ends() -> None:
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, again: bool = True) -> torch.Tensor:
+            x = self.inner(x)
+            return self(x, again=False) + self.inner.weight.sum() if again else x
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(2)
+            self.block = Twice()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.block(x)
+
+    reference = Model()
+    model = copy.deepcopy(reference)
+    on_disk(model, ["block"])
+    torchplace.dispatch(model, {"": "cpu", "block": "disk"})
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    assert model.block.inner.weight.is_meta
+
+
+@pytest.mark.parametrize(
+    ("device_map", "read_onto"),
+    [
+        ({"": "cpu", "2": "disk"}, torch.device("cpu")),
+        ({"": "meta", "2": "disk"}, torch.device("meta")),
+        ({"": "cpu", "0": "meta", "2": "disk"}, None),
+    ],
+    ids=["one-device", "meta", "two-devices"],
+)
+def test_the_modules_in_memory_are_read_straight_onto_their_one_device(
+    device_map: dict[str, str], read_onto: torch.device | None, tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    from torchplace.spreading import _load_by_map
+
+    torch.save(mlp(2).state_dict(), tmp_path / "mlp.pt")
+    asked: list[object] = []
+    real = _load_by_map.fill
+
+    def spy(model: nn.Module, source: Any, device: Any = None, /, **kw: Any) -> nn.Module:
+        asked.append(device)
+        return real(model, source, device, **kw)
+
+    monkeypatch.setattr(_load_by_map, "fill", spy)
+    torchplace.load_into(torchplace.skeleton(mlp, 2), tmp_path / "mlp.pt", device_map=device_map)
+    assert asked == [read_onto]
+
+
+def test_a_checkpoint_rewritten_under_a_running_model_raises(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchplace.checkpoint._disk_weights import CheckpointWeights
+
+    torch.save(mlp(2).state_dict(), tmp_path / "mlp.pt")
+    model = torchplace.load_into(
+        torchplace.skeleton(mlp, 2), tmp_path / "mlp.pt", device_map={"": "cpu", "2": "disk"}
+    )
+    reads: list[str] = []
+    real_read = CheckpointWeights.read
+
+    def counted(self: CheckpointWeights, device: torch.device) -> dict[str, torch.Tensor]:
+        reads.append(self.entry)
+        return real_read(self, device)
+
+    with torch.no_grad():
+        model(torch.ones(1, 8))
+        torch.save({"other": torch.zeros(3)}, tmp_path / "mlp.pt")
+        monkeypatch.setattr(CheckpointWeights, "read", counted)
+        with pytest.raises(torchplace.CheckpointError, match=r"mlp\.pt"):
+            model(torch.ones(1, 8))
+        with pytest.raises(torchplace.CheckpointError, match=r"mlp\.pt"):
+            model(torch.ones(1, 8))
+    assert reads == ["2", "2"]  # the failed read is read again, not kept and re-raised
+    assert model[2].weight.is_meta
