@@ -116,18 +116,20 @@ def test_the_emulated_device_gives_real_values(on_device: OnDevice) -> None:
     assert x[x > 2].cpu().tolist() == [3.0, 4.0, 5.0]
 
 
-def step(x: torch.Tensor, batch: torch.Tensor, pinned: torch.Tensor, host: torch.Tensor) -> None:
+def step(
+    x: torch.Tensor, batch: torch.Tensor, pinned: torch.Tensor, host: torch.Tensor, dev: str
+) -> None:
     total = x.sum().item()  # item
     if x[0] > 10:  # if
         total += 1
     x.cpu()  # cpu
     x.to("cpu", non_blocking=True)  # cpu non_blocking
     host.copy_(x)  # copy_ to host
-    batch.to("meta")  # pageable
-    batch.to("meta", non_blocking=True)  # pageable non_blocking
-    pinned.to("meta", non_blocking=True)  # pinned non_blocking
+    batch.to(dev)  # pageable
+    batch.to(dev, non_blocking=True)  # pageable non_blocking
+    pinned.to(dev, non_blocking=True)  # pinned non_blocking
     x[x > 2]  # mask
-    x[x > 2] = 0.0  # mask set
+    x[x > 2] = x[0]  # mask set
     x.nonzero()  # nonzero
     torch.unique(x)  # unique
     x.masked_select(x > 1)  # masked_select
@@ -144,7 +146,7 @@ def test_each_pattern_is_reported_with_its_line_count_and_bytes(on_device: OnDev
     with torchplace.watch("meta") as seen:
         for _ in range(3):
             x = torch.arange(6.0).to("meta")  # setup copy
-            step(x, batch, pinned, host)
+            step(x, batch, pinned, host, "meta")
     found = rows(seen)
     item = found[line_of("item"), ".item() / bool(t) / if t"]
     assert (item["count"], item["waits"], item["bytes"], item["kind"]) == (3, 3, 12, "sync")
@@ -157,7 +159,7 @@ def test_each_pattern_is_reported_with_its_line_count_and_bytes(on_device: OnDev
         ("cpu non_blocking", ".cpu() / .tolist()"): (3, 0, 72, True, True, True),
         ("copy_ to host", "copy_ to the host"): (3, 3, 72, False, False, False),
         ("pageable", ".to(device)"): (3, 3, 384, False, False, False),
-        ("pageable non_blocking", ".to(device)"): (3, 3, 384, False, True, False),
+        ("pageable non_blocking", ".to(device)"): (3, 0, 384, False, True, False),
         ("pinned non_blocking", ".to(device)"): (3, 0, 192, True, True, True),
         ("lift_fresh", "torch.tensor(data, device=...)"): (3, 3, 72, False, False, False),
     }
@@ -185,7 +187,7 @@ def test_rows_come_costliest_first_and_the_table_shows_them(on_device: OnDevice)
     with torchplace.watch("meta") as seen:
         for _ in range(2):
             x.sum().item()  # twice
-        torch.ones(1000).to("meta", non_blocking=True)  # big
+        torch.ones(1000).to("meta")  # big
         x.nonzero()  # once
         x * torch.tensor(3.0)  # no wait
     order = [r.line for r in seen.rows]
@@ -214,7 +216,7 @@ def test_a_clean_loop_reports_nothing(on_device: OnDevice) -> None:
         "rows": [],
         "totals": {"events": 0, "waits": 0, "bytes": 0},
     }
-    assert "(nothing crossed the boundary)" in str(seen)
+    assert str(seen) == "watch (meta): nothing crossed the boundary\n"
 
 
 def test_raise_on_sync_raises_at_the_line(on_device: OnDevice) -> None:
@@ -323,7 +325,7 @@ def test_on_the_cpu_alone_nothing_is_recorded_and_it_says_so(
         torch.ones(3).sum().item()
     assert seen.note == "no accelerator on this machine: the CPU alone has no host-device boundary"
     assert seen.to_dict()["note"] == seen.note and seen.rows == []
-    assert "no accelerator on this machine" in str(seen)
+    assert str(seen) == f"watch (every accelerator): {seen.note}\n"
     assert torchplace.watch("cpu").note is not None
 
 
@@ -363,3 +365,38 @@ def test_a_transformers_training_step_is_watched_without_error() -> None:
             opt.zero_grad()
     assert torch.isfinite(loss).item()
     assert seen.rows == []
+
+
+@pytest.mark.requires_cuda
+def test_on_a_gpu_every_wait_reported_is_one_pytorch_warns_about() -> None:
+    """The same loop on a real GPU, beside torch.cuda.set_sync_debug_mode("warn"), which warns
+    at each synchronisation PyTorch makes: the lines of this file on the stack at each warning
+    are the lines watch reports as waits."""
+    import traceback
+    import warnings
+
+    dev = torch.device("cuda:0")
+    batch, pinned = torch.ones(4, 8), torch.ones(16).pin_memory()
+    warned: set[int] = set()
+
+    def record(message: Any, *args: Any, **kwargs: Any) -> None:
+        if "synchroniz" in str(message).lower():
+            ours = [f.lineno for f in traceback.extract_stack() if f.filename == __file__]
+            warned.add(ours[-2])  # the innermost line of ours that is not this function's
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        x = torch.arange(6.0, device=dev)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with torchplace.watch(dev) as seen:
+                for _ in range(2):
+                    step(x.clone(), batch, pinned, torch.empty(6), "cuda:0")
+                    torch.tensor([1.0, 2.0], device=dev)  # from data on a GPU
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    waited = {row.line for row in seen.rows if row.waits} - {line_of("lift_fresh")}
+    assert line_of("from data on a GPU") in waited
+    assert waited == warned, (sorted(waited - warned), sorted(warned - waited), str(seen))

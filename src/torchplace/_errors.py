@@ -14,7 +14,10 @@ The tree, with when each is raised (every ``raise`` in the package, as of this r
     │                                a one-shot source read by two DeviceLoader loops, bench
     │                                --device meta, and distributed's setup() outside torchrun,
     │                                without torch.distributed, or when the process group does
-    │                                not start, and its verify() without a process group
+    │                                not start, and its verify() without a process group;
+    │                                watch(): an unknown raise_on kind, an ignore= module that
+    │                                is not installed, and, in its block, the first sync, copy
+    │                                or mix that raise_on names (at the user's line)
     ├── DeviceSpecError (ValueError)  a device spec torchplace cannot parse ("cdua", -1, 3.5), and
     │                                 the other settings that name devices or sizes: a budget or
     │                                 key of plan's max_memory, a dispatch device map, estimate's

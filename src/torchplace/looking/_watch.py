@@ -43,6 +43,7 @@ from ._watch_ops import Event, classify
 
 if TYPE_CHECKING:
     from rich.table import Table
+    from rich.text import Text
 
 __all__ = ["Watch", "WatchRow", "watch"]
 
@@ -218,7 +219,7 @@ class Watch:
     def _row(self, key: _Key, totals: list[int]) -> WatchRow:
         file, line, function, event = key
         code = linecache.getline(file, line).strip() if file and line else ""
-        honoured = None if event.non_blocking is None else event.non_blocking and not event.waits
+        honoured = None if event.non_blocking is None else bool(event.non_blocking and event.pinned)
         return WatchRow(
             file, line, function, code, event.kind, event.op, event.direction, event.pinned,
             event.non_blocking, honoured, totals[0], totals[1], totals[2], event.fix,
@@ -249,23 +250,23 @@ class Watch:
     def _title(self) -> str:
         rows = self.rows
         where = "every accelerator" if self.device is None else str(self.device)
+        if self.note is not None or not rows:
+            return f"watch ({where})"
         waits, moved = sum(r.waits for r in rows), sum(r.bytes for r in rows)
         return (
             f"watch ({where}): {len(rows)} place{'s' * (len(rows) != 1)}, "
             f"{waits} host wait{'s' * (waits != 1)}, {format_bytes(moved)} across"
         )
 
-    def __rich__(self) -> Table:
+    def __rich__(self) -> Table | Text:
         from rich.table import Table
         from rich.text import Text
 
+        if self.note is not None or not self._totals:
+            return Text(f"{self._title()}: {self.note or 'nothing crossed the boundary'}")
         table = Table(title=Text(self._title()), title_justify="left")
         for column, justify in _COLUMNS:
-            table.add_column(column, justify=justify)  # type: ignore[arg-type]
-        if self.note is not None:
-            table.add_row(Text(self.note), "", "", "", "", "")
-        elif not self._totals:
-            table.add_row("(nothing crossed the boundary)", "", "", "", "", "")
+            table.add_column(column, justify=justify, overflow="fold")  # type: ignore[arg-type]
         for row in self.rows:
             where = Text(row.where)
             if row.code:

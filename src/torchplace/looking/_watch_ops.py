@@ -13,14 +13,17 @@ the Python-level calls. What reaches the dispatcher for each pattern (torch 2.6 
   already on the device (under ``FakeTensorMode`` as a ``_to_copy`` instead);
 * shapes that depend on values: ``nonzero`` (also ``torch.where(mask)`` and ``argwhere``),
   ``unique`` in its forms, ``masked_select``, ``x[mask]`` (``index`` with a boolean index),
-  ``x[mask] = v`` (``index_put_``), ``repeat_interleave`` without ``output_size``, ``bincount``;
+  ``x[mask] = v`` (``index_put_``; from torch 2.15, ``x[mask] = 0.0`` with a Python number runs
+  as ``masked_fill_``, which does not wait), ``repeat_interleave`` without ``output_size``,
+  ``bincount``;
   and answers the host needs: ``torch.equal``, ``torch.allclose``.
 
 A copy's host waits: a copy asked blocking waits for the device's queue (PyTorch synchronizes
 the stream after it), in both directions. ``non_blocking=True`` is honoured when the host side
 is pinned; PyTorch pins the result of ``.to("cpu", non_blocking=True)`` itself, which the
-result's ``is_pinned()`` shows. A non-blocking copy from pageable host memory still holds the
-host until its bytes are staged, so it is not honoured.
+result's ``is_pinned()`` shows. Not honoured: to the device from pageable memory, the host
+stages the bytes itself before the call returns (no wait for the queue, but no overlap);
+into pageable memory, the call returns only once the copy is done, a wait.
 """
 
 from __future__ import annotations
@@ -102,7 +105,10 @@ def _copy(
     else:
         fix = FIX_TO_HOST
     direction = "host_to_device" if to_device else "device_to_host"
-    return Event("copy", op, direction, pinned, non_blocking, not honoured, fix), nbytes(src)
+    # From pageable memory, a non-blocking copy to the device is staged by the host at once
+    # (no wait for the queue); into pageable memory, it returns only once the copy is done.
+    waits = not non_blocking if to_device else not honoured
+    return Event("copy", op, direction, pinned, non_blocking, waits, fix), nbytes(src)
 
 
 def _to_copy(
