@@ -3,14 +3,16 @@
 Run as ``python benchmarks/bench_watch.py [--rounds N]``. Target (docs/design.md): active, at
 most 2x the step's host time; inactive, nothing.
 
-The step: forward, backward and ``Adam.step`` of an MLP (``--layers`` x ``Linear(--width)`` +
-ReLU, batch ``--batch``), one thread. On the CPU, ``watch()`` with no accelerator installs
+The step: forward, backward and ``Adam.step`` of an MLP of 8 ``Linear`` + ReLU blocks, width
+512 with batch 32 and width 128 with batch 8 (small operations, where a fixed cost per
+operation weighs most), one thread. On the CPU, ``watch()`` with no accelerator installs
 nothing, so the active case watches ``cuda:0`` explicitly: the dispatch mode is installed and
 sees every operation of the step (none crosses a boundary here), which is the host-side cost a
-GPU step pays too. Each round times one bare, one watched and one bare step again (the control,
-the noise floor) in the thread's CPU time, and the 10th percentile of each series is compared,
-as interference only ever adds time. The first watched step in the process (it imports what
-the dispatch mode needs) is timed on its own.
+GPU step pays too. Each round times one bare, one watched and one bare step again (the
+control, the noise floor) and one under an empty dispatch mode (for scale: what any mode
+costs), in the thread's CPU time, and the 10th percentile of each series is compared, as
+interference only ever adds time. The first watched step in the process (it imports what the
+dispatch mode needs) is timed on its own.
 """
 
 from __future__ import annotations
@@ -18,11 +20,20 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchplace.looking._watch import watch
+
+
+class EmptyMode(TorchDispatchMode):
+    """For scale: a dispatch mode that only runs each operation, the least any such mode costs."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
 
 
 def step_of(layers: int, width: int, batch: int) -> Callable[[], None]:
@@ -67,17 +78,21 @@ def measure(layers: int, width: int, batch: int, rounds: int) -> dict[str, float
     bare: list[float] = []
     watched: list[float] = []
     control: list[float] = []
+    empty: list[float] = []
     for _ in range(rounds):
         bare.append(timed(step))
         with seen:
             watched.append(timed(step))
         control.append(timed(step))
+        with EmptyMode():
+            empty.append(timed(step))
     assert not seen.rows, seen  # nothing of a CPU step crosses a boundary
     fast = low(bare)
     return {
         "bare_us": fast * 1e6,
         "watched": low(watched) / fast,
         "control": low(control) / fast,
+        "empty_mode": low(empty) / fast,
         "first_s": first,
     }
 
@@ -95,6 +110,7 @@ def main() -> None:
             f"{layers} x Linear({width})+ReLU, batch {batch}, Adam: "
             f"bare {result['bare_us']:.0f} us/step; watched {result['watched']:.2f}x "
             f"(target 2x, {verdict}); bare again {result['control']:.2f}x; "
+            f"an empty dispatch mode {result['empty_mode']:.2f}x; "
             f"first watched step {result['first_s'] * 1e3:.0f} ms"
         )
 

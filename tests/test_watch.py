@@ -329,6 +329,19 @@ def test_on_the_cpu_alone_nothing_is_recorded_and_it_says_so(
     assert torchplace.watch("cpu").note is not None
 
 
+def test_with_no_device_named_every_accelerator_is_watched(
+    on_device: OnDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_watch, "available", lambda: [DEVICE, torch.device("cpu")])
+    x = torch.arange(6.0).to("meta")
+    with torchplace.watch() as seen:
+        x.sum().item()  # any device
+    assert seen.note is None and seen.device is None
+    assert [(r.line, r.kind) for r in seen.rows] == [(line_of("any device"), "sync")]
+    assert seen.to_dict()["device"] is None
+    assert str(seen).startswith("watch (every accelerator): 1 place, 1 host wait, 4 B across")
+
+
 def test_fake_cuda_tensors_are_watched_as_cuda() -> None:
     """FakeTensorMode (below watch) makes tensors that say cuda:0 on a CPU-only build."""
     from torch._subclasses.fake_tensor import FakeTensorMode
