@@ -11,8 +11,8 @@ sees every operation of the step (none crosses a boundary here), which is the ho
 GPU step pays too. Each round times one bare, one watched and one bare step again (the
 control, the noise floor) and one under an empty dispatch mode (for scale: what any mode
 costs), in the thread's CPU time, and the 10th percentile of each series is compared, as
-interference only ever adds time. The first watched step in the process (it imports what the
-dispatch mode needs) is timed on its own.
+interference only ever adds time. The first watched step in the process is timed on its
+own.
 """
 
 from __future__ import annotations

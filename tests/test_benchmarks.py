@@ -23,7 +23,10 @@ BENCHMARKS = sorted((ROOT / "benchmarks").glob("bench_*.py"))
 # Scripts whose targets need a GPU: with CUDA hidden, main() says so and exits 0.
 GPU_ONLY = {"bench_copies.py", "bench_load_gpu.py", "bench_loader.py", "bench_move.py"}
 # Quick CPU-only runs of the real thing, beside --help.
-CPU_RUNS = {"bench_copies.py": ["--host", "--count", "40", "--repeat", "2"]}
+CPU_RUNS = {
+    "bench_copies.py": ["--host", "--count", "40", "--repeat", "2"],
+    "bench_watch.py": ["--rounds", "3"],
+}
 
 
 def run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess[str]:
