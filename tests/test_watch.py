@@ -315,6 +315,29 @@ def test_nothing_is_installed_outside_the_block(on_device: OnDevice) -> None:
     assert repr(seen) == "<Watch of meta, inactive, 0 rows>"
 
 
+def test_each_thread_that_enters_is_watched(on_device: OnDevice) -> None:
+    """Dispatch modes belong to a thread: a second thread entering the same watch (a decorated
+    function called from a pool) gets its own, and both add to one record."""
+    import threading
+
+    seen = torchplace.watch("meta")
+    x = torch.arange(6.0).to("meta")
+
+    def read() -> None:
+        with OnDevice(), seen:
+            x.sum().item()  # in a thread
+
+    with seen:
+        worker = threading.Thread(target=read)
+        worker.start()
+        worker.join(timeout=60)
+        x.sum().item()  # in the main thread
+    assert {(r.line, r.count) for r in seen.rows} == {
+        (line_of("in a thread"), 1),
+        (line_of("in the main thread"), 1),
+    }
+
+
 def test_on_the_cpu_alone_nothing_is_recorded_and_it_says_so(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

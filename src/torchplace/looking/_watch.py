@@ -28,6 +28,7 @@ import io
 import linecache
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from types import FrameType, TracebackType
@@ -156,8 +157,8 @@ class Watch:
         self._skip = _skipped_dirs(ignore)
         self._seen: dict[str, bool] = {}
         self._totals: dict[_Key, list[int]] = {}
-        self._depth = 0
-        self._mode: _Mode | None = None
+        # Dispatch modes are per thread: each thread that enters has its own, and its depth.
+        self._here = threading.local()
         self.note: str | None = _note(self.device)
 
     def _watched(self, device: torch.device) -> bool:
@@ -166,10 +167,11 @@ class Watch:
         return device == self.device
 
     def __enter__(self) -> Watch:
-        if self._depth == 0 and self.note is None:
-            self._mode = _Mode(self)
-            self._mode.__enter__()  # type: ignore[no-untyped-call]
-        self._depth += 1
+        depth = getattr(self._here, "depth", 0)
+        if depth == 0 and self.note is None:
+            mode = self._here.mode = _Mode(self)
+            mode.__enter__()  # type: ignore[no-untyped-call]
+        self._here.depth = depth + 1
         return self
 
     def __exit__(
@@ -178,10 +180,11 @@ class Watch:
         error: BaseException | None,
         trace: TracebackType | None,
     ) -> None:
-        self._depth -= 1
-        if self._depth == 0 and self._mode is not None:
-            mode, self._mode = self._mode, None
-            mode.__exit__(kind, error, trace)  # type: ignore[no-untyped-call]
+        self._here.depth -= 1
+        mode = getattr(self._here, "mode", None)
+        if self._here.depth == 0 and mode is not None:
+            self._here.mode = None
+            mode.__exit__(kind, error, trace)
 
     def __call__(self, fn: _F) -> _F:
         @functools.wraps(fn)
@@ -292,7 +295,7 @@ class Watch:
 
     def __repr__(self) -> str:
         where = "every accelerator" if self.device is None else str(self.device)
-        state = "active" if self._mode is not None else "inactive"
+        state = "active" if getattr(self._here, "mode", None) is not None else "inactive"
         return f"<Watch of {where}, {state}, {len(self._totals)} rows>"
 
 
