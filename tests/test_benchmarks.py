@@ -26,6 +26,7 @@ GPU_ONLY = {"bench_copies.py", "bench_load_gpu.py", "bench_loader.py", "bench_mo
 CPU_RUNS = {
     "bench_copies.py": ["--host", "--count", "40", "--repeat", "2"],
     "bench_offload.py": ["--layers", "3", "--width", "64", "--rounds", "2"],
+    "bench_watch.py": ["--rounds", "3"],
 }
 
 

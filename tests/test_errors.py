@@ -128,6 +128,7 @@ def test_bare_root_error_sites_are_the_ones_the_drawing_describes() -> None:
         "_model_walk",  # a model that contains itself (plan, dispatch)
         "_tree",  # cycles and absurd depth
         "distributed",  # setup() outside torchrun / no distributed / no group; verify()
+        "_watch",  # raise_on=, ignore=, and the event that raise_on forbids
     }
     unexplained = set(_raises("TorchplaceError")) - described
     assert not unexplained, (

@@ -29,6 +29,8 @@ DOCUMENTED = {
     # guard
     "guard",
     "Guard",
+    # watching a step
+    "watch",
     # checkpoints
     "load",
     "skeleton",
@@ -86,12 +88,12 @@ def test_import_has_no_side_effects() -> None:
         "heavy = [m for m in ('rich', 'safetensors', 'torch.distributed.run', 'accelerate') "
         "if m in sys.modules]; "
         "print(heavy); "
-        "import torch; print(torch.cuda.is_initialized())"
+        "import torch; print(torch.cuda.is_initialized(), torch._C._len_torch_dispatch_stack())"
     )
     out = subprocess.run(
         [sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, check=True
     ).stdout.split()
-    assert out == ["[]", "False"]
+    assert out == ["[]", "False", "0"]  # and no dispatch mode (watch's) installed
 
 
 def test_distributed_is_a_lazy_submodule() -> None:

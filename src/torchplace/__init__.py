@@ -33,6 +33,7 @@ if TYPE_CHECKING:  # what type checkers and editors see; nothing more is importe
     from .looking._guard import Guard, guard
     from .looking._inspect import devices_of, stragglers, verify, where
     from .looking._report import Report, report
+    from .looking._watch import watch
     from .moving._loader import DeviceLoader
     from .moving._move import move
     from .spreading._dispatch import dispatch
@@ -70,6 +71,7 @@ __all__ = [
     "skeleton",
     "stragglers",
     "verify",
+    "watch",
     "where",
 ]
 
@@ -86,6 +88,7 @@ _HOMES = {
     "stragglers": "looking._inspect",
     "verify": "looking._inspect",
     "where": "looking._inspect",
+    "watch": "looking._watch",
     "available": "_devices",
     "device": "_devices",
     "dispatch": "spreading._dispatch",

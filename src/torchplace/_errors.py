@@ -18,7 +18,10 @@ The tree, with when each is raised (every ``raise`` in the package, as of this r
     │                                without torch.distributed, or when the process group does
     │                                not start, and its verify() without a process group; an
     │                                offloaded module called with gradients on (inference
-    │                                only), load_into's execution_device= without a device_map
+    │                                only), load_into's execution_device= without a device_map;
+    │                                watch(): an unknown raise_on kind, an ignore= module that
+    │                                is not installed, and, in its block, the first sync, copy
+    │                                or mix that raise_on names (at the user's line)
     ├── DeviceSpecError (ValueError)  a device spec torchplace cannot parse ("cdua", -1, 3.5), and
     │                                 the other settings that name devices or sizes: a budget or
     │                                 key of plan's max_memory, plan's strategy, a dispatch

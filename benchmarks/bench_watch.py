@@ -1,0 +1,119 @@
+"""What an active ``watch`` adds to a training step's host time on the CPU, as a ratio.
+
+Run as ``python benchmarks/bench_watch.py [--rounds N]``. Target (docs/design.md): active, at
+most 2x the step's host time; inactive, nothing.
+
+The step: forward, backward and ``Adam.step`` of an MLP of 8 ``Linear`` + ReLU blocks, width
+512 with batch 32 and width 128 with batch 8 (small operations, where a fixed cost per
+operation weighs most), one thread. On the CPU, ``watch()`` with no accelerator installs
+nothing, so the active case watches ``cuda:0`` explicitly: the dispatch mode is installed and
+sees every operation of the step (none crosses a boundary here), which is the host-side cost a
+GPU step pays too. Each round times one bare, one watched and one bare step again (the
+control, the noise floor) and one under an empty dispatch mode (for scale: what any mode
+costs), in the thread's CPU time, and the 10th percentile of each series is compared, as
+interference only ever adds time. The first watched step in the process is timed on its
+own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torchplace.looking._watch import watch
+
+
+class EmptyMode(TorchDispatchMode):
+    """For scale: a dispatch mode that only runs each operation, the least any such mode costs."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def step_of(layers: int, width: int, batch: int) -> Callable[[], None]:
+    blocks: list[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.ReLU()]
+    model = nn.Sequential(*blocks)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def timed(step: Callable[[], None]) -> float:
+    # the thread's CPU time: the step runs on this one thread (autograd too, on the CPU), and
+    # the other processes of a shared machine do not count in it as they do in wall time
+    start = time.thread_time()
+    step()
+    return time.thread_time() - start
+
+
+def low(times: list[float]) -> float:
+    """The 10th percentile: interference only adds time, so the fast end is the signal."""
+    return sorted(times)[len(times) // 10]
+
+
+def measure(layers: int, width: int, batch: int, rounds: int) -> dict[str, float]:
+    step = step_of(layers, width, batch)
+    for _ in range(5):
+        step()
+    seen = watch("cuda:0")
+    start = time.thread_time()
+    with seen:
+        step()
+    first = time.thread_time() - start
+    bare: list[float] = []
+    watched: list[float] = []
+    control: list[float] = []
+    empty: list[float] = []
+    for _ in range(rounds):
+        bare.append(timed(step))
+        with seen:
+            watched.append(timed(step))
+        control.append(timed(step))
+        with EmptyMode():
+            empty.append(timed(step))
+    assert not seen.rows, seen  # nothing of a CPU step crosses a boundary
+    fast = low(bare)
+    return {
+        "bare_us": fast * 1e6,
+        "watched": low(watched) / fast,
+        "control": low(control) / fast,
+        "empty_mode": low(empty) / fast,
+        "first_s": first,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=200, help="rounds per model (default 200)")
+    rounds = parser.parse_args().rounds
+    torch.set_num_threads(1)
+    print(f"torch {torch.__version__}, 1 thread, 10th percentile of {rounds} alternating rounds")
+    for layers, width, batch in ((8, 512, 32), (8, 128, 8)):
+        result = measure(layers, width, batch, rounds)
+        verdict = "ok" if result["watched"] <= 2.0 else "OVER TARGET"
+        print(
+            f"{layers} x Linear({width})+ReLU, batch {batch}, Adam: "
+            f"bare {result['bare_us']:.0f} us/step; watched {result['watched']:.2f}x "
+            f"(target 2x, {verdict}); bare again {result['control']:.2f}x; "
+            f"an empty dispatch mode {result['empty_mode']:.2f}x; "
+            f"first watched step {result['first_s'] * 1e3:.0f} ms"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,379 @@
+"""``watch()``: where a step made the host wait for the device, and what crossed between them.
+
+A model on the right device can still be slow because of what travels between host and device
+unseen: an ``.item()`` that waits for the device's queue, a mask that must learn its size, a
+batch copied from pageable memory. ``watch`` counts each of these in its block and names the
+line of the user's code that caused it, with the bytes, the operation and the fix.
+
+How: while the block runs, a ``TorchDispatchMode`` sees every aten operation after it ran and
+hands it to ``_watch_ops.classify``, which knows the operations that cross the boundary (that
+module's docstring lists what reaches the dispatcher for each Python-level pattern). Only for
+those does ``watch`` walk the Python stack, to the first frame outside torch, torchplace and the
+libraries named in ``ignore``; every other operation pays one table look-up and a scan of its
+arguments for a CPU scalar tensor beside a device tensor. Nothing is installed outside the
+block: the mode is pushed on entry and popped on exit, and importing torchplace installs
+nothing.
+
+What it cannot see: copies made by other threads (a DataLoader's pinning thread), work inside
+``torch.compile``d code, where operations run fused, and a backward pass that PyTorch runs on
+its own device thread (recorded without a line of the user's). On the CPU alone there is no
+host-device boundary: nothing is installed, and the result says so.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import io
+import linecache
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from types import FrameType, TracebackType
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .._devices import available, normalize
+from .._errors import TorchplaceError
+from .._sizes import format_bytes
+from ._watch_ops import Event, classify
+
+if TYPE_CHECKING:
+    from rich.table import Table
+    from rich.text import Text
+
+__all__ = ["Watch", "WatchRow", "watch"]
+
+# Device types without a host-device boundary: watching them records nothing.
+_NO_BOUNDARY = frozenset({"cpu", "meta"})
+_KINDS = ("sync", "copy", "mixing")
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def watch(
+    device: Any = None,
+    /,
+    *,
+    raise_on: Iterable[str] | str | None = None,
+    ignore: Iterable[str] = (),
+) -> Watch:
+    """Record every host-device copy and every wait for the device in a block, by line.
+
+    >>> import torch, torchplace
+    >>> with torchplace.watch() as seen:
+    ...     loss = torch.ones(3).sum()
+    ...     total = loss.item()
+    >>> seen.to_dict()["rows"]
+    []
+
+    On a GPU, ``seen`` lists ``total = loss.item()`` as one wait for the device, with its fix;
+    ``print(seen)`` shows a table, costliest row first.
+
+    Args:
+        device: the accelerator whose boundary with the host is watched; ``None``, every one.
+            On a machine with no accelerator (or for ``"cpu"``), nothing is installed and the
+            result's ``note`` says so.
+        raise_on: ``"sync"`` (the host waited for the device: ``.item()``, ``bool(t)``, a
+            blocking copy, a size that depends on values), ``"copy"`` (any host-device copy),
+            ``"mixing"`` (a CPU scalar tensor with a device tensor), or several: the first
+            such event raises there, at the user's line.
+        ignore: names of libraries (``"transformers"``) whose frames are skipped like torch's,
+            so that an event inside them is charged to the user's line that called them.
+
+    Returns:
+        A ``Watch``: a context manager and a decorator (every call adds to the same record),
+        with ``str()`` (a table), ``to_dict()`` (JSON-able), ``rows`` and ``note``.
+
+    Raises:
+        TorchplaceError: ``raise_on`` names an unknown kind, ``ignore`` a module that is not
+        installed; in the block, the first event that ``raise_on`` names.
+        DeviceSpecError: ``device`` is not a device spec.
+    """
+    return Watch(device, raise_on=raise_on, ignore=ignore)
+
+
+@dataclass(frozen=True)
+class WatchRow:
+    """One line of the user's code and one kind of event there, with totals."""
+
+    file: str | None  # None: no frame of the user's (an autograd device thread)
+    line: int | None
+    function: str | None
+    code: str
+    kind: str  # "sync", "copy" or "mixing"
+    op: str
+    direction: str | None  # "host_to_device", "device_to_host" or None
+    pinned: bool | None
+    non_blocking: bool | None
+    non_blocking_honoured: bool | None
+    count: int
+    waits: int  # events among ``count`` that made the host wait
+    bytes: int
+    fix: str
+
+    @property
+    def where(self) -> str:
+        if self.file is None:
+            return "(no Python caller: autograd's device thread)"
+        return f"{os.path.basename(self.file)}:{self.line}"
+
+
+class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Hands every operation run in the block to ``classify``; ``_record`` the boundary ones."""
+
+    def __init__(self, owner: Watch) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.owner = owner
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        found = classify(func, args, kwargs or {}, out, self.owner._watched)
+        if found is not None:
+            self.owner._record(*found)
+        return out
+
+
+_Key = tuple[str | None, int | None, str | None, Event]
+
+
+class Watch:
+    """The record of a ``watch`` block (see ``watch``); a context manager and a decorator.
+
+    >>> import torchplace
+    >>> seen = torchplace.watch("cpu")
+    >>> seen.note
+    'cpu has no host-device boundary: nothing to watch (pass an accelerator, or None for all)'
+    """
+
+    def __init__(
+        self, device: Any = None, /, *, raise_on: Iterable[str] | str | None, ignore: Iterable[str]
+    ) -> None:
+        self.device: torch.device | None = None if device is None else normalize(device)
+        self._raise_on = _kinds(raise_on)
+        self._skip = _skipped_dirs(ignore)
+        self._seen: dict[str, bool] = {}
+        self._totals: dict[_Key, list[int]] = {}
+        # Dispatch modes are per thread: each thread that enters has its own, and its depth.
+        self._here = threading.local()
+        self.note: str | None = _note(self.device)
+
+    def _watched(self, device: torch.device) -> bool:
+        if self.device is None:
+            return device.type not in _NO_BOUNDARY
+        return device == self.device
+
+    def __enter__(self) -> Watch:
+        depth = getattr(self._here, "depth", 0)
+        if depth == 0 and self.note is None:
+            mode = self._here.mode = _Mode(self)
+            mode.__enter__()  # type: ignore[no-untyped-call]
+        self._here.depth = depth + 1
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        self._here.depth -= 1
+        mode = getattr(self._here, "mode", None)
+        if self._here.depth == 0 and mode is not None:
+            self._here.mode = None
+            mode.__exit__(kind, error, trace)
+
+    def __call__(self, fn: _F) -> _F:
+        @functools.wraps(fn)
+        def watched(*args: Any, **kwargs: Any) -> Any:
+            with self:
+                return fn(*args, **kwargs)
+
+        return watched  # type: ignore[return-value]
+
+    def _record(self, event: Event, nbytes: int) -> None:
+        frame = self._user_frame(sys._getframe(1))
+        if frame is None:
+            key: _Key = (None, None, None, event)
+        else:
+            key = (frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name, event)
+        totals = self._totals.setdefault(key, [0, 0, 0])
+        totals[0] += 1
+        totals[1] += event.waits
+        totals[2] += nbytes
+        if event.kind in self._raise_on or (event.waits and "sync" in self._raise_on):
+            raise TorchplaceError(_refusal(self._row(key, totals), self._raise_on))
+
+    def _user_frame(self, frame: FrameType | None) -> FrameType | None:
+        """The first frame outside torch, torchplace and the ignored libraries."""
+        while frame is not None:
+            name = frame.f_code.co_filename
+            skip = self._seen.get(name)
+            if skip is None:
+                skip = self._seen[name] = name.startswith(self._skip)
+            if not skip:
+                return frame
+            frame = frame.f_back
+        return None
+
+    def _row(self, key: _Key, totals: list[int]) -> WatchRow:
+        file, line, function, event = key
+        code = linecache.getline(file, line).strip() if file and line else ""
+        honoured = None if event.non_blocking is None else bool(event.non_blocking and event.pinned)
+        return WatchRow(
+            file, line, function, code, event.kind, event.op, event.direction, event.pinned,
+            event.non_blocking, honoured, totals[0], totals[1], totals[2], event.fix,
+        )  # fmt: skip
+
+    @property
+    def rows(self) -> list[WatchRow]:
+        """Every line and event kind seen, costliest first: most host waits, then most bytes,
+        then most events."""
+        rows = [self._row(key, totals) for key, totals in self._totals.items()]
+        rows.sort(key=lambda r: (-r.waits, -r.bytes, -r.count, r.file or "", r.line or 0))
+        return rows
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record as plain data (JSON-able)."""
+        rows = self.rows
+        return {
+            "device": None if self.device is None else str(self.device),
+            "note": self.note,
+            "rows": [asdict(row) for row in rows],
+            "totals": {
+                "events": sum(r.count for r in rows),
+                "waits": sum(r.waits for r in rows),
+                "bytes": sum(r.bytes for r in rows),
+            },
+        }
+
+    def _title(self) -> str:
+        rows = self.rows
+        where = "every accelerator" if self.device is None else str(self.device)
+        if self.note is not None or not rows:
+            return f"watch ({where})"
+        waits, moved = sum(r.waits for r in rows), sum(r.bytes for r in rows)
+        return (
+            f"watch ({where}): {len(rows)} place{'s' * (len(rows) != 1)}, "
+            f"{waits} host wait{'s' * (waits != 1)}, {format_bytes(moved)} across"
+        )
+
+    def __rich__(self) -> Table | Text:
+        from rich.table import Table
+        from rich.text import Text
+
+        if self.note is not None or not self._totals:
+            return Text(f"{self._title()}: {self.note or 'nothing crossed the boundary'}")
+        table = Table(title=Text(self._title()), title_justify="left")
+        for column, justify in _COLUMNS:
+            table.add_column(column, justify=justify, overflow="fold")  # type: ignore[arg-type]
+        for row in self.rows:
+            where = Text(row.where)
+            if row.code:
+                where.append("\n" + row.code, style="dim")
+            table.add_row(
+                where,
+                Text(_what(row)),
+                f"{row.count:,}",
+                f"{row.waits:,}",
+                format_bytes(row.bytes),
+                Text(row.fix),
+            )
+        return table
+
+    def __str__(self) -> str:
+        from rich.console import Console
+
+        buffer = io.StringIO()
+        Console(file=buffer, width=120, color_system=None, force_terminal=False, emoji=False).print(
+            self
+        )
+        return "\n".join(line.rstrip() for line in buffer.getvalue().splitlines()) + "\n"
+
+    def __repr__(self) -> str:
+        where = "every accelerator" if self.device is None else str(self.device)
+        state = "active" if getattr(self._here, "mode", None) is not None else "inactive"
+        return f"<Watch of {where}, {state}, {len(self._totals)} rows>"
+
+
+_COLUMNS = (
+    ("line", "left"),
+    ("what", "left"),
+    ("count", "right"),
+    ("waits", "right"),
+    ("bytes", "right"),
+    ("fix", "left"),
+)
+
+
+def _what(row: WatchRow) -> str:
+    """The operation and, for a copy, its direction and how it was asked."""
+    if row.kind != "copy":
+        return row.op if row.kind == "mixing" else f"{row.op} (host waits)"
+    arrow = "host -> device" if row.direction == "host_to_device" else "device -> host"
+    memory = "pinned" if row.pinned else "pageable"
+    if not row.non_blocking:
+        how = "blocking"
+    else:
+        how = "non_blocking" + ("" if row.non_blocking_honoured else " (not honoured)")
+    return f"{row.op}: {arrow}, {memory}, {how}"
+
+
+def _refusal(row: WatchRow, kinds: tuple[str, ...]) -> str:
+    happened = "made the host wait for the device" if row.waits else f"is a {row.kind}"
+    code = f" ({row.code})" if row.code else ""
+    return (
+        f"{row.where}{code}: {row.op} {happened}, which watch(raise_on={kinds!r}) forbids; "
+        f"fix: {row.fix}"
+    )
+
+
+def _kinds(raise_on: Iterable[str] | str | None) -> tuple[str, ...]:
+    if raise_on is None:
+        return ()
+    kinds = (raise_on,) if isinstance(raise_on, str) else tuple(raise_on)
+    wrong = [k for k in kinds if k not in _KINDS]
+    if wrong:
+        raise TorchplaceError(
+            f"watch(raise_on={raise_on!r}): unknown kind {wrong[0]!r}; "
+            f"use any of {', '.join(map(repr, _KINDS))}"
+        )
+    return kinds
+
+
+def _skipped_dirs(ignore: Iterable[str]) -> tuple[str, ...]:
+    """Path prefixes of frames that are not the user's: torch, torchplace, ``ignore``."""
+    if isinstance(ignore, str):
+        ignore = (ignore,)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    dirs = [os.path.dirname(torch.__file__) + os.sep, here + os.sep]
+    for name in ignore:
+        try:
+            spec = importlib.util.find_spec(name) if isinstance(name, str) and name else None
+        except (ImportError, ValueError):  # a dotted name whose parent is missing
+            spec = None
+        if spec is None:
+            raise TorchplaceError(
+                f"watch(ignore=...): {name!r} is not an installed module; name the library "
+                "whose frames to skip as it is imported, e.g. ignore=('transformers',)"
+            )
+        if spec.submodule_search_locations:
+            dirs += [os.path.abspath(d) + os.sep for d in spec.submodule_search_locations]
+        elif spec.origin:
+            dirs.append(os.path.abspath(spec.origin))
+    return tuple(dirs)
+
+
+def _note(device: torch.device | None) -> str | None:
+    """Why nothing will be recorded, or ``None`` when there is a boundary to watch."""
+    if device is not None and device.type in _NO_BOUNDARY:
+        return (
+            f"{device} has no host-device boundary: nothing to watch "
+            "(pass an accelerator, or None for all)"
+        )
+    if device is None and all(d.type in _NO_BOUNDARY for d in available()):
+        return "no accelerator on this machine: the CPU alone has no host-device boundary"
+    return None
