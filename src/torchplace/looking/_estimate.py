@@ -435,6 +435,14 @@ def _measured(model: nn.Module, name: str | None, example_input: Any, step: str)
             stacklevel=3,
         )
         return dataclasses.replace(counted, step=step, fallback=str(why))
+    except TorchplaceError:
+        raise
+    except Exception as exc:  # the model's own error on this input
+        raise TorchplaceError(
+            f"example_input: the {step} step of {type(model).__name__} on it raised "
+            f"{type(exc).__name__}: {exc}; pass a batch this model takes, as model(**batch) "
+            "for a mapping, model(*batch) for a tuple, else model(batch)"
+        ) from exc
     return dataclasses.replace(
         counted,
         step=step,
