@@ -4,9 +4,10 @@ The model's parameters and buffers are swapped, in its own ``_parameters`` and `
 tables, for fake tensors of the same shape, stride and dtype (``FakeTensorMode``: no memory),
 and put back in a ``finally``, so the model keeps every object, hook and flag it had; the
 user's own forward then runs as written (autocast, activation checkpointing, hooks). torch's
-``MemTracker`` (``torch.distributed._tools.mem_tracker``, private, in torch since 2.5) watches
-every storage the step makes and says what each holds: parameters, buffers, gradients,
-optimizer state, activations (made by the forward) and temporaries (made by the backward).
+private ``MemTracker`` (``torch.distributed._tools.mem_tracker``, tried on torch 2.6, 2.13 and
+2.15) watches every storage the step makes and says what each holds: parameters, buffers,
+gradients, optimizer state, activations (made by the forward) and temporaries (made by the
+backward).
 
 A backward on fake CUDA tensors needs the CUDA runtime (a CPU-only build aborts the process),
 so a model on a device this machine cannot run, such as a fake ``cuda:0`` on a laptop, is run on
