@@ -80,7 +80,7 @@ def test_help_and_argument_errors_import_no_torch(argv: list[str], status: int) 
     assert lines[-1] == f"{status} []"
     if argv == ["--help"]:
         text = "\n".join(lines)
-        for command in ("doctor", "inspect", "remap", "bench"):
+        for command in ("doctor", "inspect", "remap", "estimate", "bench"):
             assert command in text
 
 
@@ -111,7 +111,7 @@ def test_help_lines_are_the_ones_the_commands_register() -> None:
 
     registered = help_lines(cli._parser(None))
     assert registered == help_lines(cli._parser(""))
-    assert list(registered) == ["doctor", "inspect", "remap", "bench"]
+    assert list(registered) == ["doctor", "inspect", "remap", "estimate", "bench"]
 
 
 def test_the_lazy_names_are_the_public_names() -> None:

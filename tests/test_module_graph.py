@@ -231,6 +231,7 @@ NOT_A_SOURCE = {
     ("_devices", "host_available", "open"): "/proc/meminfo",
     ("cli._doctor", "_nvidia_driver", "open"): "the driver's version in /proc",
     ("cli._main", "_silence_stdout", "os.open"): "/dev/null",
+    ("cli._estimate", "_skeleton_from_config", "config_file.read_text"): "a config.json",
     ("moving._staging", "available_host_bytes", "open"): "/proc/meminfo",
 }
 # Calls that open or read a file, or parse one, whatever the receiver (``Path.read_bytes``,

@@ -12,8 +12,11 @@ The tree, with when each is raised (every ``raise`` in the package, as of this r
     │                                absurdly deep object or model, a model that does not fit
     │                                plan()'s budgets, plan's example_input beside given
     │                                budgets, max_memory='auto' where no memory can be read, a
-    │                                lazy module estimate() cannot size, a one-shot source read
-    │                                by two DeviceLoader loops, bench
+    │                                lazy module estimate() cannot size, an example_input its
+    │                                model cannot take, grads=False with step='train',
+    │                                torchplace estimate's config that transformers cannot
+    │                                build or lacking transformers, a one-shot source read by
+    │                                two DeviceLoader loops, bench
     │                                --device meta, and distributed's setup() outside torchrun,
     │                                without torch.distributed, or when the process group does
     │                                not start, and its verify() without a process group; an
@@ -25,8 +28,8 @@ The tree, with when each is raised (every ``raise`` in the package, as of this r
     ├── DeviceSpecError (ValueError)  a device spec torchplace cannot parse ("cdua", -1, 3.5), and
     │                                 the other settings that name devices or sizes: a budget or
     │                                 key of plan's max_memory, plan's strategy, a dispatch
-    │                                 device map, estimate's optimizer name, remap --to,
-    │                                 distributed's backend= and the
+    │                                 device map, estimate's optimizer name and step=, remap
+    │                                 --to, distributed's backend= and the
     │                                 torchrun variables (LOCAL_RANK, RANK, MASTER_PORT, ...)
     ├── DeviceUnavailableError        a valid spec naming a device this machine does not have
     ├── MixedDevicesError             where(): the object's tensors live on several devices

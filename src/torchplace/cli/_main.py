@@ -1,4 +1,5 @@
-"""The ``torchplace`` command: ``doctor`` (the main job), ``inspect``, ``remap`` and ``bench``.
+"""The ``torchplace`` command: ``doctor`` (the main job), ``inspect``, ``remap``, ``estimate``
+and ``bench``.
 
 Each sub-command lives beside the code it drives and registers itself here through a
 ``register(subparsers)`` function that sets ``func`` (taking the parsed arguments, returning the
@@ -38,6 +39,10 @@ _COMMANDS = {
     "remap": (
         "checkpoint._checkpoint_cli",
         "rewrite a checkpoint (or every shard of one) to load elsewhere",
+    ),
+    "estimate": (
+        "cli._estimate",
+        "will it fit: a model directory's training or inference step, or a checkpoint's bytes",
     ),
     "bench": ("cli._bench", "copy bandwidth: pageable, pinned, per-tensor and consolidated"),
 }

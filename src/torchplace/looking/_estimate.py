@@ -1,8 +1,11 @@
-"""How much memory a model needs to train: ``estimate`` counts, it never allocates.
+"""How much memory a model needs to train: ``estimate`` counts or fakes, it never allocates.
 
 ``estimate(model)`` gives the bytes of parameters, buffers, gradients and optimizer state, per
 device and dtype, as an ``Estimate``; it works on skeletons (parameters on meta). ``plan`` sizes
 tensors with the same ``_tensor_size.nbytes_as``, so a budget and an estimate count bytes alike.
+Given an ``example_input``, it also runs one step on fake tensors (``_fake_step``) and adds the
+step's peak per device, split by kind and by module; where that cannot be done here, the
+``Estimate`` says why in ``fallback`` and keeps the counting.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import difflib
 import io
 import os
 import shlex
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +24,7 @@ from torch import nn
 from .._errors import DeviceSpecError, TorchplaceError
 from .._sizes import format_bytes as _format_bytes
 from .._tensor_size import nbytes_as
+from ._fake_step import KINDS, ModulePeak, Unmeasurable, measure_step
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -27,8 +32,15 @@ if TYPE_CHECKING:
 __all__ = [
     "Estimate",
     "EstimateRow",
+    "ModulePeak",
+    "PeakRow",
     "estimate",
 ]
+
+_STEPS = ("train", "forward")
+# Column headings of the peak table, short enough for 100 columns.
+_SHORT = {"parameters": "params", "gradients": "grads", "optimizer_state": "optimizer"}
+_SHORT.update(activations="activations", temporaries="temps")
 
 
 # Optimizer name -> (state tensors shaped like each parameter, whether a scalar ``step`` is kept)
@@ -59,6 +71,21 @@ class EstimateRow:
 
 
 @dataclasses.dataclass(frozen=True)
+class PeakRow:
+    """One device at the peak of a measured step: what each kind held then, and the total."""
+
+    device: torch.device
+    parameters: int = 0
+    buffers: int = 0
+    gradients: int = 0
+    optimizer_state: int = 0
+    activations: int = 0
+    temporaries: int = 0
+    inputs: int = 0
+    total: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class Estimate:
     """What a model needs for training: ``rows`` per device and dtype, and their totals.
 
@@ -68,7 +95,10 @@ class Estimate:
     (4004000, 4004000, True)
 
     ``str(estimate)`` is a readable table, ``to_dict()`` is JSON-able, and the object renders
-    in ``rich``.
+    in ``rich``. A measured step (``step`` is ``"train"`` or ``"forward"``) adds ``peaks`` (per
+    device, each kind's bytes at that device's peak), ``activations`` and ``temporaries`` (the
+    most each held at once) and ``modules`` (the modules that ran, highest peak first); when it
+    could not be measured, ``fallback`` says why and only the counting is there.
     """
 
     rows: tuple[EstimateRow, ...]
@@ -76,6 +106,12 @@ class Estimate:
     grads: bool
     parameter_count: int
     trainable_count: int
+    step: str | None = None
+    peaks: tuple[PeakRow, ...] = ()
+    activations: int = 0
+    temporaries: int = 0
+    modules: tuple[ModulePeak, ...] = ()
+    fallback: str | None = None
 
     @property
     def parameters(self) -> int:
@@ -96,6 +132,17 @@ class Estimate:
     @property
     def total(self) -> int:
         return sum(row.total for row in self.rows)
+
+    @property
+    def peak(self) -> int:
+        """The step's peak: each device's peak, summed; ``total`` when no step was measured."""
+        return sum(row.total for row in self.peaks) if self.peaks else self.total
+
+    def peak_by_device(self) -> dict[torch.device, int]:
+        """Each device's peak in the measured step; ``by_device()`` when none was measured."""
+        if not self.peaks:
+            return self.by_device()
+        return {row.device: row.total for row in self.peaks}
 
     def by_device(self) -> dict[torch.device, int]:
         """Total bytes per device, in the order the rows list them."""
@@ -125,6 +172,22 @@ class Estimate:
             ],
             "total": self.total,
             "by_device": {str(dev): total for dev, total in self.by_device().items()},
+            **self._step_dict(),
+        }
+
+    def _step_dict(self) -> dict[str, Any]:
+        """The measured step's part of ``to_dict()`` (empty when none was asked for)."""
+        if self.step is None:
+            return {}
+        return {
+            "step": self.step,
+            "fallback": self.fallback,
+            "peak": self.peak,
+            "peak_by_device": {str(dev): n for dev, n in self.peak_by_device().items()},
+            "activations": self.activations,
+            "temporaries": self.temporaries,
+            "peaks": [{**dataclasses.asdict(row), "device": str(row.device)} for row in self.peaks],
+            "modules": [{**dataclasses.asdict(m), "device": str(m.device)} for m in self.modules],
         }
 
     def _title(self) -> str:
@@ -135,7 +198,49 @@ class Estimate:
             f"{grads}, {optimizer}"
         )
 
-    def __rich__(self) -> Table:
+    def __rich__(self) -> Any:
+        """The counting table and, for a measured step, the peak's and the modules'."""
+        if self.step is None:
+            return self._counting_table()
+        from rich.console import Group  # rich loads only when rendering
+        from rich.text import Text
+
+        if self.fallback is not None:
+            note = f"The {self.step} step was not measured, counted only: {self.fallback}"
+            return Group(self._counting_table(), Text(note))
+        tables = [self._counting_table(), self._peak_table()]
+        return Group(*tables, *([self._module_table()] if self.modules else []))
+
+    def _peak_table(self) -> Table:
+        from rich.table import Table
+
+        table = Table(
+            title=f"Peak of one {self.step} step: {_format_bytes(self.peak)} "
+            f"(activations at most {_format_bytes(self.activations)}, temporaries at most "
+            f"{_format_bytes(self.temporaries)})",
+            title_justify="left",
+        )
+        table.add_column("device")
+        for kind in KINDS:
+            table.add_column(_SHORT.get(kind, kind), justify="right")
+        table.add_column("peak", justify="right", style="bold")
+        for row in self.peaks:
+            values = (getattr(row, kind) for kind in (*KINDS, "total"))
+            table.add_row(str(row.device), *(_format_bytes(n) for n in values))
+        return table
+
+    def _module_table(self, top: int = 5) -> Table:
+        from rich.table import Table
+
+        table = Table(title="Modules at the highest peaks", title_justify="left")
+        for header in ("module", "type", "device", "peak while it ran", "parameters", "output"):
+            table.add_column(header, justify="left" if header in ("module", "type") else "right")
+        for m in self.modules[:top]:
+            sizes = (_format_bytes(n) for n in (m.peak, m.parameters, m.outputs))
+            table.add_row(m.name, m.type_name, str(m.device), *sizes)
+        return table
+
+    def _counting_table(self) -> Table:
         from rich.table import Table  # rich loads only when rendering
 
         table = Table(title=self._title(), title_justify="left")
@@ -205,9 +310,16 @@ def _refuse_lazy(model: nn.Module) -> None:
 
 
 def estimate(
-    model: nn.Module, /, *, optimizer: str | None = "adam", grads: bool = True
+    model: nn.Module,
+    /,
+    *,
+    optimizer: str | None = "adam",
+    grads: bool = True,
+    example_input: Any = None,
+    step: str = "train",
 ) -> Estimate:
-    """Bytes a model needs to train: parameters, buffers, gradients and optimizer state.
+    """Bytes a model needs: parameters, buffers, gradients, optimizer state, and with an
+    ``example_input`` the peak of one step, run on fake tensors.
 
     >>> import torch, torchplace
     >>> est = torchplace.estimate(torch.nn.Linear(1000, 1000), optimizer="adam")
@@ -216,6 +328,9 @@ def estimate(
     >>> skeleton = torch.nn.Linear(1000, 1000, device="meta")
     >>> torchplace.estimate(skeleton, optimizer="sgd").total
     8008000
+    >>> step = torchplace.estimate(skeleton, example_input=torch.ones(64, 1000), optimizer="sgd")
+    >>> step.peak_by_device()[torch.device("meta")] >= step.total + 64 * 1000 * 4
+    True
 
     Counted per device and dtype, each tied parameter once. Gradients and optimizer state are
     counted for parameters that require grad, on their parameter's device and dtype, as PyTorch
@@ -224,53 +339,115 @@ def estimate(
     ``step`` per parameter on the CPU. ``optimizer=None`` counts no state, ``grads=False`` no
     gradients (inference). A skeleton (parameters on ``meta``) is sized like the real model.
     A model already sharded by FSDP2 (DTensor parameters) is sized by the shards this rank
-    holds, while ``parameter_count`` stays the whole model's. Activations are not counted: they
-    depend on the batch.
+    holds, while ``parameter_count`` stays the whole model's.
+
+    ``example_input`` (a batch, or a callable that takes a device and builds one there with
+    ``torch.zeros``/``ones``/``full``/``empty``) makes one step run on fake tensors on the
+    model's devices: ``step="train"`` a forward, a backward from the output's ``.loss`` (else
+    the sum of its floating outputs) and the optimizer's step; ``step="forward"`` a forward
+    under ``torch.no_grad`` (no gradients or optimizer state then). A mapping is passed as
+    ``model(**batch)``, a tuple as ``model(*batch)``, anything else as ``model(batch)``. The
+    model runs as its code says (autocast, activation checkpointing, its training flag) and is
+    left as it was; nothing real is allocated. A model on a device this machine lacks (a fake
+    ``cuda:0``) runs on ``meta`` and is reported under its own device. Where the step cannot
+    be measured (torch's private tracker missing or changed, a model spread over devices this
+    machine lacks), a warning says why, ``fallback`` holds the reason, and the counting stays.
     """
     try:
         name = _optimizer_name(optimizer)
-        if isinstance(model, (str, os.PathLike)):
-            path = os.fspath(model)
+        _refuse_non_model(model)
+        if example_input is None:
+            return _count(model, name, grads)
+        if step not in _STEPS:
+            raise DeviceSpecError(f"step={step!r}: use 'train' or 'forward'")
+        if step == "train" and not grads:
             raise TorchplaceError(
-                f"sizes a model, not a path ({path!r}); build the model without memory and size "
-                "that: torchplace.estimate(torchplace.skeleton(YourModel, config)), where "
-                "skeleton(YourModel, config) calls YourModel(config) with its parameters on "
-                "meta. For the bytes the checkpoint holds, run: torchplace inspect "
-                f"{shlex.quote(os.path.expanduser(path))}"  # quoted, ~ would stay a name
+                "grads=False with step='train': a training step makes gradients; for inference "
+                "pass step='forward'"
             )
-        if not isinstance(model, nn.Module):
-            raise TorchplaceError(f"sizes an nn.Module, not {type(model).__name__}; pass the model")
-        copies, has_step = _OPTIMIZERS[name] if name is not None else (0, False)
-        rows: dict[tuple[torch.device, torch.dtype], dict[str, int]] = {}
-
-        def add(dev: torch.device, dtype: torch.dtype, field: str, nbytes: int) -> None:
-            row = rows.setdefault((dev, dtype), {})
-            row[field] = row.get(field, 0) + nbytes
-
-        count = trainable = 0
-        step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-        _refuse_lazy(model)
-        for param in model.parameters():  # each tied parameter once
-            nbytes = nbytes_as(param)
-            count += param.numel()
-            add(param.device, param.dtype, "parameters", nbytes)
-            if not param.requires_grad:
-                continue
-            trainable += param.numel()
-            if grads:
-                add(param.device, param.dtype, "gradients", nbytes)
-            if copies:
-                add(param.device, param.dtype, "optimizer_state", copies * nbytes)
-            if has_step:
-                add(torch.device("cpu"), step_dtype, "optimizer_state", step_dtype.itemsize)
-        for buffer in model.buffers():
-            add(buffer.device, buffer.dtype, "buffers", nbytes_as(buffer))
-        return Estimate(
-            rows=tuple(EstimateRow(dev, dtype, **fields) for (dev, dtype), fields in rows.items()),
-            optimizer=name,
-            grads=grads,
-            parameter_count=count,
-            trainable_count=trainable,
-        )
+        return _measured(model, name, example_input, step)
     except TorchplaceError as err:
         raise type(err)(f"estimate(): {err}") from err.__cause__
+
+
+def _refuse_non_model(model: Any) -> None:
+    if isinstance(model, (str, os.PathLike)):
+        path = os.fspath(model)
+        raise TorchplaceError(
+            f"sizes a model, not a path ({path!r}); build the model without memory and size "
+            "that: torchplace.estimate(torchplace.skeleton(YourModel, config)), where "
+            "skeleton(YourModel, config) calls YourModel(config) with its parameters on "
+            "meta. For the bytes the checkpoint holds, run: torchplace inspect "
+            f"{shlex.quote(os.path.expanduser(path))}"  # quoted, ~ would stay a name
+        )
+    if not isinstance(model, nn.Module):
+        raise TorchplaceError(f"sizes an nn.Module, not {type(model).__name__}; pass the model")
+    _refuse_lazy(model)
+
+
+def _count(model: nn.Module, name: str | None, grads: bool) -> Estimate:
+    """Parameters, buffers, gradients and optimizer state, per device and dtype."""
+    copies, has_step = _OPTIMIZERS[name] if name is not None else (0, False)
+    rows: dict[tuple[torch.device, torch.dtype], dict[str, int]] = {}
+
+    def add(dev: torch.device, dtype: torch.dtype, field: str, nbytes: int) -> None:
+        row = rows.setdefault((dev, dtype), {})
+        row[field] = row.get(field, 0) + nbytes
+
+    count = trainable = 0
+    step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    for param in model.parameters():  # each tied parameter once
+        nbytes = nbytes_as(param)
+        count += param.numel()
+        add(param.device, param.dtype, "parameters", nbytes)
+        if not param.requires_grad:
+            continue
+        trainable += param.numel()
+        if grads:
+            add(param.device, param.dtype, "gradients", nbytes)
+        if copies:
+            add(param.device, param.dtype, "optimizer_state", copies * nbytes)
+        if has_step:
+            add(torch.device("cpu"), step_dtype, "optimizer_state", step_dtype.itemsize)
+    for buffer in model.buffers():
+        add(buffer.device, buffer.dtype, "buffers", nbytes_as(buffer))
+    return Estimate(
+        rows=tuple(EstimateRow(dev, dtype, **fields) for (dev, dtype), fields in rows.items()),
+        optimizer=name,
+        grads=grads,
+        parameter_count=count,
+        trainable_count=trainable,
+    )
+
+
+def _measured(model: nn.Module, name: str | None, example_input: Any, step: str) -> Estimate:
+    """The counting for ``step``, with the peak of that step run on fake tensors added (or the
+    reason it could not be, warned about)."""
+    train = step == "train"
+    counted = _count(model, name if train else None, train)
+    try:
+        measure = measure_step(model, example_input, optimizer=counted.optimizer, train=train)
+    except Unmeasurable as why:
+        warnings.warn(
+            f"estimate(): the {step} step was not measured, so activations and temporaries are "
+            f"not in this estimate (counted parameters, gradients and optimizer state): {why}",
+            UserWarning,
+            stacklevel=3,
+        )
+        return dataclasses.replace(counted, step=step, fallback=str(why))
+    except TorchplaceError:
+        raise
+    except Exception as exc:  # the model's own error on this input
+        raise TorchplaceError(
+            f"example_input: the {step} step of {type(model).__name__} on it raised "
+            f"{type(exc).__name__}: {exc}; pass a batch this model takes, as model(**batch) "
+            "for a mapping, model(*batch) for a tuple, else model(batch)"
+        ) from exc
+    return dataclasses.replace(
+        counted,
+        step=step,
+        peaks=tuple(PeakRow(dev, **kinds) for dev, kinds in measure.peaks.items()),
+        activations=measure.most["activations"],
+        temporaries=measure.most["temporaries"],
+        modules=measure.modules,
+    )

@@ -1,0 +1,235 @@
+"""``torchplace estimate PATH``: will it fit, before anything is downloaded or allocated.
+
+For a Hugging Face directory (one with a ``config.json``) the model is built from its config as
+a skeleton (transformers' own classes, parameters on ``meta``: no weights read, nothing
+downloaded), its parameters are made fake tensors on ``--device``, and ``estimate`` runs one
+step of ``--batch`` x ``--seq`` tokens on them. For a checkpoint (a file, an index, a directory
+of weights without a config) only the bytes of its tensors are counted, by dtype, with the
+gradients and optimizer state a training run adds; no step can run without the model's code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._devices import normalize
+from .._errors import TorchplaceError
+from ..looking._estimate import Estimate, estimate
+
+__all__ = ["register"]
+
+HELP = "will it fit: a model directory's training or inference step, or a checkpoint's bytes"
+TRANSFORMERS_HINT = "pip install transformers"
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}
+_DTYPES.update(float="float32", fp64="float64", double="float64")
+
+
+def register(subparsers: Any) -> None:
+    """Add ``estimate`` to the ``torchplace`` command line.
+
+    >>> import argparse
+    >>> parser = argparse.ArgumentParser(prog="torchplace")
+    >>> register(parser.add_subparsers())
+    >>> args = parser.parse_args(["estimate", "model/", "--seq", "128", "--dtype", "bf16"])
+    >>> args.seq, args.batch, args.dtype
+    (128, 1, torch.bfloat16)
+    """
+    cmd = subparsers.add_parser(
+        "estimate",
+        help=HELP,
+        description="How much memory one step needs, before anything is allocated. For a "
+        "Hugging Face model directory (with a config.json), the model is built from its config "
+        "with no weights read and nothing downloaded, and one step on BATCH x SEQ tokens runs "
+        "on fake tensors: the peak per device, split into parameters, gradients, optimizer "
+        "state, activations and temporaries, and the modules at the peak. For a checkpoint "
+        "(a file, a shard index or a directory of weights), the bytes of its tensors by dtype "
+        "with the gradients and optimizer state that training adds.",
+    )
+    cmd.add_argument("path", metavar="PATH", help="a model directory or a checkpoint")
+    cmd.add_argument("--batch", type=_positive, default=1, help="sequences per step (1)")
+    cmd.add_argument(
+        "--seq",
+        type=_positive,
+        default=None,
+        help="tokens per sequence (2048, or less when "
+        "the config's max_position_embeddings is less)",
+    )
+    cmd.add_argument(
+        "--optimizer", default="adam", help="adam, adamw, sgd, sgd-momentum, adagrad or none (adam)"
+    )
+    cmd.add_argument(
+        "--dtype",
+        type=_dtype,
+        default=None,
+        help="the parameters' dtype: bf16, fp16, fp32 ... (the config's, else the checkpoint's)",
+    )
+    cmd.add_argument(
+        "--step",
+        choices=("train", "forward"),
+        default="train",
+        help="train: forward, backward and optimizer step; forward: inference",
+    )
+    cmd.add_argument("--device", default="cuda:0", help="the device to size for (cuda:0)")
+    cmd.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    cmd.set_defaults(func=_run)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is no positive whole number")
+    return value
+
+
+def _dtype(text: str) -> torch.dtype:
+    name = _DTYPES.get(text.strip().lower(), text.strip().lower())
+    found = getattr(torch, name, None)
+    if not isinstance(found, torch.dtype) or not found.is_floating_point:
+        raise argparse.ArgumentTypeError(f"{text!r} is no floating dtype; use bf16, fp16 or fp32")
+    return found
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        device = normalize(args.device)
+        source = Path(args.path).expanduser()
+        if (source / "config.json").is_file():
+            found, extra = _from_config(source, args, device)
+        else:
+            found, extra = _from_checkpoint(source, args, device), {"kind": "checkpoint"}
+    except TorchplaceError as exc:
+        print(f"torchplace estimate: error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps({"path": str(args.path), **extra, **found.to_dict()}, indent=2))
+        return 0
+    if extra["kind"] == "transformers":
+        print(
+            f"{args.path}: {extra['architecture']}, one {args.step} step of {args.batch} x "
+            f"{extra['seq']} tokens on {device}\n"
+        )
+    else:
+        print(f"{args.path}: the checkpoint's tensors on {device} (no step: no model code)\n")
+    print(found)
+    return 0
+
+
+@contextlib.contextmanager
+def _saying(what: str) -> Iterator[None]:
+    """A spinner on stderr saying ``what`` while the block runs, where stderr is a terminal."""
+    if not sys.stderr.isatty():
+        yield
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status(what):
+        yield
+
+
+def _on_fake(model: nn.Module, device: torch.device) -> nn.Module:
+    """``model`` with fake parameters and buffers on ``device`` (each tied one), nothing real."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    made: dict[int, torch.Tensor] = {}
+    with FakeTensorMode():
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for name, t in list(table.items()):
+                    if t is not None and id(t) not in made:
+                        fake = torch.empty(t.shape, dtype=t.dtype, device=device)
+                        grad = isinstance(t, nn.Parameter) and t.requires_grad
+                        made[id(t)] = (
+                            nn.Parameter(fake, grad) if isinstance(t, nn.Parameter) else fake
+                        )
+                    if t is not None:
+                        table[name] = made[id(t)]  # type: ignore[assignment]
+    return model
+
+
+def _skeleton_from_config(folder: Path, dtype: torch.dtype | None) -> tuple[nn.Module, Any]:
+    """The model ``folder/config.json`` describes, built by transformers on ``meta``."""
+    config_file = folder / "config.json"
+    try:
+        import transformers
+    except ImportError:
+        raise TorchplaceError(
+            f"{config_file} is a transformers config, and building its model needs "
+            f"transformers, which is not installed: {TRANSFORMERS_HINT}"
+        ) from None
+    try:
+        raw = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise TorchplaceError(f"{config_file} cannot be read as JSON: {exc}") from exc
+    names = raw.get("architectures") or []
+    architecture = names[0] if names and isinstance(names[0], str) else None
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        cls = getattr(transformers, architecture, None) if architecture else None
+        with torch.device("meta"):
+            model = cls(config) if cls is not None else transformers.AutoModel.from_config(config)  # type: ignore[no-untyped-call]
+    except Exception as exc:
+        raise TorchplaceError(
+            f"{config_file}: transformers {transformers.__version__} cannot build architecture "
+            f"{architecture or '(none named)'} (model_type {raw.get('model_type')!r}): "
+            f"{type(exc).__name__}: {exc}; upgrade transformers, or estimate the model in "
+            "Python: torchplace.estimate(model, example_input=...)"
+        ) from exc
+    saved = raw.get("dtype") or raw.get("torch_dtype")
+    wanted = dtype or getattr(torch, str(saved), None)
+    return (model.to(wanted) if isinstance(wanted, torch.dtype) else model), config
+
+
+def _from_config(
+    folder: Path, args: argparse.Namespace, device: torch.device
+) -> tuple[Estimate, dict[str, Any]]:
+    with _saying(f"building {folder / 'config.json'} on meta"):
+        model, config = _skeleton_from_config(folder, args.dtype)
+    longest = getattr(config, "max_position_embeddings", None)
+    seq = args.seq or (min(2048, longest) if isinstance(longest, int) and longest > 0 else 2048)
+    train = args.step == "train"
+
+    def tokens(dev: torch.device) -> dict[str, torch.Tensor]:
+        ids = torch.zeros(args.batch, seq, dtype=torch.long, device=dev)
+        return {"input_ids": ids, "labels": ids} if train else {"input_ids": ids}
+
+    extra = {"kind": "transformers", "architecture": type(model).__name__, "batch": args.batch}
+    extra["seq"] = seq
+    name = None if args.optimizer.strip().lower() == "none" else args.optimizer
+    with _saying(f"one {args.step} step of {type(model).__name__}, {args.batch} x {seq} tokens"):
+        found = estimate(
+            _on_fake(model, device), optimizer=name, example_input=tokens, step=args.step
+        )
+    return found, extra
+
+
+def _from_checkpoint(source: Path, args: argparse.Namespace, device: torch.device) -> Estimate:
+    """The checkpoint's tensors as fake parameters on ``device``, counted."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ..checkpoint._catalog import catalog
+
+    records = [r for r in catalog(source).records() if r.shares is None]  # each storage once
+    holder = nn.Module()
+    with FakeTensorMode():
+        for i, r in enumerate(records):
+            dtype = getattr(torch, r.dtype)
+            if args.dtype is not None and dtype.is_floating_point:
+                dtype = args.dtype
+            fake = torch.empty(r.shape, dtype=dtype, device=device)
+            grad = dtype.is_floating_point or dtype.is_complex
+            holder.register_parameter(f"t{i}", nn.Parameter(fake, requires_grad=grad))
+    train = args.step == "train"
+    name = None if args.optimizer.strip().lower() == "none" or not train else args.optimizer
+    return estimate(holder, optimizer=name, grads=train)

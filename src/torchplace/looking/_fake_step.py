@@ -1,0 +1,458 @@
+"""One step of a model run on fake tensors and measured: the peak behind ``estimate``.
+
+The model's parameters and buffers are swapped, in its own ``_parameters`` and ``_buffers``
+tables, for fake tensors of the same shape, stride and dtype (``FakeTensorMode``: no memory),
+and put back in a ``finally``, so the model keeps every object, hook and flag it had; the
+user's own forward then runs as written (autocast, activation checkpointing, hooks). torch's
+private ``MemTracker`` (``torch.distributed._tools.mem_tracker``, tried on torch 2.6, 2.13 and
+2.15) watches every storage the step makes and says what each holds: parameters, buffers,
+gradients, optimizer state, activations (made by the forward) and temporaries (made by the
+backward).
+
+A backward on fake CUDA tensors needs the CUDA runtime (a CPU-only build aborts the process),
+so a model on a device this machine cannot run, such as a fake ``cuda:0`` on a laptop, is run on
+``meta`` and its figures are reported under its own device. A model spread over several devices
+that cannot all run here, and a torch whose tracker is missing or differs from the one this
+was written against, raise ``Unmeasurable`` with the reason: ``estimate`` then counts instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import traceback
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._tree import iter_leaves, map_tensors
+
+__all__ = ["KINDS", "ModulePeak", "StepMeasure", "Unmeasurable", "measure_step"]
+
+# What a step's bytes are held by, in the order tables list them; "inputs" is the example batch.
+KINDS = (
+    "parameters",
+    "buffers",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "temporaries",
+    "inputs",
+)
+# The tracker's names for them (its ``_MemRefType`` values), and its total's.
+_TRACKER_KINDS = {
+    "Parameter": "parameters",
+    "Buffer": "buffers",
+    "Gradient": "gradients",
+    "Optstate": "optimizer_state",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "Other": "inputs",
+}
+_TOTAL = "Total"
+# What of the tracker is used: a torch without one of these gets counting, with the reason.
+_TRACKER_NEEDS = (
+    "track_external",
+    "get_tracker_snapshot",
+    "_update_peak_stats",
+    "_pre_fw_hook",
+    "__enter__",
+)
+
+
+class Unmeasurable(Exception):
+    """The step cannot be run and measured here; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModulePeak:
+    """A module that ran in the step: the most held on its device while it ran (forward or
+    backward), its own parameters' bytes and its output's."""
+
+    name: str
+    type_name: str
+    device: torch.device
+    peak: int
+    parameters: int
+    outputs: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepMeasure:
+    """``peaks``: per device, the bytes of each kind at that device's peak and ``"total"``;
+    ``most``: per kind, the most held at once (summed over devices); ``modules``: the modules
+    that ran, those with the highest peak first."""
+
+    peaks: dict[torch.device, dict[str, int]]
+    most: dict[str, int]
+    modules: tuple[ModulePeak, ...]
+
+
+@functools.cache
+def _tracker_class() -> type:
+    """torch's MemTracker, taught to keep the most each kind holds at once."""
+    try:
+        from torch.distributed._tools.mem_tracker import MemTracker
+    except Exception as exc:  # absent from this build or torch, or broken
+        raise Unmeasurable(
+            f"torch {torch.__version__} has no torch.distributed._tools.mem_tracker.MemTracker "
+            f"({type(exc).__name__}: {exc})"
+        ) from None
+    missing = [name for name in _TRACKER_NEEDS if not hasattr(MemTracker, name)]
+    if missing:
+        raise Unmeasurable(
+            f"torch {torch.__version__}'s MemTracker lacks {', '.join(missing)}, which estimate "
+            "uses"
+        )
+
+    class _Tracker(MemTracker):  # type: ignore[no-untyped-call]
+        """MemTracker that also keeps the most each kind held at once, and updates the peaks
+        of only the modules running (its own walks every module it has met after each
+        operator: quadratic in the depth of the model, minutes for a 7B Llama)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.torchplace_most: dict[torch.device, dict[Any, int]] = {}
+            self.torchplace_stats: dict[str, Any] = {}  # module name -> its statistics
+
+        def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+            super()._pre_fw_hook(module, inputs)
+            stats = self.memory_tracking[module]
+            self.torchplace_stats[stats.mod_fqn] = stats
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            try:
+                _update_peaks(self, peak_state)
+            except (AttributeError, KeyError, TypeError) as exc:  # the tracker changed
+                raise Unmeasurable(
+                    f"torch {torch.__version__}'s MemTracker keeps its peaks otherwise "
+                    f"({type(exc).__name__}: {exc})"
+                ) from exc
+
+    return _Tracker
+
+
+def _update_peaks(tracker: Any, peak_state: Any) -> None:
+    """What MemTracker's ``_update_peak_stats`` does, for the running modules only, and the
+    most each kind has held at once."""
+    current = tracker._curr_mem_snap
+    for name in tracker._mod_tracker.parents:
+        stats = tracker.torchplace_stats.get(name)
+        if stats is None or peak_state not in stats.snapshots:
+            continue
+        for dev, snap in current.items():
+            if stats.local_peak.get(dev, 0) < snap[_TOTAL]:
+                stats.local_peak[dev] = snap[_TOTAL]
+                stats.snapshots[peak_state][-1][dev] = dict(snap)
+    for dev, snap in current.items():
+        if tracker._peak_mem.get(dev, 0) < snap[_TOTAL]:
+            tracker._peak_mem[dev] = snap[_TOTAL]
+            tracker._peak_mem_snap[dev] = dict(snap)
+        most = tracker.torchplace_most.setdefault(dev, {})
+        for kind, nbytes in snap.items():
+            if nbytes > most.get(kind, 0):
+                most[kind] = nbytes
+
+
+class _NoHook:
+    """A hook handle with nothing to remove."""
+
+    def remove(self) -> None:
+        pass
+
+
+def _skip_frozen(tracker: Any, model: nn.Module) -> None:
+    """Keep the tracker from hooking parameters that need no gradient (it would try, and
+    torch refuses a hook on them) by telling it they are hooked already."""
+    handles = getattr(tracker, "_param_to_grad_hook_handles", None)
+    if handles is None:
+        raise Unmeasurable(f"torch {torch.__version__}'s MemTracker keeps no grad hook handles")
+    for param in model.parameters():
+        if not param.requires_grad:
+            handles[param] = (_NoHook(), _NoHook())
+
+
+def _runs_here(dev: torch.device) -> bool:
+    """Whether a backward can run on (fake tensors of) ``dev`` on this machine."""
+    if dev.type in ("cpu", "meta"):
+        return True
+    backend: Any = getattr(torch, dev.type, None)
+    try:
+        available = bool(backend.is_available()) and (dev.index or 0) < backend.device_count()
+    except Exception:  # no such backend module, or one that cannot say
+        return False
+    return available
+
+
+def _run_devices(model: nn.Module) -> tuple[dict[torch.device, torch.device], torch.device]:
+    """Where each of the model's devices runs the step, and the device of its input (its first
+    parameter's, as run).
+
+    A model whose parameters sit on one device runs there whole (its buffers too: a skeleton
+    keeps them on the cpu), on ``meta`` when that device cannot run here.
+    """
+    params = [p.device for p in model.parameters()] or [b.device for b in model.buffers()]
+    devices = list(dict.fromkeys(params)) or [torch.device("cpu")]
+    if len(devices) == 1:
+        (dev,) = devices
+        run = dev if _runs_here(dev) else torch.device("meta")
+        every = {t.device for t in (*model.parameters(), *model.buffers())} | {dev}
+        return dict.fromkeys(every, run), run
+    cannot = [str(d) for d in devices if not _runs_here(d)]
+    if cannot:
+        raise Unmeasurable(
+            f"the model is spread over {', '.join(map(str, devices))} and this machine cannot "
+            f"run a step on {', '.join(cannot)}; a fake step stands in for one device only"
+        )
+    return {d: d for d in devices}, devices[0]
+
+
+def _fake_like(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+    fake = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=dev)
+    if isinstance(t, nn.Parameter):
+        return nn.Parameter(fake, requires_grad=t.requires_grad)
+    return fake.requires_grad_(t.requires_grad) if t.is_leaf else fake
+
+
+@contextlib.contextmanager
+def _swapped(model: nn.Module, where: dict[torch.device, torch.device]) -> Iterator[None]:
+    """The model with fake parameters and buffers (each tied tensor one fake) while the block
+    runs; the model's own tensors are put back however the block ends."""
+    saved: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    fakes: dict[int, torch.Tensor] = {}
+    try:
+        for module in model.modules():
+            for table in (module._parameters, module._buffers):
+                for name, t in list(table.items()):
+                    if t is None:
+                        continue
+                    if id(t) not in fakes:
+                        fakes[id(t)] = _fake_like(t, where[t.device])
+                    saved.append((table, name, t))
+                    table[name] = fakes[id(t)]  # type: ignore[assignment]
+        yield
+    finally:
+        for table, name, t in reversed(saved):
+            table[name] = t
+
+
+def _fake_batch(example_input: Any, dev: torch.device, mode: Any) -> Any:
+    """The example batch as fake tensors on ``dev`` (a callable is called with ``dev``)."""
+    batch = example_input(dev) if callable(example_input) else example_input
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if getattr(t, "fake_mode", None) is mode and t.device == dev:
+            return t
+        return _fake_like(t, dev)
+
+    return map_tensors(batch, fake, root="example_input")
+
+
+def _call(model: nn.Module, batch: Any) -> Any:
+    """``model(**batch)`` for a mapping, ``model(*batch)`` for a tuple, else ``model(batch)``."""
+    if isinstance(batch, Mapping):
+        return model(**batch)
+    if isinstance(batch, tuple):
+        return model(*batch)
+    return model(batch)
+
+
+def _loss(output: Any) -> torch.Tensor | None:
+    """What the step's backward starts from: the output's ``.loss`` (a transformers model given
+    labels), else the sum of every floating tensor of the output that needs a gradient."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        return loss
+    parts = [
+        t.sum()
+        for _, t in iter_leaves(output, "output")
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
+    ]
+    return functools.reduce(torch.add, parts) if parts else None
+
+
+_OPTIMIZER_CLASSES: dict[
+    str, Callable[[list[nn.Parameter], bool | None], torch.optim.Optimizer]
+] = {
+    "sgd": lambda ps, foreach: torch.optim.SGD(ps, lr=0.1, foreach=foreach),
+    "sgd-momentum": lambda ps, foreach: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=foreach),
+    "adam": lambda ps, foreach: torch.optim.Adam(ps, foreach=foreach),
+    "adamw": lambda ps, foreach: torch.optim.AdamW(ps, foreach=foreach),
+    "adagrad": lambda ps, foreach: torch.optim.Adagrad(ps, foreach=foreach),
+}
+
+
+def _optimizer(
+    model: nn.Module, name: str | None, foreach: bool | None
+) -> torch.optim.Optimizer | None:
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if name is None or not trainable:
+        return None
+    return _OPTIMIZER_CLASSES[name](trainable, foreach)
+
+
+def _run(
+    model: nn.Module, batch: Any, optimizer: torch.optim.Optimizer | None, train: bool
+) -> None:
+    """One step as a training loop writes it: forward, backward, optimizer step (the output
+    kept until the step is over); or a forward without gradients."""
+    if not train:
+        with torch.no_grad():
+            _call(model, batch)
+        return
+    output = _call(model, batch)
+    loss = _loss(output)
+    if loss is not None:
+        loss.backward()  # type: ignore[no-untyped-call]
+    if optimizer is not None:
+        optimizer.step()
+    del output, loss
+
+
+def _kind(key: Any) -> str:
+    """The tracker's key for a kind (an enum of strings, or its total) as one of ``KINDS``."""
+    name = str(getattr(key, "value", key))
+    if name == _TOTAL:
+        return "total"
+    if name not in _TRACKER_KINDS:
+        raise Unmeasurable(f"torch {torch.__version__}'s MemTracker reports a kind {name!r}")
+    return _TRACKER_KINDS[name]
+
+
+def _by_kind(snapshot: Mapping[Any, int]) -> dict[str, int]:
+    out = dict.fromkeys((*KINDS, "total"), 0)
+    for key, nbytes in snapshot.items():
+        out[_kind(key)] += int(nbytes)
+    return out
+
+
+def _module_peaks(
+    tracker: Any, model: nn.Module, label: Callable[[torch.device], torch.device]
+) -> tuple[ModulePeak, ...]:
+    """Every module that ran but the whole model, by the most held while it ran."""
+    found = []
+    for module, stats in list(tracker.memory_tracking.items()):
+        name = str(stats.mod_fqn).partition(".")[2]  # the tracker names the root by its class
+        if module is model or not name:
+            continue
+        best: tuple[int, torch.device] = (0, torch.device("meta"))
+        for state, snaps in stats.snapshots.items():
+            for snap in snaps if "Peak" in str(getattr(state, "value", state)) else ():
+                for dev, dev_snap in snap.items():
+                    best = max(best, (int(dev_snap.get(_TOTAL, 0)), dev), key=lambda b: b[0])
+        found.append(
+            ModulePeak(
+                name,
+                type(module).__name__,
+                label(best[1]),
+                best[0],
+                int(getattr(stats, "parameter_mem", 0)),
+                int(getattr(stats, "output_mem", 0)),
+            )
+        )
+    found.sort(key=lambda m: (-m.peak, m.name.count("."), m.name))
+    return tuple(found)
+
+
+def _in_tracker(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised by torch's tracker itself, not by the model or the operators
+    it called: its innermost Python frame is in ``torch/distributed/_tools``, or a frame there
+    other than the dispatch through which every operator of the step passes."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = [_is_tools(f.filename) for f in frames]
+    return bool(frames) and (
+        ours[-1]
+        or any(o and f.name != "__torch_dispatch__" for o, f in zip(ours, frames, strict=True))
+    )
+
+
+def _is_tools(filename: str) -> bool:
+    return "_tools" in filename.replace("\\", "/").split("/")
+
+
+def _unfakeable() -> tuple[type[BaseException], ...]:
+    """The errors by which fake tensors say an operator cannot run without data."""
+    from torch._subclasses import fake_tensor
+
+    names = (
+        "UnsupportedOperatorException",
+        "DataDependentOutputException",
+        "DynamicOutputShapeException",
+    )
+    return tuple(getattr(fake_tensor, n) for n in names if hasattr(fake_tensor, n))
+
+
+def measure_step(
+    model: nn.Module, example_input: Any, *, optimizer: str | None, train: bool
+) -> StepMeasure:
+    """Run one step of ``model`` on fake tensors and measure it (see the module docstring).
+
+    Raises ``Unmeasurable`` when it cannot be done here; an error of the model's own (an input
+    of the wrong shape) propagates as raised.
+    """
+    _tracker_class()
+    if any(type(t).__name__ == "DTensor" for t in (*model.parameters(), *model.buffers())):
+        raise Unmeasurable("the model's parameters are sharded (DTensor); its shards are counted")
+    where, run = _run_devices(model)
+    first = next(iter(model.parameters()), None)
+    shown = first.device if first is not None else run
+
+    def label(dev: torch.device) -> torch.device:  # the stand-in is shown as what it stands for
+        return shown if dev == run else dev
+
+    try:
+        return _measure(model, example_input, where, run, label, optimizer, train)
+    except _unfakeable() as exc:
+        raise Unmeasurable(
+            f"fake tensors cannot run the step ({type(exc).__name__}: {exc})"
+        ) from exc
+    except Exception as exc:
+        if isinstance(exc, Unmeasurable) or not _in_tracker(exc):
+            raise
+        raise Unmeasurable(
+            f"torch {torch.__version__}'s MemTracker failed ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def _measure(
+    model: nn.Module,
+    example_input: Any,
+    where: dict[torch.device, torch.device],
+    run: torch.device,
+    label: Callable[[torch.device], torch.device],
+    optimizer: str | None,
+    train: bool,
+) -> StepMeasure:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    foreach = True if any(d.type != "cpu" for d in where) else None  # as on an accelerator
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode, _swapped(model, where):
+        batch = _fake_batch(example_input, run, mode)
+        opt = _optimizer(model, optimizer, foreach) if train else None
+        tracker = _tracker_class()()
+        _skip_frozen(tracker, model)
+        tracker.track_external(model, *(t for _, t in iter_leaves(batch, "example_input")))
+        with tracker:
+            _run(model, batch, opt, train)
+        return StepMeasure(
+            peaks={
+                label(dev): _by_kind(snap)
+                for dev, snap in tracker.get_tracker_snapshot("peak").items()
+            },
+            most=_most(tracker.torchplace_most),
+            modules=_module_peaks(tracker, model, label),
+        )
+
+
+def _most(most: Mapping[torch.device, Mapping[Any, int]]) -> dict[str, int]:
+    """The most each kind held at once on each device, summed over the devices."""
+    out = dict.fromkeys(KINDS, 0)
+    for snap in most.values():
+        for kind, nbytes in _by_kind(snap).items():
+            if kind != "total":
+                out[kind] += nbytes
+    return out

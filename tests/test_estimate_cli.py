@@ -1,0 +1,120 @@
+"""torchplace estimate PATH: a model directory's step from its config, a checkpoint's bytes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from torchplace.cli import main
+
+transformers = pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama saved by save_pretrained, its weights then made unreadable garbage."""
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    (folder / "model.safetensors").write_bytes(b"not weights")  # never read
+    return folder
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = main(["estimate", *argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_a_model_directory_is_built_from_its_config_and_stepped(
+    tiny_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["--batch", "2", "--seq", "16", "--optimizer", "adamw", "--dtype", "bf16", "--json"]
+    status, out, _ = run(capsys, str(tiny_dir), *argv)
+    assert status == 0
+    report: dict[str, Any] = json.loads(out)
+    assert (report["kind"], report["architecture"]) == ("transformers", "LlamaForCausalLM")
+    assert (report["batch"], report["seq"], report["optimizer"]) == (2, 16, "adamw")
+    assert report["fallback"] is None and report["step"] == "train"
+    model = transformers.LlamaForCausalLM(transformers.AutoConfig.from_pretrained(tiny_dir))
+    params = sum(p.numel() for p in model.parameters())
+    assert report["parameter_count"] == params
+    (cuda,) = [row for row in report["rows"] if row["device"] == "cuda:0" and row["parameters"]]
+    assert (cuda["dtype"], cuda["parameters"], cuda["gradients"]) == (
+        "bfloat16",
+        2 * params,
+        2 * params,
+    )
+    assert set(report["peak_by_device"]) == {"cuda:0", "cpu"}
+    assert report["activations"] > 2 * 16 * 128 * 2  # at least the logits
+    assert report["peak"] > report["total"]
+
+
+def test_a_model_directory_prints_the_tables(
+    tiny_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, _ = run(capsys, str(tiny_dir), "--step", "forward")
+    assert status == 0
+    assert "LlamaForCausalLM, one forward step of 1 x 64 tokens on cuda:0" in out  # seq capped
+    for text in ("Peak of one forward step", "activations", "Modules at the highest peaks"):
+        assert text in out
+    assert "model.layers." in out
+
+
+def test_a_safetensors_file_is_counted_by_dtype(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "w.safetensors"
+    tensors = {
+        "w": torch.ones(64, 32),
+        "h": torch.ones(100, dtype=torch.float16),
+        "n": torch.ones(3, dtype=torch.int64),
+    }
+    safetensors_torch.save_file(tensors, path)
+    status, out, _ = run(capsys, str(path), "--json", "--device", "cpu")
+    assert status == 0
+    report = json.loads(out)
+    rows = {(r["device"], r["dtype"]): r for r in report["rows"]}
+    assert rows["cpu", "float32"]["parameters"] == 64 * 32 * 4
+    assert rows["cpu", "float32"]["gradients"] == 64 * 32 * 4
+    # Adam: two moments per floating tensor, and a float32 step for each on the cpu
+    assert rows["cpu", "float32"]["optimizer_state"] == 2 * 64 * 32 * 4 + 2 * 4
+    assert rows["cpu", "float16"]["optimizer_state"] == 2 * 200
+    assert (rows["cpu", "int64"]["parameters"], rows["cpu", "int64"]["gradients"]) == (24, 0)
+    status, out, _ = run(capsys, str(path))
+    assert status == 0 and "no step: no model code" in out and "float16" in out
+
+
+def test_a_config_transformers_cannot_build_names_its_architecture(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = {"model_type": "nosuchmodel", "architectures": ["NoSuchForCausalLM"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    status, out, err = run(capsys, str(tmp_path))
+    assert (status, out) == (1, "")
+    assert "cannot build architecture NoSuchForCausalLM (model_type 'nosuchmodel')" in err
+    assert "Traceback" not in err
+
+
+def test_without_transformers_it_says_what_to_install(
+    tiny_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    status, out, err = run(capsys, str(tiny_dir))
+    assert (status, out) == (1, "")
+    assert err.strip().endswith("is not installed: pip install transformers")
+    assert "config.json" in err

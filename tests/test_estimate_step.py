@@ -1,0 +1,338 @@
+"""estimate(example_input=...): one step run on fake tensors, measured per device and kind."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils.checkpoint import checkpoint
+
+from torchplace._errors import DeviceSpecError, TorchplaceError
+from torchplace.looking import _fake_step
+from torchplace.looking._estimate import estimate
+from toy_models import CPU, CUDA0, META, on_fake_cuda
+
+B, IN, H, OUT = 64, 256, 1024, 128  # batch, in, hidden, out of the hand-computed MLP
+MLP_PARAMS = (IN * H + H + H * OUT + OUT) * 4
+
+
+def mlp(device: str = "cpu") -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(IN, H, device=device), nn.ReLU(), nn.Linear(H, OUT, device=device)
+    )
+
+
+def has_data(t: torch.Tensor) -> bool:
+    return t.device.type != "meta" and not isinstance(t, FakeTensor)
+
+
+def snapshot(model: nn.Module) -> dict[str, Any]:
+    """Everything estimate must leave as it was: tensor objects and bits, grads, flags, hooks."""
+    tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+    return {
+        "objects": {name: id(t) for name, t in tensors.items()},
+        "values": {n: t.detach().clone() for n, t in tensors.items() if has_data(t)},
+        "grads": {n: id(p.grad) for n, p in model.named_parameters()},
+        "requires_grad": {n: p.requires_grad for n, p in model.named_parameters()},
+        "training": [m.training for m in model.modules()],
+        "hooks": [
+            (dict(m._forward_hooks), dict(m._forward_pre_hooks), dict(m._backward_hooks))
+            for m in model.modules()
+        ],
+    }
+
+
+def assert_same(before: dict[str, Any], model: nn.Module) -> None:
+    after = snapshot(model)
+    assert after["objects"] == before["objects"]
+    assert after.keys() == before.keys()
+    for name, value in before["values"].items():
+        now = after["values"][name]
+        assert now.dtype == value.dtype and torch.equal(now, value), name
+    for key in ("grads", "requires_grad", "training", "hooks"):
+        assert after[key] == before[key], key
+
+
+# --- a hand-computable MLP --------------------------------------------------------------------
+
+
+def test_train_step_of_an_mlp_matches_the_hand_count() -> None:
+    est = estimate(mlp(), example_input=torch.ones(B, IN), optimizer="adam")
+    assert est.step == "train" and est.fallback is None
+    # counted, to the byte: weights, their gradients, Adam's two moments and its step scalars
+    assert (est.parameters, est.gradients) == (MLP_PARAMS, MLP_PARAMS)
+    assert est.optimizer_state == 2 * MLP_PARAMS + 4 * 4
+    (row,) = est.peaks  # the peak is in the optimizer step: every gradient is there
+    assert (row.device, row.parameters, row.gradients) == (CPU, MLP_PARAMS, MLP_PARAMS)
+    assert row.inputs == B * IN * 4
+    assert row.optimizer_state >= 2 * MLP_PARAMS + 16
+    # activations: the hidden layer's output and the ReLU's, both alive as the ReLU returns
+    assert est.activations == pytest.approx(2 * B * H * 4, rel=0.10)
+    assert est.temporaries > 0
+    assert est.peak == row.total >= row.parameters + row.gradients + row.optimizer_state
+    assert est.peak_by_device() == {CPU: est.peak}
+
+
+def test_forward_step_has_no_gradients_or_optimizer_state() -> None:
+    est = estimate(mlp(), example_input=(torch.ones(B, IN),), step="forward")
+    assert (est.optimizer, est.grads, est.gradients, est.optimizer_state) == (None, False, 0, 0)
+    (row,) = est.peaks
+    assert (row.gradients, row.optimizer_state, row.temporaries) == (0, 0, 0)
+    assert est.activations == pytest.approx(2 * B * H * 4, rel=0.10)
+    assert row.total == pytest.approx(MLP_PARAMS + B * IN * 4 + 2 * B * H * 4, rel=0.02)
+
+
+def test_a_skeleton_and_a_callable_input_run_on_meta() -> None:
+    made: list[torch.device] = []
+
+    def batch(dev: torch.device) -> dict[str, torch.Tensor]:
+        made.append(dev)
+        return {"input": torch.ones(B, IN, device=dev)}
+
+    est = estimate(mlp("meta"), example_input=batch, optimizer="sgd")
+    assert made == [META]
+    assert est.peak_by_device() == {META: est.peak}
+    # SGD keeps no state: the peak is in the backward, the second layer's gradients made
+    assert est.peaks[0].parameters == MLP_PARAMS
+    assert est.peaks[0].gradients == (H * OUT + OUT) * 4
+    assert est.activations == pytest.approx(2 * B * H * 4, rel=0.10)
+    assert [m.name for m in est.modules] == ["0", "1", "2"]  # the first layer's peak is highest
+    assert est.modules[0].parameters == (IN * H + H) * 4
+
+
+def test_the_model_is_left_as_it_was() -> None:
+    model = nn.Sequential(nn.Linear(IN, H), nn.BatchNorm1d(H), nn.Linear(H, OUT))
+    model[0].requires_grad_(False)
+    model[2].weight.grad = torch.full_like(model[2].weight, 3.0)
+    calls: list[str] = []
+    model[2].register_forward_hook(lambda m, i, o: calls.append("hook"))
+    model[1].eval()
+    before = snapshot(model)
+    est = estimate(model, example_input=torch.ones(B, IN))
+    assert est.fallback is None and calls == ["hook"]  # the user's hook ran, once
+    assert est.trainable_count == H * OUT + OUT + 2 * H
+    assert_same(before, model)
+    model(torch.ones(2, IN))  # and the model still runs, on its own tensors
+    assert calls == ["hook", "hook"]
+
+
+def test_nothing_real_is_allocated() -> None:
+    """A 16 GiB batch through a real model, in a process that cannot map 4 GiB more."""
+    code = textwrap.dedent(
+        """
+        import resource, torch, torchplace
+        from torch import nn
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+        with open("/proc/self/status") as f:
+            vm = next(int(l.split()[1]) * 1024 for l in f if l.startswith("VmSize"))
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (4 << 30), resource.RLIM_INFINITY))
+        est = torchplace.estimate(model, example_input=lambda d: torch.ones(1 << 26, 64, device=d))
+        print(est.fallback, est.activations >= 2 * (1 << 26) * 64 * 4)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.stdout.split() == ["None", "True"], done.stderr[-2000:]
+
+
+# --- the user's own code: autocast, activation checkpointing ----------------------------------
+
+
+W = 256  # the width of Deep's layers, small beside its batch so activations dominate
+
+
+class Deep(nn.Module):
+    """Four blocks of four Linear+ReLU layers; the forward as a user writes it."""
+
+    def __init__(self, *, autocast: bool = False, checkpointed: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(*(m for _ in range(4) for m in (nn.Linear(W, W), nn.ReLU())))
+            for _ in range(4)
+        )
+        self.autocast, self.checkpointed = autocast, checkpointed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            for block in self.blocks:
+                if self.checkpointed:
+                    x = checkpoint(block, x, use_reentrant=False)
+                else:
+                    x = block(x)
+        return x
+
+
+def test_autocast_in_the_forward_halves_the_activations() -> None:
+    x = torch.ones(16 * B, W)
+    plain = estimate(Deep(), example_input=x, optimizer="sgd")
+    mixed = estimate(Deep(autocast=True), example_input=x, optimizer="sgd")
+    assert mixed.fallback is None
+    assert mixed.activations < 0.65 * plain.activations
+    assert mixed.parameters == plain.parameters  # the weights stay float32
+
+
+def test_activation_checkpointing_keeps_fewer_activations() -> None:
+    x = torch.ones(16 * B, W)
+    plain = estimate(Deep(), example_input=x, optimizer="sgd")
+    saved = estimate(Deep(checkpointed=True), example_input=x, optimizer="sgd")
+    assert saved.fallback is None
+    # the blocks' outputs, and one block's layers again while its backward recomputes them
+    assert saved.activations < 0.6 * plain.activations
+    assert saved.peak < plain.peak
+
+
+# --- transformers models from a skeleton, on fake cuda:0 --------------------------------------
+
+
+def tiny(architecture: str) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    small = {"vocab_size": 128, "max_position_embeddings": 64}
+    configs = {
+        "llama": lambda: transformers.LlamaConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            **small,
+        ),
+        "gpt2": lambda: transformers.GPT2Config(
+            n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64
+        ),
+    }
+    config = configs[architecture]()
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return model
+
+
+def tokens(dev: torch.device) -> dict[str, torch.Tensor]:
+    ids = torch.zeros(2, 32, dtype=torch.long, device=dev)
+    return {"input_ids": ids, "labels": ids}
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
+def test_transformers_skeleton_on_fake_cuda(architecture: str) -> None:
+    model = on_fake_cuda(tiny(architecture), {"": "cuda:0"}).requires_grad_(True)
+    before = snapshot(model)
+    est = estimate(model, example_input=tokens)
+    assert est.fallback is None
+    assert set(est.peak_by_device()) == {CUDA0, CPU}  # Adam's step scalars live on the cpu
+    row = next(r for r in est.peaks if r.device == CUDA0)
+    assert (row.parameters, row.buffers) == (est.parameters, est.buffers)
+    assert row.gradients == est.gradients
+    assert est.activations > 2 * 32 * 128 * 4  # at least the logits
+    assert any(m.name.endswith("layers.0") or m.name.endswith("h.0") for m in est.modules)
+    assert all(m.device == CUDA0 for m in est.modules)
+    assert_same(before, model)
+    assert {p.device for p in model.parameters()} == {CUDA0}
+
+
+def test_transformers_skeleton_on_meta_forward() -> None:
+    model = tiny("llama")
+    est = estimate(model, example_input=tokens, step="forward")
+    assert est.fallback is None
+    assert set(est.peak_by_device()) == {META}
+    assert est.peaks[0].gradients == 0 and est.activations > 0
+
+
+# --- when the step cannot be measured: counting, with the reason ------------------------------
+
+
+@pytest.fixture
+def fresh_tracker() -> Any:
+    _fake_step._tracker_class.cache_clear()
+    yield
+    _fake_step._tracker_class.cache_clear()
+
+
+def assert_counted(est: Any, counted: Any, reason: str) -> None:
+    assert est.fallback is not None and reason in est.fallback
+    assert (est.peaks, est.activations, est.temporaries) == ((), 0, 0)
+    assert est.peak == est.total == counted.total
+    assert est.to_dict()["fallback"] == est.fallback
+
+
+def test_falls_back_when_the_tracker_is_missing(
+    monkeypatch: pytest.MonkeyPatch, fresh_tracker: None
+) -> None:
+    monkeypatch.setitem(sys.modules, "torch.distributed._tools.mem_tracker", None)
+    model = mlp()
+    before = snapshot(model)
+    with pytest.warns(UserWarning, match=r"train step was not measured.*has no .*MemTracker"):
+        est = estimate(model, example_input=torch.ones(B, IN))
+    assert_counted(est, estimate(model), "MemTracker")
+    assert "not measured" in str(est)
+    assert_same(before, model)
+
+
+def test_falls_back_when_the_tracker_changed(
+    monkeypatch: pytest.MonkeyPatch, fresh_tracker: None
+) -> None:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    monkeypatch.delattr(MemTracker, "_update_peak_stats")
+    with pytest.warns(UserWarning, match="lacks _update_peak_stats"):
+        est = estimate(mlp(), example_input=torch.ones(B, IN))
+    assert_counted(est, estimate(mlp()), "_update_peak_stats")
+
+
+def test_falls_back_when_the_tracker_fails_inside(
+    monkeypatch: pytest.MonkeyPatch, fresh_tracker: None
+) -> None:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    def broken(self: Any, module: nn.Module, args: Any) -> None:
+        raise AttributeError("'_ModMemStats' object has no attribute 'renamed'")
+
+    monkeypatch.setattr(MemTracker, "_pre_bw_hook", broken)
+    model = mlp()
+    before = snapshot(model)
+    with pytest.warns(UserWarning, match="MemTracker failed"):
+        est = estimate(model, example_input=torch.ones(B, IN))
+    assert_counted(est, estimate(model), "renamed")
+    assert_same(before, model)
+
+
+def test_falls_back_for_a_model_on_several_devices_this_machine_lacks() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a machine with CUDA runs the step on the devices themselves")
+    model = on_fake_cuda(mlp("meta"), {"0": "cuda:0", "2": "cuda:1"})
+    with pytest.warns(UserWarning, match=r"spread over cuda:0, cuda:1"):
+        est = estimate(model, example_input=torch.ones(B, IN), optimizer=None)
+    assert_counted(est, estimate(model, optimizer=None), "cannot run a step on cuda:0, cuda:1")
+
+
+# --- bad arguments ----------------------------------------------------------------------------
+
+
+def test_an_input_the_model_cannot_take_names_the_model() -> None:
+    model = mlp()
+    before = snapshot(model)
+    with pytest.raises(
+        TorchplaceError, match=r"example_input.*Sequential.*RuntimeError.*\[64, 5\]"
+    ):
+        estimate(model, example_input=torch.ones(B, 5))
+    assert_same(before, model)
+
+
+def test_bad_step_and_grads_say_what_to_pass() -> None:
+    with pytest.raises(DeviceSpecError, match=r"step='backward'.*'train' or 'forward'"):
+        estimate(mlp(), example_input=torch.ones(B, IN), step="backward")
+    with pytest.raises(TorchplaceError, match=r"grads=False.*step='forward'"):
+        estimate(mlp(), example_input=torch.ones(B, IN), grads=False)
+
+
+def test_without_an_input_the_peak_is_the_count() -> None:
+    est = estimate(mlp())
+    assert (est.step, est.peaks) == (None, ())
+    assert est.peak == est.total and est.peak_by_device() == est.by_device()
+    assert "step" not in est.to_dict()
