@@ -772,25 +772,14 @@ def _prepare(fit: _Fit, target: torch.device | None, *, copy: bool) -> _Prepared
     return out
 
 
-def _write_each(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-    for target, value in zip(targets, values, strict=True):
-        target.copy_(value)
-
-
-# Each value copied into its target in one call (a C function: no line of Python runs between
-# two copies); torch without _foreach_copy_ (before 2.1) copies one by one.
-_WRITE: Callable[[list[torch.Tensor], list[torch.Tensor]], Any] = getattr(
-    torch, "_foreach_copy_", _write_each
-)
-
-
 def _write_fills(ready: _Prepared) -> None:
     """Every value of ``ready.fills`` copied into its tensor, in one call."""
     targets = [slot.tensor for slot, _ in ready.fills]
     values = [value for _, value in ready.fills]
     if targets:
         with torch.no_grad():
-            _WRITE(targets, values)
+            # One C call: no line of Python runs between two copies.
+            torch._foreach_copy_(targets, values)
 
 
 def _lost_on_undo(fit: _Fit, ready: _Prepared) -> bool:
