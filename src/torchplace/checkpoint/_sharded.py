@@ -49,8 +49,9 @@ from .._errors import CheckpointError, TorchplaceError
 from .._model_walk import Slot, tensor_slots
 from ._catalog import Catalog, Stamp, catalog, contiguous_strides
 from ._conversions import Fused, Plan, conversion_plan, fused_boxes
+from ._keys import check_keys, does_not_fit, matches_nothing
 from ._load import warn_unchecked_safetensors
-from ._mismatch import keys_hint, left_on_meta, listing
+from ._mismatch import left_on_meta, listing
 from ._progress import reporting
 from ._reader import OpenFiles, check_records
 from ._rename import Rename, as_renamer, renamed
@@ -705,6 +706,60 @@ def _compared(model: nn.Module, meets: Meeting | None, mine: _Outcome) -> None:
             )
 
 
+def _checked_plan(
+    model: nn.Module,
+    slots: list[Slot],
+    entries: Mapping[str, _Entry],
+    fused: Mapping[str, Fused],
+    *,
+    strict: bool,
+    meta_transient: list[str],
+    where: str,
+    named: Path | str,
+) -> list[tuple[Slot, _Entry | Fused]]:
+    """What fills each slot (an entry, or a fused tensor built from several), after the one key
+    check of every fill: a source that does not fit raises, the model untouched. ``named``: how
+    a suggested call names the source."""
+    check = check_keys(
+        slots,
+        entries,
+        lambda e: (e.shape, e.dtype.is_complex),
+        built=lambda slot: any(n in fused for n in slot.names),
+        complex_must_agree=True,
+    )
+    plan: list[tuple[Slot, _Entry | Fused]] = [
+        (slot, entries[present[0]] if present else next(fused[n] for n in slot.names if n in fused))
+        for slot, present in check.matched
+    ]
+    problems = []
+    if check.mismatched:
+        problems.append(f"shape mismatches: {listing([str(m) for m in check.mismatched])}")
+    if strict and meta_transient:
+        problems.append(
+            f"non-persistent buffers on meta that no checkpoint holds: {listing(meta_transient)} "
+            "(build the model with torchplace.skeleton so buffers stay real)"
+        )
+    shapes = (  # what the key lists mean, weighed by shapes
+        {n: e.shape for n, e in entries.items()},
+        {n: tuple(s.tensor.shape) for s in slots for n in s.names},
+    )
+    if problems or (strict and (check.missing or check.unexpected)):
+        fix = "; pass strict=False to load what matches" if plan and not check.mismatched else ""
+        raise does_not_fit(
+            where,
+            type(model).__name__,
+            check,
+            problems,
+            strict=strict,
+            fix=fix,
+            shapes=shapes,
+            tail="; the model is untouched",
+        )
+    if not strict and not plan and slots:
+        raise matches_nothing(where, type(model).__name__, check, shapes)
+    return plan
+
+
 def _fill_sharded(model: nn.Module, source: Any, device: Any, **how: Any) -> Mapping[Path, Stamp]:
     """``load_sharded``'s fill on this rank (``how``: its keywords); returns the stamps of the
     checkpoint's files."""
@@ -743,68 +798,16 @@ def _fill_sharded(model: nn.Module, source: Any, device: Any, **how: Any) -> Map
     slots = found.loadable
     meta_transient = [name for s in found.transient if s.tensor.is_meta for name in s.names]
 
-    missing: list[str] = []
-    mismatched: list[str] = []
-    plan: list[tuple[Slot, _Entry | Fused]] = []
-    used: set[str] = set()
-    for slot in slots:
-        present = [n for n in slot.names if n in entries]
-        used.update(present)
-        built = next((fused[n] for n in slot.names if n in fused), None)
-        if not present and built is not None:
-            plan.append((slot, built))  # its shape is the model's: the plan checked it
-            continue
-        if not present:
-            also = f" (tied to {', '.join(slot.names[1:])})" if len(slot.names) > 1 else ""
-            missing.append(slot.names[0] + also)
-            continue
-        entry = entries[present[0]]
-        if entry.shape != tuple(slot.tensor.shape):
-            mismatched.append(f"{present[0]}: file {entry.shape}, model {tuple(slot.tensor.shape)}")
-            continue
-        if entry.dtype.is_complex != slot.tensor.dtype.is_complex:
-            mismatched.append(f"{present[0]}: file {entry.dtype}, model {slot.tensor.dtype}")
-            continue
-        plan.append((slot, entry))
-    unexpected = [k for k in entries if k not in used]
-    problems = []
-    if strict and missing:
-        problems.append(f"missing keys: {listing(missing)}")
-    if strict and unexpected:
-        problems.append(f"unexpected keys: {listing(unexpected)}")
-    if mismatched:
-        problems.append(f"shape mismatches: {listing(mismatched)}")
-    if strict and meta_transient:
-        problems.append(
-            f"non-persistent buffers on meta that no checkpoint holds: {listing(meta_transient)} "
-            "(build the model with torchplace.skeleton so buffers stay real)"
-        )
-    named = source_catalog.path or where  # how a suggested call names the source
-
-    def hint() -> str:  # what the key lists mean, weighed by shapes: built only for an error
-        shapes = (
-            {n: e.shape for n, e in entries.items()},
-            {n: tuple(s.tensor.shape) for s in slots for n in s.names},
-        )
-        return keys_hint(named, missing, unexpected, shapes)
-
-    if problems:
-        fix = "; pass strict=False to load what matches" if plan and not mismatched else ""
-        raise CheckpointError(
-            f"{where}: does not fit {type(model).__name__}: {'; '.join(problems)}"
-            f"{hint() if strict else ''}{fix}; "
-            "the model is untouched",
-            missing=[m.split(" (tied to ")[0] for m in missing] if strict else [],
-            unexpected=unexpected if strict else [],
-            mismatched=[m.split(": ")[0] for m in mismatched],
-        )
-    if not strict and not plan and slots:
-        holds = f"the file has {listing(unexpected, 5)}" if unexpected else "the file holds none"
-        raise CheckpointError(
-            f"{where}: not one of its keys matches {type(model).__name__}, so strict=False would "
-            f"load nothing: the model has {listing(missing, 5)}; {holds}"
-            f"{hint()}"
-        )
+    plan = _checked_plan(
+        model,
+        slots,
+        entries,
+        fused,
+        strict=strict,
+        meta_transient=meta_transient,
+        where=where,
+        named=source_catalog.path or where,
+    )
 
     if target is not None and target.type == "meta":
         raise CheckpointError(
