@@ -49,7 +49,7 @@ from .._errors import CheckpointError, TorchplaceError
 from .._model_walk import Slot, tensor_slots
 from ._catalog import Catalog, Stamp, catalog, contiguous_strides
 from ._conversions import Fused, Plan, conversion_plan, fused_boxes
-from ._keys import check_keys, does_not_fit, matches_nothing
+from ._keys import check_keys, does_not_fit, matches_nothing, no_data_buffers
 from ._load import warn_unchecked_safetensors
 from ._mismatch import left_on_meta, listing
 from ._progress import reporting
@@ -735,16 +735,13 @@ def _checked_plan(
     if check.mismatched:
         problems.append(f"shape mismatches: {listing([str(m) for m in check.mismatched])}")
     if strict and meta_transient:
-        problems.append(
-            f"non-persistent buffers on meta that no checkpoint holds: {listing(meta_transient)} "
-            "(build the model with torchplace.skeleton so buffers stay real)"
-        )
+        problems.append(no_data_buffers(meta_transient, named, None))
     shapes = (  # what the key lists mean, weighed by shapes
         {n: e.shape for n, e in entries.items()},
         {n: tuple(s.tensor.shape) for s in slots for n in s.names},
     )
     if problems or (strict and (check.missing or check.unexpected)):
-        fix = "; pass strict=False to load what matches" if plan and not check.mismatched else ""
+        fix = "; pass strict=False to load what matches" if plan and not problems else ""
         raise does_not_fit(
             where,
             type(model).__name__,
