@@ -60,6 +60,7 @@ from ._mismatch import (
     listing,
     target_for,
 )
+from ._opened import one_open_each
 from ._progress import reporting, wanted
 from ._reader import DTypeWish
 from ._rename import Rename, as_renamer, guarded, renamed
@@ -254,60 +255,65 @@ def load_into(
             "first, e.g. torchplace.load_into(torchplace.skeleton(MyModel, ...), checkpoint)"
         )
     _check_source(source)
-    inner, prefix = unwrapped(model)
-    if inner is not model:  # torch.compile, Fabric, DDP: the file holds the user's model's names
-        load_into(
-            inner,
-            source,
-            device,
-            strict=strict,
-            mmap=mmap,
-            rename=_without_prefix(prefix, rename),
-            check_crc=check_crc,
-            progress=progress,
-        )
-        return model
-    from ._sharded import has_dtensors, load_sharded
+    with one_open_each():  # each file opened once in this call, until it is read
+        inner, prefix = unwrapped(model)
+        if (
+            inner is not model
+        ):  # torch.compile, Fabric, DDP: the file holds the user's model's names
+            load_into(
+                inner,
+                source,
+                device,
+                strict=strict,
+                mmap=mmap,
+                rename=_without_prefix(prefix, rename),
+                check_crc=check_crc,
+                progress=progress,
+            )
+            return model
+        from ._sharded import has_dtensors, load_sharded
 
-    if has_dtensors(model):  # FSDP2, tensor parallelism: each rank reads its own slices
-        return load_sharded(  # type: ignore[return-value]
-            model,
-            source,
-            device,
-            strict=strict,
-            rename=rename,
-            check_crc=check_crc,
-            progress=progress,
-        )
-    target = None if device is None else _device(device)
-    renamer = None if rename is None else as_renamer(rename)
-    from_memory = isinstance(source, Mapping)
-    # A directory's model file: messages name the file read, not its directory.
-    p: Path | str = "the state dict given to load_into" if from_memory else resolve(source)
-    if renamer is not None:  # its own failure on a key is an error naming the source and key
-        renamer = guarded(str(p), renamer)
-    slots = tensor_slots(model)
-    loadable, transient, extra = slots.loadable, slots.transient, slots.extra_state
-    read_on = _read_on(loadable, target)
-    assembled: dict[str, torch.Tensor] = {}  # fused tensors read straight into their memory
-    rest: Plan | None = None  # the conversions left to apply once the file is read
-    if isinstance(source, Mapping):
-        state: Any = source
-    else:
-        assert isinstance(p, Path)
-        # Tensors of another floating dtype than the model's are converted as they are read.
-        wish = _dtype_wish(model, loadable, renamer)
-        kind = format_of(p)
-        if check_crc:
-            warn_unchecked_safetensors(p, kind, None, stacklevel=2)
-        direct = _direct_plan(p, model, renamer, read_on, mmap=mmap, kind=kind)
-        total = source_bytes(p, kind) if wanted(progress) else 0
-        with reporting(total, f"load_into {p.name}", progress):
-            if direct is None:
-                state = load_state(p, read_on, mmap=mmap, dtype_of=wish, check_crc=check_crc)
-            else:
-                rest = direct.rest
-                state, assembled = _read_direct(direct, read_on, wish)
+        if has_dtensors(model):  # FSDP2, tensor parallelism: each rank reads its own slices
+            return load_sharded(  # type: ignore[return-value]
+                model,
+                source,
+                device,
+                strict=strict,
+                rename=rename,
+                check_crc=check_crc,
+                progress=progress,
+            )
+        target = None if device is None else _device(device)
+        renamer = None if rename is None else as_renamer(rename)
+        from_memory = isinstance(source, Mapping)
+        # A directory's model file: messages name the file read, not its directory.
+        p: Path | str = "the state dict given to load_into" if from_memory else resolve(source)
+        if renamer is not None:  # its own failure on a key is an error naming the source and key
+            renamer = guarded(str(p), renamer)
+        slots = tensor_slots(model)
+        loadable, transient, extra = slots.loadable, slots.transient, slots.extra_state
+        read_on = _read_on(loadable, target)
+        assembled: dict[str, torch.Tensor] = {}  # fused tensors read straight into their memory
+        rest: Plan | None = None  # the conversions left to apply once the file is read
+        if isinstance(source, Mapping):
+            state: Any = source
+        else:
+            assert isinstance(p, Path)
+            # Tensors of another floating dtype than the model's are converted as they are read.
+            wish = _dtype_wish(model, loadable, renamer)
+            kind = format_of(p)
+            if check_crc:
+                warn_unchecked_safetensors(p, kind, None, stacklevel=2)
+            direct = _direct_plan(p, model, renamer, read_on, mmap=mmap, kind=kind)
+            total = source_bytes(p, kind) if wanted(progress) else 0
+            with reporting(total, f"load_into {p.name}", progress):
+                if direct is None:
+                    state = load_state(p, read_on, mmap=mmap, dtype_of=wish, check_crc=check_crc)
+                else:
+                    rest = direct.rest
+                    state, assembled = _read_direct(direct, read_on, wish)
+    # The files are read and closed: what follows changes the model, with no line of the
+    # read's scope left to run after it.
     check_state_dict(p, model, state, loadable)
     if renamer is not None:
         state = renamed(str(p), state, renamer)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import CheckpointError
+from ._opened import opened
 from ._source import WRITER_HINT
 
 __all__ = ["DTYPES", "MAX_HEADER", "read_header", "sniff"]
@@ -52,7 +53,7 @@ def sniff(p: Path, /) -> bool:
         info = p.stat()
         if not stat.S_ISREG(info.st_mode) or p.name.endswith(".json"):
             return False
-        with p.open("rb") as f:
+        with opened(p) as f:
             head = f.read(9)
     except OSError:
         return False
@@ -73,7 +74,7 @@ def read_header_and_start(path: str | os.PathLike[str], /) -> tuple[dict[str, An
     offsets count from there), both from one read of the file."""
     p = Path(path)
     try:
-        with p.open("rb") as f:
+        with opened(p) as f:
             raw_len = f.read(8)
             if len(raw_len) < 8:
                 raise CheckpointError(
