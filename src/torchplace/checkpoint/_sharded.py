@@ -757,22 +757,21 @@ def _checked_plan(
     return plan
 
 
-def _fill_sharded(model: nn.Module, source: Any, device: Any, **how: Any) -> Mapping[Path, Stamp]:
-    """``load_sharded``'s fill on this rank (``how``: its keywords); returns the stamps of the
-    checkpoint's files."""
-    strict: bool = how["strict"]
-    rename: Rename | None = how["rename"]
-    check_crc: bool | None = how["check_crc"]
-    progress: bool | None = how["progress"]
+def _located(
+    model: nn.Module, source: Any, rename: Rename | None, check_crc: bool | None
+) -> tuple[Catalog, dict[str, _Entry], dict[str, _Entry], dict[str, Fused]]:
+    """Step 1: the source's catalog (its zip records' CRC-32s checked, with ``check_crc``),
+    its entries by the model's names, the entries as the file names them (what fused tensors
+    are read from), and the fused tensors a conversion builds."""
     source_catalog = catalog(source)  # a file, an index, a directory or a mapping
     if check_crc:
         for path, fmt in source_catalog.kinds.items():
             if fmt == "zip":
                 check_records(path)
         read = source_catalog.path
-        if read is not None:  # stacklevel: here, load_sharded, load_into, the user's line
+        if read is not None:  # stacklevel: here, _fill_sharded, load_sharded, load_into, the user's
             warn_unchecked_safetensors(
-                read, source_catalog.kind, source_catalog.kinds, stacklevel=4
+                read, source_catalog.kind, source_catalog.kinds, stacklevel=5
             )
     where = source_catalog.where
     entries = _renamed(_sharded_entries(source_catalog), rename, where)
@@ -782,30 +781,15 @@ def _fill_sharded(model: nn.Module, source: Any, device: Any, **how: Any) -> Map
     fused: dict[str, Fused] = {}
     if conversions is not None:
         entries, fused = _converted(where, conversions, entries)
-    target = None if device is None else _device(device)
-    _refuse_own_loaders(where, model)
-    try:
-        _reshard(model)  # FSDP2 registers its sharded parameters again (values unchanged)
-    except Exception as exc:
-        raise CheckpointError(
-            f"{where}: FSDP2 could not reshard {type(model).__name__} before the load "
-            f"({type(exc).__name__}: {exc}); the model is untouched"
-        ) from exc
-    found = tensor_slots(model)
-    slots = found.loadable
-    meta_transient = [name for s in found.transient if s.tensor.is_meta for name in s.names]
+    return source_catalog, entries, sources, fused
 
-    plan = _checked_plan(
-        model,
-        slots,
-        entries,
-        fused,
-        strict=strict,
-        meta_transient=meta_transient,
-        where=where,
-        named=source_catalog.path or where,
-    )
 
+def _placed(
+    plan: list[tuple[Slot, _Entry | Fused]], target: torch.device | None, where: str
+) -> tuple[list[Any], torch.device | None, torch.device]:
+    """Step 3: each planned tensor's boxes on this rank, the device meta tensors get memory on
+    (None: none is on meta), and where new memory goes; refused where a tensor cannot be
+    filled where it is."""
     if target is not None and target.type == "meta":
         raise CheckpointError(
             f"{where}: device='meta' holds no data, so a sharded model cannot be filled there; "
@@ -841,13 +825,22 @@ def _fill_sharded(model: nn.Module, source: Any, device: Any, **how: Any) -> Map
                     f"{mesh_type!r})"
                 )
 
-    # Tensors that stay on meta (keys the file lacks, with strict=False): said before any read,
-    # so that where warnings are errors, the model is untouched.
-    planned = {id(slot) for slot, _ in plan}
-    left = [s for s in (*slots, *found.transient) if s.tensor.is_meta and id(s) not in planned]
-    if left:
-        warnings.warn(left_on_meta(model, where, left, strict, new_home), UserWarning, stacklevel=4)
-    reader = _Reader(source_catalog.stamps)
+    return pieces, materialize_on, new_home
+
+
+def _read_plan(
+    model: nn.Module,
+    where: str,
+    stamps: Mapping[Path, Stamp],
+    plan: list[tuple[Slot, _Entry | Fused]],
+    pieces: list[Any],
+    sources: Mapping[str, _Entry],
+    materialize_on: torch.device | None,
+    progress: bool | None,
+) -> None:
+    """Step 4: meta tensors given memory, then every box read into its local shard; a failure
+    says whether the model changed."""
+    reader = _Reader(stamps)
     changed = False
     total = sum(
         math.prod(shape) * entry.dtype.itemsize
@@ -899,4 +892,48 @@ def _fill_sharded(model: nn.Module, source: Any, device: Any, **how: Any) -> Map
             reader.close()  # closes every file even through a Ctrl-C, then raises it
         finally:
             shown.close()
+
+
+def _fill_sharded(model: nn.Module, source: Any, device: Any, **how: Any) -> Mapping[Path, Stamp]:
+    """``load_sharded``'s fill on this rank (``how``: its keywords); returns the stamps of the
+    checkpoint's files."""
+    strict: bool = how["strict"]
+    rename: Rename | None = how["rename"]
+    check_crc: bool | None = how["check_crc"]
+    progress: bool | None = how["progress"]
+    source_catalog, entries, sources, fused = _located(model, source, rename, check_crc)
+    where = source_catalog.where
+    target = None if device is None else _device(device)
+    _refuse_own_loaders(where, model)
+    try:
+        _reshard(model)  # FSDP2 registers its sharded parameters again (values unchanged)
+    except Exception as exc:
+        raise CheckpointError(
+            f"{where}: FSDP2 could not reshard {type(model).__name__} before the load "
+            f"({type(exc).__name__}: {exc}); the model is untouched"
+        ) from exc
+    found = tensor_slots(model)
+    slots = found.loadable
+    meta_transient = [name for s in found.transient if s.tensor.is_meta for name in s.names]
+
+    plan = _checked_plan(
+        model,
+        slots,
+        entries,
+        fused,
+        strict=strict,
+        meta_transient=meta_transient,
+        where=where,
+        named=source_catalog.path or where,
+    )
+
+    pieces, materialize_on, new_home = _placed(plan, target, where)
+
+    # Tensors that stay on meta (keys the file lacks, with strict=False): said before any read,
+    # so that where warnings are errors, the model is untouched.
+    planned = {id(slot) for slot, _ in plan}
+    left = [s for s in (*slots, *found.transient) if s.tensor.is_meta and id(s) not in planned]
+    if left:
+        warnings.warn(left_on_meta(model, where, left, strict, new_home), UserWarning, stacklevel=4)
+    _read_plan(model, where, source_catalog.stamps, plan, pieces, sources, materialize_on, progress)
     return source_catalog.stamps
