@@ -56,3 +56,24 @@ def test_plain_and_sharded_fills_give_one_advice_for_lost_buffers(
     assert f"then torchplace.load_into(model, {str(path)!r}))" in said
     assert all(p.is_meta for p in plain.parameters())  # both untouched
     assert all(p.is_meta for p in sharded.parameters())
+
+
+def test_a_sharded_misfit_suggests_a_call_that_names_the_file(
+    fake_world: object, tmp_path: Path
+) -> None:
+    """The rename hint of a sharded fill names the file read, as the plain fill's does."""
+    from torch.distributed.fsdp import fully_shard
+
+    path = tmp_path / "m.safetensors"
+    save_file(
+        {f"module.{k}": v.clone() for k, v in nn.Linear(3, 4).state_dict().items()}, str(path)
+    )
+    for sharded in (False, True):
+        with torch.device("meta"):
+            model = nn.Linear(3, 4)
+        if sharded:
+            fully_shard(model, mesh=fake_world)
+        with pytest.raises(CheckpointError) as info:
+            torchplace.load_into(model, path)
+        fix = f'torchplace.load_into(model, {str(path)!r}, rename={{r"^module\\.": ""}})'
+        assert fix in str(info.value), (sharded, str(info.value))

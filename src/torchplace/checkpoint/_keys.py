@@ -178,12 +178,18 @@ def no_data_buffers(names: list[str], p: Path | str, device: str | None) -> str:
 
 
 def matches_nothing(
-    p: Path | str, model_name: str, check: KeyCheck, shapes: Shapes | None
+    p: Path | str,
+    model_name: str,
+    check: KeyCheck,
+    shapes: Shapes | None,
+    named: Path | str | None = None,
 ) -> CheckpointError:
-    """The error for ``strict=False`` where not one of the source's keys fits the model."""
+    """The error for ``strict=False`` where not one of the source's keys fits the model
+    (``named``: how a suggested call names the source, if not as ``p``)."""
     unexpected = check.unexpected
     held = f"the file has {listing(unexpected, 5)}" if unexpected else "the file holds none"
-    hint = keys_hint(p, check.missing_names, unexpected, shapes, check.tied_names)
+    said = p if named is None else named
+    hint = keys_hint(said, check.missing_names, unexpected, shapes, check.tied_names)
     return CheckpointError(
         f"{p}: not one of its keys matches {model_name}, so strict=False would load nothing: "
         f"the model has {listing(check.listed_missing(), 5)}; {held}{hint}"
@@ -203,13 +209,15 @@ def does_not_fit(
     unexpected: list[str] | None = None,
     path: Path | None = None,
     tail: str = "",
+    named: Path | str | None = None,
 ) -> CheckpointError:
     """The error for a source that does not fit: missing and unexpected keys (with
     ``strict``), then ``problems``, a hint at what the key lists mean, and ``fix``.
 
     ``missing`` and ``unexpected``: the keys left, where they differ from the check's (after a
     module's own loader or a post-hook ran). The lists stop at ten names; the error holds
-    them whole, and says so before ``tail`` (what became of the model).
+    them whole, and says so before ``tail`` (what became of the model). ``named``: how a
+    suggested call names the source, if not as ``p``.
     """
     missing = check.missing if missing is None else missing
     unexpected = check.unexpected if unexpected is None else unexpected
@@ -220,7 +228,8 @@ def does_not_fit(
         keys.append(f"unexpected keys: {listing(unexpected)}")
     names = [m.name for m in missing]
     tied = {n for m in missing for n in m.tied}
-    hint = keys_hint(p, names, unexpected, shapes, tied) if strict else ""
+    said = p if named is None else named
+    hint = keys_hint(said, names, unexpected, shapes, tied) if strict else ""
     cut = [
         attribute
         for attribute, items in (

@@ -751,9 +751,10 @@ def _checked_plan(
             fix=fix,
             shapes=shapes,
             tail="; the model is untouched",
+            named=named,
         )
     if not strict and not plan and slots:
-        raise matches_nothing(where, type(model).__name__, check, shapes)
+        raise matches_nothing(where, type(model).__name__, check, shapes, named)
     return plan
 
 
