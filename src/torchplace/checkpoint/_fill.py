@@ -257,9 +257,8 @@ def load_into(
     _check_source(source)
     with one_open_each():  # each file opened once in this call, until it is read
         inner, prefix = unwrapped(model)
-        if (
-            inner is not model
-        ):  # torch.compile, Fabric, DDP: the file holds the user's model's names
+        if inner is not model:  # torch.compile, Fabric, DDP: the file holds the names of
+            # the model inside
             load_into(
                 inner,
                 source,
@@ -291,7 +290,7 @@ def load_into(
         if renamer is not None:  # its own failure on a key is an error naming the source and key
             renamer = guarded(str(p), renamer)
         slots = tensor_slots(model)
-        loadable, transient, extra = slots.loadable, slots.transient, slots.extra_state
+        loadable = slots.loadable
         read_on = _read_on(loadable, target)
         assembled: dict[str, torch.Tensor] = {}  # fused tensors read straight into their memory
         rest: Plan | None = None  # the conversions left to apply once the file is read
@@ -299,21 +298,79 @@ def load_into(
             state: Any = source
         else:
             assert isinstance(p, Path)
-            # Tensors of another floating dtype than the model's are converted as they are read.
-            wish = _dtype_wish(model, loadable, renamer)
-            kind = format_of(p)
-            if check_crc:
-                warn_unchecked_safetensors(p, kind, None, stacklevel=2)
-            direct = _direct_plan(p, model, renamer, read_on, mmap=mmap, kind=kind)
-            total = source_bytes(p, kind) if wanted(progress) else 0
-            with reporting(total, f"load_into {p.name}", progress):
-                if direct is None:
-                    state = load_state(p, read_on, mmap=mmap, dtype_of=wish, check_crc=check_crc)
-                else:
-                    rest = direct.rest
-                    state, assembled = _read_direct(direct, read_on, wish)
+            state, assembled, rest = _read_file(
+                p,
+                model,
+                loadable,
+                read_on,
+                renamer,
+                mmap=mmap,
+                check_crc=check_crc,
+                progress=progress,
+            )
     # The files are read and closed: what follows changes the model, with no line of the
     # read's scope left to run after it.
+    return _fit_and_fill(  # type: ignore[return-value]
+        p,
+        model,
+        state,
+        assembled,
+        rest,
+        slots,
+        target,
+        read_on,
+        renamer,
+        strict=strict,
+        from_memory=from_memory,
+    )
+
+
+def _read_file(
+    p: Path,
+    model: nn.Module,
+    loadable: list[Slot],
+    read_on: torch.device,
+    renamer: Callable[[str], str | None] | None,
+    *,
+    mmap: bool,
+    check_crc: bool | None,
+    progress: bool | None,
+) -> tuple[Any, dict[str, torch.Tensor], Plan | None]:
+    """The file's tensors read onto ``read_on``: the state (by the file's names), the fused
+    tensors read straight into their memory (by the model's), and the rest of the conversion
+    plan to apply to the state (None where there is no plan read straight)."""
+    # Tensors of another floating dtype than the model's are converted as they are read.
+    wish = _dtype_wish(model, loadable, renamer)
+    kind = format_of(p)
+    if check_crc:  # stacklevel: here, load_into, the user's line
+        warn_unchecked_safetensors(p, kind, None, stacklevel=3)
+    direct = _direct_plan(p, model, renamer, read_on, mmap=mmap, kind=kind)
+    total = source_bytes(p, kind) if wanted(progress) else 0
+    with reporting(total, f"load_into {p.name}", progress):
+        if direct is None:
+            state = load_state(p, read_on, mmap=mmap, dtype_of=wish, check_crc=check_crc)
+            return state, {}, None
+        state, assembled = _read_direct(direct, read_on, wish)
+        return state, assembled, direct.rest
+
+
+def _fit_and_fill(
+    p: Path | str,
+    model: nn.Module,
+    state: Any,
+    assembled: dict[str, torch.Tensor],
+    rest: Plan | None,
+    slots: Any,
+    target: torch.device | None,
+    read_on: torch.device,
+    renamer: Callable[[str], str | None] | None,
+    *,
+    strict: bool,
+    from_memory: bool,
+) -> nn.Module:
+    """The state read fitted to the model (renamed, converted, as ``load_state_dict`` would see
+    it), checked, and filled in: phase 1 (``_prepare``) then phase 2 (``_apply``)."""
+    loadable, transient, extra = slots.loadable, slots.transient, slots.extra_state
     check_state_dict(p, model, state, loadable)
     if renamer is not None:
         state = renamed(str(p), state, renamer)
@@ -337,7 +394,7 @@ def load_into(
     }
     fit = _Fit(p, model, seen, loadable, transient, extra, read_on, strict, file_shapes)
     prepared = _prepare(fit, target, copy=from_memory)
-    return _apply(fit, prepared, extra, seen.own)  # type: ignore[return-value]
+    return _apply(fit, prepared, extra, seen.own)
 
 
 def _without_prefix(prefix: str, rename: Rename | None) -> Rename:
@@ -534,14 +591,14 @@ def _warn_after_fill(fit: _Fit) -> None:
     the model is put back as it was before the error goes on.
     """
     if fit.discarded:
-        warnings.warn(discarded_warning("load_into", fit.discarded), UserWarning, stacklevel=4)
+        warnings.warn(discarded_warning("load_into", fit.discarded), UserWarning, stacklevel=5)
     if fit.read_on.type == "meta":
         return
     left = [s for s in (*fit.loadable, *fit.transient) if s.tensor.is_meta]
     if not left:
         return
     warnings.warn(
-        left_on_meta(fit.model, fit.p, left, fit.strict, fit.target), UserWarning, stacklevel=4
+        left_on_meta(fit.model, fit.p, left, fit.strict, fit.target), UserWarning, stacklevel=5
     )
 
 
