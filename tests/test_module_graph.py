@@ -219,6 +219,7 @@ OPENS_SOURCES = {
     "checkpoint._pickle_reader",
     "checkpoint._index",
     "checkpoint._reader",
+    "checkpoint._opened",  # a call's open files, which the modules above read through
 }
 # What opens or reads a file elsewhere, by module, function and call, and why it is no source.
 NOT_A_SOURCE = {

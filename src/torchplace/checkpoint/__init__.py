@@ -3,8 +3,9 @@
 ``_checkpoint`` holds the public ``load``, ``load_into`` and ``skeleton``. The modules follow the
 path a checkpoint takes: ``_source`` says what a path names (a directory's model file, a file's
 format, an index's shards); ``_catalog`` resolves the source once into a table of entries (name,
-file, byte range, dtype, shape, layout) that every reader starts from; ``_formats``,
-``_safetensors``, ``_index`` and ``_pickle_reader`` parse and check each format for it;
+file, byte range, dtype, shape, layout) that every reader starts from; ``_safetensors``,
+``_index`` and ``_pickle_reader`` parse and check each format for it, and ``_formats`` says what
+torch's errors mean about a file;
 ``_reader`` reads byte ranges into tensors (threads, a pinned ring onto CUDA, dtype conversion a
 chunk at a time, the file's stamp and CRC-32 checked), ``_load`` is ``load``; ``_fill`` fills a
 model (``_statedict`` does what ``load_state_dict`` does around it, ``_rename`` fits the names,

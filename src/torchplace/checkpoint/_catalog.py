@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 from .._errors import CheckpointError
 from ._index import LEGACY_MAGIC
+from ._opened import opened
 from ._pickle_reader import (
     RecordingUnpickler,
     TensorRecord,
@@ -363,7 +364,7 @@ def zip_layout(p: Path, /) -> ZipLayout | None:
     (torch writes none with ``compute_crc32`` off).
     """
     try:
-        with zipfile.ZipFile(p) as archive:
+        with opened(p) as f, zipfile.ZipFile(f) as archive:
             infos = archive.infolist()
             pickles = [i for i in infos if i.filename.rpartition("/")[2] == "data.pkl"]
             if len(pickles) != 1 or pickles[0].compress_type != zipfile.ZIP_STORED:
@@ -372,21 +373,20 @@ def zip_layout(p: Path, /) -> ZipLayout | None:
             with archive.open(info):  # zipfile checks the record's local header against the
                 pass  # directory, as the catalog does: a damaged one is refused alike
             prefix = info.filename[: -len("data.pkl")]
-            with p.open("rb") as f:
-                start = record_start(f, info)
-                f.seek(start)
-                data = f.read(info.file_size)
-                starts = {  # the records a read may need: data, and the byte order
-                    i.filename: _data_start(f, i)
-                    for i in infos
-                    if i.filename.startswith(f"{prefix}data/") or i.filename == f"{prefix}byteorder"
-                }
-                order = archive.NameToInfo.get(f"{prefix}byteorder")
-                byteorder = None
-                if order is not None:
-                    first = starts.get(order.filename, -1)
-                    f.seek(first)
-                    byteorder = f.read(order.file_size) if first >= 0 else b"?"
+            start = record_start(f, info)
+            f.seek(start)
+            data = f.read(info.file_size)
+            starts = {  # the records a read may need: data, and the byte order
+                i.filename: _data_start(f, i)
+                for i in infos
+                if i.filename.startswith(f"{prefix}data/") or i.filename == f"{prefix}byteorder"
+            }
+            order = archive.NameToInfo.get(f"{prefix}byteorder")
+            byteorder = None
+            if order is not None:
+                first = starts.get(order.filename, -1)
+                f.seek(first)
+                byteorder = f.read(order.file_size) if first >= 0 else b"?"
     except NotImplementedError as exc:  # a version field zipfile does not know: a damaged one
         raise CheckpointError(
             f"{p}: is truncated or corrupt (NotImplementedError: {exc}); {WRITER_HINT}, or "
@@ -433,7 +433,7 @@ def has_data_pkl(p: Path) -> bool:
     failure is then described as a truncated or corrupt file.
     """
     try:
-        with zipfile.ZipFile(p) as archive:
+        with opened(p) as f, zipfile.ZipFile(f) as archive:
             return any(n.endswith("data.pkl") for n in archive.namelist())
     except (OSError, zipfile.BadZipFile, ValueError, EOFError, NotImplementedError):
         return True
@@ -447,7 +447,7 @@ class _NoGlobals(pickle.Unpickler):
 def has_legacy_magic(p: Path) -> bool:
     """Whether the first pickled object of ``p`` is torch's magic number (nothing is run)."""
     try:
-        with p.open("rb") as f:
+        with opened(p) as f:
             first = _NoGlobals(f).load()
     except Exception:
         return False
@@ -560,7 +560,7 @@ def _pickle_code(p: Path, kind: str) -> list[str]:
     found: list[str] = []
     with readable(p):
         if kind == "zip":
-            with zipfile.ZipFile(p) as archive:
+            with opened(p) as f, zipfile.ZipFile(f) as archive:
                 name = _pickle_record(archive)
                 if name is not None:
                     recorder = RecordingUnpickler(io.BytesIO(archive.read(name)))
@@ -667,7 +667,7 @@ def _pickle_record(archive: zipfile.ZipFile) -> str | None:
 def _zip_entries(p: Path, code: list[str]) -> dict[str, Entry]:
     # any other failure than a CheckpointError (zipfile's NotImplementedError for a damaged
     # version field included): the file is damaged
-    with readable(p), zipfile.ZipFile(p) as archive, p.open("rb") as raw:
+    with readable(p), opened(p) as raw, zipfile.ZipFile(raw) as archive:
         pickle_name = _pickle_record(archive)
         if pickle_name is None:
             raise CheckpointError(f"{p}: is a zip archive but not a torch.save file (no data.pkl)")

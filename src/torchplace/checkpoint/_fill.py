@@ -36,6 +36,15 @@ from ._conversions import (
     may_convert,
 )
 from ._formats import first_sentence
+from ._keys import (
+    Held,
+    KeyCheck,
+    Missing,
+    check_keys,
+    does_not_fit,
+    matches_nothing,
+    no_data_buffers,
+)
 from ._load import (
     Assembled,
     load_state,
@@ -47,12 +56,11 @@ from ._load import (
 from ._mismatch import (
     Shapes,
     check_state_dict,
-    keys_hint,
     left_on_meta,
     listing,
-    source_name,
     target_for,
 )
+from ._opened import one_open_each
 from ._progress import reporting, wanted
 from ._reader import DTypeWish
 from ._rename import Rename, as_renamer, guarded, renamed
@@ -247,60 +255,122 @@ def load_into(
             "first, e.g. torchplace.load_into(torchplace.skeleton(MyModel, ...), checkpoint)"
         )
     _check_source(source)
-    inner, prefix = unwrapped(model)
-    if inner is not model:  # torch.compile, Fabric, DDP: the file holds the user's model's names
-        load_into(
-            inner,
-            source,
-            device,
-            strict=strict,
-            mmap=mmap,
-            rename=_without_prefix(prefix, rename),
-            check_crc=check_crc,
-            progress=progress,
-        )
-        return model
-    from ._sharded import has_dtensors, load_sharded
+    with one_open_each():  # each file opened once in this call, until it is read
+        inner, prefix = unwrapped(model)
+        if inner is not model:  # torch.compile, Fabric, DDP: the file holds the names of
+            # the model inside
+            load_into(
+                inner,
+                source,
+                device,
+                strict=strict,
+                mmap=mmap,
+                rename=_without_prefix(prefix, rename),
+                check_crc=check_crc,
+                progress=progress,
+            )
+            return model
+        from ._sharded import has_dtensors, load_sharded
 
-    if has_dtensors(model):  # FSDP2, tensor parallelism: each rank reads its own slices
-        return load_sharded(  # type: ignore[return-value]
-            model,
-            source,
-            device,
-            strict=strict,
-            rename=rename,
-            check_crc=check_crc,
-            progress=progress,
-        )
-    target = None if device is None else _device(device)
-    renamer = None if rename is None else as_renamer(rename)
-    from_memory = isinstance(source, Mapping)
-    # A directory's model file: messages name the file read, not its directory.
-    p: Path | str = "the state dict given to load_into" if from_memory else resolve(source)
-    if renamer is not None:  # its own failure on a key is an error naming the source and key
-        renamer = guarded(str(p), renamer)
-    slots = tensor_slots(model)
+        if has_dtensors(model):  # FSDP2, tensor parallelism: each rank reads its own slices
+            return load_sharded(  # type: ignore[return-value]
+                model,
+                source,
+                device,
+                strict=strict,
+                rename=rename,
+                check_crc=check_crc,
+                progress=progress,
+            )
+        target = None if device is None else _device(device)
+        renamer = None if rename is None else as_renamer(rename)
+        from_memory = isinstance(source, Mapping)
+        # A directory's model file: messages name the file read, not its directory.
+        p: Path | str = "the state dict given to load_into" if from_memory else resolve(source)
+        if renamer is not None:  # its own failure on a key is an error naming the source and key
+            renamer = guarded(str(p), renamer)
+        slots = tensor_slots(model)
+        loadable = slots.loadable
+        read_on = _read_on(loadable, target)
+        assembled: dict[str, torch.Tensor] = {}  # fused tensors read straight into their memory
+        rest: Plan | None = None  # the conversions left to apply once the file is read
+        if isinstance(source, Mapping):
+            state: Any = source
+        else:
+            assert isinstance(p, Path)
+            state, assembled, rest = _read_file(
+                p,
+                model,
+                loadable,
+                read_on,
+                renamer,
+                mmap=mmap,
+                check_crc=check_crc,
+                progress=progress,
+            )
+    # The files are read and closed: what follows changes the model, with no line of the
+    # read's scope left to run after it.
+    return _fit_and_fill(  # type: ignore[return-value]
+        p,
+        model,
+        state,
+        assembled,
+        rest,
+        slots,
+        target,
+        read_on,
+        renamer,
+        strict=strict,
+        from_memory=from_memory,
+    )
+
+
+def _read_file(
+    p: Path,
+    model: nn.Module,
+    loadable: list[Slot],
+    read_on: torch.device,
+    renamer: Callable[[str], str | None] | None,
+    *,
+    mmap: bool,
+    check_crc: bool | None,
+    progress: bool | None,
+) -> tuple[Any, dict[str, torch.Tensor], Plan | None]:
+    """The file's tensors read onto ``read_on``: the state (by the file's names), the fused
+    tensors read straight into their memory (by the model's), and the rest of the conversion
+    plan to apply to the state (None where there is no plan read straight)."""
+    # Tensors of another floating dtype than the model's are converted as they are read.
+    wish = _dtype_wish(model, loadable, renamer)
+    kind = format_of(p)
+    if check_crc:  # stacklevel: here, load_into, the user's line
+        warn_unchecked_safetensors(p, kind, None, stacklevel=3)
+    direct = _direct_plan(p, model, renamer, read_on, mmap=mmap, kind=kind)
+    total = source_bytes(p, kind) if wanted(progress) else 0
+    with reporting(total, f"load_into {p.name}", progress):
+        if direct is None:
+            state = load_state(p, read_on, mmap=mmap, dtype_of=wish, check_crc=check_crc)
+            return state, {}, None
+        state, assembled = _read_direct(direct, read_on, wish)
+        return state, assembled, direct.rest
+
+
+def _fit_and_fill(
+    p: Path | str,
+    model: nn.Module,
+    state: Any,
+    assembled: dict[str, torch.Tensor],
+    rest: Plan | None,
+    slots: Any,
+    target: torch.device | None,
+    read_on: torch.device,
+    renamer: Callable[[str], str | None] | None,
+    *,
+    strict: bool,
+    from_memory: bool,
+) -> nn.Module:
+    """The state read fitted to the model (renamed, converted, as ``load_state_dict`` would see
+    it), checked, and filled in: phase 1 (``_prepare``) then phase 2 (``_apply``)."""
     loadable, transient, extra = slots.loadable, slots.transient, slots.extra_state
-    read_on = _read_on(loadable, target)
-    assembled: dict[str, torch.Tensor] = {}  # fused tensors read straight into their memory
-    rest: Plan | None = None  # the conversions left to apply once the file is read
-    if isinstance(source, Mapping):
-        state: Any = source
-    else:
-        assert isinstance(p, Path)
-        # Tensors of another floating dtype than the model's are converted as they are read.
-        wish = _dtype_wish(model, loadable, renamer)
-        kind = format_of(p)
-        if check_crc:
-            warn_unchecked_safetensors(p, kind, None, stacklevel=2)
-        direct = _direct_plan(p, model, renamer, read_on, mmap=mmap, kind=kind)
-        total = source_bytes(p, kind) if wanted(progress) else 0
-        with reporting(total, f"load_into {p.name}", progress):
-            if direct is None:
-                state = load_state(p, read_on, mmap=mmap, dtype_of=wish, check_crc=check_crc)
-            else:
-                rest = direct.rest
-                state, assembled = _read_direct(direct, read_on, wish)
     check_state_dict(p, model, state, loadable)
     if renamer is not None:
         state = renamed(str(p), state, renamer)
@@ -324,7 +394,7 @@ def load_into(
     }
     fit = _Fit(p, model, seen, loadable, transient, extra, read_on, strict, file_shapes)
     prepared = _prepare(fit, target, copy=from_memory)
-    return _apply(fit, prepared, extra, seen.own)  # type: ignore[return-value]
+    return _apply(fit, prepared, extra, seen.own)
 
 
 def _without_prefix(prefix: str, rename: Rename | None) -> Rename:
@@ -521,14 +591,14 @@ def _warn_after_fill(fit: _Fit) -> None:
     the model is put back as it was before the error goes on.
     """
     if fit.discarded:
-        warnings.warn(discarded_warning("load_into", fit.discarded), UserWarning, stacklevel=4)
+        warnings.warn(discarded_warning("load_into", fit.discarded), UserWarning, stacklevel=5)
     if fit.read_on.type == "meta":
         return
     left = [s for s in (*fit.loadable, *fit.transient) if s.tensor.is_meta]
     if not left:
         return
     warnings.warn(
-        left_on_meta(fit.model, fit.p, left, fit.strict, fit.target), UserWarning, stacklevel=4
+        left_on_meta(fit.model, fit.p, left, fit.strict, fit.target), UserWarning, stacklevel=5
     )
 
 
@@ -600,7 +670,6 @@ class _Fit:
             file_shapes or {},
             {n: tuple(s.tensor.shape) for s in loadable if not is_lazy(s.tensor) for n in s.names},
         )
-        shapes = self.shapes
         self.read_on, self.loadable = read_on, loadable
         # A load onto meta discards the values of the non-persistent buffers it moves there.
         self.discarded = [
@@ -609,109 +678,107 @@ class _Fit:
         self.target: torch.device | None = None  # set by _prepare: where tensors go
         self.loaders = seen.loaders
         own = seen.own
-        missing: list[str] = []
-        not_loaded: list[str] = []  # every name of what stays as it was, for post-hooks
-        mismatched: list[str] = []
-        conflicts: list[str] = []
-        empty: list[str] = []  # values with no data (on meta) bound for a real device
-        self.plan: list[tuple[Slot, torch.Tensor]] = []
-        for slot in loadable:
-            present = [n for n in slot.names if n in own]
-            if not present:
-                also = f" (tied to {', '.join(slot.names[1:])})" if len(slot.names) > 1 else ""
-                missing.append(slot.names[0] + also)
-                not_loaded += slot.names
-                continue
-            # A lazy parameter takes the file's shape, as its load_state_dict pre-hook (which
-            # load_into does not run: it would materialize before the checks) lets it.
-            lazy = is_lazy(slot.tensor)
-            bad = False
-            for name in present:
-                value = own[name]
-                if not isinstance(value, torch.Tensor):
-                    mismatched.append(f"{name}: the file holds a {type(value).__name__}")
-                    bad = True
-                elif not lazy and value.shape != slot.tensor.shape:
-                    mismatched.append(
-                        f"{name}: file {tuple(value.shape)}, model {tuple(slot.tensor.shape)}"
-                    )
-                    bad = True
-                elif value.device.type == "meta" and read_on.type != "meta":
-                    empty.append(name)  # found now, before anything is written
-                    bad = True
-            if bad:
-                continue
-            value = own[present[0]]
-            # A tied parameter is one tensor: a file that gives its names different values was
-            # saved from a model that kept them apart, and either value would be a guess.
-            conflicts += [
-                f"{present[0]} and {n}" for n in present[1:] if not _same_values(value, own[n])
-            ]
-            self.plan.append((slot, value))
-        missing_extra = [k for k in extra if k not in own]
-        missing += missing_extra
-        not_loaded += missing_extra
-        listed = {m.split(" (tied to ")[0] for m in missing} | set(not_loaded)
-        missing += [k for k in seen.missing if k not in listed]  # what pre-hooks reported
-        not_loaded += [k for k in seen.missing if k not in listed]
-        self.not_loaded, self.unexpected = not_loaded, list(seen.unexpected)
-        no_data = [
-            s.names[0]
-            for s in transient
-            if s.tensor.device.type == "meta" and read_on.type != "meta"
-        ]
+        # A lazy parameter takes the file's shape, as its load_state_dict pre-hook (which
+        # load_into does not run: it would materialize before the checks) lets it.
+        check = check_keys(loadable, own, _held, takes_any_shape=lambda s: is_lazy(s.tensor))
+        self.plan, empty, conflicts = _values(check, own, read_on)
+        check.add_missing(k for k in extra if k not in own)
+        check.add_missing(seen.missing)  # what pre-hooks reported
+        check.unexpected = list(seen.unexpected)
+        self.check = check
+        # Every name of what stays as it was, for post-hooks.
+        self.not_loaded = [n for m in check.missing for n in (m.name, *m.tied)]
+        self.unexpected = check.unexpected
+        problems = self._problems(seen.errors, empty, conflicts, transient)
+        # Keys alone: post-hooks may clear them, as load_state_dict lets them (its strict check
+        # comes after its post-hooks). Then the load goes ahead, and is undone if any is left.
+        keys = bool(check.missing or check.unexpected)
+        self.hooked = has_post_hooks(model)
+        self.deferred = strict and keys and not problems and self.hooked
+        self.matched = bool(self.plan) or any(k in own for k in extra)  # strict=False loads any
+        if (strict and keys and not self.deferred) or problems:
+            fix = (
+                "; pass strict=False to load what matches" if self.matched and not problems else ""
+            )
+            raise does_not_fit(
+                p,
+                type(model).__name__,
+                check,
+                problems,
+                strict=strict,
+                fix=fix,
+                shapes=self.shapes,
+                path=p if isinstance(p, Path) else None,
+            )
+        if not strict and not self.matched and loadable and not self.hooked:
+            raise matches_nothing(p, type(model).__name__, check, self.shapes)
+
+    def _problems(
+        self,
+        errors: list[str],
+        empty: list[str],
+        conflicts: list[tuple[str, str]],
+        transient: list[Slot],
+    ) -> list[str]:
+        """What stops the load besides keys: mis-shaped tensors, tied weights saved with two
+        values, a module's refusal, values with no data, buffers no checkpoint holds."""
         problems = []
-        if mismatched:
-            problems.append(f"shape mismatches: {listing(mismatched)}")
+        if self.check.mismatched:
+            problems.append(f"shape mismatches: {listing([str(m) for m in self.check.mismatched])}")
         if conflicts:
-            drop = conflicts[0].split(" and ")[1]
+            drop = conflicts[0][1]
             problems.append(
-                f"tied weights saved with different values: {listing(conflicts)} (the file was "
+                f"tied weights saved with different values: "
+                f"{listing([f'{a} and {b}' for a, b in conflicts])} (the file was "
                 "saved from a model that keeps them apart; keep the value you want and drop the "
                 f"other, e.g. rename=lambda k: None if k == {drop!r} else k)"
             )
-        if seen.errors:
-            problems.append(f"refused by the model: {listing(seen.errors)}")
+        if errors:
+            problems.append(f"refused by the model: {listing(errors)}")
         if empty:
             problems.append(
                 f"tensors on meta, which hold no values to load: {listing(empty)} (the state "
                 "dict came from a model on meta or a skeleton not yet filled; load the weights "
                 "from the file they were saved to, or load onto 'meta' to check shapes only)"
             )
-        if strict and no_data:
-            problems.append(
-                f"non-persistent buffers on meta that no checkpoint holds: {listing(no_data)} "
-                "(their values were lost when they went to meta, by a move or a load onto "
-                "'meta'; build the model again with torchplace.skeleton(YourModel, ...), which "
-                f"keeps such buffers real, then torchplace.load_into(model, {source_name(p)}, "
-                f"{str(read_on)!r}))"
-            )
-        unexpected = self.unexpected
-        # Keys alone: post-hooks may clear them, as load_state_dict lets them (its strict check
-        # comes after its post-hooks). Then the load goes ahead, and is undone if any is left.
-        keys_only = strict and bool(missing or unexpected) and not problems
-        self.hooked = has_post_hooks(model)
-        self.deferred = keys_only and self.hooked
-        self.matched = bool(self.plan) or any(k in own for k in extra)  # strict=False loads any
-        if (strict and (missing or unexpected) and not self.deferred) or problems:
-            raise _does_not_fit(
-                p,
-                model,
-                problems,
-                missing if strict else [],
-                unexpected,
-                strict,
-                self.matched,
-                [m.split(": ")[0] for m in mismatched],
-                shapes,
-            )
-        if not strict and not self.matched and loadable and not self.hooked:
-            held = f"the file has {listing(unexpected, 5)}" if unexpected else "the file holds none"
-            raise CheckpointError(
-                f"{p}: not one of its keys matches {type(model).__name__}, so strict=False "
-                f"would load nothing: the model has {listing(missing, 5)}; {held}"
-                f"{keys_hint(p, missing, unexpected, shapes)}"
-            )
+        read_on = self.read_on
+        no_data = [
+            s.names[0]
+            for s in transient
+            if s.tensor.device.type == "meta" and read_on.type != "meta"
+        ]
+        if self.strict and no_data:
+            problems.append(no_data_buffers(no_data, self.p, str(read_on)))
+        return problems
+
+
+def _held(value: Any) -> Held:
+    """What the key check compares of a state dict's value."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), value.is_complex()
+    return type(value).__name__
+
+
+def _values(
+    check: KeyCheck, own: Mapping[str, Any], read_on: torch.device
+) -> tuple[list[tuple[Slot, torch.Tensor]], list[str], list[tuple[str, str]]]:
+    """The value each matched slot takes, the names whose values hold no data (on meta, bound
+    for a real device; found now, before anything is written), and the tied names saved with
+    different values."""
+    plan: list[tuple[Slot, torch.Tensor]] = []
+    empty: list[str] = []
+    conflicts: list[tuple[str, str]] = []
+    for slot, present in check.matched:
+        meta = [n for n in present if own[n].device.type == "meta" and read_on.type != "meta"]
+        if meta:
+            empty += meta
+            continue
+        value = own[present[0]]
+        # A tied parameter is one tensor: a file that gives its names different values was
+        # saved from a model that kept them apart, and either value would be a guess.
+        conflicts += [(present[0], n) for n in present[1:] if not _same_values(value, own[n])]
+        plan.append((slot, value))
+    return plan, empty, conflicts
 
 
 class _Prepared:
@@ -772,25 +839,14 @@ def _prepare(fit: _Fit, target: torch.device | None, *, copy: bool) -> _Prepared
     return out
 
 
-def _write_each(targets: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-    for target, value in zip(targets, values, strict=True):
-        target.copy_(value)
-
-
-# Each value copied into its target in one call (a C function: no line of Python runs between
-# two copies); torch without _foreach_copy_ (before 2.1) copies one by one.
-_WRITE: Callable[[list[torch.Tensor], list[torch.Tensor]], Any] = getattr(
-    torch, "_foreach_copy_", _write_each
-)
-
-
 def _write_fills(ready: _Prepared) -> None:
     """Every value of ``ready.fills`` copied into its tensor, in one call."""
     targets = [slot.tensor for slot, _ in ready.fills]
     values = [value for _, value in ready.fills]
     if targets:
         with torch.no_grad():
-            _WRITE(targets, values)
+            # One C call: no line of Python runs between two copies.
+            torch._foreach_copy_(targets, values)
 
 
 def _lost_on_undo(fit: _Fit, ready: _Prepared) -> bool:
@@ -889,26 +945,20 @@ def _apply_steps(
     left_missing, left_unexpected = list(fit.not_loaded), list(fit.unexpected)
     _run_own_loaders(fit, undos, left_missing, left_unexpected, put_back)
     if fit.strict and not fit.deferred and left_unexpected:  # keys a self-loader did not take
-        error = _does_not_fit(
-            p, model, [], left_missing, left_unexpected, True, True, None, fit.shapes
-        )
+        error = _keys_left(fit, left_missing, left_unexpected, matched=True)
         raise _said_more(error, f"; {state_after_put_back()}")
     if not fit.deferred:
         run_post_hooks(p, model, left_missing, left_unexpected, lambda: "the weights are loaded")
         if fit.strict and (left_missing or left_unexpected):  # a hook added keys: as torch does
             raise _said_more(
-                _does_not_fit(
-                    p, model, [], left_missing, left_unexpected, True, True, None, fit.shapes
-                ),
+                _keys_left(fit, left_missing, left_unexpected, matched=True),
                 " (reported by the model's load post-hooks once the weights were loaded, so "
                 "they are loaded)",
             )
         return
     run_post_hooks(p, model, left_missing, left_unexpected, state_after_put_back)
     if left_missing or left_unexpected:
-        error = _does_not_fit(
-            p, model, [], left_missing, left_unexpected, fit.strict, fit.matched, None, fit.shapes
-        )
+        error = _keys_left(fit, left_missing, left_unexpected, matched=fit.matched)
         raise _said_more(error, f"; {state_after_put_back()}")
 
 
@@ -985,45 +1035,22 @@ def _run_own_loaders(
             missing += [k for k in reported if k not in missing and k not in fit.not_loaded]
 
 
-def _does_not_fit(
-    p: Path | str,
-    model: nn.Module,
-    problems: list[str],
-    missing: list[str],
-    unexpected: list[str],
-    strict: bool,
-    matched: bool,
-    mismatched: list[str] | None = None,
-    shapes: Shapes | None = None,
+def _keys_left(
+    fit: _Fit, missing: list[str], unexpected: list[str], *, matched: bool
 ) -> CheckpointError:
-    """The error for a file that does not fit: missing and unexpected keys first.
-
-    ``matched``: some key matches, so ``strict=False`` would load something.
-    """
-    keys = []
-    if missing:
-        keys.append(f"missing keys: {listing(missing)}")
-    if strict and unexpected:
-        keys.append(f"unexpected keys: {listing(unexpected)}")
-    hint = keys_hint(p, missing, unexpected, shapes) if strict else ""
-    fix = "; pass strict=False to load what matches" if matched and not problems else ""
-    cut = [
-        name
-        for name, items in (
-            ("missing", missing),
-            ("unexpected", unexpected),
-            ("mismatched", mismatched),
-        )
-        if items and len(items) > 10
-    ]
-    if cut:  # the lists above stop at ten names; the error holds them whole
-        fix += f" (every key: CheckpointError.{', .'.join(cut)})"
-    return CheckpointError(
-        f"{p}: does not fit {type(model).__name__}: {'; '.join(keys + problems)}{hint}{fix}",
-        path=p if isinstance(p, Path) else None,
-        missing=[m.split(" (tied to ")[0] for m in missing],
-        unexpected=unexpected if strict else [],
-        mismatched=mismatched,
+    """The error for the keys left once the weights are in place (a module that loads itself
+    took some, a post-hook added some); ``matched``: ``strict=False`` would load something."""
+    return does_not_fit(
+        fit.p,
+        type(fit.model).__name__,
+        fit.check,
+        [],
+        strict=fit.strict,
+        fix="; pass strict=False to load what matches" if matched else "",
+        shapes=fit.shapes,
+        missing=[Missing(name) for name in missing],
+        unexpected=unexpected,
+        path=fit.p if isinstance(fit.p, Path) else None,
     )
 
 

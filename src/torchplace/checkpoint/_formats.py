@@ -1,9 +1,10 @@
-"""Checkpoint formats: whether a file's header can be trusted, and what torch's errors mean.
+"""Checkpoint formats: the dtypes this torch holds, and what torch's errors mean.
 
-``safetensors_header`` reads and checks a safetensors header as strictly as a loader would with
-dtypes this torch holds, and the ``diagnose`` family turns what torch raised into a sentence about
-the file. Telling a path's format and resolving a directory or an index is ``_source``'s; what a
-file holds, the layout of its records included, is the catalog's (``_catalog``).
+``SAFETENSORS_DTYPES`` is the safetensors dtypes this torch can hold, and the ``diagnose``
+family turns what torch raised into a sentence about the file. Telling a path's format and
+resolving a directory or an index is ``_source``'s; reading and checking a safetensors header is
+``_safetensors``'s; what a file holds, the layout of its records included, is the catalog's
+(``_catalog``).
 """
 
 from __future__ import annotations
@@ -48,13 +49,10 @@ def refusal_reason(text: str) -> str:
     return "it holds objects beyond tensors and containers"
 
 
-_OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # torch < 2.5
-
-
 def out_of_memory(exc: BaseException) -> bool:
     text = str(exc)
     return (
-        isinstance(exc, (MemoryError, _OUT_OF_MEMORY))
+        isinstance(exc, (MemoryError, torch.OutOfMemoryError))
         or "can't allocate memory" in text
         or "out of memory" in text.lower()
     )

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from .._errors import CheckpointError
+from ._opened import opened
 
 __all__ = ["LEGACY_MAGIC", "weight_map"]
 
@@ -22,7 +23,8 @@ def weight_map(p: Path, /) -> dict[str, str]:
     """The ``weight_map`` of a shard index (tensor name -> shard file), checked: a JSON object
     mapping strings to strings, or ``CheckpointError`` naming the file."""
     try:
-        index = json.loads(p.read_text(encoding="utf-8"))
+        with opened(p) as f:
+            index = json.loads(f.read().decode("utf-8"))
     except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise CheckpointError(f"{p}: is not a readable JSON shard index ({exc})") from exc
     found = index.get("weight_map") if isinstance(index, dict) else None

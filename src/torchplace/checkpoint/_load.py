@@ -35,6 +35,7 @@ from ._formats import (
     out_of_memory,
     refusal_reason,
 )
+from ._opened import one_open_each
 from ._pickle_reader import WHOLE_MODEL, pickles_a_model
 from ._progress import reporting, wanted
 from ._reader import (
@@ -115,15 +116,16 @@ def load(
             "memory; to fill a model from a state dict, use torchplace.load_into(model, "
             "state_dict)"
         )
-    target = _device(device)
-    p = resolve(path)  # a directory's model file
-    kind = format_of(p)
-    if check_crc:
-        warn_unchecked_safetensors(p, kind, None, stacklevel=2)
-    if wanted(progress):  # a bar only where one may show: no size asked for otherwise
-        with reporting(source_bytes(p, kind), f"load {p.name}", progress):
-            return _load(p, kind, target, mmap=mmap, trusted=trusted, check_crc=check_crc)
-    return _load(p, kind, target, mmap=mmap, trusted=trusted, check_crc=check_crc)
+    with one_open_each():  # each file opened once in this call
+        target = _device(device)
+        p = resolve(path)  # a directory's model file
+        kind = format_of(p)
+        if check_crc:
+            warn_unchecked_safetensors(p, kind, None, stacklevel=2)
+        if wanted(progress):  # a bar only where one may show: no size asked for otherwise
+            with reporting(source_bytes(p, kind), f"load {p.name}", progress):
+                return _load(p, kind, target, mmap=mmap, trusted=trusted, check_crc=check_crc)
+        return _load(p, kind, target, mmap=mmap, trusted=trusted, check_crc=check_crc)
 
 
 def warn_unchecked_safetensors(

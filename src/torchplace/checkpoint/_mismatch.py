@@ -53,15 +53,20 @@ _WRAPPER_PREFIXES = (
 
 
 def keys_hint(
-    p: Path | str, missing: list[str], unexpected: list[str], shapes: Shapes | None = None
+    p: Path | str,
+    missing: list[str],
+    unexpected: list[str],
+    shapes: Shapes | None = None,
+    tied: set[str] | None = None,
 ) -> str:
     """Says when the file's keys differ from the model's by one prefix (``module.`` from DDP),
     else which look misspelt (``_typo_hint``).
 
     The prefix must account for every missing key, so that a file of another model whose keys
-    merely end alike (``emb.weight`` against ``weight``) gets no false hint.
+    merely end alike (``emb.weight`` against ``weight``) gets no false hint. ``tied``: the
+    other names of missing tied tensors, any of which the file may hold.
     """
-    names = [m.split(" (tied to ")[0] for m in missing]  # missing keys as listed, ties noted
+    names = missing
     if not names or not unexpected:
         return ""
     files = set(unexpected)
@@ -95,10 +100,7 @@ def keys_hint(
                 f"{prefix.rstrip('.')!r}), {source_name(p)})"
             )
     # A tied parameter is missing under every one of its names, any of which a file may hold.
-    tied = {
-        n for m in missing if " (tied to " in m for n in m[:-1].split(" (tied to ")[1].split(", ")
-    }
-    return _typo_hint(p, names, unexpected, tied, shapes)
+    return _typo_hint(p, names, unexpected, tied or set(), shapes)
 
 
 def _typo_hint(

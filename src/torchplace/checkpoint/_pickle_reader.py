@@ -22,6 +22,7 @@ from typing import IO, Any, ClassVar, cast
 
 from .._errors import CheckpointError
 from ._index import LEGACY_MAGIC
+from ._opened import opened
 
 __all__ = [
     "MAX_PICKLE_OBJECTS",
@@ -562,7 +563,7 @@ def legacy_code(p: Path) -> list[str]:
     """The globals a legacy torch file's pickles name that a safe load refuses, read alone
     (its storages unchecked)."""
     found: list[str] = []
-    with p.open("rb") as raw:
+    with opened(p) as raw:
         f = _BoundedReader(raw, p.stat().st_size)
         for _ in range(4):  # magic number, protocol, system info, the object
             recorder = RecordingUnpickler(f)
@@ -583,7 +584,7 @@ def legacy_records(p: Path) -> tuple[list[TensorRecord], list[str]]:
         finally:
             code.extend(recorder.found)
 
-    with readable(p), p.open("rb") as raw:
+    with readable(p), opened(p) as raw:
         f = _BoundedReader(raw, p.stat().st_size)
         magic = load(f)
         if magic != LEGACY_MAGIC:

@@ -47,6 +47,7 @@ from ..moving._staging import (
 from ._catalog import Stamp, ZipLayout, changed_error
 from ._crc import combine, crc32
 from ._formats import device_failure, diagnose, first_sentence, out_of_memory
+from ._opened import opened, raw_file
 from ._progress import current
 
 __all__ = [
@@ -416,7 +417,8 @@ class OpenFiles:
 
     def __init__(self, stamps: Mapping[Path, Stamp | None] | None = None) -> None:
         self.stamps = {p: s for p, s in (stamps or {}).items() if s is not None}
-        self.files: dict[Path, io.FileIO] = {}
+        self.files: dict[Path, io.FileIO] = {}  # its own, closed by close()
+        self.shared: dict[Path, io.FileIO] = {}  # the call's (``_opened``), closed by the call
 
     def __enter__(self) -> OpenFiles:
         return self
@@ -426,14 +428,21 @@ class OpenFiles:
 
     def fd(self, path: Path) -> int:
         """The open file of ``path`` (opened, and its stamp checked, on first use)."""
-        file = self.files.get(path)
+        file = self.files.get(path) or self.shared.get(path)
         if file is None:
-            file = self.files[path] = io.FileIO(path)  # recorded at once: close() closes it
+            shared = raw_file(path)  # the call's open file, if a call holds one
+            if shared is not None:
+                file = self.shared[path] = shared
+            else:
+                file = self.files[path] = io.FileIO(path)  # recorded at once: close() closes it
             try:
                 _same_file(path, file.fileno(), self.stamps.get(path))
             except BaseException:
-                file.close()
-                del self.files[path]
+                if shared is None:
+                    file.close()
+                    del self.files[path]
+                else:
+                    del self.shared[path]
                 raise
         return file.fileno()
 
@@ -473,7 +482,7 @@ class OpenFiles:
 
     def verify(self) -> None:
         """Every file read is still the one catalogued (``CheckpointError`` if not)."""
-        for p, file in self.files.items():
+        for p, file in [*self.files.items(), *self.shared.items()]:
             _same_file(p, file.fileno(), self.stamps.get(p))
 
     def close(self) -> None:
@@ -488,6 +497,7 @@ class OpenFiles:
             except BaseException as exc:  # a Ctrl-C part-way: close the rest, then raise it
                 interrupted = interrupted or exc
         self.files.clear()
+        self.shared.clear()
         if interrupted is not None:
             raise interrupted
 
@@ -778,7 +788,11 @@ def torch_load(path: Path, target: torch.device, *, mmap: bool, trusted: bool, s
     with warnings.catch_warnings():  # torch's note on pickle protocols is not the user's
         warnings.filterwarnings("ignore", message="Detected pickle protocol")
         warnings.filterwarnings("ignore", message=SPARSE_CHECK_NOTE)
-        loaded = torch.load(path, map_location=target, mmap=mmap, weights_only=not trusted)
+        if mmap:  # torch maps the file by its path
+            loaded = torch.load(path, map_location=target, mmap=True, weights_only=not trusted)
+        else:
+            with opened(path) as f:
+                loaded = torch.load(f, map_location=target, weights_only=not trusted)
     now = Stamp.of(os.stat(path))
     if now != stamp:  # torch read it by its path: a rewrite shows in the stamp
         raise changed_error(path, stamp, now)
@@ -795,7 +809,8 @@ def safetensors_load(
     import safetensors.torch
 
     if not mmap:
-        data = safetensors.torch.load(path.read_bytes())
+        with opened(path) as f:
+            data = safetensors.torch.load(f.read())
         out = {k: v.to(target) for k, v in data.items()}
     else:
         device = _safetensors_device(target)
@@ -819,7 +834,7 @@ def check_records(p: Path) -> None:
     where no record has one, since nothing could be checked."""
     checked = 0
     try:
-        with zipfile.ZipFile(p) as archive:
+        with opened(p) as f, zipfile.ZipFile(f) as archive:
             for info in archive.infolist():
                 if not info.CRC:
                     continue

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import CheckpointError
+from ._opened import opened
 from ._source import WRITER_HINT
 
 __all__ = ["DTYPES", "MAX_HEADER", "Kind", "Row", "read_header", "read_layout", "sniff"]
@@ -58,7 +59,7 @@ def sniff(p: Path, /) -> bool:
         info = p.stat()
         if not stat.S_ISREG(info.st_mode) or p.name.endswith(".json"):
             return False
-        with p.open("rb") as f:
+        with opened(p) as f:
             head = f.read(9)
     except OSError:
         return False
@@ -87,7 +88,7 @@ def read_layout(path: str | os.PathLike[str], /) -> tuple[dict[str, Any], int, l
     p = Path(path)
     odd: list[str] = []  # floats, NaN or infinities the JSON holds (no count is one)
     try:
-        with p.open("rb") as f:
+        with opened(p) as f:
             raw_len = f.read(8)
             if len(raw_len) < 8:
                 raise CheckpointError(

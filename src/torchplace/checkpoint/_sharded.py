@@ -49,8 +49,9 @@ from .._errors import CheckpointError, TorchplaceError
 from .._model_walk import Slot, tensor_slots
 from ._catalog import Catalog, Stamp, catalog, contiguous_strides
 from ._conversions import Fused, Plan, conversion_plan, fused_boxes
+from ._keys import check_keys, does_not_fit, matches_nothing, no_data_buffers
 from ._load import warn_unchecked_safetensors
-from ._mismatch import keys_hint, left_on_meta, listing
+from ._mismatch import left_on_meta, listing
 from ._progress import reporting
 from ._reader import OpenFiles, check_records
 from ._rename import Rename, as_renamer, renamed
@@ -705,22 +706,73 @@ def _compared(model: nn.Module, meets: Meeting | None, mine: _Outcome) -> None:
             )
 
 
-def _fill_sharded(model: nn.Module, source: Any, device: Any, **how: Any) -> Mapping[Path, Stamp]:
-    """``load_sharded``'s fill on this rank (``how``: its keywords); returns the stamps of the
-    checkpoint's files."""
-    strict: bool = how["strict"]
-    rename: Rename | None = how["rename"]
-    check_crc: bool | None = how["check_crc"]
-    progress: bool | None = how["progress"]
+def _checked_plan(
+    model: nn.Module,
+    slots: list[Slot],
+    entries: Mapping[str, _Entry],
+    fused: Mapping[str, Fused],
+    *,
+    strict: bool,
+    meta_transient: list[str],
+    where: str,
+    named: Path | str,
+) -> list[tuple[Slot, _Entry | Fused]]:
+    """What fills each slot (an entry, or a fused tensor built from several), after the one key
+    check of every fill: a source that does not fit raises, the model untouched. ``named``: how
+    a suggested call names the source."""
+    check = check_keys(
+        slots,
+        entries,
+        lambda e: (e.shape, e.dtype.is_complex),
+        built=lambda slot: any(n in fused for n in slot.names),
+        complex_must_agree=True,
+    )
+    plan: list[tuple[Slot, _Entry | Fused]] = [
+        (slot, entries[present[0]] if present else next(fused[n] for n in slot.names if n in fused))
+        for slot, present in check.matched
+    ]
+    problems = []
+    if check.mismatched:
+        problems.append(f"shape mismatches: {listing([str(m) for m in check.mismatched])}")
+    if strict and meta_transient:
+        problems.append(no_data_buffers(meta_transient, named, None))
+    shapes = (  # what the key lists mean, weighed by shapes
+        {n: e.shape for n, e in entries.items()},
+        {n: tuple(s.tensor.shape) for s in slots for n in s.names},
+    )
+    if problems or (strict and (check.missing or check.unexpected)):
+        fix = "; pass strict=False to load what matches" if plan and not problems else ""
+        raise does_not_fit(
+            where,
+            type(model).__name__,
+            check,
+            problems,
+            strict=strict,
+            fix=fix,
+            shapes=shapes,
+            tail="; the model is untouched",
+            named=named,
+        )
+    if not strict and not plan and slots:
+        raise matches_nothing(where, type(model).__name__, check, shapes, named)
+    return plan
+
+
+def _located(
+    model: nn.Module, source: Any, rename: Rename | None, check_crc: bool | None
+) -> tuple[Catalog, dict[str, _Entry], dict[str, _Entry], dict[str, Fused]]:
+    """Step 1: the source's catalog (its zip records' CRC-32s checked, with ``check_crc``),
+    its entries by the model's names, the entries as the file names them (what fused tensors
+    are read from), and the fused tensors a conversion builds."""
     source_catalog = catalog(source)  # a file, an index, a directory or a mapping
     if check_crc:
         for path, fmt in source_catalog.kinds.items():
             if fmt == "zip":
                 check_records(path)
         read = source_catalog.path
-        if read is not None:  # stacklevel: here, load_sharded, load_into, the user's line
+        if read is not None:  # stacklevel: here, _fill_sharded, load_sharded, load_into, the user's
             warn_unchecked_safetensors(
-                read, source_catalog.kind, source_catalog.kinds, stacklevel=4
+                read, source_catalog.kind, source_catalog.kinds, stacklevel=5
             )
     where = source_catalog.where
     entries = _renamed(_sharded_entries(source_catalog), rename, where)
@@ -730,82 +782,15 @@ def _fill_sharded(model: nn.Module, source: Any, device: Any, **how: Any) -> Map
     fused: dict[str, Fused] = {}
     if conversions is not None:
         entries, fused = _converted(where, conversions, entries)
-    target = None if device is None else _device(device)
-    _refuse_own_loaders(where, model)
-    try:
-        _reshard(model)  # FSDP2 registers its sharded parameters again (values unchanged)
-    except Exception as exc:
-        raise CheckpointError(
-            f"{where}: FSDP2 could not reshard {type(model).__name__} before the load "
-            f"({type(exc).__name__}: {exc}); the model is untouched"
-        ) from exc
-    found = tensor_slots(model)
-    slots = found.loadable
-    meta_transient = [name for s in found.transient if s.tensor.is_meta for name in s.names]
+    return source_catalog, entries, sources, fused
 
-    missing: list[str] = []
-    mismatched: list[str] = []
-    plan: list[tuple[Slot, _Entry | Fused]] = []
-    used: set[str] = set()
-    for slot in slots:
-        present = [n for n in slot.names if n in entries]
-        used.update(present)
-        built = next((fused[n] for n in slot.names if n in fused), None)
-        if not present and built is not None:
-            plan.append((slot, built))  # its shape is the model's: the plan checked it
-            continue
-        if not present:
-            also = f" (tied to {', '.join(slot.names[1:])})" if len(slot.names) > 1 else ""
-            missing.append(slot.names[0] + also)
-            continue
-        entry = entries[present[0]]
-        if entry.shape != tuple(slot.tensor.shape):
-            mismatched.append(f"{present[0]}: file {entry.shape}, model {tuple(slot.tensor.shape)}")
-            continue
-        if entry.dtype.is_complex != slot.tensor.dtype.is_complex:
-            mismatched.append(f"{present[0]}: file {entry.dtype}, model {slot.tensor.dtype}")
-            continue
-        plan.append((slot, entry))
-    unexpected = [k for k in entries if k not in used]
-    problems = []
-    if strict and missing:
-        problems.append(f"missing keys: {listing(missing)}")
-    if strict and unexpected:
-        problems.append(f"unexpected keys: {listing(unexpected)}")
-    if mismatched:
-        problems.append(f"shape mismatches: {listing(mismatched)}")
-    if strict and meta_transient:
-        problems.append(
-            f"non-persistent buffers on meta that no checkpoint holds: {listing(meta_transient)} "
-            "(build the model with torchplace.skeleton so buffers stay real)"
-        )
-    named = source_catalog.path or where  # how a suggested call names the source
 
-    def hint() -> str:  # what the key lists mean, weighed by shapes: built only for an error
-        shapes = (
-            {n: e.shape for n, e in entries.items()},
-            {n: tuple(s.tensor.shape) for s in slots for n in s.names},
-        )
-        return keys_hint(named, missing, unexpected, shapes)
-
-    if problems:
-        fix = "; pass strict=False to load what matches" if plan and not mismatched else ""
-        raise CheckpointError(
-            f"{where}: does not fit {type(model).__name__}: {'; '.join(problems)}"
-            f"{hint() if strict else ''}{fix}; "
-            "the model is untouched",
-            missing=[m.split(" (tied to ")[0] for m in missing] if strict else [],
-            unexpected=unexpected if strict else [],
-            mismatched=[m.split(": ")[0] for m in mismatched],
-        )
-    if not strict and not plan and slots:
-        holds = f"the file has {listing(unexpected, 5)}" if unexpected else "the file holds none"
-        raise CheckpointError(
-            f"{where}: not one of its keys matches {type(model).__name__}, so strict=False would "
-            f"load nothing: the model has {listing(missing, 5)}; {holds}"
-            f"{hint()}"
-        )
-
+def _placed(
+    plan: list[tuple[Slot, _Entry | Fused]], target: torch.device | None, where: str
+) -> tuple[list[Any], torch.device | None, torch.device]:
+    """Step 3: each planned tensor's boxes on this rank, the device meta tensors get memory on
+    (None: none is on meta), and where new memory goes; refused where a tensor cannot be
+    filled where it is."""
     if target is not None and target.type == "meta":
         raise CheckpointError(
             f"{where}: device='meta' holds no data, so a sharded model cannot be filled there; "
@@ -841,13 +826,22 @@ def _fill_sharded(model: nn.Module, source: Any, device: Any, **how: Any) -> Map
                     f"{mesh_type!r})"
                 )
 
-    # Tensors that stay on meta (keys the file lacks, with strict=False): said before any read,
-    # so that where warnings are errors, the model is untouched.
-    planned = {id(slot) for slot, _ in plan}
-    left = [s for s in (*slots, *found.transient) if s.tensor.is_meta and id(s) not in planned]
-    if left:
-        warnings.warn(left_on_meta(model, where, left, strict, new_home), UserWarning, stacklevel=4)
-    reader = _Reader(source_catalog.stamps)
+    return pieces, materialize_on, new_home
+
+
+def _read_plan(
+    model: nn.Module,
+    where: str,
+    stamps: Mapping[Path, Stamp],
+    plan: list[tuple[Slot, _Entry | Fused]],
+    pieces: list[Any],
+    sources: Mapping[str, _Entry],
+    materialize_on: torch.device | None,
+    progress: bool | None,
+) -> None:
+    """Step 4: meta tensors given memory, then every box read into its local shard; a failure
+    says whether the model changed."""
+    reader = _Reader(stamps)
     changed = False
     total = sum(
         math.prod(shape) * entry.dtype.itemsize
@@ -899,4 +893,48 @@ def _fill_sharded(model: nn.Module, source: Any, device: Any, **how: Any) -> Map
             reader.close()  # closes every file even through a Ctrl-C, then raises it
         finally:
             shown.close()
+
+
+def _fill_sharded(model: nn.Module, source: Any, device: Any, **how: Any) -> Mapping[Path, Stamp]:
+    """``load_sharded``'s fill on this rank (``how``: its keywords); returns the stamps of the
+    checkpoint's files."""
+    strict: bool = how["strict"]
+    rename: Rename | None = how["rename"]
+    check_crc: bool | None = how["check_crc"]
+    progress: bool | None = how["progress"]
+    source_catalog, entries, sources, fused = _located(model, source, rename, check_crc)
+    where = source_catalog.where
+    target = None if device is None else _device(device)
+    _refuse_own_loaders(where, model)
+    try:
+        _reshard(model)  # FSDP2 registers its sharded parameters again (values unchanged)
+    except Exception as exc:
+        raise CheckpointError(
+            f"{where}: FSDP2 could not reshard {type(model).__name__} before the load "
+            f"({type(exc).__name__}: {exc}); the model is untouched"
+        ) from exc
+    found = tensor_slots(model)
+    slots = found.loadable
+    meta_transient = [name for s in found.transient if s.tensor.is_meta for name in s.names]
+
+    plan = _checked_plan(
+        model,
+        slots,
+        entries,
+        fused,
+        strict=strict,
+        meta_transient=meta_transient,
+        where=where,
+        named=source_catalog.path or where,
+    )
+
+    pieces, materialize_on, new_home = _placed(plan, target, where)
+
+    # Tensors that stay on meta (keys the file lacks, with strict=False): said before any read,
+    # so that where warnings are errors, the model is untouched.
+    planned = {id(slot) for slot, _ in plan}
+    left = [s for s in (*slots, *found.transient) if s.tensor.is_meta and id(s) not in planned]
+    if left:
+        warnings.warn(left_on_meta(model, where, left, strict, new_home), UserWarning, stacklevel=4)
+    _read_plan(model, where, source_catalog.stamps, plan, pieces, sources, materialize_on, progress)
     return source_catalog.stamps

@@ -18,6 +18,7 @@ from typing import Any, Union
 
 from .._errors import CheckpointError
 from .._suggest import close_matches
+from ._opened import opened
 
 __all__ = [
     "CHECKPOINT_SUFFIXES",
@@ -103,7 +104,7 @@ def detect_format(path: PathLike, /) -> str:
         )
     size = info.st_size
     try:
-        with p.open("rb") as f:
+        with opened(p) as f:
             head = f.read(16)
     except OSError as exc:
         raise CheckpointError(f"{p}: cannot be read ({exc.strerror or exc})") from exc

@@ -1,0 +1,131 @@
+"""Resolve once: one ``load`` or ``load_into`` opens each file of its source once, whatever the
+source's kind (docs/design.md, "Flow of one call").
+
+Opens are counted by Python's ``open`` audit event, which ``open``, ``io.open``, ``Path.open``,
+``io.FileIO`` and ``os.open`` all raise, so every way the code could open a file is seen. (A
+file that torch or safetensors maps by its path, ``mmap=True``, is opened by C code, which no
+audit event shows; those calls are not counted here.)
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+import torchplace
+
+_counting: list[collections.Counter[Path]] = []  # the counter of the call under way, if any
+
+
+def _hook(event: str, args: tuple[Any, ...]) -> None:
+    if _counting and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        _counting[-1][Path(os.fsdecode(args[0])).resolve()] += 1
+
+
+sys.addaudithook(_hook)  # audit hooks cannot be removed: it counts only inside _opens
+
+
+def _opens(call: Callable[[], object], folder: Path) -> dict[str, int]:
+    """How often ``call`` opened each file under ``folder``, by file name."""
+    counter: collections.Counter[Path] = collections.Counter()
+    _counting.append(counter)
+    try:
+        call()
+    finally:
+        _counting.pop()
+    root = folder.resolve()
+    return {p.name: n for p, n in counter.items() if p.is_relative_to(root)}
+
+
+_STATE = {"weight": torch.arange(12.0).view(4, 3), "bias": torch.arange(4.0)}
+
+
+def _source(kind: str, folder: Path) -> tuple[Path | dict[str, torch.Tensor], list[str]]:
+    """A checkpoint of ``_STATE`` of ``kind``, and the files a load must read."""
+    if kind == "zip":
+        torch.save(_STATE, folder / "m.pt")
+        return folder / "m.pt", ["m.pt"]
+    if kind == "legacy":
+        torch.save(_STATE, folder / "m.pt", _use_new_zipfile_serialization=False)
+        return folder / "m.pt", ["m.pt"]
+    if kind == "safetensors":
+        save_file(_STATE, str(folder / "m.safetensors"))
+        return folder / "m.safetensors", ["m.safetensors"]
+    if kind == "directory":
+        save_file(_STATE, str(folder / "model.safetensors"))
+        return folder, ["model.safetensors"]
+    if kind in ("index", "torch-index"):
+        suffix = ".safetensors" if kind == "index" else ".bin"
+        for name, tensor in _STATE.items():
+            if kind == "index":
+                save_file({name: tensor}, str(folder / f"{name}{suffix}"))
+            else:
+                torch.save({name: tensor}, folder / f"{name}{suffix}")
+        index = folder / f"model{suffix}.index.json"
+        index.write_text(json.dumps({"weight_map": {n: f"{n}{suffix}" for n in _STATE}}))
+        return index, [index.name, *(f"{n}{suffix}" for n in _STATE)]
+    assert kind == "mapping"
+    return dict(_STATE), []
+
+
+KINDS = ["zip", "legacy", "safetensors", "index", "torch-index", "directory", "mapping"]
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "mapping"])
+def test_load_opens_each_file_of_its_source_once(tmp_path: Path, kind: str) -> None:
+    source, files = _source(kind, tmp_path)
+    loaded: dict[str, Any] = {}
+    opens = _opens(lambda: loaded.update(torchplace.load(source)), tmp_path)  # type: ignore[arg-type]
+    assert opens == dict.fromkeys(files, 1)
+    assert all(torch.equal(loaded[k], v) for k, v in _STATE.items())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("skeleton", [False, True], ids=["built", "skeleton"])
+def test_load_into_opens_each_file_of_its_source_once(
+    tmp_path: Path, kind: str, skeleton: bool
+) -> None:
+    source, files = _source(kind, tmp_path)
+    model = torchplace.skeleton(nn.Linear, 3, 4) if skeleton else nn.Linear(3, 4)
+    opens = _opens(lambda: torchplace.load_into(model, source), tmp_path)
+    assert opens == dict.fromkeys(files, 1)
+    assert torch.equal(model.weight, _STATE["weight"]) and torch.equal(model.bias, _STATE["bias"])
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "legacy"])
+def test_a_sharded_load_into_opens_each_file_of_its_source_once(
+    fake_world: Any, tmp_path: Path, kind: str
+) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    source, files = _source(kind, tmp_path)
+    with torch.device("meta"):
+        model = nn.Linear(3, 4)
+    fully_shard(model, mesh=fake_world)
+    model.to_empty(device="cpu")
+    opens = _opens(lambda: torchplace.load_into(model, source), tmp_path)
+    assert opens == dict.fromkeys(files, 1)
+    assert torch.equal(model.weight.to_local(), _STATE["weight"][:1])  # rank 0 of 4: one row
+
+
+def test_outside_a_call_a_file_is_opened_and_closed_as_usual(tmp_path: Path) -> None:
+    """``catalog`` asked for on its own (as ``inspect`` asks) opens what it reads and keeps
+    nothing open."""
+    from torchplace.checkpoint._catalog import catalog
+
+    source, _ = _source("index", tmp_path)
+    before = len(os.listdir("/proc/self/fd")) if Path("/proc/self/fd").is_dir() else None
+    found = catalog(source)  # type: ignore[arg-type]
+    assert set(found.entries) == set(_STATE)
+    if before is not None:
+        assert len(os.listdir("/proc/self/fd")) == before
