@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -243,3 +244,18 @@ def first_line(exc: BaseException) -> str:
     PyTorch's errors inside torchplace's own; the whole error stays chained as the cause."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def user_stacklevel() -> int:
+    """``warnings.warn``'s ``stacklevel``, for a warning issued by the caller of this function,
+    that points at the first frame outside torchplace: the user's line, however many of
+    torchplace's own calls lie between (a public function that hands over to another, a split
+    into steps) - so no warning needs its depth counted by hand."""
+    frame = sys._getframe(1)
+    level = 1
+    while frame.f_back is not None and frame.f_globals.get("__name__", "").partition(".")[0] == (
+        "torchplace"
+    ):
+        frame = frame.f_back
+        level += 1
+    return level

@@ -19,7 +19,7 @@ from torch.nn.parameter import is_lazy
 
 from .._devices import DeviceSpec
 from .._devices import device as _device
-from .._errors import CheckpointError, MoveError, TorchplaceError
+from .._errors import CheckpointError, MoveError, TorchplaceError, user_stacklevel
 from .._model_walk import Slot, tensor_slots, unwrapped
 from .._own_moves import AttributeSnapshot, run_own_moves
 from ..moving._identity import parameter_like
@@ -342,8 +342,8 @@ def _read_file(
     # Tensors of another floating dtype than the model's are converted as they are read.
     wish = _dtype_wish(model, loadable, renamer)
     kind = format_of(p)
-    if check_crc:  # stacklevel: here, load_into, the user's line
-        warn_unchecked_safetensors(p, kind, None, stacklevel=3)
+    if check_crc:
+        warn_unchecked_safetensors(p, kind, None)
     direct = _direct_plan(p, model, renamer, read_on, mmap=mmap, kind=kind)
     total = source_bytes(p, kind) if wanted(progress) else 0
     with reporting(total, f"load_into {p.name}", progress):
@@ -591,14 +591,18 @@ def _warn_after_fill(fit: _Fit) -> None:
     the model is put back as it was before the error goes on.
     """
     if fit.discarded:
-        warnings.warn(discarded_warning("load_into", fit.discarded), UserWarning, stacklevel=5)
+        warnings.warn(
+            discarded_warning("load_into", fit.discarded), UserWarning, stacklevel=user_stacklevel()
+        )
     if fit.read_on.type == "meta":
         return
     left = [s for s in (*fit.loadable, *fit.transient) if s.tensor.is_meta]
     if not left:
         return
     warnings.warn(
-        left_on_meta(fit.model, fit.p, left, fit.strict, fit.target), UserWarning, stacklevel=5
+        left_on_meta(fit.model, fit.p, left, fit.strict, fit.target),
+        UserWarning,
+        stacklevel=user_stacklevel(),
     )
 
 

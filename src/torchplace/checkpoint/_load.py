@@ -14,7 +14,7 @@ import torch
 
 from .._devices import DeviceSpec
 from .._devices import device as _device
-from .._errors import CheckpointError
+from .._errors import CheckpointError, user_stacklevel
 from ._catalog import (
     Catalog,
     Piece,
@@ -121,20 +121,17 @@ def load(
         p = resolve(path)  # a directory's model file
         kind = format_of(p)
         if check_crc:
-            warn_unchecked_safetensors(p, kind, None, stacklevel=2)
+            warn_unchecked_safetensors(p, kind, None)
         if wanted(progress):  # a bar only where one may show: no size asked for otherwise
             with reporting(source_bytes(p, kind), f"load {p.name}", progress):
                 return _load(p, kind, target, mmap=mmap, trusted=trusted, check_crc=check_crc)
         return _load(p, kind, target, mmap=mmap, trusted=trusted, check_crc=check_crc)
 
 
-def warn_unchecked_safetensors(
-    p: Path, kind: str, kinds: Mapping[Path, str] | None, *, stacklevel: int
-) -> None:
+def warn_unchecked_safetensors(p: Path, kind: str, kinds: Mapping[Path, str] | None) -> None:
     """Warn, once for a whole call, that ``check_crc=True`` checks nothing of a safetensors
     file, nor of an index's safetensors shards: the format records no checksum. ``kinds``: the
-    index's shard formats, when its catalog is at hand; ``stacklevel``: as the caller would
-    pass it to ``warnings.warn`` (the user's frame)."""
+    index's shard formats, when its catalog is at hand. The warning names the user's line."""
     if kind == "index":
         found = set((catalog(p).kinds if kinds is None else kinds).values())
         if "safetensors" not in found:
@@ -156,7 +153,7 @@ def warn_unchecked_safetensors(
     warnings.warn(
         f"{p}: check_crc=True, but {what}",
         UserWarning,
-        stacklevel=stacklevel + 1,
+        stacklevel=user_stacklevel(),
     )
 
 

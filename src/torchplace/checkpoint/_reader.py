@@ -37,7 +37,7 @@ from typing import Any, cast
 
 import torch
 
-from .._errors import CheckpointError
+from .._errors import CheckpointError, user_stacklevel
 from ..moving._staging import (
     CudaTransport,
     PinnedPool,
@@ -859,7 +859,7 @@ def unchecked_warning(p: Path, why: str) -> None:
     warnings.warn(
         f"{p}: check_crc=True, but {why}, so nothing was checked: its bytes are read as they are",
         UserWarning,
-        stacklevel=4,
+        stacklevel=user_stacklevel(),
     )
 
 

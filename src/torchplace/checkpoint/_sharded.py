@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from .._devices import device as _device
-from .._errors import CheckpointError, TorchplaceError
+from .._errors import CheckpointError, TorchplaceError, user_stacklevel
 from .._model_walk import Slot, tensor_slots
 from ._catalog import Catalog, Stamp, catalog, contiguous_strides
 from ._conversions import Fused, Plan, conversion_plan, fused_boxes
@@ -593,7 +593,7 @@ def _meeting_of(model: nn.Module, mesh: Any) -> Meeting | None:
             "not compare their loads: a rank that failed is not noticed by the others; please "
             "report it to torchplace",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=user_stacklevel(),
         )
         return None
     ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
@@ -770,10 +770,8 @@ def _located(
             if fmt == "zip":
                 check_records(path)
         read = source_catalog.path
-        if read is not None:  # stacklevel: here, _fill_sharded, load_sharded, load_into, the user's
-            warn_unchecked_safetensors(
-                read, source_catalog.kind, source_catalog.kinds, stacklevel=5
-            )
+        if read is not None:
+            warn_unchecked_safetensors(read, source_catalog.kind, source_catalog.kinds)
     where = source_catalog.where
     entries = _renamed(_sharded_entries(source_catalog), rename, where)
     # A transformers model's hub names: renamed entries, and fused tensors read piece by piece.
@@ -935,6 +933,10 @@ def _fill_sharded(model: nn.Module, source: Any, device: Any, **how: Any) -> Map
     planned = {id(slot) for slot, _ in plan}
     left = [s for s in (*slots, *found.transient) if s.tensor.is_meta and id(s) not in planned]
     if left:
-        warnings.warn(left_on_meta(model, where, left, strict, new_home), UserWarning, stacklevel=4)
+        warnings.warn(
+            left_on_meta(model, where, left, strict, new_home),
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
     _read_plan(model, where, source_catalog.stamps, plan, pieces, sources, materialize_on, progress)
     return source_catalog.stamps

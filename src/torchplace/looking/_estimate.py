@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .._errors import DeviceSpecError, TorchplaceError
+from .._errors import DeviceSpecError, TorchplaceError, user_stacklevel
 from .._sizes import format_bytes as _format_bytes
 from .._tensor_size import nbytes_as
 from ._fake_step import KINDS, ModulePeak, Unmeasurable, measure_step
@@ -432,7 +432,7 @@ def _measured(model: nn.Module, name: str | None, example_input: Any, step: str)
             f"estimate(): the {step} step was not measured, so activations and temporaries are "
             f"not in this estimate (counted parameters, gradients and optimizer state): {why}",
             UserWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
         return dataclasses.replace(counted, step=step, fallback=str(why))
     except TorchplaceError:

@@ -26,7 +26,7 @@ from torch import nn
 
 from .._devices import DeviceSpec
 from .._devices import device as _device
-from .._errors import MoveError, TorchplaceError
+from .._errors import MoveError, TorchplaceError, user_stacklevel
 from .._model_walk import tensor_slots, user_attributes
 from .._own_moves import (
     conversion_flags,
@@ -727,10 +727,12 @@ def _warn_after(
             f"({names}) stay where they are; give {cls} a .to(device) method that returns the "
             "moved object, or make it a dataclass",
             UserWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
     if copier.discarded:
-        warnings.warn(discarded_warning("move", copier.discarded), UserWarning, stacklevel=3)
+        warnings.warn(
+            discarded_warning("move", copier.discarded), UserWarning, stacklevel=user_stacklevel()
+        )
     if left_behind and attributes == "warn":
         names = ", ".join(left_behind[:5]) + (", ..." if len(left_behind) > 5 else "")
         warnings.warn(
@@ -739,7 +741,7 @@ def _warn_after(
             "Register tensors with self.register_buffer(name, tensor), keep modules in "
             "nn.ModuleList / nn.ModuleDict, or pass attributes='move' (or 'ignore').",
             UserWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
 
 

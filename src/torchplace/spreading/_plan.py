@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._errors import DeviceSpecError, TorchplaceError
+from .._errors import DeviceSpecError, TorchplaceError, user_stacklevel
 from .._model_walk import ModelTree, display, walk_model
 from .._sizes import format_bytes as _format_bytes
 from .._tensor_size import nbytes_as
@@ -140,7 +140,7 @@ def _warn_none_present(absent: list[str], present: list[str]) -> None:
         f"plan(): no_split names no class of the model ({', '.join(guesses)}), so every module "
         f"may be split; classes present: {', '.join(present)}",
         UserWarning,
-        stacklevel=4,
+        stacklevel=user_stacklevel(),
     )
 
 
