@@ -6,6 +6,13 @@ allocated); one training step at batch 1 x 2048 tokens with labels and Adam runs
 as the estimate does it. Target: under 30 s on the 2-core machine. The time to build the
 skeleton is shown apart (it is transformers', not the estimate's). ``--profile`` prints where
 the estimate's time goes (cProfile, top functions by cumulative time).
+
+``--gpu`` (on a CUDA machine) checks accuracy instead: three small transformers models (GPT-2,
+Llama, BERT; a few layers, batch 8 x 256) each run one real training step (forward, backward,
+Adam) and one inference forward on ``cuda:0``, and the predicted peak of ``estimate`` for the
+same step is compared with ``torch.cuda.max_memory_allocated`` over the step (the model's
+weights included, as both count them). Target: within 10%. ``--rows FILE`` appends the figures
+for ``gpu_check.sh``.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import time
 
 import torch
 
+from _rows import add_row
 from torchplace.looking._estimate import estimate
 
 TARGET_S = 30.0
@@ -38,12 +46,90 @@ def llama_7b(layers: int) -> torch.nn.Module:
         return transformers.LlamaForCausalLM(config)
 
 
+def small_models() -> dict[str, torch.nn.Module]:
+    """Three transformers families, a few layers each, on the CPU (moved to the GPU per step)."""
+    import transformers
+
+    return {
+        "gpt2": transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                n_layer=4, n_embd=512, n_head=8, vocab_size=8000, bos_token_id=0, eos_token_id=0
+            )
+        ),
+        "llama": transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                num_hidden_layers=4,
+                hidden_size=512,
+                intermediate_size=1376,
+                num_attention_heads=8,
+                num_key_value_heads=8,
+                vocab_size=8000,
+            )
+        ),
+        "bert": transformers.BertForMaskedLM(
+            transformers.BertConfig(
+                num_hidden_layers=4,
+                hidden_size=512,
+                intermediate_size=2048,
+                num_attention_heads=8,
+                vocab_size=8000,
+            )
+        ),
+    }
+
+
+def _real_peak(model: torch.nn.Module, batch: dict[str, torch.Tensor], train: bool) -> int:
+    """``max_memory_allocated`` over one real step on cuda:0 (weights already there)."""
+    opt = torch.optim.Adam(model.parameters()) if train else None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    if train:
+        assert opt is not None
+        model(**batch).loss.backward()
+        opt.step()
+    else:
+        with torch.no_grad():
+            model(**batch)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated()
+
+
+def gpu_accuracy(rows: str | None) -> None:
+    """Predicted peak against the real one, per model and step, on cuda:0."""
+    cuda = torch.device("cuda", 0)
+
+    def tokens(dev: torch.device) -> dict[str, torch.Tensor]:
+        ids = torch.randint(0, 8000, (8, 256), device=dev)
+        return {"input_ids": ids, "labels": ids}
+
+    for name, model in small_models().items():
+        for step in ("train", "forward"):
+            model.to(cuda).train(step == "train")
+            predicted = estimate(model, example_input=tokens, step=step).peak
+            real = _real_peak(model, tokens(cuda), step == "train")
+            ratio = predicted / real
+            print(f"{name} {step}: predicted {predicted >> 20} MiB, real {real >> 20} MiB, "
+                  f"ratio {ratio:.3f}")  # fmt: skip
+            add_row(rows, f"estimate {name} {step}: predicted / max_memory_allocated", ratio,
+                    "0.9-1.1x", 0.9 <= ratio <= 1.1)  # fmt: skip
+            model.to("cpu")
+            torch.cuda.empty_cache()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--seq", type=int, default=2048)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--gpu", action="store_true", help="accuracy against a real CUDA step")
+    parser.add_argument("--rows", default=None, help="append figures as JSON lines here")
     args = parser.parse_args()
+    if args.gpu:
+        if not torch.cuda.is_available():
+            print("bench_estimate --gpu: no CUDA device here, nothing to measure")
+            return
+        gpu_accuracy(args.rows)
+        return
     start = time.perf_counter()
     model = llama_7b(args.layers)
     built = time.perf_counter() - start
