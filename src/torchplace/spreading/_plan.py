@@ -331,14 +331,18 @@ class _Planner:
         )
 
     def device_map(self) -> dict[str, Place]:
+        """The smallest map: children of one device collapse to their parent, except that a
+        model wholly on the disk is mapped by its children, since the disk tier streams the
+        parts that run (``load_into`` refuses ``{"": "disk"}``)."""
         out: dict[str, Place] = {}
+        root_by_parts = bool(self.tree.children[""]) and not self.tree.direct[""]
 
         def emit(path: str, inherited: Place | None) -> None:
             ids = self.tree.subtree(path)
             devices = {self.devices[self.placed[key]] for key in ids}
             if not devices:
                 return
-            if len(devices) == 1:
+            if len(devices) == 1 and not (path == "" and DISK in devices and root_by_parts):
                 (dev,) = devices
                 if dev != inherited:
                     out[path] = dev
