@@ -283,6 +283,19 @@ def test_a_state_dict_cannot_be_left_on_disk() -> None:
         )
 
 
+def test_load_into_by_a_map_keeps_the_data_of_its_errors(tmp_path: Any) -> None:
+    # The re-raise that puts "load_into(): " in front dropped .missing and .path (and dispatch,
+    # plan and estimate theirs): a program acting on err.missing found it empty.
+    model = mlp(2)
+    torch.save({"0.weight": model[0].weight, "0.bias": model[0].bias}, tmp_path / "part.pt")
+    with pytest.raises(torchplace.CheckpointError, match=r"^load_into\(\): ") as caught:
+        torchplace.load_into(
+            torchplace.skeleton(mlp, 2), tmp_path / "part.pt", device_map={"": "cpu"}
+        )
+    assert caught.value.missing == ("2.weight", "2.bias")
+    assert caught.value.path == tmp_path / "part.pt"
+
+
 def saved_llama(tmp_path: Any) -> tuple[nn.Module, Any, Any]:
     cls, config = tiny_llama()
     torch.manual_seed(0)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .._devices import DeviceSpec
-from .._errors import CheckpointError, DeviceSpecError, TorchplaceError
+from .._errors import CheckpointError, DeviceSpecError, TorchplaceError, prefixed
 from .._model_walk import display, walk_model
 from ..checkpoint._checkpoint import load_into as fill
 from ..checkpoint._disk_weights import CheckpointWeights
@@ -95,7 +95,7 @@ def load_into(
         return _by_map(model, source, device, device_map, rename, options, execution_device,
                        offload_window)  # fmt: skip
     except TorchplaceError as err:
-        raise type(err)(f"load_into(): {err}") from err.__cause__
+        raise prefixed(err, "load_into()") from err.__cause__
 
 
 def _by_map(

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._errors import DeviceSpecError, TorchplaceError
+from .._errors import DeviceSpecError, TorchplaceError, prefixed
 from .._model_walk import ModelTree, display, walk_model
 from .._sizes import format_bytes as _format_bytes
 from .._tensor_size import nbytes_as
@@ -594,4 +594,4 @@ def plan(
         device_map = _place(tree, budgets, classes, size, targets)
         return DeviceMap(device_map, budgets=budgets, headroom=headroom)
     except TorchplaceError as err:
-        raise type(err)(f"plan(): {err}") from err.__cause__
+        raise prefixed(err, "plan()") from err.__cause__
