@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import textwrap
@@ -322,6 +323,24 @@ def test_an_input_the_model_cannot_take_names_the_model() -> None:
     ):
         estimate(model, example_input=torch.ones(B, 5))
     assert_same(before, model)
+
+
+def test_an_input_the_model_cannot_take_logs_no_traceback_of_torch() -> None:
+    # FakeTensorMode logs the failing operator with a full traceback at ERROR before it
+    # re-raises; estimate's own error already carries torch's message, so the user saw the
+    # same failure twice, first as a wall of "E... fake_tensor.py" lines.
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        with pytest.raises(TorchplaceError, match=r"example_input.*\[64, 5\]"):
+            estimate(mlp(), example_input=torch.ones(B, 5))
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in seen] == []
+    assert logger.filters == []  # nothing left installed
 
 
 def test_bad_step_and_grads_say_what_to_pass() -> None:

@@ -283,6 +283,48 @@ def test_a_state_dict_cannot_be_left_on_disk() -> None:
         )
 
 
+def test_a_disk_module_the_checkpoint_lacks_is_refused_before_anything_is_filled(
+    tmp_path: Any,
+) -> None:
+    # It loaded without a word (strict=True) and failed on its first call, saying that the
+    # file "no longer holds" tensors it never held.
+    model = mlp(4)
+    torch.save({k: v for k, v in model.state_dict().items() if not k.startswith("2.")},
+               tmp_path / "partial.pt")  # fmt: skip
+    target = torchplace.skeleton(mlp, 4)
+    with pytest.raises(
+        torchplace.CheckpointError,
+        match=r"model\.2 on 'disk'.*partial\.pt holds no tensor under '2\.'",
+    ) as caught:
+        torchplace.load_into(target, tmp_path / "partial.pt", device_map={"": "cpu", "2": "disk"})
+    assert caught.value.missing == ("2.weight", "2.bias")
+    assert all(p.is_meta for p in target.parameters())  # nothing filled
+    assert not is_dispatched(target)
+    # a module on disk with no parameters of its own (a Tanh, a rotary embedding) needs none
+    torch.save(model.state_dict(), tmp_path / "whole.pt")
+    loaded = torchplace.load_into(
+        torchplace.skeleton(mlp, 4),
+        tmp_path / "whole.pt",
+        device_map={"": "cpu", "1": "disk", "2": "disk"},
+    )
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+
+
+def test_load_into_by_a_map_keeps_the_data_of_its_errors(tmp_path: Any) -> None:
+    # The re-raise that puts "load_into(): " in front dropped .missing and .path (and dispatch,
+    # plan and estimate theirs): a program acting on err.missing found it empty.
+    model = mlp(2)
+    torch.save({"0.weight": model[0].weight, "0.bias": model[0].bias}, tmp_path / "part.pt")
+    with pytest.raises(torchplace.CheckpointError, match=r"^load_into\(\): ") as caught:
+        torchplace.load_into(
+            torchplace.skeleton(mlp, 2), tmp_path / "part.pt", device_map={"": "cpu"}
+        )
+    assert caught.value.missing == ("2.weight", "2.bias")
+    assert caught.value.path == tmp_path / "part.pt"
+
+
 def saved_llama(tmp_path: Any) -> tuple[nn.Module, Any, Any]:
     cls, config = tiny_llama()
     torch.manual_seed(0)

@@ -16,6 +16,7 @@ from torchplace import _sizes
 from torchplace._errors import DeviceSpecError, TorchplaceError
 from torchplace.looking._estimate import estimate
 from torchplace.spreading._dispatch import dispatch
+from torchplace.spreading._load_by_map import load_into
 from torchplace.spreading._plan import plan
 from toy_models import CPU, CUDA0, CUDA1, LINEAR_BYTES, META, Block, Net, TiedLM, on_fake_cuda
 
@@ -473,7 +474,25 @@ def test_plan_fills_the_disk_after_the_accelerators_and_the_cpu() -> None:
                           "5": "disk", "6": "disk", "7": "disk"}  # fmt: skip
     assert list(device_map.budgets) == [CUDA0, CPU, "disk"]
     assert device_map.budgets["disk"] == 10**12
-    assert plan(_layers(8), {"cpu": 0, "disk": 10**6}) == {"": "disk"}
+    assert plan(_layers(8), {"cpu": 0, "disk": 10**6}) == {str(i): "disk" for i in range(8)}
+
+
+def test_plan_of_a_model_wholly_on_disk_maps_its_parts_so_load_into_takes_it(
+    tmp_path: Any,
+) -> None:
+    # {"": "disk"} is refused by load_into (the disk tier streams the parts that run): a plan
+    # that puts everything on the disk names the parts, and load_into runs the model by it.
+    torch.manual_seed(0)
+    whole = _layers(3).to_empty(device="cpu")
+    for p in whole.parameters():
+        nn.init.normal_(p)
+    torch.save(whole.state_dict(), tmp_path / "layers.pt")
+    device_map = plan(_layers(3), {"cpu": 0, "disk": "1GB"})
+    assert device_map == {"0": "disk", "1": "disk", "2": "disk"}
+    model = load_into(_layers(3), tmp_path / "layers.pt", device_map=device_map)
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        assert torch.equal(model(x), whole(x))
 
 
 def test_plan_result_is_a_dict_that_keeps_its_budgets_through_copies() -> None:

@@ -239,6 +239,12 @@ class CheckpointError(TorchplaceError):
         return {k: v for k, v in data.items() if v}
 
 
+def prefixed(err: TorchplaceError, prefix: str) -> TorchplaceError:
+    """``err`` again, its message led by ``prefix`` (an entry point's name), with its data
+    (``missing``, ``path``, ``stragglers``, ...) kept: the wrapper's re-raise of its errors."""
+    return type(err)(f"{prefix}: {err}", **err._data())
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of an error's message (its type's name when it has none), for quoting
     PyTorch's errors inside torchplace's own; the whole error stays chained as the cause."""

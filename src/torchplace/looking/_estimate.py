@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .._errors import DeviceSpecError, TorchplaceError, user_stacklevel
+from .._errors import DeviceSpecError, TorchplaceError, prefixed, user_stacklevel
 from .._sizes import format_bytes as _format_bytes
 from .._tensor_size import nbytes_as
 from ._fake_step import KINDS, ModulePeak, Unmeasurable, measure_step
@@ -367,7 +367,7 @@ def estimate(
             )
         return _measured(model, name, example_input, step)
     except TorchplaceError as err:
-        raise type(err)(f"estimate(): {err}") from err.__cause__
+        raise prefixed(err, "estimate()") from err.__cause__
 
 
 def _refuse_non_model(model: Any) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -430,7 +431,7 @@ def _measure(
 
     foreach = True if any(d.type != "cpu" for d in where) else None  # as on an accelerator
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with mode, _swapped(model, where):
+    with _quiet_failed_operators(), mode, _swapped(model, where):
         batch = _fake_batch(example_input, run, mode)
         opt = _optimizer(model, optimizer, foreach) if train else None
         tracker = _tracker_class()()
@@ -446,6 +447,25 @@ def _measure(
             most=_most(tracker.torchplace_most),
             modules=_module_peaks(tracker, model, label),
         )
+
+
+class _DropTracebacks(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.exc_info is None
+
+
+@contextlib.contextmanager
+def _quiet_failed_operators() -> Iterator[None]:
+    """FakeTensorMode logs an operator that fails (a batch of the wrong shape) with its
+    traceback before re-raising; the error reaches the user anyway, with torch's message in
+    estimate's, so the log is only noise: dropped while the step runs."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    quiet = _DropTracebacks()
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def _most(most: Mapping[torch.device, Mapping[Any, int]]) -> dict[str, int]:

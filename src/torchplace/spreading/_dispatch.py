@@ -29,6 +29,7 @@ from .._errors import (
     MoveError,
     TorchplaceError,
     first_line,
+    prefixed,
 )
 from .._model_walk import ModelTree, display, walk_model
 from .._tree import Located, iter_leaves, map_tensors
@@ -648,4 +649,4 @@ def dispatch(
         _hook_units(units, offload_window, transport)
         return model
     except TorchplaceError as err:
-        raise type(err)(f"dispatch(): {err}") from err.__cause__
+        raise prefixed(err, "dispatch()") from err.__cause__

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
 from .._devices import DeviceSpec
-from .._errors import CheckpointError, DeviceSpecError, TorchplaceError
+from .._errors import CheckpointError, DeviceSpecError, TorchplaceError, prefixed
 from .._model_walk import display, walk_model
+from ..checkpoint._catalog import catalog
 from ..checkpoint._checkpoint import load_into as fill
 from ..checkpoint._disk_weights import CheckpointWeights
 from ..checkpoint._rename import Rename, as_renamer
@@ -95,7 +97,7 @@ def load_into(
         return _by_map(model, source, device, device_map, rename, options, execution_device,
                        offload_window)  # fmt: skip
     except TorchplaceError as err:
-        raise type(err)(f"load_into(): {err}") from err.__cause__
+        raise prefixed(err, "load_into()") from err.__cause__
 
 
 def _by_map(
@@ -119,6 +121,8 @@ def _by_map(
     disk = [name for name, where in entries.items() if where == DISK]
     _check_disk(model, source, disk)
     renamer = None if rename is None else as_renamer(rename)
+    if disk and options["strict"]:
+        _check_in_file(model, resolve(source), disk, renamer)
     dtypes = {name: _dtypes(model.get_submodule(name)) for name in disk}
     with _held_out(model, disk):
         fill(model, source, _one_device(entries), rename=_dropping(renamer, disk), **options)
@@ -156,6 +160,27 @@ def _check_disk(model: nn.Module, source: object, disk: list[str]) -> None:
                 f"{display(name)} holds the buffer {display(f'{name}.{kept[0]}')}, which its "
                 "checkpoint keeps too; the disk tier leaves only parameters in the file, so "
                 f"map {name!r} to 'cpu' or to a device"
+            )
+
+
+def _check_in_file(
+    model: nn.Module, path: Path, disk: list[str], renamer: Callable[[str], str | None] | None
+) -> None:
+    """Refuse, before anything is filled, a ``"disk"`` module the checkpoint holds nothing of
+    (found as its reader finds them: the file's keys after ``rename``, under its name): it
+    would load without a word and fail on its first call, blaming the file for changing."""
+    names = [renamer(key) if renamer is not None else key for key in catalog(path).entries]
+    for name in disk:
+        head = f"{name}."
+        params = [f"{name}.{n}" for n, _ in model.get_submodule(name).named_parameters()]
+        if params and not any(n is not None and n.startswith(head) for n in names):
+            raise CheckpointError(
+                f"the device_map puts {display(name)} on 'disk', but {path} holds no tensor "
+                f"under {head!r}, so its weights could not be read when it runs; check that "
+                "this is the model's checkpoint (rename= maps other names), or map "
+                f"{name!r} to a device and fill it another way",
+                path=path,
+                missing=params,
             )
 
 

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._errors import DeviceSpecError, TorchplaceError, user_stacklevel
+from .._errors import DeviceSpecError, TorchplaceError, prefixed, user_stacklevel
 from .._model_walk import ModelTree, display, walk_model
 from .._sizes import format_bytes as _format_bytes
 from .._tensor_size import nbytes_as
@@ -331,14 +331,18 @@ class _Planner:
         )
 
     def device_map(self) -> dict[str, Place]:
+        """The smallest map: children of one device collapse to their parent, except that a
+        model wholly on the disk is mapped by its children, since the disk tier streams the
+        parts that run (``load_into`` refuses ``{"": "disk"}``)."""
         out: dict[str, Place] = {}
+        root_by_parts = bool(self.tree.children[""]) and not self.tree.direct[""]
 
         def emit(path: str, inherited: Place | None) -> None:
             ids = self.tree.subtree(path)
             devices = {self.devices[self.placed[key]] for key in ids}
             if not devices:
                 return
-            if len(devices) == 1:
+            if len(devices) == 1 and not (path == "" and DISK in devices and root_by_parts):
                 (dev,) = devices
                 if dev != inherited:
                     out[path] = dev
@@ -590,4 +594,4 @@ def plan(
         device_map = _place(tree, budgets, classes, size, targets)
         return DeviceMap(device_map, budgets=budgets, headroom=headroom)
     except TorchplaceError as err:
-        raise type(err)(f"plan(): {err}") from err.__cause__
+        raise prefixed(err, "plan()") from err.__cause__
