@@ -259,16 +259,13 @@ class _ReturnOutput:
         return _to(output, origin, keep_meta=True)
 
 
-class _ExplainClash:
-    """Stands in for ``module.forward``: a device clash raised inside it is explained.
+class _StandIn:
+    """Stands in for ``module.forward`` (in the module's ``__dict__``), calling what was there
+    before: an instance-level forward, or the class's."""
 
-    The innermost one that sees the clash explains it; the ones around it let it through.
-    """
-
-    def __init__(self, module: nn.Module, previous: Any, message: str) -> None:
+    def __init__(self, module: nn.Module, previous: Any) -> None:
         self.module = module
         self.previous = previous  # an instance-level forward that was there before, or None
-        self.message = message  # "{error}" stands for the first line of PyTorch's message
         self.__doc__ = getattr(module.forward, "__doc__", None)
 
     @property
@@ -278,11 +275,25 @@ class _ExplainClash:
             return self.previous
         return type(self.module).forward.__get__(self.module)
 
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+
+class _ExplainClash(_StandIn):
+    """Stands in for ``module.forward``: a device clash raised inside it is explained.
+
+    The innermost one that sees the clash explains it; the ones around it let it through.
+    """
+
+    def __init__(self, module: nn.Module, previous: Any, message: str) -> None:
+        super().__init__(module, previous)
+        self.message = message  # "{error}" stands for the first line of PyTorch's message
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            if self.previous is not None:
-                return self.previous(*args, **kwargs)
-            return type(self.module).forward(self.module, *args, **kwargs)
+            return self.forward(*args, **kwargs)
         except TorchplaceError:
             raise
         except RuntimeError as err:
