@@ -565,3 +565,54 @@ def test_a_checkpoint_rewritten_under_a_running_model_raises(
             model(torch.ones(1, 8))
     assert reads == ["2", "2"]  # the failed read is read again, not kept and re-raised
     assert model[2].weight.is_meta
+
+
+_INTERRUPTED_CHILD = """
+import os, signal, sys, time
+import torch
+from torch import nn
+import torchplace
+
+class Interrupting(nn.Linear):
+    armed = False
+
+    def forward(self, x):
+        if Interrupting.armed:  # a real Ctrl-C, landing inside this offloaded layer's forward
+            Interrupting.armed = False
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        return super().forward(x)
+
+def make():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), Interrupting(8, 8), nn.Linear(8, 8))
+
+reference = make()
+torch.save(reference.state_dict(), sys.argv[1])
+model = torchplace.load_into(torchplace.skeleton(make), sys.argv[1],
+                             device_map={"": "cpu", "1": "disk", "2": "disk"})
+x = torch.randn(2, 8)
+with torch.no_grad():
+    Interrupting.armed = True
+    try:
+        model(x)
+        print("no interrupt came")
+    except KeyboardInterrupt:
+        print("interrupted; on meta:", model[1].weight.is_meta)
+    print("again:", torch.equal(model(x), reference(x)), "; on meta:", model[1].weight.is_meta)
+"""
+
+
+def test_ctrl_c_inside_an_offloaded_forward_drops_its_weights(tmp_path: Any) -> None:
+    """PyTorch runs ``always_call`` forward hooks for an ``Exception`` only: a Ctrl-C inside an
+    offloaded module's forward must not leave its fetched weights in place for good (and the
+    ring taking every later call for a call from inside it)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _INTERRUPTED_CHILD, str(tmp_path / "m.pt")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == ["interrupted; on meta: True", "again: True ; on meta: True"]

@@ -563,18 +563,41 @@ class _After:
         self.ring.after(self.index)
 
 
+class _Interrupted(_StandIn):
+    """Stands in for an offloaded module's forward: a ``KeyboardInterrupt`` (or another
+    ``BaseException`` that is not an ``Exception``) raised inside it ends the unit's call in
+    the ring, as ``_After`` ends it for the rest (PyTorch runs ``always_call`` forward hooks
+    for an ``Exception`` only), so that its fetched weights do not stay in place for good."""
+
+    def __init__(self, module: nn.Module, previous: Any, ring: Ring, index: int) -> None:
+        super().__init__(module, previous)
+        self.ring, self.index = ring, index
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.forward(*args, **kwargs)
+        except Exception:
+            raise
+        except BaseException:
+            self.ring.after(self.index)
+            raise
+
+
 def _hook_units(units: list[Unit], window: int, transport: Transport) -> None:
     """The ring's hooks on each offloaded module, kept in its mark for ``undispatch``."""
     if not units:
         return
     ring = Ring(units, window, transport)
     for i, unit in enumerate(units):
-        installed = unit.module.__dict__.get(MARK) or Installed(handles=[])
-        installed.handles.append(unit.module.register_forward_pre_hook(_Before(ring, i)))
-        installed.handles.append(
-            unit.module.register_forward_hook(_After(ring, i), always_call=True)
-        )
-        unit.module.__dict__[MARK] = installed
+        module = unit.module
+        installed = module.__dict__.get(MARK) or Installed(handles=[])
+        installed.handles.append(module.register_forward_pre_hook(_Before(ring, i)))
+        installed.handles.append(module.register_forward_hook(_After(ring, i), always_call=True))
+        if not installed.wrapped_forward:  # undispatch puts back what was there before both
+            installed.previous_forward = module.__dict__.get("forward")
+            installed.wrapped_forward = True
+        module.__dict__["forward"] = _Interrupted(module, module.__dict__.get("forward"), ring, i)
+        module.__dict__[MARK] = installed
         unit.module.__dict__[HOME] = unit.home
 
 
