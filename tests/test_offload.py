@@ -616,3 +616,47 @@ def test_ctrl_c_inside_an_offloaded_forward_drops_its_weights(tmp_path: Any) -> 
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines() == ["interrupted; on meta: True", "again: True ; on meta: True"]
+
+
+class TiedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+class Tied(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(8, 8, bias=False)
+        self.block = TiedBlock()
+        self.head = nn.Linear(8, 8, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.block(self.embed(x)))
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ("head", r"model\.head\.weight is tied to model\.embed\.weight.*map 'head' to 'cpu'"),
+        ("embed", r"model\.embed\.weight is tied to model\.head\.weight.*map 'embed' to 'cpu'"),
+        ("block", r"model\.block\.a\.weight is tied to model\.block\.b\.weight.*'block' to"),
+    ],
+)
+def test_a_tied_weight_cannot_be_left_on_disk(entry: str, message: str, tmp_path: Any) -> None:
+    """A tie is one tensor in memory, and the disk tier reads each of a module's weights from
+    its own key: left on disk, the tie was cut (each holder its own copy), a checkpoint that
+    keeps one key of a tie failed at the first forward saying the file had changed, and a tie
+    inside the module was called a buffer. The map is refused up front, naming the tie."""
+    torch.save(Tied().state_dict(), tmp_path / "tied.pt")
+    skeleton = torchplace.skeleton(Tied)
+    with pytest.raises(torchplace.DeviceSpecError, match=message):
+        torchplace.load_into(skeleton, tmp_path / "tied.pt", device_map={"": "cpu", entry: "disk"})
+    assert skeleton.head.weight is skeleton.embed.weight and skeleton.head.weight.is_meta
+    assert not is_dispatched(skeleton)

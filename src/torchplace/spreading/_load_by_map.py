@@ -147,9 +147,10 @@ def _check_disk(model: nn.Module, source: object, disk: list[str]) -> None:
             "device_map[''] is 'disk': map the model's parts (its layers) to 'disk', not the "
             "whole model, so that they are read one after another as they run"
         )
+    _check_ties(model, disk)
     for name in disk:
         module = model.get_submodule(name)
-        params = {n for n, _ in module.named_parameters()}
+        params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
         kept = [n for n in module.state_dict(keep_vars=True) if n not in params]
         if kept:
             raise CheckpointError(
@@ -157,6 +158,26 @@ def _check_disk(model: nn.Module, source: object, disk: list[str]) -> None:
                 "checkpoint keeps too; the disk tier leaves only parameters in the file, so "
                 f"map {name!r} to 'cpu' or to a device"
             )
+
+
+def _check_ties(model: nn.Module, disk: list[str]) -> None:
+    """``DeviceSpecError`` for a ``"disk"`` module's parameter that is tied to another name: a
+    tie is one tensor in memory, while the disk tier reads each weight from its own key."""
+    names: dict[int, list[str]] = {}
+    for full, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(full)
+    heads = {name: f"{name}." for name in disk}
+    for full, p in model.named_parameters(remove_duplicate=False):
+        entry = next((n for n, head in heads.items() if full.startswith(head)), None)
+        tied = [other for other in names[id(p)] if other != full]
+        if entry is None or not tied:
+            continue
+        raise DeviceSpecError(
+            f"{display(full)} is tied to {display(tied[0])}, and the device_map puts "
+            f"{display(entry)} on 'disk': a tied weight is one tensor in memory, but the disk "
+            "tier reads each weight of a module from its own key in the file (the tie would be "
+            f"cut, each holder reading its own copy); map {entry!r} to 'cpu' or to a device"
+        )
 
 
 def _one_device(entries: Mapping[str, torch.device | str]) -> torch.device | None:
