@@ -660,3 +660,28 @@ def test_a_tied_weight_cannot_be_left_on_disk(entry: str, message: str, tmp_path
         torchplace.load_into(skeleton, tmp_path / "tied.pt", device_map={"": "cpu", entry: "disk"})
     assert skeleton.head.weight is skeleton.embed.weight and skeleton.head.weight.is_meta
     assert not is_dispatched(skeleton)
+
+
+def test_the_disk_tier_reads_into_memory_without_populating_it_first(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each unit's weights are read into memory the previous unit's weights just gave back, so
+    faulting its pages in ahead of the read (``read_into``'s ``fresh``) only costs: 7.9 ms
+    against 3.0 ms a 16 MiB layer, read on one thread from the page cache (bench_offload)."""
+    from torchplace.checkpoint import _load
+
+    torch.save(mlp(2).state_dict(), tmp_path / "mlp.pt")
+    model = torchplace.load_into(
+        torchplace.skeleton(mlp, 2), tmp_path / "mlp.pt", device_map={"": "cpu", "2": "disk"}
+    )
+    asked: list[bool] = []
+    real = _load.read_into
+
+    def spy(path: Any, pieces: Any, /, stamp: Any = None, checks: Any = None, fresh: bool = True):  # type: ignore[no-untyped-def]
+        asked.append(fresh)
+        return real(path, pieces, stamp, checks, fresh)
+
+    monkeypatch.setattr(_load, "read_into", spy)
+    with torch.no_grad():
+        assert torch.equal(model(torch.ones(1, 8)), mlp(2)(torch.ones(1, 8)))
+    assert asked and not any(asked)

@@ -71,7 +71,9 @@ class CheckpointWeights:
         model = self._model()
         assert model is not None, "the model this reader belongs to is gone"
         found, keys = self._file_keys()
-        state = read_entries(found, keys, device)
+        # Into memory the previous unit's weights have just given back (its pages resident):
+        # faulting them in first took 7.9 ms against 3.0 ms for a 16 MiB layer (bench_offload)
+        state = read_entries(found, keys, device, fresh=False)
         if self.renamer is not None:
             state = {self.renamer(k) or k: v for k, v in state.items()}
         state = hub_converted(self.where, model, state, owned=True)
