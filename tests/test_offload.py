@@ -685,3 +685,47 @@ def test_the_disk_tier_reads_into_memory_without_populating_it_first(
     with torch.no_grad():
         assert torch.equal(model(torch.ones(1, 8)), mlp(2)(torch.ones(1, 8)))
     assert asked and not any(asked)
+
+
+class CpuSource(MemorySource):
+    """A disk tier's reader that reads onto the CPU whatever device it is asked for (the fake
+    CUDA device of the stream tests)."""
+
+    def read(self, device: torch.device) -> dict[str, torch.Tensor]:
+        return super().read(torch.device("cpu"))
+
+    def only(self, prefix: str) -> CpuSource:
+        return CpuSource(self.state, prefix)
+
+
+def test_the_side_stream_is_made_once_on_the_callers_thread() -> None:
+    """A disk unit fetched first used to make the side stream in the reading thread, while the
+    caller could make another at once for a host unit: a host unit's copies could then be
+    queued on one stream and the event its compute waits on recorded on the other."""
+    import threading
+
+    from torchplace.spreading._dispatch import _hook_units
+
+    reference = mlp(2)
+    model = copy.deepcopy(reference).requires_grad_(False)
+    made: list[threading.Thread] = []
+
+    class Cuda(FakeCuda):
+        def Stream(self, device: torch.device) -> FakeStream:
+            made.append(threading.current_thread())
+            return super().Stream(device)
+
+    transport = LoggingTransport(torch.device("cuda:0"), Cuda())
+    transport.names = {id(p): n for n, p in model.named_parameters()}
+    units = []
+    for name, tier in (("0", "disk"), ("2", "cpu")):
+        module = model.get_submodule(name)
+        slots = [(module, leaf, p) for leaf, p in module.named_parameters()]
+        source = CpuSource({k: v.detach() for k, v in module.named_parameters()})
+        home = Home(tier, torch.device("cuda:0"), source if tier == "disk" else None)
+        units.append(Unit(name, module, slots, [s[1] for s in slots], home))
+    _hook_units(units, 2, transport)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    assert made == [threading.main_thread()]

@@ -187,36 +187,37 @@ class DeviceTransport:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, "torchplace-offload")
         return self._pool.submit(work)
 
-    def _marked(self) -> Any:
-        """An event recorded on the side stream after the work queued on it so far."""
+    def _marked(self, stream: Any) -> Any:
+        """An event recorded on ``stream`` after the work queued on it so far."""
         event = self.cuda.Event()
-        event.record(self.stream)
+        event.record(stream)
         return event
 
     def fetch(self, unit: Unit) -> Fetched:
+        stream = self.stream  # made here, on the caller's thread, never in the reading one
         if unit.home.source is not None:
-            return Fetched(self._in_background(lambda: self._read(unit)))
-        if self.stream is None:  # a host tier executed on the host: nothing to copy
+            return Fetched(self._in_background(lambda: self._read(unit, stream)))
+        if stream is None:  # a host tier executed on the host: nothing to copy
             return Fetched([p for _, _, p in unit.slots])
         # The side stream first waits for the compute queued so far: memory the allocator
         # hands these copies may have been released by compute still in flight.
-        self.stream.wait_stream(self.cuda.current_stream(self.device))
-        with self.cuda.stream(self.stream):
+        stream.wait_stream(self.cuda.current_stream(self.device))
+        with self.cuda.stream(stream):
             tensors = [self.copy(p) for _, _, p in unit.slots]
-        return Fetched(tensors, self._marked())
+        return Fetched(tensors, self._marked(stream))
 
     def copy(self, host: torch.Tensor) -> torch.Tensor:
         """One pinned host tensor's asynchronous copy to the device (on the current stream)."""
         return host.to(self.device, non_blocking=True)
 
-    def _read(self, unit: Unit) -> tuple[list[torch.Tensor], Any]:
+    def _read(self, unit: Unit, stream: Any) -> tuple[list[torch.Tensor], Any]:
         assert unit.home.source is not None
-        if self.stream is None:
+        if stream is None:
             by_name = unit.home.source.read(self.device)
             return [by_name[n] for n in unit.names], None
-        with self.cuda.stream(self.stream):
+        with self.cuda.stream(stream):
             by_name = unit.home.source.read(self.device)
-            event = self._marked()
+            event = self._marked(stream)
         return [by_name[n] for n in unit.names], event
 
     def ready(self, fetched: Fetched) -> list[torch.Tensor]:
