@@ -729,3 +729,43 @@ def test_the_side_stream_is_made_once_on_the_callers_thread() -> None:
     with torch.no_grad():
         assert torch.equal(model(x), reference(x))
     assert made == [threading.main_thread()]
+
+
+class SlowSource(MemorySource):
+    """A disk tier's reader that takes a while, so that two threads wait for one read."""
+
+    def read(self, device: torch.device) -> dict[str, torch.Tensor]:
+        import time
+
+        time.sleep(0.01)
+        return super().read(device)
+
+    def only(self, prefix: str) -> SlowSource:
+        return SlowSource(self.state, prefix)
+
+
+def test_two_threads_running_one_offloaded_model_each_get_their_output() -> None:
+    """Two threads waiting for one unit's read both swapped its weights in, and the first to
+    finish swapped them out under the other (which then met ``meta`` weights)."""
+    import concurrent.futures
+
+    reference = mlp(3)
+    model = copy.deepcopy(reference).requires_grad_(False)
+    for name in ("0", "2", "4"):
+        module = model.get_submodule(name)
+        module.__dict__[HOME] = Home(
+            "disk",
+            torch.device("cpu"),
+            SlowSource({k: v.detach() for k, v in module.named_parameters()}),
+        )
+        module.to_empty(device="meta")
+    torchplace.dispatch(model, {"": "cpu", "0": "disk", "2": "disk", "4": "disk"})
+    xs = [torch.randn(2, 8) for _ in range(2)]
+
+    def run(x: torch.Tensor) -> bool:
+        with torch.no_grad():
+            return all(torch.equal(model(x), reference(x)) for _ in range(15))
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(run, xs, timeout=120)) == [True, True]
+    assert all(p.is_meta for p in model.parameters())

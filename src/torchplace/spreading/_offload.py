@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -104,12 +105,20 @@ class Ring:
         self.transport = transport
         self.resident: dict[int, Fetched] = {}
         self.attached: dict[int, list[tuple[nn.Module, str, nn.Parameter]]] = {}
-        self.inner: dict[int, int] = {}  # calls of a unit from inside its own forward
+        self.inner: dict[int, int] = {}  # calls of a unit while it runs (itself, a thread)
+        # Threads running the model at once take turns in the bookkeeping (one waiting for a
+        # read holds it): each unit is swapped in once and out by the last call to end.
+        self.lock = threading.RLock()
 
     def before(self, i: int) -> None:
         unit = self.units[i]
         if torch.is_grad_enabled() and any(p.requires_grad for _, _, p in unit.slots):
             raise _grad_error(unit)
+        with self.lock:
+            self._before(i)
+
+    def _before(self, i: int) -> None:
+        unit = self.units[i]
         if i in self.attached:  # called again from inside itself: its weights are in place
             self.inner[i] = self.inner.get(i, 0) + 1
             return
@@ -128,6 +137,10 @@ class Ring:
         self.attached[i] = _swap_in(unit, tensors)
 
     def after(self, i: int) -> None:
+        with self.lock:
+            self._after(i)
+
+    def _after(self, i: int) -> None:
         if self.inner.get(i):
             self.inner[i] -= 1
             return
@@ -143,7 +156,12 @@ class Ring:
     def __getstate__(self) -> dict[str, Any]:  # a copy starts with nothing resident
         state = dict(self.__dict__)
         state["resident"], state["attached"], state["inner"] = {}, {}, {}
+        del state["lock"]
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.RLock()
 
 
 def _swap_in(unit: Unit, tensors: list[torch.Tensor]) -> list[tuple[nn.Module, str, nn.Parameter]]:
