@@ -769,3 +769,24 @@ def test_two_threads_running_one_offloaded_model_each_get_their_output() -> None
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         assert list(pool.map(run, xs, timeout=120)) == [True, True]
     assert all(p.is_meta for p in model.parameters())
+
+
+def test_a_model_cast_after_loading_reads_its_disk_weights_in_the_new_dtype(
+    tmp_path: Any,
+) -> None:
+    """``model.to(torch.float64)`` casts the ``meta`` parameters a disk module keeps at home;
+    its weights were still read in the dtype the model had when it was loaded (float32 into a
+    float64 matmul: a raw RuntimeError), and ``move`` gathered them so."""
+    reference = mlp(2)
+    torch.save(reference.state_dict(), tmp_path / "mlp.pt")
+    model = torchplace.load_into(
+        torchplace.skeleton(mlp, 2), tmp_path / "mlp.pt", device_map={"": "cpu", "2": "disk"}
+    )
+    model.to(torch.float64)
+    reference.to(torch.float64)
+    x = torch.randn(3, 8, dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    torchplace.move(model, "cpu")
+    assert model[2].weight.dtype == torch.float64
+    assert torch.equal(model[2].weight, reference[2].weight)
