@@ -790,3 +790,25 @@ def test_a_model_cast_after_loading_reads_its_disk_weights_in_the_new_dtype(
     torchplace.move(model, "cpu")
     assert model[2].weight.dtype == torch.float64
     assert torch.equal(model[2].weight, reference[2].weight)
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"offload_window": 0}, r"offload_window must be at least 1, not 0"),
+        ({"execution_device": "bogus"}, r"execution_device: unknown device spec 'bogus'"),
+    ],
+)
+def test_load_into_checks_the_offload_options_before_reading_the_checkpoint(
+    options: dict[str, Any], error: str, tmp_path: Any
+) -> None:
+    """A typo in ``offload_window`` or ``execution_device`` was found by ``dispatch``, once the
+    whole checkpoint had been read, and left the skeleton filled but not dispatched."""
+    torch.save(mlp(2).state_dict(), tmp_path / "mlp.pt")
+    skeleton = torchplace.skeleton(mlp, 2)
+    with pytest.raises(torchplace.DeviceSpecError, match=error):
+        torchplace.load_into(
+            skeleton, tmp_path / "mlp.pt", device_map={"": "cpu", "2": "disk"}, **options
+        )
+    assert all(p.is_meta for p in skeleton.parameters())
+    assert list(homes(skeleton)) == [] and not is_dispatched(skeleton)

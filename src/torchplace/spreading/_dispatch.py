@@ -451,6 +451,20 @@ def _offloading(entries: dict[str, torch.device | str], execution_device: object
     return _Offload(execution, tiers, runs)
 
 
+def check_offloading(
+    entries: dict[str, torch.device | str], execution_device: object, offload_window: int
+) -> None:
+    """``dispatch``'s checks of ``execution_device`` and ``offload_window`` for ``entries``
+    (parsed by ``parse_device_map``), for a caller that does a long job before dispatching."""
+    offload = _offloading(entries, execution_device)
+    if offload.tiers and offload_window < 1:
+        raise _window_error(offload_window)
+
+
+def _window_error(offload_window: int) -> DeviceSpecError:
+    return DeviceSpecError(f"offload_window must be at least 1, not {offload_window}")
+
+
 def _entry_of(path: str, entries: Mapping[str, object]) -> str | None:
     """The most specific map entry that contains ``path``."""
     probe = path
@@ -672,7 +686,7 @@ def dispatch(
         targets = _targets(tree, offload.runs)
         units = _units(tree, offload) if offload.tiers else []
         if units and offload_window < 1:
-            raise DeviceSpecError(f"offload_window must be at least 1, not {offload_window}")
+            raise _window_error(offload_window)
         _place(tree, _homes(tree, offload, targets))  # all or nothing: on failure the model
         _pin(units, offload.execution)  # and its hooks are as they were
         undispatch(model)  # only now: a bad map or a failed move keeps an earlier dispatch whole

@@ -25,7 +25,7 @@ from ..checkpoint._disk_weights import CheckpointWeights
 from ..checkpoint._rename import Rename, as_renamer
 from ..checkpoint._source import PathLike, resolve
 from ..moving._offloaded import HOME, Home
-from ._dispatch import DISK, DeviceMapSpec, dispatch, parse_device_map
+from ._dispatch import DISK, DeviceMapSpec, check_offloading, dispatch, parse_device_map
 from ._offload import DEFAULT_WINDOW
 
 __all__ = ["load_into"]
@@ -116,6 +116,7 @@ def _by_map(
     if not isinstance(model, nn.Module):
         raise TorchplaceError(f"load_into() fills an nn.Module, not {type(model).__name__}")
     entries = parse_device_map(walk_model(model), device_map)
+    check_offloading(entries, execution_device, offload_window)  # before reading a byte
     disk = [name for name, where in entries.items() if where == DISK]
     _check_disk(model, source, disk)
     renamer = None if rename is None else as_renamer(rename)
