@@ -812,3 +812,47 @@ def test_load_into_checks_the_offload_options_before_reading_the_checkpoint(
         )
     assert all(p.is_meta for p in skeleton.parameters())
     assert list(homes(skeleton)) == [] and not is_dispatched(skeleton)
+
+
+def test_a_refused_call_leaves_another_threads_call_of_the_unit_alone() -> None:
+    """A call refused by the ring (gradients on) still gets PyTorch's ``always_call`` forward
+    hook, which used to end the unit's call in the ring: another thread running that unit
+    had its weights swapped out under it."""
+    import threading
+
+    class Waiting(nn.Linear):
+        inside, go = threading.Event(), threading.Event()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if not torch.is_grad_enabled():
+                Waiting.inside.set()
+                assert Waiting.go.wait(60)
+            return super().forward(x)
+
+    def make() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(Waiting(8, 8), nn.Tanh(), nn.Linear(8, 8))
+
+    reference = make()
+    model = make()
+    on_disk(model, ["0"])
+    torchplace.dispatch(model, {"": "cpu", "0": "disk"})
+    x = torch.randn(2, 8)
+    got: list[torch.Tensor] = []
+
+    def run() -> None:
+        with torch.no_grad():
+            got.append(model(x))
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        assert Waiting.inside.wait(60)
+        with pytest.raises(torchplace.TorchplaceError, match=r"model\.0 \(Waiting\).*no_grad"):
+            model(x)  # gradients on: refused
+    finally:
+        Waiting.go.set()
+        thread.join(60)
+    with torch.no_grad():
+        assert len(got) == 1 and torch.equal(got[0], reference(x))
+    assert model[0].weight.is_meta

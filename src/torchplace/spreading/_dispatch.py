@@ -605,7 +605,9 @@ def _hook_units(units: list[Unit], window: int, transport: Transport) -> None:
     for i, unit in enumerate(units):
         module = unit.module
         installed = module.__dict__.get(MARK) or Installed(handles=[])
-        installed.handles.append(module.register_forward_pre_hook(_Before(ring, i)))
+        # First of its pre-hooks, so that one failing after it still has ``after`` run for
+        # a call ``before`` saw (the always_call hook); the inputs move after it.
+        installed.handles.append(module.register_forward_pre_hook(_Before(ring, i), prepend=True))
         installed.handles.append(module.register_forward_hook(_After(ring, i), always_call=True))
         if not installed.wrapped_forward:  # undispatch puts back what was there before both
             installed.previous_forward = module.__dict__.get("forward")

@@ -109,13 +109,28 @@ class Ring:
         # Threads running the model at once take turns in the bookkeeping (one waiting for a
         # read holds it): each unit is swapped in once and out by the last call to end.
         self.lock = threading.RLock()
+        self.calls = threading.local()  # per thread: (unit, whether ``before`` let it run)
+
+    def _calls(self) -> list[tuple[int, bool]]:
+        calls: list[tuple[int, bool]] | None = getattr(self.calls, "stack", None)
+        if calls is None:
+            calls = self.calls.stack = []
+        return calls
 
     def before(self, i: int) -> None:
+        # A call refused here still gets PyTorch's always_call forward hook (``after``): it
+        # finds the call refused on its thread's stack and leaves the unit alone (another
+        # call may be running it).
         unit = self.units[i]
-        if torch.is_grad_enabled() and any(p.requires_grad for _, _, p in unit.slots):
-            raise _grad_error(unit)
-        with self.lock:
-            self._before(i)
+        try:
+            if torch.is_grad_enabled() and any(p.requires_grad for _, _, p in unit.slots):
+                raise _grad_error(unit)
+            with self.lock:
+                self._before(i)
+        except Exception:
+            self._calls().append((i, False))
+            raise
+        self._calls().append((i, True))
 
     def _before(self, i: int) -> None:
         unit = self.units[i]
@@ -137,6 +152,11 @@ class Ring:
         self.attached[i] = _swap_in(unit, tensors)
 
     def after(self, i: int) -> None:
+        calls = self._calls()
+        if not calls or calls[-1][0] != i:  # ``before`` never ran for this call
+            return
+        if not calls.pop()[1]:  # ``before`` refused it
+            return
         with self.lock:
             self._after(i)
 
@@ -156,12 +176,12 @@ class Ring:
     def __getstate__(self) -> dict[str, Any]:  # a copy starts with nothing resident
         state = dict(self.__dict__)
         state["resident"], state["attached"], state["inner"] = {}, {}, {}
-        del state["lock"]
+        del state["lock"], state["calls"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.lock = threading.RLock()
+        self.lock, self.calls = threading.RLock(), threading.local()
 
 
 def _swap_in(unit: Unit, tensors: list[torch.Tensor]) -> list[tuple[nn.Module, str, nn.Parameter]]:
