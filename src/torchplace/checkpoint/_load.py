@@ -289,15 +289,22 @@ def _whole_model(p: Path) -> bool:
 
 
 def read_entries(
-    found: Catalog, names: list[str], target: torch.device, dtype_of: DTypeWish | None = None
+    found: Catalog,
+    names: list[str],
+    target: torch.device,
+    dtype_of: DTypeWish | None = None,
+    *,
+    fresh: bool = True,
 ) -> dict[str, torch.Tensor]:
     """The catalog's addressable entries ``names``, each allocated on ``target`` (the CPU for an
     accelerator other than CUDA) and read straight into, every file's stamp checked.
 
     ``dtype_of(name)``: the floating dtype a floating tensor is wanted in (the model's), so that
     it is converted chunk by chunk as it is read, never held in the file's dtype whole.
+    ``fresh=False``: the host memory allocated is likely resident already (as ``read_into``
+    takes it).
     """
-    return read_assembled(found, whole_plan(found, names, dtype_of), target)
+    return read_assembled(found, whole_plan(found, names, dtype_of), target, fresh=fresh)
 
 
 def whole_plan(
@@ -371,7 +378,7 @@ def _allocated(
 
 
 def read_assembled(
-    found: Catalog, plan: Mapping[str, Assembled], target: torch.device
+    found: Catalog, plan: Mapping[str, Assembled], target: torch.device, *, fresh: bool = True
 ) -> dict[str, torch.Tensor]:
     """Each tensor of ``plan`` allocated on ``target`` (the CPU for an accelerator other than
     CUDA) and filled from its pieces' byte ranges, every file's stamp checked.
@@ -395,7 +402,7 @@ def read_assembled(
         ) from exc
     for path, pieces in by_file.items():
         try:
-            read_into(path, pieces, found.stamps.get(path))
+            read_into(path, pieces, found.stamps.get(path), fresh=fresh)
         except CheckpointError:
             raise
         except Exception as exc:

@@ -260,16 +260,13 @@ class _ReturnOutput:
         return _to(output, origin, keep_meta=True)
 
 
-class _ExplainClash:
-    """Stands in for ``module.forward``: a device clash raised inside it is explained.
+class _StandIn:
+    """Stands in for ``module.forward`` (in the module's ``__dict__``), calling what was there
+    before: an instance-level forward, or the class's."""
 
-    The innermost one that sees the clash explains it; the ones around it let it through.
-    """
-
-    def __init__(self, module: nn.Module, previous: Any, message: str) -> None:
+    def __init__(self, module: nn.Module, previous: Any) -> None:
         self.module = module
         self.previous = previous  # an instance-level forward that was there before, or None
-        self.message = message  # "{error}" stands for the first line of PyTorch's message
         self.__doc__ = getattr(module.forward, "__doc__", None)
 
     @property
@@ -279,11 +276,25 @@ class _ExplainClash:
             return self.previous
         return type(self.module).forward.__get__(self.module)
 
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+
+class _ExplainClash(_StandIn):
+    """Stands in for ``module.forward``: a device clash raised inside it is explained.
+
+    The innermost one that sees the clash explains it; the ones around it let it through.
+    """
+
+    def __init__(self, module: nn.Module, previous: Any, message: str) -> None:
+        super().__init__(module, previous)
+        self.message = message  # "{error}" stands for the first line of PyTorch's message
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            if self.previous is not None:
-                return self.previous(*args, **kwargs)
-            return type(self.module).forward(self.module, *args, **kwargs)
+            return self.forward(*args, **kwargs)
         except TorchplaceError:
             raise
         except RuntimeError as err:
@@ -441,6 +452,20 @@ def _offloading(entries: dict[str, torch.device | str], execution_device: object
     return _Offload(execution, tiers, runs)
 
 
+def check_offloading(
+    entries: dict[str, torch.device | str], execution_device: object, offload_window: int
+) -> None:
+    """``dispatch``'s checks of ``execution_device`` and ``offload_window`` for ``entries``
+    (parsed by ``parse_device_map``), for a caller that does a long job before dispatching."""
+    offload = _offloading(entries, execution_device)
+    if offload.tiers and offload_window < 1:
+        raise _window_error(offload_window)
+
+
+def _window_error(offload_window: int) -> DeviceSpecError:
+    return DeviceSpecError(f"offload_window must be at least 1, not {offload_window}")
+
+
 def _entry_of(path: str, entries: Mapping[str, object]) -> str | None:
     """The most specific map entry that contains ``path``."""
     probe = path
@@ -553,18 +578,43 @@ class _After:
         self.ring.after(self.index)
 
 
+class _Interrupted(_StandIn):
+    """Stands in for an offloaded module's forward: a ``KeyboardInterrupt`` (or another
+    ``BaseException`` that is not an ``Exception``) raised inside it ends the unit's call in
+    the ring, as ``_After`` ends it for the rest (PyTorch runs ``always_call`` forward hooks
+    for an ``Exception`` only), so that its fetched weights do not stay in place for good."""
+
+    def __init__(self, module: nn.Module, previous: Any, ring: Ring, index: int) -> None:
+        super().__init__(module, previous)
+        self.ring, self.index = ring, index
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self.forward(*args, **kwargs)
+        except Exception:
+            raise
+        except BaseException:
+            self.ring.after(self.index)
+            raise
+
+
 def _hook_units(units: list[Unit], window: int, transport: Transport) -> None:
     """The ring's hooks on each offloaded module, kept in its mark for ``undispatch``."""
     if not units:
         return
     ring = Ring(units, window, transport)
     for i, unit in enumerate(units):
-        installed = unit.module.__dict__.get(MARK) or Installed(handles=[])
-        installed.handles.append(unit.module.register_forward_pre_hook(_Before(ring, i)))
-        installed.handles.append(
-            unit.module.register_forward_hook(_After(ring, i), always_call=True)
-        )
-        unit.module.__dict__[MARK] = installed
+        module = unit.module
+        installed = module.__dict__.get(MARK) or Installed(handles=[])
+        # First of its pre-hooks, so that one failing after it still has ``after`` run for
+        # a call ``before`` saw (the always_call hook); the inputs move after it.
+        installed.handles.append(module.register_forward_pre_hook(_Before(ring, i), prepend=True))
+        installed.handles.append(module.register_forward_hook(_After(ring, i), always_call=True))
+        if not installed.wrapped_forward:  # undispatch puts back what was there before both
+            installed.previous_forward = module.__dict__.get("forward")
+            installed.wrapped_forward = True
+        module.__dict__["forward"] = _Interrupted(module, module.__dict__.get("forward"), ring, i)
+        module.__dict__[MARK] = installed
         unit.module.__dict__[HOME] = unit.home
 
 
@@ -639,7 +689,7 @@ def dispatch(
         targets = _targets(tree, offload.runs)
         units = _units(tree, offload) if offload.tiers else []
         if units and offload_window < 1:
-            raise DeviceSpecError(f"offload_window must be at least 1, not {offload_window}")
+            raise _window_error(offload_window)
         _place(tree, _homes(tree, offload, targets))  # all or nothing: on failure the model
         _pin(units, offload.execution)  # and its hooks are as they were
         undispatch(model)  # only now: a bad map or a failed move keeps an earlier dispatch whole

@@ -27,7 +27,7 @@ from ..checkpoint._disk_weights import CheckpointWeights
 from ..checkpoint._rename import Rename, as_renamer
 from ..checkpoint._source import PathLike, resolve
 from ..moving._offloaded import HOME, Home
-from ._dispatch import DISK, DeviceMapSpec, dispatch, parse_device_map
+from ._dispatch import DISK, DeviceMapSpec, check_offloading, dispatch, parse_device_map
 from ._offload import DEFAULT_WINDOW
 
 __all__ = ["load_into"]
@@ -118,6 +118,7 @@ def _by_map(
     if not isinstance(model, nn.Module):
         raise TorchplaceError(f"load_into() fills an nn.Module, not {type(model).__name__}")
     entries = parse_device_map(walk_model(model), device_map)
+    check_offloading(entries, execution_device, offload_window)  # before reading a byte
     disk = [name for name, where in entries.items() if where == DISK]
     _check_disk(model, source, disk)
     renamer = None if rename is None else as_renamer(rename)
@@ -151,9 +152,10 @@ def _check_disk(model: nn.Module, source: object, disk: list[str]) -> None:
             "device_map[''] is 'disk': map the model's parts (its layers) to 'disk', not the "
             "whole model, so that they are read one after another as they run"
         )
+    _check_ties(model, disk)
     for name in disk:
         module = model.get_submodule(name)
-        params = {n for n, _ in module.named_parameters()}
+        params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
         kept = [n for n in module.state_dict(keep_vars=True) if n not in params]
         if kept:
             raise CheckpointError(
@@ -182,6 +184,26 @@ def _check_in_file(
                 path=path,
                 missing=params,
             )
+
+
+def _check_ties(model: nn.Module, disk: list[str]) -> None:
+    """``DeviceSpecError`` for a ``"disk"`` module's parameter that is tied to another name: a
+    tie is one tensor in memory, while the disk tier reads each weight from its own key."""
+    names: dict[int, list[str]] = {}
+    for full, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(full)
+    heads = {name: f"{name}." for name in disk}
+    for full, p in model.named_parameters(remove_duplicate=False):
+        entry = next((n for n, head in heads.items() if full.startswith(head)), None)
+        tied = [other for other in names[id(p)] if other != full]
+        if entry is None or not tied:
+            continue
+        raise DeviceSpecError(
+            f"{display(full)} is tied to {display(tied[0])}, and the device_map puts "
+            f"{display(entry)} on 'disk': a tied weight is one tensor in memory, but the disk "
+            "tier reads each weight of a module from its own key in the file (the tie would be "
+            f"cut, each holder reading its own copy); map {entry!r} to 'cpu' or to a device"
+        )
 
 
 def _one_device(entries: Mapping[str, torch.device | str]) -> torch.device | None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -104,12 +105,35 @@ class Ring:
         self.transport = transport
         self.resident: dict[int, Fetched] = {}
         self.attached: dict[int, list[tuple[nn.Module, str, nn.Parameter]]] = {}
-        self.inner: dict[int, int] = {}  # calls of a unit from inside its own forward
+        self.inner: dict[int, int] = {}  # calls of a unit while it runs (itself, a thread)
+        # Threads running the model at once take turns in the bookkeeping (one waiting for a
+        # read holds it): each unit is swapped in once and out by the last call to end.
+        self.lock = threading.RLock()
+        self.calls = threading.local()  # per thread: (unit, whether ``before`` let it run)
+
+    def _calls(self) -> list[tuple[int, bool]]:
+        calls: list[tuple[int, bool]] | None = getattr(self.calls, "stack", None)
+        if calls is None:
+            calls = self.calls.stack = []
+        return calls
 
     def before(self, i: int) -> None:
+        # A call refused here still gets PyTorch's always_call forward hook (``after``): it
+        # finds the call refused on its thread's stack and leaves the unit alone (another
+        # call may be running it).
         unit = self.units[i]
-        if torch.is_grad_enabled() and any(p.requires_grad for _, _, p in unit.slots):
-            raise _grad_error(unit)
+        try:
+            if torch.is_grad_enabled() and any(p.requires_grad for _, _, p in unit.slots):
+                raise _grad_error(unit)
+            with self.lock:
+                self._before(i)
+        except Exception:
+            self._calls().append((i, False))
+            raise
+        self._calls().append((i, True))
+
+    def _before(self, i: int) -> None:
+        unit = self.units[i]
         if i in self.attached:  # called again from inside itself: its weights are in place
             self.inner[i] = self.inner.get(i, 0) + 1
             return
@@ -128,6 +152,15 @@ class Ring:
         self.attached[i] = _swap_in(unit, tensors)
 
     def after(self, i: int) -> None:
+        calls = self._calls()
+        if not calls or calls[-1][0] != i:  # ``before`` never ran for this call
+            return
+        if not calls.pop()[1]:  # ``before`` refused it
+            return
+        with self.lock:
+            self._after(i)
+
+    def _after(self, i: int) -> None:
         if self.inner.get(i):
             self.inner[i] -= 1
             return
@@ -143,7 +176,12 @@ class Ring:
     def __getstate__(self) -> dict[str, Any]:  # a copy starts with nothing resident
         state = dict(self.__dict__)
         state["resident"], state["attached"], state["inner"] = {}, {}, {}
+        del state["lock"], state["calls"]
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.lock, self.calls = threading.RLock(), threading.local()
 
 
 def _swap_in(unit: Unit, tensors: list[torch.Tensor]) -> list[tuple[nn.Module, str, nn.Parameter]]:
@@ -187,36 +225,37 @@ class DeviceTransport:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, "torchplace-offload")
         return self._pool.submit(work)
 
-    def _marked(self) -> Any:
-        """An event recorded on the side stream after the work queued on it so far."""
+    def _marked(self, stream: Any) -> Any:
+        """An event recorded on ``stream`` after the work queued on it so far."""
         event = self.cuda.Event()
-        event.record(self.stream)
+        event.record(stream)
         return event
 
     def fetch(self, unit: Unit) -> Fetched:
+        stream = self.stream  # made here, on the caller's thread, never in the reading one
         if unit.home.source is not None:
-            return Fetched(self._in_background(lambda: self._read(unit)))
-        if self.stream is None:  # a host tier executed on the host: nothing to copy
+            return Fetched(self._in_background(lambda: self._read(unit, stream)))
+        if stream is None:  # a host tier executed on the host: nothing to copy
             return Fetched([p for _, _, p in unit.slots])
         # The side stream first waits for the compute queued so far: memory the allocator
         # hands these copies may have been released by compute still in flight.
-        self.stream.wait_stream(self.cuda.current_stream(self.device))
-        with self.cuda.stream(self.stream):
+        stream.wait_stream(self.cuda.current_stream(self.device))
+        with self.cuda.stream(stream):
             tensors = [self.copy(p) for _, _, p in unit.slots]
-        return Fetched(tensors, self._marked())
+        return Fetched(tensors, self._marked(stream))
 
     def copy(self, host: torch.Tensor) -> torch.Tensor:
         """One pinned host tensor's asynchronous copy to the device (on the current stream)."""
         return host.to(self.device, non_blocking=True)
 
-    def _read(self, unit: Unit) -> tuple[list[torch.Tensor], Any]:
+    def _read(self, unit: Unit, stream: Any) -> tuple[list[torch.Tensor], Any]:
         assert unit.home.source is not None
-        if self.stream is None:
+        if stream is None:
             by_name = unit.home.source.read(self.device)
             return [by_name[n] for n in unit.names], None
-        with self.cuda.stream(self.stream):
+        with self.cuda.stream(stream):
             by_name = unit.home.source.read(self.device)
-            event = self._marked()
+            event = self._marked(stream)
         return [by_name[n] for n in unit.names], event
 
     def ready(self, fetched: Fetched) -> list[torch.Tensor]:
