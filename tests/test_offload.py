@@ -898,3 +898,43 @@ def test_a_refused_call_leaves_another_threads_call_of_the_unit_alone() -> None:
     with torch.no_grad():
         assert len(got) == 1 and torch.equal(got[0], reference(x))
     assert model[0].weight.is_meta
+
+
+def test_state_dict_of_a_disk_module_says_to_gather_first_and_moving_lifts_it(
+    tmp_path: Any,
+) -> None:
+    """A module left on disk has meta parameters: ``state_dict()`` (what ``save_pretrained`` and
+    ``torch.save`` call) would hold no values and failed deep inside torch; it now says to gather
+    the model, and after ``move`` the state dict is the saved one, bit for bit."""
+    reference = mlp(2)
+    torch.save(reference.state_dict(), tmp_path / "mlp.pt")
+    model = torchplace.load_into(
+        torchplace.skeleton(mlp, 2), tmp_path / "mlp.pt", device_map={"": "cpu", "2": "disk"}
+    )
+    with pytest.raises(torchplace.TorchplaceError, match=r"model\.2 is offloaded to 'disk'.*move"):
+        model.state_dict()
+    assert model.state_dict(keep_vars=True)["2.weight"].is_meta  # torchplace's own walks pass
+    torchplace.move(model, "cpu")
+    got = model.state_dict()
+    for name, want in reference.state_dict().items():
+        assert torch.equal(got[name], want), name
+
+
+def test_a_disk_offloaded_model_refuses_pickling_and_deep_copies_read_for_the_copy(
+    tmp_path: Any,
+) -> None:
+    import pickle
+
+    reference = mlp(2)
+    torch.save(reference.state_dict(), tmp_path / "mlp.pt")
+    model = torchplace.load_into(
+        torchplace.skeleton(mlp, 2), tmp_path / "mlp.pt", device_map={"": "cpu", "2": "disk"}
+    )
+    with pytest.raises(torchplace.TorchplaceError, match=r"cannot be pickled.*torchplace\.move"):
+        pickle.dumps(model)
+    twin = copy.deepcopy(model)
+    twin.to(torch.float64)  # the copy's reader must read in the copy's dtypes, not the model's
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.equal(twin(x.double()), reference.double()(x.double()))
+        assert torch.equal(model(x), reference.float()(x))

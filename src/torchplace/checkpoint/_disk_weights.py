@@ -13,11 +13,13 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NoReturn, SupportsIndex
 
 import torch
 from torch import nn
 
-from .._errors import CheckpointError
+from .._errors import CheckpointError, TorchplaceError
+from .._model_walk import display
 from ._catalog import Catalog, catalog
 from ._conversions import hub_converted
 from ._load import read_entries
@@ -48,6 +50,27 @@ class CheckpointWeights:
         self._found: Catalog | None = None
         self._keys: list[str] | None = None
         self.nbytes = sum(_numel(model, entry, n) * d.itemsize for n, d in self.dtypes.items())
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CheckpointWeights:
+        """A copy for a deep copy of the model: it reads for the copy of the model (found in
+        ``memo``, where ``copy.deepcopy`` keeps the model it is copying), else for the model
+        this one reads for (a submodule copied alone)."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        model = self._model()
+        copied = memo.get(id(model)) if model is not None else None
+        if isinstance(copied, nn.Module):
+            new._model = weakref.ref(copied)
+        new.dtypes = dict(self.dtypes)
+        return new
+
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
+        raise TorchplaceError(
+            f"a model with {display(self.entry)} left on 'disk' (read from {self.where} "
+            "when it runs) cannot be pickled or saved whole: gather it first, "
+            "torchplace.move(model, 'cpu'), or save the skeleton's class and load_into again "
+            "from the same checkpoint"
+        )
 
     def only(self, prefix: str) -> CheckpointWeights:
         model = self._model()

@@ -598,6 +598,28 @@ class _Interrupted(_StandIn):
             raise
 
 
+class _NoValues:
+    """``state_dict()`` of a module left on disk: its parameters are ``meta`` placeholders with no
+    values, which a saved file would keep as such (``save_pretrained`` and ``torch.save`` of
+    them fail deep inside, or write nothing that loads). ``keep_vars=True`` (the parameters
+    themselves, as torchplace's own walks ask) passes."""
+
+    def __init__(self, unit: Unit) -> None:
+        self.path = unit.path
+        source = unit.home.source
+        self.where = getattr(source, "where", "its checkpoint")
+
+    def __call__(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        if keep_vars:
+            return
+        raise TorchplaceError(
+            f"state_dict(): {display(self.path)} is offloaded to 'disk' (its weights stay in "
+            f"{self.where} and are meta tensors here), so a state dict would hold no values; "
+            "gather the model first, torchplace.move(model, 'cpu') (or a device it fits on), "
+            "then save it - or keep the checkpoint it was loaded from, which holds them"
+        )
+
+
 def _hook_units(units: list[Unit], window: int, transport: Transport) -> None:
     """The ring's hooks on each offloaded module, kept in its mark for ``undispatch``."""
     if not units:
@@ -610,6 +632,8 @@ def _hook_units(units: list[Unit], window: int, transport: Transport) -> None:
         # a call ``before`` saw (the always_call hook); the inputs move after it.
         installed.handles.append(module.register_forward_pre_hook(_Before(ring, i), prepend=True))
         installed.handles.append(module.register_forward_hook(_After(ring, i), always_call=True))
+        if unit.home.tier == DISK:
+            installed.handles.append(module.register_state_dict_pre_hook(_NoValues(unit)))  # type: ignore[no-untyped-call]
         if not installed.wrapped_forward:  # undispatch puts back what was there before both
             installed.previous_forward = module.__dict__.get("forward")
             installed.wrapped_forward = True
