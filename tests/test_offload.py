@@ -938,3 +938,21 @@ def test_a_disk_offloaded_model_refuses_pickling_and_deep_copies_read_for_the_co
     with torch.no_grad():
         assert torch.equal(twin(x.double()), reference.double()(x.double()))
         assert torch.equal(model(x), reference.float()(x))
+
+
+def test_dispatching_a_disk_module_elsewhere_says_to_gather_first(tmp_path: Any) -> None:
+    reference = mlp(2)
+    torch.save(reference.state_dict(), tmp_path / "mlp.pt")
+    model = torchplace.load_into(
+        torchplace.skeleton(mlp, 2), tmp_path / "mlp.pt", device_map={"": "cpu", "2": "disk"}
+    )
+    with pytest.raises(torchplace.MoveError, match=r"model\.2 is offloaded.*torchplace\.move"):
+        torchplace.dispatch(model, {"": "cpu"})
+    torchplace.dispatch(model, {"": "cpu", "2": "disk"}, offload_window=1)  # kept on disk: fine
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    torchplace.move(model, "cpu")
+    torchplace.dispatch(model, {"": "cpu"})  # gathered: any map
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))

@@ -466,6 +466,19 @@ def _window_error(offload_window: int) -> DeviceSpecError:
     return DeviceSpecError(f"offload_window must be at least 1, not {offload_window}")
 
 
+def _keep_on_disk(model: nn.Module, entries: Mapping[str, object]) -> None:
+    """Refuse a new map that takes a module off the disk tier: its weights are in the checkpoint,
+    not in memory, and only ``move`` reads them back."""
+    for path, _, home in homes(model):
+        entry = _entry_of(path, entries)
+        if home.tier == DISK and (entry is None or entries[entry] != DISK):
+            raise MoveError(
+                f"{display(path)} is offloaded to 'disk' (its weights are in its checkpoint, "
+                "not in memory), and this map puts it elsewhere; gather the model first, "
+                "torchplace.move(model, 'cpu'), then dispatch it by the new map"
+            )
+
+
 def _entry_of(path: str, entries: Mapping[str, object]) -> str | None:
     """The most specific map entry that contains ``path``."""
     probe = path
@@ -709,6 +722,7 @@ def dispatch(
             )
         tree = walk_model(model)
         entries = parse_device_map(tree, device_map)
+        _keep_on_disk(model, entries)
         offload = _offloading(entries, execution_device)
         targets = _targets(tree, offload.runs)
         units = _units(tree, offload) if offload.tiers else []
