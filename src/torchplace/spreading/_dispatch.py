@@ -686,16 +686,12 @@ def dispatch(
     back to the device of its first tensor input, wherever that input is nested (outputs on
     ``meta`` hold no data and stay there).
 
-    A container passed as an input reaches the submodule as the caller's own object when every
-    tensor in it is already on the submodule's device (a list or dict without tensors always
-    is). When some tensor in it must move, the submodule gets a moved copy, as ``move`` gives
-    one, and the caller's container is left untouched: writes a submodule on another device
-    makes into a mutable input (a cache dict it fills, a list it appends to) land in that copy
-    and are not seen by the caller or by the submodules after it. Return such results from
-    ``forward`` instead, or keep a cache per device (each part writing into a container whose
-    tensors are already on its device), or pass an object torchplace does not walk into (a
-    class that is neither a collection nor has a ``.to``, as Hugging Face's ``Cache`` classes
-    are), which reaches every part as is.
+    A container passed as an input reaches a submodule as the caller's own object when all its
+    tensors are on that submodule's device; else the submodule gets a moved copy (as ``move``
+    gives one), so what it writes into a mutable input (a cache dict, a list) is not seen by
+    the caller or by later parts. Return such results from ``forward``, keep a cache per
+    device, or pass an object torchplace does not walk into (neither a collection nor with a
+    ``.to``, as Hugging Face's ``Cache`` classes), which every part gets as is.
 
     Offloading: a module mapped to ``"cpu"`` while an accelerator executes
     (``execution_device``, by default the map's first accelerator), or mapped to ``"disk"``,
@@ -716,25 +712,36 @@ def dispatch(
     and points at ``plan(..., no_split=[...])``.
     """
     try:
-        if not isinstance(model, nn.Module):
-            raise TorchplaceError(
-                f"dispatch() places an nn.Module, not {type(model).__name__}; pass the model"
-            )
-        tree = walk_model(model)
-        entries = parse_device_map(tree, device_map)
-        _keep_on_disk(model, entries)
-        offload = _offloading(entries, execution_device)
-        targets = _targets(tree, offload.runs)
-        units = _units(tree, offload) if offload.tiers else []
-        if units and offload_window < 1:
-            raise _window_error(offload_window)
-        _place(tree, _homes(tree, offload, targets))  # all or nothing: on failure the model
-        _pin(units, offload.execution)  # and its hooks are as they were
-        undispatch(model)  # only now: a bad map or a failed move keeps an earlier dispatch whole
-        _forget_host_homes(model)
-        _hook(tree, targets)
-        transport = _transport or DeviceTransport(offload.execution or torch.device("cpu"))
-        _hook_units(units, offload_window, transport)
-        return model
+        return _dispatched(model, device_map, execution_device, offload_window, _transport)
     except TorchplaceError as err:
         raise prefixed(err, "dispatch()") from err.__cause__
+
+
+def _dispatched(
+    model: nn.Module,
+    device_map: DeviceMapSpec,
+    execution_device: str | int | torch.device | None,
+    offload_window: int,
+    transport: Transport | None,
+) -> nn.Module:
+    """``dispatch``'s work, all or nothing (see there)."""
+    if not isinstance(model, nn.Module):
+        raise TorchplaceError(
+            f"dispatch() places an nn.Module, not {type(model).__name__}; pass the model"
+        )
+    tree = walk_model(model)
+    entries = parse_device_map(tree, device_map)
+    _keep_on_disk(model, entries)
+    offload = _offloading(entries, execution_device)
+    targets = _targets(tree, offload.runs)
+    units = _units(tree, offload) if offload.tiers else []
+    if units and offload_window < 1:
+        raise _window_error(offload_window)
+    _place(tree, _homes(tree, offload, targets))  # all or nothing: on failure the model
+    _pin(units, offload.execution)  # and its hooks are as they were
+    undispatch(model)  # only now: a bad map or a failed move keeps an earlier dispatch whole
+    _forget_host_homes(model)
+    _hook(tree, targets)
+    transport = transport or DeviceTransport(offload.execution or torch.device("cpu"))
+    _hook_units(units, offload_window, transport)
+    return model
