@@ -451,8 +451,10 @@ def load_state(
             check_crc=check_crc,
             dtype_of=dtype_of,
         )
-    # (a safetensors file has no checksum: load_into has said so already)
-    return load(p, target, mmap=mmap, check_crc=check_crc and kind != "safetensors")
+    # (a safetensors file has no checksum: load_into has said so already; its caller shows
+    # the bar, if any)
+    crc = check_crc and kind != "safetensors"
+    return load(p, target, mmap=mmap, check_crc=crc, progress=False)
 
 
 def _load_index(
@@ -492,7 +494,9 @@ def _load_index(
             else:
                 crc = check_crc and found.kinds.get(shard) != "safetensors"  # none to check,
                 # said once for the whole index
-                loaded = load(shard, target, mmap=mmap, trusted=trusted, check_crc=crc)
+                loaded = load(  # the index's bar, if any, counts the shard
+                    shard, target, mmap=mmap, trusted=trusted, check_crc=crc, progress=False
+                )
             if not isinstance(loaded, Mapping):
                 raise CheckpointError(f"{shard}: holds a {type(loaded).__name__}, not tensors")
             part = loaded
