@@ -491,14 +491,9 @@ def _direct_plan(
     files = {e.file for e in found.entries.values()}
     if not all(found.kinds.get(f, found.kind) == "safetensors" for f in files if f is not None):
         return None  # torch files keep non-tensor values and shared storages: read as saved
-    names: dict[str, str] = {}  # the name the plan knows -> the file's name
-    for key in found.entries:
-        new = key if renamer is None else renamer(key)
-        if not isinstance(new, str):
-            continue  # dropped (renamed() raises for what is neither str nor None)
-        if new in names:
-            return None  # two keys renamed to one name: renamed() raises, naming both
-        names[new] = key
+    names = _plan_names(found, renamer)
+    if names is None:
+        return None  # two keys renamed to one name: renamed() raises, naming both
     shapes = {}
     for new, key in names.items():
         e = found.entries[key]
@@ -509,14 +504,7 @@ def _direct_plan(
         raise CheckpointError(f"{p}: {exc}") from exc
     if plan is None or not plan.fused:
         return None
-    uses: dict[str, int] = {}
-    for source in [*plan.renames.values(), *(s for c in plan.computed for s in c.sources)]:
-        uses[source] = uses.get(source, 0) + 1
-    for f in plan.fused:
-        for piece in f.pieces:
-            uses[piece.source] = uses.get(piece.source, 0) + 1
-    for source in plan.mismatched_sources:
-        uses[source] = uses.get(source, 0) + 1
+    uses = _source_uses(plan)
     straight: dict[str, Assembled] = {}
     kept: list[Fused] = []
     for f in plan.fused:
@@ -531,6 +519,36 @@ def _direct_plan(
     whole = [k for k in found.entries if k not in taken]
     rest = dataclasses.replace(plan, fused=kept)
     return _Direct(found, straight, whole, rest)
+
+
+def _plan_names(
+    found: Catalog, renamer: Callable[[str], str | None] | None
+) -> dict[str, str] | None:
+    """The name the plan knows (renamed) -> the file's name, for each entry the renamer keeps;
+    None where two keys are renamed to one name."""
+    names: dict[str, str] = {}
+    for key in found.entries:
+        new = key if renamer is None else renamer(key)
+        if not isinstance(new, str):
+            continue  # dropped (renamed() raises for what is neither str nor None)
+        if new in names:
+            return None
+        names[new] = key
+    return names
+
+
+def _source_uses(plan: Plan) -> dict[str, int]:
+    """How many times the plan uses each file tensor: renamed, computed from, fused, or one a
+    model tensor whose shape differs would be built from (``mismatched_sources``)."""
+    uses: dict[str, int] = {}
+    for source in [*plan.renames.values(), *(s for c in plan.computed for s in c.sources)]:
+        uses[source] = uses.get(source, 0) + 1
+    for f in plan.fused:
+        for piece in f.pieces:
+            uses[piece.source] = uses.get(piece.source, 0) + 1
+    for source in plan.mismatched_sources:
+        uses[source] = uses.get(source, 0) + 1
+    return uses
 
 
 def _assembled(
