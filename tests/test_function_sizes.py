@@ -12,21 +12,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tools" / "function_sizes.py"
 
-# Being rewritten as this is written (the loading pipeline, the spreading of a model, the
-# estimate); each leaves this list once its rewrite has landed.
-BEING_REWRITTEN = [
-    "src/torchplace/checkpoint/_fill.py",
-    "src/torchplace/checkpoint/_sharded.py",
-    "src/torchplace/checkpoint/_load.py",
-    "src/torchplace/checkpoint/_reader.py",
-    "src/torchplace/checkpoint/_catalog.py",
-    "src/torchplace/checkpoint/_source.py",
-    "src/torchplace/checkpoint/_safetensors.py",
-    "src/torchplace/checkpoint/_formats.py",
-    "src/torchplace/checkpoint/_index.py",
-    "src/torchplace/spreading/",
-    "src/torchplace/looking/_estimate.py",
-]
+# Functions allowed over the limits while a rewrite is under way (none now); ``_tree.map_tensors``
+# (and its ``walk``, a measured hot path) is allowed for good.
+BEING_REWRITTEN: list[str] = []
 
 
 def _run(*args: str) -> subprocess.CompletedProcess[str]:

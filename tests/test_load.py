@@ -422,3 +422,15 @@ def test_fuzzed_files_load_or_raise_checkpoint_error(tmp_path: Path, fmt: str) -
             assert isinstance(out, dict)
     assert messages, "some of the damaged files must be refused"
     assert all(str(path) in m for m in messages)
+
+
+def test_one_registry_picks_the_reader_by_format_and_device_type() -> None:
+    from torchplace.checkpoint import _load
+
+    formats = ("index", "legacy", "safetensors", "zip")
+    assert set(_load.READERS) == {(k, d) for k in formats for d in _load.DEVICE_TYPES}
+    assert _load.reader_for("safetensors", torch.device("meta")) is _load._safetensors_on_meta
+    assert _load.reader_for("zip", torch.device("cuda", 1)) is _load.READERS["zip", "cuda"]
+    assert _load.reader_for("zip", torch.device("mps")) is _load.READERS["zip", "other"]
+    with pytest.raises(CheckpointError, match=r"no reader reads a 'npz' checkpoint onto cpu"):
+        _load.reader_for("npz", torch.device("cpu"))

@@ -70,6 +70,33 @@ def test_left_to_itself_a_bar_shows_on_a_terminal_for_a_large_load_only(
     assert len(bars) == 1
 
 
+@pytest.mark.parametrize("source", ["legacy", "mmap", "index"])
+def test_progress_false_shows_no_bar_on_a_terminal_for_a_large_load(
+    tmp_path: Path, bars: list[list[int]], monkeypatch: pytest.MonkeyPatch, source: str
+) -> None:
+    """``progress=False`` holds for every file a call reads: a legacy or mapped file that
+    ``load_into`` leaves to the whole-file reader, and an index's torch shards."""
+    import json
+
+    sd = {"0.weight": torch.randn(4, 3), "0.bias": torch.randn(4)}
+    path = tmp_path / "w.pt"
+    torch.save(sd, path, _use_new_zipfile_serialization=source != "legacy")
+    if source == "index":
+        torch.save({"0.bias": sd.pop("0.bias")}, tmp_path / "b.pt")
+        torch.save(sd, path)
+        weight_map = {"0.weight": "w.pt", "0.bias": "b.pt"}
+        path = tmp_path / "m.index.json"
+        path.write_text(json.dumps({"weight_map": weight_map}))
+    monkeypatch.setattr(_progress.sys.stderr, "isatty", lambda: True)
+    monkeypatch.setattr(_progress, "LOAD_PROGRESS_MIN_BYTES", 10)
+    model = skeleton(nn.Sequential, nn.Linear(3, 4))
+    load_into(model, path, progress=False, mmap=source == "mmap")
+    if source == "index":
+        load(path, progress=False)
+    assert bars == []
+    assert torch.equal(model[0].weight, torch.load(tmp_path / "w.pt")["0.weight"])
+
+
 def test_only_rank_0_shows_a_bar(
     tmp_path: Path, bars: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:

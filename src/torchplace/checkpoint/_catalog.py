@@ -33,7 +33,7 @@ import zipfile
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 from .._errors import CheckpointError
 from ._index import LEGACY_MAGIC
@@ -664,25 +664,69 @@ def _pickle_record(archive: zipfile.ZipFile) -> str | None:
     return min(pickles, key=len) if pickles else None
 
 
+_NOT_PLAIN = "it is not a plain tensor with data (a sparse, quantized or meta tensor)"
+
+
+def _zip_root(
+    p: Path, archive: zipfile.ZipFile, raw: BinaryIO, code: list[str]
+) -> tuple[str, Any, dict[str, zipfile.ZipInfo], bool]:
+    """A torch zip file's record prefix, its pickle unpickled into tensor references (the code
+    globals it names added to ``code``), its records by name, and whether it was written on a
+    big-endian machine."""
+    pickle_name = _pickle_record(archive)
+    if pickle_name is None:
+        raise CheckpointError(f"{p}: is a zip archive but not a torch.save file (no data.pkl)")
+    prefix = pickle_name[: -len("data.pkl")]
+    locator = _Locator(io.BytesIO(archive.read(pickle_name)))
+    try:
+        root = locator.load()
+    finally:
+        code.extend(dict.fromkeys(locator.found))
+    records = {info.filename: info for info in archive.infolist()}
+    order_record = records.get(f"{prefix}byteorder")
+    big_endian = False
+    if order_record is not None:
+        raw.seek(record_start(raw, order_record))
+        big_endian = raw.read(order_record.file_size) == b"big"
+    return prefix, root, records, big_endian
+
+
+def _dataless(p: Path, name: str, ref: TensorRef, nbytes: int) -> Entry:
+    """The entry of a tensor saved without data of its own (no storage, or an empty one on
+    ``meta``): a sparse, quantized or meta tensor, not readable by offset."""
+    storage = ref.storage
+    return Entry(
+        name,
+        ref.dtype,
+        ref.shape,
+        0 if storage is not None else nbytes,
+        p,
+        device=storage.location if storage is not None else "?",
+        why=_NOT_PLAIN,
+    )
+
+
+def _not_by_offset(
+    ref: _Located, stride: tuple[int, ...], order: tuple[int, ...] | None, big_endian: bool
+) -> str:
+    """Why a tensor whose storage was found is still not read by its offset: a view with gaps,
+    a big-endian file, or a conjugate or negative bit that its bytes do not show."""
+    if order is None:
+        return (
+            f"it is saved as a view with strides {stride} of shape {ref.shape}, "
+            "with gaps between its elements"
+        )
+    if big_endian:
+        return "the file was written on a big-endian machine"
+    bits = " and ".join(ref.bits)
+    return f"it is saved with its {bits} bit set, which its bytes do not show"
+
+
 def _zip_entries(p: Path, code: list[str]) -> dict[str, Entry]:
     # any other failure than a CheckpointError (zipfile's NotImplementedError for a damaged
     # version field included): the file is damaged
     with readable(p), opened(p) as raw, zipfile.ZipFile(raw) as archive:
-        pickle_name = _pickle_record(archive)
-        if pickle_name is None:
-            raise CheckpointError(f"{p}: is a zip archive but not a torch.save file (no data.pkl)")
-        prefix = pickle_name[: -len("data.pkl")]
-        locator = _Locator(io.BytesIO(archive.read(pickle_name)))
-        try:
-            root = locator.load()
-        finally:
-            code.extend(dict.fromkeys(locator.found))
-        records = {info.filename: info for info in archive.infolist()}
-        order_record = records.get(f"{prefix}byteorder")
-        big_endian = False
-        if order_record is not None:
-            raw.seek(record_start(raw, order_record))
-            big_endian = raw.read(order_record.file_size) == b"big"
+        prefix, root, records, big_endian = _zip_root(p, archive, raw, code)
         starts: dict[str, tuple[int, int]] = {}  # storage key -> (first byte, bytes)
         entries: dict[str, Entry] = {}
         for name, ref in tensor_refs(root):
@@ -691,15 +735,7 @@ def _zip_entries(p: Path, code: list[str]) -> dict[str, Entry]:
             itemsize = _itemsize(ref.dtype)
             numel = math.prod(max(n, 0) for n in ref.shape)
             if storage is None or (storage.location == "meta" and not storage.key):
-                entries[name] = Entry(
-                    name,
-                    ref.dtype,
-                    ref.shape,
-                    0 if storage is not None else numel * itemsize,
-                    p,
-                    device=storage.location if storage is not None else "?",
-                    why="it is not a plain tensor with data (a sparse, quantized or meta tensor)",
-                )
+                entries[name] = _dataless(p, name, ref, numel * itemsize)
                 continue
             stored = storage.numel * storage.itemsize if storage.numel >= 0 else numel * itemsize
             if storage.key not in starts:
@@ -713,7 +749,7 @@ def _zip_entries(p: Path, code: list[str]) -> dict[str, Entry]:
             first, size = starts[storage.key]
             why, start, order = "", -1, None
             if not isinstance(ref, _Located) or ref.offset < 0:
-                why = "it is not a plain tensor with data (a sparse, quantized or meta tensor)"
+                why = _NOT_PLAIN
             else:
                 stride = ref.stride if ref.stride is not None else contiguous_strides(ref.shape)
                 order = _storage_order(ref.shape, stride)
@@ -722,17 +758,8 @@ def _zip_entries(p: Path, code: list[str]) -> dict[str, Entry]:
                         f"{p}: is truncated or corrupt: tensor {name!r} runs past its storage"
                     )
                 start = first + ref.offset * itemsize
-                if order is None:
-                    why = (
-                        f"it is saved as a view with strides {stride} of shape {ref.shape}, "
-                        "with gaps between its elements"
-                    )
-                elif big_endian:
-                    why, order = "the file was written on a big-endian machine", None
-                elif ref.bits:  # read whole by torch, which applies them
-                    bits = " and ".join(ref.bits)
-                    why = f"it is saved with its {bits} bit set, which its bytes do not show"
-                    order = None
+                if order is None or big_endian or ref.bits:  # read whole by torch
+                    why, order = _not_by_offset(ref, stride, order, big_endian), None
             entries[name] = Entry(
                 name,
                 ref.dtype,

@@ -199,55 +199,44 @@ def load_into(
     (device(type='cpu'), True)
 
     ``source`` is a path (a file, a shard index, or a directory as ``save_pretrained`` writes
-    it, as for ``load``) or a mapping of names to tensors already in memory (a state dict, a
-    Lightning checkpoint's ``["state_dict"]``); the model gets its own copy of a mapping's
-    tensors, so the two never share memory. ``rename`` fits another program's names to the
-    model's before anything is checked: a callable ``str -> str | None`` (None drops the key) or
-    a dict of regular expressions to replacements applied in order, e.g. ``{r"^module\\.": ""}``
-    for a file saved from DDP or ``{r"^model\\.": ""}`` for a Lightning module's state dict; a
-    replacement of None drops the keys its pattern matches (``{r"^head\\.": None}``), as the
-    patterns before it left them. A model wrapped by ``torch.compile``, Fabric's ``setup``, DDP
-    or DataParallel is filled through the model inside it: a file saved from either (with or
-    without ``_orig_mod.`` or ``module.`` before its names) fits, and the wrapper is returned.
+    it, as for ``load``) or a mapping of names to tensors (a state dict, a Lightning
+    checkpoint's ``["state_dict"]``), whose tensors the model gets its own copy of. ``rename``
+    fits another program's names to the model's before anything is checked: a callable
+    ``str -> str | None`` (None drops the key) or a dict of regular expressions to replacements
+    applied in order (``{r"^module\\.": ""}`` for a file saved from DDP, ``{r"^model\\.": ""}``
+    for a Lightning module's; a replacement of None drops the keys its pattern matches). A model
+    wrapped by ``torch.compile``, Fabric's ``setup``, DDP or DataParallel is filled through the
+    model inside it, from a file saved from either, and the wrapper is returned.
 
     ``device`` defaults to where each tensor already is, or the CPU for a skeleton's ``meta``
     parameters. A file's bytes are read straight into the memory the model keeps (onto a GPU,
-    through pinned buffers), with no second copy of the weights, so the file may be rewritten at
-    once (``torch.save(model.state_dict(), path)`` to the path it came from is safe).
-    ``check_crc`` checks a zip file's tensor records against their CRC-32 (by default where
-    ISA-L is installed, as they are read into host memory; not onto a GPU or into DTensors), and
-    ``progress`` shows a bar while the file is read, as for ``load``. ``mmap=True`` assigns
-    pages of the memory-mapped file instead (zero-copy, copy-on-write): the model then dies with
-    the file, and **rewriting or truncating it while the model lives crashes the process**
-    (SIGBUS, exit -7), so use it only for files nothing writes to. A parameter that
-    already holds memory on the target is filled in place. Parameter objects are kept, with
-    their class and attributes, so tied weights stay tied and optimizers stay valid; a tied
-    parameter saved under any one of its names counts as present, and one saved under two names
-    with different values raises. Weights the model keeps apart never share memory, even where
-    the file holds them in one storage (those, and only those, are copied). The model's declared
-    dtypes and memory layouts are kept (the file's tensors are converted, and one saved as a
-    transposed view loads contiguous).
+    through pinned buffers), so the file may be rewritten at once. ``check_crc`` and
+    ``progress`` are as for ``load`` (CRC-32 checks go into host memory only, not onto a GPU or
+    into DTensors). ``mmap=True`` assigns pages of the memory-mapped file instead (zero-copy,
+    copy-on-write): **rewriting or truncating the file while the model lives crashes the
+    process** (SIGBUS), so use it only for files nothing writes to. A parameter that already
+    holds memory on the target is filled in place. Parameter objects are kept, with their class
+    and attributes, so tied weights stay tied and optimizers stay valid; a tied parameter saved
+    under any one of its names counts as present (under two names with different values, it
+    raises). Weights the model keeps apart never share memory, even where the file holds them
+    in one storage. The model's dtypes and memory layouts are kept (the file's are converted).
 
     As ``load_state_dict`` does, each module's load pre-hooks run on its part of the file, older
     BatchNorm files without ``num_batches_tracked`` load, lazy modules take the file's shapes,
-    and load post-hooks run once the weights are in place. As with ``load_state_dict``, they may
-    clear missing or unexpected keys before the strict check; when keys are missing or
-    unexpected and the model has post-hooks, the load goes ahead (keeping a copy of the weights
-    it fills in place) and is undone if any key is left after them. A module that overrides
+    and load post-hooks run once the weights are in place and may clear missing or unexpected
+    keys before the strict check (the load then goes ahead, keeping a copy of the weights it
+    fills in place, and is undone if a key is left). A module that overrides
     ``_load_from_state_dict`` (beyond PyTorch's norm layers and the ``FrozenBatchNorm2d`` of
-    torchvision and Hugging Face, whose override only drops ``num_batches_tracked``) is refused
-    before anything changes.
-    A module whose ``set_extra_state`` refuses the file's extra state raises ``CheckpointError``
-    with the model untouched. With ``strict``, missing and unexpected keys and shape mismatches
-    raise ``CheckpointError`` listing them by name, and the model is left untouched; without it,
-    keys that do not match are skipped (a shape mismatch still raises, and so does a file of
-    which not one key matches, unless the model has load post-hooks).
+    torchvision and Hugging Face) is refused before anything changes, and so is extra state
+    that ``set_extra_state`` refuses. With ``strict``, missing and unexpected keys and shape
+    mismatches raise ``CheckpointError`` naming them, the model untouched; without it, keys that
+    do not match are skipped (a shape mismatch still raises, and so does a file of which no key
+    matches, unless the model has load post-hooks).
 
-    All or nothing: a failure, or a ``KeyboardInterrupt``, while a skeleton (or any model whose
-    tensors are swapped in) is being filled puts every parameter and buffer back as it was
-    before the error goes on. Values filled in place into a real model's memory are put back
-    only when a post-hook's check kept a copy of them; otherwise the error says the model is
-    partly filled.
+    All or nothing: a failure or a ``KeyboardInterrupt`` while a model's tensors are swapped in
+    puts every parameter and buffer back as it was. Values filled in place into a real model's
+    memory are put back only where a post-hook's check kept a copy; otherwise the error says the
+    model is partly filled.
     """
     if not isinstance(model, nn.Module):
         raise TorchplaceError(
@@ -256,73 +245,106 @@ def load_into(
         )
     _check_source(source)
     with one_open_each():  # each file opened once in this call, until it is read
-        inner, prefix = unwrapped(model)
-        if inner is not model:  # torch.compile, Fabric, DDP: the file holds the names of
-            # the model inside
-            load_into(
-                inner,
-                source,
-                device,
-                strict=strict,
-                mmap=mmap,
-                rename=_without_prefix(prefix, rename),
-                check_crc=check_crc,
-                progress=progress,
-            )
-            return model
-        from ._sharded import has_dtensors, load_sharded
-
-        if has_dtensors(model):  # FSDP2, tensor parallelism: each rank reads its own slices
-            return load_sharded(  # type: ignore[return-value]
-                model,
-                source,
-                device,
-                strict=strict,
-                rename=rename,
-                check_crc=check_crc,
-                progress=progress,
-            )
-        target = None if device is None else _device(device)
-        renamer = None if rename is None else as_renamer(rename)
-        from_memory = isinstance(source, Mapping)
-        # A directory's model file: messages name the file read, not its directory.
-        p: Path | str = "the state dict given to load_into" if from_memory else resolve(source)
-        if renamer is not None:  # its own failure on a key is an error naming the source and key
-            renamer = guarded(str(p), renamer)
-        slots = tensor_slots(model)
-        loadable = slots.loadable
-        read_on = _read_on(loadable, target)
-        assembled: dict[str, torch.Tensor] = {}  # fused tensors read straight into their memory
-        rest: Plan | None = None  # the conversions left to apply once the file is read
-        if isinstance(source, Mapping):
-            state: Any = source
-        else:
-            assert isinstance(p, Path)
-            state, assembled, rest = _read_file(
-                p,
-                model,
-                loadable,
-                read_on,
-                renamer,
-                mmap=mmap,
-                check_crc=check_crc,
-                progress=progress,
-            )
+        handed = _handed_on(model, source, device, rename, mmap, strict, check_crc, progress)
+        if handed is not None:
+            return handed  # type: ignore[return-value]
+        read = _read_source(model, source, device, rename, mmap, check_crc, progress)
     # The files are read and closed: what follows changes the model, with no line of the
     # read's scope left to run after it.
-    return _fit_and_fill(  # type: ignore[return-value]
-        p,
-        model,
-        state,
-        assembled,
-        rest,
-        slots,
-        target,
-        read_on,
-        renamer,
-        strict=strict,
-        from_memory=from_memory,
+    return _fit_and_fill(model, read, strict=strict)  # type: ignore[return-value]
+
+
+def _handed_on(
+    model: nn.Module,
+    source: PathLike | Mapping[str, Any],
+    device: DeviceSpec,
+    rename: Rename | None,
+    mmap: bool,
+    strict: bool,
+    check_crc: bool | None,
+    progress: bool | None,
+) -> nn.Module | None:
+    """The model filled elsewhere, or None where ``load_into`` fills it itself: a wrapped model
+    (``torch.compile``, Fabric, DDP: the file holds the names of the model inside) through the
+    model inside, a model with DTensors (FSDP2, tensor parallelism) by ``load_sharded``, each
+    rank reading its own slices."""
+    inner, prefix = unwrapped(model)
+    if inner is not model:
+        load_into(
+            inner,
+            source,
+            device,
+            strict=strict,
+            mmap=mmap,
+            rename=_without_prefix(prefix, rename),
+            check_crc=check_crc,
+            progress=progress,
+        )
+        return model
+    from ._sharded import has_dtensors, load_sharded
+
+    if not has_dtensors(model):
+        return None
+    return load_sharded(
+        model, source, device, strict=strict, rename=rename, check_crc=check_crc, progress=progress
     )
+
+
+@dataclasses.dataclass
+class _Read:
+    """A source read for ``load_into``, nothing of the model changed yet: what messages call it
+    (a directory's model file, not its directory), the state (by the file's names), the fused
+    tensors read straight into their memory (by the model's), the rest of the conversion plan
+    (None where none was read straight), the model's slots, the target and the device read
+    onto, the renamer, and whether the source was a mapping in memory."""
+
+    p: Path | str
+    state: Any
+    assembled: dict[str, torch.Tensor]
+    rest: Plan | None
+    slots: Any
+    target: torch.device | None
+    read_on: torch.device
+    renamer: Callable[[str], str | None] | None
+    from_memory: bool
+
+
+def _read_source(
+    model: nn.Module,
+    source: PathLike | Mapping[str, Any],
+    device: DeviceSpec,
+    rename: Rename | None,
+    mmap: bool,
+    check_crc: bool | None,
+    progress: bool | None,
+) -> _Read:
+    """``load_into``'s source read (a file) or taken as it is (a mapping) for ``model``."""
+    target = None if device is None else _device(device)
+    renamer = None if rename is None else as_renamer(rename)
+    from_memory = isinstance(source, Mapping)
+    # A directory's model file: messages name the file read, not its directory.
+    p: Path | str = "the state dict given to load_into" if from_memory else resolve(source)
+    if renamer is not None:  # its own failure on a key is an error naming the source and key
+        renamer = guarded(str(p), renamer)
+    slots = tensor_slots(model)
+    read_on = _read_on(slots.loadable, target)
+    assembled: dict[str, torch.Tensor] = {}  # fused tensors read straight into their memory
+    rest: Plan | None = None  # the conversions left to apply once the file is read
+    if isinstance(source, Mapping):
+        state: Any = source
+    else:
+        assert isinstance(p, Path)
+        state, assembled, rest = _read_file(
+            p,
+            model,
+            slots.loadable,
+            read_on,
+            renamer,
+            mmap=mmap,
+            check_crc=check_crc,
+            progress=progress,
+        )
+    return _Read(p, state, assembled, rest, slots, target, read_on, renamer, from_memory)
 
 
 def _read_file(
@@ -354,36 +376,25 @@ def _read_file(
         return state, assembled, direct.rest
 
 
-def _fit_and_fill(
-    p: Path | str,
-    model: nn.Module,
-    state: Any,
-    assembled: dict[str, torch.Tensor],
-    rest: Plan | None,
-    slots: Any,
-    target: torch.device | None,
-    read_on: torch.device,
-    renamer: Callable[[str], str | None] | None,
-    *,
-    strict: bool,
-    from_memory: bool,
-) -> nn.Module:
+def _fit_and_fill(model: nn.Module, read: _Read, *, strict: bool) -> nn.Module:
     """The state read fitted to the model (renamed, converted, as ``load_state_dict`` would see
     it), checked, and filled in: phase 1 (``_prepare``) then phase 2 (``_apply``)."""
+    p, state, renamer, slots = read.p, read.state, read.renamer, read.slots
     loadable, transient, extra = slots.loadable, slots.transient, slots.extra_state
     check_state_dict(p, model, state, loadable)
     if renamer is not None:
         state = renamed(str(p), state, renamer)
-    if rest is not None:
+    if read.rest is not None:
         # The fused tensors were read straight into their slices; what is left of the plan
         # (renames, computed tensors, fused ones that are not boxes of whole entries) applies
         # to the tensors read whole, as below.
-        state = _with_fused(str(p), type(model).__name__, rest, state, assembled)
+        state = _with_fused(str(p), type(model).__name__, read.rest, state, read.assembled)
     else:
         # A transformers model's hub names (per-expert tensors, renamed keys) become its own,
         # as from_pretrained converts them; the read state is changed in place, each tensor let
         # go as soon as its fused tensor holds it.
-        state = hub_converted(str(p), model, state, owned=not from_memory or renamer is not None)
+        owned = not read.from_memory or renamer is not None
+        state = hub_converted(str(p), model, state, owned=owned)
     # What each module would be given by load_state_dict: older norm layers upgraded, every
     # pre-hook run (a layout converted, a key renamed), so values and shapes match its result.
     seen = as_load_state_dict_sees(p, model, state, extra)
@@ -392,8 +403,8 @@ def _fit_and_fill(
         for k, v in state.items()
         if isinstance(v, torch.Tensor) and not is_lazy(v)
     }
-    fit = _Fit(p, model, seen, loadable, transient, extra, read_on, strict, file_shapes)
-    prepared = _prepare(fit, target, copy=from_memory)
+    fit = _Fit(p, model, seen, loadable, transient, extra, read.read_on, strict, file_shapes)
+    prepared = _prepare(fit, read.target, copy=read.from_memory)
     return _apply(fit, prepared, extra, seen.own)
 
 
@@ -480,14 +491,9 @@ def _direct_plan(
     files = {e.file for e in found.entries.values()}
     if not all(found.kinds.get(f, found.kind) == "safetensors" for f in files if f is not None):
         return None  # torch files keep non-tensor values and shared storages: read as saved
-    names: dict[str, str] = {}  # the name the plan knows -> the file's name
-    for key in found.entries:
-        new = key if renamer is None else renamer(key)
-        if not isinstance(new, str):
-            continue  # dropped (renamed() raises for what is neither str nor None)
-        if new in names:
-            return None  # two keys renamed to one name: renamed() raises, naming both
-        names[new] = key
+    names = _plan_names(found, renamer)
+    if names is None:
+        return None  # two keys renamed to one name: renamed() raises, naming both
     shapes = {}
     for new, key in names.items():
         e = found.entries[key]
@@ -498,14 +504,7 @@ def _direct_plan(
         raise CheckpointError(f"{p}: {exc}") from exc
     if plan is None or not plan.fused:
         return None
-    uses: dict[str, int] = {}
-    for source in [*plan.renames.values(), *(s for c in plan.computed for s in c.sources)]:
-        uses[source] = uses.get(source, 0) + 1
-    for f in plan.fused:
-        for piece in f.pieces:
-            uses[piece.source] = uses.get(piece.source, 0) + 1
-    for source in plan.mismatched_sources:
-        uses[source] = uses.get(source, 0) + 1
+    uses = _source_uses(plan)
     straight: dict[str, Assembled] = {}
     kept: list[Fused] = []
     for f in plan.fused:
@@ -520,6 +519,36 @@ def _direct_plan(
     whole = [k for k in found.entries if k not in taken]
     rest = dataclasses.replace(plan, fused=kept)
     return _Direct(found, straight, whole, rest)
+
+
+def _plan_names(
+    found: Catalog, renamer: Callable[[str], str | None] | None
+) -> dict[str, str] | None:
+    """The name the plan knows (renamed) -> the file's name, for each entry the renamer keeps;
+    None where two keys are renamed to one name."""
+    names: dict[str, str] = {}
+    for key in found.entries:
+        new = key if renamer is None else renamer(key)
+        if not isinstance(new, str):
+            continue  # dropped (renamed() raises for what is neither str nor None)
+        if new in names:
+            return None
+        names[new] = key
+    return names
+
+
+def _source_uses(plan: Plan) -> dict[str, int]:
+    """How many times the plan uses each file tensor: renamed, computed from, fused, or one a
+    model tensor whose shape differs would be built from (``mismatched_sources``)."""
+    uses: dict[str, int] = {}
+    for source in [*plan.renames.values(), *(s for c in plan.computed for s in c.sources)]:
+        uses[source] = uses.get(source, 0) + 1
+    for f in plan.fused:
+        for piece in f.pieces:
+            uses[piece.source] = uses.get(piece.source, 0) + 1
+    for source in plan.mismatched_sources:
+        uses[source] = uses.get(source, 0) + 1
+    return uses
 
 
 def _assembled(

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pickle
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -173,26 +174,16 @@ def _load(
     trusted: bool,
     check_crc: bool | None,
 ) -> Any:
-    if kind == "index":
-        return _load_index(p, target, mmap=mmap, trusted=trusted, check_crc=check_crc)
-    if kind == "safetensors":
-        return _load_safetensors(p, target, mmap=mmap)
-    zip_format = kind == "zip"
-    return _load_torch(
-        p, target, zip_format=zip_format, mmap=mmap, trusted=trusted, check_crc=check_crc
-    )
+    return reader_for(kind, target)(p, target, ReadOptions(mmap, trusted, check_crc))
 
 
 def _load_torch(
-    p: Path,
-    target: torch.device,
-    *,
-    zip_format: bool,
-    mmap: bool,
-    trusted: bool,
-    check_crc: bool | None = None,
-    dtype_of: DTypeWish | None = None,
+    p: Path, target: torch.device, o: ReadOptions, *, zip_format: bool, by_layout: bool
 ) -> Any:
+    """A torch file (``zip_format``: a zip, else legacy) read onto ``target``: by its zip layout
+    into storages on the target where ``by_layout`` (the CPU, CUDA) and the file is neither
+    mapped nor trusted, else by ``torch.load``, its failures said as sentences about the file."""
+    mmap, trusted, check_crc = o.mmap, o.trusted, o.check_crc
     use_mmap = mmap and zip_format and target.type != "meta"
     if not zip_format and not has_legacy_magic(p):
         raise CheckpointError(
@@ -209,8 +200,9 @@ def _load_torch(
         if check_crc and layout is not None and not any(i.CRC for i in layout.records.values()):
             unchecked_warning(p, NO_CRC)
             check_crc = False
-        if layout is not None and not mmap and not trusted and target.type in ("cpu", "cuda"):
-            read = read_zip(layout, target, when, check_as_read(check_crc, target.type), dtype_of)
+        if layout is not None and not mmap and not trusted and by_layout:
+            crc = check_as_read(check_crc, target.type)
+            read = read_zip(layout, target, when, crc, o.dtype_of)
             if read is not UNUSUAL:
                 return read
         if check_crc:  # read by torch.load below: every record checked in a pass of its own
@@ -250,15 +242,23 @@ def _load_torch(
         raise CheckpointError(f"{p}: {diagnose(exc, zip_format, target)}") from exc
 
 
-def _load_safetensors(p: Path, target: torch.device, *, mmap: bool) -> dict[str, torch.Tensor]:
+def _safetensors_on_meta(p: Path, target: torch.device, o: ReadOptions) -> dict[str, Any]:
+    """A safetensors file's tensors on ``meta``, from its header alone (the safetensors package
+    rejects ``meta``; the header says all there is to know)."""
+    return {
+        name: torch.empty(e.shape, dtype=e.torch_dtype(str(p)), device="meta")
+        for name, e in catalog(p).entries.items()
+    }
+
+
+def _load_safetensors(p: Path, target: torch.device, o: ReadOptions) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors on ``target``: read from its catalog's entries (in the
+    dtypes ``o.dtype_of`` asks for), or by the safetensors package where mapped (``mmap``) or on
+    a big-endian machine."""
     found = catalog(p)
-    if target.type == "meta":  # safetensors rejects meta; the header says all there is to know
-        return {
-            name: torch.empty(e.shape, dtype=e.torch_dtype(str(p)), device="meta")
-            for name, e in found.entries.items()
-        }
+    mmap = o.mmap
     if not mmap and sys.byteorder == "little":
-        return read_entries(found, list(found.entries), target)
+        return read_entries(found, list(found.entries), target, o.dtype_of)
     for e in found.entries.values():
         e.torch_dtype(str(p))  # refused as the reader refuses it
     try:
@@ -441,38 +441,14 @@ def load_state(
     or in an index) are read in the dtype ``dtype_of`` asks for, converted as they are read."""
     p = resolve(path)
     kind = format_of(p)
-    if kind == "index":
-        return _load_index(
-            p, target, mmap=mmap, trusted=False, dtype_of=dtype_of, check_crc=check_crc
-        )
-    if kind == "safetensors" and target.type != "meta" and not mmap and sys.byteorder == "little":
-        found = catalog(p)
-        return read_entries(found, list(found.entries), target, dtype_of)
-    if kind == "zip" and dtype_of is not None:
-        return _load_torch(
-            p,
-            target,
-            zip_format=True,
-            mmap=mmap,
-            trusted=False,
-            check_crc=check_crc,
-            dtype_of=dtype_of,
-        )
     # (a safetensors file has no checksum: load_into has said so already)
-    return load(p, target, mmap=mmap, check_crc=check_crc and kind != "safetensors")
+    crc = check_crc and kind != "safetensors"
+    return reader_for(kind, target)(p, target, ReadOptions(mmap, False, crc, dtype_of))
 
 
-def _load_index(
-    p: Path,
-    target: torch.device,
-    *,
-    mmap: bool,
-    trusted: bool,
-    dtype_of: DTypeWish | None = None,
-    check_crc: bool | None = None,
-) -> dict[str, Any]:
+def _load_index(p: Path, target: torch.device, o: ReadOptions) -> dict[str, Any]:
     """Every tensor an index lists: safetensors shards read from the catalog's entries (or
-    mapped, with ``mmap=True``), torch shards loaded whole and the listed names taken."""
+    mapped, with ``mmap=True``), other shards by their own reader and the listed names taken."""
     found = catalog(p)
     by_file: dict[Path, list[str]] = {}
     for name, e in found.entries.items():
@@ -480,26 +456,14 @@ def _load_index(
         by_file.setdefault(e.file, []).append(name)
     result: dict[str, Any] = {}
     for shard, names in by_file.items():
-        if found.kinds.get(shard) == "safetensors" and not mmap and sys.byteorder == "little":
-            if target.type == "meta":
-                part: Mapping[str, Any] = _load_safetensors(shard, target, mmap=False)
-            else:
-                part = read_entries(found, names, target, dtype_of)
+        kind = found.kinds.get(shard) or format_of(shard)
+        by_entries = not o.mmap and sys.byteorder == "little" and target.type != "meta"
+        if kind == "safetensors" and by_entries:  # the index's entries of this shard only
+            part: Mapping[str, Any] = read_entries(found, names, target, o.dtype_of)
         else:
-            if found.kinds.get(shard) == "zip" and dtype_of is not None:
-                loaded = _load_torch(
-                    shard,
-                    target,
-                    zip_format=True,
-                    mmap=mmap,
-                    trusted=trusted,
-                    check_crc=check_crc,
-                    dtype_of=dtype_of,
-                )
-            else:
-                crc = check_crc and found.kinds.get(shard) != "safetensors"  # none to check,
-                # said once for the whole index
-                loaded = load(shard, target, mmap=mmap, trusted=trusted, check_crc=crc)
+            # a safetensors shard has no checksum to check: said once for the whole index
+            crc = o.check_crc and kind != "safetensors"
+            loaded = reader_for(kind, target)(shard, target, dataclasses.replace(o, check_crc=crc))
             if not isinstance(loaded, Mapping):
                 raise CheckpointError(f"{shard}: holds a {type(loaded).__name__}, not tensors")
             part = loaded
@@ -514,3 +478,57 @@ def _load_index(
                         result[owner] = part[owner]
                         break
     return result
+
+
+# ------------------------------------------------------------- the reader, by format and device
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadOptions:
+    """How a reader reads a file: mapped (``mmap``), by ``torch.load`` without
+    ``weights_only`` (``trusted``), its CRC-32s checked (``check_crc``, as ``load`` takes it),
+    and its floating tensors in the dtype ``dtype_of`` wishes for (``load_into``'s)."""
+
+    mmap: bool
+    trusted: bool = False
+    check_crc: bool | None = None
+    dtype_of: DTypeWish | None = None
+
+
+Reader = Callable[[Path, torch.device, ReadOptions], Any]  # a whole file's objects on the device
+
+# The device types a reader is chosen by: "other" is any accelerator but CUDA (read into host
+# memory and moved, or by torch.load).
+DEVICE_TYPES = ("cpu", "cuda", "meta", "other")
+_ZIP_BY_LAYOUT = functools.partial(_load_torch, zip_format=True, by_layout=True)
+_ZIP_BY_TORCH = functools.partial(_load_torch, zip_format=True, by_layout=False)
+_LEGACY = functools.partial(_load_torch, zip_format=False, by_layout=False)
+
+# The reader of each (format, device type): the zip layout reader fills storages on the CPU and
+# CUDA only; the safetensors package rejects meta, where the header says all there is to know.
+READERS: dict[tuple[str, str], Reader] = {
+    **{("index", device): _load_index for device in DEVICE_TYPES},
+    **{("legacy", device): _LEGACY for device in DEVICE_TYPES},
+    ("zip", "cpu"): _ZIP_BY_LAYOUT,
+    ("zip", "cuda"): _ZIP_BY_LAYOUT,
+    ("zip", "meta"): _ZIP_BY_TORCH,
+    ("zip", "other"): _ZIP_BY_TORCH,
+    ("safetensors", "cpu"): _load_safetensors,
+    ("safetensors", "cuda"): _load_safetensors,
+    ("safetensors", "meta"): _safetensors_on_meta,
+    ("safetensors", "other"): _load_safetensors,
+}
+
+
+def reader_for(kind: str, target: torch.device) -> Reader:
+    """The reader of a file of format ``kind`` (``detect_format``'s) onto ``target``;
+    ``CheckpointError`` for a pair no reader reads."""
+    device = target.type if target.type in DEVICE_TYPES else "other"
+    reader = READERS.get((kind, device))
+    if reader is None:
+        formats = ", ".join(sorted({k for k, _ in READERS}))
+        raise CheckpointError(
+            f"no reader reads a {kind!r} checkpoint onto {target}; torchplace reads the formats "
+            f"{formats} onto the CPU, meta or an accelerator"
+        )
+    return reader

@@ -45,7 +45,7 @@ from ..moving._staging import (
     pinned_pool,
 )
 from ._catalog import Stamp, ZipLayout, changed_error
-from ._crc import combine, crc32
+from ._crc import Crc32, combine, crc32
 from ._formats import device_failure, diagnose, first_sentence, out_of_memory
 from ._opened import opened, raw_file
 from ._progress import current
@@ -161,27 +161,23 @@ def _split(piece: Piece) -> tuple[int, torch.Tensor, torch.dtype | None]:
 Checks = Mapping[int, tuple[int, str]]  # a piece's offset -> (its record's CRC-32, its name)
 
 
-def _read_host(
-    fd: int,
-    pieces: Sequence[Piece],
-    checks: Checks | None = None,
-    advance: Callable[[int], None] | None = None,
-    populate: bool = True,
-) -> list[str]:
-    """Direct pieces read straight into their memory; converting ones a chunk at a time into a
-    buffer of each thread's own (``READ_CHUNK_BYTES``) and converted into place from there, so
-    a model never holds a second, file-dtype copy of itself.
+# A host read's chunks: (where to, from where, its address) for a direct one; (tensor's
+# elements, first and last element, from where, the file's dtype) for a converting one. A
+# chunk's task is (0, its index among direct chunks) or (1, its index among converting ones); a
+# checked piece is (its recorded CRC-32, its name, [(its chunks' tasks, their lengths)]).
+_Direct = tuple[memoryview, int, int]
+_Converting = tuple[torch.Tensor, int, int, int, torch.dtype]
+_Checked = tuple[int, str, list[tuple[tuple[int, int], int]]]
 
-    With ``checks``, each chunk of a checked piece has its CRC-32 computed by the thread that
-    read it, right after the read, and the chunks' CRCs are joined per piece; returns the names
-    of the pieces whose CRC-32 differs from the one recorded.
-    """
-    # (where to, from where, its address) for a direct chunk; (tensor's elements, first and
-    # last element, from where, the file's dtype) for a converting one. A chunk's task is
-    # (0, its index in ``direct``) or (1, its index in ``converting``).
-    direct: list[tuple[memoryview, int, int]] = []
-    converting: list[tuple[torch.Tensor, int, int, int, torch.dtype]] = []
-    checked: list[tuple[int, str, list[tuple[tuple[int, int], int]]]] = []  # (task, length)s
+
+def _host_chunks(
+    pieces: Sequence[Piece], checks: Checks | None
+) -> tuple[list[_Direct], list[_Converting], list[_Checked], dict[tuple[int, int], int]]:
+    """``_read_host``'s pieces cut into chunks of at most ``READ_CHUNK_BYTES``: the direct
+    chunks, the converting ones, the checked pieces, and a CRC-32 slot per checked chunk."""
+    direct: list[_Direct] = []
+    converting: list[_Converting] = []
+    checked: list[_Checked] = []
     crcs: dict[tuple[int, int], int] = {}  # a checked chunk's task -> its file bytes' CRC-32
     for piece in pieces:
         offset, t, stored = _split(piece)
@@ -205,6 +201,25 @@ def _read_host(
         if check is not None:
             checked.append((check[0], check[1], chunks))
             crcs.update(dict.fromkeys((task for task, _ in chunks), 0))
+    return direct, converting, checked, crcs
+
+
+def _read_host(
+    fd: int,
+    pieces: Sequence[Piece],
+    checks: Checks | None = None,
+    advance: Callable[[int], None] | None = None,
+    populate: bool = True,
+) -> list[str]:
+    """Direct pieces read straight into their memory; converting ones a chunk at a time into a
+    buffer of each thread's own (``READ_CHUNK_BYTES``) and converted into place from there, so
+    a model never holds a second, file-dtype copy of itself.
+
+    With ``checks``, each chunk of a checked piece has its CRC-32 computed by the thread that
+    read it, right after the read, and the chunks' CRCs are joined per piece; returns the names
+    of the pieces whose CRC-32 differs from the one recorded.
+    """
+    direct, converting, checked, crcs = _host_chunks(pieces, checks)
     tasks = [(0, k) for k in range(len(direct))] + [(1, k) for k in range(len(converting))]
     crc = crc32()  # ISA-L's where installed, else zlib's
 
@@ -245,10 +260,7 @@ def _read_host(
                 advance(nbytes)
 
     threads = _threads(READ_THREADS, len(tasks))
-    if threads <= 1:
-        share(0, 1)
-    else:
-        _run_shares(share, threads, stop)
+    _read_in_threads(share, threads, stop)
     return _failed_checks(
         [(crc, name, [(crcs[task], n) for task, n in chunks]) for crc, name, chunks in checked]
     )
@@ -296,6 +308,71 @@ CUDA_READ_THREADS = max(1, min(8, os.cpu_count() or 1)) if _PREADV else 1
 _Send = tuple[torch.Tensor, torch.dtype | None, int, int, int]
 
 
+def _cuda_sends(
+    pieces: Sequence[Piece], checks: Checks | None, chunk: int
+) -> tuple[list[_Send], list[tuple[int, int, str, list[int]]], int]:
+    """``_read_cuda``'s pieces cut into chunks of at most ``chunk`` bytes (whole elements of the
+    file's dtype): the sends, the checked pieces (CRC-32, first checked chunk, name, chunk
+    lengths) and how many chunks are checked."""
+    sends: list[_Send] = []
+    checked: list[tuple[int, int, str, list[int]]] = []
+    crc_chunks = 0
+    for piece in pieces:
+        offset, t, stored = _split(piece)
+        check = checks.get(offset) if checks else None  # the file's bytes, as staged
+        size = 1 if stored is None else stored.itemsize
+        step = chunk // size * size  # whole elements per chunk
+        if stored is None:
+            landing = _as_bytes(t)
+            total = landing.numel()
+        else:
+            landing = t.detach().reshape(-1)
+            total = landing.numel() * size
+        lengths = [min(step, total - start) for start in range(0, total, step)]
+        if check is not None:
+            checked.append((check[0], crc_chunks, check[1], lengths))
+        for k, start in enumerate(range(0, total, step)):
+            part = landing[start // size : (start + lengths[k]) // size]
+            crc_at = crc_chunks + k if check is not None else -1
+            sends.append((part, stored, offset + start, lengths[k], crc_at))
+        if check is not None:
+            crc_chunks += len(lengths)
+    return sends, checked, crc_chunks
+
+
+def _send(
+    sent: _Send,
+    fd: int,
+    pool: PinnedPool,
+    transport: Transport,
+    crcs: list[int],
+    crc: Crc32,
+) -> None:
+    """One chunk of ``_read_cuda`` read into a slot taken from ``pool`` (its CRC-32 into
+    ``crcs`` where checked) and its copy queued; the slot goes back behind the copy's event,
+    also where the read or the queuing fails or is interrupted."""
+    part, stored, offset, nbytes, crc_at = sent
+    slot = pool.take(nbytes)  # waits only for this slot's last copy
+    event = None
+    queued = False  # a copy from the slot may be in flight: it is given back behind it
+    try:
+        staged = slot.buffer[:nbytes]
+        _pread_exactly(fd, _memory(staged), offset)
+        if crc_at >= 0:
+            crcs[crc_at] = crc(_memory(staged))  # while it is in this core's cache
+        queued = True
+        # converted into the tensor's dtype by the copy where the file's dtype differs
+        transport.copy(part, staged if stored is None else staged.view(stored))
+        event = transport.mark()
+    finally:
+        if event is None and queued:  # failed or interrupted after queuing the copy
+            try:
+                event = transport.mark()
+            except BaseException:
+                transport.wait()
+        pool.give(slot, event)
+
+
 def _read_cuda(
     fd: int,
     pieces: Sequence[Piece],
@@ -323,74 +400,26 @@ def _read_cuda(
     every thread), so the model's first use is ordered after them."""
     pool = pool if pool is not None else pinned_pool()
     transport = transport if transport is not None else _CurrentStream(device)
-    chunk = pool.slot_bytes  # a chunk fills a slot
-    sends: list[_Send] = []
-    checked: list[tuple[int, int, str, list[int]]] = []  # CRC, 1st chunk, name, chunk lengths
-    crc_chunks = 0
-    for piece in pieces:
-        offset, t, stored = _split(piece)
-        check = checks.get(offset) if checks else None  # the file's bytes, as staged
-        size = 1 if stored is None else stored.itemsize
-        step = chunk // size * size  # whole elements per chunk
-        if stored is None:
-            landing = _as_bytes(t)
-            total = landing.numel()
-        else:
-            landing = t.detach().reshape(-1)
-            total = landing.numel() * size
-        lengths = [min(step, total - start) for start in range(0, total, step)]
-        if check is not None:
-            checked.append((check[0], crc_chunks, check[1], lengths))
-        for k, start in enumerate(range(0, total, step)):
-            part = landing[start // size : (start + lengths[k]) // size]
-            crc_at = crc_chunks + k if check is not None else -1
-            sends.append((part, stored, offset + start, lengths[k], crc_at))
-        if check is not None:
-            crc_chunks += len(lengths)
+    sends, checked, crc_chunks = _cuda_sends(pieces, checks, pool.slot_bytes)  # a chunk: a slot
     crcs = [0] * crc_chunks  # each checked chunk's CRC-32, written by the thread that read it
     crc = crc32()  # ISA-L's where installed, else zlib's
     stop = threading.Event()  # set on a failure or Ctrl-C: the other threads read no more
-
-    def send(n: int) -> None:
-        part, stored, offset, nbytes, crc_at = sends[n]
-        slot = pool.take(nbytes)  # waits only for this slot's last copy
-        event = None
-        queued = False  # a copy from the slot may be in flight: it is given back behind it
-        try:
-            staged = slot.buffer[:nbytes]
-            _pread_exactly(fd, _memory(staged), offset)
-            if crc_at >= 0:
-                crcs[crc_at] = crc(_memory(staged))  # while it is in this core's cache
-            queued = True
-            # converted into the tensor's dtype by the copy where the file's dtype differs
-            transport.copy(part, staged if stored is None else staged.view(stored))
-            event = transport.mark()
-        finally:
-            if event is None and queued:  # failed or interrupted after queuing the copy
-                try:
-                    event = transport.mark()
-                except BaseException:
-                    transport.wait()
-            pool.give(slot, event)
-        if advance is not None:
-            advance(nbytes)
 
     def share(k: int, threads: int) -> None:
         try:
             for n in range(k, len(sends), threads):
                 if stop.is_set():
                     return
-                send(n)
+                _send(sends[n], fd, pool, transport, crcs, crc)
+                if advance is not None:
+                    advance(sends[n][3])
         except BaseException:
             stop.set()
             raise
 
     slots = max(1, pool.limit // pool.slot_bytes)
     threads = _threads(min(CUDA_READ_THREADS, slots), len(sends))
-    if threads <= 1:
-        share(0, 1)
-    else:
-        _run_shares(share, threads, stop)
+    _read_in_threads(share, threads, stop)
     return _failed_checks(
         [
             (crc, name, [(crcs[first + k], n) for k, n in enumerate(lengths)])
@@ -537,6 +566,16 @@ def read_into(
     with OpenFiles({path: stamp}) as files:
         files.read(path, pieces, checks, fresh)
         files.verify()  # no write landed while it was read
+
+
+def _read_in_threads(
+    share: Callable[[int, int], None], threads: int, stop: threading.Event
+) -> None:
+    """``share(0, 1)`` in this thread where one thread reads, else ``_run_shares``."""
+    if threads <= 1:
+        share(0, 1)
+    else:
+        _run_shares(share, threads, stop)
 
 
 def _run_shares(share: Callable[[int, int], None], threads: int, stop: threading.Event) -> None:

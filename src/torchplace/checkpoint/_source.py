@@ -117,6 +117,12 @@ def detect_format(path: PathLike, /) -> str:
             f"{p}: the file changed while it was read (its size went from {size} to "
             f"{len(head)} bytes); {WRITER_HINT}"
         )
+    return _format_by_head(p, head, size)
+
+
+def _format_by_head(p: Path, head: bytes, size: int) -> str:
+    """``detect_format``'s answer from a file's first 16 bytes (``head``) and its ``size``;
+    ``CheckpointError`` for a foreign file or a safetensors file cut short."""
     if p.name.endswith(".json"):
         return "index"
     if head.startswith(ZIP_MAGIC):

@@ -533,65 +533,69 @@ def plan(
     >>> torchplace.plan(model, {"cpu": "600KiB", "disk": "1TB"})
     {'0': device(type='cpu'), '1': device(type='cpu'), '2': 'disk', '3': 'disk'}
 
-    Budgets: a mapping of devices to sizes (``"10GiB"``, ``"512MiB"``, ``"500MB"``,
-    ``"2GB"``, or bytes as any integer or a whole real number), which count parameters and
-    buffers and are used exactly as given: leave room for activations yourself. Devices fill
-    in the order the budgets are listed, except ``"disk"``, always filled last; an int key N
-    means ``cuda:N``. Or ``"auto"`` (the default): each visible accelerator's free memory
-    (read through NVML, which creates no CUDA context, else ``mem_get_info``), in index
-    order, then the host's available memory, each less a headroom. The accelerators keep room
-    for activations: with ``example_input``, the activations and temporaries of a forward of
-    it as ``estimate`` measures them on fake tensors; without, a tenth of their free memory.
-    The host keeps a tenth for the process itself and the staging of offloaded weights (or,
-    on a machine without an accelerator, room for activations as above). An accelerator whose
-    free memory cannot be read (MPS) is left out, as is a host whose available memory cannot
-    be read (named in ``.headroom``). ``"auto"`` never includes the disk: give a mapping.
-    The result is a plain ``dict`` that also carries ``.budgets`` (bytes per device as used)
-    and ``.headroom`` (per device, a ``Headroom`` with ``.bytes`` and ``.how``, the way the
-    figure was obtained).
+    Budgets: a mapping of devices to sizes (``"10GiB"``, ``"512MiB"``, ``"500MB"``, ``"2GB"``,
+    or bytes as any integer or a whole real number) that count parameters and buffers and are
+    used exactly as given: leave room for activations yourself. Devices fill in the order
+    listed, ``"disk"`` always last; an int key N means ``cuda:N``. Or ``"auto"`` (the default):
+    each visible accelerator's free memory (read through NVML, which creates no CUDA context,
+    else ``mem_get_info``) in index order, then the host's available memory, each less a
+    headroom. An accelerator keeps room for activations: a forward of ``example_input``'s, as
+    ``estimate`` measures them on fake tensors, or else a tenth of its free memory. The host
+    keeps a tenth for the process and the staging of offloaded weights (without an
+    accelerator, room for activations as above). An accelerator whose free memory cannot be
+    read (MPS), or a host whose available memory cannot be, is left out (named in
+    ``.headroom``); ``"auto"`` never includes the disk. The result is a plain ``dict`` that
+    also carries ``.budgets`` (bytes per device as used) and ``.headroom`` (per device, a
+    ``Headroom`` with ``.bytes`` and ``.how``, how the figure was obtained).
 
     ``strategy="sequential"`` fills each device before the next. ``"balanced"`` spreads the
-    model evenly by bytes over the accelerators (as evenly as their budgets allow): a module
-    goes whole to a GPU when it ends within that GPU's share, is split when it crosses it
-    (unless in ``no_split``), and an unsplittable one goes where its middle falls.
-    ``"balanced_low_0"`` spreads it over all accelerators but the first, which holds only what
-    the others cannot, keeping it free for what generation adds there (the inputs, the
-    generated tokens). The cpu and the disk are filled after the accelerators as in
-    ``"sequential"``. Should the even split not fit where the sequential fill would, the
+    model evenly by bytes over the accelerators, as their budgets allow: a module goes whole to
+    a GPU when it ends within that GPU's share, is split when it crosses it (unless in
+    ``no_split``), and an unsplittable one goes where its middle falls. ``"balanced_low_0"``
+    spreads it over all accelerators but the first, which holds only what the others cannot
+    (kept free for what generation adds there). The cpu and the disk are filled after the
+    accelerators; should the even split not fit where the sequential fill would, the
     sequential map is returned.
 
-    Submodules are taken in registration order (the order of ``model.named_modules()``), as
-    Accelerate's ``infer_auto_device_map`` does: plan never runs the model, so it cannot know
-    the order in which ``forward`` calls them. That is the order a sequential model or a
-    transformer stack runs them; a model that registers a module before one it runs earlier
-    (a head defined first) is still planned correctly, each part on its device, only with more
-    device changes per forward than a map in running order. A module that does not fit where
-    the last one went is split into its children, unless it is in ``no_split``: a class name
-    keeps whole the modules whose class has exactly that name (as Accelerate's
-    ``no_split_module_classes``), a class keeps whole its instances, subclasses included;
-    entries that match no module of the model are ignored, so one list serves several model
-    families (a warning says when none matches), and ``no_split="auto"`` reads a transformers
-    model's ``_no_split_modules``. Modules that hold the same tensor
-    (tied weights) share a device: the group goes where its first member goes. ``dtype``
-    sizes floating tensors as if cast to it. The map is the smallest that says it: a module
-    whose whole subtree shares a device is one entry, and a name covers its submodules unless
-    a longer name overrides it. A model that does not fit raises, naming the shortfall in
-    bytes and the largest part left without room. Works on skeletons and fake tensors, and
-    allocates nothing on the devices it plans for.
+    Submodules are taken in registration order (``model.named_modules()``), as Accelerate's
+    ``infer_auto_device_map`` does: plan never runs the model, so a model that registers a
+    module before one it runs earlier is still planned correctly, with more device changes per
+    forward. A module that does not fit where the last one went is split into its children
+    unless it is in ``no_split``: a class name keeps whole the modules whose class has exactly
+    that name (as ``no_split_module_classes``), a class its instances, subclasses included;
+    entries that match no module are ignored (a warning says when none matches), and
+    ``no_split="auto"`` reads a transformers model's ``_no_split_modules``. Modules that hold
+    the same tensor (tied weights) go where the first of them goes. ``dtype`` sizes floating
+    tensors as if cast to it. A module whose whole subtree shares a device is one entry, and a
+    name covers its submodules unless a longer name overrides it. A model that does not fit
+    raises, naming the shortfall in bytes and the largest part left without room. Works on
+    skeletons and fake tensors, allocating nothing on the devices it plans for.
     """
     try:
-        if not isinstance(model, nn.Module):
-            raise TorchplaceError(f"maps an nn.Module, not {type(model).__name__}; pass the model")
-        chosen = _strategy(strategy)
-        cast = _dtype(dtype)
-        budgets, headroom = _budgets_of(model, max_memory, example_input)
-        classes = _no_split_classes(model, no_split)
-        tree = walk_model(model)
-        size = {key: nbytes_as(t, cast) for key, t in tree.tensors.items()}
-        auto = isinstance(max_memory, str)
-        _refuse_overfull(tree, budgets, classes, size, dtype=cast, auto=auto)
-        targets = _targets(budgets, sum(size.values()), chosen)
-        device_map = _place(tree, budgets, classes, size, targets)
-        return DeviceMap(device_map, budgets=budgets, headroom=headroom)
+        return _device_map(model, max_memory, no_split, dtype, strategy, example_input)
     except TorchplaceError as err:
         raise prefixed(err, "plan()") from err.__cause__
+
+
+def _device_map(
+    model: nn.Module,
+    max_memory: MemorySpec,
+    no_split: NoSplitSpec,
+    dtype: torch.dtype | str | None,
+    strategy: str,
+    example_input: Any,
+) -> DeviceMap:
+    """``plan``'s map, its errors without the ``plan(): `` before them."""
+    if not isinstance(model, nn.Module):
+        raise TorchplaceError(f"maps an nn.Module, not {type(model).__name__}; pass the model")
+    chosen = _strategy(strategy)
+    cast = _dtype(dtype)
+    budgets, headroom = _budgets_of(model, max_memory, example_input)
+    classes = _no_split_classes(model, no_split)
+    tree = walk_model(model)
+    size = {key: nbytes_as(t, cast) for key, t in tree.tensors.items()}
+    auto = isinstance(max_memory, str)
+    _refuse_overfull(tree, budgets, classes, size, dtype=cast, auto=auto)
+    targets = _targets(budgets, sum(size.values()), chosen)
+    device_map = _place(tree, budgets, classes, size, targets)
+    return DeviceMap(device_map, budgets=budgets, headroom=headroom)
