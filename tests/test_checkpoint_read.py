@@ -305,9 +305,9 @@ def test_a_safetensors_file_cut_short_after_it_was_cataloged_may_be_being_writte
     data = path.read_bytes()
     real = loading.read_into
 
-    def truncate_then_read(where: Path, pieces: Any, stamp: Any) -> Any:
+    def truncate_then_read(where: Path, pieces: Any, stamp: Any, **options: Any) -> Any:
         path.write_bytes(data[: len(data) // 2])
-        return real(where, pieces, None)  # the stamp of the file cut: it changes no more
+        return real(where, pieces, None, **options)  # the stamp of the file cut: it changes no more
 
     monkeypatch.setattr(loading, "read_into", truncate_then_read)
     with pytest.raises(CheckpointError, match=r"f\.safetensors: cannot be read .*EOFError") as e:

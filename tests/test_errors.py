@@ -114,7 +114,8 @@ def test_bare_root_error_sites_are_the_ones_the_drawing_describes() -> None:
         "_fill",  # load_into() of a non-module
         "_rename",  # rename= of the wrong kind
         "_skeleton",  # a skeleton() factory that returns no module
-        "_dispatch",  # a non-module
+        "_dispatch",  # a non-module, state_dict() of a model with modules left on disk
+        "_disk_weights",  # pickling a model with modules left on disk
         "_offload",  # an offloaded module called with gradients on, offload_window < 1
         "_load_by_map",  # load_into() of a non-module, execution_device= without a map
         "_estimate",  # a non-module, a lazy module

@@ -21,7 +21,9 @@ The tree, with when each is raised (every ``raise`` in the package, as of this r
     │                                without torch.distributed, or when the process group does
     │                                not start, and its verify() without a process group; an
     │                                offloaded module called with gradients on (inference
-    │                                only), load_into's execution_device= without a device_map;
+    │                                only), load_into's execution_device= without a device_map,
+    │                                state_dict() or pickling of a model with modules left on
+    │                                disk (gather it with move first);
     │                                watch(): an unknown raise_on kind, an ignore= module that
     │                                is not installed, and, in its block, the first sync, copy
     │                                or mix that raise_on names (at the user's line)
