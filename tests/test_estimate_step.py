@@ -124,6 +124,7 @@ def test_the_model_is_left_as_it_was() -> None:
     assert calls == ["hook", "hook"]
 
 
+@pytest.mark.slow  # a subprocess
 def test_nothing_real_is_allocated() -> None:
     """A 16 GiB batch through a real model, in a process that cannot map 4 GiB more."""
     code = textwrap.dedent(

@@ -645,6 +645,7 @@ with torch.no_grad():
 """
 
 
+@pytest.mark.slow  # a subprocess
 def test_ctrl_c_inside_an_offloaded_forward_drops_its_weights(tmp_path: Any) -> None:
     """PyTorch runs ``always_call`` forward hooks for an ``Exception`` only: a Ctrl-C inside an
     offloaded module's forward must not leave its fetched weights in place for good (and the
