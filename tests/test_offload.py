@@ -362,7 +362,7 @@ def test_move_says_how_much_is_missing_and_changes_nothing(
         device_map={"": "cpu", "model.layers.0": "disk", "model.layers.2": "disk"},
     )
     layer = sum(p.numel() * 4 for p in reference.model.layers[0].parameters())
-    monkeypatch.setattr(offloaded, "available_host_bytes", lambda: 1000)
+    monkeypatch.setattr(offloaded, "host_available", lambda: 1000)
     with pytest.raises(torchplace.MoveError, match=rf"needs {layer * 2 // 1024}\.\d KiB.*missing"):
         torchplace.move(model, "cpu")
     assert is_dispatched(model)

@@ -19,11 +19,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from .._devices import free_memory
+from .._devices import free_memory, host_available
 from .._errors import MoveError
 from .._sizes import format_bytes
 from ._identity import UndoLog
-from ._staging import available_host_bytes
 
 __all__ = ["HOME", "Home", "WeightSource", "drop_homes", "gather_homes", "homes"]
 
@@ -108,7 +107,7 @@ def _check_fits(model: nn.Module, target: torch.device) -> None:
             continue
         seen.add(id(t))
         needed += t.numel() * t.element_size()
-    free = available_host_bytes() if target.type == "cpu" else free_memory(target)
+    free = host_available() if target.type == "cpu" else free_memory(target)
     if free is not None and needed > free:
         raise MoveError(
             f"{type(model).__name__} does not fit on {target}: gathering it there needs "

@@ -50,6 +50,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .._devices import host_available
 from .._tensor_size import PLAIN_TYPES
 
 __all__ = [
@@ -62,7 +63,6 @@ __all__ = [
     "Slot",
     "Stager",
     "Transport",
-    "available_host_bytes",
     "copy_stream",
     "pinned_pool",
     "release_pinned_memory",
@@ -138,18 +138,6 @@ class Slot:
         self.kept = kept  # counted in the pool's bytes (False: dropped when given back)
 
 
-def available_host_bytes() -> int | None:
-    """Linux's MemAvailable in bytes, None where it cannot be read."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
 def _pinned(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
@@ -184,7 +172,7 @@ class PinnedPool:
         slot_bytes: int,
         *,
         allocate: Callable[[int], torch.Tensor] = _pinned,
-        available: Callable[[], int | None] = available_host_bytes,
+        available: Callable[[], int | None] = host_available,
     ) -> None:
         self.limit = limit
         self.slot_bytes = slot_bytes
