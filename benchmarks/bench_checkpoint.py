@@ -14,9 +14,12 @@ of one forward pass:
 * ``baseline`` (with ``--baseline SRC``): ``torchplace`` as another checkout's ``src`` folder
   has it, in the same rounds, to compare a change before and after on one machine.
 
-Each child process reads ``VmRSS`` after the bare ``import torch``, imports its library, then
-starts the clock (imports are not timed), and reports the time to the forward's output and
-``VmHWM`` (peak resident memory) above the bare-import figure. The file is read once beforehand
+Each child process reads ``VmRSS`` after the bare ``import torch``, times the import of its
+library, then starts the clock, and reports the time to the forward's output and ``VmHWM`` (peak
+resident memory) above the bare-import figure; the import's time is reported beside it and added
+for the figure "imports included". Children run with bytecode caching on (in a temporary
+``PYTHONPYCACHEPREFIX``), as an installed package has it, whatever ``PYTHONDONTWRITEBYTECODE``
+says: compiling the sources on every start is not what a user pays. The file is read once beforehand
 so every way finds it in the page cache, and the ways take turns round by round; each is
 reported by its fastest round.
 
@@ -77,19 +80,21 @@ def _status(field: str) -> int:
 def child(way: str, path: str, blocks: int) -> None:
     """Runs in a fresh process: file to first output one way, then prints timings as JSON."""
     rss0 = _status("VmRSS")  # after the bare import torch (at the top of this file)
+    began = time.perf_counter()
     if way == "accelerate":
         from accelerate import init_empty_weights, load_checkpoint_and_dispatch
     elif way in ("torchplace", "baseline"):
         from torchplace.checkpoint._checkpoint import load_into, skeleton
     ids = torch.tensor([[1, 2, 3, 4]])
     start = time.perf_counter()
+    imports = start - began
     if way == "floor":
         buffer = torch.empty(Path(path).stat().st_size, dtype=torch.uint8)
         with open(path, "rb", buffering=0) as f:
             f.readinto(memoryview(buffer.numpy()))
         seconds = time.perf_counter() - start
         peak = _status("VmHWM") - rss0
-        print(json.dumps({"seconds": seconds, "peak": peak, "check": None}))
+        print(json.dumps({"seconds": seconds, "imports": imports, "peak": peak, "check": None}))
         return
     with torch.no_grad():
         if way == "plain":
@@ -104,12 +109,17 @@ def child(way: str, path: str, blocks: int) -> None:
         out = model(ids)
     seconds = time.perf_counter() - start
     peak = _status("VmHWM") - rss0
-    print(json.dumps({"seconds": seconds, "peak": peak, "check": float(out.double().sum())}))
+    check = float(out.double().sum())
+    print(json.dumps({"seconds": seconds, "imports": imports, "peak": peak, "check": check}))
 
 
-def run_child(way: str, path: Path, blocks: int, baseline: str | None = None) -> dict[str, float]:
+def run_child(
+    way: str, path: Path, blocks: int, pycache: str, baseline: str | None = None
+) -> dict[str, float]:
     cmd = [sys.executable, __file__, "--child", way, str(path), "--blocks", str(blocks)]
     env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPYCACHEPREFIX"] = pycache
     if way == "baseline" and baseline:
         env["PYTHONPATH"] = os.pathsep.join([baseline, env.get("PYTHONPATH", "")])
     done = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
@@ -150,23 +160,33 @@ def main() -> None:
         with path.open("rb") as f:  # into the page cache, so no way pays the first read
             while f.read(64 * 2**20):
                 pass
+        pycache = str(Path(tmp) / "pycache")
+        for way in ways:  # once each, unrecorded: writes the bytecode caches
+            run_child(way, path, blocks, pycache, args.baseline)
         results: dict[str, list[dict[str, float]]] = {way: [] for way in ways}
         for _ in range(args.rounds):
             for way in ways:
-                results[way].append(run_child(way, path, blocks, args.baseline))
+                results[way].append(run_child(way, path, blocks, pycache, args.baseline))
         checks = {round(r["check"], 2) for rs in results.values() for r in rs if r["check"]}
         best = {way: min(rs, key=lambda r: r["seconds"]) for way, rs in results.items()}
+        with_imports = {
+            way: min(r["seconds"] + r["imports"] for r in rs) for way, rs in results.items()
+        }
         peak = {way: max(r["peak"] for r in rs) for way, rs in results.items()}
 
     print(f"file: {size / 2**20:.0f} MiB ({args.format}), {blocks} blocks, {os.cpu_count()} CPUs")
-    print(f"{'way':<12}{'seconds':>9}{'peak MiB':>10}{'peak/file':>11}")
+    print(
+        f"{'way':<12}{'seconds':>9}{'imports':>9}{'with them':>11}{'peak MiB':>10}{'peak/file':>11}"
+    )
     for way in ways:
         print(
-            f"{way:<12}{best[way]['seconds']:>9.3f}{peak[way] / 2**20:>10.0f}"
-            f"{peak[way] / size:>11.2f}"
+            f"{way:<12}{best[way]['seconds']:>9.3f}{best[way]['imports']:>9.3f}"
+            f"{with_imports[way]:>11.3f}{peak[way] / 2**20:>10.0f}{peak[way] / size:>11.2f}"
         )
     ours = best["torchplace"]["seconds"]
-    print(f"torchplace / floor:      {ours / best['floor']['seconds']:.3f}  (target <= 1.3)")
+    print(f"torchplace / floor:      {ours / best['floor']['seconds']:.3f}")
+    floor = with_imports["floor"]
+    print(f"the same, imports included: {with_imports['torchplace'] / floor:.3f}  (target <= 1.3)")
     if args.baseline:
         print(f"torchplace / baseline:   {ours / best['baseline']['seconds']:.3f}  (target <= 1)")
     plain_target = 0.5 if args.format == "safetensors" else 0.3  # plain maps a safetensors file
