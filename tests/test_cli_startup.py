@@ -214,3 +214,31 @@ def test_a_misspelt_command_or_top_option_gets_the_top_usage(
     err = capsys.readouterr().err
     assert err.startswith("usage: torchplace [-h] [--version] COMMAND")
     assert err.strip().splitlines()[-1].startswith(f"torchplace: error: {said}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_a_plain_load_imports_only_its_own_path(tmp_path: Path, suffix: str) -> None:
+    # a first load in a fresh process pays its imports: what a device map, a sharded model or
+    # the CRC check alone needs is imported when one is there (the import figure: RESULTS.md);
+    # a zip .pt records CRC-32s, checked by default with ISA-L's where it is installed
+    path = tmp_path / f"m{suffix}"
+    fill = f"torchplace.load_into(torchplace.skeleton(torch.nn.Linear, 4, 4), {str(path)!r})"
+    isal = ", 'isal'" if suffix == ".safetensors" else ""
+    code = (
+        "import sys, torch, torchplace\n"
+        "layer = torch.nn.Linear(4, 4)\n"
+        + (
+            "from safetensors.torch import save_file\n"
+            f"save_file(layer.state_dict(), {str(path)!r})\n"
+            if suffix == ".safetensors"
+            else f"torch.save(layer.state_dict(), {str(path)!r})\n"
+        )
+        + f"model = {fill}\n"
+        "print(torch.equal(model.weight, layer.weight))\n"
+        "heavy = ('torchplace.spreading._dispatch', 'torchplace.spreading._offload',\n"
+        "         'torchplace.checkpoint._disk_weights', 'torchplace.checkpoint._sharded',\n"
+        f"         'torchplace.checkpoint._rendezvous'{isal})\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    assert _run(code) == ["True", "[]"]

@@ -281,6 +281,8 @@ def _handed_on(
             progress=progress,
         )
         return model
+    if "torch.distributed.tensor" not in sys.modules:  # no DTensor can exist: skip the import
+        return None
     from ._sharded import has_dtensors, load_sharded
 
     if not has_dtensors(model):

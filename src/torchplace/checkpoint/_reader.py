@@ -30,6 +30,7 @@ import sys
 import threading
 import warnings
 import zipfile
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -221,7 +222,7 @@ def _read_host(
     """
     direct, converting, checked, crcs = _host_chunks(pieces, checks)
     tasks = [(0, k) for k in range(len(direct))] + [(1, k) for k in range(len(converting))]
-    crc = crc32()  # ISA-L's where installed, else zlib's
+    crc = crc32() if checked else zlib.crc32  # ISA-L's is imported only when it is used
 
     stop = threading.Event()  # set on a failure or Ctrl-C: the other threads read no more
 
@@ -402,7 +403,7 @@ def _read_cuda(
     transport = transport if transport is not None else _CurrentStream(device)
     sends, checked, crc_chunks = _cuda_sends(pieces, checks, pool.slot_bytes)  # a chunk: a slot
     crcs = [0] * crc_chunks  # each checked chunk's CRC-32, written by the thread that read it
-    crc = crc32()  # ISA-L's where installed, else zlib's
+    crc = crc32() if checked else zlib.crc32  # ISA-L's is imported only when it is used
     stop = threading.Event()  # set on a failure or Ctrl-C: the other threads read no more
 
     def share(k: int, threads: int) -> None:

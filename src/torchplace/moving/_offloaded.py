@@ -24,9 +24,10 @@ from .._errors import MoveError
 from .._sizes import format_bytes
 from ._identity import UndoLog
 
-__all__ = ["HOME", "Home", "WeightSource", "drop_homes", "gather_homes", "homes"]
+__all__ = ["DEFAULT_WINDOW", "HOME", "Home", "WeightSource", "drop_homes", "gather_homes", "homes"]
 
 HOME = "_torchplace_home"
+DEFAULT_WINDOW = 2  # units resident on the execution device at once: the running one + 1 ahead
 
 
 class WeightSource(Protocol):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import nn
@@ -23,12 +23,12 @@ from .._errors import CheckpointError, DeviceSpecError, TorchplaceError, prefixe
 from .._model_walk import display, walk_model
 from ..checkpoint._catalog import catalog
 from ..checkpoint._checkpoint import load_into as fill
-from ..checkpoint._disk_weights import CheckpointWeights
 from ..checkpoint._rename import Rename, as_renamer
 from ..checkpoint._source import PathLike, resolve
-from ..moving._offloaded import HOME, Home
-from ._dispatch import DISK, DeviceMapSpec, check_offloading, dispatch, parse_device_map
-from ._offload import DEFAULT_WINDOW
+from ..moving._offloaded import DEFAULT_WINDOW
+
+if TYPE_CHECKING:  # the map's modules load only when a map is given: a plain load pays none
+    from ._dispatch import DeviceMapSpec
 
 __all__ = ["load_into"]
 
@@ -117,6 +117,10 @@ def _by_map(
         )
     if not isinstance(model, nn.Module):
         raise TorchplaceError(f"load_into() fills an nn.Module, not {type(model).__name__}")
+    from ..checkpoint._disk_weights import CheckpointWeights
+    from ..moving._offloaded import HOME, Home
+    from ._dispatch import DISK, check_offloading, dispatch, parse_device_map
+
     entries = parse_device_map(walk_model(model), device_map)
     check_offloading(entries, execution_device, offload_window)  # before reading a byte
     disk = [name for name, where in entries.items() if where == DISK]

@@ -34,11 +34,9 @@ from torch import nn
 
 from .._errors import TorchplaceError
 from .._model_walk import display
-from ..moving._offloaded import Home
+from ..moving._offloaded import DEFAULT_WINDOW, Home
 
 __all__ = ["DEFAULT_WINDOW", "DeviceTransport", "Fetched", "Ring", "Transport", "Unit"]
-
-DEFAULT_WINDOW = 2  # units resident on the execution device at once: the running one + 1 ahead
 
 
 @dataclasses.dataclass
