@@ -771,3 +771,16 @@ def test_plan_of_a_tiny_llama_over_disk_loads_and_runs_bit_for_bit(tmp_path: Any
         with torch.no_grad():
             got = model(ids).logits
         assert got.dtype == expected.dtype and torch.equal(got, expected), device_map
+
+
+def test_plan_of_a_llama_names_its_modules_as_named_modules_does() -> None:
+    # A LlamaForCausalLM's layers are model.layers.N: a map never says model.model.layers.N
+    # (only messages do, where "model" is the object itself: display() of the path).
+    model = _tiny_llama()
+    names = set(dict(model.named_modules()))
+    total = sum(p.numel() * 4 for p in model.parameters())
+    for budget in range(0, total, total // 7):
+        for no_split in ((), "auto"):
+            device_map = plan(model, {"cpu": budget, "disk": "1GB"}, no_split=no_split)
+            assert set(device_map) <= names, device_map
+            assert not any(key.startswith("model.model.") for key in device_map)
