@@ -207,8 +207,11 @@ class FailedAt:
     def note(self, func: Any, tracker: Any) -> None:
         if self.error is not None:  # an outer operator the inner one's error passes through
             return
-        names = {v: k for k, v in tracker._mod_tracker._known_modules.items()}
-        running = max(tracker._mod_tracker.parents, key=lambda n: n.count("."), default=None)
+        try:  # the tracker's private tables: a torch that keeps them otherwise names no module
+            names = {v: k for k, v in tracker._mod_tracker._known_modules.items()}
+            running = max(tracker._mod_tracker.parents, key=lambda n: n.count("."), default=None)
+        except (AttributeError, TypeError):
+            names, running = {}, None
         module = names.get(running)
         path = None if running is None else str(running).partition(".")[2]
         kind = None if module is None else type(module).__name__
