@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import subprocess
 import sys
@@ -244,6 +245,155 @@ def test_transformers_skeleton_on_meta_forward() -> None:
     assert est.fallback is None
     assert set(est.peak_by_device()) == {META}
     assert est.peaks[0].gradients == 0 and est.activations > 0
+
+
+# --- operators whose fake kernels are narrower than their real ones ---------------------------
+
+
+class GroupedExperts(nn.Module):
+    """Two experts run as one grouped matmul, in float32, as transformers' MoE layers run
+    ``grouped_mm`` on a CPU (whose kernel takes float32, where its meta kernel takes bf16)."""
+
+    def __init__(self, device: str = "cpu") -> None:
+        super().__init__()
+        self.experts = nn.Parameter(torch.ones(2, 16, 32, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        offs = torch.tensor([x.shape[0] // 2, x.shape[0]], dtype=torch.int32, device=x.device)
+        y = torch.nn.functional.grouped_mm(x, self.experts, offs=offs)
+        return y * y
+
+
+@pytest.mark.skipif(
+    not hasattr(torch.nn.functional, "grouped_mm"), reason="this torch has no grouped_mm"
+)
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_grouped_mm_in_float32_is_measured(device: str) -> None:
+    model = GroupedExperts(device)
+    if device == "cpu":
+        model(torch.ones(8, 16)).sum().backward()  # the real kernels take it
+        model.experts.grad = None
+    before = snapshot(model)
+    est = estimate(model, example_input=torch.ones(64, 16), optimizer="sgd")
+    assert est.fallback is None
+    assert est.activations >= 64 * 32 * 4  # the grouped product, float32, saved for y * y
+    assert est.temporaries >= 64 * 32 * 4  # its gradient, in the backward
+    assert_same(before, model)
+
+
+@functools.cache
+def picky_op() -> Any:
+    """An operator whose fake kernel refuses float32, which its real kernel takes."""
+
+    @torch.library.custom_op("torchplace_tests::picky", mutates_args=())
+    def picky(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @picky.register_fake  # type: ignore[untyped-decorator,misc]
+    def _(x: torch.Tensor) -> torch.Tensor:
+        torch._check(x.dtype == torch.bfloat16, lambda: f"picky takes bfloat16, not {x.dtype}")
+        return torch.empty_like(x)
+
+    return picky
+
+
+class Picky(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return picky_op()(self.lin(x))  # type: ignore[no-any-return]
+
+
+def test_an_operator_fake_tensors_cannot_run_is_named_not_blamed_on_the_input() -> None:
+    model = nn.Sequential(nn.Linear(IN, IN), Picky())
+    model(torch.ones(2, IN))  # the input is fine: the real model takes it
+    before = snapshot(model)
+    with pytest.raises(TorchplaceError) as caught:
+        estimate(model, example_input=torch.ones(B, IN))
+    text = str(caught.value)
+    assert "failed in the operator torchplace_tests.picky.default, in model.1 (Picky)" in text
+    assert "picky takes bfloat16, not torch.float32" in text
+    assert "this operator cannot run on fake tensors" in text
+    assert "estimate without example_input" in text
+    assert_same(before, model)
+
+
+def tiny_mixtral() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        vocab_size=128,
+        max_position_embeddings=64,
+    )
+    with torch.device("meta"):
+        return transformers.MixtralForCausalLM(config)
+
+
+@pytest.mark.slow  # a transformers MoE model: ~3 s on two cores
+def test_a_float32_mixtral_skeleton_is_measured() -> None:
+    model = tiny_mixtral()
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    est = estimate(model, example_input=tokens)
+    assert est.fallback is None
+    assert est.peak > est.parameters + est.gradients + est.optimizer_state
+    assert est.activations > 2 * 32 * 128 * 4  # at least the logits
+    assert any(m.name == "model.layers.0.mlp.experts" for m in est.modules)
+
+
+# --- modules made inside the forward ----------------------------------------------------------
+
+
+class LossInside(nn.Module):
+    """Makes its loss module in its forward, as transformers' T5 does: gone by the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(IN, OUT)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return nn.CrossEntropyLoss()(self.lin(x), labels)  # type: ignore[no-any-return]
+
+
+def test_a_module_made_in_the_forward_warns_nothing(recwarn: pytest.WarningsRecorder) -> None:
+    batch = {"x": torch.ones(B, IN), "labels": torch.zeros(B, dtype=torch.long)}
+    est = estimate(LossInside(), example_input=batch, optimizer="sgd")
+    assert [str(w.message) for w in recwarn] == []
+    assert est.fallback is None
+    assert est.activations >= B * OUT * 4  # the logits, saved for the loss's backward
+    assert est.temporaries >= B * OUT * 4  # their gradient, in the backward
+
+
+def test_t5_is_measured_without_warnings(recwarn: pytest.WarningsRecorder) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(
+        d_model=32,
+        d_ff=64,
+        d_kv=8,
+        num_heads=4,
+        num_layers=2,
+        num_decoder_layers=2,
+        vocab_size=128,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    with torch.device("meta"):
+        model = transformers.T5ForConditionalGeneration(config)
+    recwarn.clear()
+    est = estimate(model, example_input=tokens)
+    assert [str(w.message) for w in recwarn] == []
+    assert est.fallback is None
+    assert est.peak > est.parameters + est.gradients + est.optimizer_state
+    assert est.activations > 2 * 32 * 128 * 4  # at least the logits
+    assert {m.name for m in est.modules} >= {"encoder", "decoder", "lm_head"}
 
 
 # --- when the step cannot be measured: counting, with the reason ------------------------------

@@ -666,3 +666,121 @@ def test_plan_balances_a_tiny_llama_by_its_decoder_layers() -> None:
     assert low == {"model.embed_tokens": CUDA1, layers[0]: CUDA1, layers[1]: CUDA1,
                    layers[2]: cuda2, layers[3]: cuda2} | dict.fromkeys(tail, cuda2)  # fmt: skip
     assert all(p.device == META for p in model.parameters())
+
+
+# --- plan: modules with nothing in a checkpoint stay off the disk ----------------------------
+
+
+class _Rotary(nn.Module):
+    """Holds only a non-persistent buffer, as a rotary embedding's ``inv_freq``."""
+
+    def __init__(self, device: str = "meta") -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", torch.ones(8, device=device), persistent=False)
+
+
+_LINEAR64 = (64 * 64 + 64) * 4  # nn.Linear(64, 64) in float32
+
+
+class _WithRotary(nn.Module):
+    def __init__(self, device: str = "meta") -> None:
+        super().__init__()
+        self.embed = nn.Linear(64, 64, device=device)
+        self.layers = nn.Sequential(*(nn.Linear(64, 64, device=device) for _ in range(3)))
+        self.rotary = _Rotary("cpu" if device == "meta" else device)
+        self.head = nn.Linear(64, 64, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.rotary.inv_freq.to(x.device).sum()
+        return self.head(self.layers(self.embed(x)) * scale)  # type: ignore[no-any-return]
+
+
+def _buffers_only(module: nn.Module) -> bool:
+    """Whether the module holds buffers and no parameter: nothing the disk tier keeps."""
+    return next(module.parameters(), None) is None and next(module.buffers(), None) is not None
+
+
+def _weightless_on_disk(model: nn.Module, device_map: dict[str, Any]) -> list[str]:
+    """The modules the map leaves on 'disk' that hold buffers but no parameter."""
+    found = []
+    for name, module in model.named_modules():
+        entry = max((k for k in device_map if k == "" or name == k or name.startswith(f"{k}.")),
+                    key=len, default=None)  # fmt: skip
+        if entry is not None and device_map[entry] == "disk" and _buffers_only(module):
+            found.append(name)
+    return found
+
+
+@pytest.mark.parametrize(
+    ("budgets", "home"),
+    [
+        ({"cpu": _LINEAR64, "disk": "1GB"}, CPU),
+        ({"cpu": 0, "disk": "1GB"}, CPU),
+        ({"disk": "1GB"}, CPU),
+        ({"cuda:0": _LINEAR64, "cpu": 0, "disk": "1GB"}, CUDA0),
+    ],
+    ids=["cpu-then-disk", "all-disk", "disk-only", "cuda-then-disk"],
+)
+def test_plan_never_puts_a_module_without_weights_on_disk(
+    budgets: dict[str, Any], home: torch.device
+) -> None:
+    model = _WithRotary()
+    with cuda_forbidden():
+        device_map = plan(model, budgets)
+    assert device_map["rotary"] == home  # where the disk's modules run
+    assert _weightless_on_disk(model, device_map) == []
+    assert device_map["head"] == "disk"
+
+
+def test_a_plan_over_disk_loads_and_runs_bit_for_bit(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    resident = _WithRotary("cpu").eval()
+    torch.save(resident.state_dict(), tmp_path / "model.pt")
+    x = torch.randn(4, 64)
+    device_map = plan(resident, {"cpu": _LINEAR64, "disk": "1GB"})
+    assert device_map["layers"] == "disk" and device_map["rotary"] == CPU
+    model = load_into(_WithRotary(), tmp_path / "model.pt", device_map=device_map)
+    with torch.no_grad():
+        assert torch.equal(model(x), resident(x))
+
+
+@pytest.mark.slow  # imports transformers' Llama, saves and loads it three times: ~12 s here
+def test_plan_of_a_tiny_llama_over_disk_loads_and_runs_bit_for_bit(tmp_path: Any) -> None:
+    transformers = pytest.importorskip("transformers")
+    from torchplace.checkpoint._skeleton import skeleton
+
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    resident = transformers.LlamaForCausalLM(config).eval()
+    resident.save_pretrained(tmp_path)
+    ids = torch.arange(16).reshape(2, 8)
+    with torch.no_grad():
+        expected = resident(ids).logits
+    names = dict(resident.named_modules())
+    for cpu in (0, 20_000, 40_000):  # all on disk; the embedding on the cpu; a layer too
+        device_map = plan(resident, {"cpu": cpu, "disk": "1GB"})
+        assert "disk" in device_map.values()
+        assert set(device_map) <= set(names)
+        assert _weightless_on_disk(resident, device_map) == []
+        assert device_map["model.rotary_emb"] == CPU
+        model = skeleton(transformers.LlamaForCausalLM, config).eval()
+        load_into(model, tmp_path, device_map=device_map)
+        with torch.no_grad():
+            got = model(ids).logits
+        assert got.dtype == expected.dtype and torch.equal(got, expected), device_map
+
+
+def test_plan_of_a_llama_names_its_modules_as_named_modules_does() -> None:
+    # A LlamaForCausalLM's layers are model.layers.N: a map never says model.model.layers.N
+    # (only messages do, where "model" is the object itself: display() of the path).
+    model = _tiny_llama()
+    names = set(dict(model.named_modules()))
+    total = sum(p.numel() * 4 for p in model.parameters())
+    for budget in range(0, total, total // 7):
+        for no_split in ((), "auto"):
+            device_map = plan(model, {"cpu": budget, "disk": "1GB"}, no_split=no_split)
+            assert set(device_map) <= names, device_map
+            assert not any(key.startswith("model.model.") for key in device_map)

@@ -13,7 +13,9 @@ The tree, with when each is raised (every ``raise`` in the package, as of this r
     │                                plan()'s budgets, plan's example_input beside given
     │                                budgets, max_memory='auto' where no memory can be read, a
     │                                lazy module estimate() cannot size, an example_input its
-    │                                model cannot take, grads=False with step='train',
+    │                                model cannot take (or, naming it and its module, an
+    │                                operator that fake tensors cannot run on it),
+    │                                grads=False with step='train',
     │                                torchplace estimate's config that transformers cannot
     │                                build or lacking transformers, a one-shot source read by
     │                                two DeviceLoader loops, bench

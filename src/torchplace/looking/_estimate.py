@@ -21,10 +21,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .._errors import DeviceSpecError, TorchplaceError, prefixed, user_stacklevel
+from .._errors import (
+    DeviceSpecError,
+    TorchplaceError,
+    first_line,
+    prefixed,
+    user_stacklevel,
+)
+from .._model_walk import display
 from .._sizes import format_bytes as _format_bytes
 from .._tensor_size import nbytes_as
-from ._fake_step import KINDS, ModulePeak, Unmeasurable, measure_step
+from ._fake_step import KINDS, ModulePeak, OperatorFailed, Unmeasurable, measure_step
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -437,6 +444,8 @@ def _measured(model: nn.Module, name: str | None, example_input: Any, step: str)
         return dataclasses.replace(counted, step=step, fallback=str(why))
     except TorchplaceError:
         raise
+    except OperatorFailed as failed:
+        raise _operator_error(model, step, failed) from failed.__cause__
     except Exception as exc:  # the model's own error on this input
         raise TorchplaceError(
             f"example_input: the {step} step of {type(model).__name__} on it raised "
@@ -450,4 +459,24 @@ def _measured(model: nn.Module, name: str | None, example_input: Any, step: str)
         activations=measure.most["activations"],
         temporaries=measure.most["temporaries"],
         modules=measure.modules,
+    )
+
+
+def _operator_error(model: nn.Module, step: str, failed: OperatorFailed) -> TorchplaceError:
+    """The error for a step that failed inside an operator on fake tensors. Its fake (meta)
+    kernel checks what the real one does, as a rule, so the input is the likely cause; but
+    some check more (a dtype their real kernels take), and from here the two cannot be told
+    apart: the message names the operator and the module, and says what to do in either case."""
+    cause = failed.__cause__
+    said = f"{type(cause).__name__}: {first_line(cause)}" if cause is not None else "an error"
+    kind = f" ({failed.type_name})" if failed.type_name is not None else ""
+    where = f", in {display(failed.module)}{kind}" if failed.module is not None else ""
+    return TorchplaceError(
+        f"example_input: the {step} step of {type(model).__name__} on fake tensors failed in "
+        f"the operator {failed.op}{where}: {said}. If example_input is not a batch this model "
+        "takes, pass one that is (model(**batch) for a mapping, model(*batch) for a tuple, "
+        "else model(batch)). If it is (a real forward of the model takes it), this operator "
+        "cannot run on fake tensors with these arguments, so the step cannot be measured: "
+        "estimate without example_input counts the parameters, gradients and optimizer "
+        f"state, and a model in another dtype (bfloat16) may get past {failed.op}"
     )

@@ -31,7 +31,14 @@ from torch import nn
 
 from .._tree import iter_leaves, map_tensors
 
-__all__ = ["KINDS", "ModulePeak", "StepMeasure", "Unmeasurable", "measure_step"]
+__all__ = [
+    "KINDS",
+    "ModulePeak",
+    "OperatorFailed",
+    "StepMeasure",
+    "Unmeasurable",
+    "measure_step",
+]
 
 # What a step's bytes are held by, in the order tables list them; "inputs" is the example batch.
 KINDS = (
@@ -118,11 +125,33 @@ def _tracker_class() -> type:
             super().__init__()
             self.torchplace_most: dict[torch.device, dict[Any, int]] = {}
             self.torchplace_stats: dict[str, Any] = {}  # module name -> its statistics
+            self.torchplace_failed = FailedAt()
 
         def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
             super()._pre_fw_hook(module, inputs)
             stats = self.memory_tracking[module]
             self.torchplace_stats[stats.mod_fqn] = stats
+
+        def _pre_bw_hook(self, module: nn.Module | None, args: Any) -> None:
+            # None: a module made inside the forward and gone by its backward (a transformers
+            # model's loss, CrossEntropyLoss()): nothing of it is left to measure, and torch's
+            # tracker would warn "Module is None" to the user for each.
+            if module is not None:
+                super()._pre_bw_hook(module, args)
+
+        def _post_bw_hook(self, module: nn.Module | None, args: Any) -> None:
+            if module is not None:
+                super()._post_bw_hook(module, args)
+
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            run = _stand_in(func, args, kwargs)
+            try:
+                return super().__torch_dispatch__(run, types, args, kwargs)  # type: ignore[no-untyped-call]
+            except Exception:
+                self.torchplace_failed.note(func, self)
+                raise
 
         def _update_peak_stats(self, peak_state: Any) -> None:
             try:
@@ -156,6 +185,81 @@ def _update_peaks(tracker: Any, peak_state: Any) -> None:
         for kind, nbytes in snap.items():
             if nbytes > most.get(kind, 0):
                 most[kind] = nbytes
+
+
+class OperatorFailed(Exception):
+    """The step failed inside an operator: ``op`` (``aten.mm.default``), run by ``module``
+    (its path, ``""`` for the model itself, or None when no module of the model was running)
+    of class ``type_name`` (None when unknown); the operator's error is the cause."""
+
+    def __init__(self, op: str, module: str | None, type_name: str | None) -> None:
+        super().__init__(op, module, type_name)
+        self.op, self.module, self.type_name = op, module, type_name
+
+
+class FailedAt:
+    """Where the step failed: the first (innermost) operator that raised, and the module
+    running it, noted by the tracker as the error passes through its dispatch."""
+
+    def __init__(self) -> None:
+        self.error: OperatorFailed | None = None
+
+    def note(self, func: Any, tracker: Any) -> None:
+        if self.error is not None:  # an outer operator the inner one's error passes through
+            return
+        try:  # the tracker's private tables: a torch that keeps them otherwise names no module
+            names = {v: k for k, v in tracker._mod_tracker._known_modules.items()}
+            running = max(tracker._mod_tracker.parents, key=lambda n: n.count("."), default=None)
+        except (AttributeError, TypeError):
+            names, running = {}, None
+        module = names.get(running)
+        path = None if running is None else str(running).partition(".")[2]
+        kind = None if module is None else type(module).__name__
+        self.error = OperatorFailed(str(func), path, kind)
+
+
+def _grouped_mm_any_dtype(
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``aten._grouped_mm``'s result on fake tensors of a dtype its meta kernel refuses (it
+    states the CUDA fast path's rules: bfloat16, strides of 16 bytes), shaped as the real
+    kernels shape it: each group's product, stacked (3-d operands, or 2-d ones whose shared
+    dimension ``offs`` cuts) or one after another (``offs`` cutting the rows)."""
+    if mat_a.shape[-1] != mat_b.shape[-2] and max(mat_a.dim(), mat_b.dim()) == 3:
+        raise RuntimeError(
+            f"_grouped_mm: contraction dimension of mat_a {tuple(mat_a.shape)} and mat_b "
+            f"{tuple(mat_b.shape)} must match"
+        )
+    groups = 0 if offs is None else offs.shape[0]
+    if mat_a.dim() == 2:
+        rows = [groups, mat_a.shape[0]] if mat_b.dim() == 2 else [mat_a.shape[0]]
+    else:
+        rows = [mat_a.shape[1]] if mat_b.dim() == 2 else [mat_a.shape[0], mat_a.shape[1]]
+    size = [*rows, mat_b.shape[-1]]
+    return torch.empty(size, dtype=out_dtype or mat_a.dtype, device=mat_a.device)
+
+
+# What the real kernels of ``_grouped_mm`` take besides bfloat16 (its CPU kernel, and CUDA's
+# fallback), where its meta kernel takes bfloat16 only.
+_GROUPED_MM_DTYPES = (torch.float16, torch.float32, torch.float64)
+
+
+def _stand_in(func: Any, args: Any, kwargs: Any) -> Any:
+    """What runs for ``func`` on fake tensors: itself, or for an operator whose meta kernel
+    refuses what its real kernels take (``_grouped_mm`` in float32, as transformers' MoE
+    layers run it on a CPU), one that sizes its result otherwise."""
+    packet = getattr(torch.ops.aten, "_grouped_mm", None)
+    if packet is None or func is not getattr(packet, "default", None) or len(args) < 2:
+        return func
+    dtypes = {getattr(t, "dtype", None) for t in args[:2]}
+    out_dtype = (kwargs or {}).get("out_dtype")
+    if len(dtypes) == 1 and dtypes <= set(_GROUPED_MM_DTYPES) and out_dtype in (None, *dtypes):
+        return _grouped_mm_any_dtype
+    return func
 
 
 class _NoHook:
@@ -392,7 +496,8 @@ def measure_step(
     """Run one step of ``model`` on fake tensors and measure it (see the module docstring).
 
     Raises ``Unmeasurable`` when it cannot be done here; an error of the model's own (an input
-    of the wrong shape) propagates as raised.
+    of the wrong shape) propagates as raised, or, when an operator raised it, as
+    ``OperatorFailed`` naming the operator and the module that ran it (the error its cause).
     """
     _tracker_class()
     if any(type(t).__name__ == "DTensor" for t in (*model.parameters(), *model.buffers())):
@@ -404,18 +509,23 @@ def measure_step(
     def label(dev: torch.device) -> torch.device:  # the stand-in is shown as what it stands for
         return shown if dev == run else dev
 
+    failed = FailedAt()
     try:
-        return _measure(model, example_input, where, run, label, optimizer, train)
+        return _measure(model, example_input, where, run, label, optimizer, train, failed)
     except _unfakeable() as exc:
         raise Unmeasurable(
             f"fake tensors cannot run the step ({type(exc).__name__}: {exc})"
         ) from exc
     except Exception as exc:
-        if isinstance(exc, Unmeasurable) or not _in_tracker(exc):
+        if isinstance(exc, Unmeasurable):
             raise
-        raise Unmeasurable(
-            f"torch {torch.__version__}'s MemTracker failed ({type(exc).__name__}: {exc})"
-        ) from exc
+        if _in_tracker(exc):
+            raise Unmeasurable(
+                f"torch {torch.__version__}'s MemTracker failed ({type(exc).__name__}: {exc})"
+            ) from exc
+        if failed.error is not None:
+            raise failed.error from exc
+        raise
 
 
 def _measure(
@@ -426,6 +536,7 @@ def _measure(
     label: Callable[[torch.device], torch.device],
     optimizer: str | None,
     train: bool,
+    failed: FailedAt,
 ) -> StepMeasure:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -435,6 +546,7 @@ def _measure(
         batch = _fake_batch(example_input, run, mode)
         opt = _optimizer(model, optimizer, foreach) if train else None
         tracker = _tracker_class()()
+        tracker.torchplace_failed = failed
         _skip_frozen(tracker, model)
         tracker.track_external(model, *(t for _, t in iter_leaves(batch, "example_input")))
         with tracker:

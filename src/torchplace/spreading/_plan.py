@@ -21,6 +21,7 @@ from .._errors import DeviceSpecError, TorchplaceError, prefixed, user_stackleve
 from .._model_walk import ModelTree, display, walk_model
 from .._sizes import format_bytes as _format_bytes
 from .._tensor_size import nbytes_as
+from ..moving._transfer import is_accelerator
 from ._budgets import (
     DISK,
     Headroom,
@@ -330,10 +331,53 @@ class _Planner:
             f"{last} by at least {_format_bytes(remaining - self.left[-1])}, {fixes}"
         )
 
+    def weightless(self) -> set[int]:
+        """The buffers held only by modules with no parameter in them (a rotary embedding's
+        ``inv_freq``): the disk tier keeps a module's parameters in its checkpoint, so such a
+        module has nothing there (a non-persistent buffer is in no checkpoint at all)."""
+        bare = {
+            path
+            for path in self.tree.modules
+            if not any(
+                isinstance(self.tree.tensors[k], nn.Parameter) for k in self.tree.subtree(path)
+            )
+        }
+        return {
+            key
+            for key, owners in self.tree.owner_modules.items()
+            if all(path in bare for path in owners)
+        }
+
+    def keep_off_disk(self) -> None:
+        """Move what the disk cannot hold (``weightless``) from the disk to the device that
+        runs the disk's modules, as ``dispatch`` picks it: the first accelerator the map
+        uses, else the cpu. Its budget may be passed by these buffers' bytes."""
+        if DISK not in self.devices:
+            return
+        disk = self.devices.index(DISK)
+        moved = [k for k in self.weightless() if self.placed.get(k) == disk]
+        if not moved:
+            return
+        used = set(self.placed.values())
+        runs = [
+            i
+            for i, d in enumerate(self.devices)
+            if i in used and isinstance(d, torch.device) and is_accelerator(d)
+        ]
+        host = torch.device("cpu")
+        if not runs and host not in self.devices:  # budgets of the disk alone
+            self.devices.append(host)
+            self.left.append(0)
+        home = runs[0] if runs else self.devices.index(host)
+        for key in moved:
+            self.placed[key] = home
+        self.left[home] -= self.need(set(moved))
+
     def device_map(self) -> dict[str, Place]:
         """The smallest map: children of one device collapse to their parent, except that a
         model wholly on the disk is mapped by its children, since the disk tier streams the
         parts that run (``load_into`` refuses ``{"": "disk"}``)."""
+        self.keep_off_disk()
         out: dict[str, Place] = {}
         root_by_parts = bool(self.tree.children[""]) and not self.tree.direct[""]
 
@@ -565,7 +609,11 @@ def plan(
     that name (as ``no_split_module_classes``), a class its instances, subclasses included;
     entries that match no module are ignored (a warning says when none matches), and
     ``no_split="auto"`` reads a transformers model's ``_no_split_modules``. Modules that hold
-    the same tensor (tied weights) go where the first of them goes. ``dtype`` sizes floating
+    the same tensor (tied weights) go where the first of them goes. A module that holds
+    buffers and no parameter (a rotary embedding's ``inv_freq``) has nothing the disk tier
+    keeps in the checkpoint, so it never goes to ``"disk"``: where its turn falls on the disk,
+    it goes to the device that runs the disk's modules (the first accelerator of the map, else
+    the cpu), past that device's budget by its buffers' bytes. ``dtype`` sizes floating
     tensors as if cast to it. A module whose whole subtree shares a device is one entry, and a
     name covers its submodules unless a longer name overrides it. A model that does not fit
     raises, naming the shortfall in bytes and the largest part left without room. Works on
