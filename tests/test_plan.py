@@ -732,6 +732,34 @@ def test_plan_never_puts_a_module_without_weights_on_disk(
     assert device_map["head"] == "disk"
 
 
+class _WithNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*(nn.Linear(64, 64) for _ in range(3)))
+        self.norm = nn.BatchNorm1d(64)  # its running statistics are persistent buffers
+        self.head = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.layers(x)))  # type: ignore[no-any-return]
+
+
+def test_a_module_with_persistent_buffers_is_planned_off_the_disk_and_loads(
+    tmp_path: Any,
+) -> None:
+    # load_into refuses a "disk" module whose checkpoint holds buffers (the disk tier keeps
+    # only parameters in the file): the plan must not hand it one
+    torch.manual_seed(0)
+    resident = _WithNorm().eval()
+    resident.norm.running_mean.uniform_()  # not the initial values, so a load is seen
+    torch.save(resident.state_dict(), tmp_path / "model.pt")
+    device_map = plan(resident, {"cpu": 0, "disk": "1GB"})
+    assert device_map["norm"] == CPU and device_map["layers"] == "disk"
+    model = load_into(_WithNorm().eval(), tmp_path / "model.pt", device_map=device_map)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        assert torch.equal(model(x), resident(x))
+
+
 def test_a_plan_over_disk_loads_and_runs_bit_for_bit(tmp_path: Any) -> None:
     torch.manual_seed(0)
     resident = _WithRotary("cpu").eval()

@@ -332,9 +332,11 @@ class _Planner:
         )
 
     def weightless(self) -> set[int]:
-        """The buffers held only by modules with no parameter in them (a rotary embedding's
-        ``inv_freq``): the disk tier keeps a module's parameters in its checkpoint, so such a
-        module has nothing there (a non-persistent buffer is in no checkpoint at all)."""
+        """What the disk tier cannot hold: the buffers held only by modules with no parameter in
+        them (a rotary embedding's ``inv_freq``: the disk keeps a module's parameters in its
+        checkpoint, so such a module has nothing there), and every tensor of a module that
+        holds a persistent buffer itself (a BatchNorm's running statistics: ``load_into``
+        refuses such a module on the disk, and a module's own tensors share one device)."""
         bare = {
             path
             for path in self.tree.modules
@@ -342,11 +344,16 @@ class _Planner:
                 isinstance(self.tree.tensors[k], nn.Parameter) for k in self.tree.subtree(path)
             )
         }
-        return {
+        found = {
             key
             for key, owners in self.tree.owner_modules.items()
             if all(path in bare for path in owners)
         }
+        for path, module in self.tree.modules.items():
+            skipped = module._non_persistent_buffers_set
+            if any(t is not None and n not in skipped for n, t in module._buffers.items()):
+                found.update(self.tree.direct[path])
+        return found
 
     def keep_off_disk(self) -> None:
         """Move what the disk cannot hold (``weightless``) from the disk to the device that
@@ -611,9 +618,10 @@ def plan(
     ``no_split="auto"`` reads a transformers model's ``_no_split_modules``. Modules that hold
     the same tensor (tied weights) go where the first of them goes. A module that holds
     buffers and no parameter (a rotary embedding's ``inv_freq``) has nothing the disk tier
-    keeps in the checkpoint, so it never goes to ``"disk"``: where its turn falls on the disk,
-    it goes to the device that runs the disk's modules (the first accelerator of the map, else
-    the cpu), past that device's budget by its buffers' bytes. ``dtype`` sizes floating
+    keeps in the checkpoint, and one that holds a persistent buffer itself (a BatchNorm's
+    running statistics) would need that buffer kept there too: neither goes to ``"disk"``.
+    Where its turn falls on the disk, it goes to the device that runs the disk's modules (the
+    first accelerator of the map, else the cpu), past that device's budget by its bytes. ``dtype`` sizes floating
     tensors as if cast to it. A module whose whole subtree shares a device is one entry, and a
     name covers its submodules unless a longer name overrides it. A model that does not fit
     raises, naming the shortfall in bytes and the largest part left without room. Works on
