@@ -621,11 +621,12 @@ def plan(
     keeps in the checkpoint, and one that holds a persistent buffer itself (a BatchNorm's
     running statistics) would need that buffer kept there too: neither goes to ``"disk"``.
     Where its turn falls on the disk, it goes to the device that runs the disk's modules (the
-    first accelerator of the map, else the cpu), past that device's budget by its bytes. ``dtype`` sizes floating
-    tensors as if cast to it. A module whose whole subtree shares a device is one entry, and a
-    name covers its submodules unless a longer name overrides it. A model that does not fit
-    raises, naming the shortfall in bytes and the largest part left without room. Works on
-    skeletons and fake tensors, allocating nothing on the devices it plans for.
+    first accelerator of the map, else the cpu), past that device's budget by its bytes.
+    ``dtype`` sizes floating tensors as if cast to it. A module whose whole subtree shares a
+    device is one entry, and a name covers its submodules unless a longer name overrides it. A
+    model that does not fit raises, naming the shortfall in bytes and the largest part left
+    without room. Works on skeletons and fake tensors, allocating nothing on the devices it
+    plans for.
     """
     try:
         return _device_map(model, max_memory, no_split, dtype, strategy, example_input)
