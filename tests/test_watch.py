@@ -379,6 +379,23 @@ def test_every_call_that_may_cross_is_looked_into() -> None:
         assert _watch_ops.plan(func) == _watch_ops.PLAIN, func
 
 
+def test_an_unhashable_function_handed_to_torch_function_runs(on_device: OnDevice) -> None:
+    """Libraries may route any callable through ``handle_torch_function``."""
+
+    class Doubled:
+        __hash__ = None  # type: ignore[assignment]
+
+        def __call__(self, t: torch.Tensor) -> torch.Tensor:
+            return t * 2
+
+    x = torch.arange(3.0).to("meta")
+    with torchplace.watch("meta") as seen:
+        out = torch.overrides.handle_torch_function(Doubled(), (x,), x)
+        out.sum().item()  # after it
+    assert out.cpu().tolist() == [0.0, 2.0, 4.0]
+    assert [r.line for r in seen.rows] == [line_of("after it")]
+
+
 def test_compiled_code_in_the_block_computes_as_without() -> None:
     """Dynamo traces function-level modes into its graph: watch must not change what it
     computes (compiled code is not watched)."""

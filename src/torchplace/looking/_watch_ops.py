@@ -330,7 +330,10 @@ def _python_plain() -> frozenset[Any]:
 
 def plan(func: Any) -> int:
     """How ``watch``'s function-level mode treats ``func`` (cached: one look-up a call)."""
-    found = _PLANS.get(func)
+    try:
+        found = _PLANS.get(func)
+    except TypeError:  # an unhashable callable handed to handle_torch_function: not torch's
+        return BY_DEVICE
     if found is None:
         found = _PLANS[func] = _plan(func)
     return found
