@@ -1,18 +1,22 @@
 """What an active ``watch`` adds to a training step's host time on the CPU, as a ratio.
 
-Run as ``python benchmarks/bench_watch.py [--rounds N]``. Target (docs/design.md): active, at
-most 2x the step's host time; inactive, nothing.
+Run as ``python benchmarks/bench_watch.py [--rounds N]``. Target (issue 35): active, at most 2x
+the step's host time; inactive, nothing.
 
 The step: forward, backward and ``Adam.step`` of an MLP of 8 ``Linear`` + ReLU blocks, width
-512 with batch 32 and width 128 with batch 8 (small operations, where a fixed cost per
-operation weighs most), one thread. On the CPU, ``watch()`` with no accelerator installs
-nothing, so the active case watches ``cuda:0`` explicitly: the dispatch mode is installed and
-sees every operation of the step (none crosses a boundary here), which is the host-side cost a
-GPU step pays too. Each round times one bare, one watched and one bare step again (the
-control, the noise floor) and one under an empty dispatch mode (for scale: what any mode
-costs), in the thread's CPU time, and the 10th percentile of each series is compared, as
-interference only ever adds time. The first watched step in the process is timed on its
-own.
+512 with batch 32 and width 128 with batch 8 (small operations, where a fixed cost per call
+weighs most), one thread. On the CPU, ``watch()`` with no accelerator installs nothing, so the
+active case watches ``cuda:0`` explicitly: its function-level mode is installed and sees every
+call of the step's Python API (none crosses a boundary here). Which calls it sends on to the
+dispatch-level mode depends on the function called, and for a few (``item``, indexing) on
+whether a watched device's tensor is among the arguments: the script prints, for the step,
+how many calls are plain whatever the devices and which are not, so that what a GPU step would
+pay beyond this figure can be judged (Adam's ``item`` reads a step count kept on the CPU, on a
+GPU too). Each round times one bare, one watched and one bare step again (the control, the
+noise floor) and one under an empty dispatch mode (for scale: what any dispatch mode costs, the
+mechanism of ``watch`` before issue 35's item 4), in the thread's CPU time, and the 10th
+percentile of each series is compared, as interference only ever adds time. The first watched
+step in the process is timed on its own.
 """
 
 from __future__ import annotations
@@ -24,15 +28,34 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchplace.looking._watch import watch
+from torchplace.looking._watch_ops import PLAIN, plan
 
 
 class EmptyMode(TorchDispatchMode):
     """For scale: a dispatch mode that only runs each operation, the least any such mode costs."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+class Routes(TorchFunctionMode):
+    """Counts the step's calls that ``watch`` runs plainly whatever the devices; names the rest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plain = 0
+        self.other: dict[str, int] = {}
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if plan(func) == PLAIN:
+            self.plain += 1
+        else:
+            name = getattr(func, "__name__", str(func))
+            self.other[name] = self.other.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
 
 
@@ -66,9 +89,12 @@ def low(times: list[float]) -> float:
     return sorted(times)[len(times) // 10]
 
 
-def measure(layers: int, width: int, batch: int, rounds: int) -> dict[str, float]:
+def measure(layers: int, width: int, batch: int, rounds: int) -> dict[str, Any]:
     step = step_of(layers, width, batch)
     for _ in range(5):
+        step()
+    routes = Routes()
+    with routes:
         step()
     seen = watch("cuda:0")
     start = time.thread_time()
@@ -94,6 +120,8 @@ def measure(layers: int, width: int, batch: int, rounds: int) -> dict[str, float
         "control": low(control) / fast,
         "empty_mode": low(empty) / fast,
         "first_s": first,
+        "plain": routes.plain,
+        "other": routes.other,  # type: ignore[dict-item]
     }
 
 
@@ -113,6 +141,8 @@ def main() -> None:
             f"an empty dispatch mode {result['empty_mode']:.2f}x; "
             f"first watched step {result['first_s'] * 1e3:.0f} ms"
         )
+        other = ", ".join(f"{name} x{n}" for name, n in sorted(result["other"].items()))
+        print(f"  calls: {result['plain']} plain whatever the devices; by device: {other}")
 
 
 if __name__ == "__main__":

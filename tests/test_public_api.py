@@ -88,12 +88,13 @@ def test_import_has_no_side_effects() -> None:
         "heavy = [m for m in ('rich', 'safetensors', 'torch.distributed.run', 'accelerate') "
         "if m in sys.modules]; "
         "print(heavy); "
-        "import torch; print(torch.cuda.is_initialized(), torch._C._len_torch_dispatch_stack())"
+        "import torch; print(torch.cuda.is_initialized(), torch._C._len_torch_dispatch_stack(), "
+        "torch._C._len_torch_function_stack())"
     )
     out = subprocess.run(
         [sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, check=True
     ).stdout.split()
-    assert out == ["[]", "False", "0"]  # and no dispatch mode (watch's) installed
+    assert out == ["[]", "False", "0", "0"]  # and no mode (watch's) installed
 
 
 def test_distributed_is_a_lazy_submodule() -> None:

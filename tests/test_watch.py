@@ -301,18 +301,118 @@ def test_as_a_decorator_every_call_adds_to_one_record(on_device: OnDevice) -> No
 
 
 def test_nothing_is_installed_outside_the_block(on_device: OnDevice) -> None:
-    depth = torch._C._len_torch_dispatch_stack()
+    """In the block, one function-level mode; no dispatch mode stays installed, in or out."""
+    depth = torch._C._len_torch_function_stack()
+    dispatch = torch._C._len_torch_dispatch_stack()
     seen = torchplace.watch("meta")
-    assert torch._C._len_torch_dispatch_stack() == depth
+    assert torch._C._len_torch_function_stack() == depth
     with seen:
-        assert torch._C._len_torch_dispatch_stack() == depth + 1
+        assert torch._C._len_torch_function_stack() == depth + 1
+        assert torch._C._len_torch_dispatch_stack() == dispatch
         with seen:
-            assert torch._C._len_torch_dispatch_stack() == depth + 1
-    assert torch._C._len_torch_dispatch_stack() == depth
+            assert torch._C._len_torch_function_stack() == depth + 1
+    assert torch._C._len_torch_function_stack() == depth
     with pytest.raises(ZeroDivisionError), seen:
         1 / 0  # noqa: B018
-    assert torch._C._len_torch_dispatch_stack() == depth
+    assert torch._C._len_torch_function_stack() == depth
+    assert torch._C._len_torch_dispatch_stack() == dispatch
     assert repr(seen) == "<Watch of meta, inactive, 0 rows>"
+
+
+def test_calls_that_cannot_cross_are_not_looked_into(
+    on_device: OnDevice, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The cost of an active watch: arithmetic on device tensors never reaches the dispatch-level
+    mode; a call that may cross does, and is recorded."""
+    looked: list[str] = []
+    classify = _watch.classify
+
+    def spy(func: Any, *rest: Any) -> Any:
+        looked.append(func.__name__)
+        return classify(func, *rest)
+
+    monkeypatch.setattr(_watch, "classify", spy)
+    x = torch.arange(6.0).to("meta")
+    w = torch.ones(6, 6).to("meta")
+    with torchplace.watch("meta") as seen:
+        y = torch.nn.functional.linear(x, w).relu() * 2 + x
+        y.add_(1).sum()
+        y.to(torch.float64)  # a conversion: no crossing
+        y[1:, None][..., 0]  # basic indexing: no crossing
+        assert looked == []
+        total = y.sum().item()  # looked into
+    assert looked == ["_local_scalar_dense.default"]
+    assert total == 6 * (15 * 2 + 1) + 15
+    assert [r.line for r in seen.rows] == [line_of("looked into")]
+
+
+def test_a_gradient_copied_back_in_backward_is_recorded(on_device: OnDevice) -> None:
+    """Autograd copies the gradient of a copy back where its source was: a copy too."""
+    w = torch.ones(4, 4, requires_grad=True)
+    with torchplace.watch("meta") as seen:
+        on = w.to("meta")  # forward copy
+        (on * 2).sum().backward()  # backward copy
+    found = {(r.line, r.direction): (r.op, r.count, r.bytes, r.waits) for r in seen.rows}
+    assert found == {
+        (line_of("forward copy"), "host_to_device"): (".to(device)", 1, 64, 1),
+        (line_of("backward copy"), "device_to_host"): (".cpu() / .tolist()", 1, 64, 1),
+    }
+    assert torch.equal(w.grad, torch.full((4, 4), 2.0))
+
+
+def test_every_call_that_may_cross_is_looked_into() -> None:
+    from torchplace.looking import _watch_ops
+
+    functional = torch.nn.functional
+    for func in (
+        torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.tolist,
+        torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.to, torch.Tensor.cuda,
+        torch.Tensor.copy_, torch.tensor, torch.as_tensor, torch.Tensor.nonzero, torch.nonzero,
+        torch.where, torch.argwhere, torch.Tensor.__getitem__, torch.Tensor.__setitem__,
+        torch.Tensor.index_put_, torch.unique, torch.Tensor.unique, torch.unique_consecutive,
+        torch.masked_select, torch.repeat_interleave, torch.bincount, torch.equal,
+        torch.allclose, functional.one_hot, torch.Tensor.__repr__, torch.Tensor.__format__,
+        torch.ops.aten.lift_fresh, torch.ops.aten._local_scalar_dense.default,
+    ):  # fmt: skip
+        assert _watch_ops.plan(func) != _watch_ops.PLAIN, func
+    for func in (torch.Tensor.add_, torch.Tensor.__mul__, functional.linear, torch.matmul):
+        assert _watch_ops.plan(func) == _watch_ops.PLAIN, func
+
+
+def test_an_unhashable_function_handed_to_torch_function_runs(on_device: OnDevice) -> None:
+    """Libraries may route any callable through ``handle_torch_function``."""
+
+    class Doubled:
+        __hash__ = None  # type: ignore[assignment]
+
+        def __call__(self, t: torch.Tensor) -> torch.Tensor:
+            return t * 2
+
+    x = torch.arange(3.0).to("meta")
+    with torchplace.watch("meta") as seen:
+        out = torch.overrides.handle_torch_function(Doubled(), (x,), x)
+        out.sum().item()  # after it
+    assert out.cpu().tolist() == [0.0, 2.0, 4.0]
+    assert [r.line for r in seen.rows] == [line_of("after it")]
+
+
+def test_compiled_code_in_the_block_computes_as_without() -> None:
+    """Dynamo traces function-level modes into its graph: watch must not change what it
+    computes (compiled code is not watched)."""
+
+    def step(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x.sin() + 1
+        if y.sum() > 0:
+            y = y * 2
+        return y.sum(), y[y > 1]
+
+    x = torch.linspace(-2, 2, 8)
+    compiled = torch.compile(step, backend="eager")
+    with torchplace.watch("cuda:0") as seen:
+        got = compiled(x)
+    want = step(x)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert seen.rows == []
 
 
 def test_each_thread_that_enters_is_watched(on_device: OnDevice) -> None:

@@ -5,19 +5,30 @@ unseen: an ``.item()`` that waits for the device's queue, a mask that must learn
 batch copied from pageable memory. ``watch`` counts each of these in its block and names the
 line of the user's code that caused it, with the bytes, the operation and the fix.
 
-How: while the block runs, a ``TorchDispatchMode`` sees every aten operation after it ran and
-hands it to ``_watch_ops.classify``, which knows the operations that cross the boundary (that
-module's docstring lists what reaches the dispatcher for each Python-level pattern). Only for
-those does ``watch`` walk the Python stack, to the first frame outside torch, torchplace and the
-libraries named in ``ignore``; every other operation pays one table look-up and a scan of its
-arguments for a CPU scalar tensor beside a device tensor. Nothing is installed outside the
-block: the mode is pushed on entry and popped on exit, and importing torchplace installs
-nothing.
+How: while the block runs, a ``TorchFunctionMode`` sees each call of torch's Python API
+(``x.item()``, ``x[mask]``, ``F.linear``), before PyTorch decomposes it, and ``_watch_ops.plan``
+says, once per function, whether it can cross the boundary. Most calls cannot (an operation
+with kernels of its own and none of the boundary's, a decomposition known to hold none, a
+tensor's attribute): they cost one cached look-up and a look for a CPU scalar tensor among the
+arguments, the one event that needs no look inside. A call that may cross, when a watched
+device's tensor is among its arguments (or always, for ``.to(device)`` and ``.cuda()``), runs
+under a ``TorchDispatchMode`` pushed for that call alone, which hands its aten operations to
+``_watch_ops.classify``: that module's docstring lists what reaches the dispatcher for each
+Python-level pattern. Only for an event does ``watch`` walk the Python stack, to the first frame
+outside torch, torchplace and the libraries named in ``ignore``. An empty dispatch mode over
+every operation costs the small step of ``benchmarks/bench_watch.py`` 2.3x; this, 1.5x.
+Nothing is installed outside the block: the mode is pushed on entry and popped on exit, and
+importing torchplace installs nothing.
 
 What it cannot see: copies made by other threads (a DataLoader's pinning thread), work inside
-``torch.compile``d code, where operations run fused, and a backward pass that PyTorch runs on
-its own device thread (recorded without a line of the user's). On the CPU alone there is no
-host-device boundary: nothing is installed, and the result says so.
+``torch.compile``d code, where operations run fused (the mode steps aside while Dynamo traces),
+and what autograd runs in the backward pass: its formulas are not looked into (a CPU scalar
+mixed in the forward is recorded there, not again in the backward), except the gradient of a
+copy, copied back where the copy's source was, which a hook on the copy's result records
+(without a line of the user's when PyTorch runs the backward on a device thread of its own);
+Python code that autograd runs (a custom ``Function``'s ``backward``, recomputed checkpoints)
+is not watched. On the CPU alone there is no host-device boundary: nothing is installed, and
+the result says so.
 """
 
 from __future__ import annotations
@@ -35,12 +46,23 @@ from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._devices import available, normalize
 from .._errors import TorchplaceError
 from .._sizes import format_bytes
-from ._watch_ops import Event, classify
+from ._watch_ops import (
+    ALWAYS,
+    PLAIN,
+    Event,
+    classify,
+    gradient_copy,
+    mixing,
+    plan,
+    simple,
+    touches,
+)
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -52,6 +74,7 @@ __all__ = ["Watch", "WatchRow", "watch"]
 _NO_BOUNDARY = frozenset({"cpu", "meta"})
 _KINDS = ("sync", "copy", "mixing")
 _F = TypeVar("_F", bound=Callable[..., Any])
+_compiling = torch.compiler.is_compiling
 
 
 def watch(
@@ -122,18 +145,60 @@ class WatchRow:
         return f"{os.path.basename(self.file)}:{self.line}"
 
 
-class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Hands every operation run in the block to ``classify``; ``_record`` the boundary ones."""
+class _Ops(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Hands each aten operation of a call to ``classify``; ``_record`` the boundary ones."""
 
     def __init__(self, owner: Watch) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.owner = owner
+        self.copied: Event | None = None  # the last copy seen, for ``_Calls``' gradient hook
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **kwargs) if kwargs else func(*args)
         found = classify(func, args, kwargs or {}, out, self.owner._watched)
         if found is not None:
+            if found[0].kind == "copy":
+                self.copied = found[0]
             self.owner._record(*found)
+        return out
+
+
+class _Calls(TorchFunctionMode):
+    """Sees each call of torch's Python API in the block, before any decomposition, and sends
+    the few that may cross the boundary (``plan``) through ``_Ops``; every other call costs
+    one cached look-up and, with two arguments or more, a look for a CPU scalar tensor."""
+
+    def __init__(self, owner: Watch) -> None:
+        super().__init__()
+        self.owner = owner
+        self.ops = _Ops(owner)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if _compiling():  # Dynamo traces a mode's calls into its graph: keep watch out of it
+            return func(*args, **kwargs) if kwargs else func(*args)
+        how = plan(func)
+        if (
+            how != PLAIN
+            and not simple(func, args, kwargs)
+            and (how == ALWAYS or touches(args, kwargs, self.owner._watched))
+        ):
+            return self._looked_into(func, args, kwargs or {})
+        if len(args) > 1:
+            found = mixing(args, self.owner._watched)
+            if found is not None:
+                self.owner._record(*found)
+        return func(*args, **kwargs) if kwargs else func(*args)
+
+    def _looked_into(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        """``func`` run with its aten operations seen; a copy's gradient copied back in the
+        backward pass is recorded by a hook on the copy's result."""
+        below = self.ops
+        below.copied = None
+        with below:
+            out = func(*args, **kwargs)
+        copied = below.copied
+        if copied is not None and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(functools.partial(self.owner._gradient_copied, copied))
         return out
 
 
@@ -157,7 +222,7 @@ class Watch:
         self._skip = _skipped_dirs(ignore)
         self._seen: dict[str, bool] = {}
         self._totals: dict[_Key, list[int]] = {}
-        # Dispatch modes are per thread: each thread that enters has its own, and its depth.
+        # Modes are per thread: each thread that enters has its own, and its depth.
         self._here = threading.local()
         self.note: str | None = _note(self.device)
 
@@ -169,7 +234,7 @@ class Watch:
     def __enter__(self) -> Watch:
         depth = getattr(self._here, "depth", 0)
         if depth == 0 and self.note is None:
-            mode = self._here.mode = _Mode(self)
+            mode = self._here.mode = _Calls(self)
             mode.__enter__()  # type: ignore[no-untyped-call]
         self._here.depth = depth + 1
         return self
@@ -206,6 +271,10 @@ class Watch:
         totals[2] += nbytes
         if event.kind in self._raise_on or (event.waits and "sync" in self._raise_on):
             raise TorchplaceError(_refusal(self._row(key, totals), self._raise_on))
+
+    def _gradient_copied(self, forward: Event, grad: torch.Tensor) -> None:
+        """Autograd copies the gradient of a copy's result back where its source was."""
+        self._record(*gradient_copy(forward, grad))
 
     def _user_frame(self, frame: FrameType | None) -> FrameType | None:
         """The first frame outside torch, torchplace and the ignored libraries."""

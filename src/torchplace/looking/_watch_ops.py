@@ -1,7 +1,9 @@
 """Which aten operations cross the host-device boundary, and what each costs: ``watch``'s table.
 
-``watch`` sees operations as a ``TorchDispatchMode`` sees them, after PyTorch has decomposed
-the Python-level calls. What reaches the dispatcher for each pattern (torch 2.6 to 2.15):
+``plan`` sorts the calls of torch's Python API (what a ``TorchFunctionMode`` sees): those that
+cannot cross run unwatched; the others, when they may, run under a ``TorchDispatchMode``, which
+sees their aten operations after PyTorch has decomposed them, and ``classify`` names the
+operations that cross. What reaches the dispatcher for each pattern (torch 2.6 to 2.15):
 
 * ``t.item()``, ``bool(t)``, ``float(t)``, ``if t:``, ``if loss > x:`` all end in
   ``_local_scalar_dense``: one host wait per call, the element's bytes read back;
@@ -28,6 +30,7 @@ into pageable memory, the call returns only once the copy is done, a wait.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,7 +39,10 @@ import torch
 
 from .._tensor_size import nbytes
 
-__all__ = ["Event", "classify", "mixing"]
+__all__ = [
+    "ALWAYS", "BY_DEVICE", "PLAIN", "Event", "classify", "gradient_copy", "mixing", "plan",
+    "simple", "touches",
+]  # fmt: skip
 
 aten = torch.ops.aten
 
@@ -109,6 +115,14 @@ def _copy(
     # (no wait for the queue); into pageable memory, it returns only once the copy is done.
     waits = not non_blocking if to_device else not honoured
     return Event("copy", op, direction, pinned, non_blocking, waits, fix), nbytes(src)
+
+
+def gradient_copy(forward: Event, grad: torch.Tensor) -> tuple[Event, int]:
+    """The copy autograd makes in the backward pass of ``forward`` (a copy): the gradient goes
+    back the other way, blocking, from (or into) pageable memory."""
+    if forward.direction == "host_to_device":
+        return _copy(grad, None, False, ".cpu() / .tolist()")
+    return _copy(grad, grad, False, ".to(device)")
 
 
 def _to_copy(
@@ -258,3 +272,153 @@ def mixing(
     if not any(isinstance(a, torch.Tensor) and watched(a.device) for a in args):
         return None
     return _MIXING, nbytes(scalar)
+
+
+# How ``watch``'s function-level mode treats a call (``plan``): PLAIN cannot cross the boundary
+# (only its arguments are looked at, for mixing); BY_DEVICE crosses only with a watched device's
+# tensor among its arguments, and then runs under the dispatch-level mode, where ``classify``
+# sees its operations; ALWAYS runs there whatever its arguments (a copy from the host).
+PLAIN, BY_DEVICE, ALWAYS = 0, 1, 2
+
+# Python-level names that may copy from the host with no device tensor among their arguments
+# (``to`` too, unless it is given dtypes alone: see ``simple``).
+_COPIES = frozenset(
+    {"to", "cuda", "xpu", "mps", "type", "tensor", "as_tensor", "asarray", "new_tensor"}
+)
+# Operations whose aten decomposition (CompositeImplicitAutograd) holds none of the operations
+# of ``_table``: safe to run without looking inside, like an operation with kernels of its own.
+_SAFE_COMPOSITES = frozenset(
+    {"linear", "matmul", "is_complex", "is_floating_point", "flatten", "reshape", "contiguous",
+     "dropout", "layer_norm", "softmax", "log_softmax", "conv1d", "conv2d", "conv3d",
+     "batch_norm", "group_norm", "type_as", "expand_as", "view_as", "chunk", "split",
+     "cross_entropy_loss", "__matmul__", "__rmatmul__",
+     # conversions of dtype alone (to(dtype))
+     "float", "double", "half", "bfloat16", "long", "int", "short", "byte", "char", "bool",
+     # metadata, no operation at all
+     "size", "dim", "stride", "numel", "data_ptr", "untyped_storage", "element_size",
+     "is_contiguous", "storage_offset", "get_device", "requires_grad_", "retain_grad"}
+)  # fmt: skip
+# Dunder methods of ``torch.Tensor`` that are one aten operation of another name.
+_DUNDERS = {
+    "__add__": "add", "__radd__": "add", "__iadd__": "add_", "__sub__": "sub",
+    "__rsub__": "rsub", "__isub__": "sub_", "__mul__": "mul", "__rmul__": "mul",
+    "__imul__": "mul_", "__truediv__": "div", "__itruediv__": "div_", "__neg__": "neg",
+    "__pow__": "pow", "__ipow__": "pow_", "__eq__": "eq", "__ne__": "ne", "__lt__": "lt",
+    "__le__": "le", "__gt__": "gt", "__ge__": "ge", "__abs__": "abs",
+}  # fmt: skip
+_C_CALLABLES = (
+    types.BuiltinFunctionType, types.MethodDescriptorType, types.WrapperDescriptorType,
+    torch._ops.OpOverloadPacket, torch._ops.OpOverload,
+)  # fmt: skip
+_PLANS: dict[Any, int] = {}
+
+
+def _python_plain() -> frozenset[Any]:
+    """Python-level functions of torch's that do no more than operations that cannot cross the
+    boundary (read in their source), and the autograd entry points: the operations that autograd
+    runs are its own formulas, except the gradient of a copy, which ``watch`` records by a hook
+    on the copy's result."""
+    functional = torch.nn.functional
+    names = ("relu", "mse_loss", "dropout", "layer_norm", "softmax", "log_softmax",
+             "cross_entropy", "nll_loss", "silu", "gelu", "embedding", "linear")  # fmt: skip
+    found = {getattr(functional, name, None) for name in names}
+    found |= {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad}
+    found |= {torch.Tensor.__len__, torch.Tensor.__hash__}
+    found.discard(None)
+    return frozenset(found)
+
+
+def plan(func: Any) -> int:
+    """How ``watch``'s function-level mode treats ``func`` (cached: one look-up a call)."""
+    try:
+        found = _PLANS.get(func)
+    except TypeError:  # an unhashable callable handed to handle_torch_function: not torch's
+        return BY_DEVICE
+    if found is None:
+        found = _PLANS[func] = _plan(func)
+    return found
+
+
+def _plan(func: Any) -> int:
+    if isinstance(func, types.MethodWrapperType):  # a tensor attribute's getter or setter
+        return PLAIN
+    if func in _PYTHON_PLAIN:
+        return PLAIN
+    name = getattr(func, "__name__", "")
+    if isinstance(func, torch._ops.OpOverload):
+        name = func._schema.name.partition("::")[2] if func.namespace == "aten" else ""
+        if func.namespace == "profiler":
+            return PLAIN
+    elif isinstance(func, torch._ops.OpOverloadPacket) and func._qualified_op_name.startswith(
+        "profiler::"
+    ):
+        return PLAIN
+    if name in _COPIES:
+        return ALWAYS
+    if not isinstance(func, _C_CALLABLES):  # Python code: it may do anything
+        return BY_DEVICE
+    name = _DUNDERS.get(name, name)
+    if name in _SAFE_COMPOSITES:
+        return PLAIN
+    packet = getattr(aten, name, None) if name else None
+    if not isinstance(packet, torch._ops.OpOverloadPacket) or name in _BOUNDARY_NAMES:
+        return BY_DEVICE
+    dispatched = False
+    for overload in packet.overloads():  # type: ignore[no-untyped-call]
+        qualified = f"aten::{name}" + ("" if overload == "default" else f".{overload}")
+        if "name" in overload.lower():  # names, dimname, dim_DimnameList: named tensors' forms,
+            continue  # which rename and call the positional one
+        try:
+            composite = torch._C._dispatch_has_kernel_for_dispatch_key(
+                qualified, "CompositeImplicitAutograd"
+            )
+        except RuntimeError:  # an overload of TorchScript's only, not in the dispatcher
+            continue
+        if composite:
+            return BY_DEVICE  # decomposed in C++ into operations that may cross
+        dispatched = True
+    return PLAIN if dispatched else BY_DEVICE  # TorchScript's alone (aten::__getitem__)
+
+
+def simple(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> bool:
+    """Whether a call that may cross cannot in this form: ``t.to(dtype)``, or ``t[i]`` with
+    ints, slices, ``None`` and ``...`` alone (no tensor, no list: nothing to read on the host)."""
+    if func is _GETITEM:
+        index = args[1]
+        if isinstance(index, tuple):
+            return all(isinstance(i, _BASIC_INDEX) for i in index)
+        return isinstance(index, _BASIC_INDEX)
+    return (
+        func is _TO
+        and not (kwargs and kwargs.get("device") is not None)
+        and all(a is None or isinstance(a, (torch.dtype, bool)) for a in args[1:])
+    )
+
+
+def touches(
+    args: Sequence[Any], kwargs: dict[str, Any], watched: Callable[[torch.device], bool]
+) -> bool:
+    """Whether a call has a watched device's tensor among its arguments (or in a list or tuple
+    among them), or a ``device=`` naming a watched device."""
+    for arg in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(arg, torch.Tensor):
+            if watched(arg.device):
+                return True
+        elif isinstance(arg, (list, tuple)) and any(
+            isinstance(a, torch.Tensor) and watched(a.device) for a in arg
+        ):
+            return True
+    device = kwargs.get("device") if kwargs else None
+    if device is None:
+        return False
+    try:
+        return watched(torch.device(device))
+    except (RuntimeError, TypeError):  # not a device spec: the call will say so
+        return False
+
+
+_BOUNDARY_NAMES = frozenset(op._schema.name.partition("::")[2] for op in _HANDLERS)
+_PYTHON_PLAIN = _python_plain()
+_TO = torch.Tensor.to
+_GETITEM = torch.Tensor.__getitem__
+_BASIC_INDEX = (int, slice, type(None), type(Ellipsis))
