@@ -733,9 +733,9 @@ def test_the_disk_tier_reads_into_memory_without_populating_it_first(
     asked: list[bool] = []
     real = _load.read_into
 
-    def spy(path: Any, pieces: Any, /, stamp: Any = None, checks: Any = None, fresh: bool = True):  # type: ignore[no-untyped-def]
+    def spy(path: Any, items: Any, /, stamp: Any = None, fresh: bool = True):  # type: ignore[no-untyped-def]
         asked.append(fresh)
-        return real(path, pieces, stamp, checks, fresh)
+        return real(path, items, stamp, fresh)
 
     monkeypatch.setattr(_load, "read_into", spy)
     with torch.no_grad():

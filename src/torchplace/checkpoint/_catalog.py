@@ -66,7 +66,6 @@ from ._source import (
 __all__ = [
     "Catalog",
     "Entry",
-    "Piece",
     "Stamp",
     "ZipLayout",
     "catalog",
@@ -205,23 +204,6 @@ def _frozen(cls: type[_T], fields: dict[str, Any]) -> _T:
     made = object.__new__(cls)
     made.__dict__.update(fields)
     return made
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """Part of a model tensor taken from one entry: the entry, and the box of the destination
-    (offsets per dim, in the destination's coordinates) that it fills.
-
-    A tensor read whole is one piece at offsets ``(0, ...)``. A conversion that builds one fused
-    parameter from several entries lists one piece per entry, each at its own offsets, one per
-    dim of the destination: an entry with fewer dims than the destination takes the leading
-    offsets as indices (expert ``i`` of a stack is at ``(i, 0, 0)``), a concatenation puts each
-    part at its offset along the joined dim (``(0, 3 * i)``). ``_load.read_assembled`` fills each
-    box straight from the file.
-    """
-
-    entry: Entry
-    at: tuple[int, ...]
 
 
 @dataclasses.dataclass
