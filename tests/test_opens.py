@@ -170,3 +170,36 @@ def test_a_load_into_by_device_map_opens_each_file_once(tmp_path: Path, kind: st
         expected = x @ state["0.weight"].T + state["0.bias"]
         expected = expected @ state["1.weight"].T + state["1.bias"]
         assert torch.equal(model(x), expected)
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "index", "torch-index", "directory"])
+@pytest.mark.parametrize("call", ["load", "load_into"])
+def test_a_call_resolves_its_source_into_one_catalog(
+    tmp_path: Path, kind: str, call: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Below the public entry point, every step that asks for the source's catalog (the
+    check_crc warning, the progress bar's size, the reader) is given the one the call made:
+    each file is catalogued once per call (an index's shards within its own catalog)."""
+    import warnings
+
+    from torchplace.checkpoint import _catalog
+
+    made: collections.Counter[str] = collections.Counter()
+    for fmt, real in list(_catalog._CATALOGUERS.items()):
+
+        def counted(p: Path, real: Callable[[Path], Any] = real) -> Any:
+            made[p.name] += 1
+            return real(p)
+
+        monkeypatch.setitem(_catalog._CATALOGUERS, fmt, counted)
+    source, files = _source(kind, tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # check_crc=True on safetensors: nothing to check
+        if call == "load":
+            loaded = torchplace.load(source, check_crc=True, progress=True)  # type: ignore[arg-type]
+        else:
+            model = nn.Linear(3, 4)
+            torchplace.load_into(model, source, check_crc=True, progress=True)
+            loaded = model.state_dict()
+    assert made and set(made) <= set(files) and set(made.values()) == {1}, made
+    assert all(torch.equal(loaded[k], v) for k, v in _STATE.items())

@@ -37,7 +37,7 @@ from typing import Any, BinaryIO, TypeVar
 
 from .._errors import CheckpointError
 from ._index import LEGACY_MAGIC
-from ._opened import opened
+from ._opened import once_per_call, opened
 from ._pickle_reader import (
     RecordingUnpickler,
     TensorRecord,
@@ -452,6 +452,13 @@ def catalog(source: PathLike | Mapping[str, Any], /) -> Catalog:
     if isinstance(source, Mapping):
         return _mapping_catalog(source)
     p = as_path(source)
+    # Within a load or load_into, the source is resolved into its catalog once: every step
+    # below the entry point that asks for it again is given the same one.
+    return once_per_call(("catalog", p), lambda: _catalog_of(p))
+
+
+def _catalog_of(p: Path) -> Catalog:
+    """The catalog of the file, index or directory ``p``, made now."""
     if is_dir(p):
         p = model_file(p)
     kind = format_of(p)
