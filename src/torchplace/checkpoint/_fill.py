@@ -369,7 +369,7 @@ def _read_file(
     total = source_bytes(p, kind) if wanted(progress) else 0
     with reporting(total, f"load_into {p.name}", progress):
         if direct is None:
-            state = load_state(p, read_on, mmap=mmap, dtype_of=wish, check_crc=check_crc)
+            state = load_state(p, read_on, mmap=mmap, dtype_of=wish, check_crc=check_crc, kind=kind)
             return state, {}, None
         state, assembled = _read_direct(direct, read_on, wish)
         return state, assembled, direct.rest

@@ -423,11 +423,14 @@ def load_state(
     mmap: bool,
     dtype_of: DTypeWish | None,
     check_crc: bool | None = None,
+    kind: str | None = None,
 ) -> Any:
     """``load(path, target, mmap=mmap)`` for ``load_into``: tensors of safetensors files (alone
-    or in an index) are read in the dtype ``dtype_of`` asks for, converted as they are read."""
-    p = resolve(path)
-    kind = format_of(p)
+    or in an index) are read in the dtype ``dtype_of`` asks for, converted as they are read.
+    ``kind``: the format of ``path``, where the caller resolved it already (then ``path`` is
+    the file it resolved to, and neither is worked out again)."""
+    p = resolve(path) if kind is None else Path(path)
+    kind = format_of(p) if kind is None else kind
     # (a safetensors file has no checksum: load_into has said so already)
     crc = check_crc and kind != "safetensors"
     return reader_for(kind, target)(p, target, ReadOptions(mmap, False, crc, dtype_of))
