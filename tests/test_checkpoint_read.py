@@ -1160,9 +1160,9 @@ def test_a_zip_file_is_converted_to_the_models_dtypes_as_it_is_read(
 
     monkeypatch.setattr(_reader, "read_into", recording)
     model = load_into(skeleton(_Mixed), path)
-    converting = [p[1].dtype for p in reads if len(p) == 3]
+    converting = [p.into.dtype for p in reads if p.stored is not None]
     assert converting == [torch.bfloat16, torch.bfloat16]  # proj.weight, proj.bias
-    assert all(p[1].dtype == torch.uint8 for p in reads if len(p) == 2)  # read as saved
+    assert all(p.into.dtype == torch.uint8 for p in reads if p.stored is None)  # read as saved
     for name, value in model.state_dict().items():
         assert torch.equal(value, sd[name].to(value.dtype)), name
     assert model.proj.weight.dtype == torch.bfloat16 and model.norm.weight.dtype == torch.float32

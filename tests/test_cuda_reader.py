@@ -23,11 +23,17 @@ import torch
 from test_interrupts import Interrupter
 from test_staging import _Event, _LateTransport
 from torchplace.checkpoint import _reader
+from torchplace.checkpoint._plan_items import ReadItem
 from torchplace.moving import _staging
 from torchplace.moving._staging import PinnedPool, Slot
 
 SLOT = 64  # bytes per slot of the test pools: a few elements per chunk, many chunks per piece
 HOST = torch.device("cpu")
+
+
+def _checked(items: list[ReadItem], checks: dict[int, tuple[int, str]]) -> list[ReadItem]:
+    """``items`` with the CRC-32 each must have, from ``checks`` by start: (CRC-32, name)."""
+    return [item._replace(check=checks.get(item.start)) for item in items]
 
 
 class _LateCopies(_LateTransport):
@@ -140,10 +146,10 @@ class _Case:
         for offset, t, target in zip(self.offsets, self.sources, self.targets, strict=True):
             if target is None:
                 out = torch.empty_like(t)
-                pieces.append((offset, out))
+                pieces.append(ReadItem(offset, out))
             else:
                 out = torch.empty(t.shape, dtype=target)
-                pieces.append((offset, out, t.dtype))
+                pieces.append(ReadItem(offset, out, t.dtype))
             into.append(out)
         return pieces, into
 
@@ -179,7 +185,7 @@ def test_threads_read_every_chunk_bit_for_bit_through_a_bounded_pool(
             pieces, into = case.pieces()
             advanced: list[int] = []
             failed = _reader._read_cuda(
-                fd, pieces, HOST, None, advanced.append, pool=pool, transport=copies
+                fd, pieces, HOST, advanced.append, pool=pool, transport=copies
             )
             assert copies.queue  # copies still pending when the call returned: they ran late
             copies.wait()  # what the device's stream does before the tensors are used
@@ -234,7 +240,11 @@ def test_crc_of_a_piece_read_in_parallel_chunks_names_only_the_damaged_piece(
         fd = os.open(path, os.O_RDONLY)
         try:
             failed = _reader._read_cuda(
-                fd, [(0, a), (len(first), b)], HOST, expected, pool=pool, transport=copies
+                fd,
+                _checked([ReadItem(0, a), ReadItem(len(first), b)], expected),
+                HOST,
+                pool=pool,
+                transport=copies,
             )
         finally:
             os.close(fd)
@@ -258,10 +268,12 @@ def test_crc_of_a_converting_piece_is_of_the_files_bytes(tmp_path: Path) -> None
             case.offsets[k]: (zlib.crc32(case.sources[k].numpy().tobytes()), f"r{k}")
             for k in converting
         }
-        assert _reader._read_cuda(fd, pieces, HOST, sound, pool=pool, transport=copies) == []
+        checked = _checked(pieces, sound)
+        assert _reader._read_cuda(fd, checked, HOST, pool=pool, transport=copies) == []
         copies.wait()
         wrong = {case.offsets[k]: (zlib.crc32(b"other"), f"r{k}") for k in converting}
-        failed = _reader._read_cuda(fd, pieces, HOST, wrong, pool=pool, transport=copies)
+        checked = _checked(pieces, wrong)
+        failed = _reader._read_cuda(fd, checked, HOST, pool=pool, transport=copies)
         copies.wait()
         assert failed == [f"r{k}" for k in converting]
     finally:
@@ -305,7 +317,7 @@ def test_a_failure_in_one_thread_stops_the_others_and_leaves_no_thread_nor_slot_
     fd = os.open(path, os.O_RDONLY)
     try:
         with pytest.raises(type(exc)):
-            _reader._read_cuda(fd, [(0, into)], HOST, pool=pool, transport=copies)
+            _reader._read_cuda(fd, [ReadItem(0, into)], HOST, pool=pool, transport=copies)
         after = copies.queued
         time.sleep(0.1)
         assert copies.queued == after  # nothing queues any more once the call is over
@@ -348,7 +360,7 @@ def test_a_mark_that_fails_after_its_copy_still_fences_the_slot(
     try:
         with pytest.raises(RuntimeError, match="event record failed"):
             _reader._read_cuda(
-                fd, [(0, torch.empty(len(data), dtype=torch.uint8))], HOST, pool=pool,
+                fd, [ReadItem(0, torch.empty(len(data), dtype=torch.uint8))], HOST, pool=pool,
                 transport=copies,
             )  # fmt: skip
     finally:
@@ -448,8 +460,8 @@ def test_cuda_threads_copy_on_the_callers_stream_bit_for_bit(
             a = torch.zeros(direct.shape, device=dev)
             b = torch.zeros(converted.shape, dtype=torch.bfloat16, device=dev)
             checks = {0: (zlib.crc32(direct.numpy().tobytes()), "direct")}
-            pieces = [(0, a), (direct.nbytes, b, torch.float32)]
-            failed = _reader._read_cuda(fd, pieces, dev, checks)
+            pieces = [ReadItem(0, a), ReadItem(direct.nbytes, b, torch.float32)]
+            failed = _reader._read_cuda(fd, _checked(pieces, checks), dev)
             sums = torch.stack([a.double().sum(), b.double().sum()])
     finally:
         os.close(fd)

@@ -609,6 +609,19 @@ def test_a_checkpoint_rewritten_under_a_running_model_raises(
     assert model[2].weight.is_meta
 
 
+def test_a_checkpoint_rewritten_before_the_first_forward_raises(tmp_path: Any) -> None:
+    # The disk tier used to catalog the file at its first read, so a file rewritten between
+    # load_into and the first forward was read as the new file, without a word.
+    torch.save(mlp(2).state_dict(), tmp_path / "mlp.pt")
+    model = torchplace.load_into(
+        torchplace.skeleton(mlp, 2), tmp_path / "mlp.pt", device_map={"": "cpu", "2": "disk"}
+    )
+    other = {k: v + 1 for k, v in mlp(2).state_dict().items()}
+    torch.save(other, tmp_path / "mlp.pt")  # the same keys, other values
+    with torch.no_grad(), pytest.raises(torchplace.CheckpointError, match=r"mlp\.pt.*changed"):
+        model(torch.ones(1, 8))
+
+
 _INTERRUPTED_CHILD = """
 import os, signal, sys, time
 import torch
@@ -720,9 +733,9 @@ def test_the_disk_tier_reads_into_memory_without_populating_it_first(
     asked: list[bool] = []
     real = _load.read_into
 
-    def spy(path: Any, pieces: Any, /, stamp: Any = None, checks: Any = None, fresh: bool = True):  # type: ignore[no-untyped-def]
+    def spy(path: Any, items: Any, /, stamp: Any = None, fresh: bool = True):  # type: ignore[no-untyped-def]
         asked.append(fresh)
-        return real(path, pieces, stamp, checks, fresh)
+        return real(path, items, stamp, fresh)
 
     monkeypatch.setattr(_load, "read_into", spy)
     with torch.no_grad():

@@ -129,3 +129,77 @@ def test_outside_a_call_a_file_is_opened_and_closed_as_usual(tmp_path: Path) -> 
     assert set(found.entries) == set(_STATE)
     if before is not None:
         assert len(os.listdir("/proc/self/fd")) == before
+
+
+def _two_layers() -> nn.Module:
+    return nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+
+
+@pytest.mark.parametrize("kind", ["zip", "safetensors", "index", "directory"])
+def test_a_load_into_by_device_map_opens_each_file_once(tmp_path: Path, kind: str) -> None:
+    """``load_into(..., device_map=)`` with a module left on "disk" is one call: it opens each
+    file of its source once, though it checks the disk module against the catalog, fills the
+    rest and hands the disk module a reader of the file. The disk tier's reads while the model
+    runs are calls of their own (each forward reads the module's bytes again) and are not
+    counted here."""
+    torch.manual_seed(0)
+    state = _two_layers().state_dict()
+    if kind == "zip":
+        torch.save(state, tmp_path / "m.pt")
+        source, files = tmp_path / "m.pt", ["m.pt"]
+    elif kind in ("safetensors", "directory"):
+        save_file(state, str(tmp_path / "model.safetensors"))
+        source = tmp_path / "model.safetensors" if kind == "safetensors" else tmp_path
+        files = ["model.safetensors"]
+    else:
+        for layer in ("0", "1"):
+            part = {k: v for k, v in state.items() if k.startswith(layer + ".")}
+            save_file(part, str(tmp_path / f"l{layer}.safetensors"))
+        index = tmp_path / "model.safetensors.index.json"
+        weight_map = {k: f"l{k.split('.')[0]}.safetensors" for k in state}
+        index.write_text(json.dumps({"weight_map": weight_map}))
+        source, files = index, [index.name, "l0.safetensors", "l1.safetensors"]
+    model = torchplace.skeleton(_two_layers)
+    device_map = {"0": "cpu", "1": "disk"}
+    opens = _opens(lambda: torchplace.load_into(model, source, device_map=device_map), tmp_path)
+    assert opens == dict.fromkeys(files, 1)
+    assert model[1].weight.is_meta  # left in the file
+    assert torch.equal(model[0].weight, state["0.weight"])
+    x = torch.ones(1, 3)
+    with torch.no_grad():
+        expected = x @ state["0.weight"].T + state["0.bias"]
+        expected = expected @ state["1.weight"].T + state["1.bias"]
+        assert torch.equal(model(x), expected)
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "index", "torch-index", "directory"])
+@pytest.mark.parametrize("call", ["load", "load_into"])
+def test_a_call_resolves_its_source_into_one_catalog(
+    tmp_path: Path, kind: str, call: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Below the public entry point, every step that asks for the source's catalog (the
+    check_crc warning, the progress bar's size, the reader) is given the one the call made:
+    each file is catalogued once per call (an index's shards within its own catalog)."""
+    import warnings
+
+    from torchplace.checkpoint import _catalog
+
+    made: collections.Counter[str] = collections.Counter()
+    for fmt, real in list(_catalog._CATALOGUERS.items()):
+
+        def counted(p: Path, real: Callable[[Path], Any] = real) -> Any:
+            made[p.name] += 1
+            return real(p)
+
+        monkeypatch.setitem(_catalog._CATALOGUERS, fmt, counted)
+    source, files = _source(kind, tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # check_crc=True on safetensors: nothing to check
+        if call == "load":
+            loaded = torchplace.load(source, check_crc=True, progress=True)  # type: ignore[arg-type]
+        else:
+            model = nn.Linear(3, 4)
+            torchplace.load_into(model, source, check_crc=True, progress=True)
+            loaded = model.state_dict()
+    assert made and set(made) <= set(files) and set(made.values()) == {1}, made
+    assert all(torch.equal(loaded[k], v) for k, v in _STATE.items())

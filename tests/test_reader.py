@@ -17,6 +17,7 @@ import torch
 from test_interrupts import Interrupter, tracing
 from torchplace.checkpoint import _reader
 from torchplace.checkpoint._catalog import stamp
+from torchplace.checkpoint._plan_items import ReadItem
 
 
 @pytest.fixture
@@ -49,7 +50,7 @@ def test_a_failing_thread_stops_the_others_and_none_outlives_the_read(
     fd = os.open(path, os.O_RDONLY)
     try:
         with pytest.raises(OSError, match="disk gone"):
-            _reader._read_host(fd, [(0, into)])
+            _reader._read_host(fd, [ReadItem(0, into)])
         after = len(reads)
         time.sleep(0.05)
         assert len(reads) == after  # no thread still reading once the call returned
@@ -67,7 +68,7 @@ def test_all_chunks_land_in_place_with_several_threads(tmp_path: Path, four_thre
     into = torch.empty(len(data) - 100, dtype=torch.uint8)
     fd = os.open(path, os.O_RDONLY)
     try:
-        _reader._read_host(fd, [(100, into)])
+        _reader._read_host(fd, [ReadItem(100, into)])
     finally:
         os.close(fd)
     assert into.numpy().tobytes() == data[100:]
@@ -134,7 +135,7 @@ def test_ranks_on_one_machine_share_its_cores(
 
     monkeypatch.setattr(_reader, "_pread_exactly", counted)
     out = torch.empty(len(data), dtype=torch.uint8)
-    _reader.read_into(path, [(0, out)])
+    _reader.read_into(path, [ReadItem(0, out)])
     assert len(seen) == threads
     assert bytes(out.numpy()) == data
 
@@ -200,7 +201,7 @@ def test_read_into_leaves_no_descriptor_open_wherever_a_ctrl_c_lands(tmp_path: P
     out = torch.empty(16, dtype=torch.uint8)
 
     def run() -> None:
-        _reader.read_into(path, [(8, out)], when)
+        _reader.read_into(path, [ReadItem(8, out)], when)
 
     assert not _leaks_at_each_line(run)
     assert out.tolist() == list(range(8, 24))
@@ -220,7 +221,7 @@ def test_open_files_of_several_shards_close_every_one_wherever_a_ctrl_c_lands(
         files = _reader.OpenFiles(stamps)
         try:
             for path, out in zip(stamps, outs, strict=True):
-                files.read(path, [(4, out)])
+                files.read(path, [ReadItem(4, out)])
             files.verify()
         finally:
             files.close()

@@ -531,6 +531,7 @@ def test_reads_onto_a_device_go_through_the_pool_even_when_copies_run_late(
     import os
     import zlib
 
+    from torchplace.checkpoint._plan_items import ReadItem
     from torchplace.checkpoint._reader import _read_cuda
 
     gen = torch.Generator().manual_seed(0)
@@ -543,19 +544,17 @@ def test_reads_onto_a_device_go_through_the_pool_even_when_copies_run_late(
         for _ in range(2):
             a = torch.empty(86)
             b = torch.empty(40, dtype=torch.bfloat16)
-            checks = {0: (zlib.crc32(direct.numpy().tobytes()), "direct")}
-            pieces = [(0, a), (direct.nbytes, b, torch.float32)]
-            failed = _read_cuda(
-                fd, pieces, torch.device("cpu"), checks, pool=pool, transport=transport
-            )
+            check = (zlib.crc32(direct.numpy().tobytes()), "direct")
+            items = [ReadItem(0, a, None, check), ReadItem(direct.nbytes, b, torch.float32)]
+            failed = _read_cuda(fd, items, torch.device("cpu"), pool=pool, transport=transport)
             transport.wait()  # what the device's stream does before the tensors are used
             assert failed == []
             assert torch.equal(a, direct) and torch.equal(b, converted.to(torch.bfloat16))
             assert pool.allocations == 2 and pool.kept_bytes == 2 * 64  # bounded, then reused
-        bad = {0: (zlib.crc32(b"other"), "direct")}
-        assert _read_cuda(
-            fd, [(0, torch.empty(86))], torch.device("cpu"), bad, pool=pool, transport=transport
-        ) == ["direct"]
+        bad = ReadItem(0, torch.empty(86), None, (zlib.crc32(b"other"), "direct"))
+        assert _read_cuda(fd, [bad], torch.device("cpu"), pool=pool, transport=transport) == [
+            "direct"
+        ]
     finally:
         os.close(fd)
 
@@ -563,6 +562,7 @@ def test_reads_onto_a_device_go_through_the_pool_even_when_copies_run_late(
 def test_a_read_that_fails_gives_its_slot_back(tmp_path: object) -> None:
     import os
 
+    from torchplace.checkpoint._plan_items import ReadItem
     from torchplace.checkpoint._reader import _read_cuda
 
     fd = _file_of(tmp_path, bytes(100))
@@ -570,7 +570,11 @@ def test_a_read_that_fails_gives_its_slot_back(tmp_path: object) -> None:
         pool, transport = host_pool(limit=2 * 64), _LateTransport()
         with pytest.raises(EOFError):
             _read_cuda(
-                fd, [(0, torch.empty(64))], torch.device("cpu"), pool=pool, transport=transport
+                fd,
+                [ReadItem(0, torch.empty(64))],
+                torch.device("cpu"),
+                pool=pool,
+                transport=transport,
             )
         transport.wait()
         assert len(pool._free) == pool.kept_bytes // 64 == pool.allocations  # none left taken

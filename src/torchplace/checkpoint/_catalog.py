@@ -37,7 +37,7 @@ from typing import Any, BinaryIO, TypeVar
 
 from .._errors import CheckpointError
 from ._index import LEGACY_MAGIC
-from ._opened import opened
+from ._opened import once_per_call, opened
 from ._pickle_reader import (
     RecordingUnpickler,
     TensorRecord,
@@ -66,7 +66,6 @@ from ._source import (
 __all__ = [
     "Catalog",
     "Entry",
-    "Piece",
     "Stamp",
     "ZipLayout",
     "catalog",
@@ -205,23 +204,6 @@ def _frozen(cls: type[_T], fields: dict[str, Any]) -> _T:
     made = object.__new__(cls)
     made.__dict__.update(fields)
     return made
-
-
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """Part of a model tensor taken from one entry: the entry, and the box of the destination
-    (offsets per dim, in the destination's coordinates) that it fills.
-
-    A tensor read whole is one piece at offsets ``(0, ...)``. A conversion that builds one fused
-    parameter from several entries lists one piece per entry, each at its own offsets, one per
-    dim of the destination: an entry with fewer dims than the destination takes the leading
-    offsets as indices (expert ``i`` of a stack is at ``(i, 0, 0)``), a concatenation puts each
-    part at its offset along the joined dim (``(0, 3 * i)``). ``_load.read_assembled`` fills each
-    box straight from the file.
-    """
-
-    entry: Entry
-    at: tuple[int, ...]
 
 
 @dataclasses.dataclass
@@ -470,6 +452,13 @@ def catalog(source: PathLike | Mapping[str, Any], /) -> Catalog:
     if isinstance(source, Mapping):
         return _mapping_catalog(source)
     p = as_path(source)
+    # Within a load or load_into, the source is resolved into its catalog once: every step
+    # below the entry point that asks for it again is given the same one.
+    return once_per_call(("catalog", p), lambda: _catalog_of(p))
+
+
+def _catalog_of(p: Path) -> Catalog:
+    """The catalog of the file, index or directory ``p``, made now."""
     if is_dir(p):
         p = model_file(p)
     kind = format_of(p)

@@ -49,6 +49,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .._errors import CheckpointError
+from ._plan_items import Box
 
 __all__ = [
     "Computed",
@@ -611,9 +612,6 @@ def _with_untaken(out: dict[str, Any], state: Mapping[str, Any], plan: Plan) -> 
     result: Any = collections.OrderedDict(out)
     result._metadata = metadata
     return result  # type: ignore[no-any-return]
-
-
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, lengths), one per dim
 
 
 def fused_boxes(fused: Fused, box: Box, /) -> list[tuple[str, Box, tuple[Any, ...]]] | None:

@@ -2,17 +2,18 @@
 
 ``load_into(model, path, device_map=...)`` fills what lives in memory and gives each module
 mapped to ``"disk"`` a ``CheckpointWeights``: the file's keys under the module's name (found
-once in the catalog, after ``rename``), read straight from their byte ranges onto the device
-asked (onto CUDA through the reader's bounded pinned ring), converted from hub names as
-``load_into`` converts them and cast to the model's dtypes. Nothing is written anywhere: the
-file's stamp is checked on each read, so a checkpoint rewritten under a running model raises.
+once in the catalog the load resolved its source into, after ``rename``), read straight from
+their byte ranges onto the device asked (onto CUDA through the reader's bounded pinned ring),
+converted from hub names as ``load_into`` converts them and cast to the model's dtypes.
+Nothing is written anywhere: the file's stamp (the one it had when the model was loaded) is
+checked on each read, so a checkpoint rewritten under a running model raises. Each read is a
+call of its own: it opens the file.
 """
 
 from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, NoReturn, SupportsIndex
 
 import torch
@@ -20,7 +21,7 @@ from torch import nn
 
 from .._errors import CheckpointError, TorchplaceError
 from .._model_walk import display
-from ._catalog import Catalog, catalog
+from ._catalog import Catalog
 from ._conversions import hub_converted
 from ._load import read_entries
 
@@ -29,25 +30,25 @@ __all__ = ["CheckpointWeights"]
 
 class CheckpointWeights:
     """The weights of the module at ``entry`` (their names inside it, with their dtypes), read
-    from ``path`` on each ``read``; ``prefix`` narrows them to a submodule's."""
+    on each ``read`` from the files of ``found``, the catalog ``load_into`` resolved its source
+    into; ``prefix`` narrows them to a submodule's."""
 
     def __init__(
         self,
-        path: Path,
+        found: Catalog,
         model: nn.Module,
         entry: str,
         dtypes: dict[str, torch.dtype],
         renamer: Callable[[str], str | None] | None,
         prefix: str = "",
     ) -> None:
-        self.path = path
-        self.where = str(path)
+        self.found = found
+        self.where = found.where
         self._model = weakref.ref(model)  # the model holds this reader: no cycle through it
         self.entry = entry
         self.dtypes = {n: d for n, d in dtypes.items() if not prefix or n.startswith(prefix + ".")}
         self.renamer = renamer
         self.prefix = prefix
-        self._found: Catalog | None = None
         self._keys: list[str] | None = None
         self.nbytes = sum(_numel(model, entry, n) * d.itemsize for n, d in self.dtypes.items())
 
@@ -75,20 +76,20 @@ class CheckpointWeights:
     def only(self, prefix: str) -> CheckpointWeights:
         model = self._model()
         assert model is not None
-        return CheckpointWeights(self.path, model, self.entry, self.dtypes, self.renamer, prefix)
+        return CheckpointWeights(self.found, model, self.entry, self.dtypes, self.renamer, prefix)
 
-    def _file_keys(self) -> tuple[Catalog, list[str]]:
-        if self._found is None or self._keys is None:
-            found = catalog(self.path)
+    def _file_keys(self) -> list[str]:
+        """The file's keys of this module's weights (after ``rename``), found once."""
+        if self._keys is None:
             head = f"{self.entry}.{self.prefix}" if self.prefix else self.entry
             head = head + "." if head else ""
             keys = []
-            for key in found.entries:
+            for key in self.found.entries:
                 name = self.renamer(key) if self.renamer is not None else key
                 if name is not None and name.startswith(head):
                     keys.append(key)
-            self._found, self._keys = found, keys
-        return self._found, self._keys
+            self._keys = keys
+        return self._keys
 
     def _current_dtypes(self, model: nn.Module) -> dict[str, torch.dtype]:
         """Each weight's dtype as the model has it now: a model cast after ``load_into`` (its
@@ -99,7 +100,7 @@ class CheckpointWeights:
     def read(self, device: torch.device) -> dict[str, torch.Tensor]:
         model = self._model()
         assert model is not None, "the model this reader belongs to is gone"
-        found, keys = self._file_keys()
+        found, keys = self.found, self._file_keys()
         # Into memory the previous unit's weights have just given back (its pages resident):
         # faulting them in first took 7.9 ms against 3.0 ms for a 16 MiB layer (bench_offload)
         state = read_entries(found, keys, device, fresh=False)

@@ -25,7 +25,6 @@ from .._own_moves import AttributeSnapshot, run_own_moves
 from ..moving._identity import parameter_like
 from ..moving._move import discarded_warning
 from ._catalog import Catalog, catalog, format_of
-from ._catalog import Piece as CatalogPiece
 from ._conversions import (
     Fused,
     Plan,
@@ -46,7 +45,6 @@ from ._keys import (
     no_data_buffers,
 )
 from ._load import (
-    Assembled,
     load_state,
     read_assembled,
     source_bytes,
@@ -61,6 +59,7 @@ from ._mismatch import (
     target_for,
 )
 from ._opened import one_open_each
+from ._plan_items import Assembled, Part
 from ._progress import reporting, wanted
 from ._reader import DTypeWish
 from ._rename import Rename, as_renamer, guarded, renamed
@@ -372,7 +371,7 @@ def _read_file(
     total = source_bytes(p, kind) if wanted(progress) else 0
     with reporting(total, f"load_into {p.name}", progress):
         if direct is None:
-            state = load_state(p, read_on, mmap=mmap, dtype_of=wish, check_crc=check_crc)
+            state = load_state(p, read_on, mmap=mmap, dtype_of=wish, check_crc=check_crc, kind=kind)
             return state, {}, None
         state, assembled = _read_direct(direct, read_on, wish)
         return state, assembled, direct.rest
@@ -573,7 +572,7 @@ def _assembled(
         if not all(isinstance(i, slice) for i in index[lead:]):
             return None
         at = tuple(i if isinstance(i, int) else i.start for i in index)
-        pieces.append(CatalogPiece(entry, at))
+        pieces.append(Part(entry, at))
     return Assembled(f.shape, f.dtype, pieces)
 
 

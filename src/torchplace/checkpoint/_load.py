@@ -18,7 +18,6 @@ from .._devices import device as _device
 from .._errors import CheckpointError, user_stacklevel
 from ._catalog import (
     Catalog,
-    Piece,
     catalog,
     code_globals,
     format_of,
@@ -38,6 +37,7 @@ from ._formats import (
 )
 from ._opened import one_open_each
 from ._pickle_reader import WHOLE_MODEL, pickles_a_model
+from ._plan_items import Assembled, Part, ReadItem
 from ._progress import reporting, wanted
 from ._reader import (
     NO_CRC,
@@ -50,7 +50,6 @@ from ._reader import (
     torch_load,
     unchecked_warning,
 )
-from ._reader import Piece as ReadPiece
 from ._source import WRITER_HINT, PathLike, resolve
 
 # ------------------------------------------------------------------------------------------ load
@@ -319,20 +318,8 @@ def whole_plan(
         want = dtype_of(name) if dtype_of is not None else None
         if want is None or not (want.is_floating_point and stored.is_floating_point):
             want = stored
-        plan[name] = Assembled(e.shape, want, [Piece(e, (0,) * len(e.shape))])
+        plan[name] = Assembled(e.shape, want, [Part(e, (0,) * len(e.shape))])
     return plan
-
-
-@dataclasses.dataclass(frozen=True)
-class Assembled:
-    """A tensor to build from catalog entries: its shape and dtype, and the pieces that fill it
-    (each an entry and the offsets of its box in the tensor). One piece at the origin is a
-    tensor read as saved; several build one fused tensor (experts stacked, projections
-    concatenated), each read straight into its slice."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    pieces: list[Piece]
 
 
 _Later = list[tuple[torch.Tensor, torch.Tensor, "tuple[int, ...] | None"]]
@@ -340,12 +327,12 @@ _Later = list[tuple[torch.Tensor, torch.Tensor, "tuple[int, ...] | None"]]
 
 def _allocated(
     found: Catalog, plan: Mapping[str, Assembled], home: torch.device
-) -> tuple[dict[str, torch.Tensor], dict[Path, list[ReadPiece]], _Later]:
+) -> tuple[dict[str, torch.Tensor], dict[Path, list[ReadItem]], _Later]:
     """``read_assembled``'s tensors allocated on ``home``, and what to read into them: by file,
     the pieces read straight into their slice; later, (slice, buffer, permutation) for those
     read through a buffer of their own."""
     out: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[ReadPiece]] = {}
+    by_file: dict[Path, list[ReadItem]] = {}
     later: list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...] | None]] = []
     for name, made in plan.items():
         t = out[name] = torch.empty(made.shape, dtype=made.dtype, device=home)
@@ -367,11 +354,11 @@ def _allocated(
                 )
             row_major = e.order == tuple(range(len(e.shape)))
             if row_major and dest.is_contiguous():
-                by_file.setdefault(e.file, []).append((e.start, dest, stored))
+                by_file.setdefault(e.file, []).append(ReadItem(e.start, dest, stored))
                 continue
             in_file = tuple(e.shape[d] for d in e.order)
             buffer = torch.empty(in_file, dtype=stored, device=home)
-            by_file.setdefault(e.file, []).append((e.start, buffer))
+            by_file.setdefault(e.file, []).append(ReadItem(e.start, buffer))
             inverse = None if row_major else tuple(e.order.index(d) for d in range(len(e.order)))
             later.append((dest, buffer, inverse))
     return out, by_file, later
@@ -400,9 +387,9 @@ def read_assembled(
             f"{found.where}: its tensors could not be allocated on {target} "
             f"({type(exc).__name__}: {first_sentence(str(exc))})"
         ) from exc
-    for path, pieces in by_file.items():
+    for path, items in by_file.items():
         try:
-            read_into(path, pieces, found.stamps.get(path), fresh=fresh)
+            read_into(path, items, found.stamps.get(path), fresh=fresh)
         except CheckpointError:
             raise
         except Exception as exc:
@@ -436,11 +423,14 @@ def load_state(
     mmap: bool,
     dtype_of: DTypeWish | None,
     check_crc: bool | None = None,
+    kind: str | None = None,
 ) -> Any:
     """``load(path, target, mmap=mmap)`` for ``load_into``: tensors of safetensors files (alone
-    or in an index) are read in the dtype ``dtype_of`` asks for, converted as they are read."""
-    p = resolve(path)
-    kind = format_of(p)
+    or in an index) are read in the dtype ``dtype_of`` asks for, converted as they are read.
+    ``kind``: the format of ``path``, where the caller resolved it already (then ``path`` is
+    the file it resolved to, and neither is worked out again)."""
+    p = resolve(path) if kind is None else Path(path)
+    kind = format_of(p) if kind is None else kind
     # (a safetensors file has no checksum: load_into has said so already)
     crc = check_crc and kind != "safetensors"
     return reader_for(kind, target)(p, target, ReadOptions(mmap, False, crc, dtype_of))

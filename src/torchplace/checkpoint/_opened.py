@@ -7,7 +7,9 @@ and reads it through one descriptor per file, opened once: one path lookup, one 
 every read of the call (a file replaced under its name part-way is still caught by its stamp),
 and every descriptor closed when the call ends, through a ``KeyboardInterrupt`` too. Outside
 such a call (``inspect``, a catalog asked for on its own) ``opened`` opens and closes the file
-as ``open`` would. No torch here (``torchplace inspect FILE.safetensors`` starts without it).
+as ``open`` would. What a call works out from its files once (the source's catalog) is kept
+for the call too (``once_per_call``), so the steps below the entry point that ask for it again
+are given the same one. No torch here (``torchplace inspect FILE.safetensors`` starts without it).
 """
 
 from __future__ import annotations
@@ -16,17 +18,21 @@ import contextlib
 import contextvars
 import io
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, TypeVar, cast
 
-__all__ = ["one_open_each", "opened", "raw_file"]
+__all__ = ["once_per_call", "one_open_each", "opened", "raw_file"]
+
+_T = TypeVar("_T")
 
 
 class _Call(contextlib.ExitStack):
-    """One call's scope: its open files by path, each one's ``close`` on the stack."""
+    """One call's scope: its open files by path, each one's ``close`` on the stack, and what
+    it worked out from them once (``once_per_call``)."""
 
     files: dict[Path, io.FileIO]
+    kept: dict[Hashable, object]
 
 
 # The scope of the call under way, if any: a weak reference, so that a scope an interrupt left
@@ -55,8 +61,20 @@ def one_open_each() -> contextlib.AbstractContextManager[object]:
         return contextlib.nullcontext()
     call = _Call()
     call.files = {}
+    call.kept = {}
     call.callback(_CALL.reset, _CALL.set(weakref.ref(call)))  # run last: files close first
     return call
+
+
+def once_per_call(key: Hashable, make: Callable[[], _T]) -> _T:
+    """``make()``, made once in a call: within a call's scope the first result for ``key`` is
+    kept (a failure is not) and given again; outside a call, made each time."""
+    call = _current()
+    if call is None:
+        return make()
+    if key not in call.kept:
+        call.kept[key] = make()
+    return cast(_T, call.kept[key])
 
 
 def raw_file(p: Path) -> io.FileIO | None:

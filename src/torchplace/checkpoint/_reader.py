@@ -1,22 +1,22 @@
 """A file's bytes straight into tensors that already exist: no mapping, no second copy.
 
-``read_into(path, pieces)`` fills each ``(offset, tensor)`` with the bytes of the file from
-``offset`` on. On the CPU the bytes go by ``os.preadv`` straight into each tensor's memory, cut
-into chunks that a few threads read side by side (a read from the page cache is a memcpy that
-releases the GIL, and the page faults of fresh memory are taken on as many cores as read; the
-ranks torchrun starts on one machine share its cores). On Linux
-each chunk's pages are first populated in one call (``MADV_POPULATE_WRITE``), which took 15-20% off
-a 512 MiB read into a fresh process against a fault per 4 KiB page; asking for huge pages instead
-(``MADV_HUGEPAGE``) made warm reads 3x faster but fresh processes 3x slower on the 2-core VM it was
-measured on (the host backs new huge pages slowly), so it is not done. Onto a CUDA device the bytes
-go through the process's bounded pool of pinned buffers (``moving._staging.pinned_pool``, which
-moves use too): ``CUDA_READ_THREADS`` threads (never more than the pool has slots) each take a
-slot, read a chunk into it and queue its asynchronous copy on the caller's current stream, then
-give the slot back behind the copy's event, so reads, copies and other threads' reads overlap
-as ``_staging.Stager`` overlaps packing and copies for tensors already in memory: the model never
-passes through a pageable copy of itself, and loads and moves share one bounded pool. Nothing of
-this has been timed on a GPU yet: ``benchmarks/bench_load_gpu.py --sweep`` is to set the thread
-count and the pool's shape.
+``read_into(path, items)`` fills each ``ReadItem`` (``_plan_items``: from which byte, into which
+tensor, from which dtype) with the bytes of the file from its ``start`` on. On the CPU the bytes go
+by ``os.preadv`` straight into each tensor's memory, cut into chunks that a few threads read side
+by side (a read from the page cache is a memcpy that releases the GIL, and the page faults of fresh
+memory are taken on as many cores as read; the ranks torchrun starts on one machine share its
+cores). On Linux each chunk's pages are first populated in one call (``MADV_POPULATE_WRITE``),
+which took 15-20% off a 512 MiB read into a fresh process against a fault per 4 KiB page; asking
+for huge pages instead (``MADV_HUGEPAGE``) made warm reads 3x faster but fresh processes 3x slower
+on the 2-core VM it was measured on (the host backs new huge pages slowly), so it is not done. Onto
+a CUDA device the bytes go through the process's bounded pool of pinned buffers
+(``moving._staging.pinned_pool``, which moves use too): ``CUDA_READ_THREADS`` threads (never more
+than the pool has slots) each take a slot, read a chunk into it and queue its asynchronous copy on
+the caller's current stream, then give the slot back behind the copy's event, so reads, copies and
+other threads' reads overlap as ``_staging.Stager`` overlaps packing and copies for tensors already
+in memory: the model never passes through a pageable copy of itself, and loads and moves share one
+bounded pool. Nothing of this has been timed on a GPU yet: ``benchmarks/bench_load_gpu.py --sweep``
+is to set the thread count and the pool's shape.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from ._catalog import Stamp, ZipLayout, changed_error
 from ._crc import Crc32, combine, crc32
 from ._formats import device_failure, diagnose, first_sentence, out_of_memory
 from ._opened import opened, raw_file
+from ._plan_items import ReadItem
 from ._progress import current
 
 __all__ = [
@@ -59,7 +60,6 @@ __all__ = [
     "UNUSUAL",
     "DTypeWish",
     "OpenFiles",
-    "Piece",
     "check_records",
     "copy_file",
     "read_into",
@@ -147,41 +147,33 @@ def _pread_exactly(fd: int, view: memoryview, offset: int) -> None:
         done += n
 
 
-Piece = tuple[int, torch.Tensor] | tuple[int, torch.Tensor, torch.dtype]
+def _converting(item: ReadItem) -> torch.dtype | None:
+    """The file's dtype of ``item`` where it differs from its tensor's, else None."""
+    stored = item.stored
+    return None if stored is None or stored == item.into.dtype else stored
 
 
-def _split(piece: Piece) -> tuple[int, torch.Tensor, torch.dtype | None]:
-    """(offset, tensor, the file's dtype where it differs from the tensor's, else None)."""
-    if len(piece) == 3:
-        offset, t, stored = piece
-        return offset, t, (None if stored == t.dtype else stored)
-    offset, t = piece
-    return offset, t, None
-
-
-Checks = Mapping[int, tuple[int, str]]  # a piece's offset -> (its record's CRC-32, its name)
-
-
+# The reader's own cut of ``ReadItem``s into chunks, private to it (its threads' hot path).
 # A host read's chunks: (where to, from where, its address) for a direct one; (tensor's
 # elements, first and last element, from where, the file's dtype) for a converting one. A
 # chunk's task is (0, its index among direct chunks) or (1, its index among converting ones); a
-# checked piece is (its recorded CRC-32, its name, [(its chunks' tasks, their lengths)]).
+# checked item is (its recorded CRC-32, its name, [(its chunks' tasks, their lengths)]).
 _Direct = tuple[memoryview, int, int]
 _Converting = tuple[torch.Tensor, int, int, int, torch.dtype]
 _Checked = tuple[int, str, list[tuple[tuple[int, int], int]]]
 
 
 def _host_chunks(
-    pieces: Sequence[Piece], checks: Checks | None
+    items: Sequence[ReadItem],
 ) -> tuple[list[_Direct], list[_Converting], list[_Checked], dict[tuple[int, int], int]]:
-    """``_read_host``'s pieces cut into chunks of at most ``READ_CHUNK_BYTES``: the direct
-    chunks, the converting ones, the checked pieces, and a CRC-32 slot per checked chunk."""
+    """``_read_host``'s items cut into chunks of at most ``READ_CHUNK_BYTES``: the direct
+    chunks, the converting ones, the checked items, and a CRC-32 slot per checked chunk."""
     direct: list[_Direct] = []
     converting: list[_Converting] = []
     checked: list[_Checked] = []
     crcs: dict[tuple[int, int], int] = {}  # a checked chunk's task -> its file bytes' CRC-32
-    for piece in pieces:
-        offset, t, stored = _split(piece)
+    for item in items:
+        offset, t, stored = item.start, item.into, _converting(item)
         chunks: list[tuple[tuple[int, int], int]] = []
         if stored is None:
             data = _as_bytes(t)
@@ -198,7 +190,7 @@ def _host_chunks(
                 last = min(first + step, flat.numel())
                 chunks.append(((1, len(converting)), (last - first) * stored.itemsize))
                 converting.append((flat, first, last, offset + first * stored.itemsize, stored))
-        check = checks.get(offset) if checks else None
+        check = item.check
         if check is not None:
             checked.append((check[0], check[1], chunks))
             crcs.update(dict.fromkeys((task for task, _ in chunks), 0))
@@ -207,20 +199,19 @@ def _host_chunks(
 
 def _read_host(
     fd: int,
-    pieces: Sequence[Piece],
-    checks: Checks | None = None,
+    items: Sequence[ReadItem],
     advance: Callable[[int], None] | None = None,
     populate: bool = True,
 ) -> list[str]:
-    """Direct pieces read straight into their memory; converting ones a chunk at a time into a
+    """Direct items read straight into their memory; converting ones a chunk at a time into a
     buffer of each thread's own (``READ_CHUNK_BYTES``) and converted into place from there, so
     a model never holds a second, file-dtype copy of itself.
 
-    With ``checks``, each chunk of a checked piece has its CRC-32 computed by the thread that
-    read it, right after the read, and the chunks' CRCs are joined per piece; returns the names
-    of the pieces whose CRC-32 differs from the one recorded.
+    Each chunk of a checked item (its ``check``) has its CRC-32 computed by the thread that
+    read it, right after the read, and the chunks' CRCs are joined per item; returns the names
+    of the items whose CRC-32 differs from the one recorded.
     """
-    direct, converting, checked, crcs = _host_chunks(pieces, checks)
+    direct, converting, checked, crcs = _host_chunks(items)
     tasks = [(0, k) for k in range(len(direct))] + [(1, k) for k in range(len(converting))]
     crc = crc32() if checked else zlib.crc32  # ISA-L's is imported only when it is used
 
@@ -268,9 +259,9 @@ def _read_host(
 
 
 def _failed_checks(checked: Sequence[tuple[int, str, Sequence[tuple[int, int]]]]) -> list[str]:
-    """The names of the checked pieces whose CRC-32 differs from the one recorded. Each is
+    """The names of the checked items whose CRC-32 differs from the one recorded. Each is
     (the recorded CRC-32, its name, [(a chunk's CRC-32, its length), ...] in file order): the
-    chunks' CRCs are joined (an empty piece's is the CRC-32 of no bytes, 0)."""
+    chunks' CRCs are joined (an empty item's is the CRC-32 of no bytes, 0)."""
     failed = []
     for expected, name, chunks in checked:
         crc = chunks[0][0] if chunks else 0
@@ -310,17 +301,17 @@ _Send = tuple[torch.Tensor, torch.dtype | None, int, int, int]
 
 
 def _cuda_sends(
-    pieces: Sequence[Piece], checks: Checks | None, chunk: int
+    items: Sequence[ReadItem], chunk: int
 ) -> tuple[list[_Send], list[tuple[int, int, str, list[int]]], int]:
-    """``_read_cuda``'s pieces cut into chunks of at most ``chunk`` bytes (whole elements of the
-    file's dtype): the sends, the checked pieces (CRC-32, first checked chunk, name, chunk
+    """``_read_cuda``'s items cut into chunks of at most ``chunk`` bytes (whole elements of the
+    file's dtype): the sends, the checked items (CRC-32, first checked chunk, name, chunk
     lengths) and how many chunks are checked."""
     sends: list[_Send] = []
     checked: list[tuple[int, int, str, list[int]]] = []
     crc_chunks = 0
-    for piece in pieces:
-        offset, t, stored = _split(piece)
-        check = checks.get(offset) if checks else None  # the file's bytes, as staged
+    for item in items:
+        offset, t, stored = item.start, item.into, _converting(item)
+        check = item.check  # the file's bytes, as staged
         size = 1 if stored is None else stored.itemsize
         step = chunk // size * size  # whole elements per chunk
         if stored is None:
@@ -376,9 +367,8 @@ def _send(
 
 def _read_cuda(
     fd: int,
-    pieces: Sequence[Piece],
+    items: Sequence[ReadItem],
     device: torch.device,
-    checks: Checks | None = None,
     advance: Callable[[int], None] | None = None,
     *,
     pool: PinnedPool | None = None,
@@ -392,7 +382,7 @@ def _read_cuda(
     Threads: ``CUDA_READ_THREADS``, but never more than the pool has slots (a thread holds one
     slot from its read until its copy is queued), so the staging area stays the pool's size
     whatever the thread count. Chunks go to threads in turn and arrive in any order: they land
-    in disjoint bytes, and a checked piece's CRC-32 is joined from its chunks' own. A chunk of
+    in disjoint bytes, and a checked item's CRC-32 is joined from its chunks' own. A chunk of
     another dtype than its tensor is converted by the copy itself, on the device, through a
     temporary of a chunk (peak device memory: the model plus a chunk per thread). A failure or
     Ctrl-C in any thread stops the others at their next chunk; every copy already queued was
@@ -401,7 +391,7 @@ def _read_cuda(
     every thread), so the model's first use is ordered after them."""
     pool = pool if pool is not None else pinned_pool()
     transport = transport if transport is not None else _CurrentStream(device)
-    sends, checked, crc_chunks = _cuda_sends(pieces, checks, pool.slot_bytes)  # a chunk: a slot
+    sends, checked, crc_chunks = _cuda_sends(items, pool.slot_bytes)  # a chunk: a slot
     crcs = [0] * crc_chunks  # each checked chunk's CRC-32, written by the thread that read it
     crc = crc32() if checked else zlib.crc32  # ISA-L's is imported only when it is used
     stop = threading.Event()  # set on a failure or Ctrl-C: the other threads read no more
@@ -435,7 +425,7 @@ class OpenFiles:
     file rewritten while it was read raises ``CheckpointError`` instead of mixing old and new
     bytes.
 
-    ``read_into`` reads one file's pieces this way; the sharded loader keeps one ``OpenFiles``
+    ``read_into`` reads one file's items this way; the sharded loader keeps one ``OpenFiles``
     for a whole load, reading each rank's boxes through it.
 
     Each file is an ``io.FileIO``, which opens its descriptor and holds it in one C call, closes
@@ -476,31 +466,25 @@ class OpenFiles:
                 raise
         return file.fileno()
 
-    def read(
-        self,
-        path: Path,
-        pieces: Sequence[Piece],
-        checks: Checks | None = None,
-        fresh: bool = True,
-    ) -> None:
+    def read(self, path: Path, items: Sequence[ReadItem], fresh: bool = True) -> None:
         """``read_into``'s reads from the open file of ``path``; its stamp is checked again
         only by ``verify`` (and before a CRC-32 failure is reported: a changed file says so)."""
-        host = [p for p in pieces if p[1].device.type == "cpu" and p[1].nbytes]
-        elsewhere = [p for p in pieces if p[1].device.type != "cpu" and p[1].nbytes]
+        host = [i for i in items if i.into.device.type == "cpu" and i.into.nbytes]
+        elsewhere = [i for i in items if i.into.device.type != "cpu" and i.into.nbytes]
         fd = self.fd(path)
         advance = current()  # the progress bar shown, if any (None: nothing to pay)
-        failed = _read_host(fd, host, checks, advance, fresh)
-        by_device: dict[torch.device, list[Piece]] = {}
-        for piece in elsewhere:
-            by_device.setdefault(piece[1].device, []).append(piece)
+        failed = _read_host(fd, host, advance, fresh)
+        by_device: dict[torch.device, list[ReadItem]] = {}
+        for item in elsewhere:
+            by_device.setdefault(item.into.device, []).append(item)
         for dev, group in by_device.items():
             if dev.type == "cuda":
-                failed += _read_cuda(fd, group, dev, checks, advance)
+                failed += _read_cuda(fd, group, dev, advance)
                 continue
-            for piece in group:  # another accelerator: a tensor at a time through the host
-                offset, t, stored = _split(piece)
-                bounce = torch.empty(t.shape, dtype=stored or t.dtype)
-                failed += _read_host(fd, [(offset, bounce)], checks, advance)
+            for item in group:  # another accelerator: a tensor at a time through the host
+                t = item.into
+                bounce = torch.empty(t.shape, dtype=_converting(item) or t.dtype)
+                failed += _read_host(fd, [ReadItem(item.start, bounce, None, item.check)], advance)
                 t.copy_(bounce)
         if failed:
             _same_file(path, fd, self.stamps.get(path))
@@ -534,38 +518,37 @@ class OpenFiles:
 
 def read_into(
     path: Path,
-    pieces: Sequence[Piece],
+    items: Sequence[ReadItem],
     /,
     stamp: Stamp | None = None,
-    checks: Checks | None = None,
     fresh: bool = True,
 ) -> None:
-    """Fill each ``(offset, tensor)`` of ``pieces`` with ``path``'s bytes from ``offset`` on.
+    """Fill each ``ReadItem`` of ``items`` with ``path``'s bytes from its ``start`` on.
 
     >>> import os, tempfile, torch
     >>> path = os.path.join(tempfile.mkdtemp(), "bytes")
     >>> with open(path, "wb") as f:
     ...     _ = f.write(bytes(range(8)))
     >>> a, b = torch.empty(2, dtype=torch.uint8), torch.empty(3, dtype=torch.uint8)
-    >>> read_into(path, [(1, a), (5, b)])
+    >>> read_into(path, [ReadItem(1, a), ReadItem(5, b)])
     >>> a.tolist(), b.tolist()
     ([1, 2], [5, 6, 7])
 
     Each tensor must be contiguous and hold exactly the bytes to read (its ``nbytes``), on the
-    CPU or an accelerator; a piece ``(offset, tensor, dtype)`` reads elements of ``dtype`` from
+    CPU or an accelerator; an item with a ``stored`` dtype reads elements of that dtype from
     the file and converts them into the tensor's own dtype a chunk at a time (so the tensor's
     bytes plus a chunk per reading thread is all the memory the read takes). Raises ``OSError``
     for a read that fails and ``EOFError`` for a file that ends too soon; the tensors then hold
     what was read so far. With the ``stamp`` the file had when its catalog was made, the open
     file must still match it before the first read and after the last (its size, mtime,
-    inode and ctime), or ``CheckpointError`` says that it changed while it was read. ``checks``
-    maps a piece's offset to the CRC-32 its bytes must have and a name for them (a zip record's),
-    and a piece that fails it raises ``CheckpointError`` naming it. ``fresh=False`` says the host
+    inode and ctime), or ``CheckpointError`` says that it changed while it was read. An item's
+    ``check`` is the CRC-32 its bytes must have and a name for them (a zip record's), and an item
+    that fails it raises ``CheckpointError`` naming it. ``fresh=False`` says the host
     tensors' pages are already resident (a model's own memory, filled in place), so they are not
     populated first (that costs about 40% of a read from the page cache into resident memory).
     """
     with OpenFiles({path: stamp}) as files:
-        files.read(path, pieces, checks, fresh)
+        files.read(path, items, fresh)
         files.verify()  # no write landed while it was read
 
 
@@ -722,9 +705,8 @@ def _read_zip_once(
         if dtype_of is not None:
             reads = _read_in_wished_dtypes(result, records, target, dtype_of)
         else:
-            reads = [(r.start, r.data) for r in records.values()]
-        checks = {r.start: r.check for r in records.values() if r.check is not None}
-        read_into(p, reads, when, checks)
+            reads = [ReadItem(r.start, r.data, None, r.check) for r in records.values()]
+        read_into(p, reads, when)
         _check_sparse()  # once their bytes are in: before, they hold what the allocator left
     except CheckpointError:  # the file changed while it was read
         _forget_sparse_checks()
@@ -742,7 +724,7 @@ def _read_zip_once(
 
 def _read_in_wished_dtypes(
     result: Any, records: Mapping[str, _Record], target: torch.device, dtype_of: DTypeWish
-) -> list[Piece]:
+) -> list[ReadItem]:
     """A state dict unpickled onto ``meta`` given real storages on ``target``, in place: a
     floating storage whose tensors all wish for one other floating dtype in that dtype (read
     converting), any other in the file's bytes. Returns what to read into them.
@@ -764,7 +746,7 @@ def _read_in_wished_dtypes(
         if record is None or t.dtype != record.dtype:
             raise _Unusual(f"{name!r} views a storage of another dtype")
         users.setdefault(key, []).append((name, t))
-    reads: list[Piece] = []
+    reads: list[ReadItem] = []
     for key, record in by_storage.items():
         wishes = {dtype_of(name) for name, _ in users.get(key, [])}
         want = wishes.pop() if len(wishes) == 1 else None
@@ -773,11 +755,11 @@ def _read_in_wished_dtypes(
         if floating and want != dtype:
             assert want is not None
             real = torch.empty(record.numel, dtype=want, device=target)
-            reads.append((record.start, real, dtype))  # converted a chunk at a time
+            reads.append(ReadItem(record.start, real, dtype, record.check))  # a chunk at a time
             dtype = want
         else:
             real = torch.empty(record.numel * dtype.itemsize, dtype=torch.uint8, device=target)
-            reads.append((record.start, real))
+            reads.append(ReadItem(record.start, real, None, record.check))
         for name, t in users.get(key, []):
             made = torch.empty(0, dtype=dtype, device=target)
             made.set_(real.untyped_storage(), t.storage_offset(), t.size(), t.stride())

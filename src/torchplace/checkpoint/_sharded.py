@@ -39,7 +39,7 @@ import sys
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -47,11 +47,12 @@ from torch import nn
 from .._devices import device as _device
 from .._errors import CheckpointError, TorchplaceError, user_stacklevel
 from .._model_walk import Slot, tensor_slots
-from ._catalog import Catalog, Stamp, catalog, contiguous_strides
+from ._catalog import Catalog, Entry, Stamp, catalog, contiguous_strides
 from ._conversions import Fused, Plan, conversion_plan, fused_boxes
 from ._keys import check_keys, does_not_fit, matches_nothing, no_data_buffers
 from ._load import warn_unchecked_safetensors
 from ._mismatch import left_on_meta, listing
+from ._plan_items import Box, ReadItem
 from ._progress import reporting
 from ._reader import OpenFiles, check_records
 from ._rename import Rename, as_renamer, renamed
@@ -80,29 +81,21 @@ def has_dtensors(model: nn.Module) -> bool:
 # ------------------------------------------------------------------------------------ locating
 
 
-@dataclasses.dataclass
-class _Entry:
-    """A catalog entry as the sharded reader reads it: ``file`` from byte ``start``, dims in
-    ``order`` (row-major: 0, 1, ...), or a mapping's ``tensor`` in memory."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    file: Path | None = None
-    start: int = 0
-    order: tuple[int, ...] = ()
-    tensor: torch.Tensor | None = None
+def _dtype(e: Entry) -> torch.dtype:
+    """The ``torch.dtype`` of an entry ``_sharded_entries`` let through (this torch holds it)."""
+    return cast(torch.dtype, getattr(torch, e.dtype))
 
 
-def _sharded_entries(found: Catalog) -> dict[str, _Entry]:
-    """The catalog's entries, each one the sharded reader can read by slices, or refused."""
+def _sharded_entries(found: Catalog) -> dict[str, Entry]:
+    """The catalog's entries, each one the sharded reader can read by slices (a file's by its
+    byte range, a mapping's from its ``tensor``, a DTensor gathered whole), or refused."""
     where = found.where
     entries = {}
     for name, e in found.entries.items():
         if e.tensor is not None:
             value = e.tensor
             value = value.full_tensor() if _is_dtensor(value) else value
-            entries[name] = _Entry(name, value.dtype, tuple(value.shape), tensor=value.detach())
+            entries[name] = dataclasses.replace(e, tensor=value.detach())
             continue
         if found.kind == "legacy" or (e.file is not None and e.why.startswith("it is in a legacy")):
             p = Path(str(e.file))
@@ -121,12 +114,12 @@ def _sharded_entries(found: Catalog) -> dict[str, _Entry]:
             raise CheckpointError(
                 f"{e.file}: tensor {name!r} cannot be read by slice: {e.why}; {fix}"
             )
-        assert e.file is not None and e.order is not None
-        entries[name] = _Entry(name, e.torch_dtype(where), e.shape, e.file, e.start, e.order)
+        e.torch_dtype(where)  # refused by name where this torch has no such dtype
+        entries[name] = e
     return entries
 
 
-def _file_entries(p: Path) -> dict[str, _Entry]:
+def _file_entries(p: Path) -> dict[str, Entry]:
     """The entries of a file, index or directory as the sharded reader reads them."""
     return _sharded_entries(catalog(p))
 
@@ -137,7 +130,7 @@ def _is_dtensor(t: object) -> bool:
     return isinstance(t, DTensor)
 
 
-def _renamed(entries: dict[str, _Entry], rename: Rename | None, where: str) -> dict[str, _Entry]:
+def _renamed(entries: dict[str, Entry], rename: Rename | None, where: str) -> dict[str, Entry]:
     """``entries`` under the names ``rename=`` gives them, by the one set of rename rules."""
     if rename is None:
         return entries
@@ -145,8 +138,8 @@ def _renamed(entries: dict[str, _Entry], rename: Rename | None, where: str) -> d
 
 
 def _converted(
-    where: str, conversions: Plan, entries: dict[str, _Entry]
-) -> tuple[dict[str, _Entry], dict[str, Fused]]:
+    where: str, conversions: Plan, entries: dict[str, Entry]
+) -> tuple[dict[str, Entry], dict[str, Fused]]:
     """The entries under the model's names, and the fused tensors, by model name, that each
     rank fills from the parts of the file's tensors that fall in its slices."""
     if conversions.computed:
@@ -168,18 +161,19 @@ def _converted(
     for new, old in conversions.renames.items():
         out[new] = entries[old]
     for name, shape in conversions.mismatched.items():  # reported as a shape mismatch
-        out[name] = _Entry(name, torch.float32, shape)
+        out[name] = Entry(name, "float32", shape, 0)
     return out, {f.name: f for f in conversions.fused}
 
 
 # ------------------------------------------------------------------------------ the model side
 
 
-Box = tuple[tuple[int, ...], tuple[int, ...]]  # (global offsets, lengths), one per dim
-Piece = tuple[Box, tuple[slice, ...]]  # a box of the file, and where it goes in the shard
+# A box of the tensor (global offsets, as in the file) that this rank holds, and where it lands
+# in the rank's shard (no slices: all of it).
+Held = tuple[Box, tuple[slice, ...]]
 
 
-def _pieces(t: torch.Tensor, name: str) -> tuple[tuple[int, ...], list[Piece]]:
+def _pieces(t: torch.Tensor, name: str) -> tuple[tuple[int, ...], list[Held]]:
     """The shape of the part of ``t`` this rank holds, and the boxes of the file it is made of.
 
     One box for ``Shard(d)`` and ``Replicate()`` placements; FSDP2's ``_StridedShard`` (FSDP2
@@ -207,7 +201,7 @@ def _pieces(t: torch.Tensor, name: str) -> tuple[tuple[int, ...], list[Piece]]:
 
 def _strided_pieces(
     t: torch.Tensor, name: str, placements: Any, mesh: Any
-) -> tuple[tuple[int, ...], list[Piece]]:
+) -> tuple[tuple[int, ...], list[Held]]:
     """The global indices this rank holds on each dim, sharding left to right as DTensor does."""
     if not strided_shards_readable():  # the same answer on every rank, before anything changes
         raise CheckpointError(
@@ -252,7 +246,7 @@ def _strided_pieces(
             else:
                 runs.append((index, 1, local))
         runs_per_dim.append(runs)
-    pieces: list[Piece] = []
+    pieces: list[Held] = []
     for combo in itertools.product(*runs_per_dim):
         box = (tuple(r[0] for r in combo), tuple(r[1] for r in combo))
         pieces.append((box, tuple(slice(r[2], r[2] + r[1]) for r in combo)))
@@ -297,18 +291,18 @@ class _Reader:
     def __init__(self, stamps: Mapping[Path, Stamp] | None = None) -> None:
         self.files = OpenFiles(stamps)
         self.buffer: torch.Tensor | None = None
-        self.pending: dict[Path, list[tuple[int, torch.Tensor]]] = {}  # queued direct reads
+        self.pending: dict[Path, list[ReadItem]] = {}  # queued direct reads
         self.fresh = True  # the shards' memory is new (a skeleton's): populate it as it is read
 
     def queue(self, p: Path, start: int, out: torch.Tensor) -> None:
         """Read ``out.nbytes`` bytes of ``p`` from ``start`` into ``out`` at the next ``flush``."""
-        self.pending.setdefault(p, []).append((start, out))
+        self.pending.setdefault(p, []).append(ReadItem(start, out))
 
     def flush(self) -> None:
         """Every queued range read, side by side by the reader's pool."""
         pending, self.pending = self.pending, {}
-        for p, pieces in pending.items():
-            self.files.read(p, pieces, fresh=self.fresh)
+        for p, items in pending.items():
+            self.files.read(p, items, fresh=self.fresh)
 
     def verify(self) -> None:
         """Every file read is still the one catalogued (``CheckpointError`` if not)."""
@@ -325,13 +319,13 @@ class _Reader:
         if self.buffer is None or self.buffer.numel() < nbytes:
             self.buffer = torch.empty(max(nbytes, 0), dtype=torch.uint8)
         raw = self.buffer[:nbytes]
-        self.files.read(p, [(start, raw)], fresh=False)
+        self.files.read(p, [ReadItem(start, raw)], fresh=False)
         return raw.view(dtype).view(shape)
 
 
 def _read_box(
     reader: _Reader,
-    entry: _Entry,
+    entry: Entry,
     start: int,
     shape: tuple[int, ...],
     offsets: tuple[int, ...],
@@ -342,7 +336,8 @@ def _read_box(
     assert entry.file is not None
     if 0 in lengths or 0 in shape:
         return
-    itemsize, dtype = entry.dtype.itemsize, entry.dtype
+    dtype = _dtype(entry)
+    itemsize = dtype.itemsize
     nd = len(shape)
     partial = [d for d in range(nd) if lengths[d] != shape[d]]
     last = partial[-1] if partial else -1
@@ -383,7 +378,7 @@ def _read_box(
         dest[r0 : r0 + n].copy_(block[inside])
 
 
-def _fill(reader: _Reader, entry: _Entry, box: Box, dest: torch.Tensor) -> None:
+def _fill(reader: _Reader, entry: Entry, box: Box, dest: torch.Tensor) -> None:
     """``box`` of ``entry`` into ``dest``: runs of the file read straight into it (side by side,
     by the reader's pool), others through the reader's buffer; all read when this returns."""
     try:
@@ -394,13 +389,14 @@ def _fill(reader: _Reader, entry: _Entry, box: Box, dest: torch.Tensor) -> None:
     reader.flush()
 
 
-def _fill_box(reader: _Reader, entry: _Entry, box: Box, dest: torch.Tensor) -> None:
+def _fill_box(reader: _Reader, entry: Entry, box: Box, dest: torch.Tensor) -> None:
     offsets, lengths = box
     if entry.tensor is not None:
         index = tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))
         dest.copy_(entry.tensor[index])
         return
     order = entry.order
+    assert order is not None  # addressable: _sharded_entries refused any other
     if order == tuple(range(len(order))):
         _read_box(reader, entry, entry.start, entry.shape, offsets, lengths, dest)
         return
@@ -709,25 +705,25 @@ def _compared(model: nn.Module, meets: Meeting | None, mine: _Outcome) -> None:
 def _checked_plan(
     model: nn.Module,
     slots: list[Slot],
-    entries: Mapping[str, _Entry],
+    entries: Mapping[str, Entry],
     fused: Mapping[str, Fused],
     *,
     strict: bool,
     meta_transient: list[str],
     where: str,
     named: Path | str,
-) -> list[tuple[Slot, _Entry | Fused]]:
+) -> list[tuple[Slot, Entry | Fused]]:
     """What fills each slot (an entry, or a fused tensor built from several), after the one key
     check of every fill: a source that does not fit raises, the model untouched. ``named``: how
     a suggested call names the source."""
     check = check_keys(
         slots,
         entries,
-        lambda e: (e.shape, e.dtype.is_complex),
+        lambda e: (e.shape, _dtype(e).is_complex),
         built=lambda slot: any(n in fused for n in slot.names),
         complex_must_agree=True,
     )
-    plan: list[tuple[Slot, _Entry | Fused]] = [
+    plan: list[tuple[Slot, Entry | Fused]] = [
         (slot, entries[present[0]] if present else next(fused[n] for n in slot.names if n in fused))
         for slot, present in check.matched
     ]
@@ -760,7 +756,7 @@ def _checked_plan(
 
 def _located(
     model: nn.Module, source: Any, rename: Rename | None, check_crc: bool | None
-) -> tuple[Catalog, dict[str, _Entry], dict[str, _Entry], dict[str, Fused]]:
+) -> tuple[Catalog, dict[str, Entry], dict[str, Entry], dict[str, Fused]]:
     """Step 1: the source's catalog (its zip records' CRC-32s checked, with ``check_crc``),
     its entries by the model's names, the entries as the file names them (what fused tensors
     are read from), and the fused tensors a conversion builds."""
@@ -776,7 +772,7 @@ def _located(
     entries = _renamed(_sharded_entries(source_catalog), rename, where)
     # A transformers model's hub names: renamed entries, and fused tensors read piece by piece.
     sources = entries
-    conversions = conversion_plan(model, {n: (e.shape, e.dtype) for n, e in entries.items()})
+    conversions = conversion_plan(model, {n: (e.shape, _dtype(e)) for n, e in entries.items()})
     fused: dict[str, Fused] = {}
     if conversions is not None:
         entries, fused = _converted(where, conversions, entries)
@@ -784,7 +780,7 @@ def _located(
 
 
 def _placed(
-    plan: list[tuple[Slot, _Entry | Fused]], target: torch.device | None, where: str
+    plan: list[tuple[Slot, Entry | Fused]], target: torch.device | None, where: str
 ) -> tuple[list[Any], torch.device | None, torch.device]:
     """Step 3: each planned tensor's boxes on this rank, the device meta tensors get memory on
     (None: none is on meta), and where new memory goes; refused where a tensor cannot be
@@ -831,9 +827,9 @@ def _read_plan(
     model: nn.Module,
     where: str,
     stamps: Mapping[Path, Stamp],
-    plan: list[tuple[Slot, _Entry | Fused]],
+    plan: list[tuple[Slot, Entry | Fused]],
     pieces: list[Any],
-    sources: Mapping[str, _Entry],
+    sources: Mapping[str, Entry],
     materialize_on: torch.device | None,
     progress: bool | None,
 ) -> None:
@@ -842,7 +838,7 @@ def _read_plan(
     reader = _Reader(stamps)
     changed = False
     total = sum(
-        math.prod(shape) * entry.dtype.itemsize
+        math.prod(shape) * (entry.dtype if isinstance(entry, Fused) else _dtype(entry)).itemsize
         for (_, entry), (shape, _) in zip(plan, pieces, strict=True)
     )
     shown = contextlib.ExitStack()  # the progress bar, closed in the finally below

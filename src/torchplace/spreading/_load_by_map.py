@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -21,10 +20,11 @@ from torch import nn
 from .._devices import DeviceSpec
 from .._errors import CheckpointError, DeviceSpecError, TorchplaceError, prefixed
 from .._model_walk import display, walk_model
-from ..checkpoint._catalog import catalog
+from ..checkpoint._catalog import Catalog, catalog
 from ..checkpoint._checkpoint import load_into as fill
+from ..checkpoint._opened import one_open_each
 from ..checkpoint._rename import Rename, as_renamer
-from ..checkpoint._source import PathLike, resolve
+from ..checkpoint._source import PathLike
 from ..moving._offloaded import DEFAULT_WINDOW
 
 if TYPE_CHECKING:  # the map's modules load only when a map is given: a plain load pays none
@@ -126,16 +126,18 @@ def _by_map(
     disk = [name for name, where in entries.items() if where == DISK]
     _check_disk(model, source, disk)
     renamer = None if rename is None else as_renamer(rename)
-    if disk and options["strict"]:
-        _check_in_file(model, resolve(source), disk, renamer)
-    dtypes = {name: _dtypes(model.get_submodule(name)) for name in disk}
-    with _held_out(model, disk):
-        fill(model, source, _one_device(entries), rename=_dropping(renamer, disk), **options)
-    if disk:
-        path = resolve(source)
+    with one_open_each():  # each file opened once in this call (the disk tier's reads: later)
+        found = catalog(source) if disk else None  # resolved once, for the check and the tier
+        if found is not None and options["strict"]:
+            _check_in_file(model, found, disk, renamer)
+        dtypes = {name: _dtypes(model.get_submodule(name)) for name in disk}
+        filled = source if found is None or found.path is None else found.path
+        with _held_out(model, disk):
+            fill(model, filled, _one_device(entries), rename=_dropping(renamer, disk), **options)
+    if found is not None:
         for name in disk:
             module = model.get_submodule(name)
-            reader = CheckpointWeights(path, model, name, dtypes[name], renamer)
+            reader = CheckpointWeights(found, model, name, dtypes[name], renamer)
             _params_to_meta(module)
             module.__dict__[HOME] = Home(DISK, torch.device("cpu"), reader)
     dispatch(model, device_map, execution_device=execution_device, offload_window=offload_window)
@@ -170,22 +172,22 @@ def _check_disk(model: nn.Module, source: object, disk: list[str]) -> None:
 
 
 def _check_in_file(
-    model: nn.Module, path: Path, disk: list[str], renamer: Callable[[str], str | None] | None
+    model: nn.Module, found: Catalog, disk: list[str], renamer: Callable[[str], str | None] | None
 ) -> None:
     """Refuse, before anything is filled, a ``"disk"`` module the checkpoint holds nothing of
     (found as its reader finds them: the file's keys after ``rename``, under its name): it
     would load without a word and fail on its first call, blaming the file for changing."""
-    names = [renamer(key) if renamer is not None else key for key in catalog(path).entries]
+    names = [renamer(key) if renamer is not None else key for key in found.entries]
     for name in disk:
         head = f"{name}."
         params = [f"{name}.{n}" for n, _ in model.get_submodule(name).named_parameters()]
         if params and not any(n is not None and n.startswith(head) for n in names):
             raise CheckpointError(
-                f"the device_map puts {display(name)} on 'disk', but {path} holds no tensor "
+                f"the device_map puts {display(name)} on 'disk', but {found.where} holds no tensor "
                 f"under {head!r}, so its weights could not be read when it runs; check that "
                 "this is the model's checkpoint (rename= maps other names), or map "
                 f"{name!r} to a device and fill it another way",
-                path=path,
+                path=found.path,
                 missing=params,
             )
 
