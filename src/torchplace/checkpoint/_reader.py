@@ -210,10 +210,12 @@ def _read_host(
     checks: Checks | None = None,
     advance: Callable[[int], None] | None = None,
     populate: bool = True,
+    threads: int | None = None,
 ) -> list[str]:
     """Direct pieces read straight into their memory; converting ones a chunk at a time into a
     buffer of each thread's own (``READ_CHUNK_BYTES``) and converted into place from there, so
-    a model never holds a second, file-dtype copy of itself.
+    a model never holds a second, file-dtype copy of itself. ``threads``: at most this many
+    threads read (``READ_THREADS`` if None; 1 reads on the calling thread, starting none).
 
     With ``checks``, each chunk of a checked piece has its CRC-32 computed by the thread that
     read it, right after the read, and the chunks' CRCs are joined per piece; returns the names
@@ -259,8 +261,8 @@ def _read_host(
             if advance is not None:
                 advance(nbytes)
 
-    threads = _threads(READ_THREADS, len(tasks))
-    _read_in_threads(share, threads, stop)
+    count = _threads(READ_THREADS if threads is None else threads, len(tasks))
+    _read_in_threads(share, count, stop)
     return _failed_checks(
         [(crc, name, [(crcs[task], n) for task, n in chunks]) for crc, name, chunks in checked]
     )
@@ -481,6 +483,7 @@ class OpenFiles:
         pieces: Sequence[Piece],
         checks: Checks | None = None,
         fresh: bool = True,
+        threads: int | None = None,
     ) -> None:
         """``read_into``'s reads from the open file of ``path``; its stamp is checked again
         only by ``verify`` (and before a CRC-32 failure is reported: a changed file says so)."""
@@ -488,7 +491,7 @@ class OpenFiles:
         elsewhere = [p for p in pieces if p[1].device.type != "cpu" and p[1].nbytes]
         fd = self.fd(path)
         advance = current()  # the progress bar shown, if any (None: nothing to pay)
-        failed = _read_host(fd, host, checks, advance, fresh)
+        failed = _read_host(fd, host, checks, advance, fresh, threads)
         by_device: dict[torch.device, list[Piece]] = {}
         for piece in elsewhere:
             by_device.setdefault(piece[1].device, []).append(piece)
@@ -538,6 +541,7 @@ def read_into(
     stamp: Stamp | None = None,
     checks: Checks | None = None,
     fresh: bool = True,
+    threads: int | None = None,
 ) -> None:
     """Fill each ``(offset, tensor)`` of ``pieces`` with ``path``'s bytes from ``offset`` on.
 
@@ -562,9 +566,11 @@ def read_into(
     and a piece that fails it raises ``CheckpointError`` naming it. ``fresh=False`` says the host
     tensors' pages are already resident (a model's own memory, filled in place), so they are not
     populated first (that costs about 40% of a read from the page cache into resident memory).
+    ``threads``: at most this many threads read into host memory (``READ_THREADS`` if None; 1
+    reads on the calling thread).
     """
     with OpenFiles({path: stamp}) as files:
-        files.read(path, pieces, checks, fresh)
+        files.read(path, pieces, checks, fresh, threads)
         files.verify()  # no write landed while it was read
 
 
