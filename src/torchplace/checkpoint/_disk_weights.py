@@ -102,8 +102,11 @@ class CheckpointWeights:
         assert model is not None, "the model this reader belongs to is gone"
         found, keys = self.found, self._file_keys()
         # Into memory the previous unit's weights have just given back (its pages resident):
-        # faulting them in first took 7.9 ms against 3.0 ms for a 16 MiB layer (bench_offload)
-        state = read_entries(found, keys, device, fresh=False)
+        # faulting them in first took 7.9 ms against 3.0 ms for a 16 MiB layer (bench_offload).
+        # On the calling thread: starting the reader's threads for each unit's read cost more
+        # than they saved, 16 layers' reads taking 150-200 ms against 53-110 ms read on one
+        # thread on the 2-core machine of bench_offload (most of it waiting for them to start).
+        state = read_entries(found, keys, device, fresh=False, threads=1)
         if self.renamer is not None:
             state = {self.renamer(k) or k: v for k, v in state.items()}
         state = hub_converted(self.where, model, state, owned=True)

@@ -294,16 +294,18 @@ def read_entries(
     dtype_of: DTypeWish | None = None,
     *,
     fresh: bool = True,
+    threads: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """The catalog's addressable entries ``names``, each allocated on ``target`` (the CPU for an
     accelerator other than CUDA) and read straight into, every file's stamp checked.
 
     ``dtype_of(name)``: the floating dtype a floating tensor is wanted in (the model's), so that
     it is converted chunk by chunk as it is read, never held in the file's dtype whole.
-    ``fresh=False``: the host memory allocated is likely resident already (as ``read_into``
-    takes it).
+    ``fresh=False``: the host memory allocated is likely resident already; ``threads``: at most
+    this many threads read into host memory (both as ``read_into`` takes them).
     """
-    return read_assembled(found, whole_plan(found, names, dtype_of), target, fresh=fresh)
+    plan = whole_plan(found, names, dtype_of)
+    return read_assembled(found, plan, target, fresh=fresh, threads=threads)
 
 
 def whole_plan(
@@ -365,7 +367,12 @@ def _allocated(
 
 
 def read_assembled(
-    found: Catalog, plan: Mapping[str, Assembled], target: torch.device, *, fresh: bool = True
+    found: Catalog,
+    plan: Mapping[str, Assembled],
+    target: torch.device,
+    *,
+    fresh: bool = True,
+    threads: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Each tensor of ``plan`` allocated on ``target`` (the CPU for an accelerator other than
     CUDA) and filled from its pieces' byte ranges, every file's stamp checked.
@@ -373,7 +380,7 @@ def read_assembled(
     A piece whose slice of the tensor is one run of memory (a box over the leading dim, or the
     whole) is read straight into it, converted to the tensor's dtype a chunk at a time; any other
     goes through a buffer of the piece's own size (a box across a later dim, a piece saved as a
-    transposed view).
+    transposed view). ``fresh`` and ``threads``: as ``read_into`` takes them.
     """
     home = target if target.type in ("cpu", "cuda") else torch.device("cpu")
     try:  # every tensor and buffer is allocated before a byte is read
@@ -389,7 +396,7 @@ def read_assembled(
         ) from exc
     for path, items in by_file.items():
         try:
-            read_into(path, items, found.stamps.get(path), fresh=fresh)
+            read_into(path, items, found.stamps.get(path), fresh=fresh, threads=threads)
         except CheckpointError:
             raise
         except Exception as exc:

@@ -202,10 +202,12 @@ def _read_host(
     items: Sequence[ReadItem],
     advance: Callable[[int], None] | None = None,
     populate: bool = True,
+    threads: int | None = None,
 ) -> list[str]:
     """Direct items read straight into their memory; converting ones a chunk at a time into a
     buffer of each thread's own (``READ_CHUNK_BYTES``) and converted into place from there, so
-    a model never holds a second, file-dtype copy of itself.
+    a model never holds a second, file-dtype copy of itself. ``threads``: at most this many
+    threads read (``READ_THREADS`` if None; 1 reads on the calling thread, starting none).
 
     Each chunk of a checked item (its ``check``) has its CRC-32 computed by the thread that
     read it, right after the read, and the chunks' CRCs are joined per item; returns the names
@@ -251,8 +253,8 @@ def _read_host(
             if advance is not None:
                 advance(nbytes)
 
-    threads = _threads(READ_THREADS, len(tasks))
-    _read_in_threads(share, threads, stop)
+    count = _threads(READ_THREADS if threads is None else threads, len(tasks))
+    _read_in_threads(share, count, stop)
     return _failed_checks(
         [(crc, name, [(crcs[task], n) for task, n in chunks]) for crc, name, chunks in checked]
     )
@@ -466,14 +468,20 @@ class OpenFiles:
                 raise
         return file.fileno()
 
-    def read(self, path: Path, items: Sequence[ReadItem], fresh: bool = True) -> None:
+    def read(
+        self,
+        path: Path,
+        items: Sequence[ReadItem],
+        fresh: bool = True,
+        threads: int | None = None,
+    ) -> None:
         """``read_into``'s reads from the open file of ``path``; its stamp is checked again
         only by ``verify`` (and before a CRC-32 failure is reported: a changed file says so)."""
         host = [i for i in items if i.into.device.type == "cpu" and i.into.nbytes]
         elsewhere = [i for i in items if i.into.device.type != "cpu" and i.into.nbytes]
         fd = self.fd(path)
         advance = current()  # the progress bar shown, if any (None: nothing to pay)
-        failed = _read_host(fd, host, advance, fresh)
+        failed = _read_host(fd, host, advance, fresh, threads)
         by_device: dict[torch.device, list[ReadItem]] = {}
         for item in elsewhere:
             by_device.setdefault(item.into.device, []).append(item)
@@ -522,6 +530,7 @@ def read_into(
     /,
     stamp: Stamp | None = None,
     fresh: bool = True,
+    threads: int | None = None,
 ) -> None:
     """Fill each ``ReadItem`` of ``items`` with ``path``'s bytes from its ``start`` on.
 
@@ -546,9 +555,11 @@ def read_into(
     that fails it raises ``CheckpointError`` naming it. ``fresh=False`` says the host
     tensors' pages are already resident (a model's own memory, filled in place), so they are not
     populated first (that costs about 40% of a read from the page cache into resident memory).
+    ``threads``: at most this many threads read into host memory (``READ_THREADS`` if None; 1
+    reads on the calling thread).
     """
     with OpenFiles({path: stamp}) as files:
-        files.read(path, items, fresh)
+        files.read(path, items, fresh, threads)
         files.verify()  # no write landed while it was read
 
 

@@ -702,7 +702,8 @@ def dispatch(
     background thread) while it runs, and dropped after; at most ``offload_window`` offloaded
     modules' weights are there at once. Their buffers live on the execution device. With no
     accelerator in the map, ``"cpu"`` modules simply run on the CPU and ``"disk"`` ones run on
-    the CPU with their weights read just in time. Offloaded modules run for inference only: a
+    the CPU with their weights read just in time, on the calling thread (there is no copy to
+    overlap). Offloaded modules run for inference only: a
     call with gradients enabled while an offloaded parameter requires grad raises
     ``TorchplaceError`` (their weights are copies, so no gradient would reach them).
 

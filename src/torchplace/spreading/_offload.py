@@ -12,9 +12,13 @@ fetched ones, and after its forward they are swapped back and the fetched memory
 The ``Transport`` does the copies: ``DeviceTransport`` copies host tiers on a side CUDA stream
 (ordered by events; the fetched tensors are marked with ``record_stream`` on the compute stream
 when released, so the caching allocator reuses their memory only once the compute that read
-them is done) and reads disk tiers in a background thread (on the CPU, the read of the next
-units overlaps the current unit's compute). Tests give the ring a fake transport and check the
-order, the bound and the waits.
+them is done) and reads disk tiers in a background thread under that stream, so that the next
+units' reads overlap the current unit's compute. Executed on the CPU, a disk unit is read when
+it runs, on the calling thread: there is no transfer to overlap, and a reading thread beside
+the forward only takes cores from its own threads (with a background read, 16 layers of
+``Linear(2048)`` at batch 16 ran at 1.38-1.50x the floor of reading their bytes and running
+them resident, on 2 cores; see ``benchmarks/bench_offload.py``). Tests give the ring a fake
+transport and check the order, the bound and the waits.
 
 Training through offloaded weights is refused (``TorchplaceError``): the fetched weights are
 copies, so no gradient would reach the parameters, and the autograd graph would keep every
@@ -58,10 +62,17 @@ class Unit:
 
 
 @dataclasses.dataclass
+class Unread:
+    """A disk unit's weights that ``ready`` reads on the calling thread (executed on the CPU)."""
+
+    unit: Unit
+
+
+@dataclasses.dataclass
 class Fetched:
     """A unit's weights on their way to (or on) the execution device."""
 
-    tensors: Any  # list[torch.Tensor] in slot order, or a future of it
+    tensors: Any  # list[torch.Tensor] in slot order, a future of it, or ``Unread``
     event: Any = None  # what the compute stream waits on before reading them
 
 
@@ -196,8 +207,8 @@ def _swap_in(unit: Unit, tensors: list[torch.Tensor]) -> list[tuple[nn.Module, s
 
 class DeviceTransport:
     """Real copies: host tiers on a side CUDA stream, disk tiers read in a background thread
-    (under that stream when the execution device is CUDA). ``cuda`` is ``torch.cuda`` (tests
-    give a fake one that logs streams and events)."""
+    under that stream (executed on the CPU: read by ``ready``, on the calling thread). ``cuda``
+    is ``torch.cuda`` (tests give a fake one that logs streams and events)."""
 
     def __init__(self, device: torch.device, cuda: Any = None) -> None:
         self.device = device
@@ -232,6 +243,8 @@ class DeviceTransport:
     def fetch(self, unit: Unit) -> Fetched:
         stream = self.stream  # made here, on the caller's thread, never in the reading one
         if unit.home.source is not None:
+            if stream is None:  # executed on the CPU: nothing to overlap a read with
+                return Fetched(Unread(unit))
             return Fetched(self._in_background(lambda: self._read(unit, stream)))
         if stream is None:  # a host tier executed on the host: nothing to copy
             return Fetched([p for _, _, p in unit.slots])
@@ -257,7 +270,9 @@ class DeviceTransport:
         return [by_name[n] for n in unit.names], event
 
     def ready(self, fetched: Fetched) -> list[torch.Tensor]:
-        if isinstance(fetched.tensors, concurrent.futures.Future):
+        if isinstance(fetched.tensors, Unread):
+            fetched.tensors, fetched.event = self._read(fetched.tensors.unit, None)
+        elif isinstance(fetched.tensors, concurrent.futures.Future):
             fetched.tensors, fetched.event = fetched.tensors.result()
         if fetched.event is not None:
             self.cuda.current_stream(self.device).wait_event(fetched.event)
@@ -268,7 +283,7 @@ class DeviceTransport:
         if isinstance(fetched.tensors, concurrent.futures.Future):
             fetched.tensors.cancel()  # never used; one already running finishes on its own
             return
-        if self.stream is None:
+        if isinstance(fetched.tensors, Unread) or self.stream is None:  # nothing to keep
             return
         compute = self.cuda.current_stream(self.device)
         for t in fetched.tensors:
