@@ -127,10 +127,13 @@ def test_ranks_on_one_machine_share_its_cores(
     path.write_bytes(data)
     seen: set[int] = set()
     real = _reader._pread_exactly
+    met = threading.Barrier(threads)  # each reader waits for the others at its first chunk
 
     def counted(fd: int, view: memoryview, offset: int) -> None:
-        seen.add(threading.get_ident())
-        time.sleep(0.001)  # every thread gets to take a chunk
+        if threading.get_ident() not in seen:
+            seen.add(threading.get_ident())
+            with contextlib.suppress(threading.BrokenBarrierError):  # too few or too many
+                met.wait(timeout=5)  # so a slow start on a busy machine still shows them all
         real(fd, view, offset)
 
     monkeypatch.setattr(_reader, "_pread_exactly", counted)
