@@ -32,9 +32,13 @@ followed by the floor: a fill is compared with the floor timed right after it (t
 these pairs, since fresh process pairs differ more than the ways do), and with DCP by the
 median of the warm fills. Every fill is checked against the file.
 
-Targets (issue 26): torchplace at most 1.3x the floor and at most 0.5x ``dcp``, from a file, an
-index and a directory alike, with extra peak memory per rank at most a quarter of its shard +
-64 MiB.
+Targets (DESIGN.md section 5): warm fills at most 1.1x the floor, from a file, an index and a
+directory alike, with extra peak memory per rank at most a quarter of its shard + 64 MiB; the
+first fill in a process at most 1.5x the floor at 1 GiB (``--width 4096``; not judged below
+that size). The ratio to ``dcp`` is printed for scale. Workers cache their bytecode (in a
+temporary ``PYTHONPYCACHEPREFIX``, written by an unrecorded first round), as an installed
+package has it, whatever ``PYTHONDONTWRITEBYTECODE`` says: the first fill's lazy imports count,
+compiling their sources does not.
 """
 
 from __future__ import annotations
@@ -225,7 +229,9 @@ def main() -> None:
         del state
         (folder / "model.safetensors").read_bytes()  # into the page cache
         env = dict(os.environ)
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
         env |= {"CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore"}
+        env["PYTHONPYCACHEPREFIX"] = str(folder / "pycache")
         env.setdefault("OMP_NUM_THREADS", "1")
         if sys.platform == "linux":
             env.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -240,7 +246,7 @@ def main() -> None:
             f"{args.layers} x Linear({args.width}, {args.width}), file {size / mib:.0f} MiB, "
             f"2 ranks, gloo, CPU; {args.rounds} fresh process pairs per way, 4 fills each"
         )
-        for _ in range(args.rounds):
+        for n in range(args.rounds + 1):  # round 0, unrecorded, writes the bytecode caches
             for way in WAYS:  # the ways take turns round by round
                 command = [
                     sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
@@ -254,6 +260,8 @@ def main() -> None:
                     print(f"{way}: failed\n{done.stdout}\n{done.stderr}")
                     sys.exit(1)
                 ranks = [json.loads((folder / f"{way}-{r}.json").read_text()) for r in (0, 1)]
+                if n == 0:
+                    continue
                 fresh[way].append(ranks[0]["seconds"][0])
                 warm[way] += ranks[0]["seconds"][1:]
                 extra[way] = max(extra[way], *(max(r["extra"]) for r in ranks))
@@ -273,19 +281,22 @@ def main() -> None:
             "shard, one preadv per tensor, 2 ranks at once)"
         )
         budget = shard / 4 + 64 * mib
+        judged_first = size >= 2**30  # the first fill's target is set at 1 GiB
         met = True
         for way in WAYS[2:]:
             # A fill against the floor timed right after it in the same processes (the median
             # of these pairs: fresh process pairs differ more than the two ways do), and the
-            # median warm fill against DCP's.
+            # median warm fill against DCP's, for scale.
             to_floor = statistics.median(paired[way])
             to_dcp = statistics.median(warm[way]) / statistics.median(warm["dcp"])
+            first = min(fresh[way]) / least
             fits = extra[way] <= budget
-            met = met and to_floor <= 1.3 and to_dcp <= 0.5 and fits
+            met = met and to_floor <= 1.1 and fits and (first <= 1.5 or not judged_first)
+            first_target = "target <= 1.5" if judged_first else "judged at 1 GiB"
             print(
-                f"{way}: {to_floor:.2f}x the floor (target <= 1.3), {to_dcp:.2f}x dcp (target "
-                f"<= 0.5), extra memory {extra[way] / mib:.0f} MiB (target <= shard/4 + 64 MiB "
-                f"= {budget / mib:.0f} MiB); first fill {min(fresh[way]) / least:.2f}x the floor"
+                f"{way}: {to_floor:.2f}x the floor (target <= 1.1), extra memory "
+                f"{extra[way] / mib:.0f} MiB (target <= shard/4 + 64 MiB = {budget / mib:.0f} "
+                f"MiB); first fill {first:.2f}x the floor ({first_target}); {to_dcp:.2f}x dcp"
             )
         print("targets met" if met else "targets NOT met")
 
