@@ -760,6 +760,54 @@ def test_a_module_with_persistent_buffers_is_planned_off_the_disk_and_loads(
         assert torch.equal(model(x), resident(x))
 
 
+class _ScaledBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(64))  # held by the block itself (a layer scale)
+        self.fc = nn.Linear(64, 64)
+        self.norm = nn.BatchNorm1d(64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.fc(x)) * self.scale  # type: ignore[no-any-return]
+
+
+class _Stateful(nn.Linear):
+    def get_extra_state(self) -> Any:
+        return {"calibrated": True}
+
+    def set_extra_state(self, state: Any) -> None:
+        assert state == {"calibrated": True}
+
+
+class _WithBlocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(64, 64)
+        self.block = _ScaledBlock()
+        self.calibrated = _Stateful(64, 64)
+        self.head = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.calibrated(self.block(self.first(x))))  # type: ignore[no-any-return]
+
+
+def test_no_disk_entry_holds_a_persistent_buffer_or_extra_state_below_it(tmp_path: Any) -> None:
+    # the block holds a parameter itself and a BatchNorm below it: mapping the block to disk
+    # would leave the norm's statistics in the file, which load_into refuses; so would an
+    # extra state
+    torch.manual_seed(0)
+    resident = _WithBlocks().eval()
+    resident.block.norm.running_mean.uniform_()
+    torch.save(resident.state_dict(), tmp_path / "model.pt")
+    device_map = plan(resident, {"cpu": 0, "disk": "1GB"})
+    assert device_map["block"] == CPU and device_map["block.fc"] == "disk"
+    assert device_map["calibrated"] == CPU and device_map["first"] == "disk"
+    model = load_into(_WithBlocks().eval(), tmp_path / "model.pt", device_map=device_map)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        assert torch.equal(model(x), resident(x))
+
+
 def test_a_plan_over_disk_loads_and_runs_bit_for_bit(tmp_path: Any) -> None:
     torch.manual_seed(0)
     resident = _WithRotary("cpu").eval()

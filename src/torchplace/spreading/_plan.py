@@ -334,9 +334,10 @@ class _Planner:
     def weightless(self) -> set[int]:
         """What the disk tier cannot hold: the buffers held only by modules with no parameter in
         them (a rotary embedding's ``inv_freq``: the disk keeps a module's parameters in its
-        checkpoint, so such a module has nothing there), and every tensor of a module that
-        holds a persistent buffer itself (a BatchNorm's running statistics: ``load_into``
-        refuses such a module on the disk, and a module's own tensors share one device)."""
+        checkpoint, so such a module has nothing there), and every tensor of a module whose
+        checkpoint holds more than parameters (a BatchNorm's running statistics, an extra
+        state) and of the modules above it: ``load_into`` refuses a disk module whose state
+        holds them, and a module's own tensors share one device."""
         bare = {
             path
             for path in self.tree.modules
@@ -350,9 +351,11 @@ class _Planner:
             if all(path in bare for path in owners)
         }
         for path, module in self.tree.modules.items():
-            skipped = module._non_persistent_buffers_set
-            if any(t is not None and n not in skipped for n, t in module._buffers.items()):
-                found.update(self.tree.direct[path])
+            if _keeps_more_than_parameters(module):
+                # it and every module above it that holds tensors itself: a disk entry's whole
+                # subtree stays in the file, so none of them may be one
+                for above in _and_above(path):
+                    found.update(self.tree.direct.get(above, ()))
         return found
 
     def keep_off_disk(self) -> None:
@@ -412,6 +415,21 @@ class _Planner:
         finally:
             del emit  # it refers to itself: break the cycle so it is freed at once
         return out
+
+
+def _keeps_more_than_parameters(module: nn.Module) -> bool:
+    """Whether ``module``'s own entries of a state dict hold more than its parameters: a
+    persistent buffer, or an extra state (``get_extra_state`` overridden)."""
+    skipped = module._non_persistent_buffers_set
+    if any(t is not None and n not in skipped for n, t in module._buffers.items()):
+        return True
+    return type(module).get_extra_state is not nn.Module.get_extra_state
+
+
+def _and_above(path: str) -> list[str]:
+    """``path`` and the path of every module above it, the root's ``""`` last."""
+    parts = path.split(".") if path else []
+    return [".".join(parts[:n]) for n in range(len(parts), -1, -1)]
 
 
 _STRATEGIES = ("sequential", "balanced", "balanced_low_0")
