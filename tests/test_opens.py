@@ -136,12 +136,24 @@ def _two_layers() -> nn.Module:
 
 
 @pytest.mark.parametrize("kind", ["zip", "safetensors", "index", "directory"])
-def test_a_load_into_by_device_map_opens_each_file_once(tmp_path: Path, kind: str) -> None:
+def test_a_load_into_by_device_map_opens_each_file_once(
+    tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``load_into(..., device_map=)`` with a module left on "disk" is one call: it opens each
-    file of its source once, though it checks the disk module against the catalog, fills the
-    rest and hands the disk module a reader of the file. The disk tier's reads while the model
-    runs are calls of their own (each forward reads the module's bytes again) and are not
-    counted here."""
+    file of its source once and catalogues it once (a directory by its model file's name
+    too), though it checks the disk module against the catalog, fills the rest and hands the
+    disk module a reader of the file. The disk tier's reads while the model runs are calls of
+    their own (each forward reads the module's bytes again) and are not counted here."""
+    from torchplace.checkpoint import _catalog
+
+    made: collections.Counter[str] = collections.Counter()
+    for fmt, real in list(_catalog._CATALOGUERS.items()):
+
+        def counted(p: Path, real: Callable[[Path], Any] = real) -> Any:
+            made[p.name] += 1
+            return real(p)
+
+        monkeypatch.setitem(_catalog._CATALOGUERS, fmt, counted)
     torch.manual_seed(0)
     state = _two_layers().state_dict()
     if kind == "zip":
@@ -163,6 +175,7 @@ def test_a_load_into_by_device_map_opens_each_file_once(tmp_path: Path, kind: st
     device_map = {"0": "cpu", "1": "disk"}
     opens = _opens(lambda: torchplace.load_into(model, source, device_map=device_map), tmp_path)
     assert opens == dict.fromkeys(files, 1)
+    assert made and set(made.values()) == {1}, made
     assert model[1].weight.is_meta  # left in the file
     assert torch.equal(model[0].weight, state["0.weight"])
     x = torch.ones(1, 3)

@@ -452,15 +452,15 @@ def catalog(source: PathLike | Mapping[str, Any], /) -> Catalog:
     if isinstance(source, Mapping):
         return _mapping_catalog(source)
     p = as_path(source)
+    if is_dir(p):  # a folder's catalog is its model file's (asked for by either name)
+        p = model_file(p)
     # Within a load or load_into, the source is resolved into its catalog once: every step
     # below the entry point that asks for it again is given the same one.
     return once_per_call(("catalog", p), lambda: _catalog_of(p))
 
 
 def _catalog_of(p: Path) -> Catalog:
-    """The catalog of the file, index or directory ``p``, made now."""
-    if is_dir(p):
-        p = model_file(p)
+    """The catalog of the file or index ``p`` (a directory's model file), made now."""
     kind = format_of(p)
     with gc_paused():
         return _CATALOGUERS[kind](p)
