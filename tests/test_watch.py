@@ -360,6 +360,22 @@ def test_a_gradient_copied_back_in_backward_is_recorded(on_device: OnDevice) -> 
     assert torch.equal(w.grad, torch.full((4, 4), 2.0))
 
 
+def test_type_as_a_tensor_of_another_device_is_a_copy(on_device: OnDevice) -> None:
+    """``a.type_as(b)`` is ``a.to(b.options())``: it moves ``a`` to ``b``'s device."""
+    x = torch.arange(4.0).to("meta")
+    with torchplace.watch("meta") as seen:
+        up = torch.ones(4).type_as(x)  # type_as up
+        down = x.type_as(torch.ones(1))  # type_as down
+        x.type_as(x)  # same device
+    found = {r.line: (r.op, r.direction, r.bytes) for r in seen.rows}
+    assert found == {
+        line_of("type_as up"): (".to(device)", "host_to_device", 16),
+        line_of("type_as down"): (".cpu() / .tolist()", "device_to_host", 16),
+    }
+    assert up.device == DEVICE and down.device.type == "cpu"
+    assert down.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
 def test_every_call_that_may_cross_is_looked_into() -> None:
     from torchplace.looking import _watch_ops
 

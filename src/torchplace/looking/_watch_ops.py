@@ -290,7 +290,7 @@ _COPIES = frozenset(
 _SAFE_COMPOSITES = frozenset(
     {"linear", "matmul", "is_complex", "is_floating_point", "flatten", "reshape", "contiguous",
      "dropout", "layer_norm", "softmax", "log_softmax", "conv1d", "conv2d", "conv3d",
-     "batch_norm", "group_norm", "type_as", "expand_as", "view_as", "chunk", "split",
+     "batch_norm", "group_norm", "expand_as", "view_as", "chunk", "split",
      "cross_entropy_loss", "__matmul__", "__rmatmul__",
      # conversions of dtype alone (to(dtype))
      "float", "double", "half", "bfloat16", "long", "int", "short", "byte", "char", "bool",
