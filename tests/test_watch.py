@@ -376,6 +376,27 @@ def test_type_as_a_tensor_of_another_device_is_a_copy(on_device: OnDevice) -> No
     assert down.tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
+def test_a_backward_run_after_the_block_is_not_recorded(on_device: OnDevice) -> None:
+    """The hook on a copy's result records the gradient copied back only while the block is
+    open: a backward run after it neither adds rows nor raises."""
+    w = torch.ones(4, 4, requires_grad=True)
+    with torchplace.watch("meta") as seen:
+        on = w.to("meta")  # copied in the block
+    pinned = torch.ones(4, requires_grad=True).pin_memory()
+    with torchplace.watch("meta", raise_on="sync") as strict:
+        fast = pinned.to("meta", non_blocking=True)  # no wait: allowed
+    (on * 2).sum().backward()
+    (fast * 3).sum().backward()  # a blocking copy back, after the block: not raised
+    assert [(r.line, r.direction) for r in seen.rows] == [
+        (line_of("copied in the block"), "host_to_device")
+    ]
+    assert [r.line for r in strict.rows] == [line_of("no wait: allowed")]
+    assert torch.equal(w.grad, torch.full((4, 4), 2.0))
+    with seen:  # open again: recorded again
+        (w.to("meta") * 2).sum().backward()  # again
+    assert [r.count for r in seen.rows if r.line == line_of("again")] == [1, 1]
+
+
 def test_every_call_that_may_cross_is_looked_into() -> None:
     from torchplace.looking import _watch_ops
 

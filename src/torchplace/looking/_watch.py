@@ -24,8 +24,9 @@ What it cannot see: copies made by other threads (a DataLoader's pinning thread)
 ``torch.compile``d code, where operations run fused (the mode steps aside while Dynamo traces),
 and what autograd runs in the backward pass: its formulas are not looked into (a CPU scalar
 mixed in the forward is recorded there, not again in the backward), except the gradient of a
-copy, copied back where the copy's source was, which a hook on the copy's result records
-(without a line of the user's when PyTorch runs the backward on a device thread of its own);
+copy, copied back where the copy's source was, which a hook on the copy's result records while
+a block is open (without a line of the user's when PyTorch runs the backward on a device thread
+of its own);
 Python code that autograd runs (a custom ``Function``'s ``backward``, recomputed checkpoints)
 is not watched. On the CPU alone there is no host-device boundary: nothing is installed, and
 the result says so.
@@ -197,7 +198,7 @@ class _Calls(TorchFunctionMode):
         with below:
             out = func(*args, **kwargs)
         copied = below.copied
-        if copied is not None and isinstance(out, torch.Tensor) and out.requires_grad:
+        if copied is not None and isinstance(out, torch.Tensor) and out.grad_fn is not None:
             out.register_hook(functools.partial(self.owner._gradient_copied, copied))
         return out
 
@@ -224,6 +225,9 @@ class Watch:
         self._totals: dict[_Key, list[int]] = {}
         # Modes are per thread: each thread that enters has its own, and its depth.
         self._here = threading.local()
+        # Blocks open in every thread: a gradient hook records only while one is.
+        self._open = 0
+        self._open_lock = threading.Lock()
         self.note: str | None = _note(self.device)
 
     def _watched(self, device: torch.device) -> bool:
@@ -237,6 +241,8 @@ class Watch:
             mode = self._here.mode = _Calls(self)
             mode.__enter__()  # type: ignore[no-untyped-call]
         self._here.depth = depth + 1
+        with self._open_lock:
+            self._open += 1
         return self
 
     def __exit__(
@@ -246,6 +252,8 @@ class Watch:
         trace: TracebackType | None,
     ) -> None:
         self._here.depth -= 1
+        with self._open_lock:
+            self._open -= 1
         mode = getattr(self._here, "mode", None)
         if self._here.depth == 0 and mode is not None:
             self._here.mode = None
@@ -273,7 +281,10 @@ class Watch:
             raise TorchplaceError(_refusal(self._row(key, totals), self._raise_on))
 
     def _gradient_copied(self, forward: Event, grad: torch.Tensor) -> None:
-        """Autograd copies the gradient of a copy's result back where its source was."""
+        """Autograd copies the gradient of a copy's result back where its source was: recorded
+        while a block is open (a backward run after the block is not the block's)."""
+        if not self._open:
+            return
         self._record(*gradient_copy(forward, grad))
 
     def _user_frame(self, frame: FrameType | None) -> FrameType | None:
