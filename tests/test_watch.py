@@ -360,6 +360,32 @@ def test_a_gradient_copied_back_in_backward_is_recorded(on_device: OnDevice) -> 
     assert torch.equal(w.grad, torch.full((4, 4), 2.0))
 
 
+def test_a_device_tensor_read_as_a_number_is_a_wait(on_device: OnDevice) -> None:
+    """Where torch wants a number, a one-element device tensor is read with ``.item()`` before
+    the call: a host wait inside calls that otherwise cannot cross; tensors used as tensors are
+    not."""
+    x = torch.arange(6.0).to("meta")
+    n, v = torch.tensor(3).to("meta"), torch.tensor(2.5).to("meta")
+    with torchplace.watch("meta") as seen:
+        a = x[:n]  # slice bound
+        b = x[1:n, None]  # slice in a tuple
+        c = torch.arange(n)  # arange
+        d = x.reshape(n, -1)  # reshape
+        e = x.view(n, -1)  # view
+        f = torch.full((2,), v)  # full
+        g = torch.topk(x, n)  # topk
+        h = (v * 2 + x[:3]).reshape(3, -1) * n  # as tensors
+    item = ".item() / bool(t) / if t"
+    markers = ("slice bound", "slice in a tuple", "arange", "reshape", "view", "full", "topk")
+    want = {line_of(m): (item, "sync", 1, 1, 8) for m in markers}
+    want[line_of("full")] = (item, "sync", 1, 1, 4)
+    assert {r.line: (r.op, r.kind, r.count, r.waits, r.bytes) for r in seen.rows} == want
+    assert a.cpu().tolist() == [0.0, 1.0, 2.0] and b.shape == (2, 1)
+    assert c.cpu().tolist() == [0, 1, 2] and d.shape == e.shape == (3, 2)
+    assert f.cpu().tolist() == [2.5, 2.5] and g.values.cpu().tolist() == [5.0, 4.0, 3.0]
+    assert h.cpu().flatten().tolist() == [15.0, 18.0, 21.0]
+
+
 def test_type_as_a_tensor_of_another_device_is_a_copy(on_device: OnDevice) -> None:
     """``a.type_as(b)`` is ``a.to(b.options())``: it moves ``a`` to ``b``'s device."""
     x = torch.arange(4.0).to("meta")

@@ -9,14 +9,17 @@ How: while the block runs, a ``TorchFunctionMode`` sees each call of torch's Pyt
 (``x.item()``, ``x[mask]``, ``F.linear``), before PyTorch decomposes it, and ``_watch_ops.plan``
 says, once per function, whether it can cross the boundary. Most calls cannot (an operation
 with kernels of its own and none of the boundary's, a decomposition known to hold none, a
-tensor's attribute): they cost one cached look-up and a look for a CPU scalar tensor among the
-arguments, the one event that needs no look inside. A call that may cross, when a watched
-device's tensor is among its arguments (or always, for ``.to(device)`` and ``.cuda()``), runs
-under a ``TorchDispatchMode`` pushed for that call alone, which hands its aten operations to
-``_watch_ops.classify``: that module's docstring lists what reaches the dispatcher for each
-Python-level pattern. Only for an event does ``watch`` walk the Python stack, to the first frame
-outside torch, torchplace and the libraries named in ``ignore``. An empty dispatch mode over
-every operation costs the small step of ``benchmarks/bench_watch.py`` 2.3x; this, 1.5x.
+tensor's attribute): they cost one cached look-up and one look at the arguments (``scan``), for
+a CPU scalar tensor, the one event that needs no look inside, and for a watched device's
+one-element tensor where PyTorch may want a number (``x[:n]``, ``torch.arange(n)``), which it
+reads with ``.item()`` before the call: such a call is looked into. A call that may cross, when
+a watched device's tensor is among its arguments (or always, for ``.to(device)`` and
+``.cuda()``), runs under a ``TorchDispatchMode`` pushed for that call alone, which hands its
+aten operations to ``_watch_ops.classify``: that module's docstring lists what reaches the
+dispatcher for each Python-level pattern. Only for an event does ``watch`` walk the Python
+stack, to the first frame outside torch, torchplace and the libraries named in ``ignore``. An
+empty dispatch mode over every operation costs the small step of ``benchmarks/bench_watch.py``
+2.2x; this, 1.7x.
 Nothing is installed outside the block: the mode is pushed on entry and popped on exit, and
 importing torchplace installs nothing.
 
@@ -55,12 +58,13 @@ from .._errors import TorchplaceError
 from .._sizes import format_bytes
 from ._watch_ops import (
     ALWAYS,
+    LOOK,
     PLAIN,
     Event,
     classify,
     gradient_copy,
-    mixing,
     plan,
+    scan,
     simple,
     touches,
 )
@@ -167,7 +171,7 @@ class _Ops(TorchDispatchMode):  # type: ignore[no-untyped-call]
 class _Calls(TorchFunctionMode):
     """Sees each call of torch's Python API in the block, before any decomposition, and sends
     the few that may cross the boundary (``plan``) through ``_Ops``; every other call costs
-    one cached look-up and, with two arguments or more, a look for a CPU scalar tensor."""
+    one cached look-up and one look at its arguments (``scan``)."""
 
     def __init__(self, owner: Watch) -> None:
         super().__init__()
@@ -184,10 +188,11 @@ class _Calls(TorchFunctionMode):
             and (how == ALWAYS or touches(args, kwargs, self.owner._watched))
         ):
             return self._looked_into(func, args, kwargs or {})
-        if len(args) > 1:
-            found = mixing(args, self.owner._watched)
-            if found is not None:
-                self.owner._record(*found)
+        found = scan(func, args, kwargs, self.owner._watched)
+        if found is LOOK:  # a one-element device tensor PyTorch may read as a number
+            return self._looked_into(func, args, kwargs or {})
+        if found is not None:
+            self.owner._record(*found)  # type: ignore[misc]
         return func(*args, **kwargs) if kwargs else func(*args)
 
     def _looked_into(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
