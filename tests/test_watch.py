@@ -360,6 +360,69 @@ def test_a_gradient_copied_back_in_backward_is_recorded(on_device: OnDevice) -> 
     assert torch.equal(w.grad, torch.full((4, 4), 2.0))
 
 
+def test_a_device_tensor_read_as_a_number_is_a_wait(on_device: OnDevice) -> None:
+    """Where torch wants a number, a one-element device tensor is read with ``.item()`` before
+    the call: a host wait inside calls that otherwise cannot cross; tensors used as tensors are
+    not."""
+    x = torch.arange(6.0).to("meta")
+    n, v = torch.tensor(3).to("meta"), torch.tensor(2.5).to("meta")
+    with torchplace.watch("meta") as seen:
+        a = x[:n]  # slice bound
+        b = x[1:n, None]  # slice in a tuple
+        c = torch.arange(n)  # arange
+        d = x.reshape(n, -1)  # reshape
+        e = x.view(n, -1)  # view
+        f = torch.full((2,), v)  # full
+        g = torch.topk(x, n)  # topk
+        h = (v * 2 + x[:3]).reshape(3, -1) * n  # as tensors
+    item = ".item() / bool(t) / if t"
+    markers = ("slice bound", "slice in a tuple", "arange", "reshape", "view", "full", "topk")
+    want = {line_of(m): (item, "sync", 1, 1, 8) for m in markers}
+    want[line_of("full")] = (item, "sync", 1, 1, 4)
+    assert {r.line: (r.op, r.kind, r.count, r.waits, r.bytes) for r in seen.rows} == want
+    assert a.cpu().tolist() == [0.0, 1.0, 2.0] and b.shape == (2, 1)
+    assert c.cpu().tolist() == [0, 1, 2] and d.shape == e.shape == (3, 2)
+    assert f.cpu().tolist() == [2.5, 2.5] and g.values.cpu().tolist() == [5.0, 4.0, 3.0]
+    assert h.cpu().flatten().tolist() == [15.0, 18.0, 21.0]
+
+
+def test_type_as_a_tensor_of_another_device_is_a_copy(on_device: OnDevice) -> None:
+    """``a.type_as(b)`` is ``a.to(b.options())``: it moves ``a`` to ``b``'s device."""
+    x = torch.arange(4.0).to("meta")
+    with torchplace.watch("meta") as seen:
+        up = torch.ones(4).type_as(x)  # type_as up
+        down = x.type_as(torch.ones(1))  # type_as down
+        x.type_as(x)  # same device
+    found = {r.line: (r.op, r.direction, r.bytes) for r in seen.rows}
+    assert found == {
+        line_of("type_as up"): (".to(device)", "host_to_device", 16),
+        line_of("type_as down"): (".cpu() / .tolist()", "device_to_host", 16),
+    }
+    assert up.device == DEVICE and down.device.type == "cpu"
+    assert down.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_a_backward_run_after_the_block_is_not_recorded(on_device: OnDevice) -> None:
+    """The hook on a copy's result records the gradient copied back only while the block is
+    open: a backward run after it neither adds rows nor raises."""
+    w = torch.ones(4, 4, requires_grad=True)
+    with torchplace.watch("meta") as seen:
+        on = w.to("meta")  # copied in the block
+    pinned = torch.ones(4, requires_grad=True).pin_memory()
+    with torchplace.watch("meta", raise_on="sync") as strict:
+        fast = pinned.to("meta", non_blocking=True)  # no wait: allowed
+    (on * 2).sum().backward()
+    (fast * 3).sum().backward()  # a blocking copy back, after the block: not raised
+    assert [(r.line, r.direction) for r in seen.rows] == [
+        (line_of("copied in the block"), "host_to_device")
+    ]
+    assert [r.line for r in strict.rows] == [line_of("no wait: allowed")]
+    assert torch.equal(w.grad, torch.full((4, 4), 2.0))
+    with seen:  # open again: recorded again
+        (w.to("meta") * 2).sum().backward()  # again
+    assert [r.count for r in seen.rows if r.line == line_of("again")] == [1, 1]
+
+
 def test_every_call_that_may_cross_is_looked_into() -> None:
     from torchplace.looking import _watch_ops
 

@@ -9,14 +9,17 @@ How: while the block runs, a ``TorchFunctionMode`` sees each call of torch's Pyt
 (``x.item()``, ``x[mask]``, ``F.linear``), before PyTorch decomposes it, and ``_watch_ops.plan``
 says, once per function, whether it can cross the boundary. Most calls cannot (an operation
 with kernels of its own and none of the boundary's, a decomposition known to hold none, a
-tensor's attribute): they cost one cached look-up and a look for a CPU scalar tensor among the
-arguments, the one event that needs no look inside. A call that may cross, when a watched
-device's tensor is among its arguments (or always, for ``.to(device)`` and ``.cuda()``), runs
-under a ``TorchDispatchMode`` pushed for that call alone, which hands its aten operations to
-``_watch_ops.classify``: that module's docstring lists what reaches the dispatcher for each
-Python-level pattern. Only for an event does ``watch`` walk the Python stack, to the first frame
-outside torch, torchplace and the libraries named in ``ignore``. An empty dispatch mode over
-every operation costs the small step of ``benchmarks/bench_watch.py`` 2.3x; this, 1.5x.
+tensor's attribute): they cost one cached look-up and one look at the arguments (``scan``), for
+a CPU scalar tensor, the one event that needs no look inside, and for a watched device's
+one-element tensor where PyTorch may want a number (``x[:n]``, ``torch.arange(n)``), which it
+reads with ``.item()`` before the call: such a call is looked into. A call that may cross, when
+a watched device's tensor is among its arguments (or always, for ``.to(device)`` and
+``.cuda()``), runs under a ``TorchDispatchMode`` pushed for that call alone, which hands its
+aten operations to ``_watch_ops.classify``: that module's docstring lists what reaches the
+dispatcher for each Python-level pattern. Only for an event does ``watch`` walk the Python
+stack, to the first frame outside torch, torchplace and the libraries named in ``ignore``. An
+empty dispatch mode over every operation costs the small step of ``benchmarks/bench_watch.py``
+2.2x; this, 1.7x.
 Nothing is installed outside the block: the mode is pushed on entry and popped on exit, and
 importing torchplace installs nothing.
 
@@ -24,8 +27,9 @@ What it cannot see: copies made by other threads (a DataLoader's pinning thread)
 ``torch.compile``d code, where operations run fused (the mode steps aside while Dynamo traces),
 and what autograd runs in the backward pass: its formulas are not looked into (a CPU scalar
 mixed in the forward is recorded there, not again in the backward), except the gradient of a
-copy, copied back where the copy's source was, which a hook on the copy's result records
-(without a line of the user's when PyTorch runs the backward on a device thread of its own);
+copy, copied back where the copy's source was, which a hook on the copy's result records while
+a block is open (without a line of the user's when PyTorch runs the backward on a device thread
+of its own);
 Python code that autograd runs (a custom ``Function``'s ``backward``, recomputed checkpoints)
 is not watched. On the CPU alone there is no host-device boundary: nothing is installed, and
 the result says so.
@@ -54,12 +58,13 @@ from .._errors import TorchplaceError
 from .._sizes import format_bytes
 from ._watch_ops import (
     ALWAYS,
+    LOOK,
     PLAIN,
     Event,
     classify,
     gradient_copy,
-    mixing,
     plan,
+    scan,
     simple,
     touches,
 )
@@ -166,7 +171,7 @@ class _Ops(TorchDispatchMode):  # type: ignore[no-untyped-call]
 class _Calls(TorchFunctionMode):
     """Sees each call of torch's Python API in the block, before any decomposition, and sends
     the few that may cross the boundary (``plan``) through ``_Ops``; every other call costs
-    one cached look-up and, with two arguments or more, a look for a CPU scalar tensor."""
+    one cached look-up and one look at its arguments (``scan``)."""
 
     def __init__(self, owner: Watch) -> None:
         super().__init__()
@@ -183,10 +188,11 @@ class _Calls(TorchFunctionMode):
             and (how == ALWAYS or touches(args, kwargs, self.owner._watched))
         ):
             return self._looked_into(func, args, kwargs or {})
-        if len(args) > 1:
-            found = mixing(args, self.owner._watched)
-            if found is not None:
-                self.owner._record(*found)
+        found = scan(func, args, kwargs, self.owner._watched)
+        if found is LOOK:  # a one-element device tensor PyTorch may read as a number
+            return self._looked_into(func, args, kwargs or {})
+        if found is not None:
+            self.owner._record(*found)  # type: ignore[misc]
         return func(*args, **kwargs) if kwargs else func(*args)
 
     def _looked_into(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -197,7 +203,7 @@ class _Calls(TorchFunctionMode):
         with below:
             out = func(*args, **kwargs)
         copied = below.copied
-        if copied is not None and isinstance(out, torch.Tensor) and out.requires_grad:
+        if copied is not None and isinstance(out, torch.Tensor) and out.grad_fn is not None:
             out.register_hook(functools.partial(self.owner._gradient_copied, copied))
         return out
 
@@ -224,6 +230,9 @@ class Watch:
         self._totals: dict[_Key, list[int]] = {}
         # Modes are per thread: each thread that enters has its own, and its depth.
         self._here = threading.local()
+        # Blocks open in every thread: a gradient hook records only while one is.
+        self._open = 0
+        self._open_lock = threading.Lock()
         self.note: str | None = _note(self.device)
 
     def _watched(self, device: torch.device) -> bool:
@@ -237,6 +246,8 @@ class Watch:
             mode = self._here.mode = _Calls(self)
             mode.__enter__()  # type: ignore[no-untyped-call]
         self._here.depth = depth + 1
+        with self._open_lock:
+            self._open += 1
         return self
 
     def __exit__(
@@ -246,6 +257,8 @@ class Watch:
         trace: TracebackType | None,
     ) -> None:
         self._here.depth -= 1
+        with self._open_lock:
+            self._open -= 1
         mode = getattr(self._here, "mode", None)
         if self._here.depth == 0 and mode is not None:
             self._here.mode = None
@@ -273,7 +286,10 @@ class Watch:
             raise TorchplaceError(_refusal(self._row(key, totals), self._raise_on))
 
     def _gradient_copied(self, forward: Event, grad: torch.Tensor) -> None:
-        """Autograd copies the gradient of a copy's result back where its source was."""
+        """Autograd copies the gradient of a copy's result back where its source was: recorded
+        while a block is open (a backward run after the block is not the block's)."""
+        if not self._open:
+            return
         self._record(*gradient_copy(forward, grad))
 
     def _user_frame(self, frame: FrameType | None) -> FrameType | None:

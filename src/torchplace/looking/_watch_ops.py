@@ -31,7 +31,7 @@ into pageable memory, the call returns only once the copy is done, a wait.
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +40,8 @@ import torch
 from .._tensor_size import nbytes
 
 __all__ = [
-    "ALWAYS", "BY_DEVICE", "PLAIN", "Event", "classify", "gradient_copy", "mixing", "plan",
-    "simple", "touches",
+    "ALWAYS", "BY_DEVICE", "LOOK", "PLAIN", "Event", "classify", "gradient_copy", "mixing",
+    "plan", "scan", "simple", "touches",
 ]  # fmt: skip
 
 aten = torch.ops.aten
@@ -275,10 +275,11 @@ def mixing(
 
 
 # How ``watch``'s function-level mode treats a call (``plan``): PLAIN cannot cross the boundary
-# (only its arguments are looked at, for mixing); BY_DEVICE crosses only with a watched device's
+# (only its arguments are looked at: ``scan``); BY_DEVICE crosses only with a watched device's
 # tensor among its arguments, and then runs under the dispatch-level mode, where ``classify``
 # sees its operations; ALWAYS runs there whatever its arguments (a copy from the host).
 PLAIN, BY_DEVICE, ALWAYS = 0, 1, 2
+LOOK = object()  # ``scan``: run a call that cannot cross under the dispatch-level mode
 
 # Python-level names that may copy from the host with no device tensor among their arguments
 # (``to`` too, unless it is given dtypes alone: see ``simple``).
@@ -290,7 +291,7 @@ _COPIES = frozenset(
 _SAFE_COMPOSITES = frozenset(
     {"linear", "matmul", "is_complex", "is_floating_point", "flatten", "reshape", "contiguous",
      "dropout", "layer_norm", "softmax", "log_softmax", "conv1d", "conv2d", "conv3d",
-     "batch_norm", "group_norm", "type_as", "expand_as", "view_as", "chunk", "split",
+     "batch_norm", "group_norm", "expand_as", "view_as", "chunk", "split",
      "cross_entropy_loss", "__matmul__", "__rmatmul__",
      # conversions of dtype alone (to(dtype))
      "float", "double", "half", "bfloat16", "long", "int", "short", "byte", "char", "bool",
@@ -386,13 +387,83 @@ def simple(func: Any, args: Sequence[Any], kwargs: dict[str, Any] | None) -> boo
     if func is _GETITEM:
         index = args[1]
         if isinstance(index, tuple):
-            return all(isinstance(i, _BASIC_INDEX) for i in index)
-        return isinstance(index, _BASIC_INDEX)
+            return all(_basic(i) for i in index)
+        return _basic(index)
     return (
         func is _TO
         and not (kwargs and kwargs.get("device") is not None)
         and all(a is None or isinstance(a, (torch.dtype, bool)) for a in args[1:])
     )
+
+
+def _basic(index: object) -> bool:
+    """An index with nothing to read on the host: a slice's bounds are ints or ``None`` (a
+    one-element tensor as a bound is read with ``.item()``)."""
+    if isinstance(index, slice):
+        return all(b is None or isinstance(b, int) for b in (index.start, index.stop, index.step))
+    return isinstance(index, _BASIC_INDEX)
+
+
+def scan(
+    func: Any,
+    args: Sequence[Any],
+    kwargs: dict[str, Any] | None,
+    watched: Callable[[torch.device], bool],
+) -> tuple[Event, int] | object | None:
+    """One look at the arguments of a call that cannot cross the boundary. ``LOOK`` when a
+    watched device's one-element tensor is where PyTorch may want a number (an argument, or a
+    member of a list or tuple, other than a method's ``self``): PyTorch reads it with ``.item()``
+    before the call (``x[:n]``, ``torch.arange(n)``, ``x.reshape(n, -1)``), a host wait that
+    only a look inside shows; else ``mixing``'s event, or ``None``."""
+    scalar = None
+    for i, arg in enumerate(args):
+        if isinstance(arg, torch.Tensor):
+            if arg.numel() == 1:
+                if arg.device.type == "cpu":
+                    if scalar is None and arg.dim() == 0:
+                        scalar = arg
+                elif watched(arg.device) and (i or reads_first(func)):
+                    return LOOK
+        elif isinstance(arg, (list, tuple)) and _one_element(arg, watched):
+            return LOOK
+    if kwargs and _one_element(kwargs.values(), watched):
+        return LOOK
+    if scalar is None or len(args) < 2:
+        return None
+    if not any(isinstance(a, torch.Tensor) and watched(a.device) for a in args):
+        return None
+    return _MIXING, nbytes(scalar)
+
+
+def _one_element(values: Iterable[Any], watched: Callable[[torch.device], bool]) -> bool:
+    """A watched device's one-element tensor among ``values`` or in a list or tuple there."""
+    for value in values:
+        if isinstance(value, (list, tuple)):
+            if _one_element(value, watched):
+                return True
+        elif isinstance(value, torch.Tensor) and value.numel() == 1 and watched(value.device):
+            return True
+    return False
+
+
+_FIRST: dict[Any, bool] = {}
+
+
+def reads_first(func: Any) -> bool:
+    """Whether ``func``'s first argument may be read as a number: not for a method of
+    ``torch.Tensor`` (its ``self``) nor for the Python-level functions of ``_PYTHON_PLAIN``."""
+    try:
+        found = _FIRST.get(func)
+    except TypeError:
+        return True
+    if found is None:
+        name = getattr(func, "__name__", "")
+        found = _FIRST[func] = not (
+            isinstance(func, types.MethodWrapperType)
+            or func in _PYTHON_PLAIN
+            or getattr(torch.Tensor, name, None) is func
+        )
+    return found
 
 
 def touches(
