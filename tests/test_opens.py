@@ -131,6 +131,21 @@ def test_outside_a_call_a_file_is_opened_and_closed_as_usual(tmp_path: Path) -> 
         assert len(os.listdir("/proc/self/fd")) == before
 
 
+def _count_catalogues(monkeypatch: pytest.MonkeyPatch) -> collections.Counter[str]:
+    """How often a catalog is made of each file (by name) from now on in the test."""
+    from torchplace.checkpoint import _catalog
+
+    made: collections.Counter[str] = collections.Counter()
+    for fmt, real in list(_catalog._CATALOGUERS.items()):
+
+        def counted(p: Path, real: Callable[[Path], Any] = real) -> Any:
+            made[p.name] += 1
+            return real(p)
+
+        monkeypatch.setitem(_catalog._CATALOGUERS, fmt, counted)
+    return made
+
+
 def _two_layers() -> nn.Module:
     return nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
 
@@ -144,16 +159,7 @@ def test_a_load_into_by_device_map_opens_each_file_once(
     too), though it checks the disk module against the catalog, fills the rest and hands the
     disk module a reader of the file. The disk tier's reads while the model runs are calls of
     their own (each forward reads the module's bytes again) and are not counted here."""
-    from torchplace.checkpoint import _catalog
-
-    made: collections.Counter[str] = collections.Counter()
-    for fmt, real in list(_catalog._CATALOGUERS.items()):
-
-        def counted(p: Path, real: Callable[[Path], Any] = real) -> Any:
-            made[p.name] += 1
-            return real(p)
-
-        monkeypatch.setitem(_catalog._CATALOGUERS, fmt, counted)
+    made = _count_catalogues(monkeypatch)
     torch.manual_seed(0)
     state = _two_layers().state_dict()
     if kind == "zip":
@@ -195,16 +201,7 @@ def test_a_call_resolves_its_source_into_one_catalog(
     each file is catalogued once per call (an index's shards within its own catalog)."""
     import warnings
 
-    from torchplace.checkpoint import _catalog
-
-    made: collections.Counter[str] = collections.Counter()
-    for fmt, real in list(_catalog._CATALOGUERS.items()):
-
-        def counted(p: Path, real: Callable[[Path], Any] = real) -> Any:
-            made[p.name] += 1
-            return real(p)
-
-        monkeypatch.setitem(_catalog._CATALOGUERS, fmt, counted)
+    made = _count_catalogues(monkeypatch)
     source, files = _source(kind, tmp_path)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # check_crc=True on safetensors: nothing to check
