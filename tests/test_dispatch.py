@@ -21,6 +21,7 @@ from torchplace._errors import (
     DeviceSpecError,
     DeviceUnavailableError,
     MoveError,
+    TorchplaceError,
 )
 from torchplace.looking._estimate import estimate
 from torchplace.spreading._dispatch import dispatch, is_dispatched, undispatch
@@ -620,13 +621,18 @@ def test_dispatch_across_two_cuda_devices() -> None:
 
 @pytest.mark.requires_cuda
 def test_dispatch_between_cpu_and_cuda() -> None:
+    # "cpu" beside a GPU is the offload tier: the head's weights stay home on the CPU and
+    # run on cuda:0, for inference only.
     reference = seeded(Net)
     model = dispatch(copy.deepcopy(reference), {"": "cuda:0", "head": "cpu"})
     assert model.embed.weight.device == CUDA0
-    assert model.head.weight.device == CPU
+    assert model.head.weight.device == CPU and model.head.weight.is_pinned()
     x = torch.randn(4, 8)
-    torch.testing.assert_close(model(x), reference(x), **CLOSE)
-    out = model(x.to("cuda:0"))
+    with pytest.raises(TorchplaceError, match=r"model\.head \(Linear\).*no_grad"):
+        model(x)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x), **CLOSE)
+        out = model(x.to("cuda:0"))
     assert out.device == CUDA0
 
 

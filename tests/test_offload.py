@@ -209,6 +209,50 @@ def test_a_modulelist_on_disk_runs_layer_by_layer() -> None:
     assert [p for k, p in transport.log if k == "wait"] == [f"layers.{i}" for i in range(4)]
 
 
+class Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def nested() -> nn.Sequential:
+    torch.manual_seed(2)
+    return nn.Sequential(nn.Linear(8, 8), Pair(), nn.Linear(8, 8)).eval()
+
+
+def test_an_entry_inside_an_offloaded_one_runs_where_it_is_mapped() -> None:
+    """The most specific entry decides: "1.b" mapped to the CPU inside "1" on disk stays in
+    memory, and only "1.a" is read (the same rule makes {"": "cpu", "layers": "cuda:0"} keep
+    the layers on the GPU)."""
+    reference = nested()
+    model = copy.deepcopy(reference)
+    on_disk(model, ["1"])
+    model[1].b = copy.deepcopy(reference[1].b)  # in memory again
+    transport = FakeTransport()
+    torchplace.dispatch(model, {"": "cpu", "1": "disk", "1.b": "cpu"}, _transport=transport)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    assert model[1].a.weight.is_meta and not model[1].b.weight.is_meta
+    assert torch.equal(model[1].b.weight, reference[1].b.weight)
+    assert [p for k, p in transport.log if k == "wait"] == ["1"]
+
+
+def test_load_into_refuses_an_entry_inside_a_disk_one(tmp_path: Any) -> None:
+    torch.save(nested().state_dict(), tmp_path / "nested.pt")
+    skeleton = torchplace.skeleton(nested)
+    with pytest.raises(
+        torchplace.DeviceSpecError, match=r"device_map\['1\.b'\] is 'cpu' inside '1'.*'disk'"
+    ):
+        torchplace.load_into(
+            skeleton, tmp_path / "nested.pt", device_map={"": "cpu", "1": "disk", "1.b": "cpu"}
+        )
+    assert all(p.is_meta for p in skeleton.parameters())  # nothing read
+
+
 # ------------------------------------------------------------ the disk tier, for real on the CPU
 
 tf = pytest.importorskip("transformers")

@@ -591,6 +591,13 @@ def test_cuda_loads_and_moves_share_one_pool(tmp_path: object) -> None:
     torchplace.move(model, "cuda:0")
     torchplace.move(model, "cpu")
     pool = _staging.pinned_pool()
+    assert pool.allocations > 0  # the move pinned its slots in the shared pool
+    # A load's threads take as many slots at once as the pool holds, more than this move
+    # needed; fill the pool to its limit, as a larger move would, so the load must reuse.
+    slots = [pool.take(pool.slot_bytes) for _ in range(pool.limit // pool.slot_bytes)]
+    for slot in slots:
+        pool.give(slot, None)
+    assert pool.kept_bytes == pool.limit
     made = pool.allocations
     path = Path(str(tmp_path)) / "w.pt"
     torch.save(model.state_dict(), path)

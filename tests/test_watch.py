@@ -129,7 +129,8 @@ def step(
     batch.to(dev, non_blocking=True)  # pageable non_blocking
     pinned.to(dev, non_blocking=True)  # pinned non_blocking
     x[x > 2]  # mask
-    x[x > 2] = x[0]  # mask set
+    # a copy of x[0]: CUDA refuses to write a view of x into x (index_put_'s overlap check)
+    x[x > 2] = x[0].clone()  # mask set
     x.nonzero()  # nonzero
     torch.unique(x)  # unique
     x.masked_select(x > 1)  # masked_select

@@ -499,8 +499,10 @@ def _homes(
     homes = dict(targets)
     params = {id(p) for p in tree.modules[""].parameters()}
     for key in params:
-        entry = _entry_of(tree.owner_modules[key][0], offload.tiers)
-        if entry is None:
+        # The most specific entry of the whole map decides: a module mapped to a device
+        # inside an offloaded entry ({"": "cpu", "model.layers": "cuda:0"}) is not offloaded.
+        entry = _entry_of(tree.owner_modules[key][0], offload.runs)
+        if entry is None or entry not in offload.tiers:
             continue
         if offload.tiers[entry] == "cpu":
             homes[key] = torch.device("cpu")
@@ -542,7 +544,7 @@ def _units(tree: ModelTree, offload: _Offload) -> list[Unit]:
                     continue
                 for qualified in tree.owners[key]:
                     owner, _, leaf = qualified.rpartition(".")
-                    if _entry_of(owner, offload.tiers) != entry or not _under(owner, path):
+                    if _entry_of(owner, offload.runs) != entry or not _under(owner, path):
                         continue
                     slots.append((tree.modules[owner], leaf, tensor))
                     names.append(qualified[len(entry) + 1 :] if entry else qualified)
