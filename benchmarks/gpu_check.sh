@@ -56,7 +56,7 @@ fi
 step 110 "$PY" -m pytest -m requires_cuda -q $XDIST tests src/torchplace
 step 35 "$PY" benchmarks/bench_copies.py --rows "$ROWS"
 step 100 "$PY" benchmarks/bench_move.py --rows "$ROWS"
-step 35 "$PY" benchmarks/bench_loader.py --batches 16 --rows "$ROWS"
+step 45 "$PY" benchmarks/bench_loader.py --batches 16 --rows "$ROWS"
 step 80 "$PY" benchmarks/bench_load_gpu.py --sweep --rows "$ROWS"
 step 30 "$PY" benchmarks/bench_offload.py --rounds 5 --rows "$ROWS"
 step 30 "$PY" benchmarks/bench_estimate.py --gpu --rows "$ROWS"

@@ -290,11 +290,10 @@ class _CurrentStream(CudaTransport):
         """Nothing to order: the copies run on the caller's own stream."""
 
 
-# Threads that read onto a CUDA device. A guess from the issue's H200 host (positional reads
-# into pinned memory: 4-5 GB/s with 1 thread, 21-30 with 8, 33-39 with 16), never measured on a
-# GPU with this reader: set it by ``benchmarks/bench_load_gpu.py --sweep`` on a GPU host (which
-# also sweeps the pool's shape, since at most one thread per slot of the pool reads at a time:
-# with today's pool of 4 slots of 16 MiB, 4 threads read however large this is).
+# Threads that read onto a CUDA device, set by ``benchmarks/bench_load_gpu.py --sweep`` on an
+# H200 host (2026-11-28): 8 threads on the pool's 8 slots of 8 MiB read 1 GiB onto the GPU at
+# 29 GB/s; 16 threads on 16 slots of 4 MiB, 15 GB/s. At most one thread per slot of the pool
+# reads at a time, so the pool's shape caps this.
 CUDA_READ_THREADS = max(1, min(8, os.cpu_count() or 1)) if _PREADV else 1
 
 # One chunk onto the device: (where it lands, the file's dtype if it differs from the landing

@@ -36,7 +36,8 @@ the tests drive the ring with one that performs copies late, as a DMA engine doe
 no slot is refilled while its transfer may still read it.
 
 On an H100 host (``benchmarks/RESULTS.md``), chunks of 16 MiB in a ring of 4 copied 1.5 GiB
-of 16 MiB tensors at 47-52 GB/s, against 55 GB/s for one pinned copy. ``STAGE_MIN_BYTES``
+of 16 MiB tensors at 47-52 GB/s, against 55 GB/s for one pinned copy; the pool's shape is
+now set by loads (see ``STAGE_BUFFERS``). ``STAGE_MIN_BYTES``
 matches the largest tensor a consolidated copy takes (``_consolidate.MAX_TENSOR_BYTES``).
 """
 
@@ -71,8 +72,11 @@ __all__ = [
 ]
 
 STAGE_MIN_BYTES = 1 << 20
-STAGE_CHUNK_BYTES = 16 << 20
-STAGE_BUFFERS = 4
+# 8 slots of 8 MiB (64 MiB): on an H200 host (benchmarks/RESULTS.md, 2026-11-28 night) a load
+# onto the GPU read 29 GB/s with 8 threads on 8 slots, 22 GB/s on 4 slots of 16 MiB (a
+# thread holds one slot, so 4 slots capped it at 4 threads).
+STAGE_CHUNK_BYTES = 8 << 20
+STAGE_BUFFERS = 8
 # Below this much available host memory (Linux's MemAvailable) the pool keeps no slot after use.
 LOW_MEMORY_BYTES = 1 << 30
 
