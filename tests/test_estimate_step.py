@@ -506,3 +506,95 @@ def test_without_an_input_the_peak_is_the_count() -> None:
     assert (est.step, est.peaks) == (None, ())
     assert est.peak == est.total and est.peak_by_device() == est.by_device()
     assert "step" not in est.to_dict()
+
+
+# --- cuBLAS workspaces of a CUDA step ---------------------------------------------------------
+
+HOPPER_WORKSPACE = 32 << 20  # PyTorch's default on compute capability 9 and later
+
+
+def mlp_on_fake_cuda() -> nn.Module:
+    return on_fake_cuda(mlp("meta"), {"": "cuda:0"}).requires_grad_(True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the default size is the GPU's here")
+@pytest.mark.parametrize(("step", "threads"), [("forward", 1), ("train", 2)])
+def test_a_cuda_step_holds_a_cublas_workspace_per_thread(step: str, threads: int) -> None:
+    # measured on an H200: an inference forward holds one 32 MiB workspace (the caller's
+    # thread), a training step two (autograd runs the backward on a thread of its own)
+    on_cuda = estimate(mlp_on_fake_cuda(), example_input=torch.ones(B, IN), step=step)
+    on_meta = estimate(mlp("meta"), example_input=torch.ones(B, IN), step=step)
+    cuda_row = next(r for r in on_cuda.peaks if r.device == CUDA0)
+    meta_row = next(r for r in on_meta.peaks if r.device == META)
+    assert cuda_row.workspace == threads * HOPPER_WORKSPACE
+    assert meta_row.workspace == 0
+    assert cuda_row.total == meta_row.total + threads * HOPPER_WORKSPACE
+    assert "cuBLAS" in str(on_cuda)
+
+
+def test_cublas_workspace_config_sizes_the_workspace(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8")
+    est = estimate(mlp_on_fake_cuda(), example_input=torch.ones(B, IN), step="forward")
+    (row,) = est.peaks
+    assert row.workspace == 4096 * 1024 * 2 + 16 * 1024 * 8
+
+
+def test_no_workspace_without_a_matrix_product_or_off_cuda() -> None:
+    norm = on_fake_cuda(nn.Sequential(nn.LayerNorm(IN, device="meta")), {"": "cuda:0"})
+    (row,) = estimate(norm, example_input=torch.ones(B, IN), step="forward").peaks
+    assert row.workspace == 0
+    (row,) = estimate(mlp(), example_input=torch.ones(B, IN), step="forward").peaks
+    assert row.workspace == 0
+
+
+# --- against a real step on the cpu: the allocator's own figures ------------------------------
+
+
+def allocator_peak(step: Any) -> int:
+    """The most the cpu allocator held over ``step()`` above what it held before (the
+    profiler's allocation events carry the allocator's running total)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events, totals = list(prof.profiler.kineto_results.experimental_event_tree()), []
+    while events:
+        event = events.pop()
+        events.extend(event.children)
+        fields = event.extra_fields
+        if type(fields).__name__ == "_ExtraFields_Allocation":
+            totals.append((event.start_time_ns, fields.total_allocated, fields.alloc_size))
+    totals.sort()
+    return max(total for _, total, _ in totals) - (totals[0][1] - totals[0][2])
+
+
+@pytest.mark.parametrize("step", ["forward", "train"])
+def test_the_peak_is_the_real_steps_on_the_cpu(step: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1000, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).train(step == "train")
+    ids = torch.randint(0, 1000, (4, 64))
+    batch = {"input_ids": ids, "labels": ids}
+    est = estimate(model, example_input=batch, step=step)
+    opt = torch.optim.Adam(model.parameters())
+
+    def real() -> None:  # as estimate runs it: a training step keeps its output to the end
+        if step == "forward":
+            with torch.no_grad():
+                model(**batch)
+            return
+        output = model(**batch)
+        output.loss.backward()
+        opt.step()
+        del output
+
+    held = sum(t.nbytes for t in (*model.parameters(), *model.buffers(), ids))
+    assert est.peak == pytest.approx(held + allocator_peak(real), rel=0.03)
+
+
+def test_the_peak_table_shows_the_workspace_only_where_one_is_held() -> None:
+    assert "cuBLAS" not in str(estimate(mlp(), example_input=torch.ones(B, IN), step="forward"))

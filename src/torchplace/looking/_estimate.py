@@ -47,7 +47,7 @@ __all__ = [
 _STEPS = ("train", "forward")
 # Column headings of the peak table, short enough for 100 columns.
 _SHORT = {"parameters": "params", "gradients": "grads", "optimizer_state": "optimizer"}
-_SHORT.update(activations="activations", temporaries="temps")
+_SHORT.update(activations="activations", temporaries="temps", workspace="cuBLAS")
 
 
 # Optimizer name -> (state tensors shaped like each parameter, whether a scalar ``step`` is kept)
@@ -88,6 +88,7 @@ class PeakRow:
     optimizer_state: int = 0
     activations: int = 0
     temporaries: int = 0
+    workspace: int = 0
     inputs: int = 0
     total: int = 0
 
@@ -228,11 +229,13 @@ class Estimate:
             title_justify="left",
         )
         table.add_column("device")
-        for kind in KINDS:
+        # the cuBLAS column only where a CUDA step holds a workspace
+        kinds = [k for k in KINDS if k != "workspace" or any(r.workspace for r in self.peaks)]
+        for kind in kinds:
             table.add_column(_SHORT.get(kind, kind), justify="right")
         table.add_column("peak", justify="right", style="bold")
         for row in self.peaks:
-            values = (getattr(row, kind) for kind in (*KINDS, "total"))
+            values = (getattr(row, kind) for kind in (*kinds, "total"))
             table.add_row(str(row.device), *(_format_bytes(n) for n in values))
         return table
 

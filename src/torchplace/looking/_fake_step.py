@@ -7,7 +7,7 @@ user's own forward then runs as written (autocast, activation checkpointing, hoo
 private ``MemTracker`` (``torch.distributed._tools.mem_tracker``, tried on torch 2.6, 2.13 and
 2.15) watches every storage the step makes and says what each holds: parameters, buffers,
 gradients, optimizer state, activations (made by the forward) and temporaries (made by the
-backward).
+backward); a CUDA step also holds cuBLAS workspaces, which no tensor owns (``_workspace``).
 
 A backward on fake CUDA tensors needs the CUDA runtime (a CPU-only build aborts the process),
 so a model on a device this machine cannot run, such as a fake ``cuda:0`` on a laptop, is run on
@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .._tree import iter_leaves, map_tensors
+from ._workspace import add_workspaces, note_matmul
 
 __all__ = [
     "KINDS",
@@ -40,7 +41,8 @@ __all__ = [
     "measure_step",
 ]
 
-# What a step's bytes are held by, in the order tables list them; "inputs" is the example batch.
+# What a step's bytes are held by, in the order tables list them; "inputs" is the example batch,
+# "workspace" the cuBLAS workspaces of a CUDA step.
 KINDS = (
     "parameters",
     "buffers",
@@ -48,6 +50,7 @@ KINDS = (
     "optimizer_state",
     "activations",
     "temporaries",
+    "workspace",
     "inputs",
 )
 # The tracker's names for them (its ``_MemRefType`` values), and its total's.
@@ -126,6 +129,7 @@ def _tracker_class() -> type:
             self.torchplace_most: dict[torch.device, dict[Any, int]] = {}
             self.torchplace_stats: dict[str, Any] = {}  # module name -> its statistics
             self.torchplace_failed = FailedAt()
+            self.torchplace_matmuls: set[tuple[torch.device, bool]] = set()
 
         def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
             super()._pre_fw_hook(module, inputs)
@@ -147,6 +151,7 @@ def _tracker_class() -> type:
             self, func: Any, types: Any, args: Any = (), kwargs: Any = None
         ) -> Any:
             run = _stand_in(func, args, kwargs)
+            note_matmul(func, args, self.torchplace_matmuls)
             try:
                 return super().__torch_dispatch__(run, types, args, kwargs)  # type: ignore[no-untyped-call]
             except Exception:
@@ -551,11 +556,12 @@ def _measure(
         tracker.track_external(model, *(t for _, t in iter_leaves(batch, "example_input")))
         with tracker:
             _run(model, batch, opt, train)
+        peaks = {
+            label(dev): _by_kind(snap) for dev, snap in tracker.get_tracker_snapshot("peak").items()
+        }
+        add_workspaces(peaks, tracker.torchplace_matmuls, label)
         return StepMeasure(
-            peaks={
-                label(dev): _by_kind(snap)
-                for dev, snap in tracker.get_tracker_snapshot("peak").items()
-            },
+            peaks=peaks,
             most=_most(tracker.torchplace_most),
             modules=_module_peaks(tracker, model, label),
         )
