@@ -264,6 +264,44 @@ def test_a_meta_tensor_of_a_batch_has_no_values_to_bring_back() -> None:
     assert "batch['x'][1] is on meta" in _message(excinfo)
 
 
+def _move_of(batch: Any, device: str) -> Any:
+    return torchplace.move(batch, device)
+
+
+@needs_traced_errors
+@pytest.mark.parametrize(
+    ("batch", "device", "says"),
+    [
+        ({"m": nn.Linear(1, 1)}, "meta", ["batch['m'] is a module (Linear)"]),
+        ({"x": [Tagged([torch.ones(1)])]}, "meta", ["batch['x'][0]", "cannot rebuild a Tagged"]),
+        ({"x": [torch.empty(1, device="meta")]}, "cpu", ["batch['x'][0] is on meta"]),
+    ],
+)
+def test_a_refusal_chains_no_exception_of_its_own_in_the_trace(
+    batch: Any, device: str, says: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # torch 2.11's Dynamo cannot trace `raise <a user's exception> from ...`: setting its
+    # __cause__ failed inside Dynamo (AttributeError: 'UserDefinedExceptionObjectVariable'
+    # object has no attribute 'call_setattr'), so the user read that instead of the refusal.
+    # Such a Dynamo is simulated here: the refusal must come through all the same.
+    from torch._dynamo.variables.user_defined import UserDefinedExceptionObjectVariable
+
+    traced = UserDefinedExceptionObjectVariable.call_method
+
+    def call_method(self: Any, tx: Any, name: str, args: Any, kwargs: Any) -> Any:
+        if name == "__setattr__" and getattr(args[0], "value", None) == "__cause__":
+            raise AttributeError("this Dynamo cannot set __cause__ on a user's exception")
+        return traced(self, tx, name, args, kwargs)
+
+    monkeypatch.setattr(UserDefinedExceptionObjectVariable, "call_method", call_method)
+    compiled = torch.compile(_move_of, fullgraph=True, backend="eager")
+    with pytest.raises(RuntimeError) as excinfo:
+        compiled(batch, device)
+    message = _message(excinfo)
+    assert all(part in message for part in says), message
+    assert "__cause__" not in message
+
+
 def _move_to_meta(batch: Any) -> Any:
     return torchplace.move(batch, "meta")
 

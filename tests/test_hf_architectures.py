@@ -68,6 +68,12 @@ def _tiny(model_type: str) -> tuple[Any, torch.nn.Module]:
     return hf.build(model_type)
 
 
+def _skip_unless_known(model_type: str) -> None:
+    """An architecture of the sample newer than the installed transformers is not tested."""
+    if model_type not in transformers.CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+
+
 def _skeleton(config: Any) -> torch.nn.Module:
     return torchplace.skeleton(transformers.AutoModelForCausalLM.from_config, config)
 
@@ -75,6 +81,7 @@ def _skeleton(config: Any) -> torch.nn.Module:
 @needs_hub_names
 @pytest.mark.parametrize("model_type", sorted(SAMPLE))
 def test_sample_architecture_loads_bit_for_bit(tmp_path: Path, model_type: str) -> None:
+    _skip_unless_known(model_type)
     assert hf.check(model_type, str(tmp_path)) == ""
 
 
@@ -469,18 +476,43 @@ def test_a_sharded_model_reads_only_its_slices_of_fused_experts(
     assert experts.shape == (1, 256, 64)  # rank 0 of 4: expert 0
 
 
+def _rope_op() -> Any:
+    from transformers.core_model_loading import PermuteForRope
+
+    return PermuteForRope(permute_layer_names=["q_proj", "q_rope"])  # None fails on 5.17
+
+
 def _rope_mapping(model: Any, **_: Any) -> list[Any]:
     """A mapping of the test's own whose conversion is not slices: q_proj permuted for rope (and
     renamed, so that the file's names show it is not in the model's own)."""
-    from transformers.core_model_loading import PermuteForRope, WeightConverter
+    from transformers.core_model_loading import WeightConverter
 
     return [
         WeightConverter(
             source_patterns="self_attn.q_rope.weight",
             target_patterns="self_attn.q_proj.weight",
-            operations=[PermuteForRope()],
+            operations=[_rope_op()],
         )
     ]
+
+
+def _skip_unless_rope_renames() -> None:
+    """An older transformers (5.17) keys PermuteForRope's result by its source name: there it
+    runs only after an op that renames (a Chunk), and the mapping above, which renames with it,
+    cannot be written."""
+    from types import SimpleNamespace
+
+    out = _rope_op().convert(
+        {"q_rope.weight": [torch.zeros(2, 2)]},
+        source_patterns=["q_rope.weight"],
+        target_patterns=["q_proj.weight"],
+        config=SimpleNamespace(num_attention_heads=1),
+    )
+    if "q_proj.weight" not in out:
+        pytest.skip(
+            f"transformers {transformers.__version__}'s PermuteForRope does not rename: no "
+            "mapping of the test's own runs a conversion that is not slices"
+        )
 
 
 @needs_hub_names
@@ -492,6 +524,7 @@ def test_a_conversion_that_is_not_slices_is_run_by_transformers(
     from safetensors.torch import save_file
     from transformers.core_model_loading import revert_weight_conversion
 
+    _skip_unless_rope_renames()
     monkeypatch.setattr(conversions, "get_model_conversion_mapping", _rope_mapping)
     config, model = _tiny("llama")
     hub = revert_weight_conversion(model, model.state_dict())  # as save_pretrained writes it
@@ -516,6 +549,7 @@ def test_a_sharded_model_refuses_a_conversion_that_is_not_slices(
     from torch.distributed.fsdp import fully_shard
     from transformers.core_model_loading import revert_weight_conversion
 
+    _skip_unless_rope_renames()
     monkeypatch.setattr(conversions, "get_model_conversion_mapping", _rope_mapping)
     config, model = _tiny("llama")
     hub = revert_weight_conversion(model, model.state_dict())
@@ -568,6 +602,7 @@ def test_each_file_tensor_is_let_go_once_in_its_slice(
 @needs_hub_names
 @pytest.mark.parametrize("model_type", ["mixtral", "sarvam_moe"])
 def test_bit_for_bit_what_from_pretrained_gives(tmp_path: Path, model_type: str) -> None:
+    _skip_unless_known(model_type)
     config, model = _tiny(model_type)
     model.save_pretrained(tmp_path, max_shard_size="200KB")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)

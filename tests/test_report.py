@@ -140,8 +140,9 @@ def test_wrapped_models_are_named_as_the_users_own_model() -> None:
     # torch.compile and DataParallel wrap the model: its rows, stragglers and optimizer state
     # are named as the model itself names them, not under _orig_mod. or module.
     model, opt = trained()
-    plain = torchplace.report(model, optimizer=opt, detail=True).to_dict()
     for wrapped in (torch.compile(model), nn.DataParallel(model)):
+        # The model's own report once wrapped: DataParallel moves it to cuda:0 where there is one.
+        plain = torchplace.report(model, optimizer=opt, detail=True).to_dict()
         found = torchplace.report(wrapped, optimizer=opt, detail=True)
         assert found.to_dict()["rows"] == plain["rows"]
         assert found.title == "Where the tensors of the Net model live"

@@ -529,6 +529,7 @@ def test_with_no_device_named_every_accelerator_is_watched(
     assert str(seen).startswith("watch (every accelerator): 1 place, 1 host wait, 4 B across")
 
 
+@pytest.mark.fake_cuda
 def test_fake_cuda_tensors_are_watched_as_cuda() -> None:
     """FakeTensorMode (below watch) makes tensors that say cuda:0 on a CPU-only build."""
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -287,6 +287,11 @@ def map_tensors(
     ``Located`` carrying the path of the object that failed; cycles and absurd nesting raise
     ``TorchplaceError`` naming the path.
 
+    No exception of torchplace's own is raised here with ``raise ... from``: the Dynamo of
+    torch 2.11 fails inside itself setting the ``__cause__`` of a user's exception class
+    while it traces, and the user would read that instead of the error (eagerly, Python still
+    chains the exception handled as ``__context__``).
+
     >>> import torch
     >>> from torchplace._tree import map_tensors
     >>> batch = {"x": [torch.ones(2)], "n": 3}
@@ -318,7 +323,7 @@ def map_tensors(
             try:
                 new = fn(node)
             except Exception as exc:
-                raise Located(exc, []) from exc
+                raise Located(exc, [])  # noqa: B904 (no `from`: see the docstring)
             return None if new is node else new
         if kind == _LEAF:
             return None
@@ -343,7 +348,7 @@ def map_tensors(
                         try:
                             new = fn(value)
                         except Exception as exc:
-                            raise Located(exc, []) from exc
+                            raise Located(exc, [])  # noqa: B904 (no `from`: see the docstring)
                         if new is value:
                             continue
                     elif kinds.get(leaf) == _LEAF:
@@ -401,25 +406,28 @@ def map_tensors(
                 # Named by its field for a namedtuple: batch.pair.boxes, not [0]. A new Located
                 # rather than the list appended to: torch.compile would drop that change.
                 here = (True, node._fields[key]) if kind == _NAMEDTUPLE else (is_attr, key)
-                raise Located(located.cause, [*located.keys, here]) from located.cause
+                raise Located(located.cause, [*located.keys, here])  # noqa: B904
             raise
         except _TooDeep:
             raise
         except Exception as exc:  # rebuilding failed, or a .to() / owner handler raised
-            raise Located(exc, []) from exc
+            raise Located(exc, [])  # noqa: B904 (no `from`: see the docstring)
         if memo is not None:
             memo[id(node)] = result
         return result
 
+    too_deep = False
     try:
         new = walk(obj, 0)
     except (_TooDeep, RecursionError):
-        raise TorchplaceError(_depth_message(obj, root)) from None
+        too_deep = True  # raised below, outside this handler: no RecursionError chained to it
     finally:
         # walk refers to itself through its closure: a cycle holding the memo (and so every
         # rebuilt container) until the garbage collector runs. Broken here, it is freed at once;
         # by rebinding, not `del`, which torch.compile cannot trace (DELETE_DEREF).
         walk = None  # type: ignore[assignment]
+    if too_deep:
+        raise TorchplaceError(_depth_message(obj, root))
     return obj if new is None else new
 
 

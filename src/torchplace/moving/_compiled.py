@@ -133,4 +133,4 @@ def traced_move(
             message = f"{where} is {_what(cause.args[0])}: {_CANNOT}; {_OUTSIDE}"
         else:
             message = f"could not move {where} to {target}: {cause}"
-        raise _error(message, where) from cause
+        raise _error(message, where)  # noqa: B904 (no `from`: see map_tensors)
