@@ -65,6 +65,9 @@ class _FakeStager:
     def synchronize(self) -> None:
         self.synced += 1
 
+    def land(self) -> None:
+        pass
+
     def finish(self) -> None:
         self.finished += 1
 
@@ -378,6 +381,47 @@ def test_ring_back_gives_its_slots_back_after_a_failure() -> None:
     assert len(pool._free) == pool.kept_bytes // 64  # none lost
 
 
+def test_ring_back_pipelined_keeps_chunks_in_flight_across_tensors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """BACK_PIPELINE: the next tensors' chunks travel before the earlier ones land, never more
+    than ``depth`` at once, and ``land`` completes every result bit for bit, pageable."""
+    monkeypatch.setattr(_staging, "BACK_PIPELINE", True)
+    pool, transport = host_pool(limit=3 * 64), _LateTransport()
+    stager = ring(pool, transport)
+    stager.depth = 3
+    tensors = sources(torch.float32)  # 13 chunks of at most 64 bytes over four tensors
+    expected = [t.clone() for t in tensors]
+    out = []
+    for t in tensors:
+        out.append(stager.copy_back(t))
+        assert len(stager.back) <= 3 and len(transport.queue) <= 3
+    assert len(stager.back) == 3 and transport.done == 10  # waited only for the oldest ones
+    stager.land()
+    assert not stager.back and not transport.queue
+    for o, e, t in zip(out, expected, tensors, strict=True):
+        assert o.dtype == e.dtype and o.shape == e.shape
+        assert torch.equal(o.view(torch.uint8), e.view(torch.uint8))
+        assert o.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+    assert pool.allocations == 3 and len(pool._free) == 3  # every slot given back
+
+
+def test_ring_back_pipelined_finish_lands_and_abandon_gives_slots_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_staging, "BACK_PIPELINE", True)
+    pool, transport = host_pool(limit=3 * 64), _LateTransport()
+    stager = ring(pool, transport)
+    out = stager.copy_back(torch.arange(40.0))  # three chunks, none landed yet
+    assert len(stager.back) == 3
+    stager.finish()
+    assert torch.equal(out, torch.arange(40.0)) and not stager.back
+    stager.copy_back(torch.arange(40.0))
+    stager.abandon()  # a failed move: nothing lands, every slot goes back once done
+    assert not stager.back and not transport.queue
+    assert len(pool._free) == 3 and pool.kept_bytes == 3 * 64
+
+
 def test_slot_starts_without_an_event() -> None:
     assert Slot(torch.empty(1), kept=True).event is None
 
@@ -474,7 +518,11 @@ def test_cuda_way_back_waits_for_work_queued_before_the_move() -> None:
 
 
 @pytest.mark.requires_cuda
-def test_cuda_model_round_trip_through_the_ring_is_bit_identical() -> None:
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_cuda_model_round_trip_through_the_ring_is_bit_identical(
+    pipelined: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_staging, "BACK_PIPELINE", pipelined)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 8))  # 4 MiB weight
     opt = torch.optim.AdamW(model.parameters())
