@@ -1,6 +1,7 @@
 """Where the time of a model's move (and of a batch's small tensors) goes on a GPU, in one run.
 
     PYTHONPATH=src python3 benchmarks/profile_gpu_move.py --out DIR [--layers 24] [--width 2048]
+    PYTHONPATH=src python3 benchmarks/profile_gpu_move.py --variants   # the A/B table alone
 
 Prints, and writes under ``DIR`` (four small text files):
 
@@ -41,7 +42,7 @@ from torchplace.moving import _consolidate, _move, _staging, _transfer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_copies import _floors_and_splits, _interleaved, small_tensors
-from bench_move import _ring, _tensors, build, pinned_copy_seconds
+from bench_move import _host_packing, _ring, _tensors, build, pinned_copy_seconds
 
 CUDA = torch.device("cuda", 0)
 DEVICE = "cuda"  # "cpu" for --smoke: the script's own plumbing checked on a machine without one
@@ -252,6 +253,19 @@ def _ring_back(model: Any, opt: Any) -> None:
     stager.finish()
 
 
+def _host_landing(tensors: list[torch.Tensor]) -> None:
+    """The way back's host side alone: fresh pageable results filled from pinned slots."""
+    chunk = _staging.STAGE_CHUNK_BYTES
+    slots = [torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    i = 0
+    for t in tensors:
+        out = torch.empty(t.nbytes, dtype=torch.uint8)
+        for start in range(0, t.nbytes, chunk):
+            stop = min(start + chunk, t.nbytes)
+            out[start:stop].copy_(slots[i % 2][: stop - start])
+            i += 1
+
+
 def _kept_move(model: Any, opt: Any) -> Callable[[], object]:
     """The move to the GPU with the old host tensors held until after the timing."""
     keep = _tensors(model, opt)
@@ -271,12 +285,16 @@ def _sample(model: Any, opt: Any, way: str) -> float:
     if way.startswith("to cpu") and not on_gpu:
         _to("cuda")(model, opt)
     _staging.BACK_PIPELINE = way.endswith("pipelined")
+    _move.RELEASE_IN_BACKGROUND = way.endswith("by a thread")
     try:
         if way == "to gpu: move, old host tensors kept":
             return timed(_kept_move(model, opt))
         fns: dict[str, Callable[[], object]] = {
             "to gpu: move": lambda: _to("cuda")(model, opt),
+            "to gpu: move, old host tensors dropped by a thread": lambda: _to("cuda")(model, opt),
             "to gpu: ring alone": lambda: _ring(_tensors(model, opt)),
+            "to gpu: host packing alone": lambda: _host_packing(_tensors(model, opt)),
+            "to cpu: host landing alone": lambda: _host_landing(_tensors(model, opt)),
             "to cpu: move": lambda: _to("cpu")(model, opt),
             "to cpu: move, pipelined": lambda: _to("cpu")(model, opt),
             "to cpu: ring alone": lambda: _ring_back(model, opt),
@@ -285,16 +303,20 @@ def _sample(model: Any, opt: Any, way: str) -> float:
         return timed(fns[way])
     finally:
         _staging.BACK_PIPELINE = False
+        _move.RELEASE_IN_BACKGROUND = False
 
 
 WAYS = (
     "to gpu: move",
     "to gpu: move, old host tensors kept",
+    "to gpu: move, old host tensors dropped by a thread",
     "to gpu: ring alone",
+    "to gpu: host packing alone",
     "to cpu: move",
     "to cpu: move, pipelined",
     "to cpu: ring alone",
     "to cpu: ring alone, pipelined",
+    "to cpu: host landing alone",
 )
 
 
@@ -320,11 +342,11 @@ def variants(out: Out, layers: int, width: int, rounds: int = 3) -> None:
     gbps = (nbytes / there / 1e9, nbytes / back / 1e9)
     lines = [f"{nbytes / 2**30:.2f} GiB; pinned copy {gbps[0]:.1f} GB/s there, {gbps[1]:.1f} back"]
     lines.append(f"best of {rounds}, fraction of one pinned copy (ms)")
-    lines.append(f"{'way':40s}" + "".join(f"{s:>20s}" for s in SHAPES))
+    lines.append(f"{'way':52s}" + "".join(f"{s:>20s}" for s in SHAPES))
     for way in WAYS:
         ref = there if way.startswith("to gpu") else back
         cells = "".join(f"{ref / best[s, way]:10.2f} ({best[s, way] * 1e3:6.1f})" for s in SHAPES)
-        lines.append(f"{way:40s}{cells}")
+        lines.append(f"{way:52s}{cells}")
     out.say("variants.txt", "\n".join(lines))
 
 
@@ -373,6 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=3, help="samples per variant")
+    parser.add_argument(
+        "--parts", default="variants,phases,copies,profiles", help="which parts, in order"
+    )
+    parser.add_argument("--variants", action="store_true", help="only the variants table")
     parser.add_argument("--smoke", action="store_true", help="to meta, without a GPU")
     args = parser.parse_args(argv)
     if args.smoke:
@@ -384,11 +410,16 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(0) if DEVICE == "cuda" else DEVICE
     print(f"torch {torch.__version__}, {name}")
     layers, width = args.layers, args.width
+    parts: dict[str, Callable[[], None]] = {
+        "variants": lambda: variants(out, layers, width, args.rounds),
+        "phases": lambda: phases(out, layers, width),
+        "copies": lambda: copies(out),
+        "profiles": lambda: profiles(out, layers, width),
+    }
+    chosen = ["variants"] if args.variants else args.parts.split(",")
     try:
-        part(out, "variants.txt", lambda: variants(out, layers, width, args.rounds))
-        part(out, "phases.txt", lambda: phases(out, layers, width))
-        part(out, "copies.txt", lambda: copies(out))
-        part(out, "profiles.txt", lambda: profiles(out, layers, width))
+        for name in chosen:
+            part(out, f"{name}.txt", parts[name])
     finally:
         out.save()
     return 0
