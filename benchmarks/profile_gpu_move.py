@@ -134,6 +134,8 @@ _PATCHED = [
     (_staging.Stager, "copy"),
     (_staging.Stager, "copy_back"),
     (_staging.Stager, "land"),
+    (_staging.Stager, "_land_back"),
+    (_move, "_release_later"),
     (_staging.Stager, "finish"),
     (_staging.PinnedPool, "take"),
     (_staging.PinnedPool, "give"),
@@ -417,11 +419,11 @@ def main(argv: list[str] | None = None) -> int:
         "profiles": lambda: profiles(out, layers, width),
     }
     chosen = ["variants"] if args.variants else args.parts.split(",")
-    try:
-        for name in chosen:
-            part(out, f"{name}.txt", parts[name])
-    finally:
-        out.save()
+    for name in chosen:
+        part(out, f"{name}.txt", parts[name])
+        out.save()  # after each part: a run stopped by its time limit keeps what it had
+    if "variants.txt" in out.files and len(chosen) > 1:  # the table again, last on the screen
+        print("\n== summary (variants.txt)\n" + "\n".join(out.files["variants.txt"]))
     return 0
 
 
