@@ -354,7 +354,10 @@ def test_ring_reuses_the_pool_across_moves() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.uint8])
-def test_ring_back_to_the_host_is_complete_and_pageable(dtype: torch.dtype) -> None:
+def test_ring_back_to_the_host_is_complete_and_pageable(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_staging, "BACK_PIPELINE", False)  # each result complete on return
     pool, transport = host_pool(), _LateTransport()
     stager = ring(pool, transport)
     stager.depth = 2
@@ -366,7 +369,8 @@ def test_ring_back_to_the_host_is_complete_and_pageable(dtype: torch.dtype) -> N
     assert pool.kept_bytes == 2 * 64 and len(pool._free) == 2  # depth 2: two slots, given back
 
 
-def test_ring_back_gives_its_slots_back_after_a_failure() -> None:
+def test_ring_back_gives_its_slots_back_after_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_staging, "BACK_PIPELINE", False)  # pipelined: abandon gives them back
     pool = host_pool()
 
     class Failing(_LateTransport):
