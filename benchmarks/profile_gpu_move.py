@@ -208,7 +208,7 @@ def phases(out: Out, layers: int, width: int) -> None:
 def _profiler_tables(prof: Any, rows: int = 25) -> str:
     averages = prof.key_averages()
     text = [averages.table(sort_by="self_cpu_time_total", row_limit=rows)]
-    for key in ("self_cuda_time_total", "self_device_time_total", "cuda_time_total"):
+    for key in ("self_device_time_total", "self_cuda_time_total", "cuda_time_total"):
         try:
             text.append(averages.table(sort_by=key, row_limit=rows))
             break
@@ -305,6 +305,8 @@ def _sample(model: Any, opt: Any, way: str) -> float:
         return timed(fns[way])
     finally:
         _staging.BACK_PIPELINE = False
+        if _move.RELEASE_IN_BACKGROUND:
+            time.sleep(0.3)  # the releasing thread's frees, out of the next way's timing
         _move.RELEASE_IN_BACKGROUND = False
 
 
