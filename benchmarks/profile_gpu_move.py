@@ -12,8 +12,11 @@ Prints, and writes under ``DIR`` (four small text files):
   device time, and ``cProfile`` of their host side, by own time.
 - ``variants.txt``: each variant timed in the same process, best of 3, as a fraction of one
   pinned copy: the pool's shape (4 x 16 MiB, 8 x 8 MiB, 8 x 16 MiB); to the GPU the move, the
-  move with the old host tensors kept alive while timed (what freeing them costs), the ring
-  alone; to the host the move with ``_staging.BACK_PIPELINE`` off and on, the ring alone.
+  move with the old host tensors kept alive while timed (what freeing them costs) and with them
+  dropped by a thread (``_move.RELEASE_IN_BACKGROUND``), the ring and the host packing alone;
+  to the host the move with ``_staging.BACK_PIPELINE`` and ``_staging.LANDING_HUGEPAGES`` off
+  and on, the ring alone, the host landing alone (fresh pageable results filled from pinned
+  slots, with and without huge pages).
 - ``copies.txt``: bench_copies' 500 x 4 KiB and 500 shapes, owned and views, against one
   ``.to()`` each and the floor, with the steps of each path timed and profiled.
 
@@ -262,6 +265,8 @@ def _host_landing(tensors: list[torch.Tensor]) -> None:
     i = 0
     for t in tensors:
         out = torch.empty(t.nbytes, dtype=torch.uint8)
+        if _staging.LANDING_HUGEPAGES:
+            _staging.advise_hugepages(out)
         for start in range(0, t.nbytes, chunk):
             stop = min(start + chunk, t.nbytes)
             out[start:stop].copy_(slots[i % 2][: stop - start])
@@ -286,7 +291,8 @@ def _sample(model: Any, opt: Any, way: str) -> float:
         _to("cpu")(model, opt)
     if way.startswith("to cpu") and not on_gpu:
         _to("cuda")(model, opt)
-    _staging.BACK_PIPELINE = way.endswith("pipelined")
+    _staging.BACK_PIPELINE = "pipelined" in way
+    _staging.LANDING_HUGEPAGES = "huge pages" in way
     _move.RELEASE_IN_BACKGROUND = way.endswith("by a thread")
     try:
         if way == "to gpu: move, old host tensors kept":
@@ -297,14 +303,17 @@ def _sample(model: Any, opt: Any, way: str) -> float:
             "to gpu: ring alone": lambda: _ring(_tensors(model, opt)),
             "to gpu: host packing alone": lambda: _host_packing(_tensors(model, opt)),
             "to cpu: host landing alone": lambda: _host_landing(_tensors(model, opt)),
+            "to cpu: host landing alone, huge pages": lambda: _host_landing(_tensors(model, opt)),
             "to cpu: move": lambda: _to("cpu")(model, opt),
             "to cpu: move, pipelined": lambda: _to("cpu")(model, opt),
+            "to cpu: move, huge pages": lambda: _to("cpu")(model, opt),
+            "to cpu: move, pipelined, huge pages": lambda: _to("cpu")(model, opt),
             "to cpu: ring alone": lambda: _ring_back(model, opt),
             "to cpu: ring alone, pipelined": lambda: _ring_back(model, opt),
         }
         return timed(fns[way])
     finally:
-        _staging.BACK_PIPELINE = False
+        _staging.BACK_PIPELINE = _staging.LANDING_HUGEPAGES = False
         if _move.RELEASE_IN_BACKGROUND:
             time.sleep(0.3)  # the releasing thread's frees, out of the next way's timing
         _move.RELEASE_IN_BACKGROUND = False
@@ -318,9 +327,12 @@ WAYS = (
     "to gpu: host packing alone",
     "to cpu: move",
     "to cpu: move, pipelined",
+    "to cpu: move, huge pages",
+    "to cpu: move, pipelined, huge pages",
     "to cpu: ring alone",
     "to cpu: ring alone, pipelined",
     "to cpu: host landing alone",
+    "to cpu: host landing alone, huge pages",
 )
 
 

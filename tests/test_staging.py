@@ -4,6 +4,7 @@ performs its copies late, as a DMA engine does."""
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
@@ -17,6 +18,7 @@ from torchplace.moving._staging import (
     PinnedPool,
     Slot,
     Stager,
+    advise_hugepages,
     stageable,
     stageable_back,
 )
@@ -424,6 +426,30 @@ def test_ring_back_pipelined_finish_lands_and_abandon_gives_slots_back(
     stager.abandon()  # a failed move: nothing lands, every slot goes back once done
     assert not stager.back and not transport.queue
     assert len(pool._free) == 3 and pool.kept_bytes == 3 * 64
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_ring_back_advises_huge_pages_under_each_result_when_asked(
+    pipelined: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LANDING_HUGEPAGES: each result is advised before a byte lands in it; values unchanged."""
+    advised: list[torch.Tensor] = []
+    monkeypatch.setattr(_staging, "BACK_PIPELINE", pipelined)
+    monkeypatch.setattr(_staging, "LANDING_HUGEPAGES", True)
+    monkeypatch.setattr(_staging, "advise_hugepages", lambda t: advised.append(t.clone()))
+    stager = ring(host_pool(), _LateTransport())
+    tensors = sources(torch.float32)
+    out = [stager.copy_back(t) for t in tensors]
+    stager.land()
+    assert [a.shape for a in advised] == [t.shape for t in tensors]
+    for o, t in zip(out, tensors, strict=True):
+        assert torch.equal(o.view(torch.uint8), t.view(torch.uint8))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="madvise is Linux's")
+def test_advise_hugepages_asks_only_for_whole_aligned_huge_pages() -> None:
+    assert advise_hugepages(torch.empty(8 << 20, dtype=torch.uint8))  # holds 3 aligned 2 MiB
+    assert not advise_hugepages(torch.empty(1 << 20, dtype=torch.uint8))  # none whole
 
 
 def test_slot_starts_without_an_event() -> None:

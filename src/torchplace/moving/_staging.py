@@ -43,6 +43,8 @@ matches the largest tensor a consolidated copy takes (``_consolidate.MAX_TENSOR_
 from __future__ import annotations
 
 import collections
+import ctypes
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -54,6 +56,8 @@ from .._devices import host_available
 from .._tensor_size import PLAIN_TYPES
 
 __all__ = [
+    "BACK_PIPELINE",
+    "LANDING_HUGEPAGES",
     "LOW_MEMORY_BYTES",
     "STAGE_BUFFERS",
     "STAGE_CHUNK_BYTES",
@@ -63,6 +67,7 @@ __all__ = [
     "Slot",
     "Stager",
     "Transport",
+    "advise_hugepages",
     "copy_stream",
     "pinned_pool",
     "release_pinned_memory",
@@ -78,6 +83,12 @@ STAGE_BUFFERS = 4
 # slot overlaps the transfers of the next tensors. False: each ``copy_back`` drains the ring
 # before it returns (a model's tensors cross one at a time). An A/B switch for bench_move.
 BACK_PIPELINE = False
+# Device to host: advise huge pages (Linux's madvise MADV_HUGEPAGE) under each result before it
+# is filled, so that landing faults its fresh pages in 2 MiB at a time rather than 4 KiB (where
+# the kernel's transparent huge pages are "madvise" or "always"). An A/B switch for bench_move.
+LANDING_HUGEPAGES = False
+_HUGE = 2 << 20
+_MADV_HUGEPAGE = 14
 # Below this much available host memory (Linux's MemAvailable) the pool keeps no slot after use.
 LOW_MEMORY_BYTES = 1 << 30
 
@@ -326,6 +337,26 @@ def _empty_torch_host_cache() -> None:
 # --- the ring ------------------------------------------------------------------------------------
 
 
+_LIBC: list[Any] = []  # [the C library, or None where it cannot be had], looked up once
+
+
+def advise_hugepages(t: torch.Tensor) -> bool:
+    """Ask the kernel for huge pages under the 2 MiB-aligned part of host tensor ``t``'s memory;
+    whether it was asked (Linux only; never an error: only advice)."""
+    if not _LIBC:
+        try:
+            _LIBC.append(ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None)
+        except OSError:
+            _LIBC.append(None)
+    libc = _LIBC[0]
+    start = (t.data_ptr() + _HUGE - 1) & ~(_HUGE - 1)
+    stop = (t.data_ptr() + t.nbytes) & ~(_HUGE - 1)
+    if libc is None or stop <= start:
+        return False
+    size = ctypes.c_size_t(stop - start)
+    return bool(libc.madvise(ctypes.c_void_p(start), size, _MADV_HUGEPAGE) == 0)
+
+
 class Transport(Protocol):
     """What the ring asks of a device: queued copies, events, and ordering between streams."""
 
@@ -450,6 +481,8 @@ class Stager:
             return self._copy_back_whole(t)
         with torch.no_grad():
             out = torch.empty_like(t, device="cpu")
+            if LANDING_HUGEPAGES:
+                advise_hugepages(out)
             source = t.detach().reshape(-1).view(torch.uint8)
             landing = out.view(-1).view(torch.uint8)
             self.transport.begin()  # the device tensor's producers come first
@@ -492,6 +525,8 @@ class Stager:
         transport, pool, chunk = self.transport, self.pool, self.chunk
         with torch.no_grad():
             out = torch.empty_like(t, device="cpu")
+            if LANDING_HUGEPAGES:
+                advise_hugepages(out)
             source = t.detach().reshape(-1).view(torch.uint8)
             landing = out.view(-1).view(torch.uint8)
             transport.begin()  # the device tensor's producers come first
