@@ -1160,3 +1160,47 @@ def test_an_attribute_with_its_own_to_left_behind_is_warned_about() -> None:
     with pytest.warns(UserWarning, match=r"\(extra\)"):
         torchplace.move(model, "meta")
     assert model.extra.t.device.type == "cpu"  # type: ignore[union-attr]
+
+
+def test_release_in_background_drops_the_old_tensors_in_its_own_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """RELEASE_IN_BACKGROUND: the undo log's hold on the old host tensors goes to the releasing
+    thread, which frees them there; the move itself is the same (state re-bound, values kept)."""
+    import threading
+    import weakref
+
+    dropped: list[tuple[str, int]] = []
+    done = threading.Event()
+    real_drop = _move._drop
+
+    class Spy:
+        def __init__(self, releases: Any) -> None:
+            self.releases = releases
+
+        def get(self) -> list[Any]:
+            item = self.releases.get()
+            dropped.append((threading.current_thread().name, len(item)))
+            done.set()
+            return item  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(_move, "RELEASE_IN_BACKGROUND", True)
+    monkeypatch.setattr(_move, "_RELEASES", None)
+    monkeypatch.setattr(_move, "_drop", lambda releases: real_drop(Spy(releases)))  # type: ignore[arg-type]
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    old_state = weakref.ref(opt.state[model.weight]["momentum_buffer"])
+    torchplace.move(model, "meta", optimizer=opt)
+    assert done.wait(10)
+    ((name, undos),) = dropped
+    assert name == "torchplace-release" and undos > 0
+    assert opt.state[model.weight]["momentum_buffer"].is_meta
+    for _ in range(100):  # freed by the thread once it has cleared the list
+        if old_state() is None:
+            break
+        threading.Event().wait(0.05)
+    assert old_state() is None
+    torchplace.move(nn.Linear(2, 2), "cpu")  # towards the host: dropped as the move returns
+    assert len(dropped) == 1

@@ -4,6 +4,7 @@ performs its copies late, as a DMA engine does."""
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
@@ -11,12 +12,14 @@ import torch
 from torch import nn
 
 import torchplace
+from torchplace.moving import _move as _move_module
 from torchplace.moving import _staging, _transfer
 from torchplace.moving._staging import (
     STAGE_MIN_BYTES,
     PinnedPool,
     Slot,
     Stager,
+    advise_hugepages,
     stageable,
     stageable_back,
 )
@@ -64,6 +67,9 @@ class _FakeStager:
 
     def synchronize(self) -> None:
         self.synced += 1
+
+    def land(self) -> None:
+        pass
 
     def finish(self) -> None:
         self.finished += 1
@@ -351,7 +357,10 @@ def test_ring_reuses_the_pool_across_moves() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.uint8])
-def test_ring_back_to_the_host_is_complete_and_pageable(dtype: torch.dtype) -> None:
+def test_ring_back_to_the_host_is_complete_and_pageable(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_staging, "BACK_PIPELINE", False)  # each result complete on return
     pool, transport = host_pool(), _LateTransport()
     stager = ring(pool, transport)
     stager.depth = 2
@@ -363,7 +372,8 @@ def test_ring_back_to_the_host_is_complete_and_pageable(dtype: torch.dtype) -> N
     assert pool.kept_bytes == 2 * 64 and len(pool._free) == 2  # depth 2: two slots, given back
 
 
-def test_ring_back_gives_its_slots_back_after_a_failure() -> None:
+def test_ring_back_gives_its_slots_back_after_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_staging, "BACK_PIPELINE", False)  # pipelined: abandon gives them back
     pool = host_pool()
 
     class Failing(_LateTransport):
@@ -376,6 +386,71 @@ def test_ring_back_gives_its_slots_back_after_a_failure() -> None:
     with pytest.raises(RuntimeError, match="simulated"):
         stager.copy_back(torch.arange(100.0))
     assert len(pool._free) == pool.kept_bytes // 64  # none lost
+
+
+def test_ring_back_pipelined_keeps_chunks_in_flight_across_tensors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """BACK_PIPELINE: the next tensors' chunks travel before the earlier ones land, never more
+    than ``depth`` at once, and ``land`` completes every result bit for bit, pageable."""
+    monkeypatch.setattr(_staging, "BACK_PIPELINE", True)
+    pool, transport = host_pool(limit=3 * 64), _LateTransport()
+    stager = ring(pool, transport)
+    stager.depth = 3
+    tensors = sources(torch.float32)  # 13 chunks of at most 64 bytes over four tensors
+    expected = [t.clone() for t in tensors]
+    out = []
+    for t in tensors:
+        out.append(stager.copy_back(t))
+        assert len(stager.back) <= 3 and len(transport.queue) <= 3
+    assert len(stager.back) == 3 and transport.done == 10  # waited only for the oldest ones
+    stager.land()
+    assert not stager.back and not transport.queue
+    for o, e, t in zip(out, expected, tensors, strict=True):
+        assert o.dtype == e.dtype and o.shape == e.shape
+        assert torch.equal(o.view(torch.uint8), e.view(torch.uint8))
+        assert o.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+    assert pool.allocations == 3 and len(pool._free) == 3  # every slot given back
+
+
+def test_ring_back_pipelined_finish_lands_and_abandon_gives_slots_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_staging, "BACK_PIPELINE", True)
+    pool, transport = host_pool(limit=3 * 64), _LateTransport()
+    stager = ring(pool, transport)
+    out = stager.copy_back(torch.arange(40.0))  # three chunks, none landed yet
+    assert len(stager.back) == 3
+    stager.finish()
+    assert torch.equal(out, torch.arange(40.0)) and not stager.back
+    stager.copy_back(torch.arange(40.0))
+    stager.abandon()  # a failed move: nothing lands, every slot goes back once done
+    assert not stager.back and not transport.queue
+    assert len(pool._free) == 3 and pool.kept_bytes == 3 * 64
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_ring_back_advises_huge_pages_under_each_result_when_asked(
+    pipelined: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """LANDING_HUGEPAGES: each result is advised before a byte lands in it; values unchanged."""
+    advised: list[torch.Tensor] = []
+    monkeypatch.setattr(_staging, "BACK_PIPELINE", pipelined)
+    monkeypatch.setattr(_staging, "LANDING_HUGEPAGES", True)
+    monkeypatch.setattr(_staging, "advise_hugepages", lambda t: advised.append(t.clone()))
+    stager = ring(host_pool(), _LateTransport())
+    tensors = sources(torch.float32)
+    out = [stager.copy_back(t) for t in tensors]
+    stager.land()
+    assert [a.shape for a in advised] == [t.shape for t in tensors]
+    for o, t in zip(out, tensors, strict=True):
+        assert torch.equal(o.view(torch.uint8), t.view(torch.uint8))
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="madvise is Linux's")
+def test_advise_hugepages_asks_only_for_whole_aligned_huge_pages() -> None:
+    assert advise_hugepages(torch.empty(8 << 20, dtype=torch.uint8))  # holds 3 aligned 2 MiB
+    assert not advise_hugepages(torch.empty(1 << 20, dtype=torch.uint8))  # none whole
 
 
 def test_slot_starts_without_an_event() -> None:
@@ -474,7 +549,11 @@ def test_cuda_way_back_waits_for_work_queued_before_the_move() -> None:
 
 
 @pytest.mark.requires_cuda
-def test_cuda_model_round_trip_through_the_ring_is_bit_identical() -> None:
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_cuda_model_round_trip_through_the_ring_is_bit_identical(
+    pipelined: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_staging, "BACK_PIPELINE", pipelined)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 8))  # 4 MiB weight
     opt = torch.optim.AdamW(model.parameters())
@@ -604,3 +683,32 @@ def test_cuda_loads_and_moves_share_one_pool(tmp_path: object) -> None:
     loaded = torchplace.load(path, "cuda:0")
     assert torch.equal(loaded["weight"].cpu(), model.weight.detach())
     assert pool.allocations == made and 0 < pool.kept_bytes <= 64 << 20
+
+
+def test_a_move_lands_the_way_back_before_its_commit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With BACK_PIPELINE a copy back is complete only once landed: the move lands them all
+    before the commit hands any to the model (meta stands in for the host here)."""
+    events: list[str] = []
+
+    class BackStager(_FakeStager):
+        def copy_back(self, t: torch.Tensor) -> torch.Tensor:
+            events.append("copy_back")
+            return t.detach().to("meta")
+
+        def land(self) -> None:
+            events.append("land")
+
+    real_commit = _move_module._commit
+
+    def commit(*args: object) -> None:
+        events.append("commit")
+        real_commit(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(_transfer, "Stager", BackStager)
+    monkeypatch.setattr(_transfer, "stageable", lambda t, target: False)
+    monkeypatch.setattr(_transfer, "stageable_back", lambda t, target: t.numel() >= 512 * 512)
+    monkeypatch.setattr(_move_module, "_commit", commit)
+    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 4))
+    torchplace.move(model, "meta")
+    assert events == ["copy_back", "land", "commit"]
+    assert model[0].weight.is_meta

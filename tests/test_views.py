@@ -437,3 +437,23 @@ def test_cuda_loader_views_survive_the_next_batches(shared: bool) -> None:
         torch.cuda._sleep(1000)  # type: ignore[attr-defined]
     torch.cuda.synchronize()
     assert [float(t[0]) for t in kept] == [float(i) for i in range(6)]
+
+
+def test_lone_shapes_and_scalars_are_cut_with_the_strides_of_to() -> None:
+    """Shapes held by one tensor each (2-D, 3-D with a dimension of 1, 4-D) and scalars that
+    repeat: cut without ``view``, still with ``.to()``'s strides, values and offsets, and each
+    usable in place with autograd afterwards."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(2, 5), (2, 1, 3), (1, 2, 2, 3), (), (), (), (), (7,)]
+    tensors = [torch.randn(s, generator=gen) for s in shapes]
+    out, storages = views(tensors)
+    for a, b in zip(out, tensors, strict=True):
+        assert a.shape == b.shape and a.stride() == b.clone().stride()
+        assert torch.equal(a, b)
+    assert_views_of(out, storages, VIEW_BUFFER_BYTES)
+    leaf = out[1].requires_grad_()
+    (leaf * 2).sum().backward()
+    assert torch.equal(leaf.grad, torch.full((2, 1, 3), 2.0))
+    with torch.no_grad():
+        out[2].mul_(0)
+    assert torch.equal(out[0], tensors[0]) and not out[2].any()

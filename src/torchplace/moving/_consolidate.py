@@ -516,44 +516,60 @@ class ViewLayout:
     loose: list[int] = field(default_factory=list)
 
 
-# Element sizes a byte offset aligned to 16 suits, by dtype: asked of every tensor of a batch,
-# where a dict lookup costs less than ``element_size()``.
-_VIEWABLE_SIZE: dict[torch.dtype, bool] = {}
+# By dtype: whether a byte offset aligned to 16 suits its element size, and whether it is
+# complex (only complex tensors carry the conj bit). Asked of every tensor of a batch, where a
+# dict lookup costs less than ``element_size()`` and ``dtype.is_complex``.
+_VIEWABLE_SIZE: dict[torch.dtype, tuple[bool, bool]] = {}
 
 
-def _viewable(t: torch.Tensor, bound: int) -> bool:
-    """Whether ``t`` can travel as its bytes and come back as a view shaped like it, with the
-    strides ``Tensor.to`` gives: plain, contiguous with plain strides, not empty, not lazily
-    conjugated or negated, of an element size a byte offset can be aligned to. Asked of every
-    tensor of a batch: cheapest and likeliest tests first."""
-    dtype = t.dtype
-    sized = _VIEWABLE_SIZE.get(dtype)
-    if sized is None:
-        sized = _VIEWABLE_SIZE[dtype] = t.element_size() in (1, 2, 4, 8, 16)
-    shape = t.shape
+def _viewable(
+    t: torch.Tensor, bound: int, dtype: torch.dtype, shape: torch.Size, eligible: bool
+) -> bool:
+    """Whether ``t`` (of ``dtype`` and ``shape``) can travel as its bytes and come back as a
+    view shaped like it, with the strides ``Tensor.to`` gives: plain, contiguous with plain
+    strides, not empty, not lazily conjugated or negated, of an element size a byte offset can
+    be aligned to. ``eligible``: ``small_host_tensors`` picked it (plain, strided, no grad, not
+    meta, nested or quantized), which is not asked again. Asked of every tensor of a batch:
+    cheapest and likeliest tests first."""
+    known = _VIEWABLE_SIZE.get(dtype)
+    if known is None:
+        known = _VIEWABLE_SIZE[dtype] = (t.element_size() in (1, 2, 4, 8, 16), dtype.is_complex)
+    sized, complex_ = known
     return (
         sized
-        and type(t) in PLAIN_TYPES
-        and not t.requires_grad
-        and t.layout is torch.strided
-        and not t.is_nested
+        and (
+            eligible
+            or (
+                type(t) in PLAIN_TYPES
+                and not t.requires_grad
+                and t.layout is torch.strided
+                and not t.is_nested
+                and not t.is_meta
+                and not t.is_quantized
+            )
+        )
         and 0 < t.nbytes <= bound
         and t.is_contiguous()
-        and not t.is_meta
         and not t.is_neg()
-        and not (dtype.is_complex and t.is_conj())
-        and not t.is_quantized
+        and not (complex_ and t.is_conj())
         and (1 not in shape or _plain_strides(t))
     )
 
 
-def plan_views(tensors: Sequence[torch.Tensor], /, bound: int = VIEW_BUFFER_BYTES) -> ViewLayout:
+def plan_views(
+    tensors: Sequence[torch.Tensor],
+    /,
+    bound: int = VIEW_BUFFER_BYTES,
+    *,
+    eligible: bool = False,
+) -> ViewLayout:
     """Lay ``tensors`` out in buffers of at most ``bound`` bytes, for ``consolidated_views``.
 
     Tensors are grouped by dtype, then by shape (each group in order of first appearance), and
     fill the buffers in that order, a new buffer starting where the next tensor would not fit.
     Each dtype's region starts at an offset aligned to 16 bytes. Tensors that cannot travel as
     plain bytes, or are larger than ``bound``, are ``loose``: they travel on their own.
+    ``eligible``: every tensor is one ``small_host_tensors`` picked (its tests are not repeated).
 
     >>> import torch
     >>> from torchplace.moving._consolidate import plan_views
@@ -565,8 +581,9 @@ def plan_views(tensors: Sequence[torch.Tensor], /, bound: int = VIEW_BUFFER_BYTE
     groups: dict[torch.dtype, dict[torch.Size, list[int]]] = {}
     layout = ViewLayout()
     for i, t in enumerate(tensors):
-        if _viewable(t, bound):
-            groups.setdefault(t.dtype, {}).setdefault(t.shape, []).append(i)
+        dtype, shape = t.dtype, t.shape
+        if _viewable(t, bound, dtype, shape, eligible):
+            groups.setdefault(dtype, {}).setdefault(shape, []).append(i)
         else:
             layout.loose.append(i)
     runs: list[Run] = []
@@ -618,6 +635,16 @@ def _pack_runs(
             offset += nbytes
 
 
+def _strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (those ``_plain_strides`` checks for)."""
+    if len(shape) == 2:  # the usual case, without the loop
+        return (shape[1], 1)
+    strides = [1] * len(shape)
+    for dim in range(len(shape) - 1, 0, -1):
+        strides[dim - 1] = strides[dim] * shape[dim]
+    return tuple(strides)
+
+
 def _cut(buffer: torch.Tensor, runs: Sequence[Run], results: list[torch.Tensor | None]) -> None:
     """Fill ``results`` with tensors over ``buffer`` (uint8) as ``runs`` lay them out.
 
@@ -639,11 +666,12 @@ def _cut(buffer: torch.Tensor, runs: Sequence[Run], results: list[torch.Tensor |
         pieces = flat.unsafe_split_with_sizes([r.numel * len(r.indices) for r in region])
         for run, piece in zip(region, pieces, strict=True):
             shape, indices = run.shape, run.indices
-            if len(indices) == 1:
-                results[indices[0]] = piece if len(shape) == 1 else piece.view(shape)
+            if len(indices) == 1:  # as_strided: a third of what view costs from Python
+                one = piece if len(shape) == 1 else piece.as_strided(shape, _strides(shape))
+                results[indices[0]] = one
             elif len(shape) == 0:
                 for i, one in zip(indices, piece.unsafe_split(1), strict=True):
-                    results[i] = one.view(shape)
+                    results[i] = one.as_strided(shape, ())
             else:
                 rows = piece.view(len(indices) * shape[0], *shape[1:])
                 for i, one in zip(indices, rows.unsafe_split(shape[0]), strict=True):
@@ -659,6 +687,7 @@ def consolidated_views(
     pin: bool,
     non_blocking: bool,
     bound: int = VIEW_BUFFER_BYTES,
+    eligible: bool = False,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Host ``tensors`` on ``device`` as tensors sharing a few bounded buffers, and the tensors
     that own every result's memory (the shared buffers first, then each loose result).
@@ -670,6 +699,7 @@ def consolidated_views(
     with ``Tensor.to`` and own their storage. ``pin`` stages through pinned memory; with
     ``non_blocking`` the copies are only queued on the current stream. Runs on any device pair
     from the host, ``cpu`` to ``cpu`` included, which is how it is tested without a GPU.
+    ``eligible``: the tensors are ones ``small_host_tensors`` picked (see ``plan_views``).
 
     >>> import torch
     >>> from torchplace.moving._consolidate import consolidated_views
@@ -683,7 +713,7 @@ def consolidated_views(
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     results: list[torch.Tensor | None] = [None] * len(tensors)
-    layout = plan_views(tensors, bound)
+    layout = plan_views(tensors, bound, eligible=eligible)
     buffers: list[torch.Tensor] = []
     with torch.no_grad():
         for i in layout.loose:

@@ -291,7 +291,7 @@ class Copier:
             try:
                 if views:
                     results, _ = consolidated_views(
-                        group, self.target, pin=pin, non_blocking=non_blocking
+                        group, self.target, pin=pin, non_blocking=non_blocking, eligible=True
                     )
                 else:
                     results = packed_host_copy(group, self.target, non_blocking=non_blocking)
@@ -342,6 +342,12 @@ class Copier:
             return self.copy(t, self.target if target is None else target)
         except CopyFailed as failed:
             raise MoveError(failed.message(name), name=name) from failed.cause
+
+    def land(self) -> None:
+        """Complete the host copies the ring brings back (``_staging.BACK_PIPELINE``): a move
+        calls it once its copies are queued, before anything could read them."""
+        for stager in self.stagers.values():
+            stager.land()
 
     def synchronize(self) -> None:
         """Order the current stream after the staged copies; wait, by event, for device-to-host
@@ -409,7 +415,19 @@ def tensor_mover(target: torch.device, copier: Copier) -> Callable[[torch.Tensor
         return to_meta
     if target.type == "cuda":
         index = target.index
-        return lambda t: t if t.is_cuda and t.get_device() == index else copy(t, target, batch=True)
+        copies = copier.copies
+
+        def to_cuda(t: torch.Tensor) -> torch.Tensor:
+            # Copier.copy's first two questions, asked here without its call: a batch's small
+            # tensors mostly wait in the prefilled copies.
+            done = copies.get(id(t))
+            if done is not None and done.is_cuda and done.get_device() == index:
+                return done
+            if t.is_cuda and t.get_device() == index:
+                return t
+            return copy(t, target, batch=True)
+
+        return to_cuda
     return lambda t: copy(t, target, batch=True)
 
 
@@ -473,7 +491,9 @@ def consolidate_small(
         return {}, []
     if views:
         pin = target.type == "cuda"
-        outs, buffers = consolidated_views(small, target, pin=pin, non_blocking=non_blocking)
+        outs, buffers = consolidated_views(
+            small, target, pin=pin, non_blocking=non_blocking, eligible=True
+        )
     else:
         outs = packed_host_copy(small, target, non_blocking=non_blocking)
         buffers = outs
