@@ -581,7 +581,7 @@ def test_on_a_gpu_every_wait_reported_is_one_pytorch_warns_about() -> None:
     warned: set[int] = set()
 
     def record(message: Any, *args: Any, **kwargs: Any) -> None:
-        if "synchroniz" in str(message).lower():
+        if "called a synchronizing cuda operation" in str(message).lower():
             ours = [f.lineno for f in traceback.extract_stack() if f.filename == __file__]
             warned.add(ours[-2])  # the innermost line of ours that is not this function's
 

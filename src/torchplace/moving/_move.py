@@ -706,9 +706,10 @@ def move(
 
 # Off the host: the old host tensors (held by the undo log until the move returns) are dropped
 # by a thread of torchplace's own instead of the caller's, so that giving back their pageable
-# memory (tens of milliseconds for a GiB) overlaps what the caller does next. An A/B switch for
-# bench_move; off, they are dropped as the move returns.
-RELEASE_IN_BACKGROUND = False
+# memory (19 ms for 1.5 GiB on an H200 host) overlaps what the caller does next: there a model
+# with Adam state moved at 0.90 of one pinned copy with it, 0.84 with the old tensors kept alive
+# and 0.58 with them dropped as the move returned (benchmarks/RESULTS.md, 2026-11-28 night).
+RELEASE_IN_BACKGROUND = True
 _RELEASES: queue.SimpleQueue[list[Callable[[], None]]] | None = None
 _RELEASES_LOCK = threading.Lock()
 
