@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 import torchplace
-from torchplace.moving import _move as _move_module
 from torchplace.moving import _staging, _transfer
 from torchplace.moving._staging import (
     STAGE_MIN_BYTES,
@@ -683,32 +682,3 @@ def test_cuda_loads_and_moves_share_one_pool(tmp_path: object) -> None:
     loaded = torchplace.load(path, "cuda:0")
     assert torch.equal(loaded["weight"].cpu(), model.weight.detach())
     assert pool.allocations == made and 0 < pool.kept_bytes <= pool.limit
-
-
-def test_a_move_lands_the_way_back_before_its_commit(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With BACK_PIPELINE a copy back is complete only once landed: the move lands them all
-    before the commit hands any to the model (meta stands in for the host here)."""
-    events: list[str] = []
-
-    class BackStager(_FakeStager):
-        def copy_back(self, t: torch.Tensor) -> torch.Tensor:
-            events.append("copy_back")
-            return t.detach().to("meta")
-
-        def land(self) -> None:
-            events.append("land")
-
-    real_commit = _move_module._commit
-
-    def commit(*args: object) -> None:
-        events.append("commit")
-        real_commit(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(_transfer, "Stager", BackStager)
-    monkeypatch.setattr(_transfer, "stageable", lambda t, target: False)
-    monkeypatch.setattr(_transfer, "stageable_back", lambda t, target: t.numel() >= 512 * 512)
-    monkeypatch.setattr(_move_module, "_commit", commit)
-    model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 4))
-    torchplace.move(model, "meta")
-    assert events == ["copy_back", "land", "commit"]
-    assert model[0].weight.is_meta
