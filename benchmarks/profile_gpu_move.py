@@ -11,12 +11,11 @@ Prints, and writes under ``DIR`` (four small text files):
 - ``profiles.txt``: ``torch.profiler`` (CPU + CUDA) of the same moves, by self CPU time and by
   device time, and ``cProfile`` of their host side, by own time.
 - ``variants.txt``: each variant timed in the same process, best of 3, as a fraction of one
-  pinned copy: the pool's shape (4 x 16 MiB, 8 x 8 MiB, 8 x 16 MiB); to the GPU the move, the
-  move with the old host tensors kept alive while timed (what freeing them costs) and with them
-  dropped by a thread (``_move.RELEASE_IN_BACKGROUND``), the ring and the host packing alone;
-  to the host the move with ``_staging.BACK_PIPELINE`` and ``_staging.LANDING_HUGEPAGES`` off
-  and on, the ring alone, the host landing alone (fresh pageable results filled from pinned
-  slots, with and without huge pages).
+  pinned copy: the pool's shape (4 x 16 MiB, 8 x 8 MiB, 8 x 16 MiB); to the GPU the move with
+  the old host tensors dropped as it returns, kept alive while timed (what freeing them costs)
+  and dropped by a thread (``_move.RELEASE_IN_BACKGROUND``, the default), the ring and the host
+  packing alone; to the host the move, the ring alone and the host landing alone (fresh
+  pageable results filled from pinned slots).
 - ``copies.txt``: bench_copies' 500 x 4 KiB and 500 shapes, owned and views, against one
   ``.to()`` each and the floor, with the steps of each path timed and profiled.
 
@@ -188,14 +187,11 @@ def phases(out: Out, layers: int, width: int) -> None:
         _to("cuda")(model, opt)
         _to("cpu")(model, opt)
     out.say("phases.txt", f"{nbytes / 2**30:.2f} GiB moved; {torch.get_num_threads()} threads")
-    for pipelined in (False, True):
-        _staging.BACK_PIPELINE = pipelined
-        for device in ("cuda", "cpu"):
-            with instrumented() as timers:
-                seconds = timed(lambda d=device: _to(d)(model, opt))
-            head = f"move to {device} (BACK_PIPELINE={pipelined}): {seconds * 1e3:.1f} ms"
-            out.say("phases.txt", f"{head}\n{timers.table(seconds)}")
-    _staging.BACK_PIPELINE = False
+    for device in ("cuda", "cpu"):
+        with instrumented() as timers:
+            seconds = timed(lambda d=device: _to(d)(model, opt))
+        head = f"move to {device}: {seconds * 1e3:.1f} ms"
+        out.say("phases.txt", f"{head}\n{timers.table(seconds)}")
     keep = _tensors(model, opt)  # the host tensors a move to the GPU drops
     _to("cuda")(model, opt)
     torch.cuda.synchronize()
@@ -250,7 +246,7 @@ def profiles(out: Out, layers: int, width: int) -> None:
 
 
 def _ring_back(model: Any, opt: Any) -> None:
-    """The ring alone, device to host, landed (as a move does with BACK_PIPELINE)."""
+    """The ring alone, device to host, landed."""
     stager = _staging.Stager(CUDA)
     cpu = torch.device("cpu")
     for t in _tensors(model, opt):
@@ -265,8 +261,6 @@ def _host_landing(tensors: list[torch.Tensor]) -> None:
     i = 0
     for t in tensors:
         out = torch.empty(t.nbytes, dtype=torch.uint8)
-        if _staging.LANDING_HUGEPAGES:
-            _staging.advise_hugepages(out)
         for start in range(0, t.nbytes, chunk):
             stop = min(start + chunk, t.nbytes)
             out[start:stop].copy_(slots[i % 2][: stop - start])
@@ -291,48 +285,36 @@ def _sample(model: Any, opt: Any, way: str) -> float:
         _to("cpu")(model, opt)
     if way.startswith("to cpu") and not on_gpu:
         _to("cuda")(model, opt)
-    _staging.BACK_PIPELINE = "pipelined" in way
-    _staging.LANDING_HUGEPAGES = "huge pages" in way
+    saved = _move.RELEASE_IN_BACKGROUND
     _move.RELEASE_IN_BACKGROUND = way.endswith("by a thread")
     try:
         if way == "to gpu: move, old host tensors kept":
             return timed(_kept_move(model, opt))
         fns: dict[str, Callable[[], object]] = {
-            "to gpu: move": lambda: _to("cuda")(model, opt),
+            "to gpu: move, old host tensors dropped as it returns": lambda: _to("cuda")(model, opt),
             "to gpu: move, old host tensors dropped by a thread": lambda: _to("cuda")(model, opt),
             "to gpu: ring alone": lambda: _ring(_tensors(model, opt)),
             "to gpu: host packing alone": lambda: _host_packing(_tensors(model, opt)),
             "to cpu: host landing alone": lambda: _host_landing(_tensors(model, opt)),
-            "to cpu: host landing alone, huge pages": lambda: _host_landing(_tensors(model, opt)),
             "to cpu: move": lambda: _to("cpu")(model, opt),
-            "to cpu: move, pipelined": lambda: _to("cpu")(model, opt),
-            "to cpu: move, huge pages": lambda: _to("cpu")(model, opt),
-            "to cpu: move, pipelined, huge pages": lambda: _to("cpu")(model, opt),
             "to cpu: ring alone": lambda: _ring_back(model, opt),
-            "to cpu: ring alone, pipelined": lambda: _ring_back(model, opt),
         }
         return timed(fns[way])
     finally:
-        _staging.BACK_PIPELINE = _staging.LANDING_HUGEPAGES = False
         if _move.RELEASE_IN_BACKGROUND:
             time.sleep(0.3)  # the releasing thread's frees, out of the next way's timing
-        _move.RELEASE_IN_BACKGROUND = False
+        _move.RELEASE_IN_BACKGROUND = saved
 
 
 WAYS = (
-    "to gpu: move",
+    "to gpu: move, old host tensors dropped as it returns",
     "to gpu: move, old host tensors kept",
     "to gpu: move, old host tensors dropped by a thread",
     "to gpu: ring alone",
     "to gpu: host packing alone",
     "to cpu: move",
-    "to cpu: move, pipelined",
-    "to cpu: move, huge pages",
-    "to cpu: move, pipelined, huge pages",
     "to cpu: ring alone",
-    "to cpu: ring alone, pipelined",
     "to cpu: host landing alone",
-    "to cpu: host landing alone, huge pages",
 )
 
 

@@ -4,7 +4,6 @@ performs its copies late, as a DMA engine does."""
 
 from __future__ import annotations
 
-import sys
 import threading
 
 import pytest
@@ -18,7 +17,6 @@ from torchplace.moving._staging import (
     PinnedPool,
     Slot,
     Stager,
-    advise_hugepages,
     stageable,
     stageable_back,
 )
@@ -66,9 +64,6 @@ class _FakeStager:
 
     def synchronize(self) -> None:
         self.synced += 1
-
-    def land(self) -> None:
-        pass
 
     def finish(self) -> None:
         self.finished += 1
@@ -356,10 +351,7 @@ def test_ring_reuses_the_pool_across_moves() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.uint8])
-def test_ring_back_to_the_host_is_complete_and_pageable(
-    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(_staging, "BACK_PIPELINE", False)  # each result complete on return
+def test_ring_back_to_the_host_is_complete_and_pageable(dtype: torch.dtype) -> None:
     pool, transport = host_pool(), _LateTransport()
     stager = ring(pool, transport)
     stager.depth = 2
@@ -371,8 +363,7 @@ def test_ring_back_to_the_host_is_complete_and_pageable(
     assert pool.kept_bytes == 2 * 64 and len(pool._free) == 2  # depth 2: two slots, given back
 
 
-def test_ring_back_gives_its_slots_back_after_a_failure(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_staging, "BACK_PIPELINE", False)  # pipelined: abandon gives them back
+def test_ring_back_gives_its_slots_back_after_a_failure() -> None:
     pool = host_pool()
 
     class Failing(_LateTransport):
@@ -385,71 +376,6 @@ def test_ring_back_gives_its_slots_back_after_a_failure(monkeypatch: pytest.Monk
     with pytest.raises(RuntimeError, match="simulated"):
         stager.copy_back(torch.arange(100.0))
     assert len(pool._free) == pool.kept_bytes // 64  # none lost
-
-
-def test_ring_back_pipelined_keeps_chunks_in_flight_across_tensors(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """BACK_PIPELINE: the next tensors' chunks travel before the earlier ones land, never more
-    than ``depth`` at once, and ``land`` completes every result bit for bit, pageable."""
-    monkeypatch.setattr(_staging, "BACK_PIPELINE", True)
-    pool, transport = host_pool(limit=3 * 64), _LateTransport()
-    stager = ring(pool, transport)
-    stager.depth = 3
-    tensors = sources(torch.float32)  # 13 chunks of at most 64 bytes over four tensors
-    expected = [t.clone() for t in tensors]
-    out = []
-    for t in tensors:
-        out.append(stager.copy_back(t))
-        assert len(stager.back) <= 3 and len(transport.queue) <= 3
-    assert len(stager.back) == 3 and transport.done == 10  # waited only for the oldest ones
-    stager.land()
-    assert not stager.back and not transport.queue
-    for o, e, t in zip(out, expected, tensors, strict=True):
-        assert o.dtype == e.dtype and o.shape == e.shape
-        assert torch.equal(o.view(torch.uint8), e.view(torch.uint8))
-        assert o.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
-    assert pool.allocations == 3 and len(pool._free) == 3  # every slot given back
-
-
-def test_ring_back_pipelined_finish_lands_and_abandon_gives_slots_back(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(_staging, "BACK_PIPELINE", True)
-    pool, transport = host_pool(limit=3 * 64), _LateTransport()
-    stager = ring(pool, transport)
-    out = stager.copy_back(torch.arange(40.0))  # three chunks, none landed yet
-    assert len(stager.back) == 3
-    stager.finish()
-    assert torch.equal(out, torch.arange(40.0)) and not stager.back
-    stager.copy_back(torch.arange(40.0))
-    stager.abandon()  # a failed move: nothing lands, every slot goes back once done
-    assert not stager.back and not transport.queue
-    assert len(pool._free) == 3 and pool.kept_bytes == 3 * 64
-
-
-@pytest.mark.parametrize("pipelined", [False, True])
-def test_ring_back_advises_huge_pages_under_each_result_when_asked(
-    pipelined: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """LANDING_HUGEPAGES: each result is advised before a byte lands in it; values unchanged."""
-    advised: list[torch.Tensor] = []
-    monkeypatch.setattr(_staging, "BACK_PIPELINE", pipelined)
-    monkeypatch.setattr(_staging, "LANDING_HUGEPAGES", True)
-    monkeypatch.setattr(_staging, "advise_hugepages", lambda t: advised.append(t.clone()))
-    stager = ring(host_pool(), _LateTransport())
-    tensors = sources(torch.float32)
-    out = [stager.copy_back(t) for t in tensors]
-    stager.land()
-    assert [a.shape for a in advised] == [t.shape for t in tensors]
-    for o, t in zip(out, tensors, strict=True):
-        assert torch.equal(o.view(torch.uint8), t.view(torch.uint8))
-
-
-@pytest.mark.skipif(sys.platform != "linux", reason="madvise is Linux's")
-def test_advise_hugepages_asks_only_for_whole_aligned_huge_pages() -> None:
-    assert advise_hugepages(torch.empty(8 << 20, dtype=torch.uint8))  # holds 3 aligned 2 MiB
-    assert not advise_hugepages(torch.empty(1 << 20, dtype=torch.uint8))  # none whole
 
 
 def test_slot_starts_without_an_event() -> None:
@@ -548,11 +474,7 @@ def test_cuda_way_back_waits_for_work_queued_before_the_move() -> None:
 
 
 @pytest.mark.requires_cuda
-@pytest.mark.parametrize("pipelined", [False, True])
-def test_cuda_model_round_trip_through_the_ring_is_bit_identical(
-    pipelined: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(_staging, "BACK_PIPELINE", pipelined)
+def test_cuda_model_round_trip_through_the_ring_is_bit_identical() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(1024, 8))  # 4 MiB weight
     opt = torch.optim.AdamW(model.parameters())

@@ -427,7 +427,6 @@ def _move_modules(
     )
     devices = {pid: new.device for pid, new in copies.params.items()}
     states = _plan_optimizer_states(optimizers, plan, bindings.final, devices, copier)
-    copier.land()  # every copy back on the host complete before the commit hands it out
 
     # Phase 2: commit, every step undoable.
     _commit(roots, plan, copies, bindings, new_attributes, states, log)

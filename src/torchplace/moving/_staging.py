@@ -44,8 +44,6 @@ matches the largest tensor a consolidated copy takes (``_consolidate.MAX_TENSOR_
 from __future__ import annotations
 
 import collections
-import ctypes
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -57,8 +55,6 @@ from .._devices import host_available
 from .._tensor_size import PLAIN_TYPES
 
 __all__ = [
-    "BACK_PIPELINE",
-    "LANDING_HUGEPAGES",
     "LOW_MEMORY_BYTES",
     "STAGE_BUFFERS",
     "STAGE_CHUNK_BYTES",
@@ -68,7 +64,6 @@ __all__ = [
     "Slot",
     "Stager",
     "Transport",
-    "advise_hugepages",
     "copy_stream",
     "pinned_pool",
     "release_pinned_memory",
@@ -84,17 +79,6 @@ STAGE_MIN_BYTES = 1 << 20
 # holds one slot: 4 slots cap the reader at 4 threads).
 STAGE_CHUNK_BYTES = 16 << 20
 STAGE_BUFFERS = 8
-# Device to host: True keeps up to ``STAGE_BUFFERS`` chunks in flight across tensors (each
-# ``copy_back`` returns at once; ``land`` completes every result), so the host copy out of one
-# slot overlaps the transfers of the next tensors. False: each ``copy_back`` drains the ring
-# before it returns (a model's tensors cross one at a time). An A/B switch for bench_move.
-BACK_PIPELINE = False
-# Device to host: advise huge pages (Linux's madvise MADV_HUGEPAGE) under each result before it
-# is filled, so that landing faults its fresh pages in 2 MiB at a time rather than 4 KiB (where
-# the kernel's transparent huge pages are "madvise" or "always"). An A/B switch for bench_move.
-LANDING_HUGEPAGES = False
-_HUGE = 2 << 20
-_MADV_HUGEPAGE = 14
 # Below this much available host memory (Linux's MemAvailable) the pool keeps no slot after use.
 LOW_MEMORY_BYTES = 1 << 30
 
@@ -343,26 +327,6 @@ def _empty_torch_host_cache() -> None:
 # --- the ring ------------------------------------------------------------------------------------
 
 
-_LIBC: list[Any] = []  # [the C library, or None where it cannot be had], looked up once
-
-
-def advise_hugepages(t: torch.Tensor) -> bool:
-    """Ask the kernel for huge pages under the 2 MiB-aligned part of host tensor ``t``'s memory;
-    whether it was asked (Linux only; never an error: only advice)."""
-    if not _LIBC:
-        try:
-            _LIBC.append(ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None)
-        except OSError:
-            _LIBC.append(None)
-    libc = _LIBC[0]
-    start = (t.data_ptr() + _HUGE - 1) & ~(_HUGE - 1)
-    stop = (t.data_ptr() + t.nbytes) & ~(_HUGE - 1)
-    if libc is None or stop <= start:
-        return False
-    size = ctypes.c_size_t(stop - start)
-    return bool(libc.madvise(ctypes.c_void_p(start), size, _MADV_HUGEPAGE) == 0)
-
-
 class Transport(Protocol):
     """What the ring asks of a device: queued copies, events, and ordering between streams."""
 
@@ -445,11 +409,6 @@ class Stager:
         self.chunk = min(STAGE_CHUNK_BYTES, self.pool.slot_bytes)
         self.depth = STAGE_BUFFERS
         self.pending = False  # transfers queued since the last finish
-        # Device-to-host chunks in flight (BACK_PIPELINE): slot, event, where its bytes land,
-        # and the device tensor they come from, kept alive until they have landed.
-        self.back: collections.deque[tuple[Slot, Any, torch.Tensor, torch.Tensor]] = (
-            collections.deque()
-        )
 
     def copy(self, t: torch.Tensor) -> torch.Tensor:
         """A new tensor on the device with ``t``'s values bit for bit, dtype, shape and strides.
@@ -476,63 +435,14 @@ class Stager:
         return out
 
     def copy_back(self, t: torch.Tensor) -> torch.Tensor:
-        """A new pageable host tensor with the values of ``t`` (on the device).
+        """A new pageable host tensor with the values of ``t`` (on the device), complete.
 
         Up to ``STAGE_BUFFERS`` chunks are in flight into pinned slots while the host copies
-        each finished one into the result. The result is complete on return, or, with
-        ``BACK_PIPELINE``, once ``land`` (or ``finish``, ``synchronize``) has run: the chunks
-        of the next tensors then travel while this one's land.
+        each finished one into the result.
         """
-        if not BACK_PIPELINE:
-            return self._copy_back_whole(t)
-        with torch.no_grad():
-            out = torch.empty_like(t, device="cpu")
-            if LANDING_HUGEPAGES:
-                advise_hugepages(out)
-            source = t.detach().reshape(-1).view(torch.uint8)
-            landing = out.view(-1).view(torch.uint8)
-            self.transport.begin()  # the device tensor's producers come first
-            for start in range(0, source.numel(), self.chunk):
-                if len(self.back) >= self.depth:
-                    self._land_back()
-                stop = min(start + self.chunk, source.numel())
-                self._send_back(source, start, stop, landing[start:stop])
-        return out
-
-    def _send_back(
-        self, source: torch.Tensor, start: int, stop: int, landing: torch.Tensor
-    ) -> None:
-        """Queue one chunk of ``source`` into a slot; it lands in ``landing`` later."""
-        slot = self.pool.take(stop - start)
-        try:
-            self.transport.copy(slot.buffer[: stop - start], source[start:stop])
-            event = self.transport.mark()
-        except BaseException:
-            self.pool.give(slot, None)
-            raise
-        self.back.append((slot, event, landing, source))
-
-    def _land_back(self) -> None:
-        """Wait for the oldest chunk in flight back, copy it into its result, free its slot."""
-        slot, event, landing, _ = self.back.popleft()
-        try:
-            event.synchronize()
-            landing.copy_(slot.buffer[: landing.numel()])
-        finally:
-            self.pool.give(slot, None)
-
-    def land(self) -> None:
-        """Complete every result of ``copy_back`` (``BACK_PIPELINE``): the host waits."""
-        while self.back:
-            self._land_back()
-
-    def _copy_back_whole(self, t: torch.Tensor) -> torch.Tensor:
-        """``copy_back`` without ``BACK_PIPELINE``: the ring drained before it returns."""
         transport, pool, chunk = self.transport, self.pool, self.chunk
         with torch.no_grad():
             out = torch.empty_like(t, device="cpu")
-            if LANDING_HUGEPAGES:
-                advise_hugepages(out)
             source = t.detach().reshape(-1).view(torch.uint8)
             landing = out.view(-1).view(torch.uint8)
             transport.begin()  # the device tensor's producers come first
@@ -566,9 +476,7 @@ class Stager:
             self.pool.give(slot, None)
 
     def finish(self) -> None:
-        """Complete the results of ``copy_back``; order the current stream after every
-        transfer queued so far (no host wait for those)."""
-        self.land()
+        """Order the current stream after every transfer queued so far (no host wait)."""
         if self.pending:
             self.transport.finish()
             self.pending = False
@@ -579,10 +487,6 @@ class Stager:
         self.transport.wait()
 
     def abandon(self) -> None:
-        """After a failure: wait for queued transfers, so no result is freed while written;
-        the slots of chunks still in flight back go back to the pool."""
+        """After a failure: wait for queued transfers, so no result is freed while written."""
         self.transport.wait()
         self.pending = False
-        while self.back:
-            slot, event, _, _ = self.back.popleft()
-            self.pool.give(slot, event)

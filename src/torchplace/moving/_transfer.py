@@ -343,12 +343,6 @@ class Copier:
         except CopyFailed as failed:
             raise MoveError(failed.message(name), name=name) from failed.cause
 
-    def land(self) -> None:
-        """Complete the host copies the ring brings back (``_staging.BACK_PIPELINE``): a move
-        calls it once its copies are queued, before anything could read them."""
-        for stager in self.stagers.values():
-            stager.land()
-
     def synchronize(self) -> None:
         """Order the current stream after the staged copies; wait, by event, for device-to-host
         copies so no caller reads bytes not yet there.
