@@ -363,29 +363,6 @@ def test_ring_back_to_the_host_is_complete_and_pageable(dtype: torch.dtype) -> N
     assert pool.kept_bytes == 2 * 64 and len(pool._free) == 2  # depth 2: two slots, given back
 
 
-def test_ring_back_sends_a_slot_sized_tensor_in_smaller_chunks(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A tensor of one slot's size crosses back as several chunks, the first landed while the
-    others are still in flight (a chunk per slot made transfer and landing take turns)."""
-    monkeypatch.setattr(_staging, "BACK_CHUNK_BYTES", 16)
-    queued_at_waits: list[int] = []
-
-    class Counting(_LateTransport):
-        def run(self, upto: int) -> None:
-            queued_at_waits.append(len(self.queue))
-            super().run(upto)
-
-    pool, transport = host_pool(), Counting()
-    stager = ring(pool, transport)
-    stager.depth = 2
-    t = torch.randint(0, 256, (64,), dtype=torch.uint8)
-    back = stager.copy_back(t)
-    assert torch.equal(back, t)
-    assert transport.log == ["begin"] + ["copy"] * 4 and transport.done == 4
-    assert queued_at_waits[0] == 2  # two chunks in flight (depth 2) at the first landing
-
-
 def test_ring_back_gives_its_slots_back_after_a_failure() -> None:
     pool = host_pool()
 

@@ -11,9 +11,8 @@ and queues its asynchronous transfer while the next chunk is being packed into t
                                 transfer's event has completed)
 
 Device to host runs the ring the other way (``Stager.copy_back``): up to ``STAGE_BUFFERS``
-chunks (of ``BACK_CHUNK_BYTES``, smaller than a slot) are in flight into pinned slots while the
-host copies each finished one into the pageable result, so a model comes back to the host at
-pinned speed without landing in page-locked memory.
+chunks are in flight into pinned slots while the host copies each finished one into the pageable
+result, so a model comes back to the host at pinned speed without landing in page-locked memory.
 
 **Overlap by construction.** The transfers run on a stream of their own per device
 (``copy_stream``), never on the caller's: nothing else the caller or the move queues on the
@@ -56,7 +55,6 @@ from .._devices import host_available
 from .._tensor_size import PLAIN_TYPES
 
 __all__ = [
-    "BACK_CHUNK_BYTES",
     "LOW_MEMORY_BYTES",
     "STAGE_BUFFERS",
     "STAGE_CHUNK_BYTES",
@@ -81,10 +79,6 @@ STAGE_MIN_BYTES = 1 << 20
 # holds one slot: 4 slots cap the reader at 4 threads).
 STAGE_CHUNK_BYTES = 16 << 20
 STAGE_BUFFERS = 8
-# Device to host, chunks of at most this much (each in a slot of its own): a tensor of one
-# slot's size then crosses as several chunks, so the host lands the first while the next are
-# in flight (a whole slot per chunk made each tensor's transfer and landing take turns).
-BACK_CHUNK_BYTES = 4 << 20
 # Below this much available host memory (Linux's MemAvailable) the pool keeps no slot after use.
 LOW_MEMORY_BYTES = 1 << 30
 
@@ -446,7 +440,7 @@ class Stager:
         Up to ``STAGE_BUFFERS`` chunks are in flight into pinned slots while the host copies
         each finished one into the result.
         """
-        transport, pool, chunk = self.transport, self.pool, min(self.chunk, BACK_CHUNK_BYTES)
+        transport, pool, chunk = self.transport, self.pool, self.chunk
         with torch.no_grad():
             out = torch.empty_like(t, device="cpu")
             source = t.detach().reshape(-1).view(torch.uint8)
