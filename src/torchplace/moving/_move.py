@@ -705,10 +705,12 @@ def move(
 
 # Off the host: the old host tensors (held by the undo log until the move returns) are dropped
 # by a thread of torchplace's own instead of the caller's, so that giving back their pageable
-# memory (19 ms for 1.5 GiB on an H200 host) overlaps what the caller does next: there a model
-# with Adam state moved at 0.90 of one pinned copy with it, 0.84 with the old tensors kept alive
-# and 0.58 with them dropped as the move returned (benchmarks/RESULTS.md, 2026-11-28 night).
-RELEASE_IN_BACKGROUND = True
+# memory (19 ms for 1.5 GiB on an H200 host) overlaps what the caller does next. Off: on the
+# H200 it made a move of a model with Adam state faster (0.33 against 0.21 of one pinned copy,
+# 0.90 against 0.58 in another run), but the process of bench_move.py then ended with "terminate
+# called without an active exception" (SIGABRT) once, unexplained; not on until a GPU run shows
+# a clean exit (benchmarks/RESULTS.md, 2026-11-28 night).
+RELEASE_IN_BACKGROUND = False
 _RELEASES: queue.SimpleQueue[list[Callable[[], None]]] | None = None
 _RELEASES_LOCK = threading.Lock()
 

@@ -23,7 +23,7 @@ may have been freed by work queued there), and the current stream waits for the 
 ``finish``, so results are ordered on the current stream as a ``.to()`` would be.
 
 **The pool.** Slots come from ``pinned_pool()``, one process-wide ``PinnedPool`` of at most
-``STAGE_BUFFERS`` slots of ``STAGE_CHUNK_BYTES`` (128 MiB of pinned memory), kept between moves
+``STAGE_BUFFERS`` slots of ``STAGE_CHUNK_BYTES`` (64 MiB of pinned memory), kept between moves
 (the first move of a process pays for pinning once, later moves and loads reuse the slots) and
 released by ``release_pinned_memory()``, when pinning fails for lack of memory, and when the
 host runs low on memory (less than ``LOW_MEMORY_BYTES`` available: it then keeps nothing). The
@@ -72,12 +72,12 @@ __all__ = [
 ]
 
 STAGE_MIN_BYTES = 1 << 20
-# 8 slots of 16 MiB (128 MiB), as measured on an H200 host (benchmarks/RESULTS.md, 2026-11-28
-# night), each shape best of 3 in one process: a model with Adam state moved to the GPU at 0.90
-# of one pinned copy on 8 x 16 MiB, 0.67 on 8 x 8 MiB, 0.78 on 4 x 16 MiB; a load onto the GPU
-# read 26.5 GB/s with 8 threads on 8 x 16 MiB, 29 on 8 x 8 MiB and 22 on 4 x 16 MiB (a thread
-# holds one slot: 4 slots cap the reader at 4 threads).
-STAGE_CHUNK_BYTES = 16 << 20
+# 8 slots of 8 MiB (64 MiB), as measured on H200 hosts (benchmarks/RESULTS.md, 2026-11-28
+# night): a load onto the GPU read 24.6-29 GB/s with 8 threads on 8 x 8 MiB, 20-26.5 on
+# 8 x 16 MiB, 15-22 on 4 x 16 MiB (a thread holds one slot: 4 slots cap the reader at 4
+# threads), and a bf16 model converted from fp32 on the GPU peaks at its bytes + 64 MiB (one
+# slot's chunk per thread; 128 MiB with 16 MiB slots). Moves showed no shape clearly better.
+STAGE_CHUNK_BYTES = 8 << 20
 STAGE_BUFFERS = 8
 # Below this much available host memory (Linux's MemAvailable) the pool keeps no slot after use.
 LOW_MEMORY_BYTES = 1 << 30
@@ -301,7 +301,7 @@ def pinned_pool() -> PinnedPool:
 def release_pinned_memory() -> int:
     """Give back the pinned host memory torchplace keeps for staging; returns the bytes freed.
 
-    Moves and loads keep a bounded pool of pinned buffers (128 MiB at most) so that only
+    Moves and loads keep a bounded pool of pinned buffers (64 MiB at most) so that only
     the first one in a process pays for pinning memory. This frees that pool, waiting for any
     transfer still using it, and asks PyTorch to empty its own cache of pinned blocks (the
     staging of consolidated copies and of ``DeviceLoader``) where it can. The next move pins
