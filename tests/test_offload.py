@@ -223,22 +223,76 @@ def nested() -> nn.Sequential:
     return nn.Sequential(nn.Linear(8, 8), Pair(), nn.Linear(8, 8)).eval()
 
 
-def test_an_entry_inside_an_offloaded_one_runs_where_it_is_mapped() -> None:
-    """The most specific entry decides: "1.b" mapped to the CPU inside "1" on disk stays in
-    memory, and only "1.a" is read (the same rule makes {"": "cpu", "layers": "cuda:0"} keep
-    the layers on the GPU)."""
+def test_dispatch_refuses_an_entry_inside_a_disk_one() -> None:
+    """A disk module is read whole from one source: "1.b" kept in memory inside "1" on disk
+    would be read (and gathered back by move) from the checkpoint all the same."""
     reference = nested()
     model = copy.deepcopy(reference)
     on_disk(model, ["1"])
     model[1].b = copy.deepcopy(reference[1].b)  # in memory again
-    transport = FakeTransport()
-    torchplace.dispatch(model, {"": "cpu", "1": "disk", "1.b": "cpu"}, _transport=transport)
-    x = torch.randn(3, 8)
-    with torch.no_grad():
-        assert torch.equal(model(x), reference(x))
-    assert model[1].a.weight.is_meta and not model[1].b.weight.is_meta
-    assert torch.equal(model[1].b.weight, reference[1].b.weight)
-    assert [p for k, p in transport.log if k == "wait"] == ["1"]
+    with pytest.raises(
+        torchplace.DeviceSpecError, match=r"device_map\['1\.b'\] is 'cpu' inside '1'.*'disk'"
+    ):
+        torchplace.dispatch(model, {"": "cpu", "1": "disk", "1.b": "cpu"})
+    assert not is_dispatched(model) and torch.equal(model[1].b.weight, reference[1].b.weight)
+
+
+def test_a_tie_between_an_offloaded_and_a_resident_holder_is_refused() -> None:
+    model = mlp(2)
+    model[2].weight = model[0].weight  # tied: "0" on disk, "2" resident
+    with pytest.raises(torchplace.DeviceSpecError, match=r"model\.0\.weight is tied to.*'0'"):
+        torchplace.dispatch(model, {"": "cpu", "0": "disk"})
+    assert not is_dispatched(model) and not model[0].weight.is_meta
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 4)
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize(
+    ("device_map", "units", "resident"),
+    [
+        # the root offloaded, one layer on the GPU: the root's unit leaves that layer out
+        ({"": "cpu", "layers.1": "cuda:0"}, [""], "layers.1"),
+        # a container offloaded (it never runs): its children are the units, less the one
+        # the map puts on the GPU
+        (
+            {"": "cuda:0", "layers": "cpu", "layers.1": "cuda:0"},
+            ["layers.0", "layers.2"],
+            "layers.1",
+        ),
+    ],
+)
+def test_the_most_specific_entry_decides_what_is_offloaded(
+    device_map: dict[str, str], units: list[str], resident: str
+) -> None:
+    """With a GPU executing (worked out here without one: nothing is placed), a module mapped
+    to the GPU inside an offloaded entry is neither in an offloaded unit nor homed on the
+    host. ({"": "cpu", "model.layers": "cuda:0"} kept the layers home on the CPU.)"""
+    from torchplace._model_walk import walk_model
+    from torchplace.spreading import _dispatch
+
+    model = Stack()
+    tree = walk_model(model)
+    entries = {k: torch.device(v) for k, v in device_map.items()}
+    offload = _dispatch._offloading(entries, None)
+    found = _dispatch._units(tree, offload)
+    assert [u.path for u in found] == units
+    slotted = {id(p) for u in found for _, _, p in u.slots}
+    inner = model.get_submodule(resident)
+    assert not slotted & {id(p) for p in inner.parameters()}
+    homes = _dispatch._homes(tree, offload, _dispatch._targets(tree, offload.runs))
+    assert {homes[id(p)] for p in inner.parameters()} == {torch.device("cuda", 0)}
+    assert homes[id(model.embed.weight)] == torch.device(device_map[""])  # the root's entry
 
 
 def test_load_into_refuses_an_entry_inside_a_disk_one(tmp_path: Any) -> None:

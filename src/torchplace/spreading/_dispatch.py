@@ -453,13 +453,18 @@ def _offloading(entries: dict[str, torch.device | str], execution_device: object
 
 
 def check_offloading(
-    entries: dict[str, torch.device | str], execution_device: object, offload_window: int
+    tree: ModelTree,
+    entries: dict[str, torch.device | str],
+    execution_device: object,
+    offload_window: int,
 ) -> None:
-    """``dispatch``'s checks of ``execution_device`` and ``offload_window`` for ``entries``
-    (parsed by ``parse_device_map``), for a caller that does a long job before dispatching."""
+    """``dispatch``'s checks of ``execution_device``, ``offload_window`` and the map's
+    offloaded entries for ``entries`` (parsed by ``parse_device_map``), for a caller that does
+    a long job before dispatching."""
     offload = _offloading(entries, execution_device)
     if offload.tiers and offload_window < 1:
         raise _window_error(offload_window)
+    _check_offload_map(tree, entries, offload)
 
 
 def _window_error(offload_window: int) -> DeviceSpecError:
@@ -519,12 +524,52 @@ def _homes(
     return homes
 
 
-def _unit_paths(tree: ModelTree, path: str) -> list[str]:
+def _unit_paths(tree: ModelTree, path: str, entries: Mapping[str, object]) -> list[str]:
     """The modules that run for an offloaded entry: itself, or (a container that never runs
-    itself, such as a ``ModuleList``) its children, each in turn."""
+    itself, such as a ``ModuleList``) its children, each in turn, less those the map puts
+    elsewhere (an entry of their own)."""
     if _runs(tree.modules[path]) or not tree.children[path]:
         return [path]
-    return [p for child in tree.children[path] for p in _unit_paths(tree, child)]
+    entry = _entry_of(path, entries)
+    return [
+        p
+        for child in tree.children[path]
+        if _entry_of(child, entries) == entry
+        for p in _unit_paths(tree, child, entries)
+    ]
+
+
+def _check_offload_map(tree: ModelTree, entries: Mapping[str, object], offload: _Offload) -> None:
+    """Refuse what an offloaded map cannot run: an entry inside a ``"disk"`` one that is not on
+    disk itself (a disk module is read whole, from one source), and a tied tensor whose holders
+    the map puts on different tiers (one fetched for each call, one resident)."""
+    for name, where in entries.items():
+        if where != DISK:
+            continue
+        for inner, there in entries.items():
+            if inner != name and _under(inner, name) and there != DISK:
+                raise DeviceSpecError(
+                    f"device_map[{inner!r}] is {str(there)!r} inside {name!r}, which is on "
+                    f"'disk': a disk module is read whole; map the parts of {name!r} to 'disk' "
+                    f"one by one instead, or map {name!r} to 'cpu' or a device"
+                )
+    for key, owners in tree.owner_modules.items():
+        if len(set(owners)) < 2:
+            continue
+        held = {path: _entry_of(path, entries) for path in owners}
+        tiers = {path: offload.tiers.get(entry or "") for path, entry in held.items()}
+        if len(set(tiers.values())) > 1:
+            names = tree.owners[key]
+            placed = ", ".join(
+                f"{display(p)} " + (f"offloaded to {t!r}" if t else "resident")
+                for p, t in tiers.items()
+            )
+            raise DeviceSpecError(
+                f"{display(names[0])} is tied to {', '.join(map(display, names[1:]))} but the "
+                f"map offloads some of its holders and not others ({placed}); one tensor is "
+                f"fetched or resident, not both, so map "
+                f"{' and '.join(repr(e) for e in dict.fromkeys(held.values()))} alike"
+            )
 
 
 def _units(tree: ModelTree, offload: _Offload) -> list[Unit]:
@@ -535,7 +580,7 @@ def _units(tree: ModelTree, offload: _Offload) -> list[Unit]:
     for entry, tier in offload.tiers.items():
         found = tree.modules[entry].__dict__.get(HOME)
         entry_source = found.source if isinstance(found, Home) else None
-        for path in _unit_paths(tree, entry):
+        for path in _unit_paths(tree, entry, offload.runs):
             source = entry_source
             slots, names = [], []
             for key in tree.subtree(path):
@@ -737,6 +782,7 @@ def _dispatched(
     _keep_on_disk(model, entries)
     offload = _offloading(entries, execution_device)
     targets = _targets(tree, offload.runs)
+    _check_offload_map(tree, entries, offload)
     units = _units(tree, offload) if offload.tiers else []
     if units and offload_window < 1:
         raise _window_error(offload_window)

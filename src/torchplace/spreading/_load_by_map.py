@@ -121,11 +121,11 @@ def _by_map(
     from ..moving._offloaded import HOME, Home
     from ._dispatch import DISK, check_offloading, dispatch, parse_device_map
 
-    entries = parse_device_map(walk_model(model), device_map)
-    check_offloading(entries, execution_device, offload_window)  # before reading a byte
+    tree = walk_model(model)
+    entries = parse_device_map(tree, device_map)
     disk = [name for name, where in entries.items() if where == DISK]
     _check_disk(model, source, disk)
-    _check_nested(entries, disk)
+    check_offloading(tree, entries, execution_device, offload_window)  # before reading a byte
     renamer = None if rename is None else as_renamer(rename)
     with one_open_each():  # each file opened once in this call (the disk tier's reads: later)
         found = catalog(source) if disk else None  # resolved once, for the check and the tier
@@ -170,19 +170,6 @@ def _check_disk(model: nn.Module, source: object, disk: list[str]) -> None:
                 "checkpoint keeps too; the disk tier leaves only parameters in the file, so "
                 f"map {name!r} to 'cpu' or to a device"
             )
-
-
-def _check_nested(entries: Mapping[str, object], disk: list[str]) -> None:
-    """Refuse an entry inside a ``"disk"`` one that is not on disk itself: the disk module is
-    held out of the fill whole, so the inner one would be left without its weights."""
-    for name in disk:
-        for inner, where in entries.items():
-            if inner.startswith(name + ".") and where != "disk":
-                raise DeviceSpecError(
-                    f"device_map[{inner!r}] is {str(where)!r} inside {name!r}, which is on "
-                    f"'disk': a disk module is read whole; map the parts of {name!r} to 'disk' one "
-                    f"by one instead, or map {name!r} to 'cpu' or a device"
-                )
 
 
 def _check_in_file(
