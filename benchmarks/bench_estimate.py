@@ -116,7 +116,7 @@ def _real_peak(model: torch.nn.Module, batch: dict[str, torch.Tensor], train: bo
 
 def _split(est: Estimate) -> str:
     """The estimate's kinds at its peak, in MiB, for the line printed beside the real peak."""
-    row = est.peaks[0] if est.peaks else None
+    row = next((r for r in est.peaks if r.device.type == "cuda"), None)
     if row is None:
         return f"not measured: {est.fallback}"
     kinds = [f.name for f in dataclasses.fields(row) if f.name not in ("device", "total")]

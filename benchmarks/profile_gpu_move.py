@@ -12,10 +12,9 @@ Prints, and writes under ``DIR`` (four small text files):
   device time, and ``cProfile`` of their host side, by own time.
 - ``variants.txt``: each variant timed in the same process, best of 3, as a fraction of one
   pinned copy: the pool's shape (4 x 16 MiB, 8 x 8 MiB, 8 x 16 MiB); to the GPU the move with
-  the old host tensors dropped as it returns, kept alive while timed (what freeing them costs)
-  and dropped by a thread (``_move.RELEASE_IN_BACKGROUND``, the default), the ring and the host
-  packing alone; to the host the move, the ring alone and the host landing alone (fresh
-  pageable results filled from pinned slots).
+  the old host tensors dropped as it returns and kept alive while timed (what freeing them
+  costs), the ring and the host packing alone; to the host the move, the ring alone and the
+  host landing alone (fresh pageable results filled from pinned slots).
 - ``copies.txt``: bench_copies' 500 x 4 KiB and 500 shapes, owned and views, against one
   ``.to()`` each and the floor, with the steps of each path timed and profiled.
 
@@ -131,13 +130,10 @@ _PATCHED = [
     (_transfer, "stageable_back"),
     (_transfer.Copier, "prefill"),
     (_transfer.Copier, "copy"),
-    (_transfer.Copier, "land"),
     (_transfer.Copier, "synchronize"),
     (_staging.Stager, "copy"),
     (_staging.Stager, "copy_back"),
-    (_staging.Stager, "land"),
-    (_staging.Stager, "_land_back"),
-    (_move, "_release_later"),
+    (_staging.Stager, "_land"),
     (_staging.Stager, "finish"),
     (_staging.PinnedPool, "take"),
     (_staging.PinnedPool, "give"),
@@ -285,31 +281,22 @@ def _sample(model: Any, opt: Any, way: str) -> float:
         _to("cpu")(model, opt)
     if way.startswith("to cpu") and not on_gpu:
         _to("cuda")(model, opt)
-    saved = _move.RELEASE_IN_BACKGROUND
-    _move.RELEASE_IN_BACKGROUND = way.endswith("by a thread")
-    try:
-        if way == "to gpu: move, old host tensors kept":
-            return timed(_kept_move(model, opt))
-        fns: dict[str, Callable[[], object]] = {
-            "to gpu: move, old host tensors dropped as it returns": lambda: _to("cuda")(model, opt),
-            "to gpu: move, old host tensors dropped by a thread": lambda: _to("cuda")(model, opt),
-            "to gpu: ring alone": lambda: _ring(_tensors(model, opt)),
-            "to gpu: host packing alone": lambda: _host_packing(_tensors(model, opt)),
-            "to cpu: host landing alone": lambda: _host_landing(_tensors(model, opt)),
-            "to cpu: move": lambda: _to("cpu")(model, opt),
-            "to cpu: ring alone": lambda: _ring_back(model, opt),
-        }
-        return timed(fns[way])
-    finally:
-        if _move.RELEASE_IN_BACKGROUND:
-            time.sleep(0.3)  # the releasing thread's frees, out of the next way's timing
-        _move.RELEASE_IN_BACKGROUND = saved
+    if way == "to gpu: move, old host tensors kept":
+        return timed(_kept_move(model, opt))
+    fns: dict[str, Callable[[], object]] = {
+        "to gpu: move, old host tensors dropped as it returns": lambda: _to("cuda")(model, opt),
+        "to gpu: ring alone": lambda: _ring(_tensors(model, opt)),
+        "to gpu: host packing alone": lambda: _host_packing(_tensors(model, opt)),
+        "to cpu: host landing alone": lambda: _host_landing(_tensors(model, opt)),
+        "to cpu: move": lambda: _to("cpu")(model, opt),
+        "to cpu: ring alone": lambda: _ring_back(model, opt),
+    }
+    return timed(fns[way])
 
 
 WAYS = (
     "to gpu: move, old host tensors dropped as it returns",
     "to gpu: move, old host tensors kept",
-    "to gpu: move, old host tensors dropped by a thread",
     "to gpu: ring alone",
     "to gpu: host packing alone",
     "to cpu: move",

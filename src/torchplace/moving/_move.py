@@ -15,9 +15,7 @@ the replacement is remembered so that ``stragglers`` can still name an optimizer
 from __future__ import annotations
 
 import contextlib
-import queue
 import sys
-import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -697,42 +695,8 @@ def move(
         if isinstance(exc, TorchplaceError) or not isinstance(exc, Exception):
             raise
         raise MoveError(f"could not move {type(obj).__name__} to {target}: {exc}") from exc
-    if RELEASE_IN_BACKGROUND and target.type != "cpu":
-        _release_later(log)
     _warn_after(obj, result, target, copier, left_behind, attributes)
     return result  # type: ignore[no-any-return]
-
-
-# Off the host: the old host tensors (held by the undo log until the move returns) are dropped
-# by a thread of torchplace's own instead of the caller's, so that giving back their pageable
-# memory (19 ms for 1.5 GiB on an H200 host) overlaps what the caller does next. Off: on the
-# H200 it made a move of a model with Adam state faster (0.33 against 0.21 of one pinned copy,
-# 0.90 against 0.58 in another run), but the process of bench_move.py then ended with "terminate
-# called without an active exception" (SIGABRT) once, unexplained; not on until a GPU run shows
-# a clean exit (benchmarks/RESULTS.md, 2026-11-28 night).
-RELEASE_IN_BACKGROUND = False
-_RELEASES: queue.SimpleQueue[list[Callable[[], None]]] | None = None
-_RELEASES_LOCK = threading.Lock()
-
-
-def _release_later(log: UndoLog) -> None:
-    """Hand what ``log`` holds (the old tensors, in its undos) to the releasing thread."""
-    global _RELEASES
-    undos, log.undos = log.undos, []
-    if not undos:
-        return
-    with _RELEASES_LOCK:
-        if _RELEASES is None:
-            _RELEASES = queue.SimpleQueue()
-            name = "torchplace-release"
-            threading.Thread(target=_drop, args=(_RELEASES,), name=name, daemon=True).start()
-    _RELEASES.put(undos)
-
-
-def _drop(releases: queue.SimpleQueue[list[Callable[[], None]]]) -> None:
-    """The releasing thread: each list of undos it is given is cleared, freeing what they held."""
-    while True:
-        releases.get().clear()
 
 
 def _roll_back(copier: Copier, log: UndoLog, grad_mode: bool, flags: tuple[bool, bool]) -> None:

@@ -35,10 +35,11 @@ copy, record an event, make one stream wait for another); ``CudaTransport`` is t
 the tests drive the ring with one that performs copies late, as a DMA engine does, to prove that
 no slot is refilled while its transfer may still read it.
 
-On an H100 host (``benchmarks/RESULTS.md``), chunks of 16 MiB in a ring of 4 copied 1.5 GiB
-of 16 MiB tensors at 47-52 GB/s, against 55 GB/s for one pinned copy; the pool's shape is
-now set by loads (see ``STAGE_BUFFERS``). ``STAGE_MIN_BYTES``
-matches the largest tensor a consolidated copy takes (``_consolidate.MAX_TENSOR_BYTES``).
+On an H100 host (``benchmarks/RESULTS.md``, 2026-11-22, with the pool's earlier shape of 4
+slots of 16 MiB) the ring alone copied 1.5 GiB of 16 MiB tensors at 47-52 GB/s, against 55 GB/s
+for one pinned copy; the pool's shape is now set by loads (see ``STAGE_BUFFERS``).
+``STAGE_MIN_BYTES`` matches the largest tensor a consolidated copy takes
+(``_consolidate.MAX_TENSOR_BYTES``).
 """
 
 from __future__ import annotations
