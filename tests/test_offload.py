@@ -307,6 +307,23 @@ def test_load_into_refuses_an_entry_inside_a_disk_one(tmp_path: Any) -> None:
     assert all(p.is_meta for p in skeleton.parameters())  # nothing read
 
 
+def test_a_modulelist_left_on_disk_by_load_into_is_gathered_by_move(tmp_path: Any) -> None:
+    """Each layer of a ModuleList on disk runs as a unit of its own, and the list keeps the
+    reader of all of them: move reads them once, through the list (each layer's own reader
+    names its weights from the list, and gathering through it failed: 'has no attribute 0')."""
+    torch.manual_seed(3)
+    reference = Stack()
+    torch.save(reference.state_dict(), tmp_path / "stack.pt")
+    model = torchplace.load_into(
+        torchplace.skeleton(Stack), tmp_path / "stack.pt", device_map={"": "cpu", "layers": "disk"}
+    )
+    assert all(p.is_meta for p in model.layers.parameters())
+    torchplace.move(model, "cpu")
+    assert not is_dispatched(model)
+    got, want = model.state_dict(), reference.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 # ------------------------------------------------------------ the disk tier, for real on the CPU
 
 tf = pytest.importorskip("transformers")

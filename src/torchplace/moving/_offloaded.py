@@ -78,9 +78,11 @@ def gather_homes(model: nn.Module, target: torch.device, log: UndoLog, /) -> Non
     if not offloaded:
         return
     _check_fits(model, target)
-    for _, module, home in offloaded:
-        if home.source is None:
-            continue
+    read: list[str] = []  # the modules whose source was read: it covers their submodules
+    for path, module, home in offloaded:
+        if home.source is None or any(_within(path, top) for top in read):
+            continue  # a layer of a container on disk: its weights came with the container's
+        read.append(path)
         values = home.source.read(torch.device("cpu"))
         for name, value in values.items():
             owner_path, _, leaf = name.rpartition(".")
@@ -89,6 +91,10 @@ def gather_homes(model: nn.Module, target: torch.device, log: UndoLog, /) -> Non
             assert old is not None
             new = nn.Parameter(value, requires_grad=old.requires_grad)
             log.apply(_put(owner, leaf, new), _put(owner, leaf, old))
+
+
+def _within(path: str, top: str) -> bool:
+    return not top or path == top or path.startswith(top + ".")
 
 
 def _put(owner: nn.Module, leaf: str, p: nn.Parameter) -> Callable[[], None]:
