@@ -43,7 +43,7 @@ from torchplace.moving import _consolidate, _move, _staging, _transfer
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_copies import _floors_and_splits, _interleaved, small_tensors
-from bench_move import _host_packing, _ring, _tensors, build, pinned_copy_seconds
+from bench_move import _host_packing, _ring, _tensors, build, pinned_copy_seconds, timed
 
 CUDA = torch.device("cuda", 0)
 DEVICE = "cuda"  # "cpu" for --smoke: the script's own plumbing checked on a machine without one
@@ -162,14 +162,6 @@ def instrumented() -> Iterator[Timers]:
     finally:
         for owner, attr, fn in saved:
             setattr(owner, attr, fn)
-
-
-def timed(fn: Callable[[], object]) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def _to(device: str) -> Callable[[Any, Any], object]:
