@@ -10,11 +10,11 @@ work and who is gone:
 - Each call is a *round*, numbered alike on every rank of the mesh (each call on a rank is its
   next round). Its keys: ``torchplace/compare/<mesh>/<round>/row/<rank>`` (and ``full/``: the
   whole outcome, read only when a row shows trouble).
-- While its fill runs, a rank *beats*: a thread adds 1 to ``beat/<rank>`` every
-  ``timeout / 5`` s (at most every second). A waiting rank gives up on another once it has
-  neither posted nor beaten for ``timeout`` seconds (``TORCHPLACE_COMPARE_TIMEOUT``, 10 by
-  default). A rank still reading is waited for however long its fill takes; one interrupted,
-  killed, or not calling at all is not.
+- While its fill runs, a rank *beats*: a thread (one per process, kept between calls) adds 1
+  to ``beat/<rank>`` every ``timeout / 5`` s (at most every second). A waiting rank gives up
+  on another once it has neither posted nor beaten for ``timeout`` seconds
+  (``TORCHPLACE_COMPARE_TIMEOUT``, 10 by default). A rank still reading is waited for however
+  long its fill takes; one interrupted, killed, or not calling at all is not.
 - Giving up on a rank is posted in that rank's own slot, atomically (``compare_set``): a rank
   that comes later finds it and fails too, never agreeing with ranks that have already raised.
   Such a late rank moves on to the latest round any rank of the mesh has begun, so the calls
@@ -31,7 +31,7 @@ import hashlib
 import os
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from .._errors import CheckpointError
@@ -41,8 +41,13 @@ __all__ = ["ABSENT", "TIMEOUT_VARIABLE", "Meeting", "compare_timeout", "meeting"
 TIMEOUT_VARIABLE = "TORCHPLACE_COMPARE_TIMEOUT"
 DEFAULT_TIMEOUT = 10.0  # seconds without a sign of life before a rank is given up on
 ABSENT = "absent"  # what a slot holds once the others gave up on its rank
-# A waiting rank looks at the store every millisecond per rank of the mesh (2 ms for 2 ranks),
-# at most every 50 ms: all the waiting ranks together ask about 1,000 times a second at most.
+# A waiting rank looks at the store every 0.2 ms for its first 5 ms of waiting (ranks that
+# read alike post within a few ms of each other, and each ms of a wait's lag is 3-4% of a
+# 256 MiB fill on 2 ranks), then less and less often, down to every millisecond per rank of
+# the mesh (2 ms for 2 ranks), at most every 50 ms: all the waiting ranks together ask about
+# 1,000 times a second at most once they have waited 5 ms.
+_FIRST_PAUSE = 0.0002
+_EAGER_FOR = 0.005
 _PAUSE_PER_RANK = 0.001
 _LONGEST_PAUSE = 0.05
 
@@ -84,31 +89,24 @@ class Meeting:
 
     @contextlib.contextmanager
     def beating(self) -> Iterator[None]:
-        """This rank shows it is alive while the body runs. The same thread first says which
-        round this rank has begun and deletes its keys of rounds no rank reads any more, off
-        the fill's path. It is not waited for at the end (it ends on its own at once; the
-        store takes one call at a time)."""
-        stop = threading.Event()
+        """This rank shows it is alive while the body runs. The process's beating thread
+        (``_BEATER``) first says which round this rank has begun and deletes its keys of rounds
+        no rank reads any more, off the fill's path, then beats until the body ends."""
         every = min(1.0, self.timeout / 5)
         key = f"{self.prefix}/beat/{self.rank}"
         done = _done.pop(self.prefix, [])
 
-        def beat() -> None:
-            with contextlib.suppress(Exception):  # keys left behind are a few bytes
-                _raise_latest(self.store, f"{self.prefix}/latest", self.round)
-                for n in done:
-                    for kind in ("row", "full"):
-                        self.store.delete_key(self._key(kind, self.rank, n))
-            with contextlib.suppress(Exception):  # a store gone: the waiting ranks will say
-                while not stop.wait(every):
-                    self.store.add(key, 1)
+        def chores() -> None:
+            _raise_latest(self.store, f"{self.prefix}/latest", self.round)
+            for n in done:
+                for kind in ("row", "full"):
+                    self.store.delete_key(self._key(kind, self.rank, n))
 
-        thread = threading.Thread(target=beat, name="torchplace-beat", daemon=True)
-        thread.start()
+        token = _BEATER.begin(_Beat(self.store, key, every, chores))
         try:
             yield
         finally:
-            stop.set()
+            _BEATER.end(token)
 
     def post(self, row: str, full: str) -> bool:
         """Post this rank's row; False where the others gave up on this rank (then this
@@ -133,7 +131,7 @@ class Meeting:
         every = min(1.0, self.timeout / 5)
         start = time.monotonic()
         look = start + every
-        pause, longest = 0.0002, min(_LONGEST_PAUSE, _PAUSE_PER_RANK * len(self.ranks))
+        pause, longest = _FIRST_PAUSE, min(_LONGEST_PAUSE, _PAUSE_PER_RANK * len(self.ranks))
         while missing and not self.store.check([keys[r] for r in missing]):
             now = time.monotonic()
             if now >= look:
@@ -142,7 +140,8 @@ class Meeting:
                     self.store.compare_set(keys[r], "", ABSENT)  # unless it posted just now
                 look = now + every
             time.sleep(pause)
-            pause = min(2 * pause, longest)
+            if now - start >= _EAGER_FOR:
+                pause = min(2 * pause, longest)
         got = _get_all(self.store, list(keys.values()))
         rows = {r: _text(value) for r, value in zip(self.ranks, got, strict=True)}
         if ABSENT not in rows.values():  # every rank has left the earlier rounds
@@ -171,6 +170,81 @@ class Meeting:
         """The whole outcomes the ``ranks`` posted."""
         got = _get_all(self.store, [self._key("full", r) for r in ranks])
         return {r: _text(value) for r, value in zip(ranks, got, strict=True)}
+
+
+@dataclasses.dataclass
+class _Beat:
+    """One call's beating: its store, its key, how often, and the chores done first."""
+
+    store: Any
+    key: str
+    every: float
+    chores: Callable[[], None]
+    due: float = 0.0  # when it beats next (``time.monotonic``)
+
+
+class _Beater:
+    """The process's one beating thread, started by the first sharded fill and kept: starting
+    a thread per call cost 0.3-0.5 ms of a fill that takes 30 ms (it waits for the new thread
+    to run). A call hands it its ``_Beat`` and takes it back when the fill ends; several calls
+    at once (threads of one process filling two models) each beat on their own key. A forked
+    child, which has no such thread, starts its own."""
+
+    def __init__(self) -> None:
+        self.forked()
+
+    def forked(self) -> None:
+        """As new: in a forked child, where no thread runs (a lock held across the fork
+        stays held)."""
+        self.cond = threading.Condition()
+        self.beats: dict[int, _Beat] = {}
+        self.fresh: list[_Beat] = []  # begun, chores not yet done
+        self.next = 0
+        self.running = False
+
+    def begin(self, beat: _Beat) -> int:
+        """Beat ``beat`` from now until ``end`` is given the token this returns."""
+        with self.cond:
+            if not self.running:
+                thread = threading.Thread(target=self._run, name="torchplace-beat", daemon=True)
+                thread.start()
+                self.running = True
+            self.next += 1
+            beat.due = time.monotonic() + beat.every
+            self.beats[self.next] = beat
+            self.fresh.append(beat)
+            self.cond.notify()
+            return self.next
+
+    def end(self, token: int) -> None:
+        """The beating of ``token`` stops (not waited for: a beat under way may still land)."""
+        with self.cond:
+            self.beats.pop(token, None)
+
+    def _run(self) -> None:
+        cond = self.cond
+        while True:
+            with cond:
+                while not self.fresh and not self.beats:
+                    cond.wait()
+                fresh, self.fresh = self.fresh, []
+                if not fresh:
+                    cond.wait(max(0.0, min(b.due for b in self.beats.values()) - time.monotonic()))
+                now = time.monotonic()
+                due = [b for b in self.beats.values() if b.due <= now]
+                for b in due:
+                    b.due = now + b.every
+            for b in fresh:
+                with contextlib.suppress(Exception):  # keys left behind are a few bytes
+                    b.chores()
+            for b in due:
+                with contextlib.suppress(Exception):  # a store gone: the waiting ranks will say
+                    b.store.add(b.key, 1)
+
+
+_BEATER = _Beater()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_BEATER.forked)
 
 
 def meeting(store: Any, ranks: Sequence[int], rank: int) -> Meeting:

@@ -1,0 +1,106 @@
+"""The ranks' meeting place (``checkpoint/_rendezvous``): the beating thread, on a store of
+this process's own (the torchrun tests in ``test_sharded.py`` meet across processes)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from torchplace.checkpoint import _rendezvous
+
+
+class _Store:
+    """The calls a beat makes of a store, counted."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def add(self, key: str, n: int) -> int:
+        with self.lock:
+            self.counts[key] = self.counts.get(key, 0) + n
+            return self.counts[key]
+
+
+def _beaters() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "torchplace-beat"]
+
+
+def _until(check: Any, seconds: float = 5.0) -> None:
+    end = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < end, "not within the time"
+        time.sleep(0.005)
+
+
+def test_one_thread_beats_for_every_call_and_stops_when_each_ends() -> None:
+    beater = _rendezvous._Beater()
+    store = _Store()
+    chores: list[str] = []
+    before = len(_beaters())
+    first = beater.begin(_rendezvous._Beat(store, "a", 0.01, lambda: chores.append("a")))
+    second = beater.begin(_rendezvous._Beat(store, "b", 0.02, lambda: chores.append("b")))
+    assert len(_beaters()) == before + 1  # one thread for both, kept
+    _until(lambda: store.counts.get("a", 0) >= 4 and store.counts.get("b", 0) >= 2)
+    assert chores == ["a", "b"]  # each call's chores once, first
+    beater.end(first)
+    time.sleep(0.03)  # a beat under way may still land
+    a, b = store.counts["a"], store.counts["b"]
+    _until(lambda: store.counts["b"] >= b + 2)  # the other call beats on
+    assert store.counts["a"] == a  # ended: beats no more
+    beater.end(second)
+    third = beater.begin(_rendezvous._Beat(store, "c", 0.01, lambda: chores.append("c")))
+    _until(lambda: store.counts.get("c", 0) >= 2)
+    beater.end(third)
+    assert chores == ["a", "b", "c"] and len(_beaters()) == before + 1
+
+
+def test_a_store_that_fails_stops_no_beating() -> None:
+    """A store call that raises (the store's process gone) is the waiting ranks' to report;
+    the thread beats on for the calls still under way."""
+    beater = _rendezvous._Beater()
+    store = _Store()
+
+    def gone(key: str, n: int) -> int:
+        raise RuntimeError("connection reset")
+
+    broken = _Store()
+    broken.add = gone  # type: ignore[method-assign]
+    bad = beater.begin(_rendezvous._Beat(broken, "x", 0.01, lambda: 1 / 0))  # chores fail too
+    good = beater.begin(_rendezvous._Beat(store, "y", 0.01, lambda: None))
+    _until(lambda: store.counts.get("y", 0) >= 3)
+    beater.end(bad)
+    beater.end(good)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork here")
+def test_a_forked_child_beats_with_a_thread_of_its_own() -> None:
+    """The parent's thread does not exist in a forked child (and a lock it held stays held
+    there): the child's first call starts its own."""
+    store = _Store()
+    token = _rendezvous._BEATER.begin(_rendezvous._Beat(store, "parent", 0.01, lambda: None))
+    try:
+        _until(lambda: store.counts.get("parent", 0) >= 1)
+        pid = os.fork()
+        if pid == 0:  # the child: exits with 0 only if it beat
+            code = 1
+            try:
+                child = _Store()
+                mine = _rendezvous._BEATER.begin(
+                    _rendezvous._Beat(child, "child", 0.01, lambda: None)
+                )
+                end = time.monotonic() + 5
+                while child.counts.get("child", 0) < 2 and time.monotonic() < end:
+                    time.sleep(0.005)
+                _rendezvous._BEATER.end(mine)
+                code = 0 if child.counts.get("child", 0) >= 2 else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        _rendezvous._BEATER.end(token)
