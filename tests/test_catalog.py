@@ -588,14 +588,14 @@ def test_a_safetensors_file_cut_short_after_its_header_was_read_is_said_to_have_
 
     path = tmp_path / "m.safetensors"
     save_file({"w": torch.ones(4)}, str(path))
-    real = _catalog.read_safetensors_header_and_start
+    real = _catalog.read_safetensors_layout
 
-    def then_cut(p: Path) -> tuple[dict[str, Any], int]:
-        header = real(p)
+    def then_cut(p: Path) -> tuple[dict[str, Any], int, list[Any], bytes]:
+        layout = real(p)
         os.truncate(path, 3)  # the writer starts over
-        return header
+        return layout
 
-    monkeypatch.setattr(_catalog, "read_safetensors_header_and_start", then_cut)
+    monkeypatch.setattr(_catalog, "read_safetensors_layout", then_cut)
     with pytest.raises(CheckpointError, match=r"changed while it was read.*writer"):
         _catalog.catalog(path)
 
@@ -627,7 +627,7 @@ def test_every_missing_shard_is_named_before_any_shard_is_read(
     def parsed(p: Any) -> Any:
         raise AssertionError(f"{p} was parsed before the missing shards were named")
 
-    monkeypatch.setattr(_catalog, "read_safetensors_header_and_start", parsed)
+    monkeypatch.setattr(_catalog, "read_safetensors_layout", parsed)
     with pytest.raises(CheckpointError) as caught:
         catalog(index)
     message = str(caught.value)
@@ -780,3 +780,101 @@ def test_inspect_walks_shared_objects_once(tmp_path: Path) -> None:
     torch.save(shared, path)
     records = describe(path)
     assert len(records) == 1
+
+
+# ------------------------------------------------------------------ catalogs kept across calls
+
+
+def test_a_safetensors_catalog_is_kept_across_calls_while_its_header_is_unchanged(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given again, not parsed, while the file holds the same header (saved again with new
+    values, as a training loop saves); with the file's stamp of now, which the reader checks."""
+    from torchplace.checkpoint import _catalog
+
+    path = tmp_path / "m.safetensors"
+    save_file({"w": torch.arange(4.0)}, str(path))
+    first = catalog(path)
+    parsed: list[Path] = []
+    real = _catalog.read_safetensors_layout
+    monkeypatch.setattr(_catalog, "read_safetensors_layout", lambda p: parsed.append(p) or real(p))
+    again = catalog(path)
+    assert parsed == []  # given again, not parsed
+    assert again.entries == first.entries and again.stamps == first.stamps
+    assert again.entries is not first.entries  # each call's own dict
+    time.sleep(0.01)  # a stamp of its own, where timestamps tick coarsely
+    save_file({"w": torch.arange(4.0) + 1}, str(path))  # new bytes under the same header
+    assert catalog(path).stamps[path] == _catalog.Stamp.of(os.stat(path))
+    assert load(path)["w"].tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert parsed == []  # the header is the same: so are the entries
+
+
+def test_a_kept_catalog_is_made_again_when_the_header_changed_at_the_same_size(
+    tmp_path: Path,
+) -> None:
+    """Same size, another name: the header's bytes differ, so the catalog is made again."""
+    path = tmp_path / "m.safetensors"
+    save_file({"a": torch.arange(6.0)}, str(path))
+    assert list(catalog(path).entries) == ["a"]
+    size = path.stat().st_size
+    save_file({"b": torch.arange(6.0) + 1}, str(path))
+    assert path.stat().st_size == size
+    assert list(catalog(path).entries) == ["b"]
+    model = nn.Module()
+    model.b = nn.Parameter(torch.zeros(6))
+    load_into(model, path)
+    assert model.b.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+
+
+def test_a_kept_index_catalog_follows_a_replaced_shard_and_a_rewritten_index(
+    tmp_path: Path,
+) -> None:
+    save_file({"a": torch.ones(2)}, str(tmp_path / "s1.safetensors"))
+    save_file({"b": torch.ones(3)}, str(tmp_path / "s2.safetensors"))
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "s1.safetensors", "b": "s2.safetensors"}}))
+    assert catalog(index).entries["b"].shape == (3,)
+    again = catalog(index)
+    assert again.entries["b"].shape == (3,) and again.kind == "index"
+    save_file({"b": torch.ones(1, 3)}, str(tmp_path / "s2.safetensors"))  # a shard replaced
+    assert catalog(index).entries["b"].shape == (1, 3)
+    save_file({"c": torch.ones(1, 3)}, str(tmp_path / "s3.safetensors"))
+    index.write_text(json.dumps({"weight_map": {"a": "s1.safetensors", "c": "s3.safetensors"}}))
+    assert set(catalog(index).entries) == {"a", "c"}  # the index rewritten
+    (tmp_path / "s3.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="missing"):  # said as before, not given again
+        catalog(index)
+
+
+def test_kept_catalogs_are_bounded_by_their_entries(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torchplace.checkpoint import _catalog
+
+    monkeypatch.setattr(_catalog, "_KEPT_ENTRIES", 5)
+    monkeypatch.setattr(_catalog, "_KEPT", type(_catalog._KEPT)())
+    for n in range(4):
+        save_file({f"t{i}": torch.ones(1) for i in range(2)}, str(tmp_path / f"{n}.safetensors"))
+        catalog(tmp_path / f"{n}.safetensors")
+    assert [p.name for p in _catalog._KEPT] == ["2.safetensors", "3.safetensors"]  # 4 entries
+    save_file({f"t{i}": torch.ones(1) for i in range(6)}, str(tmp_path / "big.safetensors"))
+    catalog(tmp_path / "big.safetensors")
+    assert tmp_path / "big.safetensors" not in _catalog._KEPT  # more than all may hold
+
+
+def test_a_kept_index_follows_a_shard_link_pointed_at_another_file_of_the_same_header(
+    tmp_path: Path,
+) -> None:
+    """A shard named through a link (as the Hugging Face cache names every file) that now
+    leads to another file with the same header: the index's catalog is made again, so its
+    entries name the file read now."""
+    save_file({"w": torch.zeros(3)}, str(tmp_path / "old.safetensors"))
+    save_file({"w": torch.ones(3)}, str(tmp_path / "new.safetensors"))
+    (tmp_path / "s.safetensors").symlink_to("old.safetensors")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"w": "s.safetensors"}}))
+    assert load(index)["w"].tolist() == [0.0, 0.0, 0.0]
+    (tmp_path / "s.safetensors").unlink()
+    (tmp_path / "s.safetensors").symlink_to("new.safetensors")
+    assert load(index)["w"].tolist() == [1.0, 1.0, 1.0]
+    assert catalog(index).entries["w"].file == (tmp_path / "new.safetensors").resolve()

@@ -21,6 +21,7 @@ FILE.safetensors`` starts at once).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import gc
@@ -29,6 +30,7 @@ import math
 import os
 import pickle
 import struct
+import threading
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator, Mapping
@@ -49,8 +51,9 @@ from ._pickle_reader import (
     shape_of,
     tensor_refs,
 )
+from ._safetensors import header_bytes as safetensors_header_bytes
 from ._safetensors import read_header as read_safetensors_header
-from ._safetensors import read_layout as read_safetensors_header_and_start  # and its rows
+from ._safetensors import read_layout_and_bytes as read_safetensors_layout  # and its rows
 from ._safetensors import sniff as sniff_safetensors
 from ._source import (
     WRITER_HINT,
@@ -460,7 +463,11 @@ def catalog(source: PathLike | Mapping[str, Any], /) -> Catalog:
 
 
 def _catalog_of(p: Path) -> Catalog:
-    """The catalog of the file or index ``p`` (a directory's model file), made now."""
+    """The catalog of the file or index ``p`` (a directory's model file), made now, or kept
+    from an earlier call (``_kept_catalog``)."""
+    kept = _kept_catalog(p)
+    if kept is not None:
+        return kept
     kind = format_of(p)
     with gc_paused():
         return _CATALOGUERS[kind](p)
@@ -570,9 +577,70 @@ def _stamped(p: Path, parse: Callable[[], dict[str, Entry]]) -> tuple[dict[str, 
     return entries, before
 
 
+# Safetensors files catalogued, by path, kept across calls: each one's size, its header's bytes
+# and its entries, which a file of that size and those header bytes has again, whenever it was
+# written and whatever its timestamps' granularity (a header's JSON made again took 0.2 ms warm,
+# and 1 ms of a sharded fill's 30 ms, where a large read has just flushed the CPU's caches). A
+# catalog given again carries the file's stamp of now. At most ``_KEPT_ENTRIES`` entries in all.
+_KEPT: collections.OrderedDict[Path, tuple[int, bytes, dict[str, Entry]]] = (
+    collections.OrderedDict()
+)
+_KEPT_ENTRIES = 20_000
+_KEPT_LOCK = threading.Lock()
+
+
+def _kept_catalog(p: Path) -> Catalog | None:
+    """The catalog of ``p`` kept from an earlier call (a safetensors file or an index of them)
+    where ``p`` holds the same header (and its shards the same) as then, else None."""
+    try:
+        kept = _KEPT.get(p)
+        if kept is not None:
+            now = stamp(p)
+            if now.size != kept[0] or safetensors_header_bytes(p) != kept[1]:
+                return None
+            _used(_KEPT, p)
+            return Catalog(str(p), "safetensors", p, dict(kept[2]), {p: now}, {p: "safetensors"})
+        index = _KEPT_INDEXES.get(p)
+        stamps = None if index is None else _index_stamps(p, *index[:2])
+    except CheckpointError:  # gone or unreadable: made again, which says what is wrong
+        return None
+    if index is None or stamps is None:
+        return None
+    _used(_KEPT_INDEXES, p)
+    c = index[2]
+    return Catalog(c.where, c.kind, c.path, dict(c.entries), stamps, dict(c.kinds), list(c.code))
+
+
+def _used(kept: collections.OrderedDict[Path, Any], p: Path) -> None:
+    with _KEPT_LOCK:
+        if p in kept:
+            kept.move_to_end(p)
+
+
+def _keep(kept: collections.OrderedDict[Path, Any], p: Path, value: Any, entries: int) -> None:
+    """``value`` (of ``entries`` entries) kept for later calls under ``p``, the least recently
+    used dropped beyond ``_KEPT_ENTRIES`` entries in all (a larger one is not kept)."""
+    if entries > _KEPT_ENTRIES:
+        return
+    with _KEPT_LOCK:
+        kept[p] = value
+        kept.move_to_end(p)
+        while sum(_entries(v) for v in kept.values()) > _KEPT_ENTRIES:
+            kept.popitem(last=False)
+
+
+def _entries(kept: tuple[Any, ...]) -> int:
+    """The entries of a kept file's (its dict, last) or index's (its catalog, last)."""
+    last = kept[-1]
+    return len(last) if isinstance(last, dict) else len(last.entries)
+
+
 def _safetensors_catalog(p: Path) -> Catalog:
+    raw = b""
+
     def parse() -> dict[str, Entry]:
-        _, base, rows = read_safetensors_header_and_start(p)  # rows: checked, dtypes named
+        nonlocal raw
+        _, base, rows, raw = read_safetensors_layout(p)  # rows: checked, dtypes named
         orders = [tuple(range(n)) for n in range(9)]  # row-major, shared by rank
         entries = {}
         for name, start, _, (dtype, shape, nbytes) in rows:
@@ -582,7 +650,8 @@ def _safetensors_catalog(p: Path) -> Catalog:
         return entries
 
     entries, when = _stamped(p, parse)
-    return Catalog(str(p), "safetensors", p, entries, {p: when}, {p: "safetensors"})
+    _keep(_KEPT, p, (when.size, raw, entries), len(entries))
+    return Catalog(str(p), "safetensors", p, dict(entries), {p: when}, {p: "safetensors"})
 
 
 # A torch zip file: the pickle read inertly, each tensor's storage offset and strides kept.
@@ -796,15 +865,25 @@ def _legacy_catalog(p: Path) -> Catalog:
     return Catalog(str(p), "legacy", p, entries, {p: when}, {p: "legacy"}, code)
 
 
+# Shard indexes of safetensors files catalogued, by path, kept across calls as those files are
+# (``_KEPT``): each one's bytes, its shards (as the index spells them, and resolved) and its
+# catalog, given again while the index's bytes and every shard's header are as they were.
+_KEPT_INDEXES: collections.OrderedDict[Path, tuple[bytes, list[tuple[Path, Path]], Catalog]] = (
+    collections.OrderedDict()
+)
+
+
 def _index_catalog(p: Path) -> Catalog:
-    from ._index import weight_map
+    from ._index import index_bytes, weight_map
 
     entries: dict[str, Entry] = {}
     stamps: dict[Path, Stamp] = {}
     kinds: dict[Path, str] = {}
     code: list[str] = []
     index_stamp = stamp(p)
-    for shard, shard_path, names in shards(p, weight_map(p)):
+    raw = index_bytes(p)
+    found = shards(p, weight_map(p, raw))
+    for shard, shard_path, names in found:
         part = catalog(shard_path)
         if part.kind == "index":
             raise CheckpointError(
@@ -822,7 +901,34 @@ def _index_catalog(p: Path) -> Catalog:
             if name in wanted or not wanted.isdisjoint(_prefixes(name)):
                 entries[name] = entry
     stamps[p] = index_stamp
-    return Catalog(str(p), "index", p, entries, stamps, kinds, list(dict.fromkeys(code)))
+    made = Catalog(str(p), "index", p, entries, stamps, kinds, list(dict.fromkeys(code)))
+    if set(kinds.values()) == {"safetensors"}:
+        spelt = [(p.parent / shard, shard_path) for shard, shard_path, _ in found]
+        _keep(_KEPT_INDEXES, p, (raw, spelt, made), len(entries))
+        made = Catalog(made.where, made.kind, p, dict(entries), dict(stamps), dict(kinds))
+    return made
+
+
+def _index_stamps(p: Path, raw: bytes, spelt: list[tuple[Path, Path]]) -> dict[Path, Stamp] | None:
+    """The stamps of now of the index ``p`` and its shards, where its bytes are ``raw`` as when
+    it was kept and each shard, where the index spells it, is the file it was (not another one
+    a link leads to now) with the header kept in ``_KEPT``; else None."""
+    from ._index import index_bytes
+
+    stamps = {p: stamp(p)}
+    if index_bytes(p) != raw:
+        return None
+    for where, shard_path in spelt:
+        kept = _KEPT.get(shard_path)
+        now = stamp(where)
+        if kept is None or now.size != kept[0]:
+            return None
+        if where != shard_path and stamp(shard_path) != now:
+            return None
+        if safetensors_header_bytes(shard_path) != kept[1]:
+            return None
+        stamps[shard_path] = now
+    return stamps
 
 
 def _prefixes(name: str) -> list[str]:

@@ -13,19 +13,28 @@ from pathlib import Path
 from .._errors import CheckpointError
 from ._opened import opened
 
-__all__ = ["LEGACY_MAGIC", "weight_map"]
+__all__ = ["LEGACY_MAGIC", "index_bytes", "weight_map"]
 
 # torch's legacy (non-zip) files open with this number, pickled on its own.
 LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
 
 
-def weight_map(p: Path, /) -> dict[str, str]:
-    """The ``weight_map`` of a shard index (tensor name -> shard file), checked: a JSON object
-    mapping strings to strings, or ``CheckpointError`` naming the file."""
+def index_bytes(p: Path, /) -> bytes:
+    """The bytes of a shard index, as they are (``CheckpointError`` where it cannot be read)."""
     try:
         with opened(p) as f:
-            index = json.loads(f.read().decode("utf-8"))
-    except (OSError, ValueError, UnicodeDecodeError, RecursionError) as exc:
+            return f.read()
+    except OSError as exc:
+        raise CheckpointError(f"{p}: is not a readable JSON shard index ({exc})") from exc
+
+
+def weight_map(p: Path, /, raw: bytes | None = None) -> dict[str, str]:
+    """The ``weight_map`` of a shard index (tensor name -> shard file), checked: a JSON object
+    mapping strings to strings, or ``CheckpointError`` naming the file. ``raw``: the index's
+    bytes, where they were read already."""
+    try:
+        index = json.loads((index_bytes(p) if raw is None else raw).decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise CheckpointError(f"{p}: is not a readable JSON shard index ({exc})") from exc
     found = index.get("weight_map") if isinstance(index, dict) else None
     # JSON's keys are strings: its values are what may not be

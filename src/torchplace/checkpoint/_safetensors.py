@@ -19,7 +19,17 @@ from .._errors import CheckpointError
 from ._opened import opened
 from ._source import WRITER_HINT
 
-__all__ = ["DTYPES", "MAX_HEADER", "Kind", "Row", "read_header", "read_layout", "sniff"]
+__all__ = [
+    "DTYPES",
+    "MAX_HEADER",
+    "Kind",
+    "Row",
+    "header_bytes",
+    "read_header",
+    "read_layout",
+    "read_layout_and_bytes",
+    "sniff",
+]
 
 # safetensors dtype names, as written in a file's JSON header -> (torch's name for the dtype,
 # bytes per element).
@@ -85,6 +95,32 @@ def read_header_and_start(path: str | os.PathLike[str], /) -> tuple[dict[str, An
 def read_layout(path: str | os.PathLike[str], /) -> tuple[dict[str, Any], int, list[Row]]:
     """``read_header_and_start``'s header and start, and a ``Row`` for each tensor, in the
     order of the header: what its checks found, so that a catalog need not look again."""
+    header, start, rows, _ = read_layout_and_bytes(path)
+    return header, start, rows
+
+
+def header_bytes(path: Path, /) -> bytes | None:
+    """The first bytes of a safetensors file up to the end of its header (its length and its
+    JSON) as they are, unchecked; None where they cannot be read whole."""
+    try:
+        with opened(path) as f:
+            raw_len = f.read(8)
+            if len(raw_len) < 8:
+                return None
+            (header_len,) = struct.unpack("<Q", raw_len)
+            if header_len > MAX_HEADER:
+                return None
+            raw = f.read(header_len)
+    except OSError:
+        return None
+    return raw_len + raw if len(raw) == header_len else None
+
+
+def read_layout_and_bytes(
+    path: str | os.PathLike[str], /
+) -> tuple[dict[str, Any], int, list[Row], bytes]:
+    """``read_layout``'s header, start and rows, and the bytes they were read from
+    (``header_bytes``)."""
     p = Path(path)
     odd: list[str] = []  # floats, NaN or infinities the JSON holds (no count is one)
     try:
@@ -121,7 +157,8 @@ def read_layout(path: str | os.PathLike[str], /) -> tuple[dict[str, Any], int, l
     # 1 == True == 1.0: the quick pass, which looks at each (dtype, shape) once, is for JSON
     # whose numbers can only be ints (a name that spells true or false takes the long way)
     quick = not odd and b"true" not in raw and b"false" not in raw
-    return header, 8 + header_len, _check_layout(p, header, size - 8 - header_len, quick)
+    rows = _check_layout(p, header, size - 8 - header_len, quick)
+    return header, 8 + header_len, rows, raw_len + raw
 
 
 def _noted(odd: list[str]) -> Any:
