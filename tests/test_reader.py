@@ -121,7 +121,7 @@ def test_ranks_on_one_machine_share_its_cores(
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     else:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world)
-    monkeypatch.setattr(_reader.os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(_reader, "_CORES", cores)
     path = tmp_path / "data.bin"
     data = os.urandom(64 * 4096)
     path.write_bytes(data)

@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import math
 import sys
 import warnings
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -48,7 +50,7 @@ from .._devices import device as _device
 from .._errors import CheckpointError, TorchplaceError, user_stacklevel
 from .._model_walk import Slot, tensor_slots
 from ._catalog import Catalog, Entry, Stamp, catalog, contiguous_strides
-from ._conversions import Fused, Plan, conversion_plan, fused_boxes
+from ._conversions import Fused, Plan, conversion_plan, fused_boxes, may_convert
 from ._keys import check_keys, does_not_fit, matches_nothing, no_data_buffers
 from ._load import warn_unchecked_safetensors
 from ._mismatch import left_on_meta, listing
@@ -91,6 +93,7 @@ def _sharded_entries(found: Catalog) -> dict[str, Entry]:
     byte range, a mapping's from its ``tensor``, a DTensor gathered whole), or refused."""
     where = found.where
     entries = {}
+    held: set[str] = set()  # dtypes this torch was found to hold
     for name, e in found.entries.items():
         if e.tensor is not None:
             value = e.tensor
@@ -114,7 +117,9 @@ def _sharded_entries(found: Catalog) -> dict[str, Entry]:
             raise CheckpointError(
                 f"{e.file}: tensor {name!r} cannot be read by slice: {e.why}; {fix}"
             )
-        e.torch_dtype(where)  # refused by name where this torch has no such dtype
+        if e.dtype not in held:
+            e.torch_dtype(where)  # refused by name where this torch has no such dtype
+            held.add(e.dtype)
         entries[name] = e
     return entries
 
@@ -124,10 +129,15 @@ def _file_entries(p: Path) -> dict[str, Entry]:
     return _sharded_entries(catalog(p))
 
 
-def _is_dtensor(t: object) -> bool:
+@functools.cache
+def _dtensor_type() -> type:
     from torch.distributed.tensor import DTensor
 
-    return isinstance(t, DTensor)
+    return DTensor
+
+
+def _is_dtensor(t: object) -> bool:
+    return isinstance(t, _dtensor_type())
 
 
 def _renamed(entries: dict[str, Entry], rename: Rename | None, where: str) -> dict[str, Entry]:
@@ -173,23 +183,31 @@ def _converted(
 Held = tuple[Box, tuple[slice, ...]]
 
 
-def _pieces(
-    t: torch.Tensor, name: str, seen: dict[Any, Any] | None = None
-) -> tuple[tuple[int, ...], list[Held]]:
+# The boxes of shapes placed alike, by (global shape, the mesh's id, placements): each a
+# (weak reference to the mesh, this rank's local shape, its global offsets). A model's layers
+# repeat, and a process fills the same model again (torch works each box out in 60-80 us); the
+# weak reference tells a mesh from a later one that reuses its id.
+_BOXES: dict[tuple[Any, ...], tuple[Any, tuple[int, ...], tuple[int, ...]]] = {}
+_MOST_BOXES = 4096  # forgotten all at once beyond this many shapes
+
+
+def _pieces(t: torch.Tensor, name: str) -> tuple[tuple[int, ...], list[Held]]:
     """The shape of the part of ``t`` this rank holds, and the boxes of the file it is made of.
 
     One box for ``Shard(d)`` and ``Replicate()`` placements; FSDP2's ``_StridedShard`` (FSDP2
     over tensor parallelism on the same dim) may hold several, one per run of global indices.
-    ``seen``: the boxes of shapes already placed the same way in this load (a model's layers
-    repeat; torch works each out in 60-80 us).
     """
     if not _is_dtensor(t):
         return tuple(t.shape), [(((0,) * t.dim(), tuple(t.shape)), ())]
+    placements = tuple(t.placements)  # type: ignore[attr-defined]
+    mesh = t.device_mesh  # type: ignore[attr-defined]
+    key = (tuple(t.shape), id(mesh), placements)
+    known = _BOXES.get(key)
+    if known is not None and known[0]() is mesh:
+        return known[1], [((known[2], known[1]), ())]
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    placements = t.placements  # type: ignore[attr-defined]
-    mesh = t.device_mesh  # type: ignore[attr-defined]
     strided = [p for p in placements if type(p).__name__ == "_StridedShard"]
     odd = [p for p in placements if type(p) not in (Shard, Replicate) and p not in strided]
     if odd:
@@ -199,14 +217,12 @@ def _pieces(
         )
     if strided:
         return _strided_pieces(t, name, placements, mesh)
-    key = (tuple(t.shape), id(mesh), tuple(placements))
-    known = seen.get(key) if seen is not None else None
-    if known is None:
-        local_shape, offsets = compute_local_shape_and_global_offset(t.shape, mesh, placements)
-        known = tuple(local_shape), tuple(offsets)
-        if seen is not None:
-            seen[key] = known
-    local, at = known
+    local_shape, offsets = compute_local_shape_and_global_offset(t.shape, mesh, placements)
+    local, at = tuple(local_shape), tuple(offsets)
+    if len(_BOXES) >= _MOST_BOXES:
+        _BOXES.clear()
+    with contextlib.suppress(TypeError):  # a mesh that takes no weak reference: not kept
+        _BOXES[key] = (weakref.ref(mesh), local, at)
     return local, [((at, local), ())]
 
 
@@ -275,7 +291,10 @@ def strided_shards_readable() -> bool:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a rank holds of ``t`` (its local shard for a DTensor), without autograd."""
     if _is_dtensor(t):
+        if not torch.is_grad_enabled():  # to_local gives its shard as it is, no autograd node
+            return t.to_local()  # type: ignore[attr-defined, no-any-return]
         with torch.no_grad():
             return t.to_local()  # type: ignore[attr-defined, no-any-return]
     return t.detach()
@@ -355,7 +374,12 @@ def _read_box(
     inner = math.prod(shape[last + 1 :])
     run = (lengths[last] if last >= 0 else 1) * inner  # elements in one contiguous run
     direct = dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous()
-    if direct and (last <= 0 or run * itemsize >= _DIRECT_RUN):
+    if direct and last <= 0:  # one run of the file (a whole tensor, or a slice along dim 0)
+        _refuse_freed(dest)  # before anything is read into it
+        first = offsets[0] * inner if last == 0 else 0
+        reader.queue(entry.file, start + first * itemsize, dest)
+        return
+    if direct and run * itemsize >= _DIRECT_RUN:
         strides = contiguous_strides(shape)
         _refuse_freed(dest)  # before anything is read into it
         flat = dest.detach().reshape(-1).view(torch.uint8)
@@ -457,17 +481,26 @@ def _materialize(model: nn.Module, slots: list[Slot], target: torch.device) -> N
         slot.tensor = first
 
 
+_SELF_LOADING: dict[type, bool] = {}  # asked once per class
+
+
+def _loads_itself(cls: type) -> bool:
+    """Whether modules of ``cls`` load themselves: a ``_load_from_state_dict`` of their own
+    (norms' only upgrade old norm files, and are followed)."""
+    known = _SELF_LOADING.get(cls)
+    if known is None:
+        from torch.nn.modules.batchnorm import _NormBase
+        from torch.nn.modules.instancenorm import _InstanceNorm
+
+        owner = next((k for k in cls.__mro__ if "_load_from_state_dict" in vars(k)), nn.Module)
+        known = _SELF_LOADING[cls] = owner not in (nn.Module, _NormBase, _InstanceNorm)
+    return known
+
+
 def _refuse_own_loaders(where: str, model: nn.Module) -> None:
     """A module that loads itself (its own ``_load_from_state_dict``) cannot be followed here."""
-    from torch.nn.modules.batchnorm import _NormBase
-    from torch.nn.modules.instancenorm import _InstanceNorm
-
-    followed = (nn.Module, _NormBase, _InstanceNorm)  # theirs only upgrade old norm files
     for name, module in model.named_modules():
-        owner = next(
-            (k for k in type(module).__mro__ if "_load_from_state_dict" in vars(k)), nn.Module
-        )
-        if owner in followed and "_load_from_state_dict" not in vars(module):
+        if not _loads_itself(type(module)) and "_load_from_state_dict" not in vars(module):
             continue
         what = f"{name} ({type(module).__name__})" if name else type(module).__name__
         raise CheckpointError(
@@ -535,8 +568,6 @@ class _Outcome:
     def of(
         cls, *, failure: BaseException | None = None, stamps: Mapping[Path, Stamp] | None = None
     ) -> _Outcome:
-        import socket
-
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
@@ -550,7 +581,15 @@ class _Outcome:
             (str(p), s.size, s.mtime_ns, s.inode, s.device, s.ctime_ns)
             for p, s in sorted((stamps or {}).items())
         )
-        return cls(rank, socket.gethostname(), said, files)
+        return cls(rank, _host(), said, files)
+
+
+@functools.cache
+def _host() -> str:
+    """This machine's name (asked once: ``gethostname`` cost 0.15 ms a fill)."""
+    import socket
+
+    return socket.gethostname()
 
 
 def _mesh_of(model: nn.Module) -> Any:
@@ -587,6 +626,29 @@ def _digest(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
 
 
+# The global ranks of each mesh a fill met on, by the mesh's id (a weak reference tells a mesh
+# from a later one that reuses its id); None for a mesh with nothing to compare.
+_RANKS: dict[int, tuple[Any, list[int] | None]] = {}
+
+
+def _ranks_of(mesh: Any) -> list[int] | None:
+    """The global ranks of ``mesh``; None where this rank is not in it, or where it is
+    PyTorch's fake process group (tests that play every rank in one process)."""
+    import torch.distributed as dist
+
+    kept = _RANKS.get(id(mesh))
+    if kept is not None and kept[0]() is mesh:
+        return kept[1]
+    ranks: list[int] | None = None
+    if mesh.get_coordinate() is not None and dist.get_backend(mesh.get_group(0)) != "fake":
+        ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
+    if len(_RANKS) >= 64:
+        _RANKS.clear()
+    with contextlib.suppress(TypeError):  # a mesh that takes no weak reference: not kept
+        _RANKS[id(mesh)] = (weakref.ref(mesh), ranks)
+    return ranks
+
+
 def _meeting_of(model: nn.Module, mesh: Any) -> Meeting | None:
     """This call's round of the comparison across ``mesh``; None where there is nothing to
     compare: no process group, only PyTorch's fake one (tests that play every rank in one
@@ -595,7 +657,8 @@ def _meeting_of(model: nn.Module, mesh: Any) -> Meeting | None:
 
     if mesh is None or not dist.is_available() or not dist.is_initialized():
         return None
-    if mesh.get_coordinate() is None or dist.get_backend(mesh.get_group(0)) == "fake":
+    ranks = _ranks_of(mesh)
+    if ranks is None:
         return None
     from torch.distributed import distributed_c10d
 
@@ -610,7 +673,6 @@ def _meeting_of(model: nn.Module, mesh: Any) -> Meeting | None:
             stacklevel=user_stacklevel(),
         )
         return None
-    ranks = [int(r) for r in mesh.mesh.flatten().tolist()]
     try:
         return meeting(store_of(), ranks, dist.get_rank())
     except TorchplaceError:
@@ -790,7 +852,11 @@ def _located(
     entries = _renamed(_sharded_entries(source_catalog), rename, where)
     # A transformers model's hub names: renamed entries, and fused tensors read piece by piece.
     sources = entries
-    conversions = conversion_plan(model, {n: (e.shape, _dtype(e)) for n, e in entries.items()})
+    conversions = (
+        conversion_plan(model, {n: (e.shape, _dtype(e)) for n, e in entries.items()})
+        if may_convert(model)
+        else None
+    )
     fused: dict[str, Fused] = {}
     if conversions is not None:
         entries, fused = _converted(where, conversions, entries)
@@ -815,11 +881,10 @@ def _placed(
     new_home = target or (_device(mesh_types[0]) if mesh_types else torch.device("cpu"))
     pieces = []
     materialize_on: torch.device | None = None
-    seen: dict[Any, Any] = {}  # meshes are held by the plan's tensors: their ids stay theirs
     for slot, _ in plan:
         t = slot.tensor
         name = slot.names[0]
-        pieces.append(_pieces(t, name, seen))
+        pieces.append(_pieces(t, name))
         if t.is_meta:
             materialize_on = new_home
         elif target is not None and t.device != target:
