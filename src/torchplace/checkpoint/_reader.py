@@ -488,8 +488,11 @@ class OpenFiles:
     ) -> None:
         """``read_into``'s reads from the open file of ``path``; its stamp is checked again
         only by ``verify`` (and before a CRC-32 failure is reported: a changed file says so)."""
-        host = [i for i in items if i.into.device.type == "cpu" and i.into.nbytes]
-        elsewhere = [i for i in items if i.into.device.type != "cpu" and i.into.nbytes]
+        host: list[ReadItem] = []
+        elsewhere: list[ReadItem] = []
+        for i in items:  # one pass, no device objects made (a fill reads hundreds of items)
+            if i.into.nbytes:
+                (host if i.into.is_cpu else elsewhere).append(i)
         fd = self.fd(path)
         advance = current()  # the progress bar shown, if any (None: nothing to pay)
         failed = _read_host(fd, host, advance, fresh, threads)

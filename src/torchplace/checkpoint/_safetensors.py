@@ -17,6 +17,7 @@ from typing import Any
 
 from .._errors import CheckpointError
 from ._opened import opened
+from ._opened import raw_file as call_file
 from ._source import WRITER_HINT
 
 __all__ = [
@@ -101,19 +102,23 @@ def read_layout(path: str | os.PathLike[str], /) -> tuple[dict[str, Any], int, l
 
 def header_bytes(path: Path, /) -> bytes | None:
     """The first bytes of a safetensors file up to the end of its header (its length and its
-    JSON) as they are, unchecked; None where they cannot be read whole."""
+    JSON) as they are, unchecked; None where they cannot be read whole. Two ``pread`` calls on
+    the call's open file (``raw_file``), where the platform has them."""
     try:
-        with opened(path) as f:
-            raw_len = f.read(8)
-            if len(raw_len) < 8:
-                return None
-            (header_len,) = struct.unpack("<Q", raw_len)
-            if header_len > MAX_HEADER:
-                return None
-            raw = f.read(header_len)
+        raw_file = call_file(path)
+        if raw_file is None or not hasattr(os, "pread"):
+            with opened(path) as f:
+                raw_len = f.read(8)
+                header_len = struct.unpack("<Q", raw_len)[0] if len(raw_len) == 8 else -1
+                raw = f.read(header_len) if 0 <= header_len <= MAX_HEADER else b""
+        else:
+            fd = raw_file.fileno()
+            raw_len = os.pread(fd, 8, 0)
+            header_len = struct.unpack("<Q", raw_len)[0] if len(raw_len) == 8 else -1
+            raw = os.pread(fd, header_len, 8) if 0 <= header_len <= MAX_HEADER else b""
     except OSError:
         return None
-    return raw_len + raw if len(raw) == header_len else None
+    return raw_len + raw if header_len >= 0 and len(raw) == header_len else None
 
 
 def read_layout_and_bytes(

@@ -373,8 +373,8 @@ def _read_box(
     last = partial[-1] if partial else -1
     inner = math.prod(shape[last + 1 :])
     run = (lengths[last] if last >= 0 else 1) * inner  # elements in one contiguous run
-    direct = dest.device.type == "cpu" and dest.dtype == dtype and dest.is_contiguous()
-    if direct and last <= 0:  # one run of the file (a whole tensor, or a slice along dim 0)
+    direct = dest.is_cpu and dest.dtype == dtype and dest.is_contiguous()
+    if direct and last <= 0 and dest.numel() == run:  # one run: whole, or a slice of dim 0
         _refuse_freed(dest)  # before anything is read into it
         first = offsets[0] * inner if last == 0 else 0
         reader.queue(entry.file, start + first * itemsize, dest)

@@ -59,6 +59,8 @@ def as_path(path: Any, /) -> Path:
     ...
     torchplace.CheckpointError: a checkpoint is named by its path (a str or os.PathLike), ...
     """
+    if isinstance(path, Path) and path.parts and not path.parts[0].startswith("~"):
+        return path  # already one (a call passes its path down several times)
     if isinstance(path, bytes):
         path = os.fsdecode(path)
     if not isinstance(path, (str, os.PathLike)):
