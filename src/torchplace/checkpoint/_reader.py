@@ -168,40 +168,42 @@ def _converting(item: ReadItem) -> torch.dtype | None:
 # elements, first and last element, from where, the file's dtype) for a converting one. A
 # chunk's task is (0, its index among direct chunks) or (1, its index among converting ones); a
 # checked item is (its recorded CRC-32, its name, [(its chunks' tasks, their lengths)]).
-_Direct = tuple[memoryview, int, int]
-_Converting = tuple[torch.Tensor, int, int, int, torch.dtype]
+_Direct = tuple[memoryview, int, int, int]  # and the file it is read from
+_Converting = tuple[torch.Tensor, int, int, int, torch.dtype, int]
 _Checked = tuple[int, str, list[tuple[tuple[int, int], int]]]
 
 
 def _host_chunks(
-    items: Sequence[ReadItem],
+    items: Sequence[ReadItem], fds: Sequence[int]
 ) -> tuple[list[_Direct], list[_Converting], list[_Checked], dict[tuple[int, int], int]]:
-    """``_read_host``'s items cut into chunks of at most ``READ_CHUNK_BYTES``: the direct
-    chunks, the converting ones, the checked items, and a CRC-32 slot per checked chunk."""
+    """``_read_host``'s items (each read from the file of its ``fds``) cut into chunks of at
+    most ``READ_CHUNK_BYTES``: the direct chunks, the converting ones, the checked items, and a
+    CRC-32 slot per checked chunk."""
     direct: list[_Direct] = []
     converting: list[_Converting] = []
     checked: list[_Checked] = []
     crcs: dict[tuple[int, int], int] = {}  # a checked chunk's task -> its file bytes' CRC-32
-    for item in items:
+    for item, fd in zip(items, fds, strict=True):
         offset, t, stored = item.start, item.into, _converting(item)
         chunks: list[tuple[tuple[int, int], int]] = []
         if stored is None:
             view, address = _bytes_of(t)
             if 0 < len(view) <= READ_CHUNK_BYTES:  # one chunk (most tensors): no slicing
                 chunks.append(((0, len(direct)), len(view)))
-                direct.append((view, offset, address))
+                direct.append((view, offset, address, fd))
             else:
                 for start in range(0, len(view), READ_CHUNK_BYTES):
                     chunk = view[start : start + READ_CHUNK_BYTES]
                     chunks.append(((0, len(direct)), len(chunk)))
-                    direct.append((chunk, offset + start, address + start))
+                    direct.append((chunk, offset + start, address + start, fd))
         else:
             flat = t.detach().reshape(-1)
             step = READ_CHUNK_BYTES // stored.itemsize
             for first in range(0, flat.numel(), step):
                 last = min(first + step, flat.numel())
                 chunks.append(((1, len(converting)), (last - first) * stored.itemsize))
-                converting.append((flat, first, last, offset + first * stored.itemsize, stored))
+                at = offset + first * stored.itemsize
+                converting.append((flat, first, last, at, stored, fd))
         check = item.check
         if check is not None:
             checked.append((check[0], check[1], chunks))
@@ -210,7 +212,7 @@ def _host_chunks(
 
 
 def _read_host(
-    fd: int,
+    fd: int | Sequence[int],
     items: Sequence[ReadItem],
     advance: Callable[[int], None] | None = None,
     populate: bool = True,
@@ -223,9 +225,11 @@ def _read_host(
 
     Each chunk of a checked item (its ``check``) has its CRC-32 computed by the thread that
     read it, right after the read, and the chunks' CRCs are joined per item; returns the names
-    of the items whose CRC-32 differs from the one recorded.
+    of the items whose CRC-32 differs from the one recorded. ``fd``: the file every item is
+    read from, or each item's own (one call for the files of a sharded fill).
     """
-    direct, converting, checked, crcs = _host_chunks(items)
+    fds = [fd] * len(items) if isinstance(fd, int) else fd
+    direct, converting, checked, crcs = _host_chunks(items, fds)
     tasks = [(0, k) for k in range(len(direct))] + [(1, k) for k in range(len(converting))]
     crc = crc32() if checked else zlib.crc32  # ISA-L's is imported only when it is used
 
@@ -244,7 +248,7 @@ def _read_host(
             if stop.is_set():
                 return
             if kind == 0:
-                view, offset, address = direct[n]
+                view, offset, address, fd = direct[n]
                 if populate:
                     _populate(address, len(view))
                 _pread_exactly(fd, view, offset)
@@ -253,7 +257,7 @@ def _read_host(
                 if advance is not None:
                     advance(len(view))
                 continue
-            flat, first, last, offset, stored = converting[n]
+            flat, first, last, offset, stored, fd = converting[n]
             nbytes = (last - first) * stored.itemsize
             if staging is None:
                 staging = torch.empty(READ_CHUNK_BYTES, dtype=torch.uint8)
@@ -515,6 +519,18 @@ class OpenFiles:
                 f"{'fails its' if len(failed) == 1 else 'fail their'} CRC-32 check (the bytes "
                 "of the tensors were damaged after the file was written); save or fetch it again"
             )
+
+    def read_files(self, pending: Mapping[Path, Sequence[ReadItem]], fresh: bool = True) -> None:
+        """``read`` of each file's items in ``pending``; where every item lands whole on the
+        host, unchecked, as a sharded fill's do, all files' items in one go (one pool of
+        threads, one set-up: a call per file cost 0.3-0.6 ms of a 30 ms fill)."""
+        items = [i for group in pending.values() for i in group]
+        if len(pending) < 2 or any(i.check is not None or not i.into.is_cpu for i in items):
+            for path, group in pending.items():
+                self.read(path, group, fresh=fresh)
+            return
+        fds = [self.fd(path) for path, group in pending.items() for _ in group]
+        _read_host(fds, items, current(), fresh)
 
     def verify(self) -> None:
         """Every file read is still the one catalogued (``CheckpointError`` if not)."""

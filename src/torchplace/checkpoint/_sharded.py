@@ -331,8 +331,7 @@ class _Reader:
     def flush(self) -> None:
         """Every queued range read, side by side by the reader's pool."""
         pending, self.pending = self.pending, {}
-        for p, items in pending.items():
-            self.files.read(p, items, fresh=self.fresh)
+        self.files.read_files(pending, fresh=self.fresh)
 
     def verify(self) -> None:
         """Every file read is still the one catalogued (``CheckpointError`` if not)."""
