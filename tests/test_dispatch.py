@@ -563,7 +563,7 @@ def test_the_model_combining_parts_on_two_devices_is_not_told_to_use_one_device(
     [
         ({"embd": "cpu"}, DeviceSpecError, r"\['embd'\]: the model has no submodule.*'embed'"),
         ({"head.weight": "cpu"}, DeviceSpecError, r"is a tensor, not a module; map .* 'head'"),
-        ({"embed": "cpu"}, DeviceSpecError, r"leaves model.blocks.0.a.weight.* without a device"),
+        ({"embed": "cpu"}, DeviceSpecError, r"leaves 'blocks.0.a.weight'.* without a device"),
         ({"": "cdua"}, DeviceSpecError, r"device_map\[''\]: unknown device spec 'cdua'"),
         (["cpu"], DeviceSpecError, r"device_map must be a dict"),
     ],
@@ -659,3 +659,31 @@ def test_each_thread_gets_its_own_output_device() -> None:
     worker.start()
     worker.join()
     assert seen == [0] and stack.stack == [CPU]  # another thread sees its own, empty, stack
+
+
+@pytest.mark.parametrize("spec", ["dsk", "Disk", "dist"])
+def test_a_misspelt_disk_in_a_map_is_named_with_the_word_it_misses(spec: str) -> None:
+    """'disk' is a map's own word, not a device spec, so ``device()``'s suggestions never
+    offered it (a new-user trial typed "dsk")."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(
+        DeviceSpecError, match=rf"device_map\['1'\]: .*{spec!r}; did you mean 'disk'"
+    ):
+        dispatch(model, {"0": "cpu", "1": spec})
+    assert not is_dispatched(model)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
+def test_tensors_a_map_leaves_out_are_named_as_its_keys_are() -> None:
+    """A child called "model" (as transformers names it) was shown as model.model.model.1."""
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+
+    with pytest.raises(DeviceSpecError) as caught:
+        dispatch(Outer(), {"model.0": "cpu"})
+    assert "leaves 'model.1.weight', 'model.1.bias' without a device" in str(caught.value)
+    assert "an entry for 'model.1'" in str(caught.value)

@@ -130,6 +130,12 @@ def parse_device_map(tree: ModelTree, device_map: object) -> dict[str, torch.dev
         try:
             entries[name] = _device(spec)
         except TorchplaceError as err:
+            if isinstance(spec, str) and difflib.get_close_matches(spec.lower(), [DISK]):
+                raise DeviceSpecError(  # a map's own word, which device() does not know
+                    f"{where}: unknown device spec {spec!r}; did you mean {DISK!r} (the module "
+                    "left in its checkpoint, read as it runs)? A map takes a device spec or "
+                    f"{DISK!r}"
+                ) from None
             raise type(err)(f"{where}: {err}") from None
     return entries
 
@@ -165,7 +171,9 @@ def _targets(tree: ModelTree, entries: dict[str, torch.device]) -> dict[int, tor
             continue
         (targets[key],) = found
     if uncovered:
-        shown = ", ".join(display(n) for n in uncovered[:5])
+        # named as the map's keys are (state-dict names), not display()'s "model." paths: a
+        # model whose child is called "model" (transformers') showed "model.model.model.1"
+        shown = ", ".join(repr(n) for n in uncovered[:5])
         more = f" and {len(uncovered) - 5} more" if len(uncovered) > 5 else ""
         first = uncovered[0].rpartition(".")[0]
         raise DeviceSpecError(
