@@ -434,3 +434,24 @@ def test_one_registry_picks_the_reader_by_format_and_device_type() -> None:
     assert _load.reader_for("zip", torch.device("mps")) is _load.READERS["zip", "other"]
     with pytest.raises(CheckpointError, match=r"no reader reads a 'npz' checkpoint onto cpu"):
         _load.reader_for("npz", torch.device("cpu"))
+
+
+def test_an_index_in_the_hugging_face_cache_layout_loads(tmp_path: Path) -> None:
+    """The Hugging Face cache links each file of a snapshot to ../../blobs/<hash>: a shard is
+    named inside the index's directory and leads outside it, which is the cache's choice. It
+    was refused as "outside its own directory"; a name spelt outside it still is."""
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "rev"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    sd = {"a.weight": torch.arange(4.0), "b.weight": torch.ones(2, 2)}
+    for name, tensor in sd.items():
+        safetensors_torch().save_file({name: tensor}, str(blobs / name))
+        (snapshot / f"{name}.safetensors").symlink_to(f"../../blobs/{name}")
+    index = {"weight_map": {name: f"{name}.safetensors" for name in sd}}
+    (blobs / "index").write_text(json.dumps(index))
+    (snapshot / "model.safetensors.index.json").symlink_to("../../blobs/index")
+    out = load(snapshot)
+    assert out.keys() == sd.keys() and all(torch.equal(out[k], sd[k]) for k in sd)
+    (blobs / "index").write_text(json.dumps({"weight_map": {"a.weight": "../../blobs/a.weight"}}))
+    with pytest.raises(CheckpointError, match="outside its own directory"):
+        load(snapshot / "model.safetensors.index.json")

@@ -181,8 +181,9 @@ def _near_misses(p: Path) -> str:
 def shards(p: Path, weight_map: Mapping[str, str]) -> list[tuple[str, Path, list[str]]]:
     """The shards an index names, checked: (name in the index, path, tensor names) each.
 
-    A shard must be a file inside the index's own directory and not an index itself (an index
-    naming itself, or two naming each other, would never end). A shard spelt two ways
+    A shard must be named inside the index's own directory (a link there may lead anywhere, as
+    the Hugging Face cache's do) and not be an index itself (an index naming itself, or two
+    naming each other, would never end). A shard spelt two ways
     (``s1.safetensors`` and ``./s1.safetensors``) is one file, listed (and read) once under the
     first spelling. Every shard is looked for before any is read: the error for missing ones
     names them all, however many tensors the index lists.
@@ -190,9 +191,16 @@ def shards(p: Path, weight_map: Mapping[str, str]) -> list[tuple[str, Path, list
     by_spelling: dict[str, list[str]] = {}  # one path resolved per shard, not per tensor
     for name, shard in weight_map.items():
         by_spelling.setdefault(str(shard), []).append(name)
-    root = p.parent.resolve()
+    root = Path(os.path.normpath(p.parent))
     by_shard: dict[Path, tuple[str, list[str]]] = {}
     for shard, names in by_spelling.items():
+        # The name must stay inside the index's directory as it is spelt ("../x", "/x" and
+        # "a/../../x" do not); where a link there leads is the owner's choice, as the Hugging
+        # Face cache links each file of a snapshot to ../../blobs/<hash>.
+        if root not in Path(os.path.normpath(p.parent / shard)).parents:
+            raise CheckpointError(
+                f"{p}: names shard {shard!r} outside its own directory; refusing to read it"
+            )
         try:
             where = (p.parent / shard).resolve()
         except (OSError, ValueError) as exc:  # a NUL in the name, a loop of links
@@ -200,11 +208,6 @@ def shards(p: Path, weight_map: Mapping[str, str]) -> list[tuple[str, Path, list
                 f"{p}: names shard {shard!r}, which is not a usable file name ({exc})"
             ) from exc
         by_shard.setdefault(where, (shard, []))[1].extend(names)
-    for shard_path, (shard, _) in by_shard.items():
-        if root not in shard_path.parents:
-            raise CheckpointError(
-                f"{p}: names shard {shard!r} outside its own directory; refusing to read it"
-            )
     missing = [shard for shard_path, (shard, _) in by_shard.items() if not shard_path.is_file()]
     if missing:
         which = (
