@@ -3,9 +3,11 @@ this process's own (the torchrun tests in ``test_sharded.py`` meet across proces
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
+import weakref
 from typing import Any
 
 import pytest
@@ -48,7 +50,7 @@ def test_one_thread_beats_for_every_call_and_stops_when_each_ends() -> None:
     _until(lambda: store.counts.get("a", 0) >= 4 and store.counts.get("b", 0) >= 2)
     assert chores == ["a", "b"]  # each call's chores once, first
     beater.end(first)
-    time.sleep(0.03)  # a beat under way may still land
+    time.sleep(0.1)  # a beat picked before the end may still land, once
     a, b = store.counts["a"], store.counts["b"]
     _until(lambda: store.counts["b"] >= b + 2)  # the other call beats on
     assert store.counts["a"] == a  # ended: beats no more
@@ -104,3 +106,19 @@ def test_a_forked_child_beats_with_a_thread_of_its_own() -> None:
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
         _rendezvous._BEATER.end(token)
+
+
+def test_an_ended_call_leaves_nothing_of_its_store_to_the_thread() -> None:
+    """The thread waits for the next call holding nothing of the last one: a store kept alive
+    there would keep rank 0's TCPStore server and its port after destroy_process_group."""
+    beater = _rendezvous._Beater()
+    store = _Store()
+    counts = store.counts
+    token = beater.begin(_rendezvous._Beat(store, "a", 0.01, lambda: None))
+    _until(lambda: counts.get("a", 0) >= 2)
+    beater.end(token)
+    time.sleep(0.05)  # past the beat under way, if any
+    gone = weakref.ref(store)
+    del store
+    gc.collect()
+    assert gone() is None

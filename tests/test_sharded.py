@@ -1063,3 +1063,27 @@ def test_a_torch_without_the_store_says_the_ranks_did_not_compare() -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "ranks did not compare their loads" in done.stdout, done.stdout
+
+
+def test_a_channels_last_one_by_one_convolution_beside_shards_is_filled(
+    fake_world: Any, tmp_path: Path
+) -> None:
+    """A plain tensor in a sharded model is read whole; a 1x1 convolution's weight in
+    channels_last is contiguous by torch's rule (its size-1 dims are not checked) though its
+    last stride is not 1: the one-run read took a dtype view of it, which torch refuses."""
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    saved = nn.Sequential(nn.Linear(4, 4), nn.Conv2d(8, 16, 1))
+    path = tmp_path / "m.safetensors"
+    save_file({k: v.contiguous() for k, v in saved.state_dict().items()}, str(path))
+    model = nn.Sequential(nn.Linear(4, 4), nn.Conv2d(8, 16, 1))
+    model[1].to(memory_format=torch.channels_last)
+    fully_shard(model[0], mesh=fake_world)
+    weight = model[1].weight
+    assert weight.is_contiguous() and weight.stride(-1) != 1  # the case: contiguous, odd stride
+    torchplace.load_into(model, path)
+    assert model[1].weight is weight and weight.stride() == (8, 1, 8, 8)
+    assert torch.equal(weight, saved[1].weight) and torch.equal(model[1].bias, saved[1].bias)
+    assert torch.equal(model[0].weight.to_local(), saved[0].weight.detach()[:1])  # rank 0 of 4

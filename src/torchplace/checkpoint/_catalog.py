@@ -581,11 +581,14 @@ def _stamped(p: Path, parse: Callable[[], dict[str, Entry]]) -> tuple[dict[str, 
 # and its entries, which a file of that size and those header bytes has again, whenever it was
 # written and whatever its timestamps' granularity (a header's JSON made again took 0.2 ms warm,
 # and 1 ms of a sharded fill's 30 ms, where a large read has just flushed the CPU's caches). A
-# catalog given again carries the file's stamp of now. At most ``_KEPT_ENTRIES`` entries in all.
+# catalog given again carries the file's stamp of now. At most ``_KEPT_ENTRIES`` entries are kept
+# in files and as many in indexes (an index's entries are its shards', shared), and no header of
+# more than ``_KEPT_HEADER`` bytes (a large ``__metadata__``).
 _KEPT: collections.OrderedDict[Path, tuple[int, bytes, dict[str, Entry]]] = (
     collections.OrderedDict()
 )
 _KEPT_ENTRIES = 20_000
+_KEPT_HEADER = 4 << 20
 _KEPT_LOCK = threading.Lock()
 
 
@@ -650,7 +653,8 @@ def _safetensors_catalog(p: Path) -> Catalog:
         return entries
 
     entries, when = _stamped(p, parse)
-    _keep(_KEPT, p, (when.size, raw, entries), len(entries))
+    if len(raw) <= _KEPT_HEADER:
+        _keep(_KEPT, p, (when.size, raw, entries), len(entries))
     return Catalog(str(p), "safetensors", p, dict(entries), {p: when}, {p: "safetensors"})
 
 

@@ -128,8 +128,11 @@ def _bytes_of(t: torch.Tensor) -> tuple[memoryview, int]:
     with as few calls into torch as it takes (a fill makes one per tensor it reads)."""
     if t.requires_grad:
         t = t.detach()
-    data = t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
-    return memoryview(cast(Any, data.numpy())).cast("B"), t.data_ptr()
+    if not t.dim() or t.stride(-1) != 1 or not t.numel():
+        # 0-d, empty, or contiguous with a last dim of size 1 strided otherwise (channels_last
+        # 1x1 convolutions: torch calls them contiguous), which a dtype view refuses
+        t = t.reshape(-1)
+    return memoryview(cast(Any, t.view(torch.uint8).numpy())).cast("B"), t.data_ptr()
 
 
 def _memory(t: torch.Tensor) -> memoryview:

@@ -41,11 +41,12 @@ __all__ = ["ABSENT", "TIMEOUT_VARIABLE", "Meeting", "compare_timeout", "meeting"
 TIMEOUT_VARIABLE = "TORCHPLACE_COMPARE_TIMEOUT"
 DEFAULT_TIMEOUT = 10.0  # seconds without a sign of life before a rank is given up on
 ABSENT = "absent"  # what a slot holds once the others gave up on its rank
-# A waiting rank looks at the store every 0.2 ms for its first 5 ms of waiting (ranks that
-# read alike post within a few ms of each other, and each ms of a wait's lag is 3-4% of a
-# 256 MiB fill on 2 ranks), then less and less often, down to every millisecond per rank of
-# the mesh (2 ms for 2 ranks), at most every 50 ms: all the waiting ranks together ask about
-# 1,000 times a second at most once they have waited 5 ms.
+# A waiting rank looks at the store often for its first 5 ms of waiting (ranks that read alike
+# post within a few ms of each other, and each ms of a wait's lag is 3-4% of a 256 MiB fill on
+# 2 ranks): every 0.1 ms per rank of the mesh, at least 0.2 ms apart, so that all the waiting
+# ranks together ask about 10,000 times a second at most. Then less and less often, down to
+# every millisecond per rank (2 ms for 2 ranks), at most every 50 ms: about 1,000 times a second
+# at most, all together.
 _FIRST_PAUSE = 0.0002
 _EAGER_FOR = 0.005
 _PAUSE_PER_RANK = 0.001
@@ -131,7 +132,8 @@ class Meeting:
         every = min(1.0, self.timeout / 5)
         start = time.monotonic()
         look = start + every
-        pause, longest = _FIRST_PAUSE, min(_LONGEST_PAUSE, _PAUSE_PER_RANK * len(self.ranks))
+        longest = min(_LONGEST_PAUSE, _PAUSE_PER_RANK * len(self.ranks))
+        pause = min(longest, max(_FIRST_PAUSE, _PAUSE_PER_RANK * len(self.ranks) / 10))
         while missing and not self.store.check([keys[r] for r in missing]):
             now = time.monotonic()
             if now >= look:
@@ -222,24 +224,41 @@ class _Beater:
             self.beats.pop(token, None)
 
     def _run(self) -> None:
-        cond = self.cond
+        try:
+            self._beat_on(self.cond)
+        finally:  # should it ever end, the next call starts another
+            self.running = False
+
+    def _beat_on(self, cond: threading.Condition) -> None:
         while True:
-            with cond:
-                while not self.fresh and not self.beats:
-                    cond.wait()
-                fresh, self.fresh = self.fresh, []
-                if not fresh:
-                    cond.wait(max(0.0, min(b.due for b in self.beats.values()) - time.monotonic()))
-                now = time.monotonic()
-                due = [b for b in self.beats.values() if b.due <= now]
-                for b in due:
-                    b.due = now + b.every
-            for b in fresh:
-                with contextlib.suppress(Exception):  # keys left behind are a few bytes
-                    b.chores()
+            fresh, due = self._next(cond)
+            _serve(fresh, due)
+            fresh.clear()  # nothing of an ended call (its store) kept while this waits
+            due.clear()
+
+    def _next(self, cond: threading.Condition) -> tuple[list[_Beat], list[_Beat]]:
+        """The calls just begun, and the calls due to beat, once there are any."""
+        with cond:
+            while not self.fresh and not self.beats:
+                cond.wait()
+            fresh, self.fresh = self.fresh, []
+            if not fresh:
+                cond.wait(max(0.0, min(b.due for b in self.beats.values()) - time.monotonic()))
+            now = time.monotonic()
+            due = [b for b in self.beats.values() if b.due <= now]
             for b in due:
-                with contextlib.suppress(Exception):  # a store gone: the waiting ranks will say
-                    b.store.add(b.key, 1)
+                b.due = now + b.every
+            return fresh, due
+
+
+def _serve(fresh: list[_Beat], due: list[_Beat]) -> None:
+    """The chores of the calls just begun, then a beat of each call whose beat is due."""
+    for b in fresh:
+        with contextlib.suppress(Exception):  # keys left behind are a few bytes
+            b.chores()
+    for b in due:
+        with contextlib.suppress(Exception):  # a store gone: the waiting ranks will say
+            b.store.add(b.key, 1)
 
 
 _BEATER = _Beater()

@@ -50,7 +50,7 @@ from .._devices import device as _device
 from .._errors import CheckpointError, TorchplaceError, user_stacklevel
 from .._model_walk import Slot, tensor_slots
 from ._catalog import Catalog, Entry, Stamp, catalog, contiguous_strides
-from ._conversions import Fused, Plan, conversion_plan, fused_boxes, may_convert
+from ._conversions import Fused, Plan, conversion_plan, fused_boxes
 from ._keys import check_keys, does_not_fit, matches_nothing, no_data_buffers
 from ._load import warn_unchecked_safetensors
 from ._mismatch import left_on_meta, listing
@@ -294,7 +294,8 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     """The tensor a rank holds of ``t`` (its local shard for a DTensor), without autograd."""
     if _is_dtensor(t):
         if not torch.is_grad_enabled():  # to_local gives its shard as it is, no autograd node
-            return t.to_local()  # type: ignore[attr-defined, no-any-return]
+            local = getattr(t, "_local_tensor", None)  # what it gives, without the call
+            return local if isinstance(local, torch.Tensor) else t.to_local()  # type: ignore[attr-defined]
         with torch.no_grad():
             return t.to_local()  # type: ignore[attr-defined, no-any-return]
     return t.detach()
@@ -480,7 +481,7 @@ def _materialize(model: nn.Module, slots: list[Slot], target: torch.device) -> N
         slot.tensor = first
 
 
-_SELF_LOADING: dict[type, bool] = {}  # asked once per class
+_SELF_LOADING: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()  # per class
 
 
 def _loads_itself(cls: type) -> bool:
@@ -851,11 +852,7 @@ def _located(
     entries = _renamed(_sharded_entries(source_catalog), rename, where)
     # A transformers model's hub names: renamed entries, and fused tensors read piece by piece.
     sources = entries
-    conversions = (
-        conversion_plan(model, {n: (e.shape, _dtype(e)) for n, e in entries.items()})
-        if may_convert(model)
-        else None
-    )
+    conversions = conversion_plan(model, {n: (e.shape, _dtype(e)) for n, e in entries.items()})
     fused: dict[str, Fused] = {}
     if conversions is not None:
         entries, fused = _converted(where, conversions, entries)
