@@ -687,3 +687,12 @@ def test_tensors_a_map_leaves_out_are_named_as_its_keys_are() -> None:
         dispatch(Outer(), {"model.0": "cpu"})
     assert "leaves 'model.1.weight', 'model.1.bias' without a device" in str(caught.value)
     assert "an entry for 'model.1'" in str(caught.value)
+
+
+def test_none_in_a_map_is_refused_naming_the_entry() -> None:
+    """``device(None)`` is "auto", but a None in a map is a lookup that missed (a new-user
+    trial's ``{"1": devices.get("decoder")}`` put module 1 on the CPU without a word)."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    with pytest.raises(DeviceSpecError, match=r"device_map\['1'\]: None is no device"):
+        dispatch(model, {"0": "cpu", "1": None})
+    assert not is_dispatched(model)

@@ -455,3 +455,15 @@ def test_an_index_in_the_hugging_face_cache_layout_loads(tmp_path: Path) -> None
     (blobs / "index").write_text(json.dumps({"weight_map": {"a.weight": "../../blobs/a.weight"}}))
     with pytest.raises(CheckpointError, match="outside its own directory"):
         load(snapshot / "model.safetensors.index.json")
+
+
+def test_a_shard_linked_to_nothing_is_named_as_a_link(tmp_path: Path) -> None:
+    """An unfinished download leaves the cache's link to a blob that is not there: the file is
+    listed beside the index, so "missing" alone puzzled a new-user trial."""
+    (tmp_path / "s.safetensors").symlink_to("../blobs/0123abcd")
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"w": "s.safetensors"}}))
+    with pytest.raises(
+        CheckpointError, match=r"a link to nothing: 's\.safetensors' -> '\.\./blobs/0123abcd'"
+    ):
+        load(index)

@@ -216,9 +216,17 @@ def shards(p: Path, weight_map: Mapping[str, str]) -> list[tuple[str, Path, list
             else f"{len(missing)} shards that are"
         )
         listed = "" if len(missing) == 1 else f" ({', '.join(map(repr, missing))})"
+        links = [s for s in missing if (p.parent / s).is_symlink()]
+        dangling = (
+            f" ({'a link' if len(links) == 1 else 'links'} to nothing: "
+            f"{', '.join(f'{s!r} -> {os.readlink(p.parent / s)!r}' for s in links[:3])}, as an "
+            "unfinished download leaves in the Hugging Face cache)"
+            if links
+            else ""
+        )
         raise CheckpointError(
-            f"{p}: names {which} missing from {root}{listed}; download or copy every shard the "
-            "index lists"
+            f"{p}: names {which} missing from {root}{listed}{dangling}; download or copy every "
+            "shard the index lists"
         )
     found = []
     for shard_path, (shard, names) in by_shard.items():

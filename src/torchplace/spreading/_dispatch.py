@@ -127,6 +127,11 @@ def parse_device_map(tree: ModelTree, device_map: object) -> dict[str, torch.dev
         if spec == DISK:
             entries[name] = DISK
             continue
+        if spec is None:  # device(None) is "auto"; in a map it is a lookup that missed
+            raise DeviceSpecError(
+                f"{where}: None is no device; give each entry a device ('cpu', 'cuda:0', ...), "
+                f"{DISK!r}, or 'auto' for the best device here"
+            )
         try:
             entries[name] = _device(spec)
         except TorchplaceError as err:
