@@ -425,25 +425,25 @@ def test_one_tensor_is_assembled_from_several_entries_read_into_its_slices(
 def test_the_sharded_reader_refuses_a_file_changed_since_it_was_catalogued(
     tmp_path: Path,
 ) -> None:
-    from torchplace.checkpoint import _sharded
+    from torchplace.checkpoint import _boxes, _sharded
 
     path = tmp_path / "w.safetensors"
     save_file({"w": torch.arange(64.0).reshape(8, 8)}, str(path))
     os.utime(path, ns=(10**18, 10**18))
     found = catalog(path)
     entries = _sharded._sharded_entries(found)
-    reader = _sharded._Reader(found.stamps)
+    reader = _boxes.BoxReader(found.stamps)
     dest = torch.empty(4, 8)
-    _sharded._fill(reader, entries["w"], ((4, 0), (4, 8)), dest)  # rows 4 to 8: read as they are
+    _boxes.fill_box(reader, entries["w"], ((4, 0), (4, 8)), dest)  # rows 4 to 8: read as they are
     assert torch.equal(dest, torch.arange(32.0, 64.0).reshape(4, 8))
     reader.close()
     with path.open("r+b") as f:  # rewritten in place after the catalog was made
         f.seek(-4, os.SEEK_END)
         f.write(bytes(4))
-    reader = _sharded._Reader(found.stamps)
+    reader = _boxes.BoxReader(found.stamps)
     try:
         with pytest.raises(CheckpointError, match="changed while it was read"):
-            _sharded._fill(reader, entries["w"], ((4, 0), (4, 8)), dest)
+            _boxes.fill_box(reader, entries["w"], ((4, 0), (4, 8)), dest)
     finally:
         reader.close()
 

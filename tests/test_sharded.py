@@ -21,10 +21,10 @@ from safetensors.torch import save_file
 import torchplace
 from helpers import TORCHRUN_VARIABLES, fsdp2_cannot_train_on_cpu, torchrun_two_cpu
 from torchplace._errors import CheckpointError
-from torchplace.checkpoint import _sharded
+from torchplace.checkpoint import _boxes, _sharded
 
 
-def _boxes(shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+def _every_box(shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """Every box that halves or keeps each dim, plus a one-element one: all run patterns."""
     choices = [[(0, n), (0, n // 2), (n // 2, n - n // 2), (1, max(n - 2, 0))] for n in shape]
     found = []
@@ -38,8 +38,8 @@ def _boxes(shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...
 def test_every_box_of_a_safetensors_tensor_reads_bit_for_bit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct_run: int, buffer: int
 ) -> None:
-    monkeypatch.setattr(_sharded, "_DIRECT_RUN", direct_run)
-    monkeypatch.setattr(_sharded, "_BUFFER", buffer)
+    monkeypatch.setattr(_boxes, "_DIRECT_RUN", direct_run)
+    monkeypatch.setattr(_boxes, "_BUFFER", buffer)
     tensors = {
         "three": torch.randn(4, 5, 6),
         "matrix": torch.randn(7, 9).to(torch.bfloat16),
@@ -49,17 +49,17 @@ def test_every_box_of_a_safetensors_tensor_reads_bit_for_bit(
     path = tmp_path / "m.safetensors"
     save_file(tensors, str(path))
     entries = _sharded._file_entries(path)
-    reader = _sharded._Reader()
+    reader = _boxes.BoxReader()
     try:
         for name, full in tensors.items():
-            for offsets, lengths in _boxes(tuple(full.shape)):
+            for offsets, lengths in _every_box(tuple(full.shape)):
                 dest = torch.full(lengths, -1, dtype=full.dtype)
-                _sharded._fill(reader, entries[name], (offsets, lengths), dest)
+                _boxes.fill_box(reader, entries[name], (offsets, lengths), dest)
                 index = tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))
                 assert torch.equal(dest, full[index]), (name, offsets, lengths)
                 # Into another dtype (the model's), through the buffer.
                 wide = torch.zeros(lengths, dtype=torch.float64)
-                _sharded._fill(reader, entries[name], (offsets, lengths), wide)
+                _boxes.fill_box(reader, entries[name], (offsets, lengths), wide)
                 assert torch.equal(wide, full[index].double()), (name, offsets, lengths)
     finally:
         reader.close()
@@ -78,12 +78,12 @@ def test_torch_zip_files_are_located_without_running_code(tmp_path: Path) -> Non
     torch.save(state, path)
     entries = _sharded._file_entries(path)
     assert entries["rows"].start == entries["whole"].start + 3 * 6 * 4
-    reader = _sharded._Reader()
+    reader = _boxes.BoxReader()
     try:
         for name, full in state.items():
-            for offsets, lengths in _boxes(tuple(full.shape)):
+            for offsets, lengths in _every_box(tuple(full.shape)):
                 dest = torch.empty(lengths, dtype=full.dtype)
-                _sharded._fill(reader, entries[name], (offsets, lengths), dest)
+                _boxes.fill_box(reader, entries[name], (offsets, lengths), dest)
                 index = tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))
                 assert torch.equal(dest, full[index]), (name, offsets, lengths)
     finally:

@@ -16,11 +16,11 @@ with ``parallelize_module``) is filled here instead of by the general ``load_int
    shards of FSDP2 over tensor parallelism); a plain tensor in a sharded model is held whole.
 4. *Fill*: meta tensors (a skeleton) are first given empty memory on the device, as
    ``to_empty`` would, leaving real buffers alone; then each rank reads its boxes straight into
-   its local shards. A box that is one run of the file is read into the shard with no copy in
-   between, and runs go to the one reader (``_reader.read_into``: its pool of threads, the
-   files' stamps checked before and after); one that is not (a ``Shard(1)`` slice of a row-major
-   matrix) goes run by run, or through a buffer of at most 16 MiB when the runs are short. No
-   rank holds a full tensor and no collective ships weights.
+   its local shards (``_boxes``). A box that is one run of the file is read into the shard with
+   no copy in between, and runs go to the one reader (``_reader.OpenFiles``: its pool of
+   threads, the files' stamps checked before and after); one that is not (a ``Shard(1)`` slice
+   of a row-major matrix) goes run by run, or through a buffer of at most 16 MiB when the runs
+   are short. No rank holds a full tensor and no collective ships weights.
 5. *Compare*: the ranks of the mesh share whether each failed and the stamps of the files each
    read (a few bytes a rank; the whole errors only when one shows trouble), so that if any rank
    failed, or ranks on one machine read different versions of a file, every rank raises. They
@@ -41,7 +41,7 @@ import warnings
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -49,21 +49,19 @@ from torch import nn
 from .._devices import device as _device
 from .._errors import CheckpointError, TorchplaceError, user_stacklevel
 from .._model_walk import Slot, tensor_slots
-from ._catalog import Catalog, Entry, Stamp, catalog, contiguous_strides
+from ._boxes import BoxReader, entry_dtype, queue_box
+from ._catalog import Catalog, Entry, Stamp, catalog
 from ._conversions import Fused, Plan, conversion_plan, fused_boxes
 from ._keys import check_keys, does_not_fit, matches_nothing, no_data_buffers
 from ._load import warn_unchecked_safetensors
 from ._mismatch import left_on_meta, listing
-from ._plan_items import Box, ReadItem
+from ._plan_items import Box
 from ._progress import reporting
-from ._reader import OpenFiles, check_records
+from ._reader import check_records
 from ._rename import Rename, as_renamer, renamed
 from ._rendezvous import ABSENT, TIMEOUT_VARIABLE, Meeting, meeting
 
 __all__ = ["has_dtensors", "load_sharded", "strided_shards_readable"]
-
-_BUFFER = 16 * 1024 * 1024  # the most a non-contiguous slice reads ahead of its copy
-_DIRECT_RUN = 256 * 1024  # runs at least this long are read straight into the shard
 
 
 def has_dtensors(model: nn.Module) -> bool:
@@ -81,11 +79,6 @@ def has_dtensors(model: nn.Module) -> bool:
 
 
 # ------------------------------------------------------------------------------------ locating
-
-
-def _dtype(e: Entry) -> torch.dtype:
-    """The ``torch.dtype`` of an entry ``_sharded_entries`` let through (this torch holds it)."""
-    return cast(torch.dtype, getattr(torch, e.dtype))
 
 
 def _sharded_entries(found: Catalog) -> dict[str, Entry]:
@@ -299,165 +292,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return t.to_local()  # type: ignore[attr-defined, no-any-return]
     return t.detach()
-
-
-def _refuse_freed(t: torch.Tensor) -> None:
-    """Refuse a tensor whose storage cannot hold it: one FSDP2 freed (resized to 0), where a
-    read would write past the memory and crash the process."""
-    n = t.numel() * t.element_size()
-    held = t.untyped_storage().nbytes() - t.storage_offset() * t.element_size()
-    if n > held:
-        raise RuntimeError(f"a tensor of {n} bytes has only {held} bytes of storage")
-
-
-class _Reader:
-    """A rank's reads for one load, through the one reader's ``OpenFiles`` (each file checked
-    against its catalogued stamp when opened and by ``verify`` after the reads).
-
-    Runs of the file that land straight in a shard are queued and read side by side at the next
-    ``flush``; a box of short runs is read as whole rows into a reusable buffer (``block``) and
-    copied out of it.
-    """
-
-    def __init__(self, stamps: Mapping[Path, Stamp] | None = None) -> None:
-        self.files = OpenFiles(stamps)
-        self.buffer: torch.Tensor | None = None
-        self.pending: dict[Path, list[ReadItem]] = {}  # queued direct reads
-        self.fresh = True  # the shards' memory is new (a skeleton's): populate it as it is read
-
-    def queue(self, p: Path, start: int, out: torch.Tensor) -> None:
-        """Read ``out.nbytes`` bytes of ``p`` from ``start`` into ``out`` at the next ``flush``."""
-        self.pending.setdefault(p, []).append(ReadItem(start, out))
-
-    def flush(self) -> None:
-        """Every queued range read, side by side by the reader's pool."""
-        pending, self.pending = self.pending, {}
-        self.files.read_files(pending, fresh=self.fresh)
-
-    def verify(self) -> None:
-        """Every file read is still the one catalogued (``CheckpointError`` if not)."""
-        self.files.verify()
-
-    def close(self) -> None:
-        self.files.close()
-
-    def block(
-        self, p: Path, start: int, dtype: torch.dtype, shape: tuple[int, ...]
-    ) -> torch.Tensor:
-        """``shape`` elements of ``dtype`` from byte ``start``, in the reusable buffer."""
-        nbytes = math.prod(shape) * dtype.itemsize
-        if self.buffer is None or self.buffer.numel() < nbytes:
-            self.buffer = torch.empty(max(nbytes, 0), dtype=torch.uint8)
-        raw = self.buffer[:nbytes]
-        self.files.read(p, [ReadItem(start, raw)], fresh=False)
-        return raw.view(dtype).view(shape)
-
-
-def _read_box(
-    reader: _Reader,
-    entry: Entry,
-    start: int,
-    shape: tuple[int, ...],
-    offsets: tuple[int, ...],
-    lengths: tuple[int, ...],
-    dest: torch.Tensor,
-) -> None:
-    """Copy the box ``offsets``/``lengths`` of a row-major tensor at ``start`` into ``dest``."""
-    assert entry.file is not None
-    if 0 in lengths or 0 in shape:
-        return
-    dtype = _dtype(entry)
-    itemsize = dtype.itemsize
-    nd = len(shape)
-    partial = [d for d in range(nd) if lengths[d] != shape[d]]
-    last = partial[-1] if partial else -1
-    inner = math.prod(shape[last + 1 :])
-    run = (lengths[last] if last >= 0 else 1) * inner  # elements in one contiguous run
-    direct = dest.is_cpu and dest.dtype == dtype and dest.is_contiguous()
-    if direct and last <= 0 and dest.numel() == run:  # one run: whole, or a slice of dim 0
-        _refuse_freed(dest)  # before anything is read into it
-        first = offsets[0] * inner if last == 0 else 0
-        reader.queue(entry.file, start + first * itemsize, dest)
-        return
-    if direct and run * itemsize >= _DIRECT_RUN:
-        strides = contiguous_strides(shape)
-        _refuse_freed(dest)  # before anything is read into it
-        flat = dest.detach().reshape(-1).view(torch.uint8)
-        run_bytes = run * itemsize
-        outer = itertools.product(
-            *(range(offsets[d], offsets[d] + lengths[d]) for d in range(last))
-        )
-        tail = offsets[last] * strides[last] if last >= 0 else 0
-        for n, index in enumerate(outer):
-            element = sum(i * s for i, s in zip(index, strides, strict=False)) + tail
-            part = flat[n * run_bytes : (n + 1) * run_bytes]
-            reader.queue(entry.file, start + element * itemsize, part)
-        return
-    if nd == 0:
-        dest.copy_(reader.block(entry.file, start, dtype, ()))
-        return
-    slab = math.prod(shape[1:]) * itemsize  # bytes of one index of dim 0
-    if slab > _BUFFER and nd > 1:
-        for r in range(lengths[0]):
-            where = start + (offsets[0] + r) * slab
-            _read_box(reader, entry, where, shape[1:], offsets[1:], lengths[1:], dest[r])
-        return
-    rows = max(1, _BUFFER // max(slab, 1))
-    inside = (
-        slice(None),
-        *(slice(o, o + n) for o, n in zip(offsets[1:], lengths[1:], strict=True)),
-    )
-    for r0 in range(0, lengths[0], rows):
-        n = min(rows, lengths[0] - r0)
-        block = reader.block(entry.file, start + (offsets[0] + r0) * slab, dtype, (n, *shape[1:]))
-        dest[r0 : r0 + n].copy_(block[inside])
-
-
-def _fill(reader: _Reader, entry: Entry, box: Box, dest: torch.Tensor) -> None:
-    """``box`` of ``entry`` into ``dest``, all read when this returns (``_queued``, flushed)."""
-    _queued(reader, entry, box, dest)
-    reader.flush()
-
-
-def _queued(reader: _Reader, entry: Entry, box: Box, dest: torch.Tensor) -> None:
-    """``box`` of ``entry`` into ``dest``: runs of the file that land straight in it queued for
-    the reader's next ``flush`` (``_read_plan`` flushes once, after every box: a read call per
-    tensor cost 0.2 ms of its own, 10-20% of a 256 MiB model's fill on 2 ranks), others read
-    now through the reader's buffer."""
-    try:
-        _fill_box(reader, entry, box, dest)
-    except BaseException:
-        reader.pending.clear()  # a failure or Ctrl-C: nothing more is read, its error stands
-        raise
-
-
-def _fill_box(reader: _Reader, entry: Entry, box: Box, dest: torch.Tensor) -> None:
-    offsets, lengths = box
-    if entry.tensor is not None:
-        index = tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))
-        dest.copy_(entry.tensor[index])
-        return
-    order = entry.order
-    assert order is not None  # addressable: _sharded_entries refused any other
-    if order == tuple(range(len(order))):
-        _read_box(reader, entry, entry.start, entry.shape, offsets, lengths, dest)
-        return
-    # Saved as a permuted view (a transposed weight): the file holds the permuted tensor
-    # row-major, so read the permuted box and lay it out as the model's.
-    shape = tuple(entry.shape[d] for d in order)
-    permuted = torch.empty(tuple(lengths[d] for d in order), dtype=dest.dtype, device=dest.device)
-    _read_box(
-        reader,
-        entry,
-        entry.start,
-        shape,
-        tuple(offsets[d] for d in order),
-        tuple(lengths[d] for d in order),
-        permuted,
-    )
-    reader.flush()  # the permuted box is read before it is laid out
-    inverse = sorted(range(len(order)), key=lambda d: order[d])
-    dest.copy_(permuted.permute(inverse))
 
 
 # ------------------------------------------------------------------------------------ loading
@@ -799,7 +633,7 @@ def _checked_plan(
     check = check_keys(
         slots,
         entries,
-        lambda e: (e.shape, _dtype(e).is_complex),
+        lambda e: (e.shape, entry_dtype(e).is_complex),
         built=lambda slot: any(n in fused for n in slot.names),
         complex_must_agree=True,
     )
@@ -852,7 +686,7 @@ def _located(
     entries = _renamed(_sharded_entries(source_catalog), rename, where)
     # A transformers model's hub names: renamed entries, and fused tensors read piece by piece.
     sources = entries
-    conversions = conversion_plan(model, {n: (e.shape, _dtype(e)) for n, e in entries.items()})
+    conversions = conversion_plan(model, {n: (e.shape, entry_dtype(e)) for n, e in entries.items()})
     fused: dict[str, Fused] = {}
     if conversions is not None:
         entries, fused = _converted(where, conversions, entries)
@@ -915,11 +749,11 @@ def _read_plan(
 ) -> None:
     """Step 4: meta tensors given memory, then every box read into its local shard; a failure
     says whether the model changed."""
-    reader = _Reader(stamps)
+    reader = BoxReader(stamps)
     changed = False
     total = sum(
-        math.prod(shape) * (entry.dtype if isinstance(entry, Fused) else _dtype(entry)).itemsize
-        for (_, entry), (shape, _) in zip(plan, pieces, strict=True)
+        math.prod(shape) * (e.dtype if isinstance(e, Fused) else entry_dtype(e)).itemsize
+        for (_, e), (shape, _) in zip(plan, pieces, strict=True)
     )
     shown = contextlib.ExitStack()  # the progress bar, closed in the finally below
     shown.enter_context(reporting(total, f"load_into {Path(where).name}", progress))
@@ -938,9 +772,9 @@ def _read_plan(
                     held = dest[into] if into else dest
                     if isinstance(filled_from, Fused):  # each piece of the file into its part
                         for key, part, index in fused_boxes(filled_from, box) or []:
-                            _queued(reader, sources[key], part, held[index])
+                            queue_box(reader, sources[key], part, held[index])
                         continue
-                    _queued(reader, filled_from, box, held)
+                    queue_box(reader, filled_from, box, held)
         reader.flush()  # every queued run, one read call per file
         reader.verify()  # the files are still those catalogued: no mix of old and new bytes
     except CheckpointError as exc:
