@@ -298,18 +298,19 @@ def test_a_safetensors_file_cut_short_after_it_was_cataloged_may_be_being_writte
 ) -> None:
     """Cut between reading the header and reading the data, as a writer truncating it does:
     the read runs out of file (the tester's EOFError)."""
-    import torchplace.checkpoint._load as loading
+    from torchplace.checkpoint._reader import OpenFiles
 
     path = tmp_path / "f.safetensors"
     safetensors_torch.save_file({"a": torch.ones(1000), "b": torch.ones(1000)}, path)
     data = path.read_bytes()
-    real = loading.read_into
+    real = OpenFiles.read
 
-    def truncate_then_read(where: Path, pieces: Any, stamp: Any, **options: Any) -> Any:
+    def truncate_then_read(files: OpenFiles, where: Path, *args: Any, **options: Any) -> Any:
         path.write_bytes(data[: len(data) // 2])
-        return real(where, pieces, None, **options)  # the stamp of the file cut: it changes no more
+        files.stamps.pop(where, None)  # the stamp of the file cut: it changes no more
+        return real(files, where, *args, **options)
 
-    monkeypatch.setattr(loading, "read_into", truncate_then_read)
+    monkeypatch.setattr(OpenFiles, "read", truncate_then_read)
     with pytest.raises(CheckpointError, match=r"f\.safetensors: cannot be read .*EOFError") as e:
         load_into(reference(), path, strict=False)
     assert _WRITER in str(e.value)

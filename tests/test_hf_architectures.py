@@ -250,16 +250,16 @@ def test_a_fused_tensor_is_read_into_its_slices_once(
 
 def _recording_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, torch.Tensor]]:
     """Every (offset, tensor) the catalog's reader fills, recorded as it is asked."""
-    import torchplace.checkpoint._load as load_module
+    from torchplace.checkpoint._reader import OpenFiles
 
     seen: list[tuple[int, torch.Tensor]] = []
-    real = load_module.read_into
+    real = OpenFiles.read
 
-    def recording(path: Path, pieces: Any, *rest: Any, **kwargs: Any) -> None:
+    def recording(files: OpenFiles, path: Path, pieces: Any, *rest: Any, **kwargs: Any) -> None:
         seen.extend((piece[0], piece[1]) for piece in pieces)
-        real(path, pieces, *rest, **kwargs)
+        real(files, path, pieces, *rest, **kwargs)
 
-    monkeypatch.setattr(load_module, "read_into", recording)
+    monkeypatch.setattr(OpenFiles, "read", recording)
     return seen
 
 

@@ -230,14 +230,16 @@ def test_a_shard_spelt_two_ways_is_read_once(
     )
     index = tmp_path / "model.safetensors.index.json"
     index.write_text(json.dumps({"weight_map": {"a": "s1.safetensors", "b": "./s1.safetensors"}}))
+    from torchplace.checkpoint._reader import OpenFiles
+
     reads: list[Path] = []
-    real = _checkpoint.read_into
+    real = OpenFiles.read
 
-    def counting(path: Path, *args: object, **kwargs: object) -> None:
+    def counting(files: OpenFiles, path: Path, *args: object, **kwargs: object) -> None:
         reads.append(Path(path))
-        real(path, *args, **kwargs)  # type: ignore[arg-type]
+        real(files, path, *args, **kwargs)
 
-    monkeypatch.setattr(_checkpoint, "read_into", counting)
+    monkeypatch.setattr(OpenFiles, "read", counting)
     out = _checkpoint.load(index)
     assert reads == [(tmp_path / "s1.safetensors").resolve()]
     assert torch.equal(out["a"], torch.ones(2)) and torch.equal(out["b"], torch.arange(3.0))
@@ -380,7 +382,7 @@ def test_failures_that_are_not_the_files_fault_say_so(
     import torchplace.checkpoint._reader
 
     monkeypatch.setattr(torch, "load", failing)  # what reads legacy and unusual files
-    monkeypatch.setattr(torchplace.checkpoint._load, "read_into", failing)  # safetensors
+    monkeypatch.setattr(torchplace.checkpoint._reader.OpenFiles, "read", failing)  # safetensors
     monkeypatch.setattr(torchplace.checkpoint._reader, "read_into", failing)  # zip files
     safetensors_torch().save_file({"w": torch.ones(2)}, tmp_path / "good.safetensors")
     for p in (path, tmp_path / "good.safetensors"):

@@ -839,20 +839,20 @@ def test_the_disk_tier_reads_into_memory_without_populating_it_first(
     """Each unit's weights are read into memory the previous unit's weights just gave back, so
     faulting its pages in ahead of the read (``read_into``'s ``fresh``) only costs: 7.9 ms
     against 3.0 ms a 16 MiB layer, read on one thread from the page cache (bench_offload)."""
-    from torchplace.checkpoint import _load
+    from torchplace.checkpoint._reader import OpenFiles
 
     torch.save(mlp(2).state_dict(), tmp_path / "mlp.pt")
     model = torchplace.load_into(
         torchplace.skeleton(mlp, 2), tmp_path / "mlp.pt", device_map={"": "cpu", "2": "disk"}
     )
     asked: list[bool] = []
-    real = _load.read_into
+    real = OpenFiles.read
 
-    def spy(path: Any, items: Any, /, stamp: Any = None, fresh: bool = True, **options: Any):  # type: ignore[no-untyped-def]
+    def spy(files: OpenFiles, path: Any, items: Any, fresh: bool = True, threads: Any = None):  # type: ignore[no-untyped-def]
         asked.append(fresh)
-        return real(path, items, stamp, fresh, **options)
+        return real(files, path, items, fresh, threads)
 
-    monkeypatch.setattr(_load, "read_into", spy)
+    monkeypatch.setattr(OpenFiles, "read", spy)
     with torch.no_grad():
         assert torch.equal(model(torch.ones(1, 8)), mlp(2)(torch.ones(1, 8)))
     assert asked and not any(asked)

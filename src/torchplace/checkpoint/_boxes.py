@@ -45,28 +45,49 @@ def _refuse_freed(t: torch.Tensor) -> None:
 
 
 class BoxReader:
-    """A rank's reads for one load, through the one reader's ``OpenFiles`` (each file checked
-    against its catalogued stamp when opened and by ``verify`` after the reads).
+    """One load's reads, through the one reader's ``OpenFiles`` (each file checked against its
+    catalogued stamp when opened and by ``verify`` after the reads).
 
-    Runs of the file that land straight in a shard are queued and read side by side at the next
-    ``flush``; a box of short runs is read as whole rows into a reusable buffer (``block``) and
-    copied out of it.
+    Runs of the file that land straight in their destination are queued and read side by side
+    at the next ``flush``; a box of short runs is read as whole rows into a reusable buffer
+    (``block``) and copied out of it. ``fresh``: the destinations' memory is new (populated as
+    it is read, as ``read_into`` takes it); ``threads``: at most this many threads read into
+    host memory. ``together``: a flush reads every file's runs in one call (the sharded fill:
+    one set-up for all files); else file by file, so that ``at`` names the file whose read
+    failed (the plain fill's errors name it).
     """
 
-    def __init__(self, stamps: Mapping[Path, Stamp] | None = None) -> None:
+    def __init__(
+        self,
+        stamps: Mapping[Path, Stamp] | None = None,
+        *,
+        fresh: bool = True,
+        threads: int | None = None,
+        together: bool = True,
+    ) -> None:
         self.files = OpenFiles(stamps)
         self.buffer: torch.Tensor | None = None
         self.pending: dict[Path, list[ReadItem]] = {}  # queued direct reads
-        self.fresh = True  # the shards' memory is new (a skeleton's): populate it as it is read
+        self.fresh = fresh
+        self.threads = threads
+        self.together = together
+        self.at: Path | None = None  # the file being read, while one alone is
 
-    def queue(self, p: Path, start: int, out: torch.Tensor) -> None:
-        """Read ``out.nbytes`` bytes of ``p`` from ``start`` into ``out`` at the next ``flush``."""
-        self.pending.setdefault(p, []).append(ReadItem(start, out))
+    def queue(self, p: Path, start: int, out: torch.Tensor, stored: torch.dtype) -> None:
+        """Read ``out.numel()`` elements of ``stored`` from byte ``start`` of ``p`` into ``out``
+        (converted into its dtype a chunk at a time where it differs) at the next ``flush``."""
+        self.pending.setdefault(p, []).append(ReadItem(start, out, stored))
 
     def flush(self) -> None:
         """Every queued range read, side by side by the reader's pool."""
         pending, self.pending = self.pending, {}
-        self.files.read_files(pending, fresh=self.fresh)
+        if self.together:
+            self.files.read_files(pending, fresh=self.fresh, threads=self.threads)
+            return
+        for p, items in pending.items():
+            self.at = p
+            self.files.read(p, items, fresh=self.fresh, threads=self.threads)
+        self.at = None
 
     def verify(self) -> None:
         """Every file read is still the one catalogued (``CheckpointError`` if not)."""
@@ -83,7 +104,9 @@ class BoxReader:
         if self.buffer is None or self.buffer.numel() < nbytes:
             self.buffer = torch.empty(max(nbytes, 0), dtype=torch.uint8)
         raw = self.buffer[:nbytes]
-        self.files.read(p, [ReadItem(start, raw)], fresh=False)
+        self.at = p
+        self.files.read(p, [ReadItem(start, raw)], False, self.threads)
+        self.at = None
         return raw.view(dtype).view(shape)
 
 
@@ -107,25 +130,27 @@ def _read_box(
     last = partial[-1] if partial else -1
     inner = math.prod(shape[last + 1 :])
     run = (lengths[last] if last >= 0 else 1) * inner  # elements in one contiguous run
-    direct = dest.is_cpu and dest.dtype == dtype and dest.is_contiguous()
+    # Read straight in (in the file's dtype, converted a chunk at a time where the destination's
+    # differs): memory the reader reaches (the CPU's, or CUDA's through its pinned pool) laid out
+    # as one run. Any other goes through the buffer below and a copy.
+    direct = dest.is_contiguous() and (dest.is_cpu or dest.device.type == "cuda")
     if direct and last <= 0 and dest.numel() == run:  # one run: whole, or a slice of dim 0
         _refuse_freed(dest)  # before anything is read into it
         first = offsets[0] * inner if last == 0 else 0
-        reader.queue(entry.file, start + first * itemsize, dest)
+        reader.queue(entry.file, start + first * itemsize, dest, dtype)
         return
     if direct and run * itemsize >= _DIRECT_RUN:
         strides = contiguous_strides(shape)
         _refuse_freed(dest)  # before anything is read into it
-        flat = dest.detach().reshape(-1).view(torch.uint8)
-        run_bytes = run * itemsize
+        flat = dest.detach().reshape(-1)
         outer = itertools.product(
             *(range(offsets[d], offsets[d] + lengths[d]) for d in range(last))
         )
         tail = offsets[last] * strides[last] if last >= 0 else 0
         for n, index in enumerate(outer):
             element = sum(i * s for i, s in zip(index, strides, strict=False)) + tail
-            part = flat[n * run_bytes : (n + 1) * run_bytes]
-            reader.queue(entry.file, start + element * itemsize, part)
+            part = flat[n * run : (n + 1) * run]
+            reader.queue(entry.file, start + element * itemsize, part, dtype)
         return
     if nd == 0:
         dest.copy_(reader.block(entry.file, start, dtype, ()))

@@ -16,8 +16,10 @@ import torch
 from .._devices import DeviceSpec
 from .._devices import device as _device
 from .._errors import CheckpointError, user_stacklevel
+from ._boxes import BoxReader, queue_box
 from ._catalog import (
     Catalog,
+    Entry,
     catalog,
     code_globals,
     format_of,
@@ -37,14 +39,13 @@ from ._formats import (
 )
 from ._opened import one_open_each
 from ._pickle_reader import WHOLE_MODEL, pickles_a_model
-from ._plan_items import Assembled, Part, ReadItem
+from ._plan_items import Assembled, Part
 from ._progress import reporting, wanted
 from ._reader import (
     NO_CRC,
     UNUSUAL,
     DTypeWish,
     check_records,
-    read_into,
     read_zip,
     safetensors_load,
     torch_load,
@@ -324,25 +325,20 @@ def whole_plan(
     return plan
 
 
-_Later = list[tuple[torch.Tensor, torch.Tensor, "tuple[int, ...] | None"]]
-
-
 def _allocated(
     found: Catalog, plan: Mapping[str, Assembled], home: torch.device
-) -> tuple[dict[str, torch.Tensor], dict[Path, list[ReadItem]], _Later]:
-    """``read_assembled``'s tensors allocated on ``home``, and what to read into them: by file,
-    the pieces read straight into their slice; later, (slice, buffer, permutation) for those
-    read through a buffer of their own."""
+) -> tuple[dict[str, torch.Tensor], list[tuple[Entry, torch.Tensor]]]:
+    """``read_assembled``'s tensors allocated on ``home``, and each piece's entry with the slice
+    of its tensor it fills (every piece checked to fit before a byte is read)."""
     out: dict[str, torch.Tensor] = {}
-    by_file: dict[Path, list[ReadItem]] = {}
-    later: list[tuple[torch.Tensor, torch.Tensor, tuple[int, ...] | None]] = []
+    parts: list[tuple[Entry, torch.Tensor]] = []
     for name, made in plan.items():
         t = out[name] = torch.empty(made.shape, dtype=made.dtype, device=home)
         for piece in made.pieces:
             e = piece.entry
             if not e.addressable or e.file is None or e.order is None:
                 raise CheckpointError(f"{e.file}: tensor {e.name!r} cannot be read here: {e.why}")
-            stored = e.torch_dtype(found.where)
+            e.torch_dtype(found.where)  # one this torch holds
             lead = len(piece.at) - len(e.shape)  # leading offsets index (stacked experts)
             dest: torch.Tensor | None = None
             if lead >= 0 and len(piece.at) == t.dim():
@@ -354,16 +350,8 @@ def _allocated(
                     f"{found.where}: {e.name!r} of shape {e.shape} does not fit {name!r} "
                     f"(shape {made.shape}) at {piece.at}"
                 )
-            row_major = e.order == tuple(range(len(e.shape)))
-            if row_major and dest.is_contiguous():
-                by_file.setdefault(e.file, []).append(ReadItem(e.start, dest, stored))
-                continue
-            in_file = tuple(e.shape[d] for d in e.order)
-            buffer = torch.empty(in_file, dtype=stored, device=home)
-            by_file.setdefault(e.file, []).append(ReadItem(e.start, buffer))
-            inverse = None if row_major else tuple(e.order.index(d) for d in range(len(e.order)))
-            later.append((dest, buffer, inverse))
-    return out, by_file, later
+            parts.append((e, dest))
+    return out, parts
 
 
 def read_assembled(
@@ -377,14 +365,16 @@ def read_assembled(
     """Each tensor of ``plan`` allocated on ``target`` (the CPU for an accelerator other than
     CUDA) and filled from its pieces' byte ranges, every file's stamp checked.
 
-    A piece whose slice of the tensor is one run of memory (a box over the leading dim, or the
-    whole) is read straight into it, converted to the tensor's dtype a chunk at a time; any other
-    goes through a buffer of the piece's own size (a box across a later dim, a piece saved as a
-    transposed view). ``fresh`` and ``threads``: as ``read_into`` takes them.
+    Each piece is its entry's box read whole into its slice of the tensor, as the sharded fill
+    reads a rank's box (``_boxes.queue_box``): a slice that is one run of memory (a box over the
+    leading dim, or the whole) is read straight into it, converted to the tensor's dtype a chunk
+    at a time; any other (a box across a later dim, a piece saved as a transposed view) goes
+    through a reusable buffer of at most 16 MiB and a copy. ``fresh`` and ``threads``: as
+    ``read_into`` takes them.
     """
     home = target if target.type in ("cpu", "cuda") else torch.device("cpu")
-    try:  # every tensor and buffer is allocated before a byte is read
-        out, by_file, later = _allocated(found, plan, home)
+    try:  # every tensor is allocated before a byte is read
+        out, parts = _allocated(found, plan, home)
     except CheckpointError:
         raise
     except Exception as exc:  # out of memory on the target, a failing device
@@ -394,17 +384,21 @@ def read_assembled(
             f"{found.where}: its tensors could not be allocated on {target} "
             f"({type(exc).__name__}: {first_sentence(str(exc))})"
         ) from exc
-    for path, items in by_file.items():
-        try:
-            read_into(path, items, found.stamps.get(path), fresh=fresh, threads=threads)
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            detail = f"{type(exc).__name__}: {first_sentence(str(exc))}"
-            reason = f"it is truncated: {WRITER_HINT}, or its save was interrupted (save it again)"
-            raise _unreadable(path, exc, target, detail, reason) from exc
-    for dest, buffer, inverse in later:
-        dest.copy_(buffer if inverse is None else buffer.permute(inverse))
+    reader = BoxReader(found.stamps, fresh=fresh, threads=threads, together=False)
+    try:
+        for e, dest in parts:  # a plain fill: one box covering each entry
+            queue_box(reader, e, ((0,) * len(e.shape), e.shape), dest)
+        reader.flush()
+        reader.verify()  # no write landed while they were read
+    except CheckpointError:
+        raise
+    except Exception as exc:
+        p = reader.at or found.path or Path(found.where)
+        detail = f"{type(exc).__name__}: {first_sentence(str(exc))}"
+        reason = f"it is truncated: {WRITER_HINT}, or its save was interrupted (save it again)"
+        raise _unreadable(p, exc, target, detail, reason) from exc
+    finally:
+        reader.close()
     if home != target:
         try:
             out = {name: t.to(target) for name, t in out.items()}

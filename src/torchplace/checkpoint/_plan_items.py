@@ -6,10 +6,11 @@ lengths per dim, what a rank of a sharded model holds), then hands the reader ``
 grouped by file: which bytes of the file (from ``start``, as many elements as the destination
 holds), which destination (a tensor, a slice of one, or a buffer a later copy lays out), which
 conversion (the file's dtype where it differs from the destination's) and, where asked, the CRC-32
-those bytes must have and the name a failed check reports. A plain fill is the case of one shard
-covering every tensor: each entry read whole, as one item, into its tensor. No module but the
-reader (``_reader``, whose threads cut items into chunks) describes a read otherwise. No torch at
-import: the types name torch only in annotations.
+those bytes must have and the name a failed check reports. One routine turns a part of an entry
+into ``ReadItem``s for both fills (``_boxes.queue_box``): a plain fill is the case of one shard
+covering every tensor, each entry one box read whole into its tensor (or its slice of a fused
+one). No module but the reader (``_reader``, whose threads cut items into chunks) describes a
+read otherwise. No torch at import: the types name torch only in annotations.
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ class Part:
     parameter from several entries lists one part per entry, each at its own offsets, one per
     dim of the destination: an entry with fewer dims than the destination takes the leading
     offsets as indices (expert ``i`` of a stack is at ``(i, 0, 0)``), a concatenation puts each
-    part at its offset along the joined dim (``(0, 3 * i)``). ``_load.read_assembled`` turns
-    each into a ``ReadItem`` straight into its box (or into a buffer, where the box is not one
-    run of memory).
+    part at its offset along the joined dim (``(0, 3 * i)``). ``_load.read_assembled`` reads
+    each as its entry's whole box into its slice (``_boxes.queue_box``: straight into it, or
+    through a reusable buffer where the slice is not one run of memory).
     """
 
     entry: Entry

@@ -523,17 +523,22 @@ class OpenFiles:
                 "of the tensors were damaged after the file was written); save or fetch it again"
             )
 
-    def read_files(self, pending: Mapping[Path, Sequence[ReadItem]], fresh: bool = True) -> None:
+    def read_files(
+        self,
+        pending: Mapping[Path, Sequence[ReadItem]],
+        fresh: bool = True,
+        threads: int | None = None,
+    ) -> None:
         """``read`` of each file's items in ``pending``; where every item lands whole on the
         host, unchecked, as a sharded fill's do, all files' items in one go (one pool of
         threads, one set-up: a call per file cost 0.3-0.6 ms of a 30 ms fill)."""
         items = [i for group in pending.values() for i in group]
         if len(pending) < 2 or any(i.check is not None or not i.into.is_cpu for i in items):
             for path, group in pending.items():
-                self.read(path, group, fresh=fresh)
+                self.read(path, group, fresh, threads)
             return
         fds = [self.fd(path) for path, group in pending.items() for _ in group]
-        _read_host(fds, items, current(), fresh)
+        _read_host(fds, items, current(), fresh, threads)
 
     def verify(self) -> None:
         """Every file read is still the one catalogued (``CheckpointError`` if not)."""

@@ -749,7 +749,8 @@ def _read_plan(
 ) -> None:
     """Step 4: meta tensors given memory, then every box read into its local shard; a failure
     says whether the model changed."""
-    reader = BoxReader(stamps)
+    # shards already resident (no skeleton) are filled in place, their pages not touched first
+    reader = BoxReader(stamps, fresh=materialize_on is not None)
     changed = False
     total = sum(
         math.prod(shape) * (e.dtype if isinstance(e, Fused) else entry_dtype(e)).itemsize
@@ -757,7 +758,6 @@ def _read_plan(
     )
     shown = contextlib.ExitStack()  # the progress bar, closed in the finally below
     shown.enter_context(reporting(total, f"load_into {Path(where).name}", progress))
-    reader.fresh = materialize_on is not None  # else shards already resident: filled in place
     try:
         if materialize_on is not None:
             changed = True

@@ -1,0 +1,82 @@
+"""``_boxes``: a box of a catalog entry read into its destination, for the plain fill (each
+entry one box, read whole) and the sharded fill (the box a rank holds) alike."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from torchplace._errors import CheckpointError
+from torchplace.checkpoint import _boxes
+from torchplace.checkpoint._catalog import catalog
+from torchplace.checkpoint._load import read_assembled
+from torchplace.checkpoint._plan_items import Assembled, Part
+
+
+def test_a_run_into_another_dtype_is_converted_as_it_is_read(tmp_path: Path) -> None:
+    """The model's dtype differs from the file's: the run is still read straight into the
+    shard, converted a chunk at a time, without the reusable buffer and its copy."""
+    full = torch.randn(8, 6).to(torch.bfloat16)
+    save_file({"w": full}, str(tmp_path / "w.safetensors"))
+    found = catalog(tmp_path / "w.safetensors")
+    reader = _boxes.BoxReader(found.stamps)
+    try:
+        dest = torch.empty(3, 6, dtype=torch.float32)
+        _boxes.fill_box(reader, found.entries["w"], ((2, 0), (3, 6)), dest)
+        assert torch.equal(dest, full[2:5].float())
+        assert reader.buffer is None  # read directly, no bounce through the buffer
+    finally:
+        reader.close()
+
+
+def test_a_plain_piece_across_a_later_dim_is_read_through_the_bounded_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pieces side by side along dim 1 (a fused projection): each is read a few rows at a time
+    into the reusable buffer and copied into its columns, never as a whole buffer of its own."""
+    parts = {f"e{i}": torch.randn(16, 3) for i in range(3)}
+    save_file(parts, str(tmp_path / "e.safetensors"))
+    found = catalog(tmp_path / "e.safetensors")
+    monkeypatch.setattr(_boxes, "_BUFFER", 4 * 3 * 4)  # four rows of one piece
+    blocks: list[int] = []
+    real = _boxes.BoxReader.block
+
+    def spy(
+        reader: _boxes.BoxReader, p: Path, start: int, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> torch.Tensor:
+        blocks.append(shape[0])
+        return real(reader, p, start, dtype, shape)
+
+    monkeypatch.setattr(_boxes.BoxReader, "block", spy)
+    wide = Assembled(
+        (16, 9), torch.float64, [Part(found.entries[f"e{i}"], (0, 3 * i)) for i in range(3)]
+    )
+    out = read_assembled(found, {"wide": wide}, torch.device("cpu"))
+    expected = torch.cat([parts[f"e{i}"] for i in range(3)], dim=1).double()
+    assert torch.equal(out["wide"], expected)
+    assert blocks == [4] * 12  # three pieces of 16 rows, four rows at a time
+
+
+def test_a_failed_read_names_the_file_it_failed_in(tmp_path: Path) -> None:
+    """Pieces from two files of an index; the second is cut short after its catalog was made:
+    the error names that shard, not the index."""
+    save_file({"a": torch.ones(64)}, str(tmp_path / "a.safetensors"))
+    save_file({"b": torch.ones(64)}, str(tmp_path / "b.safetensors"))
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "a.safetensors", "b": "b.safetensors"}}))
+    found = catalog(index)
+    b = (tmp_path / "b.safetensors").resolve()
+    data = b.read_bytes()
+    b.write_bytes(data[: len(data) - 128])  # its stamp left out below: nothing says it changed
+    unstamped = dataclasses.replace(found, stamps={p: s for p, s in found.stamps.items() if p != b})
+    plan = {
+        name: Assembled((64,), torch.float32, [Part(unstamped.entries[name], (0,))])
+        for name in ("a", "b")
+    }
+    with pytest.raises(CheckpointError, match=r"b\.safetensors: cannot be read .*EOFError"):
+        read_assembled(unstamped, plan, torch.device("cpu"))
