@@ -21,73 +21,7 @@ from safetensors.torch import save_file
 import torchplace
 from helpers import TORCHRUN_VARIABLES, fsdp2_cannot_train_on_cpu, torchrun_two_cpu
 from torchplace._errors import CheckpointError
-from torchplace.checkpoint import _boxes, _sharded
-
-
-def _every_box(shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Every box that halves or keeps each dim, plus a one-element one: all run patterns."""
-    choices = [[(0, n), (0, n // 2), (n // 2, n - n // 2), (1, max(n - 2, 0))] for n in shape]
-    found = []
-    for picks in itertools.product(*choices):
-        found.append((tuple(o for o, _ in picks), tuple(n for _, n in picks)))
-    return found
-
-
-@pytest.mark.parametrize("direct_run", [0, 1 << 40], ids=["runs-read-directly", "buffered"])
-@pytest.mark.parametrize("buffer", [1 << 20, 64], ids=["big-buffer", "64-byte-buffer"])
-def test_every_box_of_a_safetensors_tensor_reads_bit_for_bit(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct_run: int, buffer: int
-) -> None:
-    monkeypatch.setattr(_boxes, "_DIRECT_RUN", direct_run)
-    monkeypatch.setattr(_boxes, "_BUFFER", buffer)
-    tensors = {
-        "three": torch.randn(4, 5, 6),
-        "matrix": torch.randn(7, 9).to(torch.bfloat16),
-        "vector": torch.arange(11, dtype=torch.int64),
-        "scalar": torch.tensor(2.5),
-    }
-    path = tmp_path / "m.safetensors"
-    save_file(tensors, str(path))
-    entries = _sharded._file_entries(path)
-    reader = _boxes.BoxReader()
-    try:
-        for name, full in tensors.items():
-            for offsets, lengths in _every_box(tuple(full.shape)):
-                dest = torch.full(lengths, -1, dtype=full.dtype)
-                _boxes.fill_box(reader, entries[name], (offsets, lengths), dest)
-                index = tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))
-                assert torch.equal(dest, full[index]), (name, offsets, lengths)
-                # Into another dtype (the model's), through the buffer.
-                wide = torch.zeros(lengths, dtype=torch.float64)
-                _boxes.fill_box(reader, entries[name], (offsets, lengths), wide)
-                assert torch.equal(wide, full[index].double()), (name, offsets, lengths)
-    finally:
-        reader.close()
-
-
-def test_torch_zip_files_are_located_without_running_code(tmp_path: Path) -> None:
-    """Offsets into shared storages and transposed views come back bit for bit."""
-    base = torch.randn(10, 6)
-    state = {
-        "whole": base,
-        "rows": base[3:7],  # a view at an offset into the same storage
-        "transposed": torch.randn(6, 4).t(),  # saved with strides (1, 4)
-        "half": torch.randn(5, 3).half(),
-    }
-    path = tmp_path / "m.pt"
-    torch.save(state, path)
-    entries = _sharded._file_entries(path)
-    assert entries["rows"].start == entries["whole"].start + 3 * 6 * 4
-    reader = _boxes.BoxReader()
-    try:
-        for name, full in state.items():
-            for offsets, lengths in _every_box(tuple(full.shape)):
-                dest = torch.empty(lengths, dtype=full.dtype)
-                _boxes.fill_box(reader, entries[name], (offsets, lengths), dest)
-                index = tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))
-                assert torch.equal(dest, full[index]), (name, offsets, lengths)
-    finally:
-        reader.close()
+from torchplace.checkpoint import _sharded
 
 
 def test_a_strided_view_that_is_not_dense_is_refused_by_name(tmp_path: Path) -> None:
