@@ -52,7 +52,7 @@ def test_every_box_of_a_safetensors_tensor_reads_bit_for_bit(
                 _boxes.fill_box(reader, entries[name], (offsets, lengths), dest)
                 index = tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))
                 assert torch.equal(dest, full[index]), (name, offsets, lengths)
-                # Into another dtype (the model's), through the buffer.
+                # Into another dtype (the model's): converted as read, or through the buffer.
                 wide = torch.zeros(lengths, dtype=torch.float64)
                 _boxes.fill_box(reader, entries[name], (offsets, lengths), wide)
                 assert torch.equal(wide, full[index].double()), (name, offsets, lengths)
