@@ -200,16 +200,24 @@ def _check_ties(model: nn.Module, disk: list[str]) -> None:
     for full, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(full)
     heads = {name: f"{name}." for name in disk}
+
+    def entry_of(full: str) -> str | None:
+        return next((n for n, head in heads.items() if full.startswith(head)), None)
+
     for full, p in model.named_parameters(remove_duplicate=False):
-        entry = next((n for n, head in heads.items() if full.startswith(head)), None)
+        entry = entry_of(full)
         tied = [other for other in names[id(p)] if other != full]
         if entry is None or not tied:
             continue
+        # every map entry on 'disk' that holds the tie, so that one fix is enough
+        on_disk = list(dict.fromkeys(e for e in map(entry_of, names[id(p)]) if e is not None))
+        which = " and ".join(repr(e) for e in on_disk)
         raise DeviceSpecError(
             f"{display(full)} is tied to {display(tied[0])}, and the device_map puts "
-            f"{display(entry)} on 'disk': a tied weight is one tensor in memory, but the disk "
-            "tier reads each weight of a module from its own key in the file (the tie would be "
-            f"cut, each holder reading its own copy); map {entry!r} to 'cpu' or to a device"
+            f"{', '.join(map(display, on_disk))} on 'disk': a tied weight is one tensor in "
+            "memory, but the disk tier reads each weight of a module from its own key in the "
+            f"file (the tie would be cut, each holder reading its own copy); map {which} to "
+            "'cpu' or to a device"
         )
 
 
