@@ -129,11 +129,13 @@ def test_a_plain_piece_across_a_later_dim_is_read_through_the_bounded_buffer(
     assert blocks == [4] * 12  # three pieces of 16 rows, four rows at a time
 
 
-def test_a_failed_read_names_the_file_it_failed_in(tmp_path: Path) -> None:
+@pytest.mark.parametrize("across", [False, True], ids=["read-directly", "through-the-buffer"])
+def test_a_failed_read_names_the_file_it_failed_in(tmp_path: Path, across: bool) -> None:
     """Pieces from two files of an index; the second is cut short after its catalog was made:
-    the error names that shard, not the index."""
-    save_file({"a": torch.ones(64)}, str(tmp_path / "a.safetensors"))
-    save_file({"b": torch.ones(64)}, str(tmp_path / "b.safetensors"))
+    the error names that shard, not the index, whether its piece is read straight into its
+    slice or (side by side along dim 1) through the buffer."""
+    save_file({"a": torch.ones(16, 4)}, str(tmp_path / "a.safetensors"))
+    save_file({"b": torch.ones(16, 4)}, str(tmp_path / "b.safetensors"))
     index = tmp_path / "model.safetensors.index.json"
     index.write_text(json.dumps({"weight_map": {"a": "a.safetensors", "b": "b.safetensors"}}))
     found = catalog(index)
@@ -141,9 +143,66 @@ def test_a_failed_read_names_the_file_it_failed_in(tmp_path: Path) -> None:
     data = b.read_bytes()
     b.write_bytes(data[: len(data) - 128])  # its stamp left out below: nothing says it changed
     unstamped = dataclasses.replace(found, stamps={p: s for p, s in found.stamps.items() if p != b})
-    plan = {
-        name: Assembled((64,), torch.float32, [Part(unstamped.entries[name], (0,))])
-        for name in ("a", "b")
-    }
+    if across:
+        parts = [Part(unstamped.entries["a"], (0, 0)), Part(unstamped.entries["b"], (0, 4))]
+        plan = {"ab": Assembled((16, 8), torch.float32, parts)}
+    else:
+        plan = {
+            name: Assembled((16, 4), torch.float32, [Part(unstamped.entries[name], (0, 0))])
+            for name in ("a", "b")
+        }
     with pytest.raises(CheckpointError, match=r"b\.safetensors: cannot be read .*EOFError"):
         read_assembled(unstamped, plan, torch.device("cpu"))
+
+
+@pytest.mark.requires_cuda
+@pytest.mark.parametrize("direct_run", [0, 1 << 40], ids=["runs-read-directly", "buffered"])
+def test_every_box_lands_on_cuda_bit_for_bit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct_run: int
+) -> None:
+    """A sharded fill onto CUDA: runs through the reader's pinned slots (converted on the
+    device where the dtype differs), short runs through the host buffer and a copy."""
+    monkeypatch.setattr(_boxes, "_DIRECT_RUN", direct_run)
+    tensors = {"three": torch.randn(4, 5, 6), "matrix": torch.randn(7, 9).to(torch.bfloat16)}
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    entries = _sharded._file_entries(tmp_path / "m.safetensors")
+    reader = _boxes.BoxReader()
+    try:
+        for name, full in tensors.items():
+            for offsets, lengths in _every_box(tuple(full.shape)):
+                index = tuple(slice(o, o + n) for o, n in zip(offsets, lengths, strict=True))
+                for dtype in (full.dtype, torch.float64):
+                    dest = torch.full(lengths, -1, dtype=dtype, device="cuda")
+                    _boxes.fill_box(reader, entries[name], (offsets, lengths), dest)
+                    torch.cuda.synchronize()
+                    assert torch.equal(dest.cpu(), full[index].to(dtype)), (name, offsets)
+    finally:
+        reader.close()
+
+
+@pytest.mark.requires_cuda
+def test_a_fused_tensor_is_assembled_on_cuda_bit_for_bit(tmp_path: Path) -> None:
+    """Stacked pieces read straight onto the GPU, pieces side by side along dim 1 through the
+    host buffer, a transposed piece through a temporary: all equal to the CPU's result."""
+    parts = {f"e{i}": torch.randn(16, 3) for i in range(3)}
+    save_file(parts, str(tmp_path / "e.safetensors"))
+    found = catalog(tmp_path / "e.safetensors")
+    plan = {
+        "stacked": Assembled(
+            (3, 16, 3), torch.bfloat16, [Part(found.entries[f"e{i}"], (i, 0, 0)) for i in range(3)]
+        ),
+        "wide": Assembled(
+            (16, 9), torch.float32, [Part(found.entries[f"e{i}"], (0, 3 * i)) for i in range(3)]
+        ),
+    }
+    on_gpu = read_assembled(found, plan, torch.device("cuda"))
+    on_cpu = read_assembled(found, plan, torch.device("cpu"))
+    torch.cuda.synchronize()
+    for name, t in on_gpu.items():
+        assert t.is_cuda and torch.equal(t.cpu(), on_cpu[name]), name
+    torch.save({"t": torch.randn(3, 4).t()}, tmp_path / "t.pt")
+    zipped = catalog(tmp_path / "t.pt")
+    (entry,) = zipped.entries.values()
+    plan = {"t": Assembled((4, 3), torch.float32, [Part(entry, (0, 0))])}
+    got = read_assembled(zipped, plan, torch.device("cuda"))
+    assert torch.equal(got["t"].cpu(), read_assembled(zipped, plan, torch.device("cpu"))["t"])

@@ -4,10 +4,14 @@
 ``entry`` into ``dest``. A box that is one run of the file (the whole entry, or a slice of its
 leading dim) is queued as one ``ReadItem`` straight into ``dest``; a box of long runs (a
 ``Shard(1)`` slice of a big row-major matrix) is queued run by run; one of short runs is read as
-whole rows into a reusable buffer of at most 16 MiB and copied out of it. Queued runs are read
-side by side at the reader's next ``flush`` (one call for every file, through ``_reader``'s
-``OpenFiles``: its pool of threads, each file's stamp checked when it is opened and by
-``verify`` after the reads).
+whole rows into a reusable host buffer of at most 16 MiB and copied out of it; a box of an
+entry saved as a permuted view (a transposed weight) is read whole into a temporary and laid out
+by a copy. A run lands straight in ``dest`` where the reader reaches its memory (the CPU's, or
+CUDA's through its pinned pool), in the file's dtype converted a chunk at a time where ``dest``'s
+differs. Queued runs are read side by side at the reader's next ``flush``, through ``_reader``'s
+``OpenFiles`` (its pool of threads, each file's stamp checked when it is opened and by
+``verify`` after the reads): every file's runs in one call for the sharded fill, file by file
+for the plain one, whose errors name the file.
 """
 
 from __future__ import annotations
@@ -27,11 +31,12 @@ from ._reader import OpenFiles
 __all__ = ["BoxReader", "entry_dtype", "fill_box", "queue_box"]
 
 _BUFFER = 16 * 1024 * 1024  # the most a non-contiguous slice reads ahead of its copy
-_DIRECT_RUN = 256 * 1024  # runs at least this long are read straight into the shard
+_DIRECT_RUN = 256 * 1024  # runs at least this long are read straight into the destination
 
 
 def entry_dtype(e: Entry) -> torch.dtype:
-    """The ``torch.dtype`` of an entry ``_sharded_entries`` let through (this torch holds it)."""
+    """The ``torch.dtype`` of an entry a fill let through (``_sharded._sharded_entries``,
+    ``_load._allocated``: this torch holds it)."""
     return cast(torch.dtype, getattr(torch, e.dtype))
 
 
@@ -197,7 +202,7 @@ def _box_into(reader: BoxReader, entry: Entry, box: Box, dest: torch.Tensor) -> 
         dest.copy_(entry.tensor[index])
         return
     order = entry.order
-    assert order is not None  # addressable: _sharded_entries refused any other
+    assert order is not None  # addressable: _sharded_entries and _load._allocated refuse others
     if order == tuple(range(len(order))):
         _read_box(reader, entry, entry.start, entry.shape, offsets, lengths, dest)
         return

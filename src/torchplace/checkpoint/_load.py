@@ -368,8 +368,9 @@ def read_assembled(
     Each piece is its entry's box read whole into its slice of the tensor, as the sharded fill
     reads a rank's box (``_boxes.queue_box``): a slice that is one run of memory (a box over the
     leading dim, or the whole) is read straight into it, converted to the tensor's dtype a chunk
-    at a time; any other (a box across a later dim, a piece saved as a transposed view) goes
-    through a reusable buffer of at most 16 MiB and a copy. ``fresh`` and ``threads``: as
+    at a time; a box across a later dim goes a few rows at a time through a reusable host buffer
+    of at most 16 MiB and a copy; a piece saved as a transposed view is read whole into a
+    temporary of its own (one at a time) and laid out by a copy. ``fresh`` and ``threads``: as
     ``read_into`` takes them.
     """
     home = target if target.type in ("cpu", "cuda") else torch.device("cpu")

@@ -445,8 +445,8 @@ class OpenFiles:
     file rewritten while it was read raises ``CheckpointError`` instead of mixing old and new
     bytes.
 
-    ``read_into`` reads one file's items this way; the sharded loader keeps one ``OpenFiles``
-    for a whole load, reading each rank's boxes through it.
+    ``read_into`` reads one file's items this way; a fill (``_boxes.BoxReader``, plain or
+    sharded) keeps one ``OpenFiles`` for a whole load, reading every box through it.
 
     Each file is an ``io.FileIO``, which opens its descriptor and holds it in one C call, closes
     it at most once, and closes it when dropped: wherever a ``KeyboardInterrupt`` lands (just
@@ -530,7 +530,7 @@ class OpenFiles:
         threads: int | None = None,
     ) -> None:
         """``read`` of each file's items in ``pending``; where every item lands whole on the
-        host, unchecked, as a sharded fill's do, all files' items in one go (one pool of
+        host, unchecked (a sharded fill's on the CPU), all files' items in one go (one pool of
         threads, one set-up: a call per file cost 0.3-0.6 ms of a 30 ms fill)."""
         items = [i for group in pending.values() for i in group]
         if len(pending) < 2 or any(i.check is not None or not i.into.is_cpu for i in items):

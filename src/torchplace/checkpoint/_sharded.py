@@ -17,10 +17,11 @@ with ``parallelize_module``) is filled here instead of by the general ``load_int
 4. *Fill*: meta tensors (a skeleton) are first given empty memory on the device, as
    ``to_empty`` would, leaving real buffers alone; then each rank reads its boxes straight into
    its local shards (``_boxes``). A box that is one run of the file is read into the shard with
-   no copy in between, and runs go to the one reader (``_reader.OpenFiles``: its pool of
-   threads, the files' stamps checked before and after); one that is not (a ``Shard(1)`` slice
-   of a row-major matrix) goes run by run, or through a buffer of at most 16 MiB when the runs
-   are short. No rank holds a full tensor and no collective ships weights.
+   no copy in between (onto CUDA, through the reader's pinned slots), and runs go to the one
+   reader (``_reader.OpenFiles``: its pool of threads, the files' stamps checked before and
+   after); one that is not (a ``Shard(1)`` slice of a row-major matrix) goes run by run, or
+   through a buffer of at most 16 MiB when the runs are short. No rank holds a full tensor and
+   no collective ships weights.
 5. *Compare*: the ranks of the mesh share whether each failed and the stamps of the files each
    read (a few bytes a rank; the whole errors only when one shows trouble), so that if any rank
    failed, or ranks on one machine read different versions of a file, every rank raises. They
