@@ -390,6 +390,28 @@ def test_half_the_layers_on_disk_run_as_the_whole_model(
     assert all(p.is_meta for p in model.model.layers[3].parameters())
 
 
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "not-strict"])
+@pytest.mark.parametrize("entry", ["model.layers.1.mlp", "model.layers.1.mlp.experts"])
+def test_a_part_of_a_layer_whose_weights_have_hub_names_runs_from_disk(
+    entry: str, strict: bool, tmp_path: Any
+) -> None:
+    """transformers 5 saves a Mixtral layer's experts under the hub name ``block_sparse_moe``,
+    which ``load_into`` converts into ``mlp.experts.gate_up_proj``. A map entry inside the layer
+    found no key under its name: refused (strict) as if it were another model's checkpoint, or
+    loaded and failed on its first call saying the file no longer held its weights."""
+    cls, config = tiny_mixtral()
+    torch.manual_seed(0)
+    reference = cls(config).eval()
+    reference.save_pretrained(tmp_path)
+    model = torchplace.load_into(
+        torchplace.skeleton(cls, config), tmp_path, device_map={"": "cpu", entry: "disk"},
+        strict=strict,
+    )  # fmt: skip
+    assert all(p.is_meta for p in model.get_submodule(entry).parameters())
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, reference(IDS).logits)
+
+
 def test_a_state_dict_cannot_be_left_on_disk() -> None:
     model = mlp(2)
     with pytest.raises(torchplace.CheckpointError, match=r"model\.2.*mapping.*save it first"):

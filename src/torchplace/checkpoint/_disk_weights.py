@@ -22,16 +22,51 @@ from torch import nn
 from .._errors import CheckpointError, TorchplaceError
 from .._model_walk import display
 from ._catalog import Catalog
-from ._conversions import hub_converted
+from ._conversions import conversion_plan, hub_converted
 from ._load import read_entries
 
-__all__ = ["CheckpointWeights"]
+__all__ = ["CheckpointWeights", "model_names"]
+
+
+def model_names(
+    found: Catalog, model: nn.Module, renamer: Callable[[str], str | None] | None
+) -> dict[str, tuple[str, ...]]:
+    """Each file key of ``found`` with the names of ``model`` it fills: after ``rename``, and
+    converted from hub names as ``load_into`` converts them (a transformers 5 Mixtral's
+    ``block_sparse_moe.experts.3.w1.weight`` fills ``mlp.experts.gate_up_proj``); a key that
+    ``rename`` drops is left out. What a ``"disk"`` module reads is the keys that fill it."""
+    renamed: dict[str, str] = {}  # name after rename -> file key
+    for key in found.entries:
+        name = renamer(key) if renamer is not None else key
+        if name is not None:
+            renamed[name] = key
+    names: dict[str, tuple[str, ...]] = {key: (name,) for name, key in renamed.items()}
+    shapes = {
+        n: (found.entries[k].shape, found.entries[k].torch_dtype(found.where))
+        for n, k in renamed.items()
+    }
+    plan = conversion_plan(model, shapes)
+    if plan is None:
+        return names
+    for new, old in plan.renames.items():
+        names[renamed[old]] = (new,)
+    filled: dict[str, list[str]] = {}
+    for fused in plan.fused:
+        for piece in fused.pieces:
+            filled.setdefault(piece.source, []).append(fused.name)
+    for computed in plan.computed:
+        for source in computed.sources:
+            filled.setdefault(source, []).extend(computed.names)
+    for source, targets in filled.items():
+        names[renamed[source]] = tuple(dict.fromkeys(targets))
+    return names
 
 
 class CheckpointWeights:
     """The weights of the module at ``entry`` (their names inside it, with their dtypes), read
     on each ``read`` from the files of ``found``, the catalog ``load_into`` resolved its source
-    into; ``prefix`` narrows them to a submodule's."""
+    into; ``names``: the model names each file key fills (``model_names``); ``prefix`` narrows
+    them to a submodule's."""
 
     def __init__(
         self,
@@ -40,9 +75,11 @@ class CheckpointWeights:
         entry: str,
         dtypes: dict[str, torch.dtype],
         renamer: Callable[[str], str | None] | None,
+        names: dict[str, tuple[str, ...]],
         prefix: str = "",
     ) -> None:
         self.found = found
+        self.names = names
         self.where = found.where
         self._model = weakref.ref(model)  # the model holds this reader: no cycle through it
         self.entry = entry
@@ -76,19 +113,21 @@ class CheckpointWeights:
     def only(self, prefix: str) -> CheckpointWeights:
         model = self._model()
         assert model is not None
-        return CheckpointWeights(self.found, model, self.entry, self.dtypes, self.renamer, prefix)
+        return CheckpointWeights(
+            self.found, model, self.entry, self.dtypes, self.renamer, self.names, prefix
+        )
 
     def _file_keys(self) -> list[str]:
-        """The file's keys of this module's weights (after ``rename``), found once."""
+        """The file's keys that fill this module's weights (after ``rename`` and the model's
+        hub-name conversion), found once."""
         if self._keys is None:
             head = f"{self.entry}.{self.prefix}" if self.prefix else self.entry
             head = head + "." if head else ""
-            keys = []
-            for key in self.found.entries:
-                name = self.renamer(key) if self.renamer is not None else key
-                if name is not None and name.startswith(head):
-                    keys.append(key)
-            self._keys = keys
+            self._keys = [
+                key
+                for key, names in self.names.items()
+                if any(name.startswith(head) for name in names)
+            ]
         return self._keys
 
     def _current_dtypes(self, model: nn.Module) -> dict[str, torch.dtype]:

@@ -117,7 +117,7 @@ def _by_map(
         )
     if not isinstance(model, nn.Module):
         raise TorchplaceError(f"load_into() fills an nn.Module, not {type(model).__name__}")
-    from ..checkpoint._disk_weights import CheckpointWeights
+    from ..checkpoint._disk_weights import CheckpointWeights, model_names
     from ..moving._offloaded import HOME, Home
     from ._dispatch import DISK, check_offloading, dispatch, parse_device_map
 
@@ -129,16 +129,24 @@ def _by_map(
     renamer = None if rename is None else as_renamer(rename)
     with one_open_each():  # each file opened once in this call (the disk tier's reads: later)
         found = catalog(source) if disk else None  # resolved once, for the check and the tier
+        # each file key's model names, after rename and the hub-name conversion
+        names = model_names(found, model, renamer) if found is not None else {}
         if found is not None and options["strict"]:
-            _check_in_file(model, found, disk, renamer)
+            _check_in_file(model, found, disk, names)
         dtypes = {name: _dtypes(model.get_submodule(name)) for name in disk}
         filled = source if found is None or found.path is None else found.path
         with _held_out(model, disk):
-            fill(model, filled, _one_device(entries), rename=_dropping(renamer, disk), **options)
+            fill(
+                model,
+                filled,
+                _one_device(entries),
+                rename=_dropping(renamer, disk, names),
+                **options,
+            )
     if found is not None:
         for name in disk:
             module = model.get_submodule(name)
-            reader = CheckpointWeights(found, model, name, dtypes[name], renamer)
+            reader = CheckpointWeights(found, model, name, dtypes[name], renamer, names)
             _params_to_meta(module)
             module.__dict__[HOME] = Home(DISK, torch.device("cpu"), reader)
     dispatch(model, device_map, execution_device=execution_device, offload_window=offload_window)
@@ -173,16 +181,17 @@ def _check_disk(model: nn.Module, source: object, disk: list[str]) -> None:
 
 
 def _check_in_file(
-    model: nn.Module, found: Catalog, disk: list[str], renamer: Callable[[str], str | None] | None
+    model: nn.Module, found: Catalog, disk: list[str], filled: Mapping[str, tuple[str, ...]]
 ) -> None:
     """Refuse, before anything is filled, a ``"disk"`` module the checkpoint holds nothing of
-    (found as its reader finds them: the file's keys after ``rename``, under its name): it
-    would load without a word and fail on its first call, blaming the file for changing."""
-    names = [renamer(key) if renamer is not None else key for key in found.entries]
+    (found as its reader finds them: the model names the file's keys fill, ``filled``, after
+    ``rename`` and the hub-name conversion): it would load without a word and fail on its first
+    call, blaming the file for changing."""
+    names = [n for targets in filled.values() for n in targets]
     for name in disk:
         head = f"{name}."
         params = [f"{name}.{n}" for n, _ in model.get_submodule(name).named_parameters()]
-        if params and not any(n is not None and n.startswith(head) for n in names):
+        if params and not any(n.startswith(head) for n in names):
             raise CheckpointError(
                 f"the device_map puts {display(name)} on 'disk', but {found.where} holds no tensor "
                 f"under {head!r}, so its weights could not be read when it runs; check that "
@@ -252,16 +261,21 @@ def _held_out(model: nn.Module, names: list[str]) -> Iterator[None]:
 
 
 def _dropping(
-    renamer: Callable[[str], str | None] | None, disk: list[str]
+    renamer: Callable[[str], str | None] | None,
+    disk: list[str],
+    filled: Mapping[str, tuple[str, ...]],
 ) -> Callable[[str], str | None] | None:
-    """The fill's renamer: the user's, then the file keys of ``"disk"`` modules dropped."""
+    """The fill's renamer: the user's, then the file keys of ``"disk"`` modules dropped: those
+    that fill a disk module's weights (``filled``: each key's model names, after the hub-name
+    conversion), or are named under one."""
     if not disk:
         return renamer
     heads = tuple(f"{name}." for name in disk)
+    theirs = {key for key, names in filled.items() if any(n.startswith(heads) for n in names)}
 
     def rename(key: str) -> str | None:
         new = renamer(key) if renamer is not None else key
-        return None if new is None or new.startswith(heads) else new
+        return None if new is None or key in theirs or new.startswith(heads) else new
 
     return rename
 
