@@ -412,6 +412,27 @@ def test_a_part_of_a_layer_whose_weights_have_hub_names_runs_from_disk(
         assert torch.equal(model(IDS).logits, reference(IDS).logits)
 
 
+@pytest.mark.parametrize("name", ["m.pt", "m.safetensors"])
+def test_a_checkpoint_removed_under_a_disk_module_is_said_to_be_gone(
+    name: str, tmp_path: Any
+) -> None:
+    """It was reported as a truncated safetensors file (a torch file too), with the raw
+    FileNotFoundError; the error now says the file is gone and what to do."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / name
+    state = mlp(2).state_dict()
+    save_file(state, str(path)) if name.endswith(".safetensors") else torch.save(state, path)
+    model = torchplace.load_into(
+        torchplace.skeleton(mlp, 2), path, device_map={"": "cpu", "2": "disk"}
+    )
+    path.unlink()
+    gone = pytest.raises(torchplace.CheckpointError, match=rf"{name}: no longer exists")
+    with gone as caught, torch.no_grad():
+        model(torch.ones(1, 8))
+    assert "truncated" not in str(caught.value) and "safetensors (" not in str(caught.value)
+
+
 def test_a_state_dict_cannot_be_left_on_disk() -> None:
     model = mlp(2)
     with pytest.raises(torchplace.CheckpointError, match=r"model\.2.*mapping.*save it first"):

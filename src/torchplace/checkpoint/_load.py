@@ -397,7 +397,8 @@ def read_assembled(
         p = reader.at or found.path or Path(found.where)
         detail = f"{type(exc).__name__}: {first_sentence(str(exc))}"
         reason = f"it is truncated: {WRITER_HINT}, or its save was interrupted (save it again)"
-        raise _unreadable(p, exc, target, detail, reason) from exc
+        kind = "a torch file" if found.kinds.get(p, found.kind) == "zip" else "safetensors"
+        raise _unreadable(p, exc, target, detail, reason, kind) from exc
     finally:
         reader.close()
     if home != target:
@@ -409,13 +410,25 @@ def read_assembled(
 
 
 def _unreadable(
-    p: Path, exc: Exception, target: torch.device, detail: str, likely: str
+    p: Path,
+    exc: Exception,
+    target: torch.device,
+    detail: str,
+    likely: str,
+    kind: str = "safetensors",
 ) -> CheckpointError:
-    """The error for a safetensors file that failed to read: the device's own trouble (out of
-    memory, a failing GPU) said as such, anything else as a damaged file."""
+    """The error for a file of ``kind`` that failed to read: the device's own trouble (out of
+    memory, a failing GPU) said as such, a file gone since it was found (a checkpoint a
+    ``"disk"`` module reads, moved or deleted under the model) as such, anything else as a
+    damaged file."""
     if out_of_memory(exc) or device_failure(exc):
         return CheckpointError(f"{p}: {diagnose(exc, True, target)}")
-    return CheckpointError(f"{p}: cannot be read as safetensors ({detail}); {likely}")
+    if isinstance(exc, FileNotFoundError):
+        return CheckpointError(
+            f"{p}: no longer exists: it was moved or deleted after it was found; put it back "
+            "where it was, or load the model again from where it is now"
+        )
+    return CheckpointError(f"{p}: cannot be read as {kind} ({detail}); {likely}")
 
 
 def load_state(
