@@ -332,6 +332,21 @@ def test_a_safetensors_file_cut_inside_its_header_is_called_so(tmp_path: Path) -
         load(cut)
 
 
+def test_a_torch_shard_cut_short_is_called_so_with_the_fix(tmp_path: Path) -> None:
+    """A torch shard of an index cut short (no zip central directory) said only "BadZipFile:
+    File is not a zip file"; it is now called truncated, with what to do, as a lone file is."""
+    torch.save({"a": torch.ones(100)}, tmp_path / "s1.bin")
+    torch.save({"b": torch.ones(100)}, tmp_path / "s2.bin")
+    data = (tmp_path / "s2.bin").read_bytes()
+    (tmp_path / "s2.bin").write_bytes(data[:-100])
+    index = tmp_path / "pytorch_model.bin.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "s1.bin", "b": "s2.bin"}}))
+    cut = r"s2\.bin: is truncated \(its zip central directory is missing\); another process"
+    for source in (index, tmp_path):
+        with pytest.raises(CheckpointError, match=cut):
+            load(source)
+
+
 def test_a_deeply_nested_shard_index_is_a_checkpoint_error(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors.index.json").write_bytes(b'{"weight_map": ' + _DEEP + b"}")
     with pytest.raises(CheckpointError, match="not a readable JSON shard index"):

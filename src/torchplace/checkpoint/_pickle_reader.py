@@ -14,6 +14,7 @@ import contextlib
 import functools
 import os
 import pickle
+import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from typing import IO, Any, ClassVar, cast
 from .._errors import CheckpointError
 from ._index import LEGACY_MAGIC
 from ._opened import opened
+from ._source import WRITER_HINT
 
 __all__ = [
     "MAX_PICKLE_OBJECTS",
@@ -536,8 +538,14 @@ def readable(p: Path) -> Iterator[None]:
             "objects take memory and time in proportion)"
         ) from None
     except Exception as exc:
+        if isinstance(exc, zipfile.BadZipFile) and "not a zip file" in str(exc):
+            raise CheckpointError(  # no central directory: cut short, or being written
+                f"{p}: is truncated (its zip central directory is missing); {WRITER_HINT}, or "
+                "its save was interrupted (save it again)"
+            ) from exc
         raise CheckpointError(
-            f"{p}: is truncated or corrupt ({type(exc).__name__}: {exc})"
+            f"{p}: is truncated or corrupt ({type(exc).__name__}: {exc}); {WRITER_HINT}, or "
+            "save or fetch it again"
         ) from exc
 
 
