@@ -44,6 +44,7 @@ from ._pickle_reader import (
     RecordingUnpickler,
     TensorRecord,
     TensorRef,
+    cut_short,
     legacy_code,
     legacy_records,
     readable,
@@ -380,10 +381,7 @@ def zip_layout(p: Path, /) -> ZipLayout | None:
     except zipfile.BadZipFile as exc:  # the catalog refuses it too: load agrees, whatever
         # the installed torch's own zip reader would make of it
         if "not a zip file" in str(exc):  # no central directory: cut short, or being written
-            raise CheckpointError(
-                f"{p}: is truncated (its zip central directory is missing); {WRITER_HINT}, or "
-                "its save was interrupted (save it again)"
-            ) from exc
+            raise cut_short(p) from exc
         raise CheckpointError(  # a directory that does not match the records: a save rewriting
             # the file under it looks so, as does damage
             f"{p}: is truncated or corrupt (BadZipFile: {exc}); {WRITER_HINT}, or save or fetch "

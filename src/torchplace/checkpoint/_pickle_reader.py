@@ -34,6 +34,7 @@ __all__ = [
     "RecordingUnpickler",
     "TensorRecord",
     "TensorRef",
+    "cut_short",
     "legacy_code",
     "legacy_records",
     "pickles_a_model",
@@ -539,14 +540,20 @@ def readable(p: Path) -> Iterator[None]:
         ) from None
     except Exception as exc:
         if isinstance(exc, zipfile.BadZipFile) and "not a zip file" in str(exc):
-            raise CheckpointError(  # no central directory: cut short, or being written
-                f"{p}: is truncated (its zip central directory is missing); {WRITER_HINT}, or "
-                "its save was interrupted (save it again)"
-            ) from exc
+            raise cut_short(p) from exc
         raise CheckpointError(
             f"{p}: is truncated or corrupt ({type(exc).__name__}: {exc}); {WRITER_HINT}, or "
             "save or fetch it again"
         ) from exc
+
+
+def cut_short(p: Path) -> CheckpointError:
+    """The error for a torch zip file without its central directory: cut short, or still being
+    written (the catalog and the readers say it alike)."""
+    return CheckpointError(
+        f"{p}: is truncated (its zip central directory is missing); {WRITER_HINT}, or its "
+        "save was interrupted (save it again)"
+    )
 
 
 class _BoundedReader:
