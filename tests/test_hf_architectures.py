@@ -641,21 +641,63 @@ def test_a_conversion_that_fails_is_a_checkpoint_error(
     assert skeleton.model.layers[0].self_attn.q_proj.weight.is_meta
 
 
-def test_an_expert_missing_one_projection_is_a_missing_model_tensor(
-    mixtral: tuple[Any, torch.nn.Module, Path], tmp_path: Path
-) -> None:
-    """Not transformers' own shape error from inside the conversion, with nothing in .missing."""
-    config, _, where = mixtral
+_GAP = "model.layers.1.block_sparse_moe.experts.2.w3.weight"
+
+
+def _without_gap(where: Path, path: Path) -> Path:
+    """The Mixtral checkpoint without one projection of one expert, saved as ``path`` (a torch
+    file, or safetensors by its suffix)."""
+    from safetensors.torch import save_file
+
     state = torchplace.load(where / "single")
-    del state["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
-    torch.save(state, tmp_path / "gap.pt")
+    del state[_GAP]
+    if path.suffix == ".safetensors":
+        save_file({k: v.contiguous() for k, v in state.items()}, path)
+    else:
+        torch.save(state, path)
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_an_expert_missing_one_projection_is_a_missing_model_tensor(
+    mixtral: tuple[Any, torch.nn.Module, Path], tmp_path: Path, suffix: str
+) -> None:
+    """Not transformers' own shape error from inside the conversion: the fused tensor is
+    missing, the message names the file key it lacks, and the pieces the file holds for it are
+    not called unexpected (read whole from a torch file, or straight into place from
+    safetensors)."""
+    config, _, where = mixtral
+    path = _without_gap(where, tmp_path / f"gap{suffix}")
     with pytest.raises(CheckpointError) as info:
-        torchplace.load_into(_skeleton(config), tmp_path / "gap.pt")
+        torchplace.load_into(_skeleton(config), path)
     assert list(info.value.missing) == ["model.layers.1.mlp.experts.gate_up_proj"]
-    assert "model.layers.1.block_sparse_moe.experts.2.w1.weight" in info.value.unexpected
+    assert list(info.value.unexpected) == []
+    fused = "model.layers.1.mlp.experts.gate_up_proj"
+    said = f"{fused} (fused from the file's tensors, which lack {_GAP})"
+    assert said in str(info.value), info.value
     with pytest.warns(UserWarning, match=r"on meta.*model\.layers\.1\.mlp\.experts\.gate_up_proj"):
-        loaded = torchplace.load_into(_skeleton(config), tmp_path / "gap.pt", strict=False)
+        loaded = torchplace.load_into(_skeleton(config), path, strict=False)
     assert loaded.model.layers[0].mlp.experts.gate_up_proj.device.type == "cpu"
+
+
+def test_a_sharded_model_names_the_projection_its_experts_lack(
+    fake_world: object, mixtral: tuple[Any, torch.nn.Module, Path], tmp_path: Path
+) -> None:
+    """The sharded fill says it in the same words, the model untouched."""
+    from torch.distributed.fsdp import fully_shard
+
+    config, _, where = mixtral
+    path = _without_gap(where, tmp_path / "gap.safetensors")
+    sharded = _skeleton(config)
+    for layer in sharded.model.layers:
+        fully_shard(layer, mesh=fake_world)
+    fully_shard(sharded, mesh=fake_world)
+    with pytest.raises(CheckpointError) as info:
+        torchplace.load_into(sharded, path)
+    assert list(info.value.missing) == ["model.layers.1.mlp.experts.gate_up_proj"]
+    assert list(info.value.unexpected) == []
+    assert f"which lack {_GAP})" in str(info.value), info.value
+    assert all(p.is_meta for p in sharded.parameters())  # untouched
 
 
 def test_a_file_key_named_like_a_fused_read_is_still_unexpected(

@@ -470,6 +470,65 @@ def test_a_disk_module_the_checkpoint_lacks_is_refused_before_anything_is_filled
         assert torch.equal(loaded(x), model(x))
 
 
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "not-strict"])
+def test_a_disk_module_missing_one_weight_is_refused_before_anything_is_filled(
+    strict: bool, tmp_path: Any
+) -> None:
+    """It loaded without a word, strict or not, and failed on its first call saying the file
+    "no longer holds" the weight it never held; a key under it that fills nothing went unsaid."""
+    model = mlp(4)
+    state = dict(model.state_dict())
+    del state["2.bias"]
+    state["2.extra"] = torch.zeros(2)
+    torch.save(state, tmp_path / "gap.pt")
+    target = torchplace.skeleton(mlp, 4)
+    with pytest.raises(torchplace.CheckpointError) as caught:
+        torchplace.load_into(
+            target, tmp_path / "gap.pt", device_map={"": "cpu", "2": "disk"}, strict=strict
+        )
+    said = str(caught.value)
+    assert "missing keys: 2.bias;" in said and "map '2' to 'cpu' or to a device" in said, said
+    assert caught.value.missing == ("2.bias",)
+    assert caught.value.unexpected == (("2.extra",) if strict else ())
+    assert all(p.is_meta for p in target.parameters())  # nothing filled
+    assert not is_dispatched(target)
+    # a key under a disk module that fills nothing: refused only with strict
+    torch.save({**model.state_dict(), "2.extra": torch.zeros(2)}, tmp_path / "extra.pt")
+    where = {"": "cpu", "2": "disk"}
+    with pytest.raises(torchplace.CheckpointError, match=r"unexpected keys: 2\.extra; pass strict"):
+        torchplace.load_into(torchplace.skeleton(mlp, 4), tmp_path / "extra.pt", device_map=where)
+    loaded = torchplace.load_into(
+        torchplace.skeleton(mlp, 4), tmp_path / "extra.pt", device_map=where, strict=False
+    )
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+
+
+@pytest.mark.parametrize("entry", ["model.layers.1", "model.layers.1.mlp"])
+def test_a_disk_module_whose_expert_lacks_one_projection_names_the_key(
+    entry: str, tmp_path: Any
+) -> None:
+    """The fused tensor is missing, for the file key it lacks; its other pieces are not called
+    unexpected (the check said they were, and a whole layer on disk loaded without a word)."""
+    from safetensors.torch import load_file, save_file
+
+    cls, config = tiny_mixtral()
+    torch.manual_seed(0)
+    cls(config).save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    gap = "model.layers.1.block_sparse_moe.experts.2.w1.weight"
+    del state[gap]
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    target = torchplace.skeleton(cls, config)
+    with pytest.raises(torchplace.CheckpointError) as caught:
+        torchplace.load_into(target, tmp_path, device_map={"": "cpu", entry: "disk"})
+    fused = "model.layers.1.mlp.experts.gate_up_proj"
+    assert f"{fused} (fused from the file's tensors, which lack {gap})" in str(caught.value)
+    assert caught.value.missing == (fused,) and caught.value.unexpected == ()
+    assert all(p.is_meta for p in target.parameters())
+
+
 def test_load_into_by_a_map_keeps_the_data_of_its_errors(tmp_path: Any) -> None:
     # The re-raise that puts "load_into(): " in front dropped .missing and .path (and dispatch,
     # plan and estimate theirs): a program acting on err.missing found it empty.

@@ -62,6 +62,7 @@ __all__ = [
     "converted",
     "fused_boxes",
     "hub_converted",
+    "hub_plan",
     "may_convert",
 ]
 
@@ -124,7 +125,11 @@ class Plan:
     ``renames`` maps a model name to the file name that holds it whole; file keys that are in
     none of the three keep their names (the model's own, or unexpected). ``mismatched`` gives
     the shape a converter would build for a model tensor whose shape differs (a file missing an
-    expert), and ``mismatched_sources`` the file keys it would be built from.
+    expert), and ``mismatched_sources`` the file keys it would be built from. ``lacking`` gives
+    the file keys a model tensor cannot be built without, where the file holds some of its
+    pieces but not all (one projection of one expert), and ``lacking_sources`` those it holds
+    (each file key, with the model tensor it is a piece of): taken by the plan, so that the
+    tensor is reported missing for what the file lacks, not its pieces as unexpected.
     """
 
     renames: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -132,16 +137,18 @@ class Plan:
     computed: list[Computed] = dataclasses.field(default_factory=list)
     mismatched: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     mismatched_sources: set[str] = dataclasses.field(default_factory=set)
+    lacking: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    lacking_sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def __bool__(self) -> bool:
-        return bool(self.renames or self.fused or self.computed or self.mismatched)
+        return bool(self.renames or self.fused or self.computed or self.mismatched or self.lacking)
 
     def consumed(self) -> set[str]:
         """Every file key the plan takes."""
         used = set(self.renames.values())
         used.update(p.source for f in self.fused for p in f.pieces)
         used.update(s for c in self.computed for s in c.sources)
-        return used | self.mismatched_sources
+        return used | self.mismatched_sources | set(self.lacking_sources)
 
 
 # ------------------------------------------------------------------------- what transformers offers
@@ -450,6 +457,32 @@ def conversion_plan(
     return plan if plan else None
 
 
+def _lacking(gathered: Mapping[str, list[str]], catalog: Mapping[str, Any]) -> tuple[str, ...]:
+    """The file keys a converter's patterns call for beside the ones it ``gathered`` (by
+    pattern), which the ``catalog`` lacks: for each gathered key, its name under every other
+    pattern, the ``*`` of the patterns filled alike (``experts.3.w3`` calls for
+    ``experts.3.w1``). Empty where a pattern is not plain text and stars."""
+    found = {}
+    for pattern in gathered:
+        if re.search(r"[\\^$()\[\]{}+?|]", pattern):
+            return ()  # a regular expression: its counterparts cannot be spelt
+        found[pattern] = re.compile(re.escape(pattern).replace(r"\*", r"(\d+)"))
+    wanted: set[str] = set()
+    for pattern, keys in gathered.items():
+        for key in keys:
+            match = found[pattern].search(key)
+            if match is None:
+                continue
+            for other in gathered:
+                if other.count("*") != len(match.groups()):
+                    continue
+                spelt = other
+                for number in match.groups():
+                    spelt = spelt.replace("*", number, 1)
+                wanted.add(key[: match.start()] + spelt + key[match.end() :])
+    return tuple(sorted(k for k in wanted if k not in catalog))
+
+
 def _run(group: Any, first: str, model: nn.Module) -> dict[str, Any]:
     """What a converter returns for its gathered tensors (5.x releases return a dict, or a dict
     and the errors)."""
@@ -496,8 +529,12 @@ def _plan_group(
     gathered = {p: list(v) for p, v in group.collected_tensors.items()}
     if len({len(v) for v in gathered.values()}) > 1:
         # One pattern lacks a tensor the others have (an expert's up projection but not its
-        # gate): the model tensor cannot be built. Left out of the plan, it is reported as any
-        # missing tensor is, under the model's name (the file's keys for it as unexpected).
+        # gate): the model tensor cannot be built. It is reported missing, with the file keys
+        # it lacks where the patterns tell them; the keys the file holds for it are taken.
+        lacking = _lacking(gathered, catalog)
+        if lacking:
+            plan.lacking[first] = lacking
+            plan.lacking_sources.update(dict.fromkeys(keys, first))
         return
     traced = copy.deepcopy(group)
     tracer = _Tracer()
@@ -658,21 +695,27 @@ def fused_boxes(fused: Fused, box: Box, /) -> list[tuple[str, Box, tuple[Any, ..
     return out
 
 
-def hub_converted(label: str, model: nn.Module, state: Mapping[str, Any], /, *, owned: bool) -> Any:
-    """``state`` under ``model``'s names when it holds a transformers model's hub names (the
-    conversions ``from_pretrained`` applies, see the module's docstring), else ``state`` itself.
-
-    ``label`` names the source in errors; ``owned`` as for ``apply_plan``.
-    """
+def hub_plan(label: str, model: nn.Module, state: Mapping[str, Any], /) -> Plan | None:
+    """``conversion_plan`` for the tensors of ``state`` (``label`` names the source in
+    errors)."""
     catalog = {
         k: (tuple(v.shape), v.dtype)
         for k, v in state.items()
         if isinstance(k, str) and isinstance(v, torch.Tensor)
     }
     try:
-        plan = conversion_plan(model, catalog)
+        return conversion_plan(model, catalog)
     except CheckpointError as exc:
         raise CheckpointError(f"{label}: {exc}") from exc
+
+
+def hub_converted(label: str, model: nn.Module, state: Mapping[str, Any], /, *, owned: bool) -> Any:
+    """``state`` under ``model``'s names when it holds a transformers model's hub names (the
+    conversions ``from_pretrained`` applies, see the module's docstring), else ``state`` itself.
+
+    ``label`` names the source in errors; ``owned`` as for ``apply_plan``.
+    """
+    plan = hub_plan(label, model, state)
     if plan is None:
         return state
     return converted(label, type(model).__name__, plan, state, owned=owned)

@@ -31,7 +31,7 @@ from ._conversions import (
     conversion_plan,
     converted,
     fused_boxes,
-    hub_converted,
+    hub_plan,
     may_convert,
 )
 from ._formats import first_sentence
@@ -385,17 +385,20 @@ def _fit_and_fill(model: nn.Module, read: _Read, *, strict: bool) -> nn.Module:
     check_state_dict(p, model, state, loadable)
     if renamer is not None:
         state = renamed(str(p), state, renamer)
-    if read.rest is not None:
+    plan = read.rest
+    if plan is not None:
         # The fused tensors were read straight into their slices; what is left of the plan
         # (renames, computed tensors, fused ones that are not boxes of whole entries) applies
         # to the tensors read whole, as below.
-        state = _with_fused(str(p), type(model).__name__, read.rest, state, read.assembled)
+        state = _with_fused(str(p), type(model).__name__, plan, state, read.assembled)
     else:
         # A transformers model's hub names (per-expert tensors, renamed keys) become its own,
         # as from_pretrained converts them; the read state is changed in place, each tensor let
         # go as soon as its fused tensor holds it.
         owned = not read.from_memory or renamer is not None
-        state = hub_converted(str(p), model, state, owned=owned)
+        plan = hub_plan(str(p), model, state)
+        if plan is not None:
+            state = converted(str(p), type(model).__name__, plan, state, owned=owned)
     # What each module would be given by load_state_dict: older norm layers upgraded, every
     # pre-hook run (a layout converted, a key renamed), so values and shapes match its result.
     seen = as_load_state_dict_sees(p, model, state, extra)
@@ -404,7 +407,10 @@ def _fit_and_fill(model: nn.Module, read: _Read, *, strict: bool) -> nn.Module:
         for k, v in state.items()
         if isinstance(v, torch.Tensor) and not is_lazy(v)
     }
-    fit = _Fit(p, model, seen, loadable, transient, extra, read.read_on, strict, file_shapes)
+    lacking = plan.lacking if plan is not None else None
+    fit = _Fit(
+        p, model, seen, loadable, transient, extra, read.read_on, strict, file_shapes, lacking
+    )
     prepared = _prepare(fit, read.target, copy=read.from_memory)
     return _apply(fit, prepared, extra, seen.own)
 
@@ -697,6 +703,7 @@ class _Fit:
         read_on: torch.device,
         strict: bool,
         file_shapes: Mapping[str, tuple[int, ...]] | None = None,
+        lacking: Mapping[str, tuple[str, ...]] | None = None,
     ) -> None:
         self.p, self.model, self.strict, self.transient = p, model, strict, transient
         # What key hints weigh: a rename is suggested only where the shapes agree.
@@ -714,7 +721,9 @@ class _Fit:
         own = seen.own
         # A lazy parameter takes the file's shape, as its load_state_dict pre-hook (which
         # load_into does not run: it would materialize before the checks) lets it.
-        check = check_keys(loadable, own, _held, takes_any_shape=lambda s: is_lazy(s.tensor))
+        check = check_keys(
+            loadable, own, _held, takes_any_shape=lambda s: is_lazy(s.tensor), lacking=lacking
+        )
         self.plan, empty, conflicts = _values(check, own, read_on)
         check.add_missing(k for k in extra if k not in own)
         check.add_missing(seen.missing)  # what pre-hooks reported

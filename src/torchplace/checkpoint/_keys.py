@@ -33,14 +33,19 @@ __all__ = [
 
 @dataclasses.dataclass(frozen=True)
 class Missing:
-    """A model tensor the source does not hold under any of its names: ``name`` and the names
-    it is ``tied`` to (a tied parameter saved under any one of them counts as present)."""
+    """A model tensor the source does not hold under any of its names: ``name``, the names it
+    is ``tied`` to (a tied parameter saved under any one of them counts as present), and the
+    file keys it ``lacks`` where the source holds some of the pieces it is fused from."""
 
     name: str
     tied: tuple[str, ...] = ()
+    lacks: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        return f"{self.name} (tied to {', '.join(self.tied)})" if self.tied else self.name
+        said = f"{self.name} (tied to {', '.join(self.tied)})" if self.tied else self.name
+        if self.lacks:
+            said += f" (fused from the file's tensors, which lack {listing(list(self.lacks), 5)})"
+        return said
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +113,7 @@ def check_keys(
     built: Callable[[Slot], bool] = lambda slot: False,
     takes_any_shape: Callable[[Slot], bool] = lambda slot: False,
     complex_must_agree: bool = False,
+    lacking: Mapping[str, tuple[str, ...]] | None = None,
 ) -> KeyCheck:
     """Each slot against what the source ``held`` under its names (``describe``: what a held
     value is, as the check compares it).
@@ -117,7 +123,9 @@ def check_keys(
     it takes the file's shape (a lazy parameter). ``complex_must_agree``: a complex tensor
     cannot fill a real one, nor the reverse. Every name held under is checked, so a tied
     tensor saved under two names in two shapes is a mismatch wherever it is filled.
+    ``lacking``: the file keys each model tensor built from pieces lacks (``Plan.lacking``).
     """
+    lacking = lacking or {}
     check = KeyCheck([], [], [], [])
     used: set[str] = set()
     for slot in slots:
@@ -127,7 +135,8 @@ def check_keys(
             if built(slot):
                 check.matched.append((slot, []))
             else:
-                check.missing.append(Missing(slot.names[0], tuple(slot.names[1:])))
+                lacks = next((lacking[n] for n in slot.names if n in lacking), ())
+                check.missing.append(Missing(slot.names[0], tuple(slot.names[1:]), lacks))
             continue
         bad = [
             m

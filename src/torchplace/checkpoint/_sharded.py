@@ -627,16 +627,19 @@ def _checked_plan(
     meta_transient: list[str],
     where: str,
     named: Path | str,
+    lacking: Mapping[str, tuple[str, ...]],
 ) -> list[tuple[Slot, Entry | Fused]]:
     """What fills each slot (an entry, or a fused tensor built from several), after the one key
     check of every fill: a source that does not fit raises, the model untouched. ``named``: how
-    a suggested call names the source."""
+    a suggested call names the source; ``lacking``: the file keys each fused tensor the file
+    cannot build lacks."""
     check = check_keys(
         slots,
         entries,
         lambda e: (e.shape, entry_dtype(e).is_complex),
         built=lambda slot: any(n in fused for n in slot.names),
         complex_must_agree=True,
+        lacking=lacking,
     )
     plan: list[tuple[Slot, Entry | Fused]] = [
         (slot, entries[present[0]] if present else next(fused[n] for n in slot.names if n in fused))
@@ -671,10 +674,11 @@ def _checked_plan(
 
 def _located(
     model: nn.Module, source: Any, rename: Rename | None, check_crc: bool | None
-) -> tuple[Catalog, dict[str, Entry], dict[str, Entry], dict[str, Fused]]:
+) -> tuple[Catalog, dict[str, Entry], dict[str, Entry], dict[str, Fused], dict[str, Any]]:
     """Step 1: the source's catalog (its zip records' CRC-32s checked, with ``check_crc``),
     its entries by the model's names, the entries as the file names them (what fused tensors
-    are read from), and the fused tensors a conversion builds."""
+    are read from), the fused tensors a conversion builds, and the file keys those it cannot
+    build lack (``Plan.lacking``)."""
     source_catalog = catalog(source)  # a file, an index, a directory or a mapping
     if check_crc:
         for path, fmt in source_catalog.kinds.items():
@@ -689,9 +693,10 @@ def _located(
     sources = entries
     conversions = conversion_plan(model, {n: (e.shape, entry_dtype(e)) for n, e in entries.items()})
     fused: dict[str, Fused] = {}
-    if conversions is not None:
-        entries, fused = _converted(where, conversions, entries)
-    return source_catalog, entries, sources, fused
+    if conversions is None:
+        return source_catalog, entries, sources, fused, {}
+    entries, fused = _converted(where, conversions, entries)
+    return source_catalog, entries, sources, fused, conversions.lacking
 
 
 def _placed(
@@ -812,7 +817,7 @@ def _fill_sharded(model: nn.Module, source: Any, device: Any, **how: Any) -> Map
     rename: Rename | None = how["rename"]
     check_crc: bool | None = how["check_crc"]
     progress: bool | None = how["progress"]
-    source_catalog, entries, sources, fused = _located(model, source, rename, check_crc)
+    source_catalog, entries, sources, fused, lacking = _located(model, source, rename, check_crc)
     where = source_catalog.where
     target = None if device is None else _device(device)
     _refuse_own_loaders(where, model)
@@ -836,6 +841,7 @@ def _fill_sharded(model: nn.Module, source: Any, device: Any, **how: Any) -> Map
         meta_transient=meta_transient,
         where=where,
         named=source_catalog.path or where,
+        lacking=lacking,
     )
 
     pieces, materialize_on, new_home = _placed(plan, target, where)

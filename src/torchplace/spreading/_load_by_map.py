@@ -22,6 +22,7 @@ from .._errors import CheckpointError, DeviceSpecError, TorchplaceError, prefixe
 from .._model_walk import display, walk_model
 from ..checkpoint._catalog import Catalog, catalog
 from ..checkpoint._checkpoint import load_into as fill
+from ..checkpoint._keys import KeyCheck, Missing, does_not_fit
 from ..checkpoint._opened import one_open_each
 from ..checkpoint._rename import Rename, as_renamer
 from ..checkpoint._source import PathLike
@@ -130,9 +131,9 @@ def _by_map(
     with one_open_each():  # each file opened once in this call (the disk tier's reads: later)
         found = catalog(source) if disk else None  # resolved once, for the check and the tier
         # each file key's model names, after rename and the hub-name conversion
-        names = model_names(found, model, renamer) if found is not None else {}
-        if found is not None and options["strict"]:
-            _check_in_file(model, found, disk, names)
+        names, lacking = model_names(found, model, renamer) if found is not None else ({}, {})
+        if found is not None:
+            _check_in_file(model, found, disk, names, lacking, strict=options["strict"])
         dtypes = {name: _dtypes(model.get_submodule(name)) for name in disk}
         filled = source if found is None or found.path is None else found.path
         with _held_out(model, disk):
@@ -181,16 +182,26 @@ def _check_disk(model: nn.Module, source: object, disk: list[str]) -> None:
 
 
 def _check_in_file(
-    model: nn.Module, found: Catalog, disk: list[str], filled: Mapping[str, tuple[str, ...]]
+    model: nn.Module,
+    found: Catalog,
+    disk: list[str],
+    filled: Mapping[str, tuple[str, ...]],
+    lacking: Mapping[str, tuple[str, ...]],
+    *,
+    strict: bool,
 ) -> None:
-    """Refuse, before anything is filled, a ``"disk"`` module the checkpoint holds nothing of
-    (found as its reader finds them: the model names the file's keys fill, ``filled``, after
-    ``rename`` and the hub-name conversion): it would load without a word and fail on its first
-    call, blaming the file for changing."""
-    names = [n for targets in filled.values() for n in targets]
+    """Refuse, before anything is filled, a ``"disk"`` module whose weights the checkpoint does
+    not all hold (found as its reader finds them: the model names the file's keys fill,
+    ``filled``, after ``rename`` and the hub-name conversion; ``lacking``: the file keys a fused
+    tensor lacks), and with ``strict``, keys under one that fill nothing: it would load without
+    a word and fail on its first call, blaming the file for changing. A weight the file lacks
+    is refused with ``strict=False`` too: its module reads every weight from the file."""
+    names = {n for targets in filled.values() for n in targets}
+    wanted: list[str] = []
     for name in disk:
         head = f"{name}."
         params = [f"{name}.{n}" for n, _ in model.get_submodule(name).named_parameters()]
+        wanted += params
         if params and not any(n.startswith(head) for n in names):
             raise CheckpointError(
                 f"the device_map puts {display(name)} on 'disk', but {found.where} holds no tensor "
@@ -200,6 +211,36 @@ def _check_in_file(
                 path=found.path,
                 missing=params,
             )
+    missing = [Missing(n, (), lacking.get(n, ())) for n in wanted if n not in names or n in lacking]
+    heads = tuple(f"{name}." for name in disk)
+    known = set(wanted)
+    unexpected = [
+        key
+        for key, targets in filled.items()
+        if any(t.startswith(heads) for t in targets) and not any(t in known for t in targets)
+    ]
+    if not missing and not (strict and unexpected):
+        return
+    entries = [name for name in disk if any(m.name.startswith(f"{name}.") for m in missing)]
+    fix = (
+        "; a module on 'disk' reads each of its weights from the file when it runs, so it "
+        f"cannot do without one: map {' and '.join(map(repr, entries))} to 'cpu' or to a "
+        "device (where strict=False leaves what the file lacks as it was)"
+        if missing
+        else "; pass strict=False to load what matches"
+    )
+    check = KeyCheck([], missing, unexpected if strict else [], [])
+    raise does_not_fit(
+        found.where,
+        type(model).__name__,
+        check,
+        [],
+        strict=True,
+        fix=fix,
+        shapes=None,
+        path=found.path,
+        tail="; the model is untouched",
+    )
 
 
 def _check_ties(model: nn.Module, disk: list[str]) -> None:
