@@ -412,6 +412,40 @@ def test_a_part_of_a_layer_whose_weights_have_hub_names_runs_from_disk(
         assert torch.equal(model(IDS).logits, reference(IDS).logits)
 
 
+def test_a_disk_layer_works_out_its_hub_name_conversion_once(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The conversion of a Mixtral layer's per-expert keys was worked out again on every read
+    (most of the read's time); it is kept, and made again only when the model is cast."""
+    from torchplace.checkpoint import _disk_weights
+
+    made: list[str] = []
+    plan_of = _disk_weights.hub_plan
+
+    def counted(label: str, model: nn.Module, state: Any) -> Any:
+        made.append(label)
+        return plan_of(label, model, state)
+
+    monkeypatch.setattr(_disk_weights, "hub_plan", counted)
+    cls, config = tiny_mixtral()
+    torch.manual_seed(0)
+    reference = cls(config).eval()
+    reference.save_pretrained(tmp_path)
+    disk = {"model.layers.1": "disk", "model.layers.2": "disk"}
+    model = torchplace.load_into(
+        torchplace.skeleton(cls, config), tmp_path, device_map={"": "cpu", **disk}
+    )
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(IDS).logits, reference(IDS).logits)
+        assert len(made) == 2  # one per disk layer
+        model.to(torch.bfloat16)
+        reference.to(torch.bfloat16)
+        for _ in range(2):
+            assert torch.equal(model(IDS).logits, reference(IDS).logits)
+    assert len(made) == 4  # again for the new dtype, once
+
+
 @pytest.mark.parametrize("name", ["m.pt", "m.safetensors"])
 def test_a_checkpoint_removed_under_a_disk_module_is_said_to_be_gone(
     name: str, tmp_path: Any

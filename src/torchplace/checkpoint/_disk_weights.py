@@ -4,7 +4,8 @@
 mapped to ``"disk"`` a ``CheckpointWeights``: the file's keys under the module's name (found
 once in the catalog the load resolved its source into, after ``rename``), read straight from
 their byte ranges onto the device asked (onto CUDA through the reader's bounded pinned ring),
-converted from hub names as ``load_into`` converts them and cast to the model's dtypes.
+converted from hub names as ``load_into`` converts them (the conversion worked out on the first
+read and kept while the weights keep their dtypes) and cast to the model's dtypes.
 Nothing is written anywhere: the file's stamp (the one it had when the model was loaded) is
 checked on each read, so a checkpoint rewritten under a running model raises. Each read is a
 call of its own: it opens the file.
@@ -22,7 +23,7 @@ from torch import nn
 from .._errors import CheckpointError, TorchplaceError
 from .._model_walk import display
 from ._catalog import Catalog
-from ._conversions import conversion_plan, hub_converted
+from ._conversions import Plan, conversion_plan, converted, hub_plan
 from ._load import read_entries
 
 __all__ = ["CheckpointWeights", "model_names"]
@@ -91,6 +92,7 @@ class CheckpointWeights:
         self.renamer = renamer
         self.prefix = prefix
         self._keys: list[str] | None = None
+        self._plan: tuple[Any, Plan | None] | None = None  # (what it was made for, the plan)
         self.nbytes = sum(_numel(model, entry, n) * d.itemsize for n, d in self.dtypes.items())
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CheckpointWeights:
@@ -140,6 +142,24 @@ class CheckpointWeights:
         head = f"{self.entry}." if self.entry else ""
         return {name: model.get_parameter(head + name).dtype for name in self.dtypes}
 
+    def _conversion(
+        self, model: nn.Module, state: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype]
+    ) -> Plan | None:
+        """The hub-name conversion of the weights read (``state``), worked out once and kept
+        while they and the module's weights keep their shapes and dtypes (a cast makes it
+        again): making it took 3-4 ms a read, most of a read of a small Mixtral layer. A plan
+        that runs transformers' own code (``Plan.computed``) holds the model, so it is not kept
+        (the model holds this reader)."""
+        made_for = (
+            tuple((k, tuple(v.shape), v.dtype) for k, v in state.items()),
+            tuple(dtypes.items()),
+        )
+        if self._plan is not None and self._plan[0] == made_for:
+            return self._plan[1]
+        plan = hub_plan(self.where, model, state)
+        self._plan = None if plan is not None and plan.computed else (made_for, plan)
+        return plan
+
     def read(self, device: torch.device) -> dict[str, torch.Tensor]:
         model = self._model()
         assert model is not None, "the model this reader belongs to is gone"
@@ -152,9 +172,11 @@ class CheckpointWeights:
         state = read_entries(found, keys, device, fresh=False, threads=1)
         if self.renamer is not None:
             state = {self.renamer(k) or k: v for k, v in state.items()}
-        state = hub_converted(self.where, model, state, owned=True)
-        cut = len(self.entry) + 1 if self.entry else 0
         dtypes = self._current_dtypes(model)
+        plan = self._conversion(model, state, dtypes)
+        if plan is not None:
+            state = converted(self.where, type(model).__name__, plan, state, owned=True)
+        cut = len(self.entry) + 1 if self.entry else 0
         out = {}
         for name, value in state.items():
             local = name[cut:]
