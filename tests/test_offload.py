@@ -539,6 +539,46 @@ def test_a_disk_module_missing_one_weight_is_refused_before_anything_is_filled(
         assert torch.equal(loaded(x), model(x))
 
 
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "not-strict"])
+def test_a_disk_module_whose_weight_has_another_shape_is_refused_before_anything_is_filled(
+    strict: bool, tmp_path: Any
+) -> None:
+    """It loaded, and its first call failed with torch's own matmul error."""
+    state = dict(mlp(4).state_dict())
+    state["2.weight"] = torch.zeros(3, 5)
+    torch.save(state, tmp_path / "odd.pt")
+    target = torchplace.skeleton(mlp, 4)
+    with pytest.raises(
+        torchplace.CheckpointError,
+        match=r"shape mismatches: 2\.weight: file \(3, 5\), model \(8, 8\); the model is untouched",
+    ) as caught:
+        torchplace.load_into(
+            target, tmp_path / "odd.pt", device_map={"": "cpu", "2": "disk"}, strict=strict
+        )
+    assert caught.value.mismatched == ("2.weight",)
+    assert all(p.is_meta for p in target.parameters())
+
+
+def test_a_disk_layer_missing_an_expert_says_the_shape_its_pieces_make(tmp_path: Any) -> None:
+    from safetensors.torch import load_file, save_file
+
+    cls, config = tiny_mixtral()
+    torch.manual_seed(0)
+    cls(config).save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    del state["model.layers.1.block_sparse_moe.experts.3.w2.weight"]
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(torchplace.CheckpointError) as caught:
+        torchplace.load_into(
+            torchplace.skeleton(cls, config),
+            tmp_path,
+            device_map={"": "cpu", "model.layers.1": "disk"},
+        )
+    said = "model.layers.1.mlp.experts.down_proj: file (3, 32, 64), model (4, 32, 64)"
+    assert said in str(caught.value), caught.value
+    assert caught.value.unexpected == ()
+
+
 @pytest.mark.parametrize("entry", ["model.layers.1", "model.layers.1.mlp"])
 def test_a_disk_module_whose_expert_lacks_one_projection_names_the_key(
     entry: str, tmp_path: Any

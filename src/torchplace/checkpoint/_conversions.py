@@ -125,7 +125,8 @@ class Plan:
     ``renames`` maps a model name to the file name that holds it whole; file keys that are in
     none of the three keep their names (the model's own, or unexpected). ``mismatched`` gives
     the shape a converter would build for a model tensor whose shape differs (a file missing an
-    expert), and ``mismatched_sources`` the file keys it would be built from. ``lacking`` gives
+    expert), and ``mismatched_sources`` the file keys it would be built from (each with the
+    first model tensor of its converter). ``lacking`` gives
     the file keys a model tensor cannot be built without, where the file holds some of its
     pieces but not all (one projection of one expert), and ``lacking_sources`` those it holds
     (each file key, with the model tensor it is a piece of): taken by the plan, so that the
@@ -136,7 +137,7 @@ class Plan:
     fused: list[Fused] = dataclasses.field(default_factory=list)
     computed: list[Computed] = dataclasses.field(default_factory=list)
     mismatched: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
-    mismatched_sources: set[str] = dataclasses.field(default_factory=set)
+    mismatched_sources: dict[str, str] = dataclasses.field(default_factory=dict)
     lacking: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     lacking_sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
@@ -148,7 +149,7 @@ class Plan:
         used = set(self.renames.values())
         used.update(p.source for f in self.fused for p in f.pieces)
         used.update(s for c in self.computed for s in c.sources)
-        return used | self.mismatched_sources | set(self.lacking_sources)
+        return used | set(self.mismatched_sources) | set(self.lacking_sources)
 
 
 # ------------------------------------------------------------------------- what transformers offers
@@ -555,7 +556,7 @@ def _plan_group(
     wrong = {n: tuple(out[n].shape) for n in names if tuple(out[n].shape) != expected[n][0]}
     if wrong:
         plan.mismatched.update(wrong)
-        plan.mismatched_sources.update(keys)
+        plan.mismatched_sources.update(dict.fromkeys(keys, first))
         return
     fused, opaque = _as_fused(tracer, out, names, expected)
     if opaque is None:

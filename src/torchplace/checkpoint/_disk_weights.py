@@ -31,13 +31,13 @@ __all__ = ["CheckpointWeights", "model_names"]
 
 def model_names(
     found: Catalog, model: nn.Module, renamer: Callable[[str], str | None] | None
-) -> tuple[dict[str, tuple[str, ...]], dict[str, tuple[str, ...]]]:
+) -> tuple[dict[str, tuple[str, ...]], Plan | None]:
     """Each file key of ``found`` with the names of ``model`` it fills: after ``rename``, and
     converted from hub names as ``load_into`` converts them (a transformers 5 Mixtral's
     ``block_sparse_moe.experts.3.w1.weight`` fills ``mlp.experts.gate_up_proj``); a key that
     ``rename`` drops is left out. What a ``"disk"`` module reads is the keys that fill it.
-    Second: the file keys each fused model tensor lacks where the file holds only some of its
-    pieces (``Plan.lacking``; its pieces are given as filling it)."""
+    Second: the hub-name conversion plan (None: nothing converted); a model tensor it cannot
+    build (``lacking``, ``mismatched``) is given as filled by the pieces the file holds of it."""
     renamed: dict[str, str] = {}  # name after rename -> file key
     for key in found.entries:
         name = renamer(key) if renamer is not None else key
@@ -50,7 +50,7 @@ def model_names(
     }
     plan = conversion_plan(model, shapes)
     if plan is None:
-        return names, {}
+        return names, None
     for new, old in plan.renames.items():
         names[renamed[old]] = (new,)
     filled: dict[str, list[str]] = {}
@@ -60,11 +60,11 @@ def model_names(
     for computed in plan.computed:
         for source in computed.sources:
             filled.setdefault(source, []).extend(computed.names)
-    for source, target in plan.lacking_sources.items():
+    for source, target in (*plan.lacking_sources.items(), *plan.mismatched_sources.items()):
         filled.setdefault(source, []).append(target)
     for source, targets in filled.items():
         names[renamed[source]] = tuple(dict.fromkeys(targets))
-    return names, plan.lacking
+    return names, plan
 
 
 class CheckpointWeights:

@@ -22,7 +22,9 @@ from .._errors import CheckpointError, DeviceSpecError, TorchplaceError, prefixe
 from .._model_walk import display, walk_model
 from ..checkpoint._catalog import Catalog, catalog
 from ..checkpoint._checkpoint import load_into as fill
-from ..checkpoint._keys import KeyCheck, Missing, does_not_fit
+from ..checkpoint._conversions import Plan
+from ..checkpoint._keys import KeyCheck, Mismatch, Missing, does_not_fit
+from ..checkpoint._mismatch import listing
 from ..checkpoint._opened import one_open_each
 from ..checkpoint._rename import Rename, as_renamer
 from ..checkpoint._source import PathLike
@@ -131,9 +133,9 @@ def _by_map(
     with one_open_each():  # each file opened once in this call (the disk tier's reads: later)
         found = catalog(source) if disk else None  # resolved once, for the check and the tier
         # each file key's model names, after rename and the hub-name conversion
-        names, lacking = model_names(found, model, renamer) if found is not None else ({}, {})
+        names, plan = model_names(found, model, renamer) if found is not None else ({}, None)
         if found is not None:
-            _check_in_file(model, found, disk, names, lacking, strict=options["strict"])
+            _check_in_file(model, found, disk, names, plan, strict=options["strict"])
         dtypes = {name: _dtypes(model.get_submodule(name)) for name in disk}
         filled = source if found is None or found.path is None else found.path
         with _held_out(model, disk):
@@ -186,22 +188,24 @@ def _check_in_file(
     found: Catalog,
     disk: list[str],
     filled: Mapping[str, tuple[str, ...]],
-    lacking: Mapping[str, tuple[str, ...]],
+    plan: Plan | None,
     *,
     strict: bool,
 ) -> None:
     """Refuse, before anything is filled, a ``"disk"`` module whose weights the checkpoint does
-    not all hold (found as its reader finds them: the model names the file's keys fill,
-    ``filled``, after ``rename`` and the hub-name conversion; ``lacking``: the file keys a fused
-    tensor lacks), and with ``strict``, keys under one that fill nothing: it would load without
-    a word and fail on its first call, blaming the file for changing. A weight the file lacks
-    is refused with ``strict=False`` too: its module reads every weight from the file."""
+    not all hold in their shapes (found as its reader finds them: the model names the file's
+    keys fill, ``filled``, after ``rename`` and the hub-name conversion ``plan``), and with
+    ``strict``, keys under one that fill nothing: it would load without a word and fail on its
+    first call, blaming the file for changing or with torch's own shape error. A weight the file
+    lacks is refused with ``strict=False`` too: its module reads every weight from the file."""
     names = {n for targets in filled.values() for n in targets}
-    wanted: list[str] = []
+    wanted: dict[str, tuple[int, ...]] = {}
     for name in disk:
         head = f"{name}."
-        params = [f"{name}.{n}" for n, _ in model.get_submodule(name).named_parameters()]
-        wanted += params
+        params = {
+            f"{name}.{n}": tuple(p.shape) for n, p in model.get_submodule(name).named_parameters()
+        }
+        wanted.update(params)
         if params and not any(n.startswith(head) for n in names):
             raise CheckpointError(
                 f"the device_map puts {display(name)} on 'disk', but {found.where} holds no tensor "
@@ -209,38 +213,63 @@ def _check_in_file(
                 "this is the model's checkpoint (rename= maps other names), or map "
                 f"{name!r} to a device and fill it another way",
                 path=found.path,
-                missing=params,
+                missing=list(params),
             )
-    missing = [Missing(n, (), lacking.get(n, ())) for n in wanted if n not in names or n in lacking]
-    heads = tuple(f"{name}." for name in disk)
-    known = set(wanted)
-    unexpected = [
-        key
-        for key, targets in filled.items()
-        if any(t.startswith(heads) for t in targets) and not any(t in known for t in targets)
-    ]
-    if not missing and not (strict and unexpected):
+    check = _disk_keys(found, disk, filled, plan, wanted)
+    if not strict:
+        check.unexpected = []
+    if not check.missing and not check.unexpected and not check.mismatched:
         return
-    entries = [name for name in disk if any(m.name.startswith(f"{name}.") for m in missing)]
+    entries = [name for name in disk if any(m.name.startswith(f"{name}.") for m in check.missing)]
     fix = (
         "; a module on 'disk' reads each of its weights from the file when it runs, so it "
         f"cannot do without one: map {' and '.join(map(repr, entries))} to 'cpu' or to a "
         "device (where strict=False leaves what the file lacks as it was)"
-        if missing
+        if entries
         else "; pass strict=False to load what matches"
+        if not check.mismatched
+        else ""
     )
-    check = KeyCheck([], missing, unexpected if strict else [], [])
+    problems = [f"shape mismatches: {listing([str(m) for m in check.mismatched])}"]
     raise does_not_fit(
         found.where,
         type(model).__name__,
         check,
-        [],
+        problems if check.mismatched else [],
         strict=True,
         fix=fix,
         shapes=None,
         path=found.path,
         tail="; the model is untouched",
     )
+
+
+def _disk_keys(
+    found: Catalog,
+    disk: list[str],
+    filled: Mapping[str, tuple[str, ...]],
+    plan: Plan | None,
+    wanted: Mapping[str, tuple[int, ...]],
+) -> KeyCheck:
+    """The ``"disk"`` modules' weights (``wanted``: each one's shape) against the file: those it
+    lacks (a fused tensor with the keys it lacks), keys under them that fill none, and weights
+    held in another shape (a whole key's, or the one a conversion would build)."""
+    lacking = plan.lacking if plan is not None else {}
+    built = plan.mismatched if plan is not None else {}
+    pieces = plan.consumed() - set(plan.renames.values()) if plan is not None else set()
+    names = {n for targets in filled.values() for n in targets}
+    missing = [Missing(n, (), lacking.get(n, ())) for n in wanted if n not in names or n in lacking]
+    heads = tuple(f"{name}." for name in disk)
+    unexpected = []
+    mismatched = [Mismatch(n, f"file {built[n]}, model {wanted[n]}") for n in wanted if n in built]
+    for key, targets in filled.items():
+        if not any(t.startswith(heads) for t in targets):
+            continue
+        if not any(t in wanted for t in targets):
+            unexpected.append(key)
+        elif key not in pieces and (shape := found.entries[key].shape) != wanted[targets[0]]:
+            mismatched.append(Mismatch(targets[0], f"file {shape}, model {wanted[targets[0]]}"))
+    return KeyCheck([], missing, unexpected, mismatched)
 
 
 def _check_ties(model: nn.Module, disk: list[str]) -> None:
