@@ -603,6 +603,38 @@ def test_a_disk_module_whose_expert_lacks_one_projection_names_the_key(
     assert all(p.is_meta for p in target.parameters())
 
 
+@pytest.mark.parametrize("device_map", [None, {"": "cpu", "2": "disk"}], ids=["plain", "by-map"])
+def test_load_into_refuses_a_model_with_offloaded_modules_until_it_is_gathered(
+    device_map: Any, tmp_path: Any
+) -> None:
+    """Filled in place, the disk module went on reading the old checkpoint at each call: the
+    output mixed two checkpoints without a word (and verify's fix pointed at load_into)."""
+    torch.manual_seed(0)
+    first, second = mlp(2).eval(), mlp(2).eval()
+    torch.save(first.state_dict(), tmp_path / "first.pt")
+    torch.save(second.state_dict(), tmp_path / "second.pt")
+    model = torchplace.load_into(
+        torchplace.skeleton(mlp, 2), tmp_path / "first.pt", device_map={"": "cpu", "2": "disk"}
+    )
+    with pytest.raises(torchplace.PlacementError) as said:
+        torchplace.verify(model, "cpu")
+    assert "offloaded to disk by a device map" in str(said.value)
+    assert "torchplace.move(model, 'cpu')" in str(said.value)
+    assert "load_into" not in str(said.value)
+    device = "cpu" if device_map is None else None
+    with pytest.raises(
+        torchplace.CheckpointError,
+        match=r"model\.2 \(Linear\) is offloaded to disk .* torchplace\.move\(model, 'cpu'\)",
+    ):
+        torchplace.load_into(model, tmp_path / "second.pt", device, device_map=device_map)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), first(x))  # untouched: still the first checkpoint's
+    torchplace.move(model, "cpu")  # gathered, hooks removed
+    torchplace.load_into(model, tmp_path / "second.pt")
+    assert torch.equal(model(x), second(x))
+
+
 def test_load_into_by_a_map_keeps_the_data_of_its_errors(tmp_path: Any) -> None:
     # The re-raise that puts "load_into(): " in front dropped .missing and .path (and dispatch,
     # plan and estimate theirs): a program acting on err.missing found it empty.

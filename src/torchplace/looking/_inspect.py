@@ -384,6 +384,13 @@ def fix_for(entry: Entry, target: torch.device, *, rebuild: bool = False) -> str
             "clear it with opt.state.clear(), then re-bind the optimizer with "
             f"torchplace.move(model, {dev}, optimizer=opt)"
         )
+    if entry.home is not None:  # left on meta by an offloading map: its values are kept
+        return (
+            f"offloaded to {entry.home.tier} by a device map, its weights brought to "
+            f"{entry.home.execution} for each call; check such a model against its map, "
+            "torchplace.verify(model, device_map), or gather it onto one device first, "
+            f"torchplace.move(model, {dev})"
+        )
     if entry.tensor.is_meta and target.type != "meta":
         if rebuild and entry.kind in ("parameter", "buffer") and not entry.non_persistent:
             return (

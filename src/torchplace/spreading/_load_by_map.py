@@ -28,7 +28,7 @@ from ..checkpoint._mismatch import listing
 from ..checkpoint._opened import one_open_each
 from ..checkpoint._rename import Rename, as_renamer
 from ..checkpoint._source import PathLike
-from ..moving._offloaded import DEFAULT_WINDOW
+from ..moving._offloaded import DEFAULT_WINDOW, HOME, homes
 
 if TYPE_CHECKING:  # the map's modules load only when a map is given: a plain load pays none
     from ._dispatch import DeviceMapSpec
@@ -82,6 +82,7 @@ def load_into(
         CheckpointError: as the fill raises; a mapping source with ``"disk"`` in the map.
         DeviceSpecError: a bad map; ``device`` given with ``device_map``.
     """
+    _refuse_offloaded(model)
     if device_map is None:
         if execution_device is not None:
             raise TorchplaceError("load_into(): execution_device is for a device_map; give one")
@@ -101,6 +102,24 @@ def load_into(
                        offload_window)  # fmt: skip
     except TorchplaceError as err:
         raise prefixed(err, "load_into()") from err.__cause__
+
+
+def _refuse_offloaded(model: object) -> None:
+    """``CheckpointError`` for a model with offloaded modules (``dispatch``, or an earlier
+    ``load_into`` by a map): filled in place, they would go on bringing their old weights to
+    each call (from the checkpoint they were left in, or from host memory)."""
+    if not isinstance(model, nn.Module) or not any(HOME in m.__dict__ for m in model.modules()):
+        return  # (a walk without names: every load_into pays it)
+    path, module, home = next(homes(model))
+    name = display(path) if path else type(model).__name__
+    kept = "the checkpoint it was loaded from" if home.tier == "disk" else "host memory"
+    raise CheckpointError(
+        f"load_into(): {name} ({type(module).__name__}) is offloaded to {home.tier} and brings "
+        f"its weights from {kept} to {home.execution} for each call, so filling the model in "
+        "place would leave it running with its old weights; gather it first, "
+        f"torchplace.move(model, {str(home.execution)!r}), then load_into, or load the "
+        "checkpoint into a new skeleton with device_map= to run it offloaded"
+    )
 
 
 def _by_map(
