@@ -603,6 +603,25 @@ def test_a_disk_module_whose_expert_lacks_one_projection_names_the_key(
     assert all(p.is_meta for p in target.parameters())
 
 
+def test_a_disk_module_over_a_legacy_torch_file_is_refused_with_the_fix(tmp_path: Any) -> None:
+    """A legacy (pre-1.6) file is read only whole: the load went through, then every call
+    failed, with no fix."""
+    model = mlp(2)
+    path = tmp_path / "legacy.pt"
+    torch.save(model.state_dict(), path, _use_new_zipfile_serialization=False)
+    target = torchplace.skeleton(mlp, 2)
+    with pytest.raises(
+        torchplace.CheckpointError,
+        match=r"model\.2 on 'disk'.*cannot give its weight '2\.weight' on its own: it is in a "
+        r"legacy .*save the checkpoint again with torch\.save .* or map '2' to 'cpu'",
+    ):
+        torchplace.load_into(target, path, device_map={"": "cpu", "2": "disk"})
+    assert all(p.is_meta for p in target.parameters())
+    loaded = torchplace.load_into(target, path, device_map={"": "cpu", "2": "cpu"})
+    x = torch.randn(3, 8)
+    assert torch.equal(loaded(x), model(x))
+
+
 @pytest.mark.parametrize("device_map", [None, {"": "cpu", "2": "disk"}], ids=["plain", "by-map"])
 def test_load_into_refuses_a_model_with_offloaded_modules_until_it_is_gathered(
     device_map: Any, tmp_path: Any

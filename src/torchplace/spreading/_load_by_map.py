@@ -234,6 +234,7 @@ def _check_in_file(
                 path=found.path,
                 missing=list(params),
             )
+    _check_readable(found, disk, filled, wanted)
     check = _disk_keys(found, disk, filled, plan, wanted)
     if not strict:
         check.unexpected = []
@@ -261,6 +262,35 @@ def _check_in_file(
         path=found.path,
         tail="; the model is untouched",
     )
+
+
+def _check_readable(
+    found: Catalog,
+    disk: list[str],
+    filled: Mapping[str, tuple[str, ...]],
+    wanted: Mapping[str, tuple[int, ...]],
+) -> None:
+    """Refuse a ``"disk"`` module whose weights the file cannot give one at a time, from their
+    byte ranges (a legacy torch file's, a quantized or sparse tensor's): its reads would fail
+    on each call."""
+    for key, targets in filled.items():
+        entry = found.entries.get(key)
+        mine = [t for t in targets if t in wanted]
+        if entry is None or entry.addressable or not mine:
+            continue
+        module = next(name for name in disk if mine[0].startswith(f"{name}."))
+        again = (
+            "save the checkpoint again with torch.save (its zip format, the default since torch "
+            "1.6) or as safetensors, or "
+            if "legacy" in entry.why
+            else ""
+        )
+        raise CheckpointError(
+            f"the device_map puts {display(module)} on 'disk', but {found.where} cannot give "
+            f"its weight {key!r} on its own: {entry.why}; {again}map {module!r} to 'cpu' or "
+            "to a device",
+            path=found.path,
+        )
 
 
 def _disk_keys(
