@@ -620,6 +620,16 @@ def test_a_disk_module_over_a_legacy_torch_file_is_refused_with_the_fix(tmp_path
     loaded = torchplace.load_into(target, path, device_map={"": "cpu", "2": "cpu"})
     x = torch.randn(3, 8)
     assert torch.equal(loaded(x), model(x))
+    # a weight saved as a view with gaps (every other column of a wider tensor): not one range
+    state = dict(model.state_dict())
+    state["2.weight"] = torch.cat([state["2.weight"]] * 2, dim=1)[:, ::2]
+    torch.save(state, tmp_path / "strided.pt")
+    with pytest.raises(torchplace.CheckpointError, match=r"cannot give its weight '2\.weight'"):
+        torchplace.load_into(
+            torchplace.skeleton(mlp, 2),
+            tmp_path / "strided.pt",
+            device_map={"": "cpu", "2": "disk"},
+        )
 
 
 @pytest.mark.parametrize("device_map", [None, {"": "cpu", "2": "disk"}], ids=["plain", "by-map"])
