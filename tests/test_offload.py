@@ -9,6 +9,8 @@ units resident than the window allows, fails the test.
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -601,6 +603,83 @@ def test_a_disk_module_whose_expert_lacks_one_projection_names_the_key(
     assert f"{fused} (fused from the file's tensors, which lack {gap})" in str(caught.value)
     assert caught.value.missing == (fused,) and caught.value.unexpected == ()
     assert all(p.is_meta for p in target.parameters())
+
+
+def test_a_model_with_disk_modules_compiles_and_matches_eager(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The offload hooks were traced by torch.compile, their reads run on its fake tensors:
+    the call failed calling the intact file truncated. They now run as they are, each call."""
+    from torchplace.checkpoint import _disk_weights
+
+    reads: list[str] = []
+    read = _disk_weights.CheckpointWeights.read
+
+    def counted(self: Any, device: torch.device) -> Any:
+        reads.append(self.entry)
+        return read(self, device)
+
+    monkeypatch.setattr(_disk_weights.CheckpointWeights, "read", counted)
+    model = mlp(2).eval()
+    torch.save(model.state_dict(), tmp_path / "m.pt")
+    loaded = torchplace.load_into(
+        torchplace.skeleton(mlp, 2), tmp_path / "m.pt", device_map={"": "cpu", "2": "disk"}
+    )
+    compiled = torch.compile(loaded, backend="aot_eager")  # its fake tensors met the reads
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(3, 8)
+            assert torch.equal(compiled(x), model(x))
+    assert reads == ["2"] * 3  # read on each call, as in eager
+    assert loaded[2].weight.is_meta
+
+
+@pytest.mark.slow
+def test_running_a_model_with_disk_modules_does_not_import_the_compiler(tmp_path: Any) -> None:
+    """The hooks' guard against tracing is made only once torch.compile is loaded: importing
+    it takes 1.5-2 s, which a model never compiled does not pay."""
+    code = (
+        "import sys, torch, torchplace\n"
+        "from torch import nn\n"
+        "make = lambda: nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))\n"
+        f"torch.save(make().state_dict(), {str(tmp_path / 's.pt')!r})\n"
+        f"m = torchplace.load_into(torchplace.skeleton(make), {str(tmp_path / 's.pt')!r},\n"
+        "                          device_map={'': 'cpu', '1': 'disk'})\n"
+        "with torch.no_grad():\n"
+        "    m(torch.ones(1, 4))\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "False", done.stdout + done.stderr
+
+
+def test_estimate_of_a_model_with_disk_modules_reads_nothing(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """estimate's fake step ran the disk reads on fake tensors (a false "truncated" error); the
+    disk weights now count where they run, with no read."""
+    from torchplace.checkpoint import _disk_weights
+
+    def refused(self: Any, device: torch.device) -> Any:
+        raise AssertionError("the estimate read the checkpoint")
+
+    model = mlp(2).eval()
+    torch.save(model.state_dict(), tmp_path / "m.pt")
+    loaded = torchplace.load_into(
+        torchplace.skeleton(mlp, 2), tmp_path / "m.pt", device_map={"": "cpu", "2": "disk"}
+    )
+    monkeypatch.setattr(_disk_weights.CheckpointWeights, "read", refused)
+    x = torch.randn(3, 8)
+    offloaded = torchplace.estimate(loaded, example_input=x, step="forward")
+    whole = torchplace.estimate(model, example_input=x, step="forward")
+    cpu = torch.device("cpu")  # the disk layer's weights count where it runs, while it runs
+    assert offloaded.peak_by_device()[cpu] == whole.peak_by_device()[cpu]
+    monkeypatch.undo()
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+    assert loaded[2].weight.is_meta
 
 
 def test_a_disk_module_over_a_legacy_torch_file_is_refused_with_the_fix(tmp_path: Any) -> None:

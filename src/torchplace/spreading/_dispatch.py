@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import re
+import sys
 import threading
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
@@ -635,18 +637,48 @@ def _forget_host_homes(model: nn.Module) -> None:
             del module.__dict__[HOME]
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _untraced(fn: _F) -> _F:
+    """``fn``, which ``torch.compile`` runs as it is each call, never tracing it (a graph break
+    around the call): ``torch.compiler.disable`` around it, made on the first call where the
+    compiler is loaded (importing it takes 1.5-2 s, which a model that is never compiled does
+    not pay); the attribute keeps the compiler from tracing into it before that."""
+    disabled: list[Callable[..., Any]] = []
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if not disabled:
+            disabled.append(torch.compiler.disable(fn))  # type: ignore[no-untyped-call]
+        return disabled[0](*args, **kwargs)
+
+    call._torchdynamo_disable = True  # type: ignore[attr-defined]
+    return cast(_F, call)
+
+
 class _Before:
+    """An offloaded module's weights brought in before its call. Never traced by
+    ``torch.compile`` (a graph break runs it as it is, each call): traced, its reads would
+    run on the compiler's fake tensors."""
+
     def __init__(self, ring: Ring, index: int) -> None:
         self.ring, self.index = ring, index
 
+    @_untraced
     def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         self.ring.before(self.index)
 
 
 class _After:
+    """An offloaded module's weights let go after its call (not traced, as ``_Before``)."""
+
     def __init__(self, ring: Ring, index: int) -> None:
         self.ring, self.index = ring, index
 
+    @_untraced
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         self.ring.after(self.index)
 
