@@ -583,18 +583,21 @@ def test_each_file_tensor_is_let_go_once_in_its_slice(
     import gc
     import weakref
 
-    from torchplace.checkpoint._conversions import hub_converted
+    from torchplace.checkpoint._conversions import converted, hub_plan
 
     config, model, where = mixtral
     state = torchplace.load(where / "single")
     experts = [weakref.ref(v) for k, v in state.items() if ".experts." in k]
     assert len(experts) == 24  # 2 layers, 4 experts, w1 w2 w3
-    converted = hub_converted("file", _skeleton(config), state, owned=True)
-    assert converted is state
+    skeleton = _skeleton(config)
+    plan = hub_plan("file", skeleton, state)
+    assert plan is not None
+    out = converted("file", "MixtralForCausalLM", plan, state, owned=True)
+    assert out is state
     gc.collect()
     assert all(r() is None for r in experts)
     assert torch.equal(
-        converted["model.layers.1.mlp.experts.down_proj"],
+        out["model.layers.1.mlp.experts.down_proj"],
         model.state_dict()["model.layers.1.mlp.experts.down_proj"],
     )
 
@@ -678,6 +681,38 @@ def test_an_expert_missing_one_projection_is_a_missing_model_tensor(
     with pytest.warns(UserWarning, match=r"on meta.*model\.layers\.1\.mlp\.experts\.gate_up_proj"):
         loaded = torchplace.load_into(_skeleton(config), path, strict=False)
     assert loaded.model.layers[0].mlp.experts.gate_up_proj.device.type == "cpu"
+
+
+@pytest.mark.parametrize(
+    ("gone", "lacks"),
+    [
+        # every up projection of a layer: transformers' own torch.cat error before
+        ([f"experts.{i}.w3" for i in range(4)], [f"experts.{i}.w3" for i in range(4)]),
+        # a whole expert and one projection of another: the hole between held numbers too
+        (
+            ["experts.2.w1", "experts.2.w3", "experts.3.w3"],
+            ["experts.2.w1", "experts.2.w3", "experts.3.w3"],
+        ),
+        # as many gate as up projections, of different experts: it fused the wrong pairs
+        (["experts.2.w1", "experts.3.w3"], ["experts.2.w1", "experts.3.w3"]),
+    ],
+    ids=["a-whole-projection", "an-expert-and-a-projection", "even-counts"],
+)
+def test_the_keys_a_fused_tensor_lacks_are_named(
+    mixtral: tuple[Any, torch.nn.Module, Path], tmp_path: Path, gone: list[str], lacks: list[str]
+) -> None:
+    config, _, where = mixtral
+    state = torchplace.load(where / "single")
+    head = "model.layers.1.block_sparse_moe."
+    for key in gone:
+        del state[f"{head}{key}.weight"]
+    torch.save(state, tmp_path / "gaps.pt")
+    with pytest.raises(CheckpointError) as info:
+        torchplace.load_into(_skeleton(config), tmp_path / "gaps.pt")
+    assert list(info.value.missing) == ["model.layers.1.mlp.experts.gate_up_proj"]
+    assert list(info.value.unexpected) == []
+    named = ", ".join(f"{head}{key}.weight" for key in lacks)
+    assert f"(fused from the file's tensors, which lack {named})" in str(info.value), info.value
 
 
 def test_a_sharded_model_names_the_projection_its_experts_lack(

@@ -448,6 +448,28 @@ def test_a_disk_layer_works_out_its_hub_name_conversion_once(
     assert len(made) == 4  # again for the new dtype, once
 
 
+def test_a_conversion_transformers_computes_is_not_kept_by_the_disk_reader(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Such a plan holds the model (its converter runs on it), and the model holds the reader:
+    kept, it would tie the model into a reference cycle."""
+    from torchplace.checkpoint import _disk_weights
+    from torchplace.checkpoint._conversions import Computed, Plan
+
+    torch.save(mlp(2).state_dict(), tmp_path / "m.pt")
+    model = torchplace.load_into(
+        torchplace.skeleton(mlp, 2), tmp_path / "m.pt", device_map={"": "cpu", "2": "disk"}
+    )
+    reader = model[2].__dict__[HOME].source
+    computed = Plan(computed=[Computed([], [], [], lambda tensors: {})])
+    monkeypatch.setattr(_disk_weights, "hub_plan", lambda *args: computed)
+    assert reader._conversion(model, {}, {}) is computed
+    assert reader._plan is None
+    monkeypatch.setattr(_disk_weights, "hub_plan", lambda *args: Plan())
+    kept = reader._conversion(model, {}, {})
+    assert reader._plan == (((), ()), kept)
+
+
 @pytest.mark.parametrize("name", ["m.pt", "m.safetensors"])
 def test_a_checkpoint_removed_under_a_disk_module_is_said_to_be_gone(
     name: str, tmp_path: Any
@@ -579,6 +601,37 @@ def test_a_disk_layer_missing_an_expert_says_the_shape_its_pieces_make(tmp_path:
     said = "model.layers.1.mlp.experts.down_proj: file (3, 32, 64), model (4, 32, 64)"
     assert said in str(caught.value), caught.value
     assert caught.value.unexpected == ()
+
+
+def test_a_disk_layer_whose_hub_named_keys_are_renamed_loads(tmp_path: Any) -> None:
+    """rename= and the hub-name conversion together: the check of a disk module's weights
+    compared each per-expert piece with the fused tensor it goes into, and refused a good
+    checkpoint (found in review)."""
+    from safetensors.torch import load_file, save_file
+
+    cls, config = tiny_mixtral()
+    torch.manual_seed(0)
+    reference = cls(config).eval()
+    reference.save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    path = tmp_path / "prefixed.safetensors"
+    save_file({"foo." + k: v for k, v in state.items()}, path, metadata={"format": "pt"})
+    model = torchplace.load_into(
+        torchplace.skeleton(cls, config),
+        path,
+        rename=lambda k: k.removeprefix("foo."),
+        device_map={"": "cpu", "model.layers.1": "disk"},
+    )
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, reference(IDS).logits)
+
+
+def test_a_lazy_parameter_cannot_be_left_on_disk(tmp_path: Any) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    torch.save(model.state_dict(), tmp_path / "m.pt")
+    lazy = nn.Sequential(nn.Linear(4, 4), nn.LazyLinear(2))
+    with pytest.raises(torchplace.DeviceSpecError, match=r"model\.1\.weight is a lazy parameter"):
+        torchplace.load_into(lazy, tmp_path / "m.pt", device_map={"": "cpu", "1": "disk"})
 
 
 @pytest.mark.parametrize("entry", ["model.layers.1", "model.layers.1.mlp"])

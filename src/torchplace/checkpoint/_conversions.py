@@ -61,7 +61,6 @@ __all__ = [
     "conversion_plan",
     "converted",
     "fused_boxes",
-    "hub_converted",
     "hub_plan",
     "may_convert",
 ]
@@ -458,30 +457,55 @@ def conversion_plan(
     return plan if plan else None
 
 
-def _lacking(gathered: Mapping[str, list[str]], catalog: Mapping[str, Any]) -> tuple[str, ...]:
+def _lacking(
+    gathered: Mapping[str, list[str]], catalog: Mapping[str, Any], into: Sequence[str]
+) -> tuple[str, ...]:
     """The file keys a converter's patterns call for beside the ones it ``gathered`` (by
-    pattern), which the ``catalog`` lacks: for each gathered key, its name under every other
-    pattern, the ``*`` of the patterns filled alike (``experts.3.w3`` calls for
-    ``experts.3.w1``). Empty where a pattern is not plain text and stars."""
-    found = {}
-    for pattern in gathered:
-        if re.search(r"[\\^$()\[\]{}+?|]", pattern):
-            return ()  # a regular expression: its counterparts cannot be spelt
-        found[pattern] = re.compile(re.escape(pattern).replace(r"\*", r"(\d+)"))
-    wanted: set[str] = set()
+    pattern), which the ``catalog`` lacks: each gathered key's ``*`` values spelt into every
+    pattern of ``into`` (``experts.3.w3`` calls for ``experts.3.w1``), a single ``*``'s numbers
+    with the holes between the least and the most filled in (``experts.0`` and ``experts.2``
+    call for ``experts.1``). Empty where a pattern is not plain text and stars."""
+    if any(_star_pattern(p) is None for p in (*gathered, *into)):
+        return ()  # a regular expression: its counterparts cannot be spelt
+    seen: dict[tuple[str, str], set[tuple[str, ...]]] = {}  # (before, after) -> stars' values
     for pattern, keys in gathered.items():
         for key in keys:
-            match = found[pattern].search(key)
-            if match is None:
-                continue
-            for other in gathered:
-                if other.count("*") != len(match.groups()):
-                    continue
-                spelt = other
-                for number in match.groups():
-                    spelt = spelt.replace("*", number, 1)
-                wanted.add(key[: match.start()] + spelt + key[match.end() :])
+            match = _star_pattern(pattern).search(key)  # type: ignore[union-attr]
+            if match is not None:
+                around = (key[: match.start()], key[match.end() :])
+                seen.setdefault(around, set()).add(match.groups())
+    wanted: set[str] = set()
+    for (before, after), values in seen.items():
+        for groups in _with_holes(values):
+            for pattern in into:
+                if pattern.count("*") == len(groups):
+                    spelt = pattern
+                    for value in groups:
+                        spelt = spelt.replace("*", value, 1)
+                    wanted.add(before + spelt + after)
     return tuple(sorted(k for k in wanted if k not in catalog))
+
+
+_STAR_PATTERN: dict[str, re.Pattern[str] | None] = {}  # a converter's pattern, as a regex
+
+
+def _star_pattern(pattern: str) -> re.Pattern[str] | None:
+    """``pattern`` (plain text, ``*`` for a number) as a regular expression, made once; None
+    for a pattern that is a regular expression itself."""
+    if pattern not in _STAR_PATTERN:
+        plain = not re.search(r"[\\^$()\[\]{}+?|]", pattern)
+        made = re.compile(re.escape(pattern).replace(r"\*", r"(\d+)")) if plain else None
+        _STAR_PATTERN[pattern] = made
+    return _STAR_PATTERN[pattern]
+
+
+def _with_holes(values: set[tuple[str, ...]]) -> set[tuple[str, ...]]:
+    """A single ``*``'s numbers from the least to the most (experts are numbered from 0, so a
+    number between two held ones was saved too); ``values`` as they are for several."""
+    if any(len(v) != 1 for v in values):
+        return values
+    numbers = [int(v[0]) for v in values]
+    return {(str(n),) for n in range(min(numbers), max(numbers) + 1)} | values
 
 
 def _run(group: Any, first: str, model: nn.Module) -> dict[str, Any]:
@@ -518,6 +542,14 @@ def _as_fused(
     return fused, opaque
 
 
+def _lacks(plan: Plan, first: str, lacking: tuple[str, ...], keys: list[str]) -> None:
+    """``first`` cannot be built: the file lacks ``lacking`` (none, where the patterns cannot
+    say), and its ``keys`` are taken."""
+    if lacking:
+        plan.lacking[first] = lacking
+        plan.lacking_sources.update(dict.fromkeys(keys, first))
+
+
 def _plan_group(
     model: nn.Module,
     plan: Plan,
@@ -528,14 +560,11 @@ def _plan_group(
     expected: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
 ) -> None:
     gathered = {p: list(v) for p, v in group.collected_tensors.items()}
-    if len({len(v) for v in gathered.values()}) > 1:
-        # One pattern lacks a tensor the others have (an expert's up projection but not its
-        # gate): the model tensor cannot be built. It is reported missing, with the file keys
-        # it lacks where the patterns tell them; the keys the file holds for it are taken.
-        lacking = _lacking(gathered, catalog)
-        if lacking:
-            plan.lacking[first] = lacking
-            plan.lacking_sources.update(dict.fromkeys(keys, first))
+    # A pattern short of a tensor the others have (an expert's gate, not its up projection), or
+    # experts numbered apart (the wrong ones paired): missing, for the keys it lacks (``_lacks``)
+    lacking = _lacking(gathered, catalog, list(gathered))
+    if lacking or len({len(v) for v in gathered.values()}) > 1:
+        _lacks(plan, first, lacking, keys)
         return
     traced = copy.deepcopy(group)
     tracer = _Tracer()
@@ -547,6 +576,11 @@ def _plan_group(
         with tracer:
             out = _run(traced, first, model)
     except Exception as exc:
+        # a pattern the file holds nothing of (every up projection of a layer): said as such
+        lacking = _lacking(gathered, catalog, list(group.source_patterns))
+        if lacking:
+            _lacks(plan, first, lacking, keys)
+            return
         raise CheckpointError(
             f"transformers' conversion for {first} (from {', '.join(keys[:3])}"
             f"{' ...' if len(keys) > 3 else ''}) failed on the file's shapes "
@@ -708,18 +742,6 @@ def hub_plan(label: str, model: nn.Module, state: Mapping[str, Any], /) -> Plan 
         return conversion_plan(model, catalog)
     except CheckpointError as exc:
         raise CheckpointError(f"{label}: {exc}") from exc
-
-
-def hub_converted(label: str, model: nn.Module, state: Mapping[str, Any], /, *, owned: bool) -> Any:
-    """``state`` under ``model``'s names when it holds a transformers model's hub names (the
-    conversions ``from_pretrained`` applies, see the module's docstring), else ``state`` itself.
-
-    ``label`` names the source in errors; ``owned`` as for ``apply_plan``.
-    """
-    plan = hub_plan(label, model, state)
-    if plan is None:
-        return state
-    return converted(label, type(model).__name__, plan, state, owned=owned)
 
 
 def converted(

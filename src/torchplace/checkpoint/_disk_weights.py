@@ -48,7 +48,10 @@ def model_names(
         n: (found.entries[k].shape, found.entries[k].torch_dtype(found.where))
         for n, k in renamed.items()
     }
-    plan = conversion_plan(model, shapes)
+    try:
+        plan = conversion_plan(model, shapes)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{found.where}: {exc}") from exc
     if plan is None:
         return names, None
     for new, old in plan.renames.items():

@@ -482,7 +482,7 @@ def _direct_plan(
 ) -> _Direct | None:
     """How to read ``p`` so that each fused model tensor is allocated once, in the model's dtype,
     and its file tensors read straight into their slices of it; None where the plain read and
-    ``hub_converted`` do (no conversion plan, nothing fused that is a box of whole entries, a
+    the conversion after it do (no conversion plan, nothing fused that is a box of whole entries, a
     file that is not safetensors, a read mapped or onto ``meta``).
 
     The plan is made from the catalog's names (renamed first), shapes and dtypes, before
@@ -740,21 +740,24 @@ class _Fit:
         self.deferred = strict and keys and not problems and self.hooked
         self.matched = bool(self.plan) or any(k in own for k in extra)  # strict=False loads any
         if (strict and keys and not self.deferred) or problems:
-            fix = (
-                "; pass strict=False to load what matches" if self.matched and not problems else ""
-            )
-            raise does_not_fit(
-                p,
-                type(model).__name__,
-                check,
-                problems,
-                strict=strict,
-                fix=fix,
-                shapes=self.shapes,
-                path=p if isinstance(p, Path) else None,
-            )
+            raise self._does_not_fit(problems)
         if not strict and not self.matched and loadable and not self.hooked:
             raise matches_nothing(p, type(model).__name__, check, self.shapes)
+
+    def _does_not_fit(self, problems: list[str]) -> CheckpointError:
+        """The refusal of a file whose keys or values do not fit (the model untouched)."""
+        fix = "; pass strict=False to load what matches" if self.matched and not problems else ""
+        p = self.p
+        return does_not_fit(
+            p,
+            type(self.model).__name__,
+            self.check,
+            problems,
+            strict=self.strict,
+            fix=fix,
+            shapes=self.shapes,
+            path=p if isinstance(p, Path) else None,
+        )
 
     def _problems(
         self,

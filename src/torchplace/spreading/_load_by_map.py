@@ -154,7 +154,7 @@ def _by_map(
         # each file key's model names, after rename and the hub-name conversion
         names, plan = model_names(found, model, renamer) if found is not None else ({}, None)
         if found is not None:
-            _check_in_file(model, found, disk, names, plan, strict=options["strict"])
+            _check_in_file(model, found, disk, (names, plan, renamer), strict=options["strict"])
         dtypes = {name: _dtypes(model.get_submodule(name)) for name in disk}
         filled = source if found is None or found.path is None else found.path
         with _held_out(model, disk):
@@ -192,6 +192,13 @@ def _check_disk(model: nn.Module, source: object, disk: list[str]) -> None:
     _check_ties(model, disk)
     for name in disk:
         module = model.get_submodule(name)
+        lazy = [n for n, p in module.named_parameters() if isinstance(p, nn.UninitializedParameter)]
+        if lazy:
+            raise DeviceSpecError(
+                f"{display(f'{name}.{lazy[0]}')} is a lazy parameter, with no shape until its "
+                f"module's first forward, so the disk tier cannot read it by its byte range; "
+                f"run one batch through the model first, or map {name!r} to 'cpu' or to a device"
+            )
         params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
         kept = [n for n in module.state_dict(keep_vars=True) if n not in params]
         if kept:
@@ -206,36 +213,22 @@ def _check_in_file(
     model: nn.Module,
     found: Catalog,
     disk: list[str],
-    filled: Mapping[str, tuple[str, ...]],
-    plan: Plan | None,
+    keys: tuple[Mapping[str, tuple[str, ...]], Plan | None, Callable[[str], str | None] | None],
     *,
     strict: bool,
 ) -> None:
     """Refuse, before anything is filled, a ``"disk"`` module whose weights the checkpoint does
-    not all hold in their shapes (found as its reader finds them: the model names the file's
-    keys fill, ``filled``, after ``rename`` and the hub-name conversion ``plan``), and with
+    not all hold in their shapes (found as its reader finds them: ``keys`` gives the model
+    names each file key fills, after ``rename`` and the hub-name conversion, that conversion's
+    plan, and the renamer), and with
     ``strict``, keys under one that fill nothing: it would load without a word and fail on its
     first call, blaming the file for changing or with torch's own shape error. A weight the file
     lacks is refused with ``strict=False`` too: its module reads every weight from the file."""
+    filled = keys[0]
     names = {n for targets in filled.values() for n in targets}
-    wanted: dict[str, tuple[int, ...]] = {}
-    for name in disk:
-        head = f"{name}."
-        params = {
-            f"{name}.{n}": tuple(p.shape) for n, p in model.get_submodule(name).named_parameters()
-        }
-        wanted.update(params)
-        if params and not any(n.startswith(head) for n in names):
-            raise CheckpointError(
-                f"the device_map puts {display(name)} on 'disk', but {found.where} holds no tensor "
-                f"under {head!r}, so its weights could not be read when it runs; check that "
-                "this is the model's checkpoint (rename= maps other names), or map "
-                f"{name!r} to a device and fill it another way",
-                path=found.path,
-                missing=list(params),
-            )
+    wanted = _wanted(model, found, disk, names)
     _check_readable(found, disk, filled, wanted)
-    check = _disk_keys(found, disk, filled, plan, wanted)
+    check = _disk_keys(found, disk, keys, names, wanted)
     if not strict:
         check.unexpected = []
     if not check.missing and not check.unexpected and not check.mismatched:
@@ -262,6 +255,30 @@ def _check_in_file(
         path=found.path,
         tail="; the model is untouched",
     )
+
+
+def _wanted(
+    model: nn.Module, found: Catalog, disk: list[str], names: set[str]
+) -> dict[str, tuple[int, ...]]:
+    """The ``"disk"`` modules' weights, each with its shape; refused where the file holds no
+    tensor under a module (``names``: the model names the file's keys fill)."""
+    wanted: dict[str, tuple[int, ...]] = {}
+    for name in disk:
+        head = f"{name}."
+        params = {
+            f"{name}.{n}": tuple(p.shape) for n, p in model.get_submodule(name).named_parameters()
+        }
+        wanted.update(params)
+        if params and not any(n.startswith(head) for n in names):
+            raise CheckpointError(
+                f"the device_map puts {display(name)} on 'disk', but {found.where} holds no tensor "
+                f"under {head!r}, so its weights could not be read when it runs; check that "
+                "this is the model's checkpoint (rename= maps other names), or map "
+                f"{name!r} to a device and fill it another way",
+                path=found.path,
+                missing=list(params),
+            )
+    return wanted
 
 
 def _check_readable(
@@ -296,17 +313,20 @@ def _check_readable(
 def _disk_keys(
     found: Catalog,
     disk: list[str],
-    filled: Mapping[str, tuple[str, ...]],
-    plan: Plan | None,
+    keys: tuple[Mapping[str, tuple[str, ...]], Plan | None, Callable[[str], str | None] | None],
+    names: set[str],
     wanted: Mapping[str, tuple[int, ...]],
 ) -> KeyCheck:
     """The ``"disk"`` modules' weights (``wanted``: each one's shape) against the file: those it
     lacks (a fused tensor with the keys it lacks), keys under them that fill none, and weights
-    held in another shape (a whole key's, or the one a conversion would build)."""
+    held in another shape (a whole key's, or the one a conversion would build). ``names``:
+    every model name the file's keys fill."""
+    filled, plan, renamer = keys
     lacking = plan.lacking if plan is not None else {}
     built = plan.mismatched if plan is not None else {}
-    pieces = plan.consumed() - set(plan.renames.values()) if plan is not None else set()
-    names = {n for targets in filled.values() for n in targets}
+    # the file keys read as pieces of tensors a conversion builds (the plan names them renamed)
+    converted = plan.consumed() - set(plan.renames.values()) if plan is not None else set()
+    pieces = {k for k in filled if (renamer(k) if renamer is not None else k) in converted}
     missing = [Missing(n, (), lacking.get(n, ())) for n in wanted if n not in names or n in lacking]
     heads = tuple(f"{name}." for name in disk)
     unexpected = []
