@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+import torchplace
 import torchplace.spreading._plan as plan_module
 from torchplace import _sizes
 from torchplace._errors import DeviceSpecError, TorchplaceError
@@ -292,6 +293,31 @@ def test_plan_ties_make_a_group_that_does_not_fit_say_so() -> None:
     budgets = {"cuda:0": 2100, "cuda:1": 2100, "cpu": 2100}  # the group needs 2048 + 128 bytes
     with pytest.raises(TorchplaceError, match=r"model.embed \(Embedding\).*bring model.lm_head"):
         plan(model, budgets)
+
+
+def test_plan_keeps_a_tie_off_the_disk_and_load_into_takes_its_map(tmp_path: Any) -> None:
+    """plan put a tied embedding on the disk, and load_into refused plan's own map; it stays in
+    memory, and where the budget cannot hold it, plan says so."""
+    torch.manual_seed(0)
+    whole = TiedLM().eval()
+    torch.save(whole.state_dict(), tmp_path / "lm.pt")
+    embed = 32 * 16 * 4
+    device_map = plan(TiedLM(device="meta"), {"cpu": embed + 1024, "disk": "1MiB"})
+    assert device_map["embed"] == device_map["lm_head"] == torch.device("cpu")
+    assert "disk" in device_map.values()
+    model = torchplace.load_into(
+        torchplace.skeleton(TiedLM), tmp_path / "lm.pt", device_map=device_map
+    )
+    assert model.lm_head.weight is model.embed.weight
+    tokens = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        assert torch.equal(model(tokens), whole(tokens))
+    with pytest.raises(
+        TorchplaceError,
+        match=r"model\.embed\.weight and model\.lm_head\.weight are one tied tensor \(2\.0 "
+        r"KiB\), which the disk tier cannot hold .* raise cpu's budget by at least",
+    ):
+        plan(TiedLM(device="meta"), {"cpu": 1024, "disk": "1MiB"})
 
 
 @pytest.mark.parametrize("kind", KINDS)

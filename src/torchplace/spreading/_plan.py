@@ -334,10 +334,12 @@ class _Planner:
     def weightless(self) -> set[int]:
         """What the disk tier cannot hold: the buffers held only by modules with no parameter in
         them (a rotary embedding's ``inv_freq``: the disk keeps a module's parameters in its
-        checkpoint, so such a module has nothing there), and every tensor of a module whose
-        checkpoint holds more than parameters (a BatchNorm's running statistics, an extra
-        state) and of the modules above it: ``load_into`` refuses a disk module whose state
-        holds them, and a module's own tensors share one device."""
+        checkpoint, so such a module has nothing there), a parameter tied between modules
+        (one tensor in memory, while the disk tier reads each module's weights from its own
+        key), and every tensor of a module whose checkpoint holds more than parameters (a
+        BatchNorm's running statistics, an extra state) and of the modules above it:
+        ``load_into`` refuses a disk module whose state holds them, and a module's own tensors
+        share one device."""
         bare = {
             path
             for path in self.tree.modules
@@ -349,6 +351,7 @@ class _Planner:
             key
             for key, owners in self.tree.owner_modules.items()
             if all(path in bare for path in owners)
+            or (len(owners) > 1 and isinstance(self.tree.tensors[key], nn.Parameter))
         }
         for path, module in self.tree.modules.items():
             if _keeps_more_than_parameters(module):
@@ -382,6 +385,17 @@ class _Planner:
         for key in moved:
             self.placed[key] = home
         self.left[home] -= self.need(set(moved))
+        tied = [k for k in moved if len(self.tree.owner_modules[k]) > 1]
+        if tied and self.left[home] < 0:  # a tie is no small buffer: its budget must hold it
+            names = " and ".join(map(display, self.tree.owners[tied[0]]))
+            dev = self.devices[home]
+            raise TorchplaceError(
+                f"the model does not fit: {names} are one tied tensor "
+                f"({_format_bytes(self.need({tied[0]}))}), which the disk tier cannot hold (it "
+                "reads each module's weights from its own key), so it stays in memory on "
+                f"{dev}, which has no room left for it in its budget; raise {dev}'s budget by at "
+                f"least {_format_bytes(-self.left[home])}"
+            )
 
     def device_map(self) -> dict[str, Place]:
         """The smallest map: children of one device collapse to their parent, except that a
@@ -639,7 +653,10 @@ def plan(
     keeps in the checkpoint, and one that holds a persistent buffer itself (a BatchNorm's
     running statistics) would need that buffer kept there too: neither goes to ``"disk"``.
     Where its turn falls on the disk, it goes to the device that runs the disk's modules (the
-    first accelerator of the map, else the cpu), past that device's budget by its bytes.
+    first accelerator of the map, else the cpu), past that device's budget by its bytes. So
+    does a parameter tied between modules (one tensor in memory, where the disk tier reads each
+    module's weights from its own key), but within that device's budget, else ``plan`` raises
+    naming the tie.
     ``dtype`` sizes floating tensors as if cast to it. A module whose whole subtree shares a
     device is one entry, and a name covers its submodules unless a longer name overrides it. A
     model that does not fit raises, naming the shortfall in bytes and the largest part left
