@@ -448,6 +448,36 @@ def test_a_disk_layer_works_out_its_hub_name_conversion_once(
     assert len(made) == 4  # again for the new dtype, once
 
 
+def test_moving_a_model_with_disk_modules_by_to_says_to_gather_it_and_moves_nothing(
+    tmp_path: Any,
+) -> None:
+    """model.to("cpu") and .cpu() raised torch's "Cannot copy out of meta tensor", advising
+    to_empty (which loses the weights), after the modules before the disk one had moved. A
+    cast still goes through; once gathered with move, .to() is torch's again."""
+    model = mlp(2).eval()
+    torch.save(model.state_dict(), tmp_path / "m.pt")
+    loaded = torchplace.load_into(
+        torchplace.skeleton(mlp, 2), tmp_path / "m.pt", device_map={"": "cpu", "2": "disk"}
+    )
+    first = loaded[0].weight
+    for move in (lambda: loaded.to("cpu"), loaded.cpu):
+        with pytest.raises(
+            torchplace.TorchplaceError,
+            match=r"model\.2 is offloaded to 'disk' .* torchplace\.move\(model, 'cpu'\).*nothing "
+            "was moved",
+        ):
+            move()
+        assert loaded[0].weight is first and not first.is_meta  # nothing moved
+    x = torch.randn(3, 8)
+    loaded.double()  # a cast goes through, the disk weights read in the new dtype
+    with torch.no_grad():
+        assert torch.equal(loaded(x.double()), copy.deepcopy(model).double()(x.double()))
+    torchplace.move(loaded, "cpu")
+    assert "_apply" not in loaded.__dict__
+    loaded.float().to("cpu")
+    assert torch.equal(loaded(x), model(x))
+
+
 def test_a_conversion_transformers_computes_is_not_kept_by_the_disk_reader(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

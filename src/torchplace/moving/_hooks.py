@@ -25,6 +25,8 @@ class Installed:
     handles: list[torch.utils.hooks.RemovableHandle]
     wrapped_forward: bool = False
     previous_forward: Any = None  # an instance-level forward that was there before, if any
+    wrapped_apply: bool = False  # ``_apply`` guarded (the root of a model with disk modules)
+    previous_apply: Any = None  # an instance-level ``_apply`` that was there before, if any
 
 
 def _marked(module: nn.Module) -> Iterator[nn.Module]:
@@ -59,8 +61,11 @@ def undispatch(module: nn.Module, /) -> None:
         installed: Installed = sub.__dict__.pop(MARK)
         for handle in installed.handles:
             handle.remove()
-        if installed.wrapped_forward:
-            if installed.previous_forward is None:
-                sub.__dict__.pop("forward", None)
-            else:
-                sub.__dict__["forward"] = installed.previous_forward
+        for name, wrapped, previous in (
+            ("forward", installed.wrapped_forward, installed.previous_forward),
+            ("_apply", installed.wrapped_apply, installed.previous_apply),
+        ):
+            if wrapped and previous is None:
+                sub.__dict__.pop(name, None)
+            elif wrapped:
+                sub.__dict__[name] = previous

@@ -725,6 +725,50 @@ class _NoValues:
         )
 
 
+class _NoMove:
+    """Stands in for ``_apply`` of a model with modules on disk (``.to()``, ``.cpu()`` and
+    ``.cuda()`` go through it): a move of their ``meta`` placeholders failed deep in torch,
+    with advice (``to_empty``) that loses the weights, and after the modules before them had
+    moved. One placeholder is tried first, so that nothing moves; a cast (``.half()``), which
+    keeps them on ``meta``, goes through."""
+
+    def __init__(self, model: nn.Module, units: list[Unit], previous: Any) -> None:
+        self.model, self.units, self.previous = model, units, previous
+
+    def __call__(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        for unit in self.units:
+            held = next((p for p in unit.module.parameters() if p.is_meta), None)
+            if held is None:
+                continue
+            try:
+                fn(held)
+            except NotImplementedError as exc:  # "Cannot copy out of meta tensor"
+                where = getattr(unit.home.source, "where", "its checkpoint")
+                raise TorchplaceError(
+                    f"{display(unit.path)} is offloaded to 'disk' (its weights stay in {where} "
+                    "and are meta tensors here), so .to(), .cpu() and .cuda() cannot move it; "
+                    "gather the model first, torchplace.move(model, 'cpu') (or a device it "
+                    "fits on), or dispatch it again with another map; nothing was moved"
+                ) from exc
+            break
+        if self.previous is not None:
+            return self.previous(fn, recurse)
+        return type(self.model)._apply(self.model, fn, recurse)  # type: ignore[no-untyped-call]
+
+
+def _guard_moves(model: nn.Module, disk: list[Unit]) -> None:
+    """``_NoMove`` on the model, where modules of it are on disk (``undispatch`` takes it
+    away)."""
+    if not disk:
+        return
+    installed = model.__dict__.get(MARK) or Installed(handles=[])
+    if not installed.wrapped_apply:
+        installed.previous_apply = model.__dict__.get("_apply")
+        installed.wrapped_apply = True
+    model.__dict__["_apply"] = _NoMove(model, disk, installed.previous_apply)
+    model.__dict__[MARK] = installed
+
+
 def _hook_units(units: list[Unit], window: int, transport: Transport) -> None:
     """The ring's hooks on each offloaded module, kept in its mark for ``undispatch``."""
     if not units:
@@ -838,4 +882,5 @@ def _dispatched(
     _hook(tree, targets)
     transport = transport or DeviceTransport(offload.execution or torch.device("cpu"))
     _hook_units(units, offload_window, transport)
+    _guard_moves(model, [unit for unit in units if unit.home.tier == DISK])
     return model
