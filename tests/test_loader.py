@@ -188,6 +188,14 @@ def test_unsupported_objects_pass_unchanged() -> None:
         assert all(a is b for a, b in zip(out, things, strict=True))
 
 
+def test_the_device_loader_refuses_a_set_batch() -> None:
+    for device in ("meta", "cpu"):
+        with pytest.raises(TorchplaceError, match=r"batch is a set holding tensors"):
+            next(iter(DeviceLoader([{torch.ones(1)}], device)))
+        with pytest.raises(TorchplaceError, match=r"batch\['m'\] is a set holding"):
+            next(iter(DeviceLoader([{"m": {torch.ones(1)}}], device)))
+
+
 def test_bare_tensor_batches() -> None:
     out = list(DeviceLoader([torch.ones(2), torch.zeros(3)], "meta"))
     assert [tuple(t.shape) for t in out] == [(2,), (3,)]
