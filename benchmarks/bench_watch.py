@@ -5,8 +5,10 @@ the step's host time; inactive, nothing.
 
 The step: forward, backward and ``Adam.step`` of an MLP of 8 ``Linear`` + ReLU blocks, width
 512 with batch 32 and width 128 with batch 8 (small operations, where a fixed cost per call
-weighs most), one thread. On the CPU, ``watch()`` with no accelerator installs nothing, so the
-active case watches ``cuda:0`` explicitly: its function-level mode is installed and sees every
+weighs most), one thread. On the CPU, ``watch()`` with no accelerator installs nothing, and
+``watch("cuda:0")`` on a machine without it is refused, so the active case watches ``cuda:0``
+where there is one, else ``meta`` declared a device with a boundary (as the tests do, with
+``_NO_BOUNDARY``): its function-level mode is installed and sees every
 call of the step's Python API (none crosses a boundary here). Which calls it sends on to the
 dispatch-level mode depends on the function called, and for a few (``item``, indexing) on
 whether a watched device's tensor is among the arguments: the script prints, for the step,
@@ -31,6 +33,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from torchplace.looking import _watch
 from torchplace.looking._watch import watch
 from torchplace.looking._watch_ops import PLAIN, plan
 
@@ -96,7 +99,11 @@ def measure(layers: int, width: int, batch: int, rounds: int) -> dict[str, Any]:
     routes = Routes()
     with routes:
         step()
-    seen = watch("cuda:0")
+    if torch.cuda.is_available():
+        seen = watch("cuda:0")
+    else:  # meta has no boundary, so watch("meta") installs nothing unless told it has one
+        _watch._NO_BOUNDARY = frozenset({"cpu"})
+        seen = watch("meta")
     start = time.thread_time()
     with seen:
         step()

@@ -188,6 +188,14 @@ def test_unsupported_objects_pass_unchanged() -> None:
         assert all(a is b for a, b in zip(out, things, strict=True))
 
 
+def test_the_device_loader_refuses_a_set_batch() -> None:
+    for device in ("meta", "cpu"):
+        with pytest.raises(TorchplaceError, match=r"batch is a set holding tensors"):
+            next(iter(DeviceLoader([{torch.ones(1)}], device)))
+        with pytest.raises(TorchplaceError, match=r"batch\['m'\] is a set holding"):
+            next(iter(DeviceLoader([{"m": {torch.ones(1)}}], device)))
+
+
 def test_bare_tensor_batches() -> None:
     out = list(DeviceLoader([torch.ones(2), torch.zeros(3)], "meta"))
     assert [tuple(t.shape) for t in out] == [(2,), (3,)]
@@ -228,6 +236,48 @@ def test_own_to_follows_the_rule_move_follows() -> None:
     with pytest.raises(MoveError, match=r"batch 0 .*dtype it does not know"):
         list(DeviceLoader([{"enc": Picky()}], "meta", non_blocking=True))
     assert Picky.calls == 1
+
+
+@pytest.mark.parametrize(("device", "prefetch"), [("meta", 2), ("meta", 0)])
+def test_a_batch_that_moves_in_place_is_yielded_as_a_copy(device: str, prefetch: int) -> None:
+    """A BatchEncoding / BatchFeature's .to() works in place: the loader moves a copy, as move
+    does, so host batches kept for the next epoch stay on the host, their tensors untouched."""
+    transformers = pytest.importorskip("transformers")
+    ids = torch.arange(6).view(2, 3)
+    pixels = torch.ones(2, 3)
+    batches = [
+        transformers.BatchEncoding({"input_ids": ids}),
+        transformers.BatchFeature({"pixel_values": pixels}),
+    ]
+    for _epoch in range(2):
+        out = list(DeviceLoader(batches, device, prefetch=prefetch))
+        assert [type(b) for b in out] == [type(b) for b in batches]
+        assert all(a is not b for a, b in zip(out, batches, strict=True))
+        assert out[0]["input_ids"].device.type == out[1]["pixel_values"].device.type == device
+        assert batches[0]["input_ids"] is ids and batches[1]["pixel_values"] is pixels
+        assert batches[0].input_ids is ids  # its attribute view of the items, too
+
+
+def test_a_batch_with_its_own_to_passes_the_cpu_as_it_is_unless_it_must_move() -> None:
+    """Already on the CPU: the very batch (no copy). Elsewhere: moved as a copy by its own
+    in-place .to(), the caller's batch left where it was."""
+    transformers = pytest.importorskip("transformers")
+    here = transformers.BatchEncoding({"input_ids": torch.arange(3)})
+    (same,) = list(DeviceLoader([here], "cpu"))
+    assert same is here
+
+    class Materialises:  # an in-place .to() that can leave meta (a real one needs a GPU)
+        def __init__(self, t: torch.Tensor) -> None:
+            self.t = t
+
+        def to(self, device: torch.device) -> Materialises:
+            self.t = torch.zeros(self.t.shape, device=device)
+            return self
+
+    elsewhere = Materialises(torch.empty(2, device="meta"))
+    (out,) = list(DeviceLoader([elsewhere], "cpu"))
+    assert out is not elsewhere and out.t.is_cpu and torch.equal(out.t, torch.zeros(2))
+    assert elsewhere.t.is_meta
 
 
 def test_reads_at_most_prefetch_batches_ahead() -> None:

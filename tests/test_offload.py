@@ -909,6 +909,32 @@ def test_report_where_and_verify_show_offloaded_modules(tmp_path: Any) -> None:
         torchplace.verify(model, device_map)
 
 
+def test_verify_reads_a_map_as_dispatch_does_and_refuses_a_module_the_model_lacks() -> None:
+    """A key naming no module was passed over: verify passed a map dispatch refuses."""
+
+    class Two(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)])
+
+    model = Two()
+    refused = [
+        ({"": "cpu", "3": "disk"}, r"device_map\['3'\]: the model has no submodule '3'"),
+        ({"": "cpu", "layer.1": "cuda:0"}, r"no submodule 'layer\.1'; did you mean 'layers\.1'"),
+        ({"": "cpu", "layers.1.weight": "cpu"}, r"is a tensor, not a module.*'layers\.1'"),
+        ({"": "cpu", "layers.0": "dsk"}, r"device_map\['layers\.0'\].*did you mean 'disk'"),
+    ]
+    for device_map, message in refused:
+        with pytest.raises(torchplace.DeviceSpecError, match=r"^verify\(\): .*" + message):
+            torchplace.verify(model, device_map)
+        with pytest.raises(torchplace.DeviceSpecError, match=message):
+            torchplace.dispatch(model, device_map)  # the same words
+    torchplace.verify(model, {"": "cpu", "layers.1": "cpu"})
+    # Its devices need not be on this machine: the map is read, not carried out.
+    with pytest.raises(torchplace.PlacementError, match=r"layers\.1\.weight .*the map says cuda:0"):
+        torchplace.verify(model, {"": "cpu", "layers.1": "cuda:0"})
+
+
 # ------------------------------------------------- the CUDA transport's streams, with fake ones
 
 

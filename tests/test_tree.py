@@ -174,3 +174,24 @@ def test_refusal_names_a_class_with_its_article() -> None:
 
     with pytest.raises(torchplace.TorchplaceError, match="was given an Endless, an iterator"):
         torchplace.move(Endless(), "meta")
+
+
+def test_a_set_or_iterator_below_the_top_is_refused_naming_its_path() -> None:
+    """Not passed over with its tensors left behind: refused with the path and what to put
+    there, the caller's batch untouched; a set holding no tensor passes as it is."""
+    t = torch.ones(1)
+    model = torch.nn.Linear(2, 2)
+    cases = [
+        ({"ids": {t}, "x": t}, r"batch\['ids'\] is a set holding tensors.*a list or a dict"),
+        ({"params": model.parameters()}, r"batch\['params'\] is a generator.*list\(\.\.\.\)"),
+        ([(1, frozenset({t}))], r"batch\[0\]\[1\] is a frozenset holding tensors"),
+        ({"d": {"a": t}.values()}, r"batch\['d'\] is a dict_values holding.*the dict itself"),
+    ]
+    for batch, message in cases:
+        with pytest.raises(torchplace.TorchplaceError, match=message):
+            torchplace.move(batch, "meta")
+    assert next(iter(cases[0][0]["ids"])) is t and t.device.type == "cpu"
+    assert next(model.parameters()).device.type == "cpu"  # the generator was not read
+    plain = {"tags": {1, 2}, "x": t}
+    out = torchplace.move(plain, "meta")
+    assert out["tags"] is plain["tags"] and out["x"].is_meta

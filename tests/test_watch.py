@@ -460,9 +460,10 @@ def test_an_unhashable_function_handed_to_torch_function_runs(on_device: OnDevic
     assert [r.line for r in seen.rows] == [line_of("after it")]
 
 
-def test_compiled_code_in_the_block_computes_as_without() -> None:
+def test_compiled_code_in_the_block_computes_as_without(monkeypatch: pytest.MonkeyPatch) -> None:
     """Dynamo traces function-level modes into its graph: watch must not change what it
     computes (compiled code is not watched)."""
+    monkeypatch.setattr(_watch, "_NO_BOUNDARY", frozenset({"cpu"}))  # meta: a watched device
 
     def step(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         y = x.sin() + 1
@@ -472,7 +473,8 @@ def test_compiled_code_in_the_block_computes_as_without() -> None:
 
     x = torch.linspace(-2, 2, 8)
     compiled = torch.compile(step, backend="eager")
-    with torchplace.watch("cuda:0") as seen:
+    with torchplace.watch("meta") as seen:
+        assert seen.note is None  # watching
         got = compiled(x)
     want = step(x)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -516,6 +518,20 @@ def test_on_the_cpu_alone_nothing_is_recorded_and_it_says_so(
     assert torchplace.watch("cpu").note is not None
 
 
+def test_a_device_this_machine_lacks_is_refused_not_reported_clean() -> None:
+    """Watching it would record nothing and print "nothing crossed the boundary"."""
+    lacking: list[Any] = ["cuda:99", torch.device("cuda", 99)]
+    if not torch.cuda.is_available():
+        lacking += ["cuda", "cuda:3"]
+    for spec in lacking:
+        with pytest.raises(torchplace.DeviceUnavailableError) as info:
+            torchplace.watch(spec)
+        message = str(info.value)
+        assert message.startswith(f"watch({spec!r}) has nothing to watch: cuda:"), message
+        assert "watch() with no device" in message
+    assert torchplace.watch("cpu").note is not None  # no boundary: said, not refused
+
+
 def test_with_no_device_named_every_accelerator_is_watched(
     on_device: OnDevice, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -546,7 +562,9 @@ def test_fake_cuda_tensors_are_watched_as_cuda() -> None:
     }
 
 
-def test_a_transformers_training_step_is_watched_without_error() -> None:
+def test_a_transformers_training_step_is_watched_without_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     tf = pytest.importorskip("transformers")
     config = tf.GPT2Config(
         n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32, bos_token_id=0,
@@ -556,9 +574,11 @@ def test_a_transformers_training_step_is_watched_without_error() -> None:
     model = tf.GPT2LMHeadModel(config)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(0, 100, (2, 8))
-    # cuda:0 need not exist: the dispatch mode is installed and sees every operation of the
-    # step (forward, loss, backward, AdamW), none of which crosses a boundary on the CPU
-    with torchplace.watch("cuda:0", raise_on=("sync", "copy"), ignore=("transformers",)) as seen:
+    # meta declared a watched device: the dispatch mode is installed and sees every operation
+    # of the step (forward, loss, backward, AdamW), none of which crosses a boundary on the CPU
+    monkeypatch.setattr(_watch, "_NO_BOUNDARY", frozenset({"cpu"}))
+    with torchplace.watch("meta", raise_on=("sync", "copy"), ignore=("transformers",)) as seen:
+        assert seen.note is None
         for _ in range(2):
             loss = model(input_ids=ids, labels=ids).loss
             loss.backward()

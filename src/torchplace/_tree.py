@@ -5,7 +5,9 @@ be rebuilt, list, tuple, namedtuple (exact class), subclasses of list and tuple 
 ``torch.return_types`` such as ``torch.max``'s, a list subclass with its attributes) and
 ``UserList``, dataclasses (a new instance, frozen ones and
 ``init=False`` fields included), and any object with its own ``.to(device)`` method. Modules and
-optimizers inside a batch are handed to the caller. Everything else is a leaf and passes unchanged.
+optimizers inside a batch are handed to the caller. A set or dict view holding tensors and an
+iterator are refused (``TorchplaceError`` naming the path): passed over, their tensors would stay
+behind unseen. Everything else is a leaf and passes unchanged.
 
 ``map_tensors`` is the hot path of every move, so it is a hand-written recursion that allocates
 nothing for a subtree in which no tensor changed: such a subtree comes back as the very same
@@ -18,6 +20,7 @@ from __future__ import annotations
 import copy
 import copyreg
 import dataclasses
+import io
 from collections import OrderedDict, UserDict, UserList, defaultdict
 from collections.abc import (
     Callable,
@@ -55,6 +58,9 @@ _LEAF, _TENSOR, _DICT, _LIST, _TUPLE, _NAMEDTUPLE, _MAPPING, _DATACLASS, _TO, _O
 # Subclasses of list (and mutable sequences that say how to copy themselves, like UserList) and
 # of tuple (torch.return_types such as torch.max's (values, indices), and users' own).
 _LIST_LIKE, _TUPLE_LIKE = 10, 11
+# What a walk would pass over although it may hold tensors: a set or dict view (no keys or order
+# to put moved tensors back by) holding some, and any iterator (reading it would use it up).
+_REFUSED = 12
 _SEQUENCES = (_LIST, _TUPLE, _NAMEDTUPLE, _LIST_LIKE, _TUPLE_LIKE)
 _MAPPINGS = (_DICT, _MAPPING)
 _ITEMS = frozenset(_SEQUENCES + _MAPPINGS)
@@ -114,6 +120,10 @@ def _kind_of(cls: type) -> int:
         kind = _MAPPING
     elif dataclasses.is_dataclass(cls):
         kind = _DATACLASS
+    elif issubclass(cls, (set, frozenset, *_VIEWS)) or (
+        issubclass(cls, Iterator) and not issubclass(cls, io.IOBase)  # a file is no batch part
+    ):
+        kind = _REFUSED
     else:
         kind = _LEAF
     if issubclass(cls, (UserDict, UserList)) and torch.compiler.is_compiling():
@@ -125,6 +135,7 @@ def _kind_of(cls: type) -> int:
 
 
 _NO_KEY = object()  # no key is being walked (a dict key may be None)
+_VIEWS: tuple[type, ...] = (type({}.keys()), type({}.values()), type({}.items()))
 
 
 class Located(Exception):
@@ -162,6 +173,15 @@ def format_path(root: str, keys: Any) -> str:
 
 class _TooDeep(Exception):
     pass
+
+
+class _Unwalkable(Exception):
+    """A set or dict view holding tensors, or an iterator, met below the top of a walk: carried
+    up as the cause of a ``Located`` for its path, then said as a ``TorchplaceError``."""
+
+    @property
+    def node(self) -> Any:
+        return self.args[0]
 
 
 _UNSET = object()
@@ -284,8 +304,8 @@ def map_tensors(
 
     ``to`` handles objects with their own ``.to`` method and ``owner`` modules and optimizers
     (both default to passing the object through). An exception from any of them is re-raised as
-    ``Located`` carrying the path of the object that failed; cycles and absurd nesting raise
-    ``TorchplaceError`` naming the path.
+    ``Located`` carrying the path of the object that failed; cycles, absurd nesting, a set or
+    dict view holding tensors and an iterator raise ``TorchplaceError`` naming the path.
 
     No exception of torchplace's own is raised here with ``raise ... from``: the Dynamo of
     torch 2.11 fails inside itself setting the ``__cause__`` of a user's exception class
@@ -395,6 +415,10 @@ def map_tensors(
                     for name, value in updates.items():
                         object.__setattr__(result, name, value)  # frozen dataclasses too
             else:
+                if kind == _REFUSED:
+                    if isinstance(node, Iterator) or _holds_tensors(node):
+                        raise _Unwalkable(node)
+                    return None
                 handler = to if kind == _TO else owner
                 if handler is None:
                     return None
@@ -417,10 +441,15 @@ def map_tensors(
         return result
 
     too_deep = False
+    unwalkable: Located | None = None
     try:
         new = walk(obj, 0)
     except (_TooDeep, RecursionError):
         too_deep = True  # raised below, outside this handler: no RecursionError chained to it
+    except Located as located:
+        if not isinstance(located.cause, _Unwalkable):
+            raise
+        unwalkable = located  # raised below, outside this handler, as too_deep is
     finally:
         # walk refers to itself through its closure: a cycle holding the memo (and so every
         # rebuilt container) until the garbage collector runs. Broken here, it is freed at once;
@@ -428,10 +457,10 @@ def map_tensors(
         walk = None  # type: ignore[assignment]
     if too_deep:
         raise TorchplaceError(_depth_message(obj, root))
+    if unwalkable is not None:
+        cause = cast(_Unwalkable, unwalkable.cause)
+        raise TorchplaceError(_unwalkable_message(cause.node, unwalkable.path(root)))
     return obj if new is None else new
-
-
-_VIEWS: tuple[type, ...] = (type({}.keys()), type({}.values()), type({}.items()))
 
 
 def refuse_unwalkable(obj: Any, verb: str) -> None:
@@ -440,12 +469,16 @@ def refuse_unwalkable(obj: Any, verb: str) -> None:
 
     An iterator (``model.parameters()`` is a generator) would be used up by reading it; a set
     or a dict view has no keys or order to put moved tensors back by; a bound method
-    (``model.state_dict`` without its call) is the method, not its result.
+    (``model.state_dict`` without its call) is the method, not its result. Below the top,
+    ``map_tensors`` refuses the first two itself, naming their path.
     """
     cls = type(obj)
-    if (_kind_of(cls) if torch.compiler.is_compiling() else _classify(cls)) != _LEAF:
+    if (_kind_of(cls) if torch.compiler.is_compiling() else _classify(cls)) not in (
+        _LEAF,
+        _REFUSED,
+    ):
         return
-    what = ("an " if cls.__name__[0].lower() in "aeiou" else "a ") + cls.__name__
+    what = _a(cls)
     rest = ", ..." if verb in ("move", "verify", "stragglers") else ""  # the device, and more
     if isinstance(obj, Iterator):
         raise TorchplaceError(
@@ -454,12 +487,10 @@ def refuse_unwalkable(obj: Any, verb: str) -> None:
             "or a list of what the iterator yields, list(...)"
         )
     if isinstance(obj, (set, frozenset, *_VIEWS)):
-        items = cast(Iterable[Any], obj)
-        if any(isinstance(leaf, torch.Tensor) for item in items for _, leaf in iter_leaves(item)):
-            fix = "the dict itself" if isinstance(obj, _VIEWS) else "a list or a dict of them"
+        if _holds_tensors(cast(Iterable[Any], obj)):
             raise TorchplaceError(
                 f"torchplace.{verb} was given {what} holding tensors: it has no keys or order "
-                f"to name the tensors by or to put moved ones back by; pass {fix}"
+                f"to name the tensors by or to put moved ones back by; pass {_set_fix(obj)}"
             )
         return
     owner = getattr(obj, "__self__", None)
@@ -471,6 +502,34 @@ def refuse_unwalkable(obj: Any, verb: str) -> None:
         )
 
 
+def _a(cls: type) -> str:
+    return ("an " if cls.__name__[0].lower() in "aeiou" else "a ") + cls.__name__
+
+
+def _holds_tensors(items: Iterable[Any]) -> bool:
+    """Whether a set or dict view holds a tensor, at any depth."""
+    return any(isinstance(leaf, torch.Tensor) for item in items for _, leaf in iter_leaves(item))
+
+
+def _set_fix(obj: Any) -> str:
+    return "the dict itself" if isinstance(obj, _VIEWS) else "a list or a dict of them"
+
+
+def _unwalkable_message(node: Any, path: str) -> str:
+    """Why ``node``, met at ``path`` inside a batch, is refused, and what to put there."""
+    what = _a(type(node))
+    if isinstance(node, Iterator):
+        return (
+            f"{path} is {what}, an iterator ({_ITERATOR_HINT}), which torchplace would use up "
+            "by reading it, its tensors left where they are; put a list of what it yields "
+            "there, list(...)"
+        )
+    return (
+        f"{path} is {what} holding tensors: it has no keys or order to put moved tensors back "
+        f"by, so they would be left where they are; put {_set_fix(node)} there"
+    )
+
+
 _ITERATOR_HINT = "model.parameters(), .buffers() and .named_parameters() are generators"
 
 
@@ -479,7 +538,7 @@ def _depth_message(obj: Any, root: str) -> str:
     on_path: dict[int, str] = {}
 
     def search(node: Any, path: str, depth: int) -> str | None:
-        if _classify(type(node)) in (_LEAF, _TENSOR, _TO, _OWNER):
+        if _classify(type(node)) in (_LEAF, _TENSOR, _TO, _OWNER, _REFUSED):
             return None
         if id(node) in on_path:
             return (

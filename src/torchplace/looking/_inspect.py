@@ -15,6 +15,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from .._device_map import parse_device_map
 from .._devices import DeviceSpec, normalize
 from .._devices import device as _device
 from .._errors import (
@@ -24,8 +25,9 @@ from .._errors import (
     PlacementError,
     Straggler,
     TorchplaceError,
+    prefixed,
 )
-from .._model_walk import user_attributes, user_model
+from .._model_walk import user_attributes, user_model, walk_model
 from .._own_moves import moves_itself
 from .._sizes import format_bytes  # its home; imported from here by several modules
 from .._tensor_size import nbytes
@@ -518,7 +520,9 @@ def verify(
     ``device`` may be a device map (as ``dispatch`` and ``load_into`` take it) when ``obj`` is
     a model: each parameter and buffer is then checked against the device of the most specific
     entry that holds it, and an offloaded module's weights against their home tier (``"cpu"`` or
-    ``"disk"``; its buffers live on the device it runs on).
+    ``"disk"``; its buffers live on the device it runs on). The map is read as ``dispatch``
+    reads it: a key naming no module of the model (a typo, a layer it lacks) raises
+    ``DeviceSpecError`` with the likely name; the devices it names need not be on this machine.
     """
     refuse_unwalkable(obj, "verify")
     if isinstance(device, Mapping):
@@ -563,7 +567,10 @@ def _verify_by_map(model: Any, device_map: Mapping[str, Any]) -> None:
     """``verify`` against a device map: ``PlacementError`` naming each tensor out of its place."""
     if not isinstance(model, nn.Module):
         raise TorchplaceError(f"a device map describes a model, not {type(model).__name__}")
-    wants = {k: v if v == "disk" else normalize(v) for k, v in device_map.items()}
+    try:  # the map read as dispatch and load_into read it; its devices need not be here
+        wants = parse_device_map(walk_model(model), device_map, resolve=normalize)
+    except TorchplaceError as err:
+        raise prefixed(err, "verify()") from err.__cause__
     runs = {path: home.execution for path, _, home in homes(model)}
     bad: list[tuple[Entry, str]] = []
     for e in entries(model):

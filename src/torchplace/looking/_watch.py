@@ -54,7 +54,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .._devices import available, normalize
-from .._errors import TorchplaceError
+from .._devices import device as _existing
+from .._errors import DeviceUnavailableError, TorchplaceError
 from .._sizes import format_bytes
 from ._watch_ops import (
     ALWAYS,
@@ -120,6 +121,9 @@ def watch(
         TorchplaceError: ``raise_on`` names an unknown kind, ``ignore`` a module that is not
         installed; in the block, the first event that ``raise_on`` names.
         DeviceSpecError: ``device`` is not a device spec.
+        DeviceUnavailableError: ``device`` names an accelerator this machine does not have
+        (``"cuda"`` without CUDA), unless a ``FakeTensorMode`` is active, whose fake tensors
+        may say they are on it.
     """
     return Watch(device, raise_on=raise_on, ignore=ignore)
 
@@ -223,7 +227,7 @@ class Watch:
     def __init__(
         self, device: Any = None, /, *, raise_on: Iterable[str] | str | None, ignore: Iterable[str]
     ) -> None:
-        self.device: torch.device | None = None if device is None else normalize(device)
+        self.device: torch.device | None = None if device is None else _watched(device)
         self._raise_on = _kinds(raise_on)
         self._skip = _skipped_dirs(ignore)
         self._seen: dict[str, bool] = {}
@@ -450,6 +454,24 @@ def _skipped_dirs(ignore: Iterable[str]) -> tuple[str, ...]:
         elif spec.origin:
             dirs.append(os.path.abspath(spec.origin))
     return tuple(dirs)
+
+
+def _watched(spec: Any) -> torch.device:
+    """The device ``spec`` names, refused when this machine lacks it: watching it would report
+    a clean step that was never watched. Under ``FakeTensorMode`` it need not exist (fake
+    tensors say they are on it)."""
+    dev = normalize(spec)
+    if dev.type in _NO_BOUNDARY or torch._guards.detect_fake_mode() is not None:
+        return dev
+    try:
+        _existing(dev)
+    except DeviceUnavailableError as exc:
+        raise DeviceUnavailableError(
+            f"watch({spec!r}) has nothing to watch: {exc}; watch a device this machine has, "
+            "or call watch() with no device to watch every accelerator it has (on a machine "
+            "with none, it says so)"
+        ) from exc
+    return dev
 
 
 def _note(device: torch.device | None) -> str | None:

@@ -38,7 +38,7 @@ from .._errors import DeviceSpecError, DeviceUnavailableError, MoveError, Torchp
 from .._sizes import format_bytes
 from .._tree import Located, iter_leaves, map_tensors
 from ._consolidate import small_host_tensors
-from ._transfer import consolidate_small, data_meta_message, object_to, pinned_copy
+from ._transfer import consolidate_small, data_meta_message, own_to, pinned_copy
 
 __all__ = ["DeviceLoader"]
 
@@ -82,7 +82,9 @@ class DeviceLoader(Generic[T]):
     True
 
     Batches follow the collection rules of ``move`` (dicts, lists, tuples, namedtuples,
-    dataclasses, objects with ``.to``); anything else passes unchanged. On CUDA, up to
+    dataclasses, objects with ``.to``, moved as a copy when their ``.to`` works in place, as a
+    ``BatchEncoding``'s does, so the source's batches stay where they were); anything else
+    passes unchanged. On CUDA, up to
     ``prefetch`` batches are pinned and copied ahead on a dedicated stream while the consumer
     computes; the consumer's stream waits for each batch's copy, so values are always complete.
     ``prefetch=0`` copies each batch when it is asked for. ``pin_memory=None`` pins on CUDA;
@@ -307,8 +309,10 @@ class _Copier:
         def to(obj: Any) -> Any:
             if self.pin and callable(getattr(obj, "pin_memory", None)):
                 obj = obj.pin_memory()
-            out = object_to(obj, device, non_blocking=self.non_blocking)
-            created.append(out)  # a new object, or the same one moved in place (BatchEncoding)
+            # On a shallow copy, as move does: a .to() that works in place (BatchEncoding)
+            # leaves the caller's batch, which may be yielded again next epoch, on the host.
+            out = own_to(obj, device, asynchronous=self.non_blocking)
+            created.append(out)
             return out
 
         return _located(index, device, batch, lambda: map_tensors(batch, one, to=to))
@@ -318,7 +322,15 @@ class _Copier:
 
 
 def _to_cpu(obj: Any) -> Any:
-    return obj.to(torch.device("cpu"))
+    """An object with its own ``.to`` whose tensors are all on the CPU passes as it is (no
+    copy); one holding others moves by a shallow copy, the caller's object left as it was."""
+    for _, leaf in iter_leaves(obj):
+        if isinstance(leaf, torch.Tensor) and not leaf.is_cpu:
+            return own_to(obj, _CPU, asynchronous=False)
+    return obj
+
+
+_CPU = torch.device("cpu")
 
 
 def _located(index: int, device: torch.device, batch: Any, walk: Callable[[], Any]) -> Any:

@@ -13,7 +13,6 @@ model back onto one device with these two.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 import re
 import sys
@@ -24,6 +23,7 @@ from typing import Any, TypeVar, cast
 import torch
 from torch import nn
 
+from .._device_map import DISK, parse_device_map
 from .._devices import device as _device
 from .._errors import (
     DeviceMismatchError,
@@ -49,7 +49,6 @@ __all__ = [
 
 DeviceMapSpec = Mapping[str, str | int | torch.device]  # module name -> device
 
-DISK = "disk"  # the tier a device map may name besides devices: weights left in their checkpoint
 
 _DEVICE_ERROR = re.compile(
     r"same device|expected device|two devices|different devices|wrong device|"
@@ -97,54 +96,6 @@ def _first_device(obj: Any) -> torch.device | None:
         if isinstance(leaf, torch.Tensor):
             return leaf.device
     return None
-
-
-def parse_device_map(tree: ModelTree, device_map: object) -> dict[str, torch.device | str]:
-    if not isinstance(device_map, Mapping):
-        raise DeviceSpecError(
-            f"device_map must be a dict of module name -> device such as "
-            f"{{'encoder': 'cuda:0', 'decoder': 'cuda:1'}} (plan() makes one), "
-            f"not {type(device_map).__name__}"
-        )
-    names = list(tree.modules)
-    entries: dict[str, torch.device | str] = {}
-    for name, spec in device_map.items():
-        where = f"device_map[{name!r}]"
-        if not isinstance(name, str):
-            raise DeviceSpecError(f"{where}: keys are module names (strings), '' for the model")
-        if name not in tree.modules:
-            owned = [key for key, qualified in tree.owners.items() if name in qualified]
-            if owned:
-                module = name.rpartition(".")[0]
-                raise DeviceSpecError(
-                    f"{where}: {display(name)} is a tensor, not a module; map the module that "
-                    f"holds it, {module!r}"
-                )
-            guess = difflib.get_close_matches(name, names, n=3)
-            hint = f"did you mean {' or '.join(repr(g) for g in guess)}? " if guess else ""
-            raise DeviceSpecError(
-                f"{where}: the model has no submodule {name!r}; {hint}keys are names from "
-                "model.named_modules(), and '' is the whole model"
-            )
-        if spec == DISK:
-            entries[name] = DISK
-            continue
-        if spec is None:  # device(None) is "auto"; in a map it is a lookup that missed
-            raise DeviceSpecError(
-                f"{where}: None is no device; give each entry a device ('cpu', 'cuda:0', ...), "
-                f"{DISK!r}, or 'auto' for the best device here"
-            )
-        try:
-            entries[name] = _device(spec)
-        except TorchplaceError as err:
-            if isinstance(spec, str) and difflib.get_close_matches(spec.lower(), [DISK]):
-                raise DeviceSpecError(  # a map's own word, which device() does not know
-                    f"{where}: unknown device spec {spec!r}; did you mean {DISK!r} (the module "
-                    "left in its checkpoint, read as it runs)? A map takes a device spec or "
-                    f"{DISK!r}"
-                ) from None
-            raise type(err)(f"{where}: {err}") from None
-    return entries
 
 
 def _resolve(path: str, entries: dict[str, torch.device]) -> torch.device | None:
@@ -867,7 +818,7 @@ def _dispatched(
             f"dispatch() places an nn.Module, not {type(model).__name__}; pass the model"
         )
     tree = walk_model(model)
-    entries = parse_device_map(tree, device_map)
+    entries = parse_device_map(tree, device_map, resolve=_device)  # a test may fake it
     _keep_on_disk(model, entries)
     offload = _offloading(entries, execution_device)
     targets = _targets(tree, offload.runs)

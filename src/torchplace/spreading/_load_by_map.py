@@ -139,9 +139,10 @@ def _by_map(
         )
     if not isinstance(model, nn.Module):
         raise TorchplaceError(f"load_into() fills an nn.Module, not {type(model).__name__}")
+    from .._device_map import DISK, parse_device_map
     from ..checkpoint._disk_weights import CheckpointWeights, model_names
     from ..moving._offloaded import HOME, Home
-    from ._dispatch import DISK, check_offloading, dispatch, parse_device_map
+    from ._dispatch import check_offloading, dispatch
 
     tree = walk_model(model)
     entries = parse_device_map(tree, device_map)

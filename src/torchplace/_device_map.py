@@ -1,0 +1,75 @@
+"""A device map read against a model: each key a module the model has, each value a device or
+``"disk"``, with the typo named and its likely fix. Read by ``dispatch`` and ``load_into``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ._devices import device as _device
+from ._errors import DeviceSpecError, TorchplaceError
+from ._model_walk import ModelTree, display
+
+__all__ = ["DISK", "parse_device_map"]
+
+DISK = "disk"  # the tier a device map may name besides devices: weights left in their checkpoint
+
+
+def parse_device_map(
+    tree: ModelTree,
+    device_map: object,
+    *,
+    resolve: Callable[[Any], torch.device] = _device,
+) -> dict[str, torch.device | str]:
+    """``device_map`` checked against ``tree``: each key a module of the model, each value
+    ``"disk"`` or a device spec turned into a device by ``resolve`` (``device()``, which also
+    checks that the machine has it)."""
+    if not isinstance(device_map, Mapping):
+        raise DeviceSpecError(
+            f"device_map must be a dict of module name -> device such as "
+            f"{{'encoder': 'cuda:0', 'decoder': 'cuda:1'}} (plan() makes one), "
+            f"not {type(device_map).__name__}"
+        )
+    names = list(tree.modules)
+    entries: dict[str, torch.device | str] = {}
+    for name, spec in device_map.items():
+        where = f"device_map[{name!r}]"
+        if not isinstance(name, str):
+            raise DeviceSpecError(f"{where}: keys are module names (strings), '' for the model")
+        if name not in tree.modules:
+            owned = [key for key, qualified in tree.owners.items() if name in qualified]
+            if owned:
+                module = name.rpartition(".")[0]
+                raise DeviceSpecError(
+                    f"{where}: {display(name)} is a tensor, not a module; map the module that "
+                    f"holds it, {module!r}"
+                )
+            guess = difflib.get_close_matches(name, names, n=3)
+            hint = f"did you mean {' or '.join(repr(g) for g in guess)}? " if guess else ""
+            raise DeviceSpecError(
+                f"{where}: the model has no submodule {name!r}; {hint}keys are names from "
+                "model.named_modules(), and '' is the whole model"
+            )
+        if spec == DISK:
+            entries[name] = DISK
+            continue
+        if spec is None:  # device(None) is "auto"; in a map it is a lookup that missed
+            raise DeviceSpecError(
+                f"{where}: None is no device; give each entry a device ('cpu', 'cuda:0', ...), "
+                f"{DISK!r}, or 'auto' for the best device here"
+            )
+        try:
+            entries[name] = resolve(spec)
+        except TorchplaceError as err:
+            if isinstance(spec, str) and difflib.get_close_matches(spec.lower(), [DISK]):
+                raise DeviceSpecError(  # a map's own word, which device() does not know
+                    f"{where}: unknown device spec {spec!r}; did you mean {DISK!r} (the module "
+                    "left in its checkpoint, read as it runs)? A map takes a device spec or "
+                    f"{DISK!r}"
+                ) from None
+            raise type(err)(f"{where}: {err}") from None
+    return entries
