@@ -497,6 +497,43 @@ def test_an_input_the_model_cannot_take_names_the_model() -> None:
     assert_same(before, model)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64])
+def test_a_batch_in_a_dtype_the_model_cannot_take_raises(dtype: torch.dtype) -> None:
+    # the meta kernel of addmm takes a float64 or int64 batch into float32 weights; the real
+    # kernels raise "mat1 and mat2 must have the same dtype"
+    model = mlp()
+    with pytest.raises(RuntimeError, match="same dtype"):
+        model(torch.ones(B, IN, dtype=dtype))
+    before = snapshot(model)
+    said = str(dtype).removeprefix("torch.")
+    with pytest.raises(
+        TorchplaceError,
+        match=rf"the train step of Sequential cannot run on it: the operator aten.addmm.default, "
+        rf"in model.0 \(Linear\) raises RuntimeError: addmm: its operands are in different "
+        rf"dtypes \(float32 and {said}\), as its real kernel does; pass a batch",
+    ):
+        estimate(model, example_input=torch.ones(B, IN, dtype=dtype))
+    assert_same(before, model)
+    double = estimate(mlp().double(), example_input=torch.ones(B, IN, dtype=torch.float64))
+    assert double.fallback is None and double.peaks[0].parameters == 2 * MLP_PARAMS
+
+
+def test_positions_beyond_a_learned_position_table_raise() -> None:
+    # GPT-2 looks its positions (torch.arange(seq)) up in a table of n_positions rows: a real
+    # step at a longer sequence raises IndexError, which fake tensors (no values) let through
+    model = tiny("gpt2")  # n_positions=64
+    ids = torch.zeros(1, 65, dtype=torch.long)
+    with pytest.raises(
+        TorchplaceError,
+        match=r"GPT2LMHeadModel cannot run on it: the operator aten.embedding.default, in "
+        r"model.transformer.wpe \(Embedding\) raises IndexError: index out of range in self "
+        r"\(positions 0..64 in a table of 64 rows\)",
+    ):
+        estimate(model, example_input={"input_ids": ids, "labels": ids})
+    fits = estimate(model, example_input={"input_ids": ids[:, :64], "labels": ids[:, :64]})
+    assert fits.fallback is None and fits.activations > 0
+
+
 def test_an_input_the_model_cannot_take_logs_no_traceback_of_torch() -> None:
     # FakeTensorMode logs the failing operator with a full traceback at ERROR before it
     # re-raises; estimate's own error already carries torch's message, so the user saw the

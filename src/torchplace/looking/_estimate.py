@@ -31,6 +31,7 @@ from .._errors import (
 from .._model_walk import display
 from .._sizes import format_bytes as _format_bytes
 from .._tensor_size import nbytes_as
+from ._fake_checks import real_kernel_refuses
 from ._fake_step import KINDS, ModulePeak, OperatorFailed, Unmeasurable, measure_step
 
 if TYPE_CHECKING:
@@ -474,6 +475,13 @@ def _operator_error(model: nn.Module, step: str, failed: OperatorFailed) -> Torc
     said = f"{type(cause).__name__}: {first_line(cause)}" if cause is not None else "an error"
     kind = f" ({failed.type_name})" if failed.type_name is not None else ""
     where = f", in {display(failed.module)}{kind}" if failed.module is not None else ""
+    if real_kernel_refuses(cause):  # what the real kernel checks and the fake one does not
+        return TorchplaceError(
+            f"example_input: the {step} step of {type(model).__name__} cannot run on it: the "
+            f"operator {failed.op}{where} raises {said}, as its real kernel does; pass a batch "
+            "this model takes, as model(**batch) for a mapping, model(*batch) for a tuple, "
+            "else model(batch)"
+        )
     return TorchplaceError(
         f"example_input: the {step} step of {type(model).__name__} on fake tensors failed in "
         f"the operator {failed.op}{where}: {said}. If example_input is not a batch this model "

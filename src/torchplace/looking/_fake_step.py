@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .._tree import iter_leaves, map_tensors
+from ._fake_checks import FakeChecks
 from ._workspace import add_workspaces, note_matmul
 
 __all__ = [
@@ -130,6 +131,7 @@ def _tracker_class() -> type:
             self.torchplace_stats: dict[str, Any] = {}  # module name -> its statistics
             self.torchplace_failed = FailedAt()
             self.torchplace_matmuls: set[tuple[torch.device, bool]] = set()
+            self.torchplace_checks = FakeChecks()
 
         def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
             super()._pre_fw_hook(module, inputs)
@@ -153,10 +155,13 @@ def _tracker_class() -> type:
             run = _stand_in(func, args, kwargs)
             note_matmul(func, args, self.torchplace_matmuls)
             try:
-                return super().__torch_dispatch__(run, types, args, kwargs)  # type: ignore[no-untyped-call]
+                self.torchplace_checks.before(func, args)
+                out = super().__torch_dispatch__(run, types, args, kwargs)  # type: ignore[no-untyped-call]
             except Exception:
                 self.torchplace_failed.note(func, self)
                 raise
+            self.torchplace_checks.after(func, args, kwargs, out)
+            return out
 
         def _update_peak_stats(self, peak_state: Any) -> None:
             try:
