@@ -16,7 +16,7 @@ import io
 import os
 import shlex
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch import nn
@@ -291,21 +291,32 @@ class Estimate:
 def _optimizer_name(optimizer: str | None) -> str | None:
     if optimizer is None:
         return None
+    names = f"{', '.join(repr(n) for n in _OPTIMIZERS)}, 'momentum' or None"
     if not isinstance(optimizer, str):
-        raise DeviceSpecError(
-            f"optimizer={optimizer!r}: give the optimizer's name as a string, one of "
-            f"{', '.join(repr(n) for n in _OPTIMIZERS)} or None"
-        )
+        return _not_a_name(optimizer, names)
     text = optimizer.strip().lower()
     name = _OPTIMIZER_ALIASES.get(text, text)
     if name is not None and name not in _OPTIMIZERS:
         guess = difflib.get_close_matches(name, list(_OPTIMIZERS), n=1)
         hint = f"did you mean {guess[0]!r}? " if guess else ""
         raise DeviceSpecError(
-            f"optimizer={optimizer!r} is not one estimate knows; {hint}use one of "
-            f"{', '.join(repr(n) for n in _OPTIMIZERS)}, 'momentum' or None"
+            f"optimizer={optimizer!r} is not one estimate knows; {hint}use one of {names}"
         )
     return name
+
+
+def _not_a_name(optimizer: object, names: str) -> NoReturn:
+    """The error for an optimizer given as an object (an ``Optimizer``), named by its class
+    (its repr lists every parameter group) with the name that sizes it, where one does."""
+    kind = type(optimizer).__name__
+    guess = kind.lower()
+    if isinstance(optimizer, torch.optim.SGD):
+        momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
+        guess = "sgd-momentum" if momentum else "sgd"
+    hint = f" (here optimizer={guess!r})" if guess in _OPTIMIZERS else ""
+    raise DeviceSpecError(
+        f"optimizer={kind}(...): give the optimizer's name as a string{hint}, one of {names}"
+    )
 
 
 def _refuse_lazy(model: nn.Module) -> None:
