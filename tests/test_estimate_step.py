@@ -83,6 +83,22 @@ def test_train_step_of_an_mlp_matches_the_hand_count() -> None:
     assert est.peak_by_device() == {CPU: est.peak}
 
 
+@pytest.mark.parametrize("optimizer", ["adam", "adamw", "sgd-momentum", "adagrad"])
+def test_the_optimizer_steps_temporaries_are_not_its_state(optimizer: str) -> None:
+    # torch's tracker books all the optimizer step makes as its state; what the step frees
+    # before it returns (Adam's denominators) is a temporary: the peak holds the state the
+    # optimizer keeps, to the byte as counted (and as a real optimizer keeps, see test_estimate)
+    est = estimate(mlp(), example_input=torch.ones(B, IN), optimizer=optimizer)
+    (row,) = est.peaks
+    assert row.optimizer_state == est.optimizer_state
+    kinds = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs")
+    assert row.total == sum(getattr(row, kind) for kind in kinds)
+    assert est.temporaries >= row.temporaries
+    if optimizer in ("adam", "adamw", "adagrad"):  # the peak is in the step: sqrt(v) and more
+        assert row.temporaries >= H * IN * 4
+        assert row.gradients == MLP_PARAMS
+
+
 def test_forward_step_has_no_gradients_or_optimizer_state() -> None:
     est = estimate(mlp(), example_input=(torch.ones(B, IN),), step="forward")
     assert (est.optimizer, est.grads, est.gradients, est.optimizer_state) == (None, False, 0, 0)

@@ -7,7 +7,8 @@ user's own forward then runs as written (autocast, activation checkpointing, hoo
 private ``MemTracker`` (``torch.distributed._tools.mem_tracker``, tried on torch 2.6, 2.13 and
 2.15) watches every storage the step makes and says what each holds: parameters, buffers,
 gradients, optimizer state, activations (made by the forward) and temporaries (made by the
-backward); a CUDA step also holds cuBLAS workspaces, which no tensor owns (``_workspace``).
+backward, and by the optimizer step and freed before it returns: ``_opt_step``); a CUDA step
+also holds cuBLAS workspaces, which no tensor owns (``_workspace``).
 
 A backward on fake CUDA tensors needs the CUDA runtime (a CPU-only build aborts the process),
 so a model on a device this machine cannot run, such as a fake ``cuda:0`` on a laptop, is run on
@@ -31,6 +32,7 @@ from torch import nn
 
 from .._tree import iter_leaves, map_tensors
 from ._fake_checks import FakeChecks
+from ._opt_step import OptimizerStepBook
 from ._workspace import add_workspaces, note_matmul
 
 __all__ = [
@@ -72,6 +74,10 @@ _TRACKER_NEEDS = (
     "_update_peak_stats",
     "_pre_fw_hook",
     "__enter__",
+    "_track",
+    "_delete_callback",
+    "_track_optimizer_states",
+    "_update_snap",
 )
 
 
@@ -132,6 +138,7 @@ def _tracker_class() -> type:
             self.torchplace_failed = FailedAt()
             self.torchplace_matmuls: set[tuple[torch.device, bool]] = set()
             self.torchplace_checks = FakeChecks()
+            self.torchplace_step = OptimizerStepBook()
 
         def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
             super()._pre_fw_hook(module, inputs)
@@ -154,6 +161,8 @@ def _tracker_class() -> type:
         ) -> Any:
             run = _stand_in(func, args, kwargs)
             note_matmul(func, args, self.torchplace_matmuls)
+            if self._in_opt and not self.torchplace_step.started:
+                self.torchplace_step.start(self._curr_mem_snap, self.torchplace_most)
             try:
                 self.torchplace_checks.before(func, args)
                 out = super().__torch_dispatch__(run, types, args, kwargs)  # type: ignore[no-untyped-call]
@@ -161,7 +170,29 @@ def _tracker_class() -> type:
                 self.torchplace_failed.note(func, self)
                 raise
             self.torchplace_checks.after(func, args, kwargs, out)
+            self.torchplace_step.op += 1
             return out
+
+        def _track(self, reftype: Any, t: torch.Tensor) -> None:
+            new = self._in_opt and None in _winfos(self, t)  # made by this operator
+            super()._track(reftype, t)
+            for winfo in _winfos(self, t) if new else ():
+                self.torchplace_step.note_made(winfo)
+
+        def _delete_callback(self, winfo: Any, w_st: Any) -> None:
+            super()._delete_callback(winfo, w_st)
+            self.torchplace_step.note_freed(winfo)
+
+        def _track_optimizer_states(self, reftype: Any, optimizer: Any) -> None:
+            super()._track_optimizer_states(reftype, optimizer)
+            if self._in_opt and self.torchplace_step.started:  # its step is over
+                try:
+                    _settle_step(self, optimizer)
+                except (AttributeError, KeyError, TypeError) as exc:  # the tracker changed
+                    raise Unmeasurable(
+                        f"torch {torch.__version__}'s MemTracker books the optimizer's step "
+                        f"otherwise ({type(exc).__name__}: {exc})"
+                    ) from exc
 
         def _update_peak_stats(self, peak_state: Any) -> None:
             try:
@@ -191,10 +222,51 @@ def _update_peaks(tracker: Any, peak_state: Any) -> None:
         if tracker._peak_mem.get(dev, 0) < snap[_TOTAL]:
             tracker._peak_mem[dev] = snap[_TOTAL]
             tracker._peak_mem_snap[dev] = dict(snap)
+            if tracker._in_opt:
+                tracker.torchplace_step.peaks[dev] = tracker.torchplace_step.op
         most = tracker.torchplace_most.setdefault(dev, {})
         for kind, nbytes in snap.items():
             if nbytes > most.get(kind, 0):
                 most[kind] = nbytes
+
+
+def _winfos(tracker: Any, t: torch.Tensor) -> list[Any]:
+    """The tracker's records of the storages of ``t``."""
+    from torch.distributed._tools.common_utils import get_untyped_storages
+
+    return [tracker._WINFO.get(st, (None, None))[0] for st in get_untyped_storages(t)]
+
+
+def _settle_step(tracker: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Move what the optimizer step made and does not keep from its state to the
+    temporaries: in each device's peak inside the step, in the most each kind held at once,
+    and in what is held now (see ``_opt_step``)."""
+    from torch.distributed._tools.mem_tracker import _MemRefType, _UpdateType
+
+    book: OptimizerStepBook = tracker.torchplace_step
+    opt, temp = _MemRefType.OPT, _MemRefType.TEMP
+    kept = {
+        id(w)
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+        for w in _winfos(tracker, value)
+    }
+    temps = book.temporaries(kept)
+    for dev, snap in tracker._peak_mem_snap.items():
+        moved = book.at_peak(temps, dev)
+        snap[opt] -= moved
+        snap[temp] += moved
+    for winfo, made in temps:
+        if made.freed is None and winfo.reftype == opt:
+            winfo.reftype = temp
+            tracker._update_snap(_UpdateType.REF, winfo, old_reftype=opt)
+    for dev, most in tracker.torchplace_most.items():
+        held_before, opt_before = book.before.get(dev, (0, 0))
+        most[temp] = max(most.get(temp, 0), held_before + book.most_at_once(temps, dev))
+        now = tracker._curr_mem_snap.get(dev, {}).get(opt, 0)
+        most[opt] = max(opt_before, now)
+    book.started = False
 
 
 class OperatorFailed(Exception):
@@ -558,7 +630,8 @@ def _measure(
         tracker = _tracker_class()()
         tracker.torchplace_failed = failed
         _skip_frozen(tracker, model)
-        tracker.track_external(model, *(t for _, t in iter_leaves(batch, "example_input")))
+        inputs = (t for _, t in iter_leaves(batch, "example_input"))
+        tracker.track_external(model, *([opt] if opt is not None else []), *inputs)
         with tracker:
             _run(model, batch, opt, train)
         peaks = {
