@@ -143,6 +143,26 @@ def test_the_model_is_left_as_it_was() -> None:
 
 
 @pytest.mark.slow  # a subprocess
+def test_a_compiled_model_is_measured_as_the_model_it_wraps(
+    recwarn: pytest.WarningsRecorder,
+) -> None:
+    # torch.compile(model) ran compiled code under the tracker: its gradients were booked as
+    # temporaries, no module was seen, and torch warned about the tracker's global hooks
+    plain = estimate(mlp(), example_input=torch.ones(B, IN))
+    model = mlp()
+    inner = torch.compile(model[2])
+    model[2] = inner
+    compiled = torch.compile(model)
+    recwarn.clear()  # torch's own warnings on compiling
+    for est in (estimate(compiled, example_input=torch.ones(B, IN)),
+                estimate(model, example_input=torch.ones(B, IN))):  # fmt: skip
+        assert est.peaks == plain.peaks and est.rows == plain.rows
+        assert (est.activations, est.temporaries) == (plain.activations, plain.temporaries)
+        assert [m.name for m in est.modules] == [m.name for m in plain.modules] == ["0", "1", "2"]
+    assert [str(w.message) for w in recwarn] == []
+    assert model[2] is inner and compiled._orig_mod is model
+
+
 def test_nothing_real_is_allocated() -> None:
     """A 16 GiB batch through a real model, in a process that cannot map 4 GiB more."""
     code = textwrap.dedent(

@@ -378,6 +378,7 @@ def estimate(
     try:
         name = _optimizer_name(optimizer)
         _refuse_non_model(model)
+        model = _uncompiled(model)
         if example_input is None:
             return _count(model, name, grads)
         if step not in _STEPS:
@@ -405,6 +406,16 @@ def _refuse_non_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TorchplaceError(f"sizes an nn.Module, not {type(model).__name__}; pass the model")
     _refuse_lazy(model)
+
+
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile``'d model wraps (its ``_orig_mod``): it holds the same
+    parameters, and its step is the one measured (the compiled one cannot run on fake tensors
+    under torch's tracker: its gradients come out of compiled code, unseen)."""
+    inner = getattr(model, "_orig_mod", None)
+    while type(model).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
+        model, inner = inner, getattr(inner, "_orig_mod", None)
+    return model
 
 
 def _count(model: nn.Module, name: str | None, grads: bool) -> Estimate:

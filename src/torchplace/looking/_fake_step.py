@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import logging
 import traceback
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -624,7 +625,7 @@ def _measure(
 
     foreach = True if any(d.type != "cpu" for d in where) else None  # as on an accelerator
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with _quiet_failed_operators(), mode, _swapped(model, where):
+    with _quiet_failed_operators(), _compiled_unwrapped(model), mode, _swapped(model, where):
         batch = _fake_batch(example_input, run, mode)
         opt = _optimizer(model, optimizer, foreach) if train else None
         tracker = _tracker_class()()
@@ -632,7 +633,7 @@ def _measure(
         _skip_frozen(tracker, model)
         inputs = (t for _, t in iter_leaves(batch, "example_input"))
         tracker.track_external(model, *([opt] if opt is not None else []), *inputs)
-        with tracker:
+        with tracker, _eager():
             _run(model, batch, opt, train)
         peaks = {
             label(dev): _by_kind(snap) for dev, snap in tracker.get_tracker_snapshot("peak").items()
@@ -643,6 +644,38 @@ def _measure(
             most=_most(tracker.torchplace_most),
             modules=_module_peaks(tracker, model, label),
         )
+
+
+@contextlib.contextmanager
+def _compiled_unwrapped(model: nn.Module) -> Iterator[None]:
+    """The model with each ``torch.compile``'d submodule replaced by the module it wraps
+    while the block runs (so the step and its module names are the eager model's), put back
+    however the block ends."""
+    saved: list[tuple[nn.Module, str, nn.Module]] = []
+    try:
+        for parent in list(model.modules()):
+            for name, child in list(parent._modules.items()):
+                inner = getattr(child, "_orig_mod", None)
+                compiled = type(child).__name__ == "OptimizedModule"
+                if child is not None and compiled and isinstance(inner, nn.Module):
+                    saved.append((parent, name, child))
+                    parent._modules[name] = inner
+        yield
+    finally:
+        for parent, name, child in reversed(saved):
+            parent._modules[name] = child
+
+
+@contextlib.contextmanager
+def _eager() -> Iterator[None]:
+    """Compiled code in the model (a ``torch.compile``'d layer or function) run eagerly, so the
+    tracker sees its operators, and without torch's warning that the tracker's global module
+    hooks fire twice around a compiled module (they do not: its ``_orig_mod`` is tracked)."""
+    stance = getattr(torch.compiler, "set_stance", None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there")
+        with stance("force_eager") if stance is not None else contextlib.nullcontext():
+            yield
 
 
 class _DropTracebacks(logging.Filter):
