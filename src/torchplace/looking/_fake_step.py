@@ -12,9 +12,11 @@ also holds cuBLAS workspaces, which no tensor owns (``_workspace``).
 
 A backward on fake CUDA tensors needs the CUDA runtime (a CPU-only build aborts the process),
 so a model on a device this machine cannot run, such as a fake ``cuda:0`` on a laptop, is run on
-``meta`` and its figures are reported under its own device. A model spread over several devices
-that cannot all run here, and a torch whose tracker is missing or differs from the one this
-was written against, raise ``Unmeasurable`` with the reason: ``estimate`` then counts instead.
+``meta`` and its figures are reported under its own device; its attention then runs the fused
+kernel that device would pick (``_attention``), where ``meta`` would run the math path. A
+model spread over several devices that cannot all run here, and a torch whose tracker is
+missing or differs from the one this was written against, raise ``Unmeasurable`` with the
+reason: ``estimate`` then counts instead.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 from torch import nn
 
 from .._tree import iter_leaves, map_tensors
+from ._attention import FusedAttention
 from ._fake_checks import FakeChecks
 from ._opt_step import OptimizerStepBook
 from ._workspace import add_workspaces, note_matmul
@@ -633,7 +636,8 @@ def _measure(
         _skip_frozen(tracker, model)
         inputs = (t for _, t in iter_leaves(batch, "example_input"))
         tracker.track_external(model, *([opt] if opt is not None else []), *inputs)
-        with tracker, _eager():
+        fused = FusedAttention(label(run)) if run.type == "meta" else contextlib.nullcontext()
+        with tracker, _eager(), fused:
             _run(model, batch, opt, train)
         peaks = {
             label(dev): _by_kind(snap) for dev, snap in tracker.get_tracker_snapshot("peak").items()
