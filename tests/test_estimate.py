@@ -131,6 +131,32 @@ def test_estimate_rejects_unknown_optimizer_with_a_suggestion() -> None:
         estimate(nn.Linear(2, 2), optimizer="adma")
 
 
+NAMES = "'sgd', 'sgd-momentum', 'adam', 'adamw', 'adagrad', 'momentum' or None"
+
+
+def test_estimate_names_an_optimizer_object_by_its_class_and_lists_every_name() -> None:
+    model = nn.Linear(2, 2)
+    cases = [
+        (torch.optim.AdamW(model.parameters()), "AdamW", " (here optimizer='adamw')"),
+        (
+            torch.optim.SGD(model.parameters(), momentum=0.9),
+            "SGD",
+            " (here optimizer='sgd-momentum')",
+        ),
+        (torch.optim.RMSprop(model.parameters()), "RMSprop", ""),
+    ]
+    for optimizer, kind, hint in cases:
+        with pytest.raises(DeviceSpecError) as caught:
+            estimate(model, optimizer=optimizer)  # type: ignore[arg-type]
+        assert str(caught.value) == (
+            f"estimate(): optimizer={kind}(...): give the optimizer's name as a string{hint}, "
+            f"one of {NAMES}"
+        )
+    with pytest.raises(DeviceSpecError) as caught:
+        estimate(model, optimizer="adma")
+    assert str(caught.value).endswith(f"use one of {NAMES}")
+
+
 def test_estimate_sizes_the_local_shard_of_fsdp2_parameters(fake_world: object) -> None:
     fully_shard = pytest.importorskip("torch.distributed.fsdp").fully_shard
     model = nn.Linear(8, 8)

@@ -75,6 +75,19 @@ def test_a_model_directory_prints_the_tables(
     assert "model.layers." in out
 
 
+def test_a_seq_beyond_a_learned_position_table_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=4, vocab_size=100, n_positions=64)
+    config.save_pretrained(tmp_path)
+    status, out, err = run(capsys, str(tmp_path), "--seq", "1000", "--device", "cpu")
+    assert (status, out) == (1, "")
+    assert "wpe (Embedding) raises IndexError: index out of range in self" in err
+    assert "(positions 0..999 in a table of 64 rows)" in err
+    status, out, _ = run(capsys, str(tmp_path), "--seq", "64", "--device", "cpu")
+    assert status == 0 and "Peak of one train step" in out
+
+
 def test_a_safetensors_file_is_counted_by_dtype(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

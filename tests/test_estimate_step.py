@@ -83,6 +83,22 @@ def test_train_step_of_an_mlp_matches_the_hand_count() -> None:
     assert est.peak_by_device() == {CPU: est.peak}
 
 
+@pytest.mark.parametrize("optimizer", ["adam", "adamw", "sgd-momentum", "adagrad"])
+def test_the_optimizer_steps_temporaries_are_not_its_state(optimizer: str) -> None:
+    # torch's tracker books all the optimizer step makes as its state; what the step frees
+    # before it returns (Adam's denominators) is a temporary: the peak holds the state the
+    # optimizer keeps, to the byte as counted (and as a real optimizer keeps, see test_estimate)
+    est = estimate(mlp(), example_input=torch.ones(B, IN), optimizer=optimizer)
+    (row,) = est.peaks
+    assert row.optimizer_state == est.optimizer_state
+    kinds = ("parameters", "gradients", "optimizer_state", "activations", "temporaries", "inputs")
+    assert row.total == sum(getattr(row, kind) for kind in kinds)
+    assert est.temporaries >= row.temporaries
+    if optimizer in ("adam", "adamw", "adagrad"):  # the peak is in the step: sqrt(v) and more
+        assert row.temporaries >= H * IN * 4
+        assert row.gradients == MLP_PARAMS
+
+
 def test_forward_step_has_no_gradients_or_optimizer_state() -> None:
     est = estimate(mlp(), example_input=(torch.ones(B, IN),), step="forward")
     assert (est.optimizer, est.grads, est.gradients, est.optimizer_state) == (None, False, 0, 0)
@@ -127,6 +143,26 @@ def test_the_model_is_left_as_it_was() -> None:
 
 
 @pytest.mark.slow  # a subprocess
+def test_a_compiled_model_is_measured_as_the_model_it_wraps(
+    recwarn: pytest.WarningsRecorder,
+) -> None:
+    # torch.compile(model) ran compiled code under the tracker: its gradients were booked as
+    # temporaries, no module was seen, and torch warned about the tracker's global hooks
+    plain = estimate(mlp(), example_input=torch.ones(B, IN))
+    model = mlp()
+    inner = torch.compile(model[2])
+    model[2] = inner
+    compiled = torch.compile(model)
+    recwarn.clear()  # torch's own warnings on compiling
+    for est in (estimate(compiled, example_input=torch.ones(B, IN)),
+                estimate(model, example_input=torch.ones(B, IN))):  # fmt: skip
+        assert est.peaks == plain.peaks and est.rows == plain.rows
+        assert (est.activations, est.temporaries) == (plain.activations, plain.temporaries)
+        assert [m.name for m in est.modules] == [m.name for m in plain.modules] == ["0", "1", "2"]
+    assert [str(w.message) for w in recwarn] == []
+    assert model[2] is inner and compiled._orig_mod is model
+
+
 def test_nothing_real_is_allocated() -> None:
     """A 16 GiB batch through a real model, in a process that cannot map 4 GiB more."""
     code = textwrap.dedent(
@@ -497,6 +533,43 @@ def test_an_input_the_model_cannot_take_names_the_model() -> None:
     assert_same(before, model)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64])
+def test_a_batch_in_a_dtype_the_model_cannot_take_raises(dtype: torch.dtype) -> None:
+    # the meta kernel of addmm takes a float64 or int64 batch into float32 weights; the real
+    # kernels raise "mat1 and mat2 must have the same dtype"
+    model = mlp()
+    with pytest.raises(RuntimeError, match="same dtype"):
+        model(torch.ones(B, IN, dtype=dtype))
+    before = snapshot(model)
+    said = str(dtype).removeprefix("torch.")
+    with pytest.raises(
+        TorchplaceError,
+        match=rf"the train step of Sequential cannot run on it: the operator aten.addmm.default, "
+        rf"in model.0 \(Linear\) raises RuntimeError: addmm: its operands are in different "
+        rf"dtypes \(float32 and {said}\), as its real kernel does; pass a batch",
+    ):
+        estimate(model, example_input=torch.ones(B, IN, dtype=dtype))
+    assert_same(before, model)
+    double = estimate(mlp().double(), example_input=torch.ones(B, IN, dtype=torch.float64))
+    assert double.fallback is None and double.peaks[0].parameters == 2 * MLP_PARAMS
+
+
+def test_positions_beyond_a_learned_position_table_raise() -> None:
+    # GPT-2 looks its positions (torch.arange(seq)) up in a table of n_positions rows: a real
+    # step at a longer sequence raises IndexError, which fake tensors (no values) let through
+    model = tiny("gpt2")  # n_positions=64
+    ids = torch.zeros(1, 65, dtype=torch.long)
+    with pytest.raises(
+        TorchplaceError,
+        match=r"GPT2LMHeadModel cannot run on it: the operator aten.embedding.default, in "
+        r"model.transformer.wpe \(Embedding\) raises IndexError: index out of range in self "
+        r"\(positions 0..64 in a table of 64 rows\)",
+    ):
+        estimate(model, example_input={"input_ids": ids, "labels": ids})
+    fits = estimate(model, example_input={"input_ids": ids[:, :64], "labels": ids[:, :64]})
+    assert fits.fallback is None and fits.activations > 0
+
+
 def test_an_input_the_model_cannot_take_logs_no_traceback_of_torch() -> None:
     # FakeTensorMode logs the failing operator with a full traceback at ERROR before it
     # re-raises; estimate's own error already carries torch's message, so the user saw the
@@ -623,3 +696,99 @@ def test_the_peak_is_the_real_steps_on_the_cpu(step: str) -> None:
 
 def test_the_peak_table_shows_the_workspace_only_where_one_is_held() -> None:
     assert "cuBLAS" not in str(estimate(mlp(), example_input=torch.ones(B, IN), step="forward"))
+
+
+# --- scaled_dot_product_attention on meta: the fused kernel the device would run -------------
+
+
+def sdpa_llama(skeleton: bool, dropout: float = 0.0, step: str = "forward") -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+        num_key_value_heads=4, vocab_size=100, max_position_embeddings=256,
+        attention_dropout=dropout, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    if skeleton:
+        with torch.device("meta"):
+            return transformers.LlamaForCausalLM(config).train(step == "train")
+    return transformers.LlamaForCausalLM(config).train(step == "train")
+
+
+SDPA_IDS = torch.zeros(1, 256, dtype=torch.long)
+PADDED = torch.ones(1, 256, dtype=torch.long).index_fill_(1, torch.arange(40), 0)
+
+
+@pytest.mark.parametrize("step", ["forward", "train"])
+@pytest.mark.parametrize("padded", [False, True], ids=["causal", "padding-mask"])
+def test_a_skeletons_sdpa_is_the_cpus_fused_kernel(step: str, padded: bool) -> None:
+    # on meta, SDPA ran the math path and held (heads, seq, seq) matrices: 18x the real
+    # attention memory; the CPU runs its flash kernel, which holds the output and log-sum-exp
+    batch = {"input_ids": SDPA_IDS, "labels": SDPA_IDS}
+    if padded:  # a boolean mask: the kernel takes it as an additive float one
+        batch["attention_mask"] = PADDED
+    on_meta = estimate(sdpa_llama(True, step=step), example_input=batch, step=step)
+    model = sdpa_llama(False, step=step)
+    on_cpu = estimate(model, example_input=batch, step=step)
+    assert on_meta.activations == on_cpu.activations
+    meta_row = next(r for r in on_meta.peaks if r.device == META)
+    cpu_row = next(r for r in on_cpu.peaks if r.device == CPU)
+    kinds = ("parameters", "gradients", "activations", "temporaries", "inputs")
+    assert [getattr(meta_row, k) for k in kinds] == [getattr(cpu_row, k) for k in kinds]
+    if step == "forward" and not padded:  # and the real step's allocator agrees
+        with torch.no_grad():
+            real = allocator_peak(lambda: model(**batch))
+        held = sum(t.nbytes for t in (*model.parameters(), *model.buffers(), *batch.values()))
+        assert on_meta.peak == pytest.approx(held + real, rel=0.03)
+        math_matrices = 2 * 8 * 256 * 256 * 4  # a layer's scores and softmax, float32
+        assert on_meta.activations < math_matrices
+
+
+def test_a_skeletons_sdpa_with_dropout_stays_the_math_path() -> None:
+    # the CPU's flash kernel takes no dropout: a training step with attention dropout runs
+    # the math path, which holds the attention matrices, on the CPU as on meta
+    batch = {"input_ids": SDPA_IDS, "labels": SDPA_IDS}
+    on_meta = estimate(sdpa_llama(True, 0.1, "train"), example_input=batch)
+    on_cpu = estimate(sdpa_llama(False, 0.1, "train"), example_input=batch)
+    assert on_meta.activations == on_cpu.activations
+    assert on_meta.activations > 2 * 2 * 8 * 256 * 256 * 4  # two layers' matrices kept
+
+
+def sdpa_kernel(device: str, dtype: torch.dtype, **kwargs: Any) -> str:
+    from torchplace.looking import _attention
+
+    head = kwargs.pop("head", 64)
+    q = torch.empty(1, 8, 128, head, dtype=dtype, device="meta")
+    kv = torch.empty(1, kwargs.pop("kv_heads", 8), 128, head, dtype=dtype, device="meta")
+    found = _attention._arguments(q, kv, kv, **kwargs)
+    return _attention._kernel(torch.device(device), found)
+
+
+def test_the_sdpa_kernel_follows_pytorchs_dispatch_rules() -> None:
+    bf16, f32 = torch.bfloat16, torch.float32
+    mask = torch.ones(128, 128, dtype=torch.bool, device="meta")
+    assert sdpa_kernel("cuda:0", bf16, is_causal=True) == "flash"
+    assert sdpa_kernel("cuda:0", bf16, kv_heads=2, enable_gqa=True) == "flash"
+    assert sdpa_kernel("cuda:0", bf16, attn_mask=mask) == "efficient"
+    assert sdpa_kernel("cuda:0", f32) == "efficient"
+    assert sdpa_kernel("cuda:0", f32, dropout_p=0.1) == "efficient"
+    assert sdpa_kernel("cuda:0", f32, head=12) == "efficient"  # a multiple of 4 in float32
+    assert sdpa_kernel("cuda:0", f32, head=10) == "math"
+    assert sdpa_kernel("cuda:0", bf16, head=12, attn_mask=mask) == "math"  # 8 in bfloat16
+    assert sdpa_kernel("cuda:0", bf16, head=320) == "efficient"  # flash takes 256 at most
+    assert sdpa_kernel("cuda:0", f32, kv_heads=2, enable_gqa=True) == "efficient"
+    assert sdpa_kernel("cuda:0", torch.float64) == "math"
+    assert sdpa_kernel("cuda:0", f32, kv_heads=2) == "math"  # heads differ, gqa not asked
+    for device in ("cpu", "meta"):
+        assert sdpa_kernel(device, f32, attn_mask=mask) == "cpu"
+        assert sdpa_kernel(device, bf16, kv_heads=2, enable_gqa=True) == "cpu"
+        assert sdpa_kernel(device, torch.float64, head=12) == "cpu"
+        assert sdpa_kernel(device, f32, dropout_p=0.1) == "math"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with CUDA runs it on cuda:0")
+def test_a_fake_cuda_sdpa_model_holds_no_attention_matrix() -> None:
+    model = on_fake_cuda(sdpa_llama(True).to(torch.bfloat16), {"": "cuda:0"})
+    batch = {"input_ids": SDPA_IDS, "labels": SDPA_IDS}
+    est = estimate(model, example_input=batch, step="forward")
+    assert est.activations < 8 * 256 * 256 * 2  # one layer's bf16 scores would be more

@@ -16,7 +16,7 @@ import io
 import os
 import shlex
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 from torch import nn
@@ -31,6 +31,7 @@ from .._errors import (
 from .._model_walk import display
 from .._sizes import format_bytes as _format_bytes
 from .._tensor_size import nbytes_as
+from ._fake_checks import real_kernel_refuses
 from ._fake_step import KINDS, ModulePeak, OperatorFailed, Unmeasurable, measure_step
 
 if TYPE_CHECKING:
@@ -290,21 +291,32 @@ class Estimate:
 def _optimizer_name(optimizer: str | None) -> str | None:
     if optimizer is None:
         return None
+    names = f"{', '.join(repr(n) for n in _OPTIMIZERS)}, 'momentum' or None"
     if not isinstance(optimizer, str):
-        raise DeviceSpecError(
-            f"optimizer={optimizer!r}: give the optimizer's name as a string, one of "
-            f"{', '.join(repr(n) for n in _OPTIMIZERS)} or None"
-        )
+        return _not_a_name(optimizer, names)
     text = optimizer.strip().lower()
     name = _OPTIMIZER_ALIASES.get(text, text)
     if name is not None and name not in _OPTIMIZERS:
         guess = difflib.get_close_matches(name, list(_OPTIMIZERS), n=1)
         hint = f"did you mean {guess[0]!r}? " if guess else ""
         raise DeviceSpecError(
-            f"optimizer={optimizer!r} is not one estimate knows; {hint}use one of "
-            f"{', '.join(repr(n) for n in _OPTIMIZERS)}, 'momentum' or None"
+            f"optimizer={optimizer!r} is not one estimate knows; {hint}use one of {names}"
         )
     return name
+
+
+def _not_a_name(optimizer: object, names: str) -> NoReturn:
+    """The error for an optimizer given as an object (an ``Optimizer``), named by its class
+    (its repr lists every parameter group) with the name that sizes it, where one does."""
+    kind = type(optimizer).__name__
+    guess = kind.lower()
+    if isinstance(optimizer, torch.optim.SGD):
+        momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
+        guess = "sgd-momentum" if momentum else "sgd"
+    hint = f" (here optimizer={guess!r})" if guess in _OPTIMIZERS else ""
+    raise DeviceSpecError(
+        f"optimizer={kind}(...): give the optimizer's name as a string{hint}, one of {names}"
+    )
 
 
 def _refuse_lazy(model: nn.Module) -> None:
@@ -366,6 +378,7 @@ def estimate(
     try:
         name = _optimizer_name(optimizer)
         _refuse_non_model(model)
+        model = _uncompiled(model)
         if example_input is None:
             return _count(model, name, grads)
         if step not in _STEPS:
@@ -393,6 +406,16 @@ def _refuse_non_model(model: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TorchplaceError(f"sizes an nn.Module, not {type(model).__name__}; pass the model")
     _refuse_lazy(model)
+
+
+def _uncompiled(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile``'d model wraps (its ``_orig_mod``): it holds the same
+    parameters, and its step is the one measured (the compiled one cannot run on fake tensors
+    under torch's tracker: its gradients come out of compiled code, unseen)."""
+    inner = getattr(model, "_orig_mod", None)
+    while type(model).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
+        model, inner = inner, getattr(inner, "_orig_mod", None)
+    return model
 
 
 def _count(model: nn.Module, name: str | None, grads: bool) -> Estimate:
@@ -474,6 +497,13 @@ def _operator_error(model: nn.Module, step: str, failed: OperatorFailed) -> Torc
     said = f"{type(cause).__name__}: {first_line(cause)}" if cause is not None else "an error"
     kind = f" ({failed.type_name})" if failed.type_name is not None else ""
     where = f", in {display(failed.module)}{kind}" if failed.module is not None else ""
+    if real_kernel_refuses(cause):  # what the real kernel checks and the fake one does not
+        return TorchplaceError(
+            f"example_input: the {step} step of {type(model).__name__} cannot run on it: the "
+            f"operator {failed.op}{where} raises {said}, as its real kernel does; pass a batch "
+            "this model takes, as model(**batch) for a mapping, model(*batch) for a tuple, "
+            "else model(batch)"
+        )
     return TorchplaceError(
         f"example_input: the {step} step of {type(model).__name__} on fake tensors failed in "
         f"the operator {failed.op}{where}: {said}. If example_input is not a batch this model "

@@ -7,13 +7,16 @@ user's own forward then runs as written (autocast, activation checkpointing, hoo
 private ``MemTracker`` (``torch.distributed._tools.mem_tracker``, tried on torch 2.6, 2.13 and
 2.15) watches every storage the step makes and says what each holds: parameters, buffers,
 gradients, optimizer state, activations (made by the forward) and temporaries (made by the
-backward); a CUDA step also holds cuBLAS workspaces, which no tensor owns (``_workspace``).
+backward, and by the optimizer step and freed before it returns: ``_opt_step``); a CUDA step
+also holds cuBLAS workspaces, which no tensor owns (``_workspace``).
 
 A backward on fake CUDA tensors needs the CUDA runtime (a CPU-only build aborts the process),
 so a model on a device this machine cannot run, such as a fake ``cuda:0`` on a laptop, is run on
-``meta`` and its figures are reported under its own device. A model spread over several devices
-that cannot all run here, and a torch whose tracker is missing or differs from the one this
-was written against, raise ``Unmeasurable`` with the reason: ``estimate`` then counts instead.
+``meta`` and its figures are reported under its own device; its attention then runs the fused
+kernel that device would pick (``_attention``), where ``meta`` would run the math path. A
+model spread over several devices that cannot all run here, and a torch whose tracker is
+missing or differs from the one this was written against, raise ``Unmeasurable`` with the
+reason: ``estimate`` then counts instead.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import dataclasses
 import functools
 import logging
 import traceback
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -30,6 +34,9 @@ import torch
 from torch import nn
 
 from .._tree import iter_leaves, map_tensors
+from ._attention import FusedAttention
+from ._fake_checks import FakeChecks
+from ._opt_step import OptimizerStepBook
 from ._workspace import add_workspaces, note_matmul
 
 __all__ = [
@@ -71,6 +78,10 @@ _TRACKER_NEEDS = (
     "_update_peak_stats",
     "_pre_fw_hook",
     "__enter__",
+    "_track",
+    "_delete_callback",
+    "_track_optimizer_states",
+    "_update_snap",
 )
 
 
@@ -130,6 +141,8 @@ def _tracker_class() -> type:
             self.torchplace_stats: dict[str, Any] = {}  # module name -> its statistics
             self.torchplace_failed = FailedAt()
             self.torchplace_matmuls: set[tuple[torch.device, bool]] = set()
+            self.torchplace_checks = FakeChecks()
+            self.torchplace_step = OptimizerStepBook()
 
         def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
             super()._pre_fw_hook(module, inputs)
@@ -152,11 +165,38 @@ def _tracker_class() -> type:
         ) -> Any:
             run = _stand_in(func, args, kwargs)
             note_matmul(func, args, self.torchplace_matmuls)
+            if self._in_opt and not self.torchplace_step.started:
+                self.torchplace_step.start(self._curr_mem_snap, self.torchplace_most)
             try:
-                return super().__torch_dispatch__(run, types, args, kwargs)  # type: ignore[no-untyped-call]
+                self.torchplace_checks.before(func, args)
+                out = super().__torch_dispatch__(run, types, args, kwargs)  # type: ignore[no-untyped-call]
             except Exception:
                 self.torchplace_failed.note(func, self)
                 raise
+            self.torchplace_checks.after(func, args, kwargs, out)
+            self.torchplace_step.op += 1
+            return out
+
+        def _track(self, reftype: Any, t: torch.Tensor) -> None:
+            new = self._in_opt and None in _winfos(self, t)  # made by this operator
+            super()._track(reftype, t)
+            for winfo in _winfos(self, t) if new else ():
+                self.torchplace_step.note_made(winfo)
+
+        def _delete_callback(self, winfo: Any, w_st: Any) -> None:
+            super()._delete_callback(winfo, w_st)
+            self.torchplace_step.note_freed(winfo)
+
+        def _track_optimizer_states(self, reftype: Any, optimizer: Any) -> None:
+            super()._track_optimizer_states(reftype, optimizer)
+            if self._in_opt and self.torchplace_step.started:  # its step is over
+                try:
+                    _settle_step(self, optimizer)
+                except (AttributeError, KeyError, TypeError) as exc:  # the tracker changed
+                    raise Unmeasurable(
+                        f"torch {torch.__version__}'s MemTracker books the optimizer's step "
+                        f"otherwise ({type(exc).__name__}: {exc})"
+                    ) from exc
 
         def _update_peak_stats(self, peak_state: Any) -> None:
             try:
@@ -186,10 +226,51 @@ def _update_peaks(tracker: Any, peak_state: Any) -> None:
         if tracker._peak_mem.get(dev, 0) < snap[_TOTAL]:
             tracker._peak_mem[dev] = snap[_TOTAL]
             tracker._peak_mem_snap[dev] = dict(snap)
+            if tracker._in_opt:
+                tracker.torchplace_step.peaks[dev] = tracker.torchplace_step.op
         most = tracker.torchplace_most.setdefault(dev, {})
         for kind, nbytes in snap.items():
             if nbytes > most.get(kind, 0):
                 most[kind] = nbytes
+
+
+def _winfos(tracker: Any, t: torch.Tensor) -> list[Any]:
+    """The tracker's records of the storages of ``t``."""
+    from torch.distributed._tools.common_utils import get_untyped_storages
+
+    return [tracker._WINFO.get(st, (None, None))[0] for st in get_untyped_storages(t)]
+
+
+def _settle_step(tracker: Any, optimizer: torch.optim.Optimizer) -> None:
+    """Move what the optimizer step made and does not keep from its state to the
+    temporaries: in each device's peak inside the step, in the most each kind held at once,
+    and in what is held now (see ``_opt_step``)."""
+    from torch.distributed._tools.mem_tracker import _MemRefType, _UpdateType
+
+    book: OptimizerStepBook = tracker.torchplace_step
+    opt, temp = _MemRefType.OPT, _MemRefType.TEMP
+    kept = {
+        id(w)
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+        for w in _winfos(tracker, value)
+    }
+    temps = book.temporaries(kept)
+    for dev, snap in tracker._peak_mem_snap.items():
+        moved = book.at_peak(temps, dev)
+        snap[opt] -= moved
+        snap[temp] += moved
+    for winfo, made in temps:
+        if made.freed is None and winfo.reftype == opt:
+            winfo.reftype = temp
+            tracker._update_snap(_UpdateType.REF, winfo, old_reftype=opt)
+    for dev, most in tracker.torchplace_most.items():
+        held_before, opt_before = book.before.get(dev, (0, 0))
+        most[temp] = max(most.get(temp, 0), held_before + book.most_at_once(temps, dev))
+        now = tracker._curr_mem_snap.get(dev, {}).get(opt, 0)
+        most[opt] = max(opt_before, now)
+    book.started = False
 
 
 class OperatorFailed(Exception):
@@ -547,14 +628,16 @@ def _measure(
 
     foreach = True if any(d.type != "cpu" for d in where) else None  # as on an accelerator
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with _quiet_failed_operators(), mode, _swapped(model, where):
+    with _quiet_failed_operators(), _compiled_unwrapped(model), mode, _swapped(model, where):
         batch = _fake_batch(example_input, run, mode)
         opt = _optimizer(model, optimizer, foreach) if train else None
         tracker = _tracker_class()()
         tracker.torchplace_failed = failed
         _skip_frozen(tracker, model)
-        tracker.track_external(model, *(t for _, t in iter_leaves(batch, "example_input")))
-        with tracker:
+        inputs = (t for _, t in iter_leaves(batch, "example_input"))
+        tracker.track_external(model, *([opt] if opt is not None else []), *inputs)
+        fused = FusedAttention(label(run)) if run.type == "meta" else contextlib.nullcontext()
+        with tracker, _eager(), fused:
             _run(model, batch, opt, train)
         peaks = {
             label(dev): _by_kind(snap) for dev, snap in tracker.get_tracker_snapshot("peak").items()
@@ -565,6 +648,38 @@ def _measure(
             most=_most(tracker.torchplace_most),
             modules=_module_peaks(tracker, model, label),
         )
+
+
+@contextlib.contextmanager
+def _compiled_unwrapped(model: nn.Module) -> Iterator[None]:
+    """The model with each ``torch.compile``'d submodule replaced by the module it wraps
+    while the block runs (so the step and its module names are the eager model's), put back
+    however the block ends."""
+    saved: list[tuple[nn.Module, str, nn.Module]] = []
+    try:
+        for parent in list(model.modules()):
+            for name, child in list(parent._modules.items()):
+                inner = getattr(child, "_orig_mod", None)
+                compiled = type(child).__name__ == "OptimizedModule"
+                if child is not None and compiled and isinstance(inner, nn.Module):
+                    saved.append((parent, name, child))
+                    parent._modules[name] = inner
+        yield
+    finally:
+        for parent, name, child in reversed(saved):
+            parent._modules[name] = child
+
+
+@contextlib.contextmanager
+def _eager() -> Iterator[None]:
+    """Compiled code in the model (a ``torch.compile``'d layer or function) run eagerly, so the
+    tracker sees its operators, and without torch's warning that the tracker's global module
+    hooks fire twice around a compiled module (they do not: its ``_orig_mod`` is tracked)."""
+    stance = getattr(torch.compiler, "set_stance", None)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there")
+        with stance("force_eager") if stance is not None else contextlib.nullcontext():
+            yield
 
 
 class _DropTracebacks(logging.Filter):
