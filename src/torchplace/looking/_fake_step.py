@@ -113,6 +113,16 @@ class StepMeasure:
     modules: tuple[ModulePeak, ...]
 
 
+def _lacks(tracker: type) -> None:
+    """``Unmeasurable`` where torch's MemTracker lacks a method estimate uses."""
+    missing = [name for name in _TRACKER_NEEDS if not hasattr(tracker, name)]
+    if missing:
+        raise Unmeasurable(
+            f"torch {torch.__version__}'s MemTracker lacks {', '.join(missing)}, which estimate "
+            "uses"
+        )
+
+
 @functools.cache
 def _tracker_class() -> type:
     """torch's MemTracker, taught to keep the most each kind holds at once."""
@@ -123,12 +133,7 @@ def _tracker_class() -> type:
             f"torch {torch.__version__} has no torch.distributed._tools.mem_tracker.MemTracker "
             f"({type(exc).__name__}: {exc})"
         ) from None
-    missing = [name for name in _TRACKER_NEEDS if not hasattr(MemTracker, name)]
-    if missing:
-        raise Unmeasurable(
-            f"torch {torch.__version__}'s MemTracker lacks {', '.join(missing)}, which estimate "
-            "uses"
-        )
+    _lacks(MemTracker)
 
     class _Tracker(MemTracker):  # type: ignore[no-untyped-call]
         """MemTracker that also keeps the most each kind held at once, and updates the peaks
@@ -190,27 +195,26 @@ def _tracker_class() -> type:
         def _track_optimizer_states(self, reftype: Any, optimizer: Any) -> None:
             super()._track_optimizer_states(reftype, optimizer)
             if self._in_opt and self.torchplace_step.started:  # its step is over
-                try:
-                    _settle_step(self, optimizer)
-                except (AttributeError, KeyError, TypeError) as exc:  # the tracker changed
-                    raise Unmeasurable(
-                        f"torch {torch.__version__}'s MemTracker books the optimizer's step "
-                        f"otherwise ({type(exc).__name__}: {exc})"
-                    ) from exc
+                _settle_step(self, optimizer)
 
         def _update_peak_stats(self, peak_state: Any) -> None:
-            try:
-                _update_peaks(self, peak_state)
-            except (AttributeError, KeyError, TypeError) as exc:  # the tracker changed
-                raise Unmeasurable(
-                    f"torch {torch.__version__}'s MemTracker keeps its peaks otherwise "
-                    f"({type(exc).__name__}: {exc})"
-                ) from exc
+            _update_peaks(self, peak_state)
 
     return _Tracker
 
 
 def _update_peaks(tracker: Any, peak_state: Any) -> None:
+    """``_updated_peaks``; ``Unmeasurable`` where torch's tracker keeps its peaks otherwise."""
+    try:
+        _updated_peaks(tracker, peak_state)
+    except (AttributeError, KeyError, TypeError) as exc:  # the tracker changed
+        raise Unmeasurable(
+            f"torch {torch.__version__}'s MemTracker keeps its peaks otherwise "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def _updated_peaks(tracker: Any, peak_state: Any) -> None:
     """What MemTracker's ``_update_peak_stats`` does, for the running modules only, and the
     most each kind has held at once."""
     current = tracker._curr_mem_snap
@@ -242,6 +246,17 @@ def _winfos(tracker: Any, t: torch.Tensor) -> list[Any]:
 
 
 def _settle_step(tracker: Any, optimizer: torch.optim.Optimizer) -> None:
+    """``_settled_step``; ``Unmeasurable`` where torch's tracker books a step otherwise."""
+    try:
+        _settled_step(tracker, optimizer)
+    except (AttributeError, KeyError, TypeError) as exc:  # the tracker changed
+        raise Unmeasurable(
+            f"torch {torch.__version__}'s MemTracker books the optimizer's step "
+            f"otherwise ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+def _settled_step(tracker: Any, optimizer: torch.optim.Optimizer) -> None:
     """Move what the optimizer step made and does not keep from its state to the
     temporaries: in each device's peak inside the step, in the most each kind held at once,
     and in what is held now (see ``_opt_step``)."""
