@@ -150,7 +150,7 @@ class CheckpointWeights:
     ) -> Plan | None:
         """The hub-name conversion of the weights read (``state``), worked out once and kept
         while they and the module's weights keep their shapes and dtypes (a cast makes it
-        again): making it took 3-4 ms a read, most of a read of a small Mixtral layer. A plan
+        again): making it took about 4.5 ms of a small Mixtral layer's 7-8.5 ms read. A plan
         that runs transformers' own code (``Plan.computed``) holds the model, so it is not kept
         (the model holds this reader)."""
         made_for = (
