@@ -219,12 +219,12 @@ def _check_in_file(
     strict: bool,
 ) -> None:
     """Refuse, before anything is filled, a ``"disk"`` module whose weights the checkpoint does
-    not all hold in their shapes (found as its reader finds them: ``keys`` gives the model
-    names each file key fills, after ``rename`` and the hub-name conversion, that conversion's
-    plan, and the renamer), and with
-    ``strict``, keys under one that fill nothing: it would load without a word and fail on its
-    first call, blaming the file for changing or with torch's own shape error. A weight the file
-    lacks is refused with ``strict=False`` too: its module reads every weight from the file."""
+    not all hold in their shapes, and with ``strict``, keys under one that fill nothing: it
+    would load without a word and fail on its first call, blaming the file for changing or with
+    torch's own shape error. The weights are found as its reader finds them: ``keys`` gives the
+    model names each file key fills (after ``rename`` and the hub-name conversion), that
+    conversion's plan, and the renamer. A weight the file lacks is refused with
+    ``strict=False`` too: its module reads every weight from the file."""
     filled = keys[0]
     names = {n for targets in filled.values() for n in targets}
     wanted = _wanted(model, found, disk, names)
@@ -244,12 +244,12 @@ def _check_in_file(
         if not check.mismatched
         else ""
     )
-    problems = [f"shape mismatches: {listing([str(m) for m in check.mismatched])}"]
+    shapes = [str(m) for m in check.mismatched]
     raise does_not_fit(
         found.where,
         type(model).__name__,
         check,
-        problems if check.mismatched else [],
+        [f"shape mismatches: {listing(shapes)}"] if shapes else [],
         strict=True,
         fix=fix,
         shapes=None,
@@ -289,8 +289,8 @@ def _check_readable(
     wanted: Mapping[str, tuple[int, ...]],
 ) -> None:
     """Refuse a ``"disk"`` module whose weights the file cannot give one at a time, from their
-    byte ranges (a legacy torch file's, a quantized or sparse tensor's): its reads would fail
-    on each call."""
+    byte ranges (a legacy torch file's, a view with gaps): its reads would fail on each
+    call."""
     for key, targets in filled.items():
         entry = found.entries.get(key)
         mine = [t for t in targets if t in wanted]
