@@ -12,11 +12,13 @@ model back onto one device with these two.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import re
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, cast
 
@@ -684,7 +686,19 @@ class _NoMove:
     keeps them on ``meta``, goes through."""
 
     def __init__(self, model: nn.Module, units: list[Unit], previous: Any) -> None:
-        self.model, self.units, self.previous = model, units, previous
+        self.model = weakref.ref(model)  # the model holds this: no cycle through it
+        self.units, self.previous = units, previous
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _NoMove:
+        """The copy of a model (``copy.deepcopy`` keeps it in ``memo`` while copying) gets one
+        guarding the copy."""
+        model = self.model()
+        copied = memo.get(id(model)) if model is not None else None
+        new = _NoMove.__new__(_NoMove)
+        new.model = weakref.ref(copied if isinstance(copied, nn.Module) else model)  # type: ignore[arg-type]
+        new.units = copy.deepcopy(self.units, memo)
+        new.previous = copy.deepcopy(self.previous, memo)
+        return new
 
     def __call__(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         for unit in self.units:
@@ -704,7 +718,9 @@ class _NoMove:
             break
         if self.previous is not None:
             return self.previous(fn, recurse)
-        return type(self.model)._apply(self.model, fn, recurse)  # type: ignore[no-untyped-call]
+        model = self.model()
+        assert model is not None, "called through the model, which holds it"
+        return type(model)._apply(model, fn, recurse)  # type: ignore[no-untyped-call]
 
 
 def _guard_moves(model: nn.Module, disk: list[Unit]) -> None:
