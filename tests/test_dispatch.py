@@ -140,6 +140,39 @@ def test_dispatch_moves_keyword_and_nested_inputs() -> None:
 
 
 @pytest.mark.fake_cuda
+def test_a_forward_argument_that_is_a_generator_or_a_set_passes_as_it_is() -> None:
+    """A batch given to move refuses them; a model's own arguments are its business: the
+    hooks refused a generator keyword (found in review), which ran before."""
+    seen: list[Any] = []
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, names: Any = None) -> torch.Tensor:
+            seen.append(names if isinstance(names, (set, frozenset)) else list(names))
+            return self.lin(x)
+
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = Block(), Block()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x, names=(n for n in "pq")), names={"r", "s"})
+
+    torch.manual_seed(0)
+    model = Pair()
+    x = torch.randn(2, 4)
+    want = model(x)
+    seen.clear()
+    dispatch(model, {"a": "cpu", "b": "meta"})
+    out = model(x)
+    assert out.device.type == "meta" and out.shape == want.shape  # b ran on meta
+    assert seen == [["p", "q"], {"r", "s"}]
+
+
 def test_dispatch_output_returns_to_the_input_device_on_fake_cuda(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -299,13 +299,16 @@ def map_tensors(
     to: Callable[[Any], Any] | None = None,
     owner: Callable[[Any], Any] | None = None,
     root: str = "batch",
+    refuse: bool = True,
 ) -> Any:
     """Apply ``fn`` to every tensor in ``obj``, rebuilding only the containers that changed.
 
     ``to`` handles objects with their own ``.to`` method and ``owner`` modules and optimizers
     (both default to passing the object through). An exception from any of them is re-raised as
-    ``Located`` carrying the path of the object that failed; cycles, absurd nesting, a set or
-    dict view holding tensors and an iterator raise ``TorchplaceError`` naming the path.
+    ``Located`` carrying the path of the object that failed; cycles, absurd nesting and, with
+    ``refuse`` (a batch given to torchplace), a set or dict view holding tensors and an iterator
+    raise ``TorchplaceError`` naming the path. Without it (a model's own arguments, which
+    ``dispatch`` moves as they come) those pass as they are.
 
     No exception of torchplace's own is raised here with ``raise ... from``: the Dynamo of
     torch 2.11 fails inside itself setting the ``__cause__`` of a user's exception class
@@ -416,7 +419,7 @@ def map_tensors(
                         object.__setattr__(result, name, value)  # frozen dataclasses too
             else:
                 if kind == _REFUSED:
-                    if isinstance(node, Iterator) or _holds_tensors(node):
+                    if refuse and (isinstance(node, Iterator) or _holds_tensors(node)):
                         raise _Unwalkable(node)
                     return None
                 handler = to if kind == _TO else owner
@@ -507,8 +510,16 @@ def _a(cls: type) -> str:
 
 
 def _holds_tensors(items: Iterable[Any]) -> bool:
-    """Whether a set or dict view holds a tensor, at any depth."""
-    return any(isinstance(leaf, torch.Tensor) for item in items for _, leaf in iter_leaves(item))
+    """Whether a set or dict view holds a tensor, at any depth (items of plain types, the
+    usual set of strings, are passed without a walk of their own)."""
+    return any(
+        type(item) not in _PLAIN and isinstance(leaf, torch.Tensor)
+        for item in items
+        for _, leaf in (() if type(item) in _PLAIN else iter_leaves(item))
+    )
+
+
+_PLAIN = frozenset({str, int, float, bool, bytes, type(None)})
 
 
 def _set_fix(obj: Any) -> str:

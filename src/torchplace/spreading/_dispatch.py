@@ -79,7 +79,8 @@ def _to(obj: Any, dev: torch.device, *, keep_meta: bool = False, root: str = "in
         return t.to(dev)
 
     try:
-        return map_tensors(obj, one, to=lambda o: o.to(dev), root=root)
+        # a forward's own arguments: a generator or a set passes as it is (``refuse=False``)
+        return map_tensors(obj, one, to=lambda o: o.to(dev), root=root, refuse=False)
     except Located as located:
         if isinstance(located.cause, _MetaInput):
             raise _MetaInput(located.path(root)) from None
