@@ -570,6 +570,54 @@ def test_positions_beyond_a_learned_position_table_raise() -> None:
     assert fits.fallback is None and fits.activations > 0
 
 
+class _CastsUnderAutocast(nn.Module):
+    """A forward that casts its input to bfloat16 inside autocast: the real kernel gets both
+    operands cast, while on meta autocast does nothing (found in review)."""
+
+    def __init__(self, device: str | None = None) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.lin(x.to(torch.bfloat16))
+
+
+class _PositionsCut(nn.Module):
+    """Positions cut from a longer arange, or clamped in place, looked up in a short table:
+    each runs for real (found in review)."""
+
+    def __init__(self, how: str, device: str | None = None) -> None:
+        super().__init__()
+        self.how = how
+        self.table = nn.Embedding(16, 4, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.how == "slice":
+            positions = torch.arange(2048, device=x.device)[: x.shape[1]]
+        else:
+            positions = torch.arange(x.shape[1] + 8, device=x.device)  # 0..19
+            positions.clamp_(max=15)
+        return x + self.table(positions).sum()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        _CastsUnderAutocast,
+        lambda **kw: _PositionsCut("slice", **kw),
+        lambda **kw: _PositionsCut("clamp_", **kw),
+    ],
+    ids=["autocast", "sliced-positions", "clamped-positions"],
+)
+def test_what_runs_for_real_is_measured_on_a_skeleton_too(make: Any) -> None:
+    x = torch.randn(2, 12) if make is not _CastsUnderAutocast else torch.randn(2, 8)
+    make()(x)  # runs for real
+    for model in (make(), make(device="meta")):
+        found = estimate(model, example_input=x, step="forward")
+        assert found.fallback is None and found.peak > 0
+
+
 def test_an_input_the_model_cannot_take_logs_no_traceback_of_torch() -> None:
     # FakeTensorMode logs the failing operator with a full traceback at ERROR before it
     # re-raises; estimate's own error already carries torch's message, so the user saw the

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
 __all__ = ["FakeChecks", "real_kernel_refuses"]
@@ -35,7 +36,6 @@ _SAME_VALUES = frozenset(
         "expand",
         "lift_fresh",
         "reshape",
-        "slice",
         "squeeze",
         "t",
         "transpose",
@@ -67,10 +67,16 @@ class FakeChecks:
 
     def __init__(self) -> None:
         self.ranges: Any = WeakTensorKeyDictionary()  # tensor -> (least, most) value
+        self.autocast = False  # autocast was on where the running torch function was called
+
+    def seen(self) -> AutocastSeen:
+        """The mode that keeps ``autocast`` up to date while a step runs."""
+        return AutocastSeen(self)
 
     def before(self, func: Any, args: Any) -> None:
         name = _name(func)
-        if name in _ONE_DTYPE and getattr(func, "_overloadname", None) == "default":
+        one_dtype = name in _ONE_DTYPE and getattr(func, "_overloadname", None) == "default"
+        if one_dtype and not self.autocast:  # autocast casts them on the real device
             dtypes = list(dict.fromkeys(a.dtype for a in args if isinstance(a, torch.Tensor)))
             if len(dtypes) > 1:
                 said = " and ".join(str(d).removeprefix("torch.") for d in dtypes)
@@ -94,6 +100,8 @@ class FakeChecks:
         known = self._known(_name(func), args, kwargs or {})
         if known is not None:
             self.ranges[out] = known
+        elif out in self.ranges:  # changed in place (clamp_, add_, index_put_): not known now
+            del self.ranges[out]
 
     def _range(self, t: Any) -> tuple[int, int] | None:
         known: tuple[int, int] | None = self.ranges.get(t) if isinstance(t, torch.Tensor) else None
@@ -114,6 +122,31 @@ class FakeChecks:
             step = shift * alpha * (1 if name == "add" else -1)
             return prior[0] + step, prior[1] + step
         return None
+
+
+class AutocastSeen(TorchFunctionMode):
+    """Notes, for each torch function a step calls, whether autocast is on there: inside an
+    operator's dispatch (where the checks run) autocast reads as off."""
+
+    def __init__(self, checks: FakeChecks) -> None:
+        super().__init__()
+        self.checks = checks
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.checks.autocast = _autocasting()
+        return func(*args, **(kwargs or {}))
+
+
+def _autocasting() -> bool:
+    """Whether autocast is on for any device type: a real kernel's operands would be cast to
+    one dtype there, while on ``meta`` (where a fake step runs) autocast does nothing."""
+    for device_type in ("cpu", "cuda", "xpu", "mps"):
+        try:
+            if torch.is_autocast_enabled(device_type):
+                return True
+        except (RuntimeError, TypeError):  # a device type or a signature this torch lacks
+            continue
+    return False
 
 
 def _arange_range(args: Any) -> tuple[int, int] | None:

@@ -652,7 +652,7 @@ def _measure(
         inputs = (t for _, t in iter_leaves(batch, "example_input"))
         tracker.track_external(model, *([opt] if opt is not None else []), *inputs)
         fused = FusedAttention(label(run)) if run.type == "meta" else contextlib.nullcontext()
-        with tracker, _eager(), fused:
+        with tracker, _eager(), fused, tracker.torchplace_checks.seen():
             _run(model, batch, opt, train)
         peaks = {
             label(dev): _by_kind(snap) for dev, snap in tracker.get_tracker_snapshot("peak").items()
