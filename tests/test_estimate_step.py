@@ -824,7 +824,9 @@ def test_the_sdpa_kernel_follows_pytorchs_dispatch_rules() -> None:
     assert sdpa_kernel("cuda:0", f32, head=10) == "math"
     assert sdpa_kernel("cuda:0", bf16, head=12, attn_mask=mask) == "math"  # 8 in bfloat16
     assert sdpa_kernel("cuda:0", bf16, head=320) == "efficient"  # flash takes 256 at most
-    assert sdpa_kernel("cuda:0", f32, kv_heads=2, enable_gqa=True) == "efficient"
+    # grouped-query runs on flash or the math path only, on CUDA (found in review)
+    assert sdpa_kernel("cuda:0", f32, kv_heads=2, enable_gqa=True) == "math"
+    assert sdpa_kernel("cuda:0", bf16, kv_heads=2, enable_gqa=True, attn_mask=mask) == "math"
     assert sdpa_kernel("cuda:0", torch.float64) == "math"
     assert sdpa_kernel("cuda:0", f32, kv_heads=2) == "math"  # heads differ, gqa not asked
     for device in ("cpu", "meta"):
@@ -832,6 +834,16 @@ def test_the_sdpa_kernel_follows_pytorchs_dispatch_rules() -> None:
         assert sdpa_kernel(device, bf16, kv_heads=2, enable_gqa=True) == "cpu"
         assert sdpa_kernel(device, torch.float64, head=12) == "cpu"
         assert sdpa_kernel(device, f32, dropout_p=0.1) == "math"
+        # as torch._fused_sdp_choice picks on the CPU (found in review)
+        mask3 = torch.ones(1, 128, 128, dtype=torch.bool, device="meta")
+        assert sdpa_kernel(device, f32, attn_mask=mask3) == "math"
+    q = torch.empty(2, 8, 128, 64, device="meta")
+    one = torch.empty(1, 8, 128, 64, device="meta")  # a batch broadcast
+    none = torch.empty(2, 8, 0, 64, device="meta")  # no keys
+    from torchplace.looking import _attention
+
+    for k in (one, none):
+        assert _attention._kernel(torch.device("cpu"), _attention._arguments(q, k, k)) == "math"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with CUDA runs it on cuda:0")

@@ -16,7 +16,9 @@ The rules are PyTorch's dispatch (``sdp_utils``), as its documentation and sourc
 - CUDA (taken to be sm80 or later): the flash kernel for float16/bfloat16 without a mask, one
   head size of at most 256; else the memory-efficient kernel (float32 too, with a mask, query
   and key of one head size, head sizes a multiple of 8 elements in 16-bit dtypes, of 4 in
-  float32; grouped-query key and value taken as repeated per query head); else the math path.
+  float32; not grouped-query, which PyTorch runs on flash or the math path only); else the
+  math path. On either, a 3-d mask, no queries or keys, or a batch broadcast between query, key
+  and value take the math path, as PyTorch's own choice does.
   cuDNN attention, which PyTorch puts first on sm90/sm100 with a recent cuDNN, holds what flash
   holds (the output and a float32 statistic per query) and is not told apart.
 
@@ -61,6 +63,11 @@ def _kernel(target: torch.device, a: dict[str, Any]) -> str:
     same_heads = q.shape[1] == k.shape[1] == v.shape[1]
     if not same_heads and not a["gqa"]:
         return "math"  # the math path raises for it, as the fused ones do
+    mask = a["mask"]
+    if (mask is not None and mask.dim() not in (2, 4)) or 0 in (q.shape[-2], k.shape[-2]):
+        return "math"  # a 3-d mask, no queries or keys: the fused kernels refuse them
+    if not q.shape[0] == k.shape[0] == v.shape[0]:
+        return "math"  # a batch broadcast across query, key and value
     if target.type != "cuda":
         one_size = q.shape[-1] == k.shape[-1] == v.shape[-1]
         return "cpu" if q.dtype in _CPU_DTYPES and one_size and not a["dropout"] else "math"
@@ -70,6 +77,8 @@ def _kernel(target: torch.device, a: dict[str, Any]) -> str:
         and q.shape[-1] == k.shape[-1] == v.shape[-1] <= 256
     ):
         return "flash"
+    if not same_heads:
+        return "math"  # grouped-query runs on flash or the math path only, on CUDA
     align = 8 if q.dtype in _FLASH_CUDA_DTYPES else 4  # elements, on sm80 and later
     if (
         q.dtype in _EFFICIENT_CUDA_DTYPES
@@ -104,9 +113,6 @@ def _fused(kernel: str, a: dict[str, Any]) -> torch.Tensor:
     else:
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         mask = _additive(a["mask"], q.dtype)
-        if k.shape[1] != q.shape[1]:  # grouped-query: key and value repeated per query head
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         out = aten._scaled_dot_product_efficient_attention(
             q, k, v, mask, grad, a["dropout"], a["causal"], scale=scale
         )
