@@ -717,6 +717,22 @@ def test_a_model_with_disk_modules_compiles_and_matches_eager(
     assert loaded[2].weight.is_meta
 
 
+def test_compiling_a_model_with_disk_modules_whole_says_why_it_cannot(tmp_path: Any) -> None:
+    """fullgraph=True cannot hold the reads: the error said to remove torch.compiler.disable,
+    pointing into torchplace (found in review). torch 2.6's Dynamo does not give the reason."""
+    from torchplace._dynamo_compat import dynamo_supports
+
+    if not dynamo_supports("exceptions"):
+        pytest.skip("torch 2.6's Dynamo does not say a disabled function's reason")
+    torch.save(mlp(2).state_dict(), tmp_path / "m.pt")
+    loaded = torchplace.load_into(
+        torchplace.skeleton(mlp, 2), tmp_path / "m.pt", device_map={"": "cpu", "2": "disk"}
+    )
+    compiled = torch.compile(loaded, backend="eager", fullgraph=True)
+    with pytest.raises(Exception, match=r"compile without fullgraph=True"), torch.no_grad():
+        compiled(torch.randn(3, 8))
+
+
 @pytest.mark.slow
 def test_running_a_model_with_disk_modules_does_not_import_the_compiler(tmp_path: Any) -> None:
     """The hooks' guard against tracing is made only once torch.compile is loaded: importing

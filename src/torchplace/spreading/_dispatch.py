@@ -599,18 +599,27 @@ def _untraced(fn: _F) -> _F:
     around the call): ``torch.compiler.disable`` around it, made on the first call where the
     compiler is loaded (importing it takes 1.5-2 s, which a model that is never compiled does
     not pay); the attribute keeps the compiler from tracing into it before that."""
-    disabled: list[Callable[..., Any]] = []
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         if "torch._dynamo" not in sys.modules:
             return fn(*args, **kwargs)
-        if not disabled:
-            disabled.append(torch.compiler.disable(fn))  # type: ignore[no-untyped-call]
-        return disabled[0](*args, **kwargs)
+        disabled = _DISABLED.get(fn)
+        if disabled is None:
+            disabled = _DISABLED[fn] = torch.compiler.disable(fn)  # type: ignore[no-untyped-call]
+        return disabled(*args, **kwargs)
 
     call._torchdynamo_disable = True  # type: ignore[attr-defined]
+    call._torchdynamo_disable_msg = _UNTRACED  # type: ignore[attr-defined]  # fullgraph's error
     return cast(_F, call)
+
+
+_DISABLED: dict[Callable[..., Any], Callable[..., Any]] = {}  # made once torch.compile is loaded
+_UNTRACED = (
+    "torchplace: an offloaded module brings its weights in (from host memory or read from its "
+    "checkpoint) at each call, which no graph can hold; compile without fullgraph=True (its "
+    "hooks then run between the graphs), or gather the model with torchplace.move first"
+)
 
 
 class _Before:
