@@ -460,7 +460,7 @@ def test_moving_a_model_with_disk_modules_by_to_says_to_gather_it_and_moves_noth
         torchplace.skeleton(mlp, 2), tmp_path / "m.pt", device_map={"": "cpu", "2": "disk"}
     )
     first = loaded[0].weight
-    for move in (lambda: loaded.to("cpu"), loaded.cpu):
+    for move in (lambda: loaded.to("cpu"), loaded.cpu, loaded[2].cpu):  # the module itself too
         with pytest.raises(
             torchplace.TorchplaceError,
             match=r"model\.2 is offloaded to 'disk' .* torchplace\.move\(model, 'cpu'\).*nothing "

@@ -689,7 +689,7 @@ class _NoValues:
 
 
 class _NoMove:
-    """Stands in for ``_apply`` of a model with modules on disk (``.to()``, ``.cpu()`` and
+    """Stands in for ``_apply`` of a module on disk or above one (``.to()``, ``.cpu()`` and
     ``.cuda()`` go through it): a move of their ``meta`` placeholders failed deep in torch,
     with advice (``to_empty``) that loses the weights, and after the modules before them had
     moved. One placeholder is tried first, so that nothing moves; a cast (``.half()``), which
@@ -734,16 +734,21 @@ class _NoMove:
 
 
 def _guard_moves(model: nn.Module, disk: list[Unit]) -> None:
-    """``_NoMove`` on the model, where modules of it are on disk (``undispatch`` takes it
-    away)."""
-    if not disk:
-        return
-    installed = model.__dict__.get(MARK) or Installed(handles=[])
-    if not installed.wrapped_apply:
-        installed.previous_apply = model.__dict__.get("_apply")
-        installed.wrapped_apply = True
-    model.__dict__["_apply"] = _NoMove(model, disk, installed.previous_apply)
-    model.__dict__[MARK] = installed
+    """``_NoMove`` on each module on disk and on every module above one, the model's root
+    included, each trying the disk modules under it (``undispatch`` takes them away)."""
+    paths = {""} | {unit.path for unit in disk}
+    for unit in disk:
+        parts = unit.path.split(".")
+        paths.update(".".join(parts[:n]) for n in range(1, len(parts)))
+    for path in paths if disk else ():
+        module = model.get_submodule(path)
+        under = [u for u in disk if not path or u.path == path or u.path.startswith(f"{path}.")]
+        installed = module.__dict__.get(MARK) or Installed(handles=[])
+        if not installed.wrapped_apply:
+            installed.previous_apply = module.__dict__.get("_apply")
+            installed.wrapped_apply = True
+        module.__dict__["_apply"] = _NoMove(module, under, installed.previous_apply)
+        module.__dict__[MARK] = installed
 
 
 def _hook_units(units: list[Unit], window: int, transport: Transport) -> None:
