@@ -26,6 +26,17 @@ _KEYWORDS = ("auto", "best", "gpu", "cpu", "meta", "cuda", "mps", "xpu")
 _NAMES = {"cuda": "CUDA", "mps": "MPS", "xpu": "XPU"}
 
 
+def faking() -> bool:
+    """Whether fake tensors are being made now (a ``FakeTensorMode`` is active, as in
+    ``estimate``'s step or a compiler's trace): their devices are stand-ins, and real bytes
+    cannot be written into them."""
+    try:
+        from torch._guards import detect_fake_mode
+    except ImportError:  # a torch without it has no fake tensors either
+        return False
+    return detect_fake_mode() is not None
+
+
 def count_of(kind: str) -> int:
     """How many devices of an accelerator type this process can see (0 when none)."""
     try:

@@ -281,6 +281,19 @@ _WRAPPERS = {
 }
 
 
+def compiled_inner(module: object) -> nn.Module | None:
+    """The module a ``torch.compile``'d one wraps (its ``_orig_mod``), or None for any other
+    (recognised by name, as ``_WRAPPERS`` are: Dynamo is not imported for it)."""
+    cls = type(module)
+    if (cls.__module__, cls.__qualname__) not in _COMPILED:
+        return None
+    inner = getattr(module, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else None
+
+
+_COMPILED = {("torch._dynamo.eval_frame", "OptimizedModule")}
+
+
 def user_model(module: nn.Module) -> nn.Module:
     """The model inside wrappers (``torch.compile``, Fabric's ``setup``, DDP), so that reports
     name its tensors as the user's own model does (``encoder.weight``, not

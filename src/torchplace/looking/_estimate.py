@@ -28,7 +28,7 @@ from .._errors import (
     prefixed,
     user_stacklevel,
 )
-from .._model_walk import display
+from .._model_walk import compiled_inner, display
 from .._sizes import format_bytes as _format_bytes
 from .._tensor_size import nbytes_as
 from ._fake_checks import real_kernel_refuses
@@ -412,9 +412,8 @@ def _uncompiled(model: nn.Module) -> nn.Module:
     """The module a ``torch.compile``'d model wraps (its ``_orig_mod``): it holds the same
     parameters, and its step is the one measured (the compiled one cannot run on fake tensors
     under torch's tracker: its gradients come out of compiled code, unseen)."""
-    inner = getattr(model, "_orig_mod", None)
-    while type(model).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
-        model, inner = inner, getattr(inner, "_orig_mod", None)
+    while (inner := compiled_inner(model)) is not None:
+        model = inner
     return model
 
 

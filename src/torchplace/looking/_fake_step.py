@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._model_walk import compiled_inner
 from .._tree import iter_leaves, map_tensors
 from ._attention import FusedAttention
 from ._fake_checks import FakeChecks
@@ -674,9 +675,8 @@ def _compiled_unwrapped(model: nn.Module) -> Iterator[None]:
     try:
         for parent in list(model.modules()):
             for name, child in list(parent._modules.items()):
-                inner = getattr(child, "_orig_mod", None)
-                compiled = type(child).__name__ == "OptimizedModule"
-                if child is not None and compiled and isinstance(inner, nn.Module):
+                inner = compiled_inner(child)
+                if child is not None and inner is not None:
                     saved.append((parent, name, child))
                     parent._modules[name] = inner
         yield

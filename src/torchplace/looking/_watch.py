@@ -53,7 +53,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .._devices import available, normalize
+from .._devices import available, faking, normalize
 from .._devices import device as _existing
 from .._errors import DeviceUnavailableError, TorchplaceError
 from .._sizes import format_bytes
@@ -461,7 +461,7 @@ def _watched(spec: Any) -> torch.device:
     a clean step that was never watched. Under ``FakeTensorMode`` it need not exist (fake
     tensors say they are on it)."""
     dev = normalize(spec)
-    if dev.type in _NO_BOUNDARY or torch._guards.detect_fake_mode() is not None:
+    if dev.type in _NO_BOUNDARY or faking():
         return dev
     try:
         _existing(dev)

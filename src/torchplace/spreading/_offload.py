@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from .._devices import faking
 from .._errors import TorchplaceError
 from .._model_walk import display
 from ..moving._offloaded import DEFAULT_WINDOW, Home
@@ -146,7 +147,7 @@ class Ring:
         if i in self.attached:  # called again from inside itself: its weights are in place
             self.inner[i] = self.inner.get(i, 0) + 1
             return
-        if _faking():  # estimate's fake step: weights of their shapes where they run, no read
+        if faking():  # estimate's fake step: weights of their shapes where they run, no read
             fake = [torch.empty_like(p, device=unit.home.execution) for _, _, p in unit.slots]
             self.attached[i] = _swap_in(unit, fake)
             return
@@ -195,16 +196,6 @@ class Ring:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.lock, self.calls = threading.RLock(), threading.local()
-
-
-def _faking() -> bool:
-    """Whether fake tensors are being made (``FakeTensorMode``, as ``estimate`` runs a step):
-    a read then would write real bytes into fake memory."""
-    try:
-        from torch._guards import detect_fake_mode
-    except ImportError:  # a torch without it has no fake tensors either
-        return False
-    return detect_fake_mode() is not None
 
 
 def _swap_in(unit: Unit, tensors: list[torch.Tensor]) -> list[tuple[nn.Module, str, nn.Parameter]]:
