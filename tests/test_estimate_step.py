@@ -783,7 +783,11 @@ def test_a_skeletons_sdpa_is_the_cpus_fused_kernel(step: str, padded: bool) -> N
     cpu_row = next(r for r in on_cpu.peaks if r.device == CPU)
     kinds = ("parameters", "gradients", "activations", "temporaries", "inputs")
     assert [getattr(meta_row, k) for k in kinds] == [getattr(cpu_row, k) for k in kinds]
-    if step == "forward" and not padded:  # and the real step's allocator agrees
+    from torchplace.looking import _attention
+
+    # and the real step's allocator agrees, where the CPU runs its flash kernel for this
+    # grouped-query model (torch 2.6 runs the math path: the matrices are then real too)
+    if step == "forward" and not padded and _attention._cpu_flash_takes_grouped_query():
         with torch.no_grad():
             real = allocator_peak(lambda: model(**batch))
         held = sum(t.nbytes for t in (*model.parameters(), *model.buffers(), *batch.values()))
@@ -813,6 +817,8 @@ def sdpa_kernel(device: str, dtype: torch.dtype, **kwargs: Any) -> str:
 
 
 def test_the_sdpa_kernel_follows_pytorchs_dispatch_rules() -> None:
+    from torchplace.looking import _attention
+
     bf16, f32 = torch.bfloat16, torch.float32
     mask = torch.ones(128, 128, dtype=torch.bool, device="meta")
     assert sdpa_kernel("cuda:0", bf16, is_causal=True) == "flash"
@@ -831,7 +837,8 @@ def test_the_sdpa_kernel_follows_pytorchs_dispatch_rules() -> None:
     assert sdpa_kernel("cuda:0", f32, kv_heads=2) == "math"  # heads differ, gqa not asked
     for device in ("cpu", "meta"):
         assert sdpa_kernel(device, f32, attn_mask=mask) == "cpu"
-        assert sdpa_kernel(device, bf16, kv_heads=2, enable_gqa=True) == "cpu"
+        grouped = "cpu" if _attention._cpu_flash_takes_grouped_query() else "math"  # 2.6: math
+        assert sdpa_kernel(device, bf16, kv_heads=2, enable_gqa=True) == grouped
         assert sdpa_kernel(device, torch.float64, head=12) == "cpu"
         assert sdpa_kernel(device, f32, dropout_p=0.1) == "math"
         # as torch._fused_sdp_choice picks on the CPU (found in review)

@@ -12,7 +12,8 @@ The rules are PyTorch's dispatch (``sdp_utils``), as its documentation and sourc
 
 - CPU (and a skeleton on ``meta``, measured as a CPU runs it): the flash kernel for 4-d query,
   key and value of one head size in float32/64, bfloat16 or float16, with or without a mask,
-  causal or not, grouped-query or not; the math path with dropout.
+  causal or not, grouped-query where this torch's CPU kernel takes it (torch 2.6's does not);
+  the math path with dropout.
 - CUDA (taken to be sm80 or later): the flash kernel for float16/bfloat16 without a mask, one
   head size of at most 256; else the memory-efficient kernel (float32 too, with a mask, query
   and key of one head size, head sizes a multiple of 8 elements in 16-bit dtypes, of 4 in
@@ -27,6 +28,7 @@ A boolean mask is turned into an additive one in the query's dtype first, as PyT
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -70,7 +72,10 @@ def _kernel(target: torch.device, a: dict[str, Any]) -> str:
         return "math"  # a batch broadcast across query, key and value
     if target.type != "cuda":
         one_size = q.shape[-1] == k.shape[-1] == v.shape[-1]
-        return "cpu" if q.dtype in _CPU_DTYPES and one_size and not a["dropout"] else "math"
+        takes = same_heads or _cpu_flash_takes_grouped_query()
+        return (
+            "cpu" if q.dtype in _CPU_DTYPES and one_size and takes and not a["dropout"] else "math"
+        )
     if (
         q.dtype in _FLASH_CUDA_DTYPES
         and a["mask"] is None
@@ -88,6 +93,22 @@ def _kernel(target: torch.device, a: dict[str, Any]) -> str:
     ):
         return "efficient"
     return "math"
+
+
+@functools.cache
+def _cpu_flash_takes_grouped_query() -> bool:
+    """Whether this torch's CPU flash kernel takes grouped-query attention (torch 2.6's does
+    not: it runs the math path), as its own choice of kernel says for a tiny call."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # real tensors, even where a fake step has begun
+        q = torch.zeros(1, 2, 4, 8)
+        kv = torch.zeros(1, 1, 4, 8)
+        try:
+            choice = torch._fused_sdp_choice(q, kv, kv, enable_gqa=True)
+        except (AttributeError, RuntimeError, TypeError):  # a torch without it, or without gqa
+            return False
+    return bool(choice != 0)  # 0: the math path
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -127,6 +148,7 @@ class FusedAttention(TorchFunctionMode):
     def __init__(self, target: torch.device) -> None:
         super().__init__()
         self.target = target
+        _cpu_flash_takes_grouped_query()  # asked now, with real tensors, before the fake step
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}

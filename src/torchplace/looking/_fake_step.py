@@ -241,9 +241,19 @@ def _updated_peaks(tracker: Any, peak_state: Any) -> None:
 
 def _winfos(tracker: Any, t: torch.Tensor) -> list[Any]:
     """The tracker's records of the storages of ``t``."""
-    from torch.distributed._tools.common_utils import get_untyped_storages
+    return [tracker._WINFO.get(st, (None, None))[0] for st in _storages_of(t)]
 
-    return [tracker._WINFO.get(st, (None, None))[0] for st in get_untyped_storages(t)]
+
+def _storages_of(t: torch.Tensor) -> Any:
+    """The untyped storages of ``t`` as torch's tracker finds them: a function of its own in
+    later releases, a static method of its ``_WeakRefInfo`` in torch 2.6."""
+    try:
+        from torch.distributed._tools.common_utils import get_untyped_storages
+    except ImportError:
+        from torch.distributed._tools.mem_tracker import _WeakRefInfo
+
+        get_untyped_storages = getattr(_WeakRefInfo, "get_untyped_storages")  # noqa: B009
+    return get_untyped_storages(t)
 
 
 def _settle_step(tracker: Any, optimizer: torch.optim.Optimizer) -> None:
