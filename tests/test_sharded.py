@@ -602,6 +602,35 @@ def _():
         raise AssertionError("ranks that read two versions loaded")
 
 
+@case("ranks-given-two-checkpoints-raise-and-one-file-spelt-two-ways-loads")
+def _():
+    import shutil
+
+    copy = os.path.join(folder, "net-copy.safetensors")
+    if rank == 0:
+        shutil.copy(os.path.join(folder, "net.safetensors"), copy)
+    dist.barrier()
+    model = fsdp(torchplace.skeleton(Net))
+    # each rank filled its shards from its own file, and the model mixed them without a word
+    path = os.path.join(folder, "net.safetensors") if rank == 0 else copy
+    try:
+        torchplace.load_into(model, path)
+    except CheckpointError as exc:
+        assert "the ranks of its mesh loaded different checkpoints (rank 0 read" in str(exc)
+        assert "net-copy.safetensors" in str(exc) and "Every rank raises" in str(exc), str(exc)
+    else:
+        raise AssertionError("ranks given two checkpoints loaded")
+    model = fsdp(torchplace.skeleton(Net))
+    spelt = "net.safetensors" if rank == 0 else os.path.join(".", "net.safetensors")
+    here = os.getcwd()
+    os.chdir(folder)
+    try:
+        torchplace.load_into(model, spelt)  # one file, however each rank spells it
+    finally:
+        os.chdir(here)
+    check_equal(model, reference, "loaded")
+
+
 @case("wrong-shape")
 def _():
     model = fsdp(torchplace.skeleton(Net))

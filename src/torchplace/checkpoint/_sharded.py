@@ -599,6 +599,7 @@ def _compared(model: nn.Module, meets: Meeting | None, mine: _Outcome) -> None:
             f"{first.failure}); this rank's shards are filled, so {name} is partly filled "
             "across ranks: every rank raises, so build it again once that is fixed"
         )
+    _refuse_other_sources(name, everyone)
     seen: dict[tuple[str, str], dict[tuple[int, ...], list[int]]] = {}
     for o in everyone:
         for path, *version in o.stamps:
@@ -614,6 +615,28 @@ def _compared(model: nn.Module, meets: Meeting | None, mine: _Outcome) -> None:
                 f"{path}: the ranks read different versions of it ({who}): it was rewritten "
                 f"between their reads, so {name} mixes two checkpoints. Every rank raises; "
                 "build the model again and load once the writer is done"
+            )
+
+
+def _refuse_other_sources(name: str, everyone: list[_Outcome]) -> None:
+    """``CheckpointError`` where ranks on one machine loaded different checkpoints (their
+    catalogs' files differ, told by device and inode, however a path spells them): each rank's
+    shards are filled from its own, and the model mixes them without a word."""
+    by_host: dict[str, dict[tuple[tuple[int, int], ...], list[_Outcome]]] = {}
+    for o in everyone:
+        files = tuple(sorted((device, inode) for _, _, _, inode, device, _ in o.stamps))
+        by_host.setdefault(o.host, {}).setdefault(files, []).append(o)
+    for sources in by_host.values():
+        if len(sources) > 1:
+            who = "; ".join(
+                f"rank {', '.join(str(o.rank) for o in read)} read "
+                f"{', '.join(path for path, *_ in read[0].stamps) or 'no file'}"
+                for read in sources.values()
+            )
+            raise CheckpointError(
+                f"{name}: the ranks of its mesh loaded different checkpoints ({who}), so "
+                f"{name} mixes them. Every rank raises; pass the same checkpoint on every rank, "
+                "build the model again and load it"
             )
 
 
