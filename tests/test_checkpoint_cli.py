@@ -1027,6 +1027,35 @@ def test_remap_of_a_save_pretrained_directory_writes_a_new_directory(
     assert torch.equal(loaded["b"], torch.arange(6.0).reshape(2, 3))
 
 
+def test_remap_of_a_hugging_face_cache_snapshot_writes_the_files_it_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every file of a cache snapshot links into ../../blobs: remap placed each shard by where
+    its link led and failed with a raw ValueError ("is not in the subpath")."""
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "rev"
+    blobs.mkdir()
+    snapshot.mkdir(parents=True)
+    torch.save({"a": torch.ones(2)}, blobs / "b1")
+    torch.save({"b": torch.arange(3.0)}, blobs / "b2")
+    names = {"a": "model-00001-of-00002.bin", "b": "model-00002-of-00002.bin"}
+    (blobs / "b3").write_text(json.dumps({"weight_map": names}))
+    for blob, name in (("b1", names["a"]), ("b2", names["b"]), ("b3", "model.bin.index.json")):
+        (snapshot / name).symlink_to(Path("..", "..", "blobs", blob))
+    for source, out in ((snapshot, "out1"), (snapshot / "model.bin.index.json", "out2/")):
+        assert main(["remap", str(source), "--to", "meta", "-o", str(tmp_path / out)]) == 0
+        written = tmp_path / out.rstrip("/")
+        assert sorted(p.name for p in written.iterdir()) == sorted(
+            [*names.values(), "model.bin.index.json"]
+        )
+        assert not any(p.is_symlink() for p in written.iterdir())
+        loaded = load(written, "cpu")
+        assert torch.equal(loaded["b"], torch.arange(3.0)) and torch.equal(
+            loaded["a"], torch.ones(2)
+        )
+        assert {r.name: r.device for r in describe_file(written)} == {"a": "meta", "b": "meta"}
+    capsys.readouterr()
+
+
 def test_remap_of_a_directory_that_fails_leaves_no_directory_behind(tmp_path: Path) -> None:
     index = _sharded(tmp_path)
     (index.parent / "more" / "s3.bin").write_bytes(b"PK\x03\x04" + bytes(64))  # corrupt, last

@@ -44,7 +44,7 @@ from ._catalog import catalog, code_globals, describe_file, format_of, gc_paused
 from ._hub_names import hub_names_note
 from ._pickle_reader import TensorRecord, pickles_a_model
 from ._progress import progress_bar, wanted
-from ._source import as_path, resolve
+from ._source import as_path, resolve, shards
 
 __all__ = [
     "TensorRecord",
@@ -581,11 +581,15 @@ def _index_outputs(src: Path, dst: Path) -> tuple[Path, list[tuple[Path, Path, s
             raise CheckpointError(f"{dst}: its directory {dst.parent} does not exist")
     except OSError as exc:
         raise CheckpointError(f"{dst}: cannot be written ({exc.strerror or exc})") from exc
-    root = src.parent.resolve()
+    from ._index import weight_map
+
+    # each shard under the name the index spells (the file may be a link elsewhere, as every
+    # file of a Hugging Face cache snapshot is, into ../../blobs)
+    spelt = {path: name for name, path, _ in shards(src, weight_map(src))}
     outputs = []
     for shard_path, kind in catalog(src).kinds.items():  # every shard, its format found
-        out = dst.parent / shard_path.relative_to(root)
-        outputs.append((shard_path, out, kind))
+        if shard_path in spelt:
+            outputs.append((shard_path, dst.parent / os.path.normpath(spelt[shard_path]), kind))
     reading = {src.resolve(), *(shard for shard, _, _ in outputs)}
     for out in [dst, *(out for _, out, _ in outputs)]:
         if out.resolve() in reading:
