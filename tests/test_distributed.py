@@ -192,6 +192,18 @@ def test_collective_verify_without_a_process_group_says_to_call_setup(
         torchplace.distributed.verify(torch.nn.Linear(2, 2), "cpu")
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the device would be cuda:0")
+def test_collective_verify_refuses_a_group_that_is_not_one(outside_torchrun: None) -> None:
+    """group="world" raised AttributeError: 'str' object has no attribute 'size' on every rank."""
+    torchplace.distributed.setup(single_process=True)
+    try:
+        with pytest.raises(TorchplaceError, match=r"group='world' is not a process group"):
+            torchplace.distributed.verify(torch.nn.Linear(2, 2), "cpu", group="world")
+        torchplace.distributed.verify(torch.nn.Linear(2, 2), "cpu", group=dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_setup_hint_for_several_machines_names_a_c10d_rendezvous(outside_torchrun: None) -> None:
     """A static --rdzv-endpoint alone makes every machine think it is node 0."""
     with pytest.raises(TorchplaceError) as info:

@@ -287,6 +287,12 @@ def verify(obj: Any, device: Any, /, *, optimizer: Any = None, group: Any = None
             "initialized; call torchplace.distributed.setup() first, or use torchplace.verify "
             "in a single process"
         )
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TorchplaceError(
+            f"torchplace.distributed.verify(): group={group!r} is not a process group; pass "
+            "one made by torch.distributed.new_group (or a device mesh's get_group()), or leave "
+            "it out to check every rank"
+        )
     mine = _local_report(obj, device, optimizer)
     found: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(found, mine, group=group)
