@@ -15,7 +15,7 @@ from torch import nn
 
 import torchplace
 from helpers import DISCARDED_MASK, Net, X, reference, safetensors_torch, save, write_shards
-from torchplace._errors import CheckpointError
+from torchplace._errors import CheckpointError, DeviceSpecError
 from torchplace.checkpoint._checkpoint import load, load_into, skeleton
 
 
@@ -558,3 +558,23 @@ def test_transformers_model_round_trip(tmp_path: Path, kind: str, shard: bool) -
     ids = torch.tensor([[1, 5, 9, 3, 7]])
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+@pytest.mark.parametrize(
+    ("call", "option"),
+    [("load", "check_crc"), ("load", "mmap"), ("load", "progress"), ("load_into", "strict"),
+     ("load_into", "check_crc"), ("load_into", "mmap")],
+)  # fmt: skip
+def test_an_on_off_option_given_a_string_is_refused_by_name(
+    tmp_path: Path, call: str, option: str
+) -> None:
+    """check_crc="no" ran the check, strict="no" was strict: a string is true in Python."""
+    path = tmp_path / "w.pt"
+    torch.save({"weight": torch.ones(2, 2), "bias": torch.ones(2)}, path)
+    run: Any = (
+        (lambda: torchplace.load(path, **{option: "no"}))
+        if call == "load"
+        else (lambda: torchplace.load_into(torch.nn.Linear(2, 2), path, **{option: "no"}))
+    )
+    with pytest.raises(DeviceSpecError, match=rf"{option}='no' is not True.*{option}=False"):
+        run()

@@ -243,6 +243,25 @@ class CheckpointError(TorchplaceError):
         return {k: v for k, v in data.items() if v}
 
 
+def check_flags(call: str, /, *, optional: tuple[str, ...] = (), **flags: object) -> None:
+    """``DeviceSpecError`` naming the first of ``flags`` that is not ``True`` or ``False`` (or
+    ``None``, for those named in ``optional``): a string such as ``"no"`` is true in Python, so
+    it would turn an option on without a word.
+
+    >>> check_flags("load()", strict="no")
+    Traceback (most recent call last):
+    ...
+    torchplace.DeviceSpecError: load(): strict='no' is not True or False; pass strict=False ...
+    """
+    for name, value in flags.items():
+        if isinstance(value, bool) or (value is None and name in optional):
+            continue
+        allowed = "True, False or None" if name in optional else "True or False"
+        raise DeviceSpecError(
+            f"{call}: {name}={value!r} is not {allowed}; pass {name}=False or {name}=True"
+        )
+
+
 def prefixed(err: TorchplaceError, prefix: str) -> TorchplaceError:
     """``err`` again, its message led by ``prefix`` (an entry point's name), with its data
     (``missing``, ``path``, ``stragglers``, ...) kept: the wrapper's re-raise of its errors."""

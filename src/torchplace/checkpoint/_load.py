@@ -15,7 +15,7 @@ import torch
 
 from .._devices import DeviceSpec
 from .._devices import device as _device
-from .._errors import CheckpointError, user_stacklevel
+from .._errors import CheckpointError, check_flags, user_stacklevel
 from ._boxes import BoxReader, queue_box
 from ._catalog import (
     Catalog,
@@ -111,6 +111,8 @@ def load(
     shows it when stderr is a terminal and the checkpoint holds at least 2 GiB; ``True`` and
     ``False`` force it on or off. On many ranks only rank 0 shows it.
     """
+    check_flags("load()", mmap=mmap, trusted=trusted, check_crc=check_crc, progress=progress,
+                optional=("check_crc", "progress"))  # fmt: skip
     if isinstance(path, Mapping):
         raise CheckpointError(
             f"load() reads a checkpoint from its path, not a {type(path).__name__} already in "

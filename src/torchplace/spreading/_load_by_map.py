@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .._devices import DeviceSpec
-from .._errors import CheckpointError, DeviceSpecError, TorchplaceError, prefixed
+from .._errors import CheckpointError, DeviceSpecError, TorchplaceError, check_flags, prefixed
 from .._model_walk import display, walk_model
 from ..checkpoint._catalog import Catalog, catalog
 from ..checkpoint._checkpoint import load_into as fill
@@ -82,6 +82,8 @@ def load_into(
         CheckpointError: as the fill raises; a mapping source with ``"disk"`` in the map.
         DeviceSpecError: a bad map; ``device`` given with ``device_map``.
     """
+    check_flags("load_into()", strict=strict, mmap=mmap, check_crc=check_crc, progress=progress,
+                optional=("check_crc", "progress"))  # fmt: skip
     _refuse_offloaded(model)
     if device_map is None:
         if execution_device is not None:
