@@ -112,6 +112,30 @@ def test_a_safetensors_file_is_counted_by_dtype(
     assert status == 0 and "no step: no model code" in out and "float16" in out
 
 
+def test_a_training_checkpoint_counts_the_model_not_its_optimizer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A last.pt of {'model', 'optimizer', 'epoch'} was counted three times over: Adam's saved
+    state as parameters, then gradients and Adam's state again on top."""
+    model = torch.nn.Linear(100, 10)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 100)).sum().backward()
+    opt.step()
+    torch.save(model.state_dict(), tmp_path / "weights.pt")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "epoch": 1},
+               tmp_path / "last.pt")  # fmt: skip
+    reports = []
+    for name in ("weights.pt", "last.pt"):
+        status, out, _ = run(capsys, str(tmp_path / name), "--json", "--device", "cpu")
+        assert status == 0
+        reports.append(json.loads(out))
+    assert reports[1]["rows"] == reports[0]["rows"]
+    assert reports[1]["parameter_count"] == 1010
+    assert reports[1]["left_out"] == ["optimizer"] and reports[0]["left_out"] == []
+    status, out, _ = run(capsys, str(tmp_path / "last.pt"))
+    assert "the checkpoint's weights on cuda:0, leaving out its 'optimizer'" in out  # the default
+
+
 def test_a_config_transformers_cannot_build_names_its_architecture(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -108,7 +108,8 @@ def _run(args: argparse.Namespace) -> int:
         if (source / "config.json").is_file():
             found, extra = _from_config(source, args, device)
         else:
-            found, extra = _from_checkpoint(source, args, device), {"kind": "checkpoint"}
+            found, left_out = _from_checkpoint(source, args, device)
+            extra = {"kind": "checkpoint", "left_out": left_out}
     except TorchplaceError as exc:
         print(f"torchplace estimate: error: {exc}", file=sys.stderr)
         return 1
@@ -121,7 +122,9 @@ def _run(args: argparse.Namespace) -> int:
             f"{extra['seq']} tokens on {device}\n"
         )
     else:
-        print(f"{args.path}: the checkpoint's tensors on {device} (no step: no model code)\n")
+        kept = f", leaving out its {', '.join(map(repr, extra['left_out']))}"
+        kept = kept if extra["left_out"] else ""
+        print(f"{args.path}: the checkpoint's weights on {device}{kept} (no step: no model code)\n")
     print(found)
     return 0
 
@@ -214,13 +217,29 @@ def _from_config(
     return found, extra
 
 
-def _from_checkpoint(source: Path, args: argparse.Namespace, device: torch.device) -> Estimate:
-    """The checkpoint's tensors as fake parameters on ``device``, counted."""
+# The top-level keys of a training checkpoint that hold no weights of the model: its
+# optimizer's state (counted again from the weights, as gradients and the optimizer's copies)
+# and the training loop's own state.
+_NOT_WEIGHTS = frozenset(
+    {"optimizer", "optimizers", "optimizer_state", "optimizer_state_dict", "optimizer_states",
+     "optim", "opt", "scheduler", "lr_scheduler", "lr_schedulers", "scaler", "grad_scaler"}
+)  # fmt: skip
+
+
+def _from_checkpoint(
+    source: Path, args: argparse.Namespace, device: torch.device
+) -> tuple[Estimate, list[str]]:
+    """The checkpoint's weights as fake parameters on ``device``, counted, and what of a
+    training checkpoint was left out (its ``optimizer`` state: counted from the weights)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from ..checkpoint._catalog import catalog
 
-    records = [r for r in catalog(source).records() if r.shares is None]  # each storage once
+    every = [r for r in catalog(source).records() if r.shares is None]  # each storage once
+    records = [r for r in every if r.name.split(".", 1)[0] not in _NOT_WEIGHTS]
+    left_out = sorted(
+        {r.name.split(".", 1)[0] for r in every} - {r.name.split(".", 1)[0] for r in records}
+    )
     holder = nn.Module()
     with FakeTensorMode():
         for i, r in enumerate(records):
@@ -232,4 +251,4 @@ def _from_checkpoint(source: Path, args: argparse.Namespace, device: torch.devic
             holder.register_parameter(f"t{i}", nn.Parameter(fake, requires_grad=grad))
     train = args.step == "train"
     name = None if args.optimizer.strip().lower() == "none" or not train else args.optimizer
-    return estimate(holder, optimizer=name, grads=train)
+    return estimate(holder, optimizer=name, grads=train), left_out
