@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
+import torchplace
 from helpers import DISCARDED_MASK, Net, X, reference, save
 from torchplace.checkpoint._checkpoint import load, load_into, skeleton
 
@@ -137,3 +139,33 @@ def test_resume_optimizer_on_cuda(tmp_path: Path, flag: str) -> None:
     new_opt.zero_grad()
     resumed(X.cuda()).square().mean().backward()
     new_opt.step()  # would fail if step sat on the wrong device
+
+
+def test_the_way_back_from_meta_that_the_error_gives_keeps_a_tie_and_its_optimizer(
+    tmp_path: Any,
+) -> None:
+    """The error offered to_empty, then re-binding the optimizer: on a tied model to_empty
+    makes new, untied parameters, and the re-bind failed; the error now says which way keeps
+    them (load_into), and what to_empty asks for after it."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
+    model[1].weight = model[0].weight
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    torch.save(model.state_dict(), tmp_path / "m.pt")
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    torchplace.move(model, "meta", optimizer=opt)
+    with pytest.raises(torchplace.MoveError) as said:
+        torchplace.move(model, "cpu", optimizer=opt)
+    assert "load_into(model, checkpoint, 'cpu') (ties kept)" in str(said.value)
+    assert "to_empty makes new parameters" in str(said.value)
+    assert "after to_empty, which makes new parameters, build a new optimizer" in str(said.value)
+    torchplace.load_into(model, tmp_path / "m.pt", "cpu")  # the way that keeps them
+    opt.state.clear()
+    torchplace.move(model, "cpu", optimizer=opt)
+    torchplace.verify(model, "cpu", optimizer=opt)
+    assert model[1].weight is model[0].weight
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()  # the optimizer steps the model's own parameters
+    assert opt.param_groups[0]["params"][0] is model[0].weight

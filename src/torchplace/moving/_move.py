@@ -234,9 +234,10 @@ def _note_meta_optimizer_state(
         for v in entries.values()
     ):
         copier.meta_note = (
-            f". The optimizer's state on meta has no values either: once the weights are "
-            f"back, clear it with opt.state.clear() and re-bind the optimizer with "
-            f"torchplace.move(model, '{target}', optimizer=opt)"
+            f". The optimizer's state on meta has no values either: once load_into has put "
+            f"the weights back, clear it with opt.state.clear() and re-bind the optimizer with "
+            f"torchplace.move(model, '{target}', optimizer=opt) (after to_empty, which makes new "
+            "parameters, build a new optimizer instead)"
         )
 
 

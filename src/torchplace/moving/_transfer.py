@@ -173,8 +173,10 @@ def meta_message(name: str, target: torch.device) -> str:
             "move again. Nothing was moved"
         )
     return (
-        f"{head}; load its values with torchplace.load_into(model, checkpoint, '{target}') or "
-        f"allocate it with model.to_empty(device='{target}') and initialise it. Nothing was moved"
+        f"{head}; load its values with torchplace.load_into(model, checkpoint, '{target}') "
+        "(ties kept), or allocate it with "
+        f"model.to_empty(device='{target}') and initialise it (to_empty makes new parameters: "
+        "tie tied weights again, and build an optimizer anew on them). Nothing was moved"
     )
 
 
