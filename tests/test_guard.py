@@ -675,3 +675,12 @@ def test_guards_installed_and_removed_from_many_threads_leave_nothing() -> None:
         thread.join()
     assert errors == []
     assert Local.__dict__.get("forward") is original  # no wrapper left on the class
+
+
+def test_a_wrapped_model_is_named_as_the_user_names_it() -> None:
+    """A wrapper's attribute (DataParallel's module, torch.compile's _orig_mod, Fabric's
+    _forward_module) showed in the name, where report and stragglers leave it out."""
+    wrapped = torch.nn.DataParallel(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    with guard(wrapped), pytest.raises(DeviceMismatchError) as said:
+        wrapped(torch.ones(1, 2, device="meta"))
+    assert str(said.value).startswith("model.0 (Linear) got input[0] on meta"), said.value

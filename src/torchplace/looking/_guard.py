@@ -49,6 +49,7 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils.hooks import RemovableHandle
 
 from .._errors import DeviceMismatchError, TorchplaceError
+from .._model_walk import unwrapped
 from .._tree import read_attribute
 
 __all__ = ["Guard", "guard"]
@@ -154,8 +155,11 @@ class Guard:
 
     def _install(self) -> None:
         checks: list[tuple[_Check, str]] = []
+        _, prefix = unwrapped(self._model)  # torch.compile's, Fabric's, DDP's: not named
         try:
             for name, module in self._model.named_modules():
+                if prefix and f"{name}.".startswith(prefix):
+                    name = f"{name}."[len(prefix) :].rstrip(".")
                 path = f"model.{name}" if name else "model"
                 check = _Check.install(module, path)
                 if check is not None:
