@@ -134,6 +134,10 @@ def test_a_training_checkpoint_counts_the_model_not_its_optimizer(
     assert reports[1]["left_out"] == ["optimizer"] and reports[0]["left_out"] == []
     status, out, _ = run(capsys, str(tmp_path / "last.pt"))
     assert "the checkpoint's weights on cuda:0, leaving out its 'optimizer'" in out  # the default
+    # a model's own submodule named like a training loop's part is counted
+    torch.save({"scaler.weight": torch.ones(4, 4)}, tmp_path / "own.pt")
+    status, out, _ = run(capsys, str(tmp_path / "own.pt"), "--json", "--device", "cpu")
+    assert json.loads(out)["parameter_count"] == 16 and json.loads(out)["left_out"] == []
 
 
 def test_a_config_transformers_cannot_build_names_its_architecture(

@@ -219,7 +219,8 @@ def _from_config(
 
 # The top-level keys of a training checkpoint that hold no weights of the model: its
 # optimizer's state (counted again from the weights, as gradients and the optimizer's copies)
-# and the training loop's own state.
+# and the training loop's own state. Left out only where one of them holds an optimizer's
+# ``state`` (a model may have a submodule called ``scaler``).
 _NOT_WEIGHTS = frozenset(
     {"optimizer", "optimizers", "optimizer_state", "optimizer_state_dict", "optimizer_states",
      "optim", "opt", "scheduler", "lr_scheduler", "lr_schedulers", "scaler", "grad_scaler"}
@@ -236,7 +237,9 @@ def _from_checkpoint(
     from ..checkpoint._catalog import catalog
 
     every = [r for r in catalog(source).records() if r.shares is None]  # each storage once
-    records = [r for r in every if r.name.split(".", 1)[0] not in _NOT_WEIGHTS]
+    heads = {r.name.split(".", 1)[0] for r in every if ".state." in r.name}
+    training = bool(heads & _NOT_WEIGHTS)  # an optimizer's state beside the weights
+    records = [r for r in every if not training or r.name.split(".", 1)[0] not in _NOT_WEIGHTS]
     left_out = sorted(
         {r.name.split(".", 1)[0] for r in every} - {r.name.split(".", 1)[0] for r in records}
     )
