@@ -595,9 +595,12 @@ class _PositionsCut(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.how == "slice":
             positions = torch.arange(2048, device=x.device)[: x.shape[1]]
-        else:
+        elif self.how == "clamp_":
             positions = torch.arange(x.shape[1] + 8, device=x.device)  # 0..19
             positions.clamp_(max=15)
+        else:  # changed in place through a view of it: 0..9, 0..9
+            positions = torch.arange(20, device=x.device)
+            positions[10:] -= 10
         return x + self.table(positions).sum()
 
 
@@ -607,15 +610,36 @@ class _PositionsCut(nn.Module):
         _CastsUnderAutocast,
         lambda **kw: _PositionsCut("slice", **kw),
         lambda **kw: _PositionsCut("clamp_", **kw),
+        lambda **kw: _PositionsCut("view", **kw),
     ],
-    ids=["autocast", "sliced-positions", "clamped-positions"],
+    ids=["autocast", "sliced-positions", "clamped-positions", "positions-changed-by-a-view"],
 )
-def test_what_runs_for_real_is_measured_on_a_skeleton_too(make: Any) -> None:
+@pytest.mark.parametrize("step", ["forward", "train"])
+def test_what_runs_for_real_is_measured_on_a_skeleton_too(make: Any, step: str) -> None:
     x = torch.randn(2, 12) if make is not _CastsUnderAutocast else torch.randn(2, 8)
-    make()(x)  # runs for real
+    make()(x).sum().backward()  # runs for real, forward and backward
     for model in (make(), make(device="meta")):
-        found = estimate(model, example_input=x, step="forward")
+        found = estimate(model, example_input=x, step=step, optimizer="sgd")
         assert found.fallback is None and found.peak > 0
+
+
+def test_a_product_autocast_does_not_cast_is_still_refused() -> None:
+    """CPU autocast casts linear and matmul, not mv: mixed dtypes there fail for real (the
+    first fix for autocast let every product through while it was on)."""
+
+    class Mv(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(4, 4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return torch.mv(self.w, x.to(torch.bfloat16))
+
+    with pytest.raises(RuntimeError, match=r"same dtype|expected scalar type"):  # 2.6: the latter
+        Mv()(torch.ones(4))
+    with pytest.raises(TorchplaceError, match=r"aten.mv.default.*different dtypes"):
+        estimate(Mv(), example_input=torch.ones(4), step="forward")
 
 
 def test_an_input_the_model_cannot_take_logs_no_traceback_of_torch() -> None:
@@ -851,6 +875,23 @@ def test_the_sdpa_kernel_follows_pytorchs_dispatch_rules() -> None:
 
     for k in (one, none):
         assert _attention._kernel(torch.device("cpu"), _attention._arguments(q, k, k)) == "math"
+
+
+def test_the_cpus_grouped_query_answer_does_not_depend_on_where_it_is_first_asked() -> None:
+    """Asked first under ``with torch.device("meta")`` or a math-only ``sdpa_kernel``, the
+    probe said no, and kept it: a later skeleton's attention was sized 150x (found in
+    review)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from torchplace.looking import _attention
+
+    q, kv = torch.zeros(1, 2, 4, 8), torch.zeros(1, 1, 4, 8)
+    expected = torch._fused_sdp_choice(q, kv, kv, enable_gqa=True) != 0  # asked plainly
+    for context in (torch.device("meta"), sdpa_kernel([SDPBackend.MATH])):
+        _attention._cpu_flash_takes_grouped_query.cache_clear()
+        with context:
+            assert _attention._cpu_flash_takes_grouped_query() == expected
+    _attention._cpu_flash_takes_grouped_query.cache_clear()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine with CUDA runs it on cuda:0")

@@ -100,10 +100,14 @@ def _cpu_flash_takes_grouped_query() -> bool:
     """Whether this torch's CPU flash kernel takes grouped-query attention (torch 2.6's does
     not: it runs the math path), as its own choice of kernel says for a tiny call."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    with unset_fake_temporarily():  # real tensors, even where a fake step has begun
-        q = torch.zeros(1, 2, 4, 8)
-        kv = torch.zeros(1, 1, 4, 8)
+    # real CPU tensors, with every kernel allowed, whatever the caller's context (a fake step
+    # begun, ``with torch.device("meta")``, an ``sdpa_kernel`` of its own): the answer is kept
+    every = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    with unset_fake_temporarily(), sdpa_kernel(every):
+        q = torch.zeros(1, 2, 4, 8, device="cpu")
+        kv = torch.zeros(1, 1, 4, 8, device="cpu")
         try:
             choice = torch._fused_sdp_choice(q, kv, kv, enable_gqa=True)
         except (AttributeError, RuntimeError, TypeError):  # a torch without it, or without gqa

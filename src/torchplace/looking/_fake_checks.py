@@ -66,8 +66,8 @@ class FakeChecks:
     ``after`` it (noting the range of values an output is known to hold)."""
 
     def __init__(self) -> None:
-        self.ranges: Any = WeakTensorKeyDictionary()  # tensor -> (least, most) value
-        self.autocast = False  # autocast was on where the running torch function was called
+        self.ranges: Any = WeakTensorKeyDictionary()  # tensor -> (least, most, its version)
+        self.cast = False  # the running torch function is one autocast casts the operands of
 
     def seen(self) -> AutocastSeen:
         """The mode that keeps ``autocast`` up to date while a step runs."""
@@ -76,7 +76,9 @@ class FakeChecks:
     def before(self, func: Any, args: Any) -> None:
         name = _name(func)
         one_dtype = name in _ONE_DTYPE and getattr(func, "_overloadname", None) == "default"
-        if one_dtype and not self.autocast:  # autocast casts them on the real device
+        # not where autocast casts the operands on the real device (on meta it does nothing),
+        # nor in the backward, whose operands are the forward's, let through there
+        if one_dtype and not self.cast and torch._C._current_autograd_node() is None:
             dtypes = list(dict.fromkeys(a.dtype for a in args if isinstance(a, torch.Tensor)))
             if len(dtypes) > 1:
                 said = " and ".join(str(d).removeprefix("torch.") for d in dtypes)
@@ -99,13 +101,15 @@ class FakeChecks:
             return
         known = self._known(_name(func), args, kwargs or {})
         if known is not None:
-            self.ranges[out] = known
-        elif out in self.ranges:  # changed in place (clamp_, add_, index_put_): not known now
-            del self.ranges[out]
+            self.ranges[out] = (*known, out._version)
 
     def _range(self, t: Any) -> tuple[int, int] | None:
-        known: tuple[int, int] | None = self.ranges.get(t) if isinstance(t, torch.Tensor) else None
-        return known
+        """What ``t`` is known to hold, while it is unchanged: a change in place, through any
+        view of its storage (``clamp_``, ``pos[10:] -= 10``), moves its version on."""
+        held = self.ranges.get(t) if isinstance(t, torch.Tensor) else None
+        if held is None or held[2] != t._version:
+            return None
+        return held[0], held[1]
 
     def _known(self, name: str, args: Any, kwargs: dict[str, Any]) -> tuple[int, int] | None:
         first = args[0] if args else None
@@ -124,29 +128,45 @@ class FakeChecks:
         return None
 
 
+# The torch functions whose operands autocast casts to its lower precision, by device type
+# (PyTorch's autocast op lists; CUDA's holds the CPU's and a few more, other types take the
+# CPU's): the products among them see operands of one dtype on the real device.
+_CAST_ON_CPU = frozenset(
+    {"linear", "matmul", "__matmul__", "__rmatmul__", "mm", "bmm", "baddbmm", "addmm", "addbmm",
+     "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+     "prelu", "scaled_dot_product_attention"}
+)  # fmt: skip
+_CAST = {
+    "cpu": _CAST_ON_CPU,
+    "cuda": _CAST_ON_CPU | {"mv", "addmv", "addr", "einsum", "chain_matmul", "multi_dot"},
+}
+
+
 class AutocastSeen(TorchFunctionMode):
-    """Notes, for each torch function a step calls, whether autocast is on there: inside an
-    operator's dispatch (where the checks run) autocast reads as off."""
+    """Notes, for each torch function a step calls, whether autocast casts its operands there:
+    inside an operator's dispatch (where the checks run) autocast reads as off."""
 
     def __init__(self, checks: FakeChecks) -> None:
         super().__init__()
         self.checks = checks
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.checks.autocast = _autocasting()
+        name = getattr(func, "__name__", "")
+        self.checks.cast = any(name in _CAST.get(t, _CAST_ON_CPU) for t in _autocasting())
         return func(*args, **(kwargs or {}))
 
 
-def _autocasting() -> bool:
-    """Whether autocast is on for any device type: a real kernel's operands would be cast to
-    one dtype there, while on ``meta`` (where a fake step runs) autocast does nothing."""
+def _autocasting() -> list[str]:
+    """The device types autocast is on for: a real kernel's operands would be cast to one dtype
+    there, while on ``meta`` (where a fake step runs) autocast does nothing."""
+    on = []
     for device_type in ("cpu", "cuda", "xpu", "mps"):
         try:
             if torch.is_autocast_enabled(device_type):
-                return True
+                on.append(device_type)
         except (RuntimeError, TypeError):  # a device type or a signature this torch lacks
             continue
-    return False
+    return on
 
 
 def _arange_range(args: Any) -> tuple[int, int] | None:
