@@ -611,13 +611,17 @@ def _():
         shutil.copy(os.path.join(folder, "net.safetensors"), copy)
     dist.barrier()
     model = fsdp(torchplace.skeleton(Net))
-    # each rank filled its shards from its own file, and the model mixed them without a word
+    # each rank filled its shards from its own file, and a model from two checkpoints would
+    # mix them without a word: a copy cannot be told from another checkpoint unread
     path = os.path.join(folder, "net.safetensors") if rank == 0 else copy
     try:
         torchplace.load_into(model, path)
     except CheckpointError as exc:
-        assert "the ranks of its mesh loaded different checkpoints (rank 0 read" in str(exc)
+        assert "the ranks of its mesh on one machine read different files (rank 0 read" in str(
+            exc
+        )
         assert "net-copy.safetensors" in str(exc) and "Every rank raises" in str(exc), str(exc)
+        assert "cannot tell without reading both" in str(exc), str(exc)
     else:
         raise AssertionError("ranks given two checkpoints loaded")
     model = fsdp(torchplace.skeleton(Net))

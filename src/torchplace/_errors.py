@@ -246,7 +246,8 @@ class CheckpointError(TorchplaceError):
 def check_flags(call: str, /, *, optional: tuple[str, ...] = (), **flags: object) -> None:
     """``DeviceSpecError`` naming the first of ``flags`` that is not ``True`` or ``False`` (or
     ``None``, for those named in ``optional``): a string such as ``"no"`` is true in Python, so
-    it would turn an option on without a word.
+    it would turn an option on without a word. What equals one of them (``0``, ``1``, NumPy's
+    booleans), as torch's own options take, passes.
 
     >>> check_flags("load()", strict="no")
     Traceback (most recent call last):
@@ -256,10 +257,21 @@ def check_flags(call: str, /, *, optional: tuple[str, ...] = (), **flags: object
     for name, value in flags.items():
         if isinstance(value, bool) or (value is None and name in optional):
             continue
+        if not isinstance(value, (str, bytes)) and _is_flag(value):
+            continue
         allowed = "True, False or None" if name in optional else "True or False"
         raise DeviceSpecError(
             f"{call}: {name}={value!r} is not {allowed}; pass {name}=False or {name}=True"
         )
+
+
+def _is_flag(value: object) -> bool:
+    """Whether ``value`` equals ``True`` or ``False`` as one plain truth (``0``, ``1``,
+    ``numpy.bool_``), without raising."""
+    try:
+        return any(bool(value == flag) for flag in (True, False))
+    except Exception:  # an object whose == raises, or gives no single truth
+        return False
 
 
 def prefixed(err: TorchplaceError, prefix: str) -> TorchplaceError:

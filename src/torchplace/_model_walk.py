@@ -272,8 +272,9 @@ def user_attributes(module: nn.Module) -> list[tuple[str, Any]]:
 
 # Wrappers that hold the user's model and nothing of their own, by (module, class) name so that
 # torch._dynamo and Lightning are never imported to recognise them: the attribute holding it.
+_COMPILED = ("torch._dynamo.eval_frame", "OptimizedModule")  # torch.compile(model)
 _WRAPPERS = {
-    ("torch._dynamo.eval_frame", "OptimizedModule"): "_orig_mod",  # torch.compile(model)
+    _COMPILED: "_orig_mod",
     ("lightning_fabric.wrappers", "_FabricModule"): "_forward_module",  # fabric.setup(model)
     ("lightning.fabric.wrappers", "_FabricModule"): "_forward_module",
     ("torch.nn.parallel.distributed", "DistributedDataParallel"): "module",
@@ -285,13 +286,10 @@ def compiled_inner(module: object) -> nn.Module | None:
     """The module a ``torch.compile``'d one wraps (its ``_orig_mod``), or None for any other
     (recognised by name, as ``_WRAPPERS`` are: Dynamo is not imported for it)."""
     cls = type(module)
-    if (cls.__module__, cls.__qualname__) not in _COMPILED:
+    if (cls.__module__, cls.__qualname__) != _COMPILED:
         return None
-    inner = getattr(module, "_orig_mod", None)
+    inner = getattr(module, _WRAPPERS[_COMPILED], None)
     return inner if isinstance(inner, nn.Module) else None
-
-
-_COMPILED = {("torch._dynamo.eval_frame", "OptimizedModule")}
 
 
 def user_model(module: nn.Module) -> nn.Module:

@@ -619,24 +619,28 @@ def _compared(model: nn.Module, meets: Meeting | None, mine: _Outcome) -> None:
 
 
 def _refuse_other_sources(name: str, everyone: list[_Outcome]) -> None:
-    """``CheckpointError`` where ranks on one machine loaded different checkpoints (their
-    catalogs' files differ, told by device and inode, however a path spells them): each rank's
-    shards are filled from its own, and the model mixes them without a word."""
+    """``CheckpointError`` where ranks on one machine read different files (told by device and
+    inode, however a path spells them): copies or not, torchplace cannot tell without reading
+    both, and where they differ the model mixes them. Ranks that read the same paths, one file
+    rewritten between their reads, are left to the comparison of versions."""
     by_host: dict[str, dict[tuple[tuple[int, int], ...], list[_Outcome]]] = {}
     for o in everyone:
         files = tuple(sorted((device, inode) for _, _, _, inode, device, _ in o.stamps))
         by_host.setdefault(o.host, {}).setdefault(files, []).append(o)
     for sources in by_host.values():
-        if len(sources) > 1:
+        paths = {tuple(sorted(p for p, *_ in read[0].stamps)) for read in sources.values()}
+        if len(sources) > 1 and len(paths) > 1:
             who = "; ".join(
                 f"rank {', '.join(str(o.rank) for o in read)} read "
                 f"{', '.join(path for path, *_ in read[0].stamps) or 'no file'}"
                 for read in sources.values()
             )
             raise CheckpointError(
-                f"{name}: the ranks of its mesh loaded different checkpoints ({who}), so "
-                f"{name} mixes them. Every rank raises; pass the same checkpoint on every rank, "
-                "build the model again and load it"
+                f"{name}: the ranks of its mesh on one machine read different files ({who}). "
+                "Copies or not, torchplace cannot tell without reading both, and where they "
+                f"differ {name} mixes two checkpoints. Every rank raises; give every rank on a "
+                "machine the same file (links and bind mounts of one file count as one), build "
+                "the model again and load it"
             )
 
 
