@@ -513,9 +513,10 @@ def _holds_tensors(items: Iterable[Any]) -> bool:
     """Whether a set or dict view holds a tensor, at any depth (items of plain types, the
     usual set of strings, are passed without a walk of their own)."""
     return any(
-        type(item) not in _PLAIN and isinstance(leaf, torch.Tensor)
+        isinstance(leaf, torch.Tensor)
         for item in items
-        for _, leaf in (() if type(item) in _PLAIN else iter_leaves(item))
+        if type(item) not in _PLAIN
+        for _, leaf in iter_leaves(item)
     )
 
 

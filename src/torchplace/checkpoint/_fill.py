@@ -768,9 +768,7 @@ class _Fit:
     ) -> list[str]:
         """What stops the load besides keys: mis-shaped tensors, tied weights saved with two
         values, a module's refusal, values with no data, buffers no checkpoint holds."""
-        problems = []
-        if self.check.mismatched:
-            problems.append(f"shape mismatches: {listing([str(m) for m in self.check.mismatched])}")
+        problems = self.check.shape_problems()
         if conflicts:
             drop = conflicts[0][1]
             problems.append(

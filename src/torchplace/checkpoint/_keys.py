@@ -91,6 +91,12 @@ class KeyCheck:
     def mismatched_names(self) -> list[str]:
         return [m.name for m in self.mismatched]
 
+    def shape_problems(self) -> list[str]:
+        """The problem the mis-shaped tensors make, as every fill says it (none: empty)."""
+        if not self.mismatched:
+            return []
+        return [f"shape mismatches: {listing([str(m) for m in self.mismatched])}"]
+
     def listed_missing(self) -> list[str]:
         """The missing tensors as messages list them, ties noted."""
         return [str(m) for m in self.missing]

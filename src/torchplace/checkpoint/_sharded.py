@@ -55,7 +55,7 @@ from ._catalog import Catalog, Entry, Stamp, catalog
 from ._conversions import Fused, Plan, conversion_plan, fused_boxes
 from ._keys import check_keys, does_not_fit, matches_nothing, no_data_buffers
 from ._load import warn_unchecked_safetensors
-from ._mismatch import left_on_meta, listing
+from ._mismatch import left_on_meta
 from ._plan_items import Box
 from ._progress import reporting
 from ._reader import check_records
@@ -672,9 +672,7 @@ def _checked_plan(
         (slot, entries[present[0]] if present else next(fused[n] for n in slot.names if n in fused))
         for slot, present in check.matched
     ]
-    problems = []
-    if check.mismatched:
-        problems.append(f"shape mismatches: {listing([str(m) for m in check.mismatched])}")
+    problems = check.shape_problems()
     if strict and meta_transient:
         problems.append(no_data_buffers(meta_transient, named, None))
     shapes = (  # what the key lists mean, weighed by shapes

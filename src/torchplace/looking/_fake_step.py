@@ -28,7 +28,7 @@ import logging
 import traceback
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -204,15 +204,22 @@ def _tracker_class() -> type:
     return _Tracker
 
 
+@contextlib.contextmanager
+def _tracker_changed(does: str) -> Iterator[None]:
+    """``Unmeasurable`` where torch's private tracker ``does`` it otherwise than the block
+    expects (an attribute, a key or a signature of it changed)."""
+    try:
+        yield
+    except (AttributeError, KeyError, TypeError) as exc:
+        raise Unmeasurable(
+            f"torch {torch.__version__}'s MemTracker {does} otherwise ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
 def _update_peaks(tracker: Any, peak_state: Any) -> None:
     """``_updated_peaks``; ``Unmeasurable`` where torch's tracker keeps its peaks otherwise."""
-    try:
+    with _tracker_changed("keeps its peaks"):
         _updated_peaks(tracker, peak_state)
-    except (AttributeError, KeyError, TypeError) as exc:  # the tracker changed
-        raise Unmeasurable(
-            f"torch {torch.__version__}'s MemTracker keeps its peaks otherwise "
-            f"({type(exc).__name__}: {exc})"
-        ) from exc
 
 
 def _updated_peaks(tracker: Any, peak_state: Any) -> None:
@@ -241,30 +248,27 @@ def _updated_peaks(tracker: Any, peak_state: Any) -> None:
 
 def _winfos(tracker: Any, t: torch.Tensor) -> list[Any]:
     """The tracker's records of the storages of ``t``."""
-    return [tracker._WINFO.get(st, (None, None))[0] for st in _storages_of(t)]
+    return [tracker._WINFO.get(st, (None, None))[0] for st in _storages_of()(t)]
 
 
-def _storages_of(t: torch.Tensor) -> Any:
-    """The untyped storages of ``t`` as torch's tracker finds them: a function of its own in
-    later releases, a static method of its ``_WeakRefInfo`` in torch 2.6."""
+@functools.cache
+def _storages_of() -> Callable[[torch.Tensor], Any]:
+    """How torch's tracker finds the untyped storages of a tensor: a function of its own in
+    later releases, a static method of its ``_WeakRefInfo`` in torch 2.6 (found once: it is
+    asked for each tensor the optimizer's step makes)."""
     try:
         from torch.distributed._tools.common_utils import get_untyped_storages
     except ImportError:
         from torch.distributed._tools.mem_tracker import _WeakRefInfo
 
         get_untyped_storages = getattr(_WeakRefInfo, "get_untyped_storages")  # noqa: B009
-    return get_untyped_storages(t)
+    return cast(Callable[[torch.Tensor], Any], get_untyped_storages)
 
 
 def _settle_step(tracker: Any, optimizer: torch.optim.Optimizer) -> None:
     """``_settled_step``; ``Unmeasurable`` where torch's tracker books a step otherwise."""
-    try:
+    with _tracker_changed("books the optimizer's step"):
         _settled_step(tracker, optimizer)
-    except (AttributeError, KeyError, TypeError) as exc:  # the tracker changed
-        raise Unmeasurable(
-            f"torch {torch.__version__}'s MemTracker books the optimizer's step "
-            f"otherwise ({type(exc).__name__}: {exc})"
-        ) from exc
 
 
 def _settled_step(tracker: Any, optimizer: torch.optim.Optimizer) -> None:

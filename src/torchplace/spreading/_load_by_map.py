@@ -24,7 +24,6 @@ from ..checkpoint._catalog import Catalog, catalog
 from ..checkpoint._checkpoint import load_into as fill
 from ..checkpoint._conversions import Plan
 from ..checkpoint._keys import KeyCheck, Mismatch, Missing, does_not_fit
-from ..checkpoint._mismatch import listing
 from ..checkpoint._opened import one_open_each
 from ..checkpoint._rename import Rename, as_renamer
 from ..checkpoint._source import PathLike
@@ -246,12 +245,11 @@ def _check_in_file(
         if not check.mismatched
         else ""
     )
-    shapes = [str(m) for m in check.mismatched]
     raise does_not_fit(
         found.where,
         type(model).__name__,
         check,
-        [f"shape mismatches: {listing(shapes)}"] if shapes else [],
+        check.shape_problems(),
         strict=True,
         fix=fix,
         shapes=None,
