@@ -459,7 +459,9 @@ def test_rename_as_a_dict_drops_keys_whose_pattern_maps_to_none(tmp_path: Path) 
     )
     assert all(torch.equal(p, sd[n]) for n, p in model.named_parameters())
     # Before the prefix is taken off, "^head\." matches nothing: the key stays, unexpected.
-    with pytest.raises(CheckpointError, match=r"unexpected keys: head\.weight;"):
+    with pytest.raises(
+        CheckpointError, match=r"unexpected keys \(as rename= names them\): head\.weight;"
+    ):
         load_into(skeleton(Net), path, rename={r"^head\.": None, r"^module\.": "", "step": None})
     with pytest.raises(TorchplaceError, match=r"replacements \(str, or None.*'x': 3"):
         load_into(skeleton(Net), path, rename={"x": 3})  # type: ignore[dict-item]

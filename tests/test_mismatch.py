@@ -4,6 +4,7 @@ checkpoint) that work when followed as written."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -204,3 +205,59 @@ def test_a_long_key_list_points_to_the_error_that_holds_it_whole() -> None:
     with pytest.raises(CheckpointError, match=r"and 6 more.*CheckpointError\.missing") as info:
         load_into(model, {f"x{i}": torch.ones(1) for i in range(3)})
     assert len(info.value.missing) == 16
+
+
+def test_a_rename_that_drops_every_key_is_said_so(tmp_path: Path) -> None:
+    """Where the caller's ``rename=`` drops every key, the error says so, not that the file
+    holds none."""
+    path = save(reference().state_dict(), tmp_path / "w.pt")
+    held = len(reference().state_dict())
+    for strict in (True, False):
+        with pytest.raises(CheckpointError) as e:
+            load_into(skeleton(Net), path, strict=strict, rename=lambda k: None)
+        text = str(e.value)
+        assert f"rename= dropped all {held} of the file's keys (it returned None" in text
+        assert "holds none" not in text
+
+
+def test_a_hint_under_rename_changes_the_rename_given(tmp_path: Path) -> None:
+    """The keys a hint speaks of are the ones ``rename=`` gave: the fix is a change to that
+    rename (which, made as said, loads), not another ``rename=`` that would replace it."""
+    sd = reference().state_dict()
+    path = save({f"model.{k}": v for k, v in sd.items()}, tmp_path / "lightning.pt")
+
+    def mine(key: str) -> str:
+        return "x." + key.removeprefix("model.")  # a rename that is wrong: adds "x."
+
+    with pytest.raises(CheckpointError) as e:
+        load_into(skeleton(Net), path, rename=mine)
+    text = str(e.value)
+    assert re.search(r"unexpected keys \(as rename= names them\): x\.\w+", text)
+    assert (
+        r"""the file's keys, as rename= names them, carry an extra prefix 'x.': have the """
+        r"""rename= given drop it too, as {r"^x\.": ""} would after what it does now"""
+    ) in text
+    assert "torchplace.load_into(model" not in text
+    model = load_into(skeleton(Net), path, rename=lambda k: mine(k).removeprefix("x."))
+    assert all(torch.equal(p, sd[n]) for n, p in model.named_parameters())
+    # A misspelling the rename made: the rule offered is one more step of that rename.
+    with pytest.raises(CheckpointError) as e:
+        load_into(skeleton(Net), path, rename=lambda k: k.replace("model.body", "bdy"))
+    assert "spell 'bdy' where the model has 'body': have the rename= given rename them" in str(
+        e.value
+    )
+
+
+# Importing Dynamo fresh (torch.compile's first use in a process) may warn of torch.jit.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_a_wrapper_prefix_alone_is_no_rename_given(tmp_path: Path) -> None:
+    """A compiled model takes its file through the model inside, torchplace taking the
+    wrapper's prefix off: with no ``rename=`` given, the hint is the plain call."""
+    sd = reference().state_dict()
+    path = save({f"x.{k}": v for k, v in sd.items()}, tmp_path / "w.pt")
+    compiled = torch.compile(skeleton(Net))
+    with pytest.raises(CheckpointError) as e:
+        load_into(compiled, path)
+    text = str(e.value)
+    assert "as rename= names them" not in text
+    assert r"""drop it as they load, torchplace.load_into(model, """ in text

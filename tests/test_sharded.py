@@ -1054,3 +1054,26 @@ def test_a_channels_last_one_by_one_convolution_beside_shards_is_filled(
     assert model[1].weight is weight and weight.stride() == (8, 1, 8, 8)
     assert torch.equal(weight, saved[1].weight) and torch.equal(model[1].bias, saved[1].bias)
     assert torch.equal(model[0].weight.to_local(), saved[0].weight.detach()[:1])  # rank 0 of 4
+
+
+def test_a_sharded_fill_says_what_rename_did_to_the_keys(
+    fake_world: object, tmp_path: Path
+) -> None:
+    """The sharded fill's key errors speak of the keys as ``rename=`` gave them, as the plain
+    fill's do: a rename that drops every key is said so, and a hint changes that rename."""
+    from torch.distributed.fsdp import fully_shard
+
+    path = tmp_path / "m.safetensors"
+    save_file({"weight": torch.randn(10, 3), "bias": torch.randn(10)}, str(path))
+    with torch.device("meta"):
+        model = torch.nn.Linear(3, 10)
+    fully_shard(model, mesh=fake_world)
+    model.to_empty(device="cpu")
+    with pytest.raises(CheckpointError, match=r"rename= dropped all 2 of the file's keys"):
+        torchplace.load_into(model, path, rename=lambda k: None)
+    with pytest.raises(
+        CheckpointError,
+        match=r"unexpected keys \(as rename= names them\): x\.bias, x\.weight; .*have the "
+        r"rename= given drop it too",
+    ):
+        torchplace.load_into(model, path, rename=lambda k: "x." + k)

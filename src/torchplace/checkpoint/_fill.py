@@ -62,7 +62,7 @@ from ._opened import one_open_each
 from ._plan_items import Assembled, Part
 from ._progress import reporting, wanted
 from ._reader import DTypeWish
-from ._rename import Rename, as_renamer, guarded, renamed
+from ._rename import Rename, as_renamer, given, guarded, not_given, renamed
 from ._skeleton import ModuleT, swap
 from ._source import PathLike, resolve
 from ._statedict import (
@@ -308,6 +308,7 @@ class _Read:
     read_on: torch.device
     renamer: Callable[[str], str | None] | None
     from_memory: bool
+    given_rename: bool  # the caller gave rename= (not only a wrapper's prefix taken off)
 
 
 def _read_source(
@@ -322,6 +323,7 @@ def _read_source(
     """``load_into``'s source read (a file) or taken as it is (a mapping) for ``model``."""
     target = None if device is None else _device(device)
     renamer = None if rename is None else as_renamer(rename)
+    given_rename = rename is not None and given(rename)
     from_memory = isinstance(source, Mapping)
     # A directory's model file: messages name the file read, not its directory.
     p: Path | str = "the state dict given to load_into" if from_memory else resolve(source)
@@ -345,7 +347,9 @@ def _read_source(
             check_crc=check_crc,
             progress=progress,
         )
-    return _Read(p, state, assembled, rest, slots, target, read_on, renamer, from_memory)
+    return _Read(
+        p, state, assembled, rest, slots, target, read_on, renamer, from_memory, given_rename
+    )
 
 
 def _read_file(
@@ -383,6 +387,7 @@ def _fit_and_fill(model: nn.Module, read: _Read, *, strict: bool) -> nn.Module:
     p, state, renamer, slots = read.p, read.state, read.renamer, read.slots
     loadable, transient, extra = slots.loadable, slots.transient, slots.extra_state
     check_state_dict(p, model, state, loadable)
+    held = len(state) if read.given_rename else None  # what messages say rename= kept
     if renamer is not None:
         state = renamed(str(p), state, renamer)
     plan = read.rest
@@ -409,7 +414,17 @@ def _fit_and_fill(model: nn.Module, read: _Read, *, strict: bool) -> nn.Module:
     }
     lacking = plan.lacking if plan is not None else None
     fit = _Fit(
-        p, model, seen, loadable, transient, extra, read.read_on, strict, file_shapes, lacking
+        p,
+        model,
+        seen,
+        loadable,
+        transient,
+        extra,
+        read.read_on,
+        strict,
+        file_shapes,
+        lacking,
+        renamed=held,
     )
     prepared = _prepare(fit, read.target, copy=read.from_memory)
     return _apply(fit, prepared, extra, seen.own)
@@ -425,7 +440,7 @@ def _without_prefix(prefix: str, rename: Rename | None) -> Rename:
         name = key if first is None else first(key)
         return None if name is None else name.removeprefix(prefix)
 
-    return renamer
+    return renamer if first is not None else not_given(renamer)
 
 
 def _check_source(source: object) -> None:
@@ -704,6 +719,7 @@ class _Fit:
         strict: bool,
         file_shapes: Mapping[str, tuple[int, ...]] | None = None,
         lacking: Mapping[str, tuple[str, ...]] | None = None,
+        renamed: int | None = None,
     ) -> None:
         self.p, self.model, self.strict, self.transient = p, model, strict, transient
         # What key hints weigh: a rename is suggested only where the shapes agree.
@@ -724,6 +740,7 @@ class _Fit:
         check = check_keys(
             loadable, own, _held, takes_any_shape=lambda s: is_lazy(s.tensor), lacking=lacking
         )
+        check.renamed = renamed  # the keys as the caller's rename= gave them, if it gave one
         self.plan, empty, conflicts = _values(check, own, read_on)
         check.add_missing(k for k in extra if k not in own)
         check.add_missing(seen.missing)  # what pre-hooks reported

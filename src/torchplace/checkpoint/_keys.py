@@ -71,12 +71,14 @@ Held = tuple[tuple[int, ...], bool] | str
 class KeyCheck:
     """What ``check_keys`` found: each model tensor the source fills (``matched``: the slot and
     every name the source holds it under, in the slot's order), what it lacks, holds besides,
-    and holds in another shape."""
+    and holds in another shape. ``renamed``: where ``rename=`` was given, how many keys the
+    source held before it (its keys above are as the rename gives them)."""
 
     matched: list[tuple[Slot, list[str]]]
     missing: list[Missing]
     unexpected: list[str]
     mismatched: list[Mismatch]
+    renamed: int | None = None
 
     @property
     def missing_names(self) -> list[str]:
@@ -192,6 +194,16 @@ def no_data_buffers(names: list[str], p: Path | str, device: str | None) -> str:
     )
 
 
+_AS_RENAMED = " (as rename= names them)"
+
+
+def _kept_none(held: int) -> str:
+    """Said where ``rename=`` dropped every one of the ``held`` keys of the source."""
+    if held == 1:
+        return "rename= dropped the file's one key (it returned None for it)"
+    return f"rename= dropped all {held} of the file's keys (it returned None for each)"
+
+
 def matches_nothing(
     p: Path | str,
     model_name: str,
@@ -202,9 +214,15 @@ def matches_nothing(
     """The error for ``strict=False`` where not one of the source's keys fits the model
     (``named``: how a suggested call names the source, if not as ``p``)."""
     unexpected = check.unexpected
-    held = f"the file has {listing(unexpected, 5)}" if unexpected else "the file holds none"
+    if unexpected:
+        held = f"the file has{_AS_RENAMED * (check.renamed is not None)} {listing(unexpected, 5)}"
+    elif check.renamed:
+        held = _kept_none(check.renamed)
+    else:
+        held = "the file holds none"
     said = p if named is None else named
-    hint = keys_hint(said, check.missing_names, unexpected, shapes, check.tied_names)
+    renamed = check.renamed is not None
+    hint = keys_hint(said, check.missing_names, unexpected, shapes, check.tied_names, renamed)
     return CheckpointError(
         f"{p}: not one of its keys matches {model_name}, so strict=False would load nothing: "
         f"the model has {listing(check.listed_missing(), 5)}; {held}{hint}"
@@ -239,12 +257,15 @@ def does_not_fit(
     keys = []
     if strict and missing:
         keys.append(f"missing keys: {listing([str(m) for m in missing])}")
+    renamed = check.renamed is not None
     if strict and unexpected:
-        keys.append(f"unexpected keys: {listing(unexpected)}")
+        keys.append(f"unexpected keys{_AS_RENAMED * renamed}: {listing(unexpected)}")
+    elif strict and missing and check.renamed and not check.matched:
+        keys.append(_kept_none(check.renamed))
     names = [m.name for m in missing]
     tied = {n for m in missing for n in m.tied}
     said = p if named is None else named
-    hint = keys_hint(said, names, unexpected, shapes, tied) if strict else ""
+    hint = keys_hint(said, names, unexpected, shapes, tied, renamed) if strict else ""
     cut = [
         attribute
         for attribute, items in (

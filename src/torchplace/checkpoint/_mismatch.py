@@ -58,14 +58,18 @@ def keys_hint(
     unexpected: list[str],
     shapes: Shapes | None = None,
     tied: set[str] | None = None,
+    renamed: bool = False,
 ) -> str:
     """Says when the file's keys differ from the model's by one prefix (``module.`` from DDP),
     else which look misspelt (``_typo_hint``).
 
     The prefix must account for every missing key, so that a file of another model whose keys
     merely end alike (``emb.weight`` against ``weight``) gets no false hint. ``tied``: the
-    other names of missing tied tensors, any of which the file may hold.
+    other names of missing tied tensors, any of which the file may hold. ``renamed``: the
+    file's keys are as the caller's ``rename=`` gives them, so a fix changes that rename rather
+    than passing another.
     """
+    keys = "the file's keys, as rename= names them," if renamed else "the file's keys"
     names = missing
     if not names or not unexpected:
         return ""
@@ -74,10 +78,10 @@ def keys_hint(
     if u is not None:
         extra = u[: len(u) - len(names[0])]
         if all(extra + n in files for n in names):
+            rule = f'{{{as_pattern("^" + re.escape(extra))}: ""}}'
             return (
-                f"; the file's keys carry an extra prefix {extra!r}: drop it as they load, "
-                f"torchplace.load_into(model, {source_name(p)}, "
-                f'rename={{{as_pattern("^" + re.escape(extra))}: ""}})'
+                f"; {keys} carry an extra prefix {extra!r}: "
+                f"{_rename_fix(p, rule, renamed, 'drop it')}"
             )
     # A wrapper's prefix on every key of the file, where the names under it are not the model's
     # own (a transformers model converts a file's hub names: they match no missing name).
@@ -85,22 +89,32 @@ def keys_hint(
         if all(k.startswith(wrapper) for k in unexpected) and not any(
             n.startswith(wrapper) for n in names
         ):
+            rule = f'{{{as_pattern("^" + re.escape(wrapper))}: ""}}'
+            every = "every key of the file" + ", as rename= names it," * renamed
             return (
-                f"; every key of the file starts with {wrapper!r}, the prefix {adds} adds to the "
-                f"model it wraps: drop it as they load, torchplace.load_into(model, "
-                f'{source_name(p)}, rename={{{as_pattern("^" + re.escape(wrapper))}: ""}})'
+                f"; {every} starts with {wrapper!r}, the prefix {adds} adds to the "
+                f"model it wraps: {_rename_fix(p, rule, renamed, 'drop it')}"
             )
     m = next((n for n in names if n.endswith(unexpected[0]) and n != unexpected[0]), None)
     if m is not None:
         prefix = m[: len(m) - len(unexpected[0])]
         if all(prefix + k in set(names) for k in unexpected):
+            same = ", rename=<the same rename>" if renamed else ""
             return (
                 f"; the model's keys carry a prefix {prefix!r} the file lacks: load into that "
                 f"part of the model, torchplace.load_into(model.get_submodule("
-                f"{prefix.rstrip('.')!r}), {source_name(p)})"
+                f"{prefix.rstrip('.')!r}), {source_name(p)}{same})"
             )
     # A tied parameter is missing under every one of its names, any of which a file may hold.
-    return _typo_hint(p, names, unexpected, tied or set(), shapes)
+    return _typo_hint(p, names, unexpected, tied or set(), shapes, renamed)
+
+
+def _rename_fix(p: Path | str, rule: str, renamed: bool, act: str) -> str:
+    """The fix that does ``act`` by ``rule`` (a ``rename=`` dict, as Python) to the file's keys:
+    the call, or where the caller's own ``rename=`` gave the keys, the change to make to it."""
+    if renamed:
+        return f"have the rename= given {act} too, as {rule} would after what it does now"
+    return f"{act} as they load, torchplace.load_into(model, {source_name(p)}, rename={rule})"
 
 
 def _typo_hint(
@@ -109,22 +123,29 @@ def _typo_hint(
     unexpected: list[str],
     tied: set[str],
     shapes: Shapes | None = None,
+    renamed: bool = False,
 ) -> str:
     """Says which of the file's keys look like misspellings of the model's missing ones
     (``dcoder.0.weight`` for ``decoder.0.weight``), and when one part of the name is misspelt
-    alike in every key, the ``rename`` that fits them all."""
+    alike in every key, the ``rename`` that fits them all (``renamed``: as ``keys_hint``)."""
+    keys = "the file's keys, as rename= names them," if renamed else "the file's keys"
     pairs = _misspelt(missing, unexpected, shapes=shapes)
     if not pairs:
         return ""
     rule = _one_part_rule(pairs, unexpected, {*missing, *tied}, shapes)
     if rule is not None:
         pattern, replacement, wrong, right = rule
+        fit = f'{{{as_pattern(pattern)}: "{replacement}"}}'
         return (
-            f"; the file's keys spell {wrong!r} where the model has {right!r}: rename them as "
-            f"they load, torchplace.load_into(model, {source_name(p)}, "
-            f'rename={{{as_pattern(pattern)}: "{replacement}"}})'
+            f"; {keys} spell {wrong!r} where the model has {right!r}: "
+            f"{_rename_fix(p, fit, renamed, 'rename them')}"
         )
     shown = ", ".join(f"{key} for {name}" for key, name in pairs)
+    if renamed:
+        return (
+            f"; keys that look misspelt (the file's as rename= names them, for the model's): "
+            f"{shown}; correct the rename= given"
+        )
     return (
         f"; keys that look misspelt (the file's for the model's): {shown}; correct the names, "
         "or fit them as they load with rename= (a dict of regular expressions or a callable)"

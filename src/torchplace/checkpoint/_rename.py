@@ -10,12 +10,29 @@ from __future__ import annotations
 
 import collections
 import re
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Union
 
 from .._errors import CheckpointError, TorchplaceError
 
 Rename = Union[Callable[[str], Union[str, None]], Mapping[str, Union[str, None]]]  # noqa: UP007
+
+
+# Renames torchplace made itself where the caller gave none (a wrapper's prefix taken off):
+# messages then speak of the file's keys, not of a rename= the caller never passed.
+_NOT_GIVEN: weakref.WeakSet[Callable[[str], str | None]] = weakref.WeakSet()
+
+
+def not_given(rename: Callable[[str], str | None], /) -> Callable[[str], str | None]:
+    """``rename``, marked as torchplace's own (``given`` is False for it)."""
+    _NOT_GIVEN.add(rename)
+    return rename
+
+
+def given(rename: Rename, /) -> bool:
+    """Whether ``rename`` is the caller's (not one ``not_given`` marked)."""
+    return rename not in _NOT_GIVEN  # what no weak reference can name was never marked
 
 
 def guarded(label: str, rename: Callable[[str], str | None], /) -> Callable[[str], str | None]:

@@ -59,7 +59,7 @@ from ._mismatch import left_on_meta
 from ._plan_items import Box
 from ._progress import reporting
 from ._reader import check_records
-from ._rename import Rename, as_renamer, renamed
+from ._rename import Rename, as_renamer, given, renamed
 from ._rendezvous import ABSENT, TIMEOUT_VARIABLE, Meeting, meeting
 
 __all__ = ["has_dtensors", "load_sharded", "strided_shards_readable"]
@@ -647,27 +647,25 @@ def _refuse_other_sources(name: str, everyone: list[_Outcome]) -> None:
 def _checked_plan(
     model: nn.Module,
     slots: list[Slot],
-    entries: Mapping[str, Entry],
-    fused: Mapping[str, Fused],
+    located: _Located,
     *,
     strict: bool,
     meta_transient: list[str],
-    where: str,
-    named: Path | str,
-    lacking: Mapping[str, tuple[str, ...]],
 ) -> list[tuple[Slot, Entry | Fused]]:
     """What fills each slot (an entry, or a fused tensor built from several), after the one key
-    check of every fill: a source that does not fit raises, the model untouched. ``named``: how
-    a suggested call names the source; ``lacking``: the file keys each fused tensor the file
-    cannot build lacks."""
+    check of every fill: a source that does not fit raises, the model untouched."""
+    entries, fused = located.entries, located.fused
+    where = located.catalog.where
+    named = located.catalog.path or where  # how a suggested call names the source
     check = check_keys(
         slots,
         entries,
         lambda e: (e.shape, entry_dtype(e).is_complex),
         built=lambda slot: any(n in fused for n in slot.names),
         complex_must_agree=True,
-        lacking=lacking,
+        lacking=located.lacking,
     )
+    check.renamed = located.renamed
     plan: list[tuple[Slot, Entry | Fused]] = [
         (slot, entries[present[0]] if present else next(fused[n] for n in slot.names if n in fused))
         for slot, present in check.matched
@@ -697,13 +695,26 @@ def _checked_plan(
     return plan
 
 
+@dataclasses.dataclass
+class _Located:
+    """Step 1's findings: the source's catalog, its entries by the model's names, the entries as
+    the file names them (what fused tensors are read from), the fused tensors a conversion
+    builds, the file keys those it cannot build lack (``Plan.lacking``), and where the caller
+    gave ``rename=``, how many keys the source held before it."""
+
+    catalog: Catalog
+    entries: dict[str, Entry]
+    sources: dict[str, Entry]
+    fused: dict[str, Fused]
+    lacking: Mapping[str, tuple[str, ...]]
+    renamed: int | None
+
+
 def _located(
     model: nn.Module, source: Any, rename: Rename | None, check_crc: bool | None
-) -> tuple[Catalog, dict[str, Entry], dict[str, Entry], dict[str, Fused], dict[str, Any]]:
-    """Step 1: the source's catalog (its zip records' CRC-32s checked, with ``check_crc``),
-    its entries by the model's names, the entries as the file names them (what fused tensors
-    are read from), the fused tensors a conversion builds, and the file keys those it cannot
-    build lack (``Plan.lacking``)."""
+) -> _Located:
+    """Step 1: the source catalogued (its zip records' CRC-32s checked, with ``check_crc``),
+    its entries renamed and converted to the model's names."""
     source_catalog = catalog(source)  # a file, an index, a directory or a mapping
     if check_crc:
         for path, fmt in source_catalog.kinds.items():
@@ -713,15 +724,15 @@ def _located(
         if read is not None:
             warn_unchecked_safetensors(read, source_catalog.kind, source_catalog.kinds)
     where = source_catalog.where
-    entries = _renamed(_sharded_entries(source_catalog), rename, where)
+    held = _sharded_entries(source_catalog)
+    before = len(held) if rename is not None and given(rename) else None
+    entries = _renamed(held, rename, where)
     # A transformers model's hub names: renamed entries, and fused tensors read piece by piece.
-    sources = entries
     conversions = conversion_plan(model, {n: (e.shape, entry_dtype(e)) for n, e in entries.items()})
-    fused: dict[str, Fused] = {}
     if conversions is None:
-        return source_catalog, entries, sources, fused, {}
-    entries, fused = _converted(where, conversions, entries)
-    return source_catalog, entries, sources, fused, conversions.lacking
+        return _Located(source_catalog, entries, entries, {}, {}, before)
+    converted, fused = _converted(where, conversions, entries)
+    return _Located(source_catalog, converted, entries, fused, conversions.lacking, before)
 
 
 def _placed(
@@ -842,7 +853,8 @@ def _fill_sharded(model: nn.Module, source: Any, device: Any, **how: Any) -> Map
     rename: Rename | None = how["rename"]
     check_crc: bool | None = how["check_crc"]
     progress: bool | None = how["progress"]
-    source_catalog, entries, sources, fused, lacking = _located(model, source, rename, check_crc)
+    located = _located(model, source, rename, check_crc)
+    source_catalog = located.catalog
     where = source_catalog.where
     target = None if device is None else _device(device)
     _refuse_own_loaders(where, model)
@@ -857,17 +869,7 @@ def _fill_sharded(model: nn.Module, source: Any, device: Any, **how: Any) -> Map
     slots = found.loadable
     meta_transient = [name for s in found.transient if s.tensor.is_meta for name in s.names]
 
-    plan = _checked_plan(
-        model,
-        slots,
-        entries,
-        fused,
-        strict=strict,
-        meta_transient=meta_transient,
-        where=where,
-        named=source_catalog.path or where,
-        lacking=lacking,
-    )
+    plan = _checked_plan(model, slots, located, strict=strict, meta_transient=meta_transient)
 
     pieces, materialize_on, new_home = _placed(plan, target, where)
 
@@ -881,5 +883,6 @@ def _fill_sharded(model: nn.Module, source: Any, device: Any, **how: Any) -> Map
             UserWarning,
             stacklevel=user_stacklevel(),
         )
-    _read_plan(model, where, source_catalog.stamps, plan, pieces, sources, materialize_on, progress)
+    stamps = source_catalog.stamps
+    _read_plan(model, where, stamps, plan, pieces, located.sources, materialize_on, progress)
     return source_catalog.stamps

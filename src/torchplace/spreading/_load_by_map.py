@@ -231,6 +231,8 @@ def _check_in_file(
     wanted = _wanted(model, found, disk, names)
     _check_readable(found, disk, filled, wanted)
     check = _disk_keys(found, disk, keys, names, wanted)
+    if keys[2] is not None:
+        check.renamed = len(found.entries)
     if not strict:
         check.unexpected = []
     if not check.missing and not check.unexpected and not check.mismatched:
