@@ -195,3 +195,33 @@ def test_a_set_or_iterator_below_the_top_is_refused_naming_its_path() -> None:
     plain = {"tags": {1, 2}, "x": t}
     out = torchplace.move(plain, "meta")
     assert out["tags"] is plain["tags"] and out["x"].is_meta
+
+
+def test_the_looks_refuse_a_set_or_iterator_below_the_top_naming_its_path() -> None:
+    """``where``, ``verify``, ``stragglers``, ``devices_of`` and ``report`` saw only the tensors
+    beside a set: a meta tensor inside one passed ``verify(batch, "cpu")``. They now refuse it
+    as ``move`` does, naming its path; a set of plain values is looked past."""
+    t = torch.ones(1)
+    hidden = torch.zeros(1, device="meta")
+    batch = {"x": t, "ids": {hidden}}
+    looks = [
+        lambda b: torchplace.where(b),
+        lambda b: torchplace.verify(b, "cpu"),
+        lambda b: torchplace.stragglers(b, "cpu"),
+        lambda b: torchplace.devices_of(b),
+        lambda b: torchplace.report(b),
+    ]
+    for look in looks:
+        with pytest.raises(
+            torchplace.TorchplaceError,
+            match=r"batch\['ids'\] is a set holding tensors: it has no keys or order to name its "
+            r"tensors by, so they would go unseen",
+        ):
+            look(batch)
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(torchplace.TorchplaceError, match=r"batch\[0\] is a generator.*unseen"):
+        torchplace.where([model.parameters()])
+    assert next(model.parameters()).device.type == "cpu"  # the generator was not read
+    plain = {"tags": {1, 2}, "x": t}
+    assert torchplace.where(plain) == torch.device("cpu")
+    torchplace.verify(plain, "cpu")

@@ -527,14 +527,21 @@ def _set_fix(obj: Any) -> str:
     return "the dict itself" if isinstance(obj, _VIEWS) else "a list or a dict of them"
 
 
-def _unwalkable_message(node: Any, path: str) -> str:
-    """Why ``node``, met at ``path`` inside a batch, is refused, and what to put there."""
+def _unwalkable_message(node: Any, path: str, *, looking: bool = False) -> str:
+    """Why ``node``, met at ``path`` inside a batch, is refused, and what to put there
+    (``looking``: by a look, which names tensors, rather than by a move)."""
     what = _a(type(node))
     if isinstance(node, Iterator):
+        left = "unseen" if looking else "where they are"
         return (
             f"{path} is {what}, an iterator ({_ITERATOR_HINT}), which torchplace would use up "
-            "by reading it, its tensors left where they are; put a list of what it yields "
-            "there, list(...)"
+            f"by reading it, its tensors left {left}; put a list of what it yields there, "
+            "list(...)"
+        )
+    if looking:
+        return (
+            f"{path} is {what} holding tensors: it has no keys or order to name its tensors "
+            f"by, so they would go unseen (and move refuses it); put {_set_fix(node)} there"
         )
     return (
         f"{path} is {what} holding tensors: it has no keys or order to put moved tensors back "
@@ -689,7 +696,7 @@ def _attributes(obj: Any) -> Iterator[tuple[str, Any]]:
 
 
 def iter_leaves(
-    obj: Any, root: str = "batch", *, skip_cycles: bool = False
+    obj: Any, root: str = "batch", *, skip_cycles: bool = False, refuse: bool = False
 ) -> Iterator[tuple[str, Any]]:
     """Every tensor, module and optimizer in ``obj`` with its path, each object once.
 
@@ -698,6 +705,9 @@ def iter_leaves(
     graph batch class), so that nothing ``move`` moves goes unseen.
     A cycle raises ``TorchplaceError``, unless ``skip_cycles`` (a module's own attributes, which
     ``Module.to`` never walks, may be cyclic configuration): then the way back is not followed.
+    With ``refuse`` (the looks: ``verify``, ``where``, ``report``), a set or dict view holding
+    tensors, or an iterator, raises ``TorchplaceError`` naming its path, as ``move`` refuses it:
+    its tensors would go unseen. Else it is passed over.
 
     >>> import torch
     >>> from torchplace._tree import iter_leaves
@@ -722,6 +732,10 @@ def iter_leaves(
         if id(node) in on_path or depth > MAX_DEPTH:
             raise TorchplaceError(_depth_message(obj, root))
         if id(node) in seen:
+            return
+        if kind == _REFUSED:
+            if refuse and (isinstance(node, Iterator) or _holds_tensors(node)):
+                raise TorchplaceError(_unwalkable_message(node, path, looking=True))
             return
         seen.add(id(node))
         on_path.add(id(node))

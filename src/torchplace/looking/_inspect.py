@@ -225,7 +225,7 @@ def entries(obj: Any, /, *, optimizer: Any = None, root: str = "batch") -> list[
             kind: Kind = "parameter" if isinstance(node, nn.Parameter) else "tensor"
             add(Entry(label or "tensor", kind, node))
         else:
-            for path, leaf in iter_leaves(node, root=label or root):
+            for path, leaf in iter_leaves(node, root=label or root, refuse=True):
                 visit(leaf, path)  # noqa: F821 (deleted once done)
 
     try:
