@@ -754,6 +754,32 @@ def test_running_a_model_with_disk_modules_does_not_import_the_compiler(tmp_path
     assert done.stdout.strip() == "False", done.stdout + done.stderr
 
 
+def test_to_empty_and_share_memory_of_a_model_with_disk_modules_are_refused_untouched(
+    tmp_path: Any,
+) -> None:
+    """to_empty() gave the disk module's placeholders (and every other weight) uninitialised
+    memory without a word; share_memory() raised torch's "only available on CPU". Both are
+    refused before anything changes."""
+    model = mlp(2).eval()
+    torch.save(model.state_dict(), tmp_path / "m.pt")
+    loaded = torchplace.load_into(
+        torchplace.skeleton(mlp, 2), tmp_path / "m.pt", device_map={"": "cpu", "2": "disk"}
+    )
+    first, values = loaded[0].weight, loaded[0].weight.detach().clone()
+    with pytest.raises(
+        torchplace.TorchplaceError,
+        match=r"model\.2 is offloaded to 'disk' .*so to_empty\(\) would give them new, "
+        r"uninitialised memory.*nothing was changed",
+    ):
+        loaded.to_empty(device="cpu")
+    with pytest.raises(torchplace.TorchplaceError, match=r"share_memory\(\) cannot move it"):
+        loaded.share_memory()
+    assert loaded[0].weight is first and torch.equal(first, values) and loaded[2].weight.is_meta
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+
+
 def test_estimate_of_a_model_with_disk_modules_reads_nothing(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -775,6 +801,13 @@ def test_estimate_of_a_model_with_disk_modules_reads_nothing(
     whole = torchplace.estimate(model, example_input=x, step="forward")
     cpu = torch.device("cpu")  # the disk layer's weights count where it runs, while it runs
     assert offloaded.peak_by_device()[cpu] == whole.peak_by_device()[cpu]
+    # Their meta placeholders are on no device: not a "meta" row (they were), but on_disk.
+    layer = sum(p.numel() * p.element_size() for p in model[2].parameters())
+    assert set(offloaded.peak_by_device()) == set(offloaded.by_device()) == {cpu}
+    assert offloaded.on_disk == layer and offloaded.parameters == whole.parameters - layer
+    assert offloaded.parameter_count == whole.parameter_count
+    assert "disk (read as run)" in str(offloaded) and "meta" not in str(offloaded)
+    assert offloaded.to_dict()["on_disk"] == layer
     monkeypatch.undo()
     with torch.no_grad():
         assert torch.equal(loaded(x), model(x))

@@ -31,6 +31,7 @@ from .._errors import (
 from .._model_walk import compiled_inner, display
 from .._sizes import format_bytes as _format_bytes
 from .._tensor_size import nbytes_as
+from ..moving._offloaded import disk_placeholders
 from ._fake_checks import real_kernel_refuses
 from ._fake_step import KINDS, ModulePeak, OperatorFailed, Unmeasurable, measure_step
 
@@ -108,6 +109,11 @@ class Estimate:
     device, each kind's bytes at that device's peak), ``activations`` and ``temporaries`` (the
     most each held at once) and ``modules`` (the modules that ran, highest peak first); when it
     could not be measured, ``fallback`` says why and only the counting is there.
+
+    ``on_disk``: the bytes of weights a device map left on ``"disk"`` (read from the checkpoint
+    while their module runs). They are in no row, since no device holds them between calls,
+    and no gradients or optimizer state is counted for them (they are read afresh each call);
+    a measured step counts them on their module's device while it runs.
     """
 
     rows: tuple[EstimateRow, ...]
@@ -121,6 +127,7 @@ class Estimate:
     temporaries: int = 0
     modules: tuple[ModulePeak, ...] = ()
     fallback: str | None = None
+    on_disk: int = 0
 
     @property
     def parameters(self) -> int:
@@ -181,6 +188,7 @@ class Estimate:
             ],
             "total": self.total,
             "by_device": {str(dev): total for dev, total in self.by_device().items()},
+            "on_disk": self.on_disk,
             **self._step_dict(),
         }
 
@@ -273,6 +281,9 @@ class Estimate:
                     )
                 ),
             )
+        if self.on_disk:  # no device holds them between calls: in no total
+            shown = _format_bytes(self.on_disk)
+            table.add_row("disk (read as run)", "", shown, "", "", "", shown, style="dim")
         totals = self.by_device()
         for dev, total in totals.items() if len(totals) > 1 else ():
             table.add_row(f"{dev} total", "", "", "", "", "", _format_bytes(total), style="dim")
@@ -426,11 +437,16 @@ def _count(model: nn.Module, name: str | None, grads: bool) -> Estimate:
         row = rows.setdefault((dev, dtype), {})
         row[field] = row.get(field, 0) + nbytes
 
-    count = trainable = 0
+    count = trainable = on_disk = 0
     step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    disk = disk_placeholders(model)
     for param in model.parameters():  # each tied parameter once
         nbytes = nbytes_as(param)
         count += param.numel()
+        if id(param) in disk:  # on no device between calls
+            on_disk += nbytes
+            trainable += param.numel() if param.requires_grad else 0
+            continue
         add(param.device, param.dtype, "parameters", nbytes)
         if not param.requires_grad:
             continue
@@ -449,6 +465,7 @@ def _count(model: nn.Module, name: str | None, grads: bool) -> Estimate:
         grads=grads,
         parameter_count=count,
         trainable_count=trainable,
+        on_disk=on_disk,
     )
 
 

@@ -35,6 +35,7 @@ from torch import nn
 
 from .._model_walk import compiled_inner
 from .._tree import iter_leaves, map_tensors
+from ..moving._offloaded import disk_placeholders
 from ._attention import FusedAttention
 from ._fake_checks import FakeChecks
 from ._opt_step import OptimizerStepBook
@@ -408,19 +409,26 @@ def _runs_here(dev: torch.device) -> bool:
     return available
 
 
-def _run_devices(model: nn.Module) -> tuple[dict[torch.device, torch.device], torch.device]:
+def _run_devices(
+    model: nn.Module, disk: Mapping[int, torch.Tensor]
+) -> tuple[dict[torch.device, torch.device], torch.device]:
     """Where each of the model's devices runs the step, and the device of its input (its first
     parameter's, as run).
 
     A model whose parameters sit on one device runs there whole (its buffers too: a skeleton
-    keeps them on the cpu), on ``meta`` when that device cannot run here.
+    keeps them on the cpu), on ``meta`` when that device cannot run here. The placeholders of
+    weights on disk (``disk``) run where their module runs: they place nothing.
     """
-    params = [p.device for p in model.parameters()] or [b.device for b in model.buffers()]
+    params = [p.device for p in model.parameters() if id(p) not in disk] or [
+        b.device for b in model.buffers()
+    ]
     devices = list(dict.fromkeys(params)) or [torch.device("cpu")]
     if len(devices) == 1:
         (dev,) = devices
         run = dev if _runs_here(dev) else torch.device("meta")
-        every = {t.device for t in (*model.parameters(), *model.buffers())} | {dev}
+        every = {t.device for t in (*model.parameters(), *model.buffers()) if id(t) not in disk} | {
+            dev
+        }
         return dict.fromkeys(every, run), run
     cannot = [str(d) for d in devices if not _runs_here(d)]
     if cannot:
@@ -439,16 +447,19 @@ def _fake_like(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _swapped(model: nn.Module, where: dict[torch.device, torch.device]) -> Iterator[None]:
+def _swapped(
+    model: nn.Module, where: dict[torch.device, torch.device], disk: Mapping[int, torch.Tensor]
+) -> Iterator[None]:
     """The model with fake parameters and buffers (each tied tensor one fake) while the block
-    runs; the model's own tensors are put back however the block ends."""
+    runs; the model's own tensors are put back however the block ends. The placeholders of
+    weights on disk (``disk``) stay: their module's hooks bring fake weights in as it runs."""
     saved: list[tuple[dict[str, Any], str, torch.Tensor]] = []
     fakes: dict[int, torch.Tensor] = {}
     try:
         for module in model.modules():
             for table in (module._parameters, module._buffers):
                 for name, t in list(table.items()):
-                    if t is None:
+                    if t is None or id(t) in disk:
                         continue
                     if id(t) not in fakes:
                         fakes[id(t)] = _fake_like(t, where[t.device])
@@ -618,8 +629,9 @@ def measure_step(
     _tracker_class()
     if any(type(t).__name__ == "DTensor" for t in (*model.parameters(), *model.buffers())):
         raise Unmeasurable("the model's parameters are sharded (DTensor); its shards are counted")
-    where, run = _run_devices(model)
-    first = next(iter(model.parameters()), None)
+    disk = disk_placeholders(model)
+    where, run = _run_devices(model, disk)
+    first = next((p for p in model.parameters() if id(p) not in disk), None)
     shown = first.device if first is not None else run
 
     def label(dev: torch.device) -> torch.device:  # the stand-in is shown as what it stands for
@@ -627,7 +639,7 @@ def measure_step(
 
     failed = FailedAt()
     try:
-        return _measure(model, example_input, where, run, label, optimizer, train, failed)
+        return _measure(model, example_input, (where, disk), run, label, optimizer, train, failed)
     except _unfakeable() as exc:
         raise Unmeasurable(
             f"fake tensors cannot run the step ({type(exc).__name__}: {exc})"
@@ -647,7 +659,7 @@ def measure_step(
 def _measure(
     model: nn.Module,
     example_input: Any,
-    where: dict[torch.device, torch.device],
+    placing: tuple[dict[torch.device, torch.device], Mapping[int, torch.Tensor]],
     run: torch.device,
     label: Callable[[torch.device], torch.device],
     optimizer: str | None,
@@ -656,9 +668,11 @@ def _measure(
 ) -> StepMeasure:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    where, disk = placing  # each device's stand-in; the placeholders of weights on disk
     foreach = True if any(d.type != "cpu" for d in where) else None  # as on an accelerator
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with _quiet_failed_operators(), _compiled_unwrapped(model), mode, _swapped(model, where):
+    swapped = _swapped(model, where, disk)
+    with _quiet_failed_operators(), _compiled_unwrapped(model), mode, swapped:
         batch = _fake_batch(example_input, run, mode)
         opt = _optimizer(model, optimizer, foreach) if train else None
         tracker = _tracker_class()()
@@ -670,7 +684,9 @@ def _measure(
         with tracker, _eager(), fused, tracker.torchplace_checks.seen():
             _run(model, batch, opt, train)
         peaks = {
-            label(dev): _by_kind(snap) for dev, snap in tracker.get_tracker_snapshot("peak").items()
+            label(dev): _by_kind(snap)
+            for dev, snap in tracker.get_tracker_snapshot("peak").items()
+            if dev in where.values() or not (disk and dev.type == "meta")  # placeholders: none
         }
         add_workspaces(peaks, tracker.torchplace_matmuls, label)
         return StepMeasure(

@@ -62,6 +62,18 @@ def homes(model: nn.Module, /) -> Iterator[tuple[str, nn.Module, Home]]:
             yield path, module, home
 
 
+def disk_placeholders(model: nn.Module, /) -> dict[int, torch.Tensor]:
+    """The ``meta`` parameters that stand in for disk-tier weights (read from the checkpoint
+    while their module runs), by id."""
+    return {
+        id(p): p
+        for _, module, home in homes(model)
+        if home.tier == "disk"
+        for p in module.parameters()
+        if p.is_meta
+    }
+
+
 def drop_homes(model: nn.Module, /) -> None:
     """Forget every ``Home`` under ``model`` (its weights are back in the module)."""
     for _, module, _ in list(homes(model)):

@@ -715,16 +715,28 @@ class _NoMove:
             held = next((p for p in unit.module.parameters() if p.is_meta), None)
             if held is None:
                 continue
+            where = getattr(unit.home.source, "where", "its checkpoint")
+            here = (
+                f"{display(unit.path)} is offloaded to 'disk' (its weights stay in {where} and "
+                "are meta tensors here)"
+            )
+            fix = (
+                "gather the model first, torchplace.move(model, 'cpu') (or a device it fits "
+                "on), or dispatch it again with another map"
+            )
             try:
-                fn(held)
-            except NotImplementedError as exc:  # "Cannot copy out of meta tensor"
-                where = getattr(unit.home.source, "where", "its checkpoint")
+                out = fn(held)
+            except (NotImplementedError, RuntimeError) as exc:  # "Cannot copy out of meta"
                 raise TorchplaceError(
-                    f"{display(unit.path)} is offloaded to 'disk' (its weights stay in {where} "
-                    "and are meta tensors here), so .to(), .cpu() and .cuda() cannot move it; "
-                    "gather the model first, torchplace.move(model, 'cpu') (or a device it "
-                    "fits on), or dispatch it again with another map; nothing was moved"
+                    f"{here}, so .to(), .cpu(), .cuda() and share_memory() cannot move it; {fix}; "
+                    "nothing was moved"
                 ) from exc
+            if isinstance(out, torch.Tensor) and not out.is_meta:  # to_empty: new memory
+                raise TorchplaceError(
+                    f"{here}, so to_empty() would give them new, uninitialised memory in place "
+                    f"of the values it reads from the file, and every other weight too; {fix}; "
+                    "nothing was changed"
+                )
             break
         if self.previous is not None:
             return self.previous(fn, recurse)
