@@ -26,14 +26,12 @@ from ..moving._identity import parameter_like
 from ..moving._move import discarded_warning
 from ._catalog import Catalog, catalog, format_of
 from ._conversions import (
-    Fused,
     Plan,
-    conversion_plan,
     converted,
-    fused_boxes,
     hub_plan,
     may_convert,
 )
+from ._direct import Direct, direct_reads, read_direct, with_fused
 from ._formats import first_sentence
 from ._keys import (
     Held,
@@ -46,10 +44,8 @@ from ._keys import (
 )
 from ._load import (
     load_state,
-    read_assembled,
     source_bytes,
     warn_unchecked_safetensors,
-    whole_plan,
 )
 from ._mismatch import (
     Shapes,
@@ -59,9 +55,7 @@ from ._mismatch import (
     target_for,
 )
 from ._opened import one_open_each
-from ._plan_items import Assembled, Part
 from ._progress import reporting, wanted
-from ._reader import DTypeWish
 from ._rename import Rename, as_renamer, given, guarded, not_given, renamed
 from ._skeleton import ModuleT, swap
 from ._source import PathLike, resolve
@@ -377,7 +371,7 @@ def _read_file(
         if direct is None:
             state = load_state(p, read_on, mmap=mmap, dtype_of=wish, check_crc=check_crc, kind=kind)
             return state, {}, None
-        state, assembled = _read_direct(direct, read_on, wish)
+        state, assembled = read_direct(direct, read_on, wish)
         return state, assembled, direct.rest
 
 
@@ -395,7 +389,7 @@ def _fit_and_fill(model: nn.Module, read: _Read, *, strict: bool) -> nn.Module:
         # The fused tensors were read straight into their slices; what is left of the plan
         # (renames, computed tensors, fused ones that are not boxes of whole entries) applies
         # to the tensors read whole, as below.
-        state = _with_fused(str(p), type(model).__name__, plan, state, read.assembled)
+        state = with_fused(str(p), type(model).__name__, plan, state, read.assembled)
     else:
         # A transformers model's hub names (per-expert tensors, renamed keys) become its own,
         # as from_pretrained converts them; the read state is changed in place, each tensor let
@@ -474,18 +468,6 @@ def _check_source(source: object) -> None:
     )
 
 
-@dataclasses.dataclass
-class _Direct:
-    """A file source whose fused tensors are read straight into their memory: the catalog, the
-    fused tensors (by the model's name) as boxes of catalog entries, the file names read whole,
-    and the rest of the conversion plan (applied once those are read)."""
-
-    found: Catalog
-    fused: dict[str, Assembled]
-    whole: list[str]
-    rest: Plan
-
-
 def _direct_plan(
     p: Path,
     model: nn.Module,
@@ -494,7 +476,7 @@ def _direct_plan(
     *,
     mmap: bool,
     kind: str,
-) -> _Direct | None:
+) -> Direct | None:
     """How to read ``p`` so that each fused model tensor is allocated once, in the model's dtype,
     and its file tensors read straight into their slices of it; None where the plain read and
     the conversion after it do (no conversion plan, nothing fused that is a box of whole entries, a
@@ -516,31 +498,10 @@ def _direct_plan(
     names = _plan_names(found, renamer)
     if names is None:
         return None  # two keys renamed to one name: renamed() raises, naming both
-    shapes = {}
-    for new, key in names.items():
-        e = found.entries[key]
-        shapes[new] = (e.shape, e.torch_dtype(found.where))
     try:
-        plan = conversion_plan(model, shapes)
+        return direct_reads(found, model, names)
     except CheckpointError as exc:
         raise CheckpointError(f"{p}: {exc}") from exc
-    if plan is None or not plan.fused:
-        return None
-    uses = _source_uses(plan)
-    straight: dict[str, Assembled] = {}
-    kept: list[Fused] = []
-    for f in plan.fused:
-        made = _assembled(found, names, f, uses)
-        if made is None or f.name in names:
-            kept.append(f)
-        else:
-            straight[f.name] = made
-    if not straight:
-        return None
-    taken = {names[piece.source] for f in plan.fused if f.name in straight for piece in f.pieces}
-    whole = [k for k in found.entries if k not in taken]
-    rest = dataclasses.replace(plan, fused=kept)
-    return _Direct(found, straight, whole, rest)
 
 
 def _plan_names(
@@ -557,80 +518,6 @@ def _plan_names(
             return None
         names[new] = key
     return names
-
-
-def _source_uses(plan: Plan) -> dict[str, int]:
-    """How many times the plan uses each file tensor: renamed, computed from, fused, or one a
-    model tensor whose shape differs would be built from (``mismatched_sources``)."""
-    uses: dict[str, int] = {}
-    for source in [*plan.renames.values(), *(s for c in plan.computed for s in c.sources)]:
-        uses[source] = uses.get(source, 0) + 1
-    for f in plan.fused:
-        for piece in f.pieces:
-            uses[piece.source] = uses.get(piece.source, 0) + 1
-    for source in plan.mismatched_sources:
-        uses[source] = uses.get(source, 0) + 1
-    return uses
-
-
-def _assembled(
-    found: Catalog, names: Mapping[str, str], f: Fused, uses: Mapping[str, int]
-) -> Assembled | None:
-    """``f`` as boxes of catalog entries for ``read_assembled``, or None where a piece is not a
-    whole entry at one box (a chunk of it, a transpose, a stack along a later dim) or feeds
-    another tensor too."""
-    boxes = fused_boxes(f, ((0,) * len(f.shape), f.shape))
-    if boxes is None or len(boxes) != len(f.pieces):
-        return None
-    pieces = []
-    for source, _, index in boxes:
-        entry = found.entries[names[source]]
-        if uses.get(source) != 1 or not entry.addressable:
-            return None
-        lead = len(index) - len(entry.shape)
-        if lead < 0 or not all(isinstance(i, int) for i in index[:lead]):
-            return None  # the entry's dims are not the destination's trailing ones
-        if not all(isinstance(i, slice) for i in index[lead:]):
-            return None
-        at = tuple(i if isinstance(i, int) else i.start for i in index)
-        pieces.append(Part(entry, at))
-    return Assembled(f.shape, f.dtype, pieces)
-
-
-def _read_direct(
-    direct: _Direct, read_on: torch.device, wish: DTypeWish | None
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The file's tensors read whole (by the file's names) and the fused ones (by the model's),
-    read side by side in one pass over the files."""
-    found = direct.found
-    plan = whole_plan(found, list(direct.whole), wish)
-    fused_keys = {name: _apart(f"{name} (fused)", found.entries) for name in direct.fused}
-    plan.update({fused_keys[name]: made for name, made in direct.fused.items()})
-    read = read_assembled(found, plan, read_on)
-    assembled = {name: read.pop(key) for name, key in fused_keys.items()}
-    return read, assembled
-
-
-def _apart(key: str, taken: Mapping[str, Any]) -> str:
-    """``key``, primed until no file key has its name (a file may hold any name)."""
-    while key in taken:
-        key += "'"
-    return key
-
-
-def _with_fused(
-    label: str,
-    model_name: str,
-    rest: Plan,
-    state: Mapping[str, Any],
-    assembled: Mapping[str, torch.Tensor],
-) -> Any:
-    """``state`` (renamed) under the model's names: the rest of the plan applied, then the fused
-    tensors read straight into their memory added (no file key holds their names: a fused
-    tensor whose name the file holds too stays in the rest of the plan)."""
-    out: Any = converted(label, model_name, rest, state, owned=True)
-    out.update(assembled)
-    return out
 
 
 def _warn_after_fill(fit: _Fit) -> None:
