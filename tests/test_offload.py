@@ -418,17 +418,25 @@ def test_a_disk_layer_works_out_its_hub_name_conversion_once(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The conversion of a Mixtral layer's per-expert keys was worked out again on every read
-    (most of the read's time); it is kept, and made again only when the model is cast."""
+    (most of the read's time); it is kept, and made again only when the model is cast. Its
+    experts are read straight into the fused tensors (``direct_reads``), not read whole and
+    converted after (``hub_plan``)."""
     from torchplace.checkpoint import _disk_weights
 
     made: list[str] = []
-    plan_of = _disk_weights.hub_plan
+    direct_of = _disk_weights.direct_reads
 
-    def counted(label: str, model: nn.Module, state: Any) -> Any:
-        made.append(label)
-        return plan_of(label, model, state)
+    def counted(found: Any, model: nn.Module, names: Any, keys: Any) -> Any:
+        made.append(found.where)
+        direct = direct_of(found, model, names, keys)
+        assert direct is not None and direct.fused  # the experts, read into their slices
+        return direct
 
-    monkeypatch.setattr(_disk_weights, "hub_plan", counted)
+    def refused(label: str, model: nn.Module, state: Any) -> Any:
+        raise AssertionError("the experts were read whole, then converted")
+
+    monkeypatch.setattr(_disk_weights, "direct_reads", counted)
+    monkeypatch.setattr(_disk_weights, "hub_plan", refused)
     cls, config = tiny_mixtral()
     torch.manual_seed(0)
     reference = cls(config).eval()

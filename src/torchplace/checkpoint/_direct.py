@@ -108,15 +108,21 @@ def _assembled(
 
 
 def read_direct(
-    direct: Direct, read_on: torch.device, wish: DTypeWish | None
+    direct: Direct,
+    read_on: torch.device,
+    wish: DTypeWish | None,
+    *,
+    fresh: bool = True,
+    threads: int | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The file's tensors read whole (by the file's names) and the fused ones (by the model's),
-    read side by side in one pass over the files."""
+    read side by side in one pass over the files (``fresh``, ``threads``: as ``read_into``
+    takes them)."""
     found = direct.found
     plan = whole_plan(found, list(direct.whole), wish)
     fused_keys = {name: _apart(f"{name} (fused)", found.entries) for name in direct.fused}
     plan.update({fused_keys[name]: made for name, made in direct.fused.items()})
-    read = read_assembled(found, plan, read_on)
+    read = read_assembled(found, plan, read_on, fresh=fresh, threads=threads)
     assembled = {name: read.pop(key) for name, key in fused_keys.items()}
     return read, assembled
 
