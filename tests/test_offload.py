@@ -449,11 +449,15 @@ def test_a_disk_layer_works_out_its_hub_name_conversion_once(
         for _ in range(3):
             assert torch.equal(model(IDS).logits, reference(IDS).logits)
         assert len(made) == 2  # one per disk layer
+        twin = copy.deepcopy(model)  # reads for itself: its cast is its own
+        twin.to(torch.float16)
+        assert torch.equal(twin(IDS).logits, copy.deepcopy(reference).half()(IDS).logits)
+        assert torch.equal(model(IDS).logits, reference(IDS).logits)  # still float32
         model.to(torch.bfloat16)
         reference.to(torch.bfloat16)
         for _ in range(2):
             assert torch.equal(model(IDS).logits, reference(IDS).logits)
-    assert len(made) == 4  # again for the new dtype, once
+    assert len(made) == 6  # the copy's float16 (its 2 layers), then the new dtype, once each
 
 
 def test_moving_a_model_with_disk_modules_by_to_says_to_gather_it_and_moves_nothing(
