@@ -261,3 +261,35 @@ def test_a_wrapper_prefix_alone_is_no_rename_given(tmp_path: Path) -> None:
     text = str(e.value)
     assert "as rename= names them" not in text
     assert r"""drop it as they load, torchplace.load_into(model, """ in text
+
+
+def test_a_rename_of_any_mapping_or_callable_class_loads(tmp_path: Path) -> None:
+    """An ``OrderedDict`` (or another unhashable mapping) and a dataclass with ``__call__`` are
+    renames like any other: telling the caller's rename from torchplace's own raised
+    ``TypeError: unhashable type`` for them."""
+    import collections
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Strip:
+        prefix: str
+
+        def __call__(self, key: str) -> str:
+            return key.removeprefix(self.prefix)
+
+    sd = reference().state_dict()
+    path = save({f"module.{k}": v for k, v in sd.items()}, tmp_path / "ddp.pt")
+    for rename in (collections.OrderedDict({r"^module\.": ""}), Strip("module.")):
+        model = load_into(skeleton(Net), path, rename=rename)  # type: ignore[arg-type]
+        assert all(torch.equal(p, sd[n]) for n, p in model.named_parameters())
+
+
+def test_a_rename_that_kept_keys_of_the_wrong_shape_is_not_said_to_drop_them(
+    tmp_path: Path,
+) -> None:
+    """Nothing matched, but rename= kept the key: the shape is the problem, not the rename."""
+    path = save({"net.body.0.weight": torch.zeros(5, 4)}, tmp_path / "w.pt")
+    for strict in (True, False):
+        with pytest.raises(CheckpointError, match=r"shape mismatches: body\.0\.weight") as e:
+            load_into(skeleton(Net), path, strict=strict, rename={r"^net\.": ""})
+        assert "dropped" not in str(e.value)

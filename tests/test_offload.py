@@ -786,6 +786,9 @@ def test_to_empty_and_share_memory_of_a_model_with_disk_modules_are_refused_unto
         loaded.to_empty(device="cpu")
     with pytest.raises(torchplace.TorchplaceError, match=r"share_memory\(\) cannot move it"):
         loaded.share_memory()
+    if not torch.backends.mps.is_built():  # a device this build lacks: torch's own error stands
+        with pytest.raises(RuntimeError, match="not linked with support for mps"):
+            loaded.to("mps")
     assert loaded[0].weight is first and torch.equal(first, values) and loaded[2].weight.is_meta
     x = torch.randn(3, 8)
     with torch.no_grad():
@@ -820,6 +823,38 @@ def test_estimate_of_a_model_with_disk_modules_reads_nothing(
     assert offloaded.parameter_count == whole.parameter_count
     assert "disk (read as run)" in str(offloaded) and "meta" not in str(offloaded)
     assert offloaded.to_dict()["on_disk"] == layer
+    # A disk layer larger than the rest: its placeholders made "meta" the device of the modules
+    # that ran beside it in the module table.
+    torch.manual_seed(0)
+    wide = nn.Sequential(nn.Linear(64, 8), nn.ReLU(), nn.Linear(8, 2048)).eval()
+    torch.save(wide.state_dict(), tmp_path / "wide.pt")
+    on_disk = torchplace.load_into(
+        torchplace.skeleton(lambda: copy.deepcopy(wide)),
+        tmp_path / "wide.pt",
+        device_map={"": "cpu", "2": "disk"},
+    )
+    found = torchplace.estimate(on_disk, example_input=torch.ones(1, 64), step="forward")
+    assert {m.device for m in found.modules} == {cpu} and set(found.peak_by_device()) == {cpu}
+    # A disk entry with submodules of its own: torch's tracker refused the hook on their weights
+    # brought in for the call (no gradient), and the step went unmeasured.
+    nested = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh())).eval()
+    torch.save(nested.state_dict(), tmp_path / "nested.pt")
+    loaded_nested = torchplace.load_into(
+        torchplace.skeleton(lambda: copy.deepcopy(nested)),
+        tmp_path / "nested.pt",
+        device_map={"": "cpu", "1": "disk"},
+    )
+    measured = torchplace.estimate(loaded_nested, example_input=x, step="forward")
+    assert measured.fallback is None and measured.activations > 0
+    with pytest.raises(
+        torchplace.TorchplaceError,
+        match=r"estimate\(\): model\.1 is offloaded .* inference only.*pass step='forward'",
+    ):
+        torchplace.estimate(loaded_nested, example_input=x)  # step="train", the default
+    assert (
+        measured.peak_by_device()
+        == torchplace.estimate(nested, example_input=x, step="forward").peak_by_device()
+    )
     monkeypatch.undo()
     with torch.no_grad():
         assert torch.equal(loaded(x), model(x))
@@ -1632,3 +1667,25 @@ def test_dispatching_a_disk_module_elsewhere_says_to_gather_first(tmp_path: Any)
     torchplace.dispatch(model, {"": "cpu"})  # gathered: any map
     with torch.no_grad():
         assert torch.equal(model(x), reference(x))
+
+
+def test_key_errors_of_a_load_by_map_speak_of_a_rename_only_where_one_was_given(
+    tmp_path: Any,
+) -> None:
+    """load_into(..., device_map=) drops the disk modules' keys from the fill itself: with no
+    rename= given, its errors spoke of one ("as rename= names them", "rename= dropped all");
+    with one that moves a disk module's keys away, the error said the file held none."""
+    model = mlp(2)
+    path = tmp_path / "m.pt"
+    torch.save({**model.state_dict(), "extra": torch.zeros(1)}, path)
+    disk = {"": "cpu", "2": "disk"}
+    with pytest.raises(torchplace.CheckpointError, match=r"unexpected keys: extra;") as e:
+        torchplace.load_into(torchplace.skeleton(mlp, 2), path, device_map=disk)
+    assert "rename" not in str(e.value)
+    for rename, kept in (({r".*": None}, r"it dropped every one"), ({r"^": "x."}, "x.0.bias")):
+        with pytest.raises(
+            torchplace.CheckpointError,
+            match=rf"model\.2 on 'disk', but after the rename= given none of the keys of .*m\.pt "
+            rf"is under '2\.' \(.*{kept}.*\).*fix the rename",
+        ):
+            torchplace.load_into(torchplace.skeleton(mlp, 2), path, device_map=disk, rename=rename)

@@ -7,6 +7,7 @@ every machine) and after a round trip through CUDA (values bit for bit) where a 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections import OrderedDict, UserList, defaultdict, namedtuple
 from typing import Any
 
@@ -225,3 +226,24 @@ def test_the_looks_refuse_a_set_or_iterator_below_the_top_naming_its_path() -> N
     plain = {"tags": {1, 2}, "x": t}
     assert torchplace.where(plain) == torch.device("cpu")
     torchplace.verify(plain, "cpu")
+    # A set of modules hides their tensors as well (move refuses it too).
+    meta_model = torch.nn.Linear(2, 2, device="meta")
+    with pytest.raises(torchplace.TorchplaceError, match=r"batch\['models'\] is a set holding"):
+        torchplace.verify({"x": t, "models": {meta_model}}, "cpu")
+    with pytest.raises(torchplace.TorchplaceError, match=r"batch\['models'\] is a set holding"):
+        torchplace.move({"x": t, "models": {meta_model}}, "cpu")
+
+    # Inside an object with its own .to(), which move hands the move to, nothing is refused.
+    class GraphBatch:
+        def __init__(self) -> None:
+            self.x = torch.ones(2)
+            self.ids = itertools.count()
+
+        def to(self, device: object) -> GraphBatch:
+            self.x = self.x.to(device)  # type: ignore[arg-type]
+            return self
+
+    graph = GraphBatch()
+    assert torchplace.move(graph, "cpu").x.device.type == "cpu"
+    assert torchplace.where(graph) == torch.device("cpu")
+    torchplace.verify(graph, "cpu")

@@ -510,14 +510,10 @@ def _a(cls: type) -> str:
 
 
 def _holds_tensors(items: Iterable[Any]) -> bool:
-    """Whether a set or dict view holds a tensor, at any depth (items of plain types, the
-    usual set of strings, are passed without a walk of their own)."""
-    return any(
-        isinstance(leaf, torch.Tensor)
-        for item in items
-        if type(item) not in _PLAIN
-        for _, leaf in iter_leaves(item)
-    )
+    """Whether a set or dict view holds a tensor, or a module or optimizer (which hold them),
+    at any depth (items of plain types, the usual set of strings, are passed without a walk of
+    their own)."""
+    return any(True for item in items if type(item) not in _PLAIN for _ in iter_leaves(item))
 
 
 _PLAIN = frozenset({str, int, float, bool, bytes, type(None)})
@@ -707,7 +703,8 @@ def iter_leaves(
     ``Module.to`` never walks, may be cyclic configuration): then the way back is not followed.
     With ``refuse`` (the looks: ``verify``, ``where``, ``report``), a set or dict view holding
     tensors, or an iterator, raises ``TorchplaceError`` naming its path, as ``move`` refuses it:
-    its tensors would go unseen. Else it is passed over.
+    its tensors would go unseen (not inside an object with its own ``.to()``, which ``move``
+    hands the move to). Else it is passed over.
 
     >>> import torch
     >>> from torchplace._tree import iter_leaves
@@ -718,7 +715,7 @@ def iter_leaves(
     seen: set[int] = set()
     on_path: set[int] = set()
 
-    def visit(node: Any, path: str, depth: int) -> Iterator[tuple[str, Any]]:
+    def visit(node: Any, path: str, depth: int, refusing: bool) -> Iterator[tuple[str, Any]]:
         kind = _classify(type(node))
         if kind == _LEAF:
             return
@@ -734,18 +731,21 @@ def iter_leaves(
         if id(node) in seen:
             return
         if kind == _REFUSED:
-            if refuse and (isinstance(node, Iterator) or _holds_tensors(node)):
+            if refusing and (isinstance(node, Iterator) or _holds_tensors(node)):
                 raise TorchplaceError(_unwalkable_message(node, path, looking=True))
             return
         seen.add(id(node))
         on_path.add(id(node))
+        # Below an object with its own .to(), move refuses nothing (its .to() moves it): nor do
+        # the looks.
+        below = refusing and kind != _TO
         for is_attr, key, child in _children(node):
             child_path = path + (f".{key}" if is_attr else f"[{key!r}]")
-            yield from visit(child, child_path, depth + 1)  # noqa: F821 (deleted once done)
+            yield from visit(child, child_path, depth + 1, below)  # noqa: F821 (deleted once done)
         on_path.discard(id(node))
 
     try:
-        yield from visit(obj, root, 0)
+        yield from visit(obj, root, 0, refuse)
     except RecursionError:
         raise TorchplaceError(_depth_message(obj, root)) from None
     finally:

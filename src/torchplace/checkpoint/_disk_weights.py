@@ -27,6 +27,7 @@ from ._catalog import Catalog
 from ._conversions import Plan, conversion_plan, converted, hub_plan
 from ._direct import Direct, direct_reads, read_direct, with_fused
 from ._load import read_entries
+from ._rename import not_a_name
 
 __all__ = ["CheckpointWeights", "model_names"]
 
@@ -43,6 +44,8 @@ def model_names(
     renamed: dict[str, str] = {}  # name after rename -> file key
     for key in found.entries:
         name = renamer(key) if renamer is not None else key
+        if name is not None and not isinstance(name, str):
+            raise not_a_name(found.where, key, name)
         if name is not None:
             renamed[name] = key
     names: dict[str, tuple[str, ...]] = {key: (name,) for name, key in renamed.items()}

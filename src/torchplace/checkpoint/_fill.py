@@ -381,9 +381,11 @@ def _fit_and_fill(model: nn.Module, read: _Read, *, strict: bool) -> nn.Module:
     p, state, renamer, slots = read.p, read.state, read.renamer, read.slots
     loadable, transient, extra = slots.loadable, slots.transient, slots.extra_state
     check_state_dict(p, model, state, loadable)
-    held = len(state) if read.given_rename else None  # what messages say rename= kept
+    held = len(state)
     if renamer is not None:
         state = renamed(str(p), state, renamer)
+    # what messages say of a rename the caller gave: the keys it had, and those it kept
+    counts = (held, len(state)) if read.given_rename else None
     plan = read.rest
     if plan is not None:
         # The fused tensors were read straight into their slices; what is left of the plan
@@ -418,7 +420,7 @@ def _fit_and_fill(model: nn.Module, read: _Read, *, strict: bool) -> nn.Module:
         strict,
         file_shapes,
         lacking,
-        renamed=held,
+        renamed=counts,
     )
     prepared = _prepare(fit, read.target, copy=read.from_memory)
     return _apply(fit, prepared, extra, seen.own)
@@ -606,7 +608,7 @@ class _Fit:
         strict: bool,
         file_shapes: Mapping[str, tuple[int, ...]] | None = None,
         lacking: Mapping[str, tuple[str, ...]] | None = None,
-        renamed: int | None = None,
+        renamed: tuple[int, int] | None = None,
     ) -> None:
         self.p, self.model, self.strict, self.transient = p, model, strict, transient
         # What key hints weigh: a rename is suggested only where the shapes agree.

@@ -71,14 +71,14 @@ Held = tuple[tuple[int, ...], bool] | str
 class KeyCheck:
     """What ``check_keys`` found: each model tensor the source fills (``matched``: the slot and
     every name the source holds it under, in the slot's order), what it lacks, holds besides,
-    and holds in another shape. ``renamed``: where ``rename=`` was given, how many keys the
-    source held before it (its keys above are as the rename gives them)."""
+    and holds in another shape. ``renamed``: where the caller gave ``rename=``, how many keys
+    the source held before it and how many it kept (the keys above are as it gives them)."""
 
     matched: list[tuple[Slot, list[str]]]
     missing: list[Missing]
     unexpected: list[str]
     mismatched: list[Mismatch]
-    renamed: int | None = None
+    renamed: tuple[int, int] | None = None
 
     @property
     def missing_names(self) -> list[str]:
@@ -199,6 +199,8 @@ _AS_RENAMED = " (as rename= names them)"
 
 def _kept_none(held: int) -> str:
     """Said where ``rename=`` dropped every one of the ``held`` keys of the source."""
+    if held == 0:
+        return "the file holds none"
     if held == 1:
         return "rename= dropped the file's one key (it returned None for it)"
     return f"rename= dropped all {held} of the file's keys (it returned None for each)"
@@ -216,8 +218,8 @@ def matches_nothing(
     unexpected = check.unexpected
     if unexpected:
         held = f"the file has{_AS_RENAMED * (check.renamed is not None)} {listing(unexpected, 5)}"
-    elif check.renamed:
-        held = _kept_none(check.renamed)
+    elif check.renamed and not check.renamed[1]:
+        held = _kept_none(check.renamed[0])
     else:
         held = "the file holds none"
     said = p if named is None else named
@@ -260,8 +262,8 @@ def does_not_fit(
     renamed = check.renamed is not None
     if strict and unexpected:
         keys.append(f"unexpected keys{_AS_RENAMED * renamed}: {listing(unexpected)}")
-    elif strict and missing and check.renamed and not check.matched:
-        keys.append(_kept_none(check.renamed))
+    elif strict and missing and check.renamed and not check.renamed[1]:
+        keys.append(_kept_none(check.renamed[0]))
     names = [m.name for m in missing]
     tied = {n for m in missing for n in m.tied}
     said = p if named is None else named

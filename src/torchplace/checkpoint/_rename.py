@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import collections
 import re
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, Union
 
@@ -19,20 +18,26 @@ from .._errors import CheckpointError, TorchplaceError
 Rename = Union[Callable[[str], Union[str, None]], Mapping[str, Union[str, None]]]  # noqa: UP007
 
 
-# Renames torchplace made itself where the caller gave none (a wrapper's prefix taken off):
-# messages then speak of the file's keys, not of a rename= the caller never passed.
-_NOT_GIVEN: weakref.WeakSet[Callable[[str], str | None]] = weakref.WeakSet()
+class _NotGiven:
+    """A rename torchplace made itself where the caller gave none (a wrapper's prefix taken
+    off, a disk module's keys dropped): messages then speak of the file's keys, not of a
+    ``rename=`` the caller never passed."""
+
+    def __init__(self, rename: Callable[[str], str | None]) -> None:
+        self.rename = rename
+
+    def __call__(self, key: str) -> str | None:
+        return self.rename(key)
 
 
 def not_given(rename: Callable[[str], str | None], /) -> Callable[[str], str | None]:
     """``rename``, marked as torchplace's own (``given`` is False for it)."""
-    _NOT_GIVEN.add(rename)
-    return rename
+    return _NotGiven(rename)
 
 
 def given(rename: Rename, /) -> bool:
     """Whether ``rename`` is the caller's (not one ``not_given`` marked)."""
-    return rename not in _NOT_GIVEN  # what no weak reference can name was never marked
+    return not isinstance(rename, _NotGiven)
 
 
 def guarded(label: str, rename: Callable[[str], str | None], /) -> Callable[[str], str | None]:
@@ -91,6 +96,14 @@ def as_renamer(rename: Any, /) -> Callable[[str], str | None]:
     return renamer
 
 
+def not_a_name(label: str, key: str, new: object) -> CheckpointError:
+    """The error for a rename that turned ``key`` into ``new``, neither a str nor None."""
+    return CheckpointError(
+        f"{label}: rename= turned {key!r} into {new!r}; it must return a str (the new name) or "
+        "None (to drop the key)"
+    )
+
+
 def renamed(
     label: str, state: Mapping[str, Any], rename: Callable[[str], str | None]
 ) -> dict[str, Any]:
@@ -111,10 +124,7 @@ def renamed(
         if new is None:
             continue
         if not isinstance(new, str):
-            raise CheckpointError(
-                f"{label}: rename= turned {key!r} into {new!r}; it must return a str (the new "
-                "name) or None (to drop the key)"
-            )
+            raise not_a_name(label, key, new)
         if new in out:
             raise CheckpointError(
                 f"{label}: rename= gives {source[new]!r} and {key!r} the same name {new!r}, so "

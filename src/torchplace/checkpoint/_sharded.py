@@ -700,14 +700,14 @@ class _Located:
     """Step 1's findings: the source's catalog, its entries by the model's names, the entries as
     the file names them (what fused tensors are read from), the fused tensors a conversion
     builds, the file keys those it cannot build lack (``Plan.lacking``), and where the caller
-    gave ``rename=``, how many keys the source held before it."""
+    gave ``rename=``, how many keys the source held before it and how many it kept."""
 
     catalog: Catalog
     entries: dict[str, Entry]
     sources: dict[str, Entry]
     fused: dict[str, Fused]
     lacking: Mapping[str, tuple[str, ...]]
-    renamed: int | None
+    renamed: tuple[int, int] | None
 
 
 def _located(
@@ -725,14 +725,15 @@ def _located(
             warn_unchecked_safetensors(read, source_catalog.kind, source_catalog.kinds)
     where = source_catalog.where
     held = _sharded_entries(source_catalog)
-    before = len(held) if rename is not None and given(rename) else None
     entries = _renamed(held, rename, where)
+    given_rename = rename is not None and given(rename)
+    counts = (len(held), len(entries)) if given_rename else None  # what the caller's kept
     # A transformers model's hub names: renamed entries, and fused tensors read piece by piece.
     conversions = conversion_plan(model, {n: (e.shape, entry_dtype(e)) for n, e in entries.items()})
     if conversions is None:
-        return _Located(source_catalog, entries, entries, {}, {}, before)
+        return _Located(source_catalog, entries, entries, {}, {}, counts)
     converted, fused = _converted(where, conversions, entries)
-    return _Located(source_catalog, converted, entries, fused, conversions.lacking, before)
+    return _Located(source_catalog, converted, entries, fused, conversions.lacking, counts)
 
 
 def _placed(

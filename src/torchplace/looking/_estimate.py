@@ -31,7 +31,7 @@ from .._errors import (
 from .._model_walk import compiled_inner, display
 from .._sizes import format_bytes as _format_bytes
 from .._tensor_size import nbytes_as
-from ..moving._offloaded import disk_placeholders
+from ..moving._offloaded import disk_placeholders, homes
 from ._fake_checks import real_kernel_refuses
 from ._fake_step import KINDS, ModulePeak, OperatorFailed, Unmeasurable, measure_step
 
@@ -398,6 +398,14 @@ def estimate(
             raise TorchplaceError(
                 "grads=False with step='train': a training step makes gradients; for inference "
                 "pass step='forward'"
+            )
+        offloaded = next((path for path, _, _ in homes(model)), None)
+        if step == "train" and offloaded is not None:
+            raise TorchplaceError(
+                f"{display(offloaded) if offloaded else 'the model'} is offloaded by its device "
+                "map, and offloaded modules run for inference only, so no training step can be "
+                "measured; pass step='forward' for inference, or estimate the model before it "
+                "is dispatched (a skeleton sizes like the real model)"
             )
         return _measured(model, name, example_input, step)
     except TorchplaceError as err:

@@ -152,6 +152,9 @@ def _tracker_class() -> type:
             self.torchplace_step = OptimizerStepBook()
 
         def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+            # Weights a disk module's hooks brought in for this call (its submodules' included)
+            # need no gradient, as the frozen ones _skip_frozen tells the tracker of.
+            _skip_frozen(self, module)
             super()._pre_fw_hook(module, inputs)
             stats = self.memory_tracking[module]
             self.torchplace_stats[stats.mod_fqn] = stats
@@ -562,9 +565,13 @@ def _by_kind(snapshot: Mapping[Any, int]) -> dict[str, int]:
 
 
 def _module_peaks(
-    tracker: Any, model: nn.Module, label: Callable[[torch.device], torch.device]
+    tracker: Any,
+    model: nn.Module,
+    label: Callable[[torch.device], torch.device],
+    shown: Callable[[torch.device], bool] = lambda dev: True,
 ) -> tuple[ModulePeak, ...]:
-    """Every module that ran but the whole model, by the most held while it ran."""
+    """Every module that ran but the whole model, by the most held while it ran on a device
+    ``shown`` keeps (not the ``meta`` of disk placeholders)."""
     found = []
     for module, stats in list(tracker.memory_tracking.items()):
         name = str(stats.mod_fqn).partition(".")[2]  # the tracker names the root by its class
@@ -574,7 +581,8 @@ def _module_peaks(
         for state, snaps in stats.snapshots.items():
             for snap in snaps if "Peak" in str(getattr(state, "value", state)) else ():
                 for dev, dev_snap in snap.items():
-                    best = max(best, (int(dev_snap.get(_TOTAL, 0)), dev), key=lambda b: b[0])
+                    if shown(dev):
+                        best = max(best, (int(dev_snap.get(_TOTAL, 0)), dev), key=lambda b: b[0])
         found.append(
             ModulePeak(
                 name,
@@ -683,16 +691,20 @@ def _measure(
         fused = FusedAttention(label(run)) if run.type == "meta" else contextlib.nullcontext()
         with tracker, _eager(), fused, tracker.torchplace_checks.seen():
             _run(model, batch, opt, train)
+
+        def shown(dev: torch.device) -> bool:  # the placeholders' meta is on no device
+            return dev in where.values() or not (disk and dev.type == "meta")
+
         peaks = {
             label(dev): _by_kind(snap)
             for dev, snap in tracker.get_tracker_snapshot("peak").items()
-            if dev in where.values() or not (disk and dev.type == "meta")  # placeholders: none
+            if shown(dev)
         }
         add_workspaces(peaks, tracker.torchplace_matmuls, label)
         return StepMeasure(
             peaks=peaks,
             most=_most(tracker.torchplace_most),
-            modules=_module_peaks(tracker, model, label),
+            modules=_module_peaks(tracker, model, label, shown),
         )
 
 

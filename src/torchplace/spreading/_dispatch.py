@@ -727,6 +727,8 @@ class _NoMove:
             try:
                 out = fn(held)
             except (NotImplementedError, RuntimeError) as exc:  # "Cannot copy out of meta"
+                if isinstance(exc, RuntimeError) and not _takes_real(fn):
+                    raise  # the device itself (a build without it): torch's error says so
                 raise TorchplaceError(
                     f"{here}, so .to(), .cpu(), .cuda() and share_memory() cannot move it; {fix}; "
                     "nothing was moved"
@@ -743,6 +745,17 @@ class _NoMove:
         model = self.model()
         assert model is not None, "called through the model, which holds it"
         return type(model)._apply(model, fn, recurse)  # type: ignore[no-untyped-call]
+
+
+def _takes_real(fn: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+    """Whether ``fn`` (what ``_apply`` applies) works on a real, empty CPU tensor: then what
+    failed on a placeholder (``share_memory_``: "only available on CPU") failed for being on
+    ``meta``; else it fails for any tensor (``.to("mps")`` in a build without MPS)."""
+    try:
+        fn(torch.empty(0))
+    except Exception:
+        return False
+    return True
 
 
 def _guard_moves(model: nn.Module, disk: list[Unit]) -> None:

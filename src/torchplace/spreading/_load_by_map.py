@@ -25,7 +25,7 @@ from ..checkpoint._checkpoint import load_into as fill
 from ..checkpoint._conversions import Plan
 from ..checkpoint._keys import KeyCheck, Mismatch, Missing, does_not_fit
 from ..checkpoint._opened import one_open_each
-from ..checkpoint._rename import Rename, as_renamer
+from ..checkpoint._rename import Rename, as_renamer, given, not_given
 from ..checkpoint._source import PathLike
 from ..moving._offloaded import DEFAULT_WINDOW, HOME, homes
 
@@ -228,11 +228,11 @@ def _check_in_file(
     ``strict=False`` too: its module reads every weight from the file."""
     filled = keys[0]
     names = {n for targets in filled.values() for n in targets}
-    wanted = _wanted(model, found, disk, names)
+    wanted = _wanted(model, found, disk, names, keys[2] is not None and given(keys[2]))
     _check_readable(found, disk, filled, wanted)
     check = _disk_keys(found, disk, keys, names, wanted)
-    if keys[2] is not None:
-        check.renamed = len(found.entries)
+    if keys[2] is not None and given(keys[2]):
+        check.renamed = (len(found.entries), len(filled))
     if not strict:
         check.unexpected = []
     if not check.missing and not check.unexpected and not check.mismatched:
@@ -261,10 +261,11 @@ def _check_in_file(
 
 
 def _wanted(
-    model: nn.Module, found: Catalog, disk: list[str], names: set[str]
+    model: nn.Module, found: Catalog, disk: list[str], names: set[str], renamed: bool
 ) -> dict[str, tuple[int, ...]]:
     """The ``"disk"`` modules' weights, each with its shape; refused where the file holds no
-    tensor under a module (``names``: the model names the file's keys fill)."""
+    tensor under a module (``names``: the model names the file's keys fill, after the rename
+    the caller gave, if ``renamed``)."""
     wanted: dict[str, tuple[int, ...]] = {}
     for name in disk:
         head = f"{name}."
@@ -273,6 +274,21 @@ def _wanted(
         }
         wanted.update(params)
         if params and not any(n.startswith(head) for n in names):
+            if renamed:
+                gives = sorted(names)[:3]
+                kept = (
+                    f"the names it gives are {', '.join(gives)}{' ...' * (len(names) > 3)}"
+                    if names
+                    else "it dropped every one"
+                )
+                raise CheckpointError(
+                    f"the device_map puts {display(name)} on 'disk', but after the rename= given "
+                    f"none of the keys of {found.where} is under {head!r} ({kept}), so its "
+                    "weights could not be read when it runs; fix the rename, or map "
+                    f"{name!r} to a device and fill it another way",
+                    path=found.path,
+                    missing=list(params),
+                )
             raise CheckpointError(
                 f"the device_map puts {display(name)} on 'disk', but {found.where} holds no tensor "
                 f"under {head!r}, so its weights could not be read when it runs; check that "
@@ -419,7 +435,7 @@ def _dropping(
         new = renamer(key) if renamer is not None else key
         return None if new is None or key in theirs or new.startswith(heads) else new
 
-    return rename
+    return rename if renamer is not None else not_given(rename)
 
 
 def _params_to_meta(module: nn.Module) -> None:
