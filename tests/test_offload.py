@@ -1689,3 +1689,28 @@ def test_key_errors_of_a_load_by_map_speak_of_a_rename_only_where_one_was_given(
             rf"is under '2\.' \(.*{kept}.*\).*fix the rename",
         ):
             torchplace.load_into(torchplace.skeleton(mlp, 2), path, device_map=disk, rename=rename)
+
+
+def test_strict_false_by_map_leaving_a_resident_tensor_on_meta_is_refused_untouched(
+    tmp_path: Any,
+) -> None:
+    """strict=False filled what the file held, then dispatch raised MoveError on the tensor left
+    on meta: the skeleton half-filled. It is refused before anything stays filled, and what
+    the caller initialises first stays as the rest loads."""
+    model = mlp(2)
+    path = tmp_path / "partial.pt"
+    torch.save({k: v for k, v in model.state_dict().items() if k != "0.bias"}, path)
+    disk = {"": "cpu", "2": "disk"}
+    target = torchplace.skeleton(mlp, 2)
+    with pytest.raises(
+        torchplace.CheckpointError,
+        match=r"left 1 tensor\(s\) of Sequential on meta.*0\.bias.*with a device_map the load "
+        r"is refused and the model is untouched",
+    ):
+        torchplace.load_into(target, path, device_map=disk, strict=False)
+    assert all(p.is_meta for p in target.parameters()) and not is_dispatched(target)
+    target[0].bias = nn.Parameter(model[0].bias.detach().clone())  # given a value first
+    loaded = torchplace.load_into(target, path, device_map=disk, strict=False)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))

@@ -540,7 +540,7 @@ def _warn_after_fill(fit: _Fit) -> None:
     if not left:
         return
     warnings.warn(
-        left_on_meta(fit.model, fit.p, left, fit.strict, fit.target),
+        left_on_meta(fit.model, fit.p, left, fit.strict, fit.target, fit.check.renamed is not None),
         UserWarning,
         stacklevel=user_stacklevel(),
     )

@@ -21,6 +21,7 @@ from .._suggest import close_matches
 Shapes = tuple[Mapping[str, tuple[int, ...]], Mapping[str, tuple[int, ...]]]
 
 __all__ = [
+    "LEFT_ON_META",
     "Shapes",
     "as_pattern",
     "check_state_dict",
@@ -321,15 +322,21 @@ def _tied_hint(model: nn.Module, left: list[Slot]) -> tuple[str, torch.Tensor | 
     return words, meta
 
 
+# How the warning of ``left_on_meta`` begins, for a caller that refuses what it warns of.
+LEFT_ON_META = r"torchplace\.load_into left \d+ tensor\(s\) of .* on meta"
+
+
 def left_on_meta(
     model: nn.Module,
     p: Path | str,
     left: list[Slot],
     strict: bool,
     target: torch.device | None,
+    renamed: bool = False,
 ) -> str:
     """The warning for tensors that a load onto a real device left on meta (keys ``p`` lacks,
-    with ``strict=False``): they hold no values and make the model compute garbage."""
+    with ``strict=False``; ``renamed``: once the caller's ``rename=`` is applied): they hold
+    no values and make the model compute garbage."""
     names = [s.names[0] for s in left]
     tied, meta = _tied_hint(model, left)
     rest = [s for s in left if s.tensor is not meta]
@@ -353,7 +360,8 @@ def left_on_meta(
     why = "strict=False" if not strict else "the model's load post-hooks"
     return (
         f"torchplace.load_into left {len(names)} tensor(s) of {type(model).__name__} on meta, "
-        f"where they hold no values: {listing(names)}. {p} has no key for them "
+        f"where they hold no values: {listing(names)}. {p} has no key for them"
+        f"{' once the rename= given is applied' * renamed} "
         f"({why} let the load go ahead), and a model with tensors on meta fails or, "
         "worse, computes garbage (F.linear of a real input and a meta weight returns "
         f"uninitialised values).{tied}{fix}"

@@ -880,7 +880,7 @@ def _fill_sharded(model: nn.Module, source: Any, device: Any, **how: Any) -> Map
     left = [s for s in (*slots, *found.transient) if s.tensor.is_meta and id(s) not in planned]
     if left:
         warnings.warn(
-            left_on_meta(model, where, left, strict, new_home),
+            left_on_meta(model, where, left, strict, new_home, located.renamed is not None),
             UserWarning,
             stacklevel=user_stacklevel(),
         )

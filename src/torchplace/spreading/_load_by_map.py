@@ -11,6 +11,8 @@ Without a map, ``load_into`` is the checkpoint package's, unchanged.
 from __future__ import annotations
 
 import contextlib
+import re
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -24,6 +26,7 @@ from ..checkpoint._catalog import Catalog, catalog
 from ..checkpoint._checkpoint import load_into as fill
 from ..checkpoint._conversions import Plan
 from ..checkpoint._keys import KeyCheck, Mismatch, Missing, does_not_fit
+from ..checkpoint._mismatch import LEFT_ON_META
 from ..checkpoint._opened import one_open_each
 from ..checkpoint._rename import Rename, as_renamer, given, not_given
 from ..checkpoint._source import PathLike
@@ -159,7 +162,7 @@ def _by_map(
             _check_in_file(model, found, disk, (names, plan, renamer), strict=options["strict"])
         dtypes = {name: _dtypes(model.get_submodule(name)) for name in disk}
         filled = source if found is None or found.path is None else found.path
-        with _held_out(model, disk):
+        with _held_out(model, disk), _left_on_meta_refused():
             fill(
                 model,
                 filled,
@@ -175,6 +178,27 @@ def _by_map(
             module.__dict__[HOME] = Home(DISK, torch.device("cpu"), reader)
     dispatch(model, device_map, execution_device=execution_device, offload_window=offload_window)
     return model
+
+
+@contextlib.contextmanager
+def _left_on_meta_refused() -> Iterator[None]:
+    """The fill's warning that ``strict=False`` left tensors on ``meta`` made its error (the
+    fill puts the model back as it was when its last warning raises), then refused: the map
+    places those tensors in memory, and dispatch could not place a tensor with no values
+    (it raised after the fill, the model half-filled)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=LEFT_ON_META, category=UserWarning)
+        try:
+            yield
+        except UserWarning as left:
+            if not re.match(LEFT_ON_META, str(left)):
+                raise
+            raise CheckpointError(
+                f"{left}; with a device_map the load is refused and the model is untouched: the "
+                "map places them in memory, where they must hold values before the model is "
+                "dispatched (the load fills only what the file holds, so what you initialise "
+                "first stays)"
+            ) from None
 
 
 def _check_disk(model: nn.Module, source: object, disk: list[str]) -> None:
