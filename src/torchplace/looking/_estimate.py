@@ -113,7 +113,9 @@ class Estimate:
     ``on_disk``: the bytes of weights a device map left on ``"disk"`` (read from the checkpoint
     while their module runs). They are in no row, since no device holds them between calls,
     and no gradients or optimizer state is counted for them (they are read afresh each call);
-    a measured step counts them on their module's device while it runs.
+    a measured step counts them on their module's device while it runs, among its activations
+    (tensors made during the step). A training step of an offloaded model is refused: it runs
+    for inference only.
     """
 
     rows: tuple[EstimateRow, ...]
