@@ -14,7 +14,9 @@ work and who is gone:
   to ``beat/<rank>`` every ``timeout / 5`` s (at most every second). A waiting rank gives up
   on another once it has neither posted nor beaten for ``timeout`` seconds
   (``TORCHPLACE_COMPARE_TIMEOUT``, 10 by default). A rank still reading is waited for however
-  long its fill takes; one interrupted, killed, or not calling at all is not.
+  long its fill takes; one interrupted, killed, or not calling at all is not. A waiting rank
+  first waits in the store (woken as the rows land) for the time between two beats, then
+  looks at it, less and less often, and at the others' beats.
 - Giving up on a rank is posted in that rank's own slot, atomically (``compare_set``): a rank
   that comes later finds it and fails too, never agreeing with ranks that have already raised.
   Such a late rank moves on to the latest round any rank of the mesh has begun, so the calls
@@ -27,8 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import hashlib
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -41,12 +45,11 @@ __all__ = ["ABSENT", "TIMEOUT_VARIABLE", "Meeting", "compare_timeout", "meeting"
 TIMEOUT_VARIABLE = "TORCHPLACE_COMPARE_TIMEOUT"
 DEFAULT_TIMEOUT = 10.0  # seconds without a sign of life before a rank is given up on
 ABSENT = "absent"  # what a slot holds once the others gave up on its rank
-# A waiting rank looks at the store often for its first 5 ms of waiting (ranks that read alike
-# post within a few ms of each other, and each ms of a wait's lag is 3-4% of a 256 MiB fill on
-# 2 ranks): every 0.1 ms per rank of the mesh, at least 0.2 ms apart, so that all the waiting
-# ranks together ask about 10,000 times a second at most. Then less and less often, down to
-# every millisecond per rank (2 ms for 2 ranks), at most every 50 ms: about 1,000 times a second
-# at most, all together.
+# Once its wait in the store is over (``Meeting._waited``), a waiting rank looks at the store
+# often for its first 5 ms of looking: every 0.1 ms per rank of the mesh, at least 0.2 ms apart,
+# so that all the waiting ranks together ask about 10,000 times a second at most. Then less and
+# less often, down to every millisecond per rank (2 ms for 2 ranks), at most every 50 ms: about
+# 1,000 times a second at most, all together.
 _FIRST_PAUSE = 0.0002
 _EAGER_FOR = 0.005
 _PAUSE_PER_RANK = 0.001
@@ -131,7 +134,9 @@ class Meeting:
         seen: dict[int, tuple[int, float]] = {}  # a rank's last beat, and since when
         every = min(1.0, self.timeout / 5)
         start = time.monotonic()
-        look = start + every
+        if missing and self._waited([keys[r] for r in missing], every):
+            missing = []
+        look = start + every  # past, after a wait that timed out: stalls are looked for now
         longest = min(_LONGEST_PAUSE, _PAUSE_PER_RANK * len(self.ranks))
         pause = min(longest, max(_FIRST_PAUSE, _PAUSE_PER_RANK * len(self.ranks) / 10))
         while missing and not self.store.check([keys[r] for r in missing]):
@@ -151,6 +156,21 @@ class Meeting:
             _done.setdefault(self.prefix, []).extend(earlier)
             _posted[self.prefix] = [self.round]
         return rows
+
+    def _waited(self, keys: list[str], seconds: float) -> bool:
+        """Whether ``keys`` were all posted within ``seconds``, waited for in the store (the
+        store wakes this rank as the last one lands; False: not within them). Looking at the
+        store every 0.2 ms instead took a core's worth of turns from the ranks still reading
+        (2-5% of a 256 MiB fill on 2 ranks, ``bench_sharded.py``). A TCPStore whose wait
+        times out logs it to stderr (c10d's own warning): once per call at most, and only
+        where a rank came more than ``seconds`` after this one."""
+        try:
+            self.store.wait(keys, datetime.timedelta(seconds=seconds))
+        except Exception as exc:
+            if "timeout" not in str(exc).lower() or _network_error(exc):
+                raise  # the store gone: the caller says so
+            return False
+        return True
 
     def _stalled(
         self, missing: list[int], seen: dict[int, tuple[int, float]], start: float, now: float
@@ -285,6 +305,12 @@ def _raise_latest(store: Any, key: str, round_: int) -> None:
         if held.isdigit() and int(held) >= round_:
             return
         expected = "" if held == expected else held  # unchanged: the key was missing
+
+
+def _network_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is c10d's for a store that cannot be reached (its process gone)."""
+    kind = getattr(sys.modules.get("torch.distributed"), "DistNetworkError", None)
+    return kind is not None and isinstance(exc, kind)
 
 
 def _get_all(store: Any, keys: list[str]) -> list[Any]:
