@@ -1126,7 +1126,10 @@ def test_only_a_self_moving_module_s_own_state_gets_the_move_fix() -> None:
         torchplace.verify(model, "meta")
     lines = {line.split(" (")[0].strip("- "): line for line in str(info.value).splitlines()[1:]}
     assert "moves it itself (_Tracked's _apply)" in lines["total"]
-    assert "register_buffer('cache', ...) or pass attributes='move'" in lines["lin.cache"]
+    assert (
+        "self.register_buffer('cache', ...) in its module's __init__ in place of self.cache = "
+        "..., or pass attributes='move'"
+    ) in lines["lin.cache"]
     torchplace.move(model, "meta", attributes="move")  # the fix given for lin.cache, followed
     torchplace.verify(model, "meta")
 

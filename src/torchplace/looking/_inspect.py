@@ -454,8 +454,9 @@ def _fix_for_attribute(entry: Entry, dev: str) -> str:
             f"del model.{entry.name} and it is computed again where the model is"
         )
     return (
-        f"a plain tensor attribute, which Module.to() does not move; register it with "
-        f"self.register_buffer('{attr}', ...) or pass attributes='move' to torchplace.move"
+        f"a plain tensor attribute, which Module.to() does not move; register it, "
+        f"self.register_buffer('{attr}', ...) in its module's __init__ in place of "
+        f"self.{attr} = ..., or pass attributes='move' to torchplace.move"
     )
 
 
