@@ -1704,11 +1704,19 @@ def test_strict_false_by_map_leaving_a_resident_tensor_on_meta_is_refused_untouc
     target = torchplace.skeleton(mlp, 2)
     with pytest.raises(
         torchplace.CheckpointError,
-        match=r"left 1 tensor\(s\) of Sequential on meta.*0\.bias.*with a device_map the load "
-        r"is refused and the model is untouched",
+        match=r"strict=False would leave 1 tensor\(s\) of Sequential on meta.*: 0\.bias; .*"
+        r"partial\.pt has no key for them.*Nothing was filled",
     ):
         torchplace.load_into(target, path, device_map=disk, strict=False)
     assert all(p.is_meta for p in target.parameters()) and not is_dispatched(target)
+    # A model partly real: its real weights are not overwritten (the fill wrote in place).
+    half = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8, device="meta"), nn.Tanh())
+    torch.save({k: v for k, v in model.state_dict().items() if k != "2.bias"}, path)
+    before = half[0].weight.detach().clone()
+    with pytest.raises(torchplace.CheckpointError, match=r"2\.bias;.*Nothing was filled"):
+        torchplace.load_into(half, path, device_map={"": "cpu"}, strict=False)
+    assert torch.equal(half[0].weight, before) and half[2].weight.is_meta
+    torch.save({k: v for k, v in model.state_dict().items() if k != "0.bias"}, path)
     target[0].bias = nn.Parameter(model[0].bias.detach().clone())  # given a value first
     loaded = torchplace.load_into(target, path, device_map=disk, strict=False)
     x = torch.randn(3, 8)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -122,3 +124,59 @@ def test_an_ended_call_leaves_nothing_of_its_store_to_the_thread() -> None:
     del store
     gc.collect()
     assert gone() is None
+
+
+def _rows_in_a_child(store_code: str, timeout: float, beats_for: float) -> str:
+    """What ``Meeting.rows`` returns on rank 0 of 2 while rank 1, in a child process of its own
+    on the same store, beats every ``timeout / 5`` s for ``beats_for`` s and then posts; run in
+    a subprocess with a bound, so that a wait that never ends fails the test."""
+    code = f"""
+import subprocess, sys, time
+import torch.distributed as dist
+from torchplace.checkpoint._rendezvous import Meeting
+child = '''
+import time, torch.distributed as dist
+s = {store_code}
+s.add("p/beat/1", 1); print("up", flush=True)
+end = time.monotonic() + {beats_for}
+while time.monotonic() < end:
+    s.add("p/beat/1", 1); time.sleep({timeout} / 5)
+s.compare_set("p/1/row/1", "", "late")
+'''
+s = {store_code}
+p = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE)
+p.stdout.readline()
+m = Meeting(s, "p", (0, 1), 0, 1, timeout={timeout})
+s.set(m._key("row", 0), "me")
+print(m.rows()[1])
+p.kill()
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    return done.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_a_live_rank_is_waited_for_on_a_store_whose_wait_keeps_whole_seconds(
+    tmp_path: Any,
+) -> None:
+    """A FileStore's wait ends on whole seconds: its first look came after a bound of 0.5 s
+    had passed, and the live, beating rank was given up on."""
+    store = f"dist.PrefixStore('pg', dist.FileStore({str(tmp_path / 'store')!r}, 2))"
+    assert _rows_in_a_child(store, timeout=0.5, beats_for=2.5) == "late"
+
+
+def test_a_bound_under_a_millisecond_gives_up_instead_of_waiting_for_ever() -> None:
+    """c10d keeps a wait's bound in whole milliseconds, and 0 ms is no bound: a store's wait
+    for a rank that never comes never ended."""
+    import torch.distributed as dist
+
+    store = dist.PrefixStore("x", dist.HashStore())
+    meeting = _rendezvous.Meeting(store, "p", (0, 1), 0, 1, timeout=0.004)
+    store.set(meeting._key("row", 0), "me")
+    result: list[dict[int, str]] = []
+    waiter = threading.Thread(target=lambda: result.append(meeting.rows()), daemon=True)
+    waiter.start()
+    waiter.join(10)
+    assert result == [{0: "me", 1: _rendezvous.ABSENT}]

@@ -247,3 +247,10 @@ def test_the_looks_refuse_a_set_or_iterator_below_the_top_naming_its_path() -> N
     assert torchplace.move(graph, "cpu").x.device.type == "cpu"
     assert torchplace.where(graph) == torch.device("cpu")
     torchplace.verify(graph, "cpu")
+    # A list met first inside such an object, then beside it: refused where met beside it,
+    # whichever comes first.
+    inner = [{torch.zeros(1), torch.ones(1)}]
+    for batch in ({"a": GraphBatch(), "b": inner}, {"b": inner, "a": GraphBatch()}):
+        batch["a"].held = inner  # type: ignore[attr-defined]
+        with pytest.raises(torchplace.TorchplaceError, match=r"batch\['b'\]\[0\] is a set"):
+            torchplace.where(batch)

@@ -712,7 +712,8 @@ def iter_leaves(
     >>> [path for path, _ in iter_leaves({"a": [t, t], "b": 1})]
     ["batch['a'][0]"]
     """
-    seen: set[int] = set()
+    seen: set[int] = set()  # the leaves yielded
+    walked: dict[int, bool] = {}  # the containers walked, and whether refusing then
     on_path: set[int] = set()
 
     def visit(node: Any, path: str, depth: int, refusing: bool) -> Iterator[tuple[str, Any]]:
@@ -728,13 +729,13 @@ def iter_leaves(
             return  # a .to() object's attributes may point back at it (a parent link)
         if id(node) in on_path or depth > MAX_DEPTH:
             raise TorchplaceError(_depth_message(obj, root))
-        if id(node) in seen:
-            return
+        if id(node) in walked and (walked[id(node)] or not refusing):
+            return  # walked already, refusing as now or more (first met below a .to(): again)
         if kind == _REFUSED:
             if refusing and (isinstance(node, Iterator) or _holds_tensors(node)):
                 raise TorchplaceError(_unwalkable_message(node, path, looking=True))
             return
-        seen.add(id(node))
+        walked[id(node)] = refusing
         on_path.add(id(node))
         # Below an object with its own .to(), move refuses nothing (its .to() moves it): nor do
         # the looks.

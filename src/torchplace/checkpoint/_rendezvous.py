@@ -162,8 +162,12 @@ class Meeting:
         store wakes this rank as the last one lands; False: not within them). Looking at the
         store every 0.2 ms instead took a core's worth of turns from the ranks still reading
         (2-5% of a 256 MiB fill on 2 ranks, ``bench_sharded.py``). A TCPStore whose wait
-        times out logs it to stderr (c10d's own warning): once per call at most, and only
-        where a rank came more than ``seconds`` after this one."""
+        times out logs it to stderr (c10d's own two lines): once per call at most, and only
+        where a rank came more than ``seconds`` after this one. The wait holds the store's
+        client for its time: a beat of another fill of this process waits behind it, at most
+        ``seconds`` (a beat's interval), well within the ``timeout`` the others allow."""
+        if seconds < 0.001:
+            return False  # c10d keeps whole milliseconds, and 0 ms is no bound at all
         try:
             self.store.wait(keys, datetime.timedelta(seconds=seconds))
         except Exception as exc:
@@ -176,11 +180,15 @@ class Meeting:
         self, missing: list[int], seen: dict[int, tuple[int, float]], start: float, now: float
     ) -> list[int]:
         """The ranks of ``missing`` with no beat for ``timeout`` seconds (``seen``: each one's
-        last beat and since when, from ``start``, when this rank began to wait)."""
+        last beat and since when). A rank's first look counts from ``now``, not from when this
+        rank began to wait (``start``), where that look came later than a beat's interval after
+        it (a store whose wait keeps whole seconds, a FileStore's): a beat it could not yet have
+        seen is not missed."""
         stalled = []
         for r in missing:
             beats = int(self.store.add(f"{self.prefix}/beat/{r}", 0))
-            last, since = seen.get(r, (beats, start))
+            first = start if now - start <= min(1.0, self.timeout / 5) * 1.5 else now
+            last, since = seen.get(r, (beats, first))
             if beats != last:
                 since = now
             seen[r] = (beats, since)

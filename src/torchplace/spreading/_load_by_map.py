@@ -21,15 +21,16 @@ from torch import nn
 
 from .._devices import DeviceSpec
 from .._errors import CheckpointError, DeviceSpecError, TorchplaceError, check_flags, prefixed
-from .._model_walk import display, walk_model
+from .._model_walk import display, tensor_slots, walk_model
 from ..checkpoint._catalog import Catalog, catalog
 from ..checkpoint._checkpoint import load_into as fill
 from ..checkpoint._conversions import Plan
 from ..checkpoint._keys import KeyCheck, Mismatch, Missing, does_not_fit
-from ..checkpoint._mismatch import LEFT_ON_META
+from ..checkpoint._mismatch import LEFT_ON_META, listing
 from ..checkpoint._opened import one_open_each
 from ..checkpoint._rename import Rename, as_renamer, given, not_given
 from ..checkpoint._source import PathLike
+from ..checkpoint._statedict import has_post_hooks, loads_itself
 from ..moving._offloaded import DEFAULT_WINDOW, HOME, homes
 
 if TYPE_CHECKING:  # the map's modules load only when a map is given: a plain load pays none
@@ -154,15 +155,19 @@ def _by_map(
     _check_disk(model, source, disk)
     check_offloading(tree, entries, execution_device, offload_window)  # before reading a byte
     renamer = None if rename is None else as_renamer(rename)
+    strict = options["strict"]
     with one_open_each():  # each file opened once in this call (the disk tier's reads: later)
-        found = catalog(source) if disk else None  # resolved once, for the check and the tier
+        # resolved once, for the checks and the tier
+        found = catalog(source) if disk or not strict else None
         # each file key's model names, after rename and the hub-name conversion
         names, plan = model_names(found, model, renamer) if found is not None else ({}, None)
-        if found is not None:
-            _check_in_file(model, found, disk, (names, plan, renamer), strict=options["strict"])
+        if found is not None and disk:
+            _check_in_file(model, found, disk, (names, plan, renamer), strict=strict)
+        if found is not None and not strict:
+            _refuse_left_on_meta(model, found, disk, names, renamer)
         dtypes = {name: _dtypes(model.get_submodule(name)) for name in disk}
         filled = source if found is None or found.path is None else found.path
-        with _held_out(model, disk), _left_on_meta_refused():
+        with _held_out(model, disk), _left_on_meta_refused():  # what a hook left
             fill(
                 model,
                 filled,
@@ -180,12 +185,52 @@ def _by_map(
     return model
 
 
+def _refuse_left_on_meta(
+    model: nn.Module,
+    found: Catalog,
+    disk: list[str],
+    names: Mapping[str, tuple[str, ...]],
+    renamer: Callable[[str], str | None] | None,
+) -> None:
+    """Refuse, before anything is filled, a ``strict=False`` load that would leave a tensor the
+    map keeps in memory on ``meta`` (no key of the file fills it, after ``rename`` and the
+    hub-name conversion: ``names``): dispatch cannot place a tensor with no values, and it
+    raised after the fill, the model half filled. A model whose load hooks or own loaders may
+    yet fill such a tensor is left to the fill (``_left_on_meta_refused``)."""
+    if has_post_hooks(model) or any(loads_itself(m) for m in model.modules()):
+        return
+    filled = {n for targets in names.values() for n in targets}
+    heads = tuple(f"{name}." for name in disk)
+    slots = tensor_slots(model)
+    left = [
+        s.names[0]
+        for s in (*slots.loadable, *slots.transient)
+        if s.tensor.is_meta
+        and not any(n in filled for n in s.names)
+        and not all(n.startswith(heads) for n in s.names)
+    ]
+    if not left:
+        return
+    once = " once the rename= given is applied" if renamer is not None and given(renamer) else ""
+    raise CheckpointError(
+        f"strict=False would leave {len(left)} tensor(s) of {type(model).__name__} on meta, "
+        f"where they hold no values: {listing(left)}; {found.where} has no key for them{once}, "
+        "and the device_map places them in memory, where they must hold values before the "
+        "model is dispatched. Nothing was filled: give them values first (the load fills only "
+        "what the file holds, so what you initialise stays), load a file that holds them, or "
+        "map their modules to 'disk' from a checkpoint that does",
+        path=found.path,
+        missing=left,
+    )
+
+
 @contextlib.contextmanager
 def _left_on_meta_refused() -> Iterator[None]:
-    """The fill's warning that ``strict=False`` left tensors on ``meta`` made its error (the
-    fill puts the model back as it was when its last warning raises), then refused: the map
-    places those tensors in memory, and dispatch could not place a tensor with no values
-    (it raised after the fill, the model half-filled)."""
+    """The fill's warning that ``strict=False`` left tensors on ``meta`` made its error, then
+    refused: the map places those tensors in memory, and dispatch could not place a tensor
+    with no values. ``_refuse_left_on_meta`` refuses such a load before anything is filled;
+    this is for what the model's load hooks or own loaders left (the fill puts back what it
+    kept copies of; what it wrote in place stays)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=LEFT_ON_META, category=UserWarning)
         try:
@@ -194,10 +239,10 @@ def _left_on_meta_refused() -> Iterator[None]:
             if not re.match(LEFT_ON_META, str(left)):
                 raise
             raise CheckpointError(
-                f"{left}; with a device_map the load is refused and the model is untouched: the "
-                "map places them in memory, where they must hold values before the model is "
-                "dispatched (the load fills only what the file holds, so what you initialise "
-                "first stays)"
+                f"{left}; with a device_map the load stops here: the map places them in "
+                "memory, where they must hold values before the model is dispatched (the load "
+                "fills only what the file holds, so what you initialise first stays). What the "
+                "fill wrote in place may stay written: build the model again"
             ) from None
 
 
