@@ -317,7 +317,7 @@ def _read_source(
     """``load_into``'s source read (a file) or taken as it is (a mapping) for ``model``."""
     target = None if device is None else _device(device)
     renamer = None if rename is None else as_renamer(rename)
-    given_rename = rename is not None and given(rename)
+    given_rename = given(rename)
     from_memory = isinstance(source, Mapping)
     # A directory's model file: messages name the file read, not its directory.
     p: Path | str = "the state dict given to load_into" if from_memory else resolve(source)

@@ -70,7 +70,7 @@ def keys_hint(
     file's keys are as the caller's ``rename=`` gives them, so a fix changes that rename rather
     than passing another.
     """
-    keys = "the file's keys, as rename= names them," if renamed else "the file's keys"
+    keys = _the_keys(renamed)
     names = missing
     if not names or not unexpected:
         return ""
@@ -110,6 +110,11 @@ def keys_hint(
     return _typo_hint(p, names, unexpected, tied or set(), shapes, renamed)
 
 
+def _the_keys(renamed: bool) -> str:
+    """How a hint names the file's keys: as the caller's ``rename=`` gave them, if ``renamed``."""
+    return "the file's keys, as rename= names them," if renamed else "the file's keys"
+
+
 def _rename_fix(p: Path | str, rule: str, renamed: bool, act: str) -> str:
     """The fix that does ``act`` by ``rule`` (a ``rename=`` dict, as Python) to the file's keys:
     the call, or where the caller's own ``rename=`` gave the keys, the change to make to it."""
@@ -129,7 +134,7 @@ def _typo_hint(
     """Says which of the file's keys look like misspellings of the model's missing ones
     (``dcoder.0.weight`` for ``decoder.0.weight``), and when one part of the name is misspelt
     alike in every key, the ``rename`` that fits them all (``renamed``: as ``keys_hint``)."""
-    keys = "the file's keys, as rename= names them," if renamed else "the file's keys"
+    keys = _the_keys(renamed)
     pairs = _misspelt(missing, unexpected, shapes=shapes)
     if not pairs:
         return ""

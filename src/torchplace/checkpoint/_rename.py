@@ -35,9 +35,9 @@ def not_given(rename: Callable[[str], str | None], /) -> Callable[[str], str | N
     return _NotGiven(rename)
 
 
-def given(rename: Rename, /) -> bool:
-    """Whether ``rename`` is the caller's (not one ``not_given`` marked)."""
-    return not isinstance(rename, _NotGiven)
+def given(rename: Rename | None, /) -> bool:
+    """Whether the caller gave ``rename`` (not None, nor one ``not_given`` marked)."""
+    return rename is not None and not isinstance(rename, _NotGiven)
 
 
 def guarded(label: str, rename: Callable[[str], str | None], /) -> Callable[[str], str | None]:

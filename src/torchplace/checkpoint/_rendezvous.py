@@ -88,6 +88,12 @@ class Meeting:
     round: int
     timeout: float
 
+    @property
+    def every(self) -> float:
+        """A beat's interval, and how long a waiting rank waits between looks at the beats:
+        ``timeout / 5``, at most a second."""
+        return min(1.0, self.timeout / 5)
+
     def _key(self, kind: str, rank: int, round_: int | None = None) -> str:
         return f"{self.prefix}/{self.round if round_ is None else round_}/{kind}/{rank}"
 
@@ -96,7 +102,7 @@ class Meeting:
         """This rank shows it is alive while the body runs. The process's beating thread
         (``_BEATER``) first says which round this rank has begun and deletes its keys of rounds
         no rank reads any more, off the fill's path, then beats until the body ends."""
-        every = min(1.0, self.timeout / 5)
+        every = self.every
         key = f"{self.prefix}/beat/{self.rank}"
         done = _done.pop(self.prefix, [])
 
@@ -132,7 +138,7 @@ class Meeting:
         keys = {r: self._key("row", r) for r in self.ranks}
         missing = [r for r in self.ranks if r != self.rank]
         seen: dict[int, tuple[int, float]] = {}  # a rank's last beat, and since when
-        every = min(1.0, self.timeout / 5)
+        every = self.every
         start = time.monotonic()
         if missing and self._waited([keys[r] for r in missing], every):
             missing = []
@@ -187,7 +193,7 @@ class Meeting:
         stalled = []
         for r in missing:
             beats = int(self.store.add(f"{self.prefix}/beat/{r}", 0))
-            first = start if now - start <= min(1.0, self.timeout / 5) * 1.5 else now
+            first = start if now - start <= self.every * 1.5 else now
             last, since = seen.get(r, (beats, first))
             if beats != last:
                 since = now

@@ -726,8 +726,7 @@ def _located(
     where = source_catalog.where
     held = _sharded_entries(source_catalog)
     entries = _renamed(held, rename, where)
-    given_rename = rename is not None and given(rename)
-    counts = (len(held), len(entries)) if given_rename else None  # what the caller's kept
+    counts = (len(held), len(entries)) if given(rename) else None  # what the caller's kept
     # A transformers model's hub names: renamed entries, and fused tensors read piece by piece.
     conversions = conversion_plan(model, {n: (e.shape, entry_dtype(e)) for n, e in entries.items()})
     if conversions is None:

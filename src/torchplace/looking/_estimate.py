@@ -401,8 +401,8 @@ def estimate(
                 "grads=False with step='train': a training step makes gradients; for inference "
                 "pass step='forward'"
             )
-        offloaded = next((path for path, _, _ in homes(model)), None)
-        if step == "train" and offloaded is not None:
+        offloaded = next((path for path, _, _ in homes(model)), None) if step == "train" else None
+        if offloaded is not None:
             raise TorchplaceError(
                 f"{display(offloaded) if offloaded else 'the model'} is offloaded by its device "
                 "map, and offloaded modules run for inference only, so no training step can be "

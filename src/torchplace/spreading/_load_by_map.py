@@ -211,7 +211,7 @@ def _refuse_left_on_meta(
     ]
     if not left:
         return
-    once = " once the rename= given is applied" if renamer is not None and given(renamer) else ""
+    once = " once the rename= given is applied" if given(renamer) else ""
     raise CheckpointError(
         f"strict=False would leave {len(left)} tensor(s) of {type(model).__name__} on meta, "
         f"where they hold no values: {listing(left)}; {found.where} has no key for them{once}, "
@@ -297,10 +297,11 @@ def _check_in_file(
     ``strict=False`` too: its module reads every weight from the file."""
     filled = keys[0]
     names = {n for targets in filled.values() for n in targets}
-    wanted = _wanted(model, found, disk, names, keys[2] is not None and given(keys[2]))
+    renamed = given(keys[2])
+    wanted = _wanted(model, found, disk, names, renamed)
     _check_readable(found, disk, filled, wanted)
     check = _disk_keys(found, disk, keys, names, wanted)
-    if keys[2] is not None and given(keys[2]):
+    if renamed:
         check.renamed = (len(found.entries), len(filled))
     if not strict:
         check.unexpected = []
