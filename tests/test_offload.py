@@ -1722,3 +1722,51 @@ def test_strict_false_by_map_leaving_a_resident_tensor_on_meta_is_refused_untouc
     x = torch.randn(3, 8)
     with torch.no_grad():
         assert torch.equal(loaded(x), model(x))
+
+
+def test_a_hooked_model_left_on_meta_by_map_is_refused_by_its_fill_in_that_thread_only(
+    tmp_path: Any,
+) -> None:
+    """A model with a load post-hook may yet fill a tensor the file lacks, so a strict=False
+    load by map leaves the refusal to its fill, which raises where it would warn. That was a
+    warnings filter, the whole process's: a plain load in another thread at the same moment
+    had its own warning raised as an error. It is a context variable now."""
+    import re
+    import threading
+    import warnings
+
+    from torchplace.checkpoint._mismatch import LEFT_ON_META
+    from torchplace.spreading import _load_by_map
+
+    model = mlp(2)
+    path = tmp_path / "partial.pt"
+    torch.save({k: v for k, v in model.state_dict().items() if k != "0.bias"}, path)
+    hooked = torchplace.skeleton(mlp, 2)
+    hooked.register_load_state_dict_post_hook(lambda module, keys: None)
+    with pytest.raises(
+        torchplace.CheckpointError,
+        match=LEFT_ON_META + r".*0\.bias.*; with a device_map the load stops here",
+    ):
+        torchplace.load_into(hooked, path, device_map={"": "cpu"}, strict=False)
+    assert not is_dispatched(hooked)
+    assert all(p.is_meta for p in hooked.parameters())  # put back, as for any failed fill
+
+    entered, leave = threading.Event(), threading.Event()
+
+    def refusing() -> None:  # a load by map in another thread, inside its fill
+        with _load_by_map._left_on_meta_refused():
+            entered.set()
+            leave.wait(10)
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")  # then the other thread's load, entered over it
+        other = threading.Thread(target=refusing)
+        other.start()
+        try:
+            assert entered.wait(10)
+            plain = torchplace.load_into(torchplace.skeleton(mlp, 2), path, strict=False)
+        finally:
+            leave.set()
+            other.join()
+    assert [re.match(LEFT_ON_META, str(w.message)) is not None for w in seen] == [True]
+    assert plain[0].bias.is_meta and torch.equal(plain[0].weight, model[0].weight)

@@ -53,6 +53,7 @@ from ._mismatch import (
     left_on_meta,
     listing,
     target_for,
+    warn_left_on_meta,
 )
 from ._opened import one_open_each
 from ._progress import reporting, wanted
@@ -539,10 +540,8 @@ def _warn_after_fill(fit: _Fit) -> None:
     left = [s for s in (*fit.loadable, *fit.transient) if s.tensor.is_meta]
     if not left:
         return
-    warnings.warn(
-        left_on_meta(fit.model, fit.p, left, fit.strict, fit.target, fit.check.renamed is not None),
-        UserWarning,
-        stacklevel=user_stacklevel(),
+    warn_left_on_meta(
+        left_on_meta(fit.model, fit.p, left, fit.strict, fit.target, fit.check.renamed is not None)
     )
 
 

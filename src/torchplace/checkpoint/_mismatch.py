@@ -5,7 +5,9 @@ tensors a ``strict=False`` load left on ``meta``. Shared by the plain and the sh
 
 from __future__ import annotations
 
+import contextvars
 import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._errors import CheckpointError
+from .._errors import CheckpointError, user_stacklevel
 from .._model_walk import Slot
 from .._suggest import close_matches
 
@@ -22,6 +24,8 @@ Shapes = tuple[Mapping[str, tuple[int, ...]], Mapping[str, tuple[int, ...]]]
 
 __all__ = [
     "LEFT_ON_META",
+    "REFUSE_LEFT_ON_META",
+    "LeftOnMeta",
     "Shapes",
     "as_pattern",
     "check_state_dict",
@@ -329,6 +333,28 @@ def _tied_hint(model: nn.Module, left: list[Slot]) -> tuple[str, torch.Tensor | 
 
 # How the warning of ``left_on_meta`` begins, for a caller that refuses what it warns of.
 LEFT_ON_META = r"torchplace\.load_into left \d+ tensor\(s\) of .* on meta"
+
+# Whether tensors a load leaves on meta are refused, not warned of: set around its fill by a load
+# by device_map (``spreading._load_by_map``), which must not dispatch a tensor with no values. A
+# context variable, so that a load in another thread at the same time still only warns (a
+# warnings filter would be the whole process's).
+REFUSE_LEFT_ON_META: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "torchplace_refuse_left_on_meta", default=False
+)
+
+
+class LeftOnMeta(Exception):
+    """The warning of ``left_on_meta``, raised where the load under way refuses it
+    (``REFUSE_LEFT_ON_META``): not a ``CheckpointError``, so that the fill puts the model back
+    as for any failure; the load that refuses it says what it means for it."""
+
+
+def warn_left_on_meta(text: str) -> None:
+    """The warning ``text`` of ``left_on_meta``, or ``LeftOnMeta`` where the load under way
+    refuses it."""
+    if REFUSE_LEFT_ON_META.get():
+        raise LeftOnMeta(text)
+    warnings.warn(text, UserWarning, stacklevel=user_stacklevel())
 
 
 def left_on_meta(

@@ -55,7 +55,7 @@ from ._catalog import Catalog, Entry, Stamp, catalog
 from ._conversions import Fused, Plan, conversion_plan, fused_boxes
 from ._keys import check_keys, does_not_fit, matches_nothing, no_data_buffers
 from ._load import warn_unchecked_safetensors
-from ._mismatch import left_on_meta
+from ._mismatch import left_on_meta, warn_left_on_meta
 from ._plan_items import Box
 from ._progress import reporting
 from ._reader import check_records
@@ -878,10 +878,8 @@ def _fill_sharded(model: nn.Module, source: Any, device: Any, **how: Any) -> Map
     planned = {id(slot) for slot, _ in plan}
     left = [s for s in (*slots, *found.transient) if s.tensor.is_meta and id(s) not in planned]
     if left:
-        warnings.warn(
-            left_on_meta(model, where, left, strict, new_home, located.renamed is not None),
-            UserWarning,
-            stacklevel=user_stacklevel(),
+        warn_left_on_meta(
+            left_on_meta(model, where, left, strict, new_home, located.renamed is not None)
         )
     stamps = source_catalog.stamps
     _read_plan(model, where, stamps, plan, pieces, located.sources, materialize_on, progress)

@@ -11,8 +11,6 @@ Without a map, ``load_into`` is the checkpoint package's, unchanged.
 from __future__ import annotations
 
 import contextlib
-import re
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -26,7 +24,7 @@ from ..checkpoint._catalog import Catalog, catalog
 from ..checkpoint._checkpoint import load_into as fill
 from ..checkpoint._conversions import Plan
 from ..checkpoint._keys import KeyCheck, Mismatch, Missing, does_not_fit
-from ..checkpoint._mismatch import LEFT_ON_META, listing
+from ..checkpoint._mismatch import REFUSE_LEFT_ON_META, LeftOnMeta, listing
 from ..checkpoint._opened import one_open_each
 from ..checkpoint._rename import Rename, as_renamer, given, not_given
 from ..checkpoint._source import PathLike
@@ -230,20 +228,20 @@ def _left_on_meta_refused() -> Iterator[None]:
     refused: the map places those tensors in memory, and dispatch could not place a tensor
     with no values. ``_refuse_left_on_meta`` refuses such a load before anything is filled;
     this is for what the model's load hooks or own loaders left (the fill puts back what it
-    kept copies of; what it wrote in place stays)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=LEFT_ON_META, category=UserWarning)
-        try:
-            yield
-        except UserWarning as left:
-            if not re.match(LEFT_ON_META, str(left)):
-                raise
-            raise CheckpointError(
-                f"{left}; with a device_map the load stops here: the map places them in "
-                "memory, where they must hold values before the model is dispatched (the load "
-                "fills only what the file holds, so what you initialise first stays). What the "
-                "fill wrote in place may stay written: build the model again"
-            ) from None
+    kept copies of; what it wrote in place stays). In this thread only (a context variable,
+    not a warnings filter: a plain load in another thread meanwhile still warns)."""
+    token = REFUSE_LEFT_ON_META.set(True)
+    try:
+        yield
+    except LeftOnMeta as left:
+        raise CheckpointError(
+            f"{left}; with a device_map the load stops here: the map places them in memory, "
+            "where they must hold values before the model is dispatched (the load fills only "
+            "what the file holds, so what you initialise first stays). What the fill wrote in "
+            "place may stay written: build the model again"
+        ) from None
+    finally:
+        REFUSE_LEFT_ON_META.reset(token)
 
 
 def _check_disk(model: nn.Module, source: object, disk: list[str]) -> None:
