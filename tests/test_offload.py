@@ -1735,7 +1735,11 @@ def test_a_hooked_model_left_on_meta_by_map_is_refused_by_its_fill_in_that_threa
     import threading
     import warnings
 
-    from torchplace.checkpoint._mismatch import LEFT_ON_META
+    from torchplace.checkpoint._mismatch import (
+        LEFT_ON_META,
+        REFUSE_LEFT_ON_META,
+        warn_left_on_meta,
+    )
     from torchplace.spreading import _load_by_map
 
     model = mlp(2)
@@ -1752,11 +1756,18 @@ def test_a_hooked_model_left_on_meta_by_map_is_refused_by_its_fill_in_that_threa
     assert all(p.is_meta for p in hooked.parameters())  # put back, as for any failed fill
 
     entered, leave = threading.Event(), threading.Event()
+    after: list[object] = []
 
-    def refusing() -> None:  # a load by map in another thread, inside its fill
-        with _load_by_map._left_on_meta_refused():
-            entered.set()
-            leave.wait(10)
+    def waiting() -> None:  # inside a load by map's fill, in another thread
+        entered.set()
+        after.append(leave.wait(10))
+        warn_left_on_meta("torchplace.load_into left 1 tensor(s) of X on meta")  # still refused
+
+    def refusing() -> None:
+        try:
+            _load_by_map._left_on_meta_refused(waiting)
+        except torchplace.CheckpointError as refused:
+            after.append(refused)
 
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")  # then the other thread's load, entered over it
@@ -1768,5 +1779,15 @@ def test_a_hooked_model_left_on_meta_by_map_is_refused_by_its_fill_in_that_threa
         finally:
             leave.set()
             other.join()
-    assert [re.match(LEFT_ON_META, str(w.message)) is not None for w in seen] == [True]
+    assert after[0] is True  # the other load was still inside its fill throughout
+    assert "the load stops here" in str(after[1])  # and still refused there
+    left = [w for w in seen if re.match(LEFT_ON_META, str(w.message))]
+    assert len(left) == 1 and len(seen) == 1, [str(w.message) for w in seen]
     assert plain[0].bias.is_meta and torch.equal(plain[0].weight, model[0].weight)
+
+    def interrupted() -> None:  # Ctrl-C inside the fill: this thread is left warning
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _load_by_map._left_on_meta_refused(interrupted)
+    assert REFUSE_LEFT_ON_META.get() is False

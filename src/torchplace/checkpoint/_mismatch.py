@@ -36,6 +36,7 @@ __all__ = [
     "python_path",
     "source_name",
     "target_for",
+    "warn_left_on_meta",
 ]
 
 
@@ -331,11 +332,11 @@ def _tied_hint(model: nn.Module, left: list[Slot]) -> tuple[str, torch.Tensor | 
     return words, meta
 
 
-# How the warning of ``left_on_meta`` begins, for a caller that refuses what it warns of.
+# How the warning of ``left_on_meta`` begins (the tests match it).
 LEFT_ON_META = r"torchplace\.load_into left \d+ tensor\(s\) of .* on meta"
 
-# Whether tensors a load leaves on meta are refused, not warned of: set around its fill by a load
-# by device_map (``spreading._load_by_map``), which must not dispatch a tensor with no values. A
+# Whether tensors a load leaves on meta are refused, not warned of: set for its fill by a load by
+# device_map (``spreading._load_by_map``), which must not dispatch a tensor with no values. A
 # context variable, so that a load in another thread at the same time still only warns (a
 # warnings filter would be the whole process's).
 REFUSE_LEFT_ON_META: contextvars.ContextVar[bool] = contextvars.ContextVar(

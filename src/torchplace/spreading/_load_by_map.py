@@ -11,6 +11,7 @@ Without a map, ``load_into`` is the checkpoint package's, unchanged.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -165,13 +166,15 @@ def _by_map(
             _refuse_left_on_meta(model, found, disk, names, renamer)
         dtypes = {name: _dtypes(model.get_submodule(name)) for name in disk}
         filled = source if found is None or found.path is None else found.path
-        with _held_out(model, disk), _left_on_meta_refused():  # what a hook left
-            fill(
-                model,
-                filled,
-                _one_device(entries),
-                rename=_dropping(renamer, disk, names),
-                **options,
+        with _held_out(model, disk):
+            _left_on_meta_refused(  # what a hook left
+                lambda: fill(
+                    model,
+                    filled,
+                    _one_device(entries),
+                    rename=_dropping(renamer, disk, names),
+                    **options,
+                )
             )
     if found is not None:
         for name in disk:
@@ -222,17 +225,24 @@ def _refuse_left_on_meta(
     )
 
 
-@contextlib.contextmanager
-def _left_on_meta_refused() -> Iterator[None]:
-    """The fill's warning that ``strict=False`` left tensors on ``meta`` made its error, then
-    refused: the map places those tensors in memory, and dispatch could not place a tensor
-    with no values. ``_refuse_left_on_meta`` refuses such a load before anything is filled;
-    this is for what the model's load hooks or own loaders left (the fill puts back what it
-    kept copies of; what it wrote in place stays). In this thread only (a context variable,
-    not a warnings filter: a plain load in another thread meanwhile still warns)."""
-    token = REFUSE_LEFT_ON_META.set(True)
+def _left_on_meta_refused(load: Callable[[], object]) -> None:
+    """``load()`` with the fill's warning that ``strict=False`` left tensors on ``meta`` made
+    its error, then refused: the map places those tensors in memory, and dispatch could not
+    place a tensor with no values. ``_refuse_left_on_meta`` refuses such a load before anything
+    is filled; this is for what the model's load hooks or own loaders left (the fill puts back
+    what it kept copies of; what it wrote in place stays).
+
+    The fill is told so by a context variable (a warnings filter would be the whole process's: a
+    plain load in another thread meanwhile had its warning raised), set in a copy of this
+    thread's context that ``load`` runs in: nothing is left to reset, so an interrupt at any
+    point leaves no later load of this thread refusing what it should warn of."""
+
+    def refusing() -> None:
+        REFUSE_LEFT_ON_META.set(True)
+        load()
+
     try:
-        yield
+        contextvars.copy_context().run(refusing)
     except LeftOnMeta as left:
         raise CheckpointError(
             f"{left}; with a device_map the load stops here: the map places them in memory, "
@@ -240,8 +250,6 @@ def _left_on_meta_refused() -> Iterator[None]:
             "what the file holds, so what you initialise first stays). What the fill wrote in "
             "place may stay written: build the model again"
         ) from None
-    finally:
-        REFUSE_LEFT_ON_META.reset(token)
 
 
 def _check_disk(model: nn.Module, source: object, disk: list[str]) -> None:
