@@ -861,6 +861,46 @@ def test_estimate_of_a_model_with_disk_modules_reads_nothing(
     assert loaded[2].weight.is_meta
 
 
+def test_a_module_inside_a_disk_module_counts_its_weights_on_disk_and_is_not_measured_alone(
+    tmp_path: Any,
+) -> None:
+    """estimate(model[1][0]) where model.1 is on disk: its weights were a "meta" row and its
+    step ran on meta, as a skeleton's; they are on disk, read when model.1 runs. Counted, they
+    are on_disk; a step of it alone is refused, naming the disk module (and verify's fix names
+    it too); once gathered, it is measured as any module."""
+    nested = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh())).eval()
+    torch.save(nested.state_dict(), tmp_path / "nested.pt")
+    loaded = torchplace.load_into(
+        torchplace.skeleton(lambda: copy.deepcopy(nested)),
+        tmp_path / "nested.pt",
+        device_map={"": "cpu", "1": "disk"},
+    )
+    inner = loaded[1][0]
+    counted = torchplace.estimate(inner)
+    assert counted.on_disk == 8 * 8 * 4 + 8 * 4 and counted.rows == ()
+    assert "meta" not in str(counted) and "disk (read as run)" in str(counted)
+    x = torch.randn(3, 8)
+    with pytest.raises(
+        torchplace.TorchplaceError,
+        match=r"estimate\(\): Linear lies inside the module offloaded to 'disk' at model\.1 .*"
+        r"estimate that module or the whole model",
+    ):
+        torchplace.estimate(inner, example_input=x, step="forward")
+    assert torchplace.estimate(loaded[1], example_input=x, step="forward").on_disk == 288
+    # verify's fix for it said "on meta it has no values; load them with load_into"
+    with pytest.raises(
+        torchplace.PlacementError,
+        match=r"weight .* on meta; fix: its values stay on disk with the module offloaded at "
+        r"model\.1, .*torchplace\.verify\(model, device_map\)",
+    ):
+        torchplace.verify(inner, "cpu")
+    torchplace.move(loaded, "cpu")  # gathered: its weights real again, unmarked
+    alone = torchplace.estimate(loaded[1][0], example_input=x, step="forward")
+    assert alone.on_disk == 0 and alone.parameters == 288
+    with torch.no_grad():
+        assert torch.equal(loaded(x), nested(x))
+
+
 def test_a_disk_module_over_a_legacy_torch_file_is_refused_with_the_fix(tmp_path: Any) -> None:
     """A legacy (pre-1.6) file is read only whole: the load went through, then every call
     failed, with no fix."""

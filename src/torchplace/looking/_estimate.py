@@ -31,7 +31,7 @@ from .._errors import (
 from .._model_walk import compiled_inner, display
 from .._sizes import format_bytes as _format_bytes
 from .._tensor_size import nbytes_as
-from ..moving._offloaded import disk_placeholders, homes
+from ..moving._offloaded import disk_placeholders, homes, outside_units
 from ._fake_checks import real_kernel_refuses
 from ._fake_step import KINDS, ModulePeak, OperatorFailed, Unmeasurable, measure_step
 
@@ -409,9 +409,23 @@ def estimate(
                 "measured; pass step='forward' for inference, or estimate the model before it "
                 "is dispatched (a skeleton sizes like the real model)"
             )
+        _refuse_inside_disk_module(model)
         return _measured(model, name, example_input, step)
     except TorchplaceError as err:
         raise prefixed(err, "estimate()") from err.__cause__
+
+
+def _refuse_inside_disk_module(model: nn.Module) -> None:
+    """A module inside one offloaded to ``"disk"``: its weights come in when that module runs,
+    not when this one runs alone, so no step of it alone can be measured."""
+    units = outside_units(model)
+    if units:
+        raise TorchplaceError(
+            f"{type(model).__name__} lies inside the module offloaded to 'disk' at "
+            f"{display(units[0])} (its path in the model it was loaded into), which reads its "
+            "weights when it runs, so a step of this module alone cannot be measured; estimate "
+            "that module or the whole model, or leave example_input out to count its weights"
+        )
 
 
 def _refuse_non_model(model: Any) -> None:

@@ -27,14 +27,14 @@ from .._errors import (
     TorchplaceError,
     prefixed,
 )
-from .._model_walk import user_attributes, user_model, walk_model
+from .._model_walk import display, user_attributes, user_model, walk_model
 from .._own_moves import moves_itself
 from .._sizes import format_bytes  # its home; imported from here by several modules
 from .._tensor_size import nbytes
 from .._tree import cached_properties, iter_leaves, opaque_tensors, refuse_unwalkable
 from ..moving._identity import current, replaced_outside
 from ..moving._move import NON_PERSISTENT_LOST, REBUILD
-from ..moving._offloaded import Home, homes
+from ..moving._offloaded import DISK_UNIT, Home, homes
 from ..moving._optim_state import optimizer_list, rule_for
 
 __all__ = [
@@ -392,6 +392,13 @@ def fix_for(entry: Entry, target: torch.device, *, rebuild: bool = False) -> str
             f"{entry.home.execution} for each call; check such a model against its map, "
             "torchplace.verify(model, device_map), or gather it onto one device first, "
             f"torchplace.move(model, {dev})"
+        )
+    unit = entry.tensor.__dict__.get(DISK_UNIT) if entry.tensor.is_meta else None
+    if isinstance(unit, str):  # inside a disk module looked at alone: its values are kept
+        return (
+            f"its values stay on disk with the module offloaded at {display(unit)}, which reads "
+            "them when it runs; check the whole model against its map, torchplace.verify(model, "
+            f"device_map), or gather it onto one device first, torchplace.move(model, {dev})"
         )
     if entry.tensor.is_meta and target.type != "meta":
         if rebuild and entry.kind in ("parameter", "buffer") and not entry.non_persistent:

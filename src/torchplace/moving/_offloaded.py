@@ -24,9 +24,21 @@ from .._errors import MoveError
 from .._sizes import format_bytes
 from ._identity import UndoLog
 
-__all__ = ["DEFAULT_WINDOW", "HOME", "Home", "WeightSource", "drop_homes", "gather_homes", "homes"]
+__all__ = [
+    "DEFAULT_WINDOW",
+    "HOME",
+    "Home",
+    "WeightSource",
+    "disk_placeholders",
+    "drop_homes",
+    "gather_homes",
+    "homes",
+    "mark_disk_placeholder",
+    "outside_units",
+]
 
 HOME = "_torchplace_home"
+DISK_UNIT = "_torchplace_disk_unit"  # on a disk placeholder: its disk module's path
 DEFAULT_WINDOW = 2  # units resident on the execution device at once: the running one + 1 ahead
 
 
@@ -64,14 +76,41 @@ def homes(model: nn.Module, /) -> Iterator[tuple[str, nn.Module, Home]]:
 
 def disk_placeholders(model: nn.Module, /) -> dict[int, torch.Tensor]:
     """The ``meta`` parameters that stand in for disk-tier weights (read from the checkpoint
-    while their module runs), by id."""
-    return {
+    while their module runs), by id: those of ``model``'s disk modules, and those of a disk
+    module ``model`` lies inside (``outside_units``)."""
+    found: dict[int, torch.Tensor] = {
         id(p): p
         for _, module, home in homes(model)
         if home.tier == "disk"
         for p in module.parameters()
         if p.is_meta
     }
+    for p in model.parameters():
+        if p.is_meta and DISK_UNIT in p.__dict__:
+            found.setdefault(id(p), p)
+    return found
+
+
+def mark_disk_placeholder(p: torch.Tensor, unit: str, /) -> None:
+    """Mark ``p`` as a placeholder of the disk module at ``unit`` (its path in the model it
+    was loaded into): a module inside that one, looked at alone, knows where its weights are."""
+    p.__dict__[DISK_UNIT] = unit
+
+
+def outside_units(model: nn.Module, /) -> list[str]:
+    """The disk modules that ``model`` lies inside (their paths in the model they were loaded
+    into): they hold some of its weights' placeholders, and read those weights when they run,
+    not when ``model`` runs alone."""
+    inside = {
+        id(p)
+        for _, module, home in homes(model)
+        if home.tier == "disk"
+        for p in module.parameters()
+    }
+    units = (
+        p.__dict__.get(DISK_UNIT) for p in model.parameters() if p.is_meta and id(p) not in inside
+    )
+    return list(dict.fromkeys(u for u in units if isinstance(u, str)))
 
 
 def drop_homes(model: nn.Module, /) -> None:

@@ -30,7 +30,7 @@ from ..checkpoint._opened import one_open_each
 from ..checkpoint._rename import Rename, as_renamer, given, not_given
 from ..checkpoint._source import PathLike
 from ..checkpoint._statedict import has_post_hooks, loads_itself
-from ..moving._offloaded import DEFAULT_WINDOW, HOME, homes
+from ..moving._offloaded import DEFAULT_WINDOW, HOME, homes, mark_disk_placeholder
 
 if TYPE_CHECKING:  # the map's modules load only when a map is given: a plain load pays none
     from ._dispatch import DeviceMapSpec
@@ -180,7 +180,7 @@ def _by_map(
         for name in disk:
             module = model.get_submodule(name)
             reader = CheckpointWeights(found, model, name, dtypes[name], renamer, names)
-            _params_to_meta(module)
+            _params_to_meta(module, name)
             module.__dict__[HOME] = Home(DISK, torch.device("cpu"), reader)
     dispatch(model, device_map, execution_device=execution_device, offload_window=offload_window)
     return model
@@ -514,11 +514,14 @@ def _dropping(
     return rename if renamer is not None else not_given(rename)
 
 
-def _params_to_meta(module: nn.Module) -> None:
+def _params_to_meta(module: nn.Module, path: str) -> None:
     """A disk module's parameters as ``meta`` (their values stay in the file), objects kept
-    where they already were."""
+    where they already were; each marked as the placeholder of the module at ``path``."""
     for sub in module.modules():
         for name, p in list(sub._parameters.items()):
             if p is not None and not p.is_meta:
-                meta = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
-                sub._parameters[name] = meta
+                p = sub._parameters[name] = nn.Parameter(
+                    torch.empty_like(p, device="meta"), p.requires_grad
+                )
+            if p is not None:
+                mark_disk_placeholder(p, path)
