@@ -901,6 +901,75 @@ def test_a_module_inside_a_disk_module_counts_its_weights_on_disk_and_is_not_mea
         assert torch.equal(loaded(x), nested(x))
 
 
+@pytest.mark.parametrize("assign", [False, True])
+def test_load_state_dict_of_a_model_with_a_disk_module_is_refused_before_anything_loads(
+    tmp_path: Any, assign: bool
+) -> None:
+    """model.load_state_dict(new) went through: the layers in memory took the new weights, the
+    disk layer kept the file's (torch copied into its meta placeholders as a no-op, or with
+    assign=True the next call read the file's over them), and the outputs matched neither
+    model. It is refused by the first module it meets, nothing loaded; gathered, it loads."""
+    old = mlp(2)
+    torch.save(old.state_dict(), tmp_path / "old.pt")
+    torch.manual_seed(1)
+    new = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh()).eval()
+    loaded = torchplace.load_into(
+        torchplace.skeleton(mlp, 2), tmp_path / "old.pt", device_map={"": "cpu", "2": "disk"}
+    )
+    x = torch.randn(3, 8)
+    for target, state in ((loaded, new.state_dict()), (loaded[2], new[2].state_dict())):
+        with pytest.raises(
+            torchplace.TorchplaceError,
+            match=r"load_state_dict\(\): model\.2 is offloaded to 'disk' .* would not be kept.*"
+            r"torchplace\.move\(model, 'cpu'\).*nothing was loaded",
+        ):
+            target.load_state_dict(state, assign=assign)
+    assert torch.equal(loaded[0].weight, old[0].weight) and loaded[2].weight.is_meta
+    with torch.no_grad():
+        assert torch.equal(loaded(x), old(x))
+    loaded[0].load_state_dict(new[0].state_dict())  # a module with no disk module under it
+    torchplace.move(loaded, "cpu")
+    loaded.load_state_dict(new.state_dict(), assign=assign)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), new(x))
+
+
+def test_an_optimizer_built_before_a_load_by_map_is_re_bound_when_the_model_is_gathered(
+    tmp_path: Any,
+) -> None:
+    """The disk layer's parameters were replaced by placeholders unrecorded: after gathering,
+    the optimizer kept training the old tensors, and verify and stragglers passed. The
+    placeholders are recorded as replacements: verify names the stale optimizer, and
+    move(..., optimizer=opt) re-binds it with its state."""
+    model = mlp(2).train()
+    torch.save(model.state_dict(), tmp_path / "m.pt")
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    old_weight = model[2].weight
+    moments = opt.state[old_weight]["exp_avg"].clone()
+    torchplace.load_into(model, tmp_path / "m.pt", device_map={"": "cpu", "2": "disk"})
+    assert model[2].weight.is_meta and model[2].weight is not old_weight
+    torchplace.move(model, "cpu")  # gathered without the optimizer
+    with pytest.raises(
+        torchplace.PlacementError,
+        match=r"optimizer\.state\[2\.weight\]\..* held for a replaced parameter.*re-bind it: "
+        r"torchplace\.move\(model, 'cpu', optimizer=opt\)",
+    ):
+        torchplace.verify(model, "cpu", optimizer=opt)
+    assert torchplace.stragglers(model, "cpu", optimizer=opt)
+    torchplace.move(model, "cpu", optimizer=opt)
+    torchplace.verify(model, "cpu", optimizer=opt)
+    held = {id(p) for group in opt.param_groups for p in group["params"]}
+    assert {id(p) for p in model.parameters()} == held
+    assert torch.equal(opt.state[model[2].weight]["exp_avg"], moments)
+    before = model[2].weight.detach().clone()
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    assert not torch.equal(model[2].weight, before)
+
+
 def test_a_disk_module_over_a_legacy_torch_file_is_refused_with_the_fix(tmp_path: Any) -> None:
     """A legacy (pre-1.6) file is read only whole: the load went through, then every call
     failed, with no fix."""

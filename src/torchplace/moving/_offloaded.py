@@ -22,7 +22,7 @@ from torch import nn
 from .._devices import free_memory, host_available
 from .._errors import MoveError
 from .._sizes import format_bytes
-from ._identity import UndoLog
+from ._identity import UndoLog, record_replacement
 
 __all__ = [
     "DEFAULT_WINDOW",
@@ -142,6 +142,7 @@ def gather_homes(model: nn.Module, target: torch.device, log: UndoLog, /) -> Non
             assert old is not None
             new = nn.Parameter(value, requires_grad=old.requires_grad)
             log.apply(_put(owner, leaf, new), _put(owner, leaf, old))
+            log.apply(*record_replacement(old, new))  # an optimizer holding it is re-bound
 
 
 def _within(path: str, top: str) -> bool:

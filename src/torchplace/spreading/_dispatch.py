@@ -758,9 +758,34 @@ def _takes_real(fn: Callable[[torch.Tensor], torch.Tensor]) -> bool:
     return True
 
 
+class _NoLoad:
+    """``load_state_dict`` of a module on disk or above one: the disk modules' parameters are
+    ``meta`` placeholders, into which torch copies as a no-op (its warning says to pass
+    ``assign=True``), and with ``assign=True`` the next call reads the file's weights over the
+    ones given: either way the model silently went on with the checkpoint's weights there, and
+    the new ones elsewhere. Refused by the first module ``load_state_dict`` meets (the one it is
+    called on), before anything is loaded."""
+
+    def __init__(self, under: list[Unit]) -> None:
+        self.path = under[0].path
+        self.where = getattr(under[0].home.source, "where", "its checkpoint")
+
+    def __call__(self, module: nn.Module, state_dict: Any, prefix: str, *rest: Any) -> None:
+        raise TorchplaceError(
+            f"load_state_dict(): {display(self.path)} is offloaded to 'disk' (its weights stay "
+            f"in {self.where}, read when it runs, and are meta tensors here), so the values "
+            "given for it would not be kept: torch copies into its placeholders as a no-op, and "
+            "with assign=True its next call reads the file's over them. Gather the model first, "
+            "torchplace.move(model, 'cpu') (or a device it fits on), then load the state dict; "
+            "or save it and load_into the skeleton from that file with the map; nothing was "
+            "loaded"
+        )
+
+
 def _guard_moves(model: nn.Module, disk: list[Unit]) -> None:
-    """``_NoMove`` on each module on disk and on every module above one, the model's root
-    included, each trying the disk modules under it (``undispatch`` takes them away)."""
+    """``_NoMove`` and ``_NoLoad`` on each module on disk and on every module above one, the
+    model's root included, each trying the disk modules under it (``undispatch`` takes them
+    away)."""
     paths = {""} | {unit.path for unit in disk}
     for unit in disk:
         parts = unit.path.split(".")
@@ -773,6 +798,9 @@ def _guard_moves(model: nn.Module, disk: list[Unit]) -> None:
             installed.previous_apply = module.__dict__.get("_apply")
             installed.wrapped_apply = True
         module.__dict__["_apply"] = _NoMove(module, under, installed.previous_apply)
+        installed.handles.append(
+            module._register_load_state_dict_pre_hook(_NoLoad(under), with_module=True)  # type: ignore[no-untyped-call]
+        )
         module.__dict__[MARK] = installed
 
 

@@ -30,6 +30,7 @@ from ..checkpoint._opened import one_open_each
 from ..checkpoint._rename import Rename, as_renamer, given, not_given
 from ..checkpoint._source import PathLike
 from ..checkpoint._statedict import has_post_hooks, loads_itself
+from ..moving._identity import parameter_like, record_replacement
 from ..moving._offloaded import DEFAULT_WINDOW, HOME, homes, mark_disk_placeholder
 
 if TYPE_CHECKING:  # the map's modules load only when a map is given: a plain load pays none
@@ -516,12 +517,16 @@ def _dropping(
 
 def _params_to_meta(module: nn.Module, path: str) -> None:
     """A disk module's parameters as ``meta`` (their values stay in the file), objects kept
-    where they already were; each marked as the placeholder of the module at ``path``."""
+    where they already were; each marked as the placeholder of the module at ``path``. A real
+    parameter's placeholder is recorded as its replacement, as a move records one: an optimizer
+    built before the load is re-bound by ``move(model, ..., optimizer=opt)`` once the model is
+    gathered, and ``verify``/``stragglers`` name it until then."""
     for sub in module.modules():
         for name, p in list(sub._parameters.items()):
             if p is not None and not p.is_meta:
-                p = sub._parameters[name] = nn.Parameter(
-                    torch.empty_like(p, device="meta"), p.requires_grad
-                )
+                meta = parameter_like(p, torch.empty_like(p, device="meta"))
+                sub._parameters[name] = meta
+                record_replacement(p, meta)[0]()
+                p = meta
             if p is not None:
                 mark_disk_placeholder(p, path)
