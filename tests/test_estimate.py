@@ -32,6 +32,19 @@ def test_estimate_adam_counts_parameters_gradients_and_state() -> None:
     assert est.by_device() == {CPU: est.total}
 
 
+def test_estimate_of_a_forward_step_counts_no_gradients_or_state_without_an_input() -> None:
+    """step="forward" was ignored without an example_input: gradients and Adam's state were
+    counted (4x an inference model's bytes), where the CLI's --step forward counted none."""
+    model = torch.nn.Linear(1000, 1000)
+    forward = torchplace.estimate(model, step="forward")
+    assert (forward.parameters, forward.gradients, forward.optimizer_state) == (4004000, 0, 0)
+    assert forward.total == 4004000
+    train = torchplace.estimate(model, step="train")
+    assert (train.gradients, train.optimizer_state) == (4004000, 8008008)
+    with pytest.raises(torchplace.DeviceSpecError, match=r"step='fwd': use 'train' or 'forward'"):
+        torchplace.estimate(model, step="fwd")
+
+
 @pytest.mark.parametrize(
     ("optimizer", "state"),
     [

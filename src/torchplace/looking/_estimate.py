@@ -372,9 +372,10 @@ def estimate(
     creates them: ``"sgd"`` keeps none, ``"sgd-momentum"`` (or ``"momentum"``) one buffer per
     parameter, ``"adam"``/``"adamw"`` two, ``"adagrad"`` one; Adam and Adagrad also keep a scalar
     ``step`` per parameter on the CPU. ``optimizer=None`` counts no state, ``grads=False`` no
-    gradients (inference). A skeleton (parameters on ``meta``) is sized like the real model.
-    A model already sharded by FSDP2 (DTensor parameters) is sized by the shards this rank
-    holds, while ``parameter_count`` stays the whole model's.
+    gradients, ``step="forward"`` (inference) neither, with or without an ``example_input``. A
+    skeleton (parameters on ``meta``) is sized like the real model. A model already sharded by
+    FSDP2 (DTensor parameters) is sized by the shards this rank holds, while
+    ``parameter_count`` stays the whole model's.
 
     ``example_input`` (a batch, or a callable that takes a device and builds one there with
     ``torch.zeros``/``ones``/``full``/``empty``) makes one step run on fake tensors on the
@@ -392,10 +393,10 @@ def estimate(
         name = _optimizer_name(optimizer)
         _refuse_non_model(model)
         model = _uncompiled(model)
-        if example_input is None:
-            return _count(model, name, grads)
         if step not in _STEPS:
             raise DeviceSpecError(f"step={step!r}: use 'train' or 'forward'")
+        if example_input is None:  # counted: an inference step keeps no gradients or state
+            return _count(model, name, grads) if step == "train" else _count(model, None, False)
         if step == "train" and not grads:
             raise TorchplaceError(
                 "grads=False with step='train': a training step makes gradients; for inference "
