@@ -588,6 +588,7 @@ def test_a_disk_module_missing_one_weight_is_refused_before_anything_is_filled(
         )
     said = str(caught.value)
     assert "missing keys: 2.bias;" in said and "map '2' to 'cpu' or to a device" in said, said
+    assert "give it values first where it is still on meta" in said, said  # a skeleton's is
     assert caught.value.missing == ("2.bias",)
     assert caught.value.unexpected == (("2.extra",) if strict else ())
     assert all(p.is_meta for p in target.parameters())  # nothing filled

@@ -318,7 +318,8 @@ def _check_in_file(
     fix = (
         "; a module on 'disk' reads each of its weights from the file when it runs, so it "
         f"cannot do without one: map {' and '.join(map(repr, entries))} to 'cpu' or to a "
-        "device (where strict=False leaves what the file lacks as it was)"
+        "device, where strict=False leaves what the file lacks as it was (give it values "
+        "first where it is still on meta, as in a skeleton)"
         if entries
         else "; pass strict=False to load what matches"
         if not check.mismatched
