@@ -84,6 +84,12 @@ def test_a_seq_beyond_a_learned_position_table_is_refused(
     assert (status, out) == (1, "")
     assert "wpe (Embedding) raises IndexError: index out of range in self" in err
     assert "(positions 0..999 in a table of 64 rows)" in err
+    # the fix is the command's (it said to pass a batch as model(**batch), from Python)
+    assert "1 x 1000 tokens of input_ids: the train step" in err and "model(**batch)" not in err
+    assert (
+        "pass a --seq and --batch this model takes (this config's max_position_embeddings is 64)"
+        in err
+    )
     status, out, _ = run(capsys, str(tmp_path), "--seq", "64", "--device", "cpu")
     assert status == 0 and "Peak of one train step" in out
 

@@ -900,3 +900,13 @@ def test_a_fake_cuda_sdpa_model_holds_no_attention_matrix() -> None:
     batch = {"input_ids": SDPA_IDS, "labels": SDPA_IDS}
     est = estimate(model, example_input=batch, step="forward")
     assert est.activations < 8 * 256 * 256 * 2  # one layer's bf16 scores would be more
+
+
+def test_a_model_partly_on_meta_is_counted_and_its_step_said_why_not() -> None:
+    """A model with one layer still on meta (a skeleton partly loaded) failed deep in the fake
+    step, whose error blamed the batch or the dtype; its step is not measured, saying why."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4, device="meta"))
+    with pytest.warns(UserWarning, match=r"spread over cpu and meta: its tensors on meta .* load "):
+        found = estimate(model, example_input=torch.ones(2, 4))
+    assert found.fallback is not None and "spread over cpu and meta" in found.fallback
+    assert found.parameters == 2 * (16 + 4) * 4

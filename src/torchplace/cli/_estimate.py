@@ -211,10 +211,33 @@ def _from_config(
     extra["seq"] = seq
     name = None if args.optimizer.strip().lower() == "none" else args.optimizer
     with _saying(f"one {args.step} step of {type(model).__name__}, {args.batch} x {seq} tokens"):
-        found = estimate(
-            _on_fake(model, device), optimizer=name, example_input=tokens, step=args.step
-        )
+        try:
+            found = estimate(
+                _on_fake(model, device), optimizer=name, example_input=tokens, step=args.step
+            )
+        except TorchplaceError as exc:
+            raise _for_the_command_line(exc, args.batch, seq, longest) from exc.__cause__
     return found, extra
+
+
+def _for_the_command_line(
+    exc: TorchplaceError, batch: int, seq: int, longest: object
+) -> TorchplaceError:
+    """``estimate``'s error about its ``example_input``, with the fix a command line can
+    follow: the tokens are the command's (``--batch`` x ``--seq``), not a batch in Python."""
+    text = str(exc)
+    head, found, _ = text.partition("; pass a batch this model takes")
+    if "example_input: " not in text or not found:
+        return exc
+    limit = (
+        f" (this config's max_position_embeddings is {longest})"
+        if isinstance(longest, int) and longest > 0
+        else ""
+    )
+    return TorchplaceError(
+        head.replace("example_input: ", f"{batch} x {seq} tokens of input_ids: ", 1)
+        + f"; pass a --seq and --batch this model takes{limit}"
+    )
 
 
 # The top-level keys of a training checkpoint that hold no weights of the model: its

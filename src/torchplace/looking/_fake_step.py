@@ -433,6 +433,14 @@ def _run_devices(
             dev
         }
         return dict.fromkeys(every, run), run
+    if any(d.type == "meta" for d in devices):
+        real = ", ".join(str(d) for d in devices if d.type != "meta")
+        raise Unmeasurable(
+            f"the model is spread over {real} and meta: its tensors on meta (a part of a "
+            "skeleton not loaded yet) hold no values, and a step cannot mix them with real "
+            "ones; load them first, or estimate the model wholly on meta (a skeleton sizes "
+            "like the real model)"
+        )
     cannot = [str(d) for d in devices if not _runs_here(d)]
     if cannot:
         raise Unmeasurable(
