@@ -1364,8 +1364,17 @@ def test_a_checkpoint_rewritten_before_the_first_forward_raises(tmp_path: Any) -
     )
     other = {k: v + 1 for k, v in mlp(2).state_dict().items()}
     torch.save(other, tmp_path / "mlp.pt")  # the same keys, other values
-    with torch.no_grad(), pytest.raises(torchplace.CheckpointError, match=r"mlp\.pt.*changed"):
+    with (
+        torch.no_grad(),
+        pytest.raises(
+            torchplace.CheckpointError,
+            match=r"mlp\.pt: the checkpoint model\.2 \(offloaded to 'disk'\) reads its weights "
+            r"from when it runs has changed since the model was loaded \(.*its modification "
+            r"time changed.*load the model again from it .*torchplace\.move\(model, 'cpu'\)",
+        ) as caught,
+    ):
         model(torch.ones(1, 8))
+    assert caught.value.path == tmp_path / "mlp.pt"
 
 
 _INTERRUPTED_CHILD = """

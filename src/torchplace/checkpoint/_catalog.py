@@ -288,11 +288,21 @@ def changed_error(p: Path, before: Stamp, now: Stamp) -> CheckpointError:
             "its inode change time changed: rewritten with its modification time put back, "
             "or its metadata changed"
         )
-    return CheckpointError(
+    err = FileChanged(
         f"{p}: the file changed while it was read ({'; '.join(what)}), so what was read may mix "
         "old and new tensors; nothing read from it is kept. Load it again once the writer is "
-        "done"
+        "done",
+        path=p,
     )
+    err.changes = tuple(what)
+    return err
+
+
+class FileChanged(CheckpointError):
+    """``changed_error``'s: ``changes`` says what changed, for a reader that says what the
+    change means for it (the disk tier: since the model was loaded)."""
+
+    changes: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------- what a file is, quickly

@@ -23,7 +23,7 @@ from torch import nn
 
 from .._errors import CheckpointError, TorchplaceError
 from .._model_walk import display
-from ._catalog import Catalog
+from ._catalog import Catalog, FileChanged
 from ._conversions import Plan, conversion_plan, converted, hub_plan
 from ._direct import Direct, direct_reads, read_direct, with_fused
 from ._load import read_entries
@@ -206,6 +206,21 @@ class CheckpointWeights:
         return direct
 
     def read(self, device: torch.device) -> dict[str, torch.Tensor]:
+        try:
+            return self._read(device)
+        except FileChanged as exc:
+            changes = exc.changes
+            raise CheckpointError(
+                f"{self.where}: the checkpoint {display(self.entry)} (offloaded to 'disk') reads "
+                f"its weights from when it runs has changed since the model was loaded "
+                f"({'; '.join(changes)}); nothing read from it is kept. A disk-offloaded model "
+                "needs its checkpoint as it was loaded: load the model again from it once the "
+                "writer is done, or gather the model first, torchplace.move(model, 'cpu'), "
+                "before rewriting the file",
+                path=exc.path,
+            ) from exc
+
+    def _read(self, device: torch.device) -> dict[str, torch.Tensor]:
         model = self._model()
         assert model is not None, "the model this reader belongs to is gone"
         found, keys = self.found, self._file_keys()
