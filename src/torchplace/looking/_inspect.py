@@ -393,13 +393,9 @@ def fix_for(entry: Entry, target: torch.device, *, rebuild: bool = False) -> str
             "torchplace.verify(model, device_map), or gather it onto one device first, "
             f"torchplace.move(model, {dev})"
         )
-    unit = entry.tensor.__dict__.get(DISK_UNIT) if entry.tensor.is_meta else None
-    if isinstance(unit, str):  # inside a disk module looked at alone: its values are kept
-        return (
-            f"its values stay on disk with the module offloaded at {display(unit)}, which reads "
-            "them when it runs; check the whole model against its map, torchplace.verify(model, "
-            f"device_map), or gather it onto one device first, torchplace.move(model, {dev})"
-        )
+    inside = _inside_disk_module(entry, dev)
+    if inside:
+        return inside
     if entry.tensor.is_meta and target.type != "meta":
         if rebuild and entry.kind in ("parameter", "buffer") and not entry.non_persistent:
             return (
@@ -414,6 +410,19 @@ def fix_for(entry: Entry, target: torch.device, *, rebuild: bool = False) -> str
             f"re-bind it: torchplace.move(model, {dev}, optimizer=opt)"
         )
     return _fix_by_kind(entry, dev)
+
+
+def _inside_disk_module(entry: Entry, dev: str) -> str:
+    """The fix for a placeholder of a disk module that a module inside it, looked at alone,
+    holds (its values are kept in the checkpoint), else ''."""
+    unit = entry.tensor.__dict__.get(DISK_UNIT) if entry.tensor.is_meta else None
+    if not isinstance(unit, str):
+        return ""
+    return (
+        f"its values stay on disk with the module offloaded at {display(unit)}, which reads "
+        "them when it runs; check the whole model against its map, torchplace.verify(model, "
+        f"device_map), or gather it onto one device first, torchplace.move(model, {dev})"
+    )
 
 
 def _fix_by_kind(entry: Entry, dev: str) -> str:
