@@ -904,9 +904,22 @@ def test_a_fake_cuda_sdpa_model_holds_no_attention_matrix() -> None:
 
 def test_a_model_partly_on_meta_is_counted_and_its_step_said_why_not() -> None:
     """A model with one layer still on meta (a skeleton partly loaded) failed deep in the fake
-    step, whose error blamed the batch or the dtype; its step is not measured, saying why."""
+    step, whose error blamed the batch or the dtype; where its step fails, it is not measured,
+    saying why (a forward that never uses its meta part is measured)."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4, device="meta"))
     with pytest.warns(UserWarning, match=r"spread over cpu and meta: its tensors on meta .* load "):
         found = estimate(model, example_input=torch.ones(2, 4))
     assert found.fallback is not None and "spread over cpu and meta" in found.fallback
     assert found.parameters == 2 * (16 + 4) * 4
+
+    class Unused(torch.nn.Module):  # its meta part never runs: the step is measured
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.b = torch.nn.Linear(4, 4, device="meta")
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(x)
+
+    measured = estimate(Unused(), example_input=torch.ones(2, 4))
+    assert measured.fallback is None and measured.activations > 0

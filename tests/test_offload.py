@@ -929,10 +929,73 @@ def test_load_state_dict_of_a_model_with_a_disk_module_is_refused_before_anythin
     with torch.no_grad():
         assert torch.equal(loaded(x), old(x))
     loaded[0].load_state_dict(new[0].state_dict())  # a module with no disk module under it
+    head = {"0.weight": new[0].weight.detach().clone()}  # a state dict giving the disk none
+    assert loaded.load_state_dict(head, strict=False).missing_keys == [
+        "0.bias",
+        "2.weight",
+        "2.bias",
+    ]
+    assert torch.equal(loaded[0].weight, new[0].weight)
     torchplace.move(loaded, "cpu")
     loaded.load_state_dict(new.state_dict(), assign=assign)
     with torch.no_grad():
         assert torch.equal(loaded(x), new(x))
+
+
+def test_load_state_dict_into_a_module_inside_a_disk_module_is_refused(tmp_path: Any) -> None:
+    nested = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh())).eval()
+    torch.save(nested.state_dict(), tmp_path / "nested.pt")
+    loaded = torchplace.load_into(
+        torchplace.skeleton(lambda: copy.deepcopy(nested)),
+        tmp_path / "nested.pt",
+        device_map={"": "cpu", "1": "disk"},
+    )
+    with pytest.raises(
+        torchplace.TorchplaceError, match=r"model\.1 is offloaded to 'disk'.*\('weight'\)"
+    ):
+        loaded[1][0].load_state_dict(nn.Linear(8, 8).state_dict(), assign=True)
+    assert loaded[1][0].weight.is_meta
+    torch.save(nn.Linear(8, 8).state_dict(), tmp_path / "inner.pt")
+    with pytest.raises(
+        torchplace.CheckpointError,
+        match=r"load_into\(\): Linear lies inside model\.1, which is offloaded to 'disk'.*gather",
+    ):
+        torchplace.load_into(loaded[1][0], tmp_path / "inner.pt")
+    assert loaded[1][0].weight.is_meta
+    torchplace.move(loaded, "cpu")  # gathered: the hooks are gone
+    loaded[1][0].load_state_dict(nn.Linear(8, 8).state_dict())
+
+
+def test_a_failed_gather_keeps_nothing_of_what_it_read(tmp_path: Any) -> None:
+    """A move that failed after reading a disk module's weights back left them alive, held by
+    the record of their replacement (its finalizer), for as long as the model lived."""
+    import gc
+
+    from torchplace.moving import _identity
+
+    big = nn.Sequential(nn.Linear(8, 8), nn.Linear(512, 512)).eval()
+    torch.save(big.state_dict(), tmp_path / "big.pt")
+    loaded = torchplace.load_into(
+        torchplace.skeleton(lambda: copy.deepcopy(big)),
+        tmp_path / "big.pt",
+        device_map={"": "cpu", "1": "disk"},
+    )
+    wrong = torch.optim.SGD(nn.Linear(3, 3).parameters(), lr=0.1)  # another model's
+
+    def alive() -> int:
+        gc.collect()
+        return sum(
+            1
+            for o in gc.get_objects()
+            if type(o) in (torch.Tensor, nn.Parameter) and not o.is_meta and o.shape == (512, 512)
+        )
+
+    before = alive()
+    for _ in range(2):
+        with pytest.raises(torchplace.MoveError, match="holds none of the parameters"):
+            torchplace.move(loaded, "cpu", optimizer=wrong)
+        assert loaded[1].weight.is_meta and alive() == before
+    assert not _identity._replaced or all(r() is not None for r, _ in _identity._replaced.values())
 
 
 def test_an_optimizer_built_before_a_load_by_map_is_re_bound_when_the_model_is_gathered(
@@ -1368,9 +1431,10 @@ def test_a_checkpoint_rewritten_before_the_first_forward_raises(tmp_path: Any) -
         torch.no_grad(),
         pytest.raises(
             torchplace.CheckpointError,
-            match=r"mlp\.pt: the checkpoint model\.2 \(offloaded to 'disk'\) reads its weights "
-            r"from when it runs has changed since the model was loaded \(.*its modification "
-            r"time changed.*load the model again from it .*torchplace\.move\(model, 'cpu'\)",
+            match=r"mlp\.pt: the checkpoint that model\.2 \(offloaded to 'disk'\) reads its "
+            r"weights from when it runs has changed since the model was loaded \(.*its "
+            r"modification time changed.*load the model again from it .*torchplace\.move\(model, "
+            r"'cpu'\)",
         ) as caught,
     ):
         model(torch.ones(1, 8))

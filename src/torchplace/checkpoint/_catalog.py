@@ -33,7 +33,7 @@ import struct
 import threading
 import zipfile
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, TypeVar
 
@@ -288,21 +288,25 @@ def changed_error(p: Path, before: Stamp, now: Stamp) -> CheckpointError:
             "its inode change time changed: rewritten with its modification time put back, "
             "or its metadata changed"
         )
-    err = FileChanged(
+    return FileChanged(
         f"{p}: the file changed while it was read ({'; '.join(what)}), so what was read may mix "
         "old and new tensors; nothing read from it is kept. Load it again once the writer is "
         "done",
         path=p,
+        changes=what,
     )
-    err.changes = tuple(what)
-    return err
 
 
 class FileChanged(CheckpointError):
     """``changed_error``'s: ``changes`` says what changed, for a reader that says what the
     change means for it (the disk tier: since the model was loaded)."""
 
-    changes: tuple[str, ...] = ()
+    def __init__(self, *args: object, changes: Iterable[str] = (), **data: Any) -> None:
+        super().__init__(*args, **data)
+        self.changes = tuple(changes)
+
+    def _data(self) -> dict[str, Any]:
+        return {**super()._data(), "changes": self.changes}
 
 
 # --------------------------------------------------------------------- what a file is, quickly

@@ -209,14 +209,14 @@ class CheckpointWeights:
         try:
             return self._read(device)
         except FileChanged as exc:
-            changes = exc.changes
+            file = f" (its file {exc.path})" if exc.path and str(exc.path) != self.where else ""
             raise CheckpointError(
-                f"{self.where}: the checkpoint {display(self.entry)} (offloaded to 'disk') reads "
-                f"its weights from when it runs has changed since the model was loaded "
-                f"({'; '.join(changes)}); nothing read from it is kept. A disk-offloaded model "
-                "needs its checkpoint as it was loaded: load the model again from it once the "
-                "writer is done, or gather the model first, torchplace.move(model, 'cpu'), "
-                "before rewriting the file",
+                f"{self.where}: the checkpoint that {display(self.entry)} (offloaded to 'disk') "
+                f"reads its weights from when it runs has changed since the model was "
+                f"loaded{file} ({'; '.join(exc.changes)}); nothing read from it is kept. A "
+                "disk-offloaded model needs its checkpoint as it was loaded: load the model "
+                "again from it once the writer is done, or gather the model first, "
+                "torchplace.move(model, 'cpu'), before rewriting the file",
                 path=exc.path,
             ) from exc
 

@@ -226,17 +226,30 @@ def _for_the_command_line(
     """``estimate``'s error about its ``example_input``, with the fix a command line can
     follow: the tokens are the command's (``--batch`` x ``--seq``), not a batch in Python."""
     text = str(exc)
-    head, found, _ = text.partition("; pass a batch this model takes")
-    if "example_input: " not in text or not found:
+    if "example_input: " not in text:
         return exc
     limit = (
         f" (this config's max_position_embeddings is {longest})"
         if isinstance(longest, int) and longest > 0
         else ""
     )
+    python = "model(**batch) for a mapping, model(*batch) for a tuple, else model(batch)"
+    head, found, _ = text.partition("; pass a batch this model takes")
+    if found:  # the model's own refusal of the tokens
+        text = f"{head}; pass a --seq and --batch this model takes{limit}"
+    elif f"pass one that is ({python})" in text:  # a fake kernel's failure
+        text = text.replace(
+            f"If example_input is not a batch this model takes, pass one that is ({python})",
+            f"If the tokens are not what this model takes, pass a --seq and --batch it "
+            f"takes{limit}",
+        ).replace(
+            "estimate without example_input counts",
+            "torchplace estimate of its weights file counts",
+        )
+    else:
+        return exc
     return TorchplaceError(
-        head.replace("example_input: ", f"{batch} x {seq} tokens of input_ids: ", 1)
-        + f"; pass a --seq and --batch this model takes{limit}"
+        text.replace("example_input: ", f"{batch} x {seq} tokens of input_ids: ", 1)
     )
 
 

@@ -433,14 +433,6 @@ def _run_devices(
             dev
         }
         return dict.fromkeys(every, run), run
-    if any(d.type == "meta" for d in devices):
-        real = ", ".join(str(d) for d in devices if d.type != "meta")
-        raise Unmeasurable(
-            f"the model is spread over {real} and meta: its tensors on meta (a part of a "
-            "skeleton not loaded yet) hold no values, and a step cannot mix them with real "
-            "ones; load them first, or estimate the model wholly on meta (a skeleton sizes "
-            "like the real model)"
-        )
     cannot = [str(d) for d in devices if not _runs_here(d)]
     if cannot:
         raise Unmeasurable(
@@ -654,15 +646,18 @@ def measure_step(
         return shown if dev == run else dev
 
     failed = FailedAt()
+    spread = _spread_over_meta(where)
     try:
         return _measure(model, example_input, (where, disk), run, label, optimizer, train, failed)
     except _unfakeable() as exc:
         raise Unmeasurable(
-            f"fake tensors cannot run the step ({type(exc).__name__}: {exc})"
+            spread or f"fake tensors cannot run the step ({type(exc).__name__}: {exc})"
         ) from exc
     except Exception as exc:
         if isinstance(exc, Unmeasurable):
             raise
+        if spread:  # the step failed, and what failed is the mix
+            raise Unmeasurable(spread) from exc
         if _in_tracker(exc):
             raise Unmeasurable(
                 f"torch {torch.__version__}'s MemTracker failed ({type(exc).__name__}: {exc})"
@@ -670,6 +665,21 @@ def measure_step(
         if failed.error is not None:
             raise failed.error from exc
         raise
+
+
+def _spread_over_meta(where: Mapping[torch.device, torch.device]) -> str:
+    """Why a step failed where a model is spread over a real device and ``meta`` (a skeleton
+    partly loaded), else ''. Run anyway first: a forward that never uses its ``meta`` part
+    is measured."""
+    runs = set(where.values())  # a model wholly on meta runs there, its buffers too
+    if all(d.type != "meta" for d in runs) or all(d.type == "meta" for d in runs):
+        return ""
+    real = ", ".join(str(d) for d in runs if d.type != "meta")
+    return (
+        f"the model is spread over {real} and meta: its tensors on meta (a part of a skeleton "
+        "not loaded yet) hold no values, and a step cannot mix them with real ones; load them "
+        "first, or estimate the model wholly on meta (a skeleton sizes like the real model)"
+    )
 
 
 def _measure(

@@ -377,7 +377,8 @@ def fix_for(entry: Entry, target: torch.device, *, rebuild: bool = False) -> str
         # the stale parameter itself (its state, if any, is listed on its own lines)
         return (
             "the optimizer still holds a parameter that the model no longer uses (a move "
-            "without it, or to_empty, replaced it), so its steps would change the wrong tensor; "
+            "without it, to_empty, or a load_into by device_map replaced it), so its steps would "
+            "change the wrong tensor; "
             f"re-bind it: torchplace.move(model, {dev}, optimizer=opt)"
         )
     if entry.stale and entry.tensor.is_meta and target.type != "meta":
@@ -406,7 +407,8 @@ def fix_for(entry: Entry, target: torch.device, *, rebuild: bool = False) -> str
     if entry.stale:
         return (
             "the optimizer still holds a parameter that the model no longer uses (a move it "
-            "was not passed to replaced it), so its steps would change the wrong tensor; "
+            "was not passed to, or a load_into by device_map, replaced it), so its steps would "
+            "change the wrong tensor; "
             f"re-bind it: torchplace.move(model, {dev}, optimizer=opt)"
         )
     return _fix_by_kind(entry, dev)

@@ -27,6 +27,7 @@ class Installed:
     previous_forward: Any = None  # an instance-level forward that was there before, if any
     wrapped_apply: bool = False  # ``_apply`` guarded (the root of a model with disk modules)
     previous_apply: Any = None  # an instance-level ``_apply`` that was there before, if any
+    inside: str = ""  # the path of the disk module this module lies inside, if any
 
 
 def _marked(module: nn.Module) -> Iterator[nn.Module]:

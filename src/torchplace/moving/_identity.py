@@ -172,7 +172,7 @@ def parameter_like(
         for slot in copyreg._slotnames(cls):  # type: ignore[attr-defined]
             if hasattr(p, slot):
                 setattr(new, slot, getattr(p, slot))
-        return new
+        return _unmarked(new)
     new = nn.Parameter(data, requires_grad=p.requires_grad)
     if type(p) is nn.Parameter and type(new) is nn.Parameter:
         new.__dict__.update(p.__dict__)
@@ -180,6 +180,17 @@ def parameter_like(
         with contextlib.suppress(TypeError):  # another layout stays a plain Parameter
             new.__class__ = type(p)
         new.__dict__.update(p.__dict__)
+    return _unmarked(new)
+
+
+# On a disk tier's ``meta`` placeholder: the path of its disk module (``_offloaded``).
+DISK_UNIT = "_torchplace_disk_unit"
+
+
+def _unmarked(new: nn.Parameter) -> nn.Parameter:
+    """``new`` without a disk placeholder's mark, unless it is one (on ``meta``)."""
+    if not new.is_meta:
+        new.__dict__.pop(DISK_UNIT, None)
     return new
 
 
@@ -207,12 +218,15 @@ def record_replacement(
     """The step that records ``old`` as replaced by ``new``, and its undo (for a move's log)."""
     key = id(old)
     before = _replaced.get(key)
+    done: list[weakref.finalize[Any, Any]] = []
 
     def do() -> None:
         _replaced[key] = (weakref.ref(old), new)
-        weakref.finalize(old, _forget, key, new)
+        done.append(weakref.finalize(old, _forget, key, new))
 
     def undo() -> None:
+        while done:  # its finalizer holds ``new``: kept, a rolled-back move would leak it
+            done.pop().detach()
         if before is None:
             _replaced.pop(key, None)
         else:

@@ -22,10 +22,11 @@ from torch import nn
 from .._devices import free_memory, host_available
 from .._errors import MoveError
 from .._sizes import format_bytes
-from ._identity import UndoLog, record_replacement
+from ._identity import DISK_UNIT, UndoLog, record_replacement
 
 __all__ = [
     "DEFAULT_WINDOW",
+    "DISK_UNIT",
     "HOME",
     "Home",
     "WeightSource",
@@ -38,7 +39,6 @@ __all__ = [
 ]
 
 HOME = "_torchplace_home"
-DISK_UNIT = "_torchplace_disk_unit"  # on a disk placeholder: its disk module's path
 DEFAULT_WINDOW = 2  # units resident on the execution device at once: the running one + 1 ahead
 
 

@@ -759,33 +759,38 @@ def _takes_real(fn: Callable[[torch.Tensor], torch.Tensor]) -> bool:
 
 
 class _NoLoad:
-    """``load_state_dict`` of a module on disk or above one: the disk modules' parameters are
-    ``meta`` placeholders, into which torch copies as a no-op (its warning says to pass
-    ``assign=True``), and with ``assign=True`` the next call reads the file's weights over the
-    ones given: either way the model silently went on with the checkpoint's weights there, and
-    the new ones elsewhere. Refused by the first module ``load_state_dict`` meets (the one it is
-    called on), before anything is loaded."""
+    """``load_state_dict`` of a module on disk, above one or inside one, where the state dict
+    gives values for a disk module's weights: they are ``meta`` placeholders, into which torch
+    copies as a no-op (its warning says to pass ``assign=True``), and with ``assign=True`` the
+    next call reads the file's weights over the ones given. Either way the model silently went on
+    with the checkpoint's weights there, and the new ones elsewhere. Refused by the first module
+    ``load_state_dict`` meets (the one it is called on) before it loads anything; a state dict
+    that gives the disk modules nothing (a head, an adapter, ``strict=False``) loads."""
 
-    def __init__(self, under: list[Unit]) -> None:
-        self.path = under[0].path
-        self.where = getattr(under[0].home.source, "where", "its checkpoint")
+    def __init__(self, disk: list[tuple[str, str, str]]) -> None:
+        self.disk = disk  # (its path in the model, its path below the hooked module, its file)
 
     def __call__(self, module: nn.Module, state_dict: Any, prefix: str, *rest: Any) -> None:
-        raise TorchplaceError(
-            f"load_state_dict(): {display(self.path)} is offloaded to 'disk' (its weights stay "
-            f"in {self.where}, read when it runs, and are meta tensors here), so the values "
-            "given for it would not be kept: torch copies into its placeholders as a no-op, and "
-            "with assign=True its next call reads the file's over them. Gather the model first, "
-            "torchplace.move(model, 'cpu') (or a device it fits on), then load the state dict; "
-            "or save it and load_into the skeleton from that file with the map; nothing was "
-            "loaded"
-        )
+        for path, below, where in self.disk:
+            head = f"{prefix}{below}." if below else prefix
+            given = next((k for k in state_dict if k.startswith(head)), None)
+            if given is None:
+                continue
+            raise TorchplaceError(
+                f"load_state_dict(): {display(path)} is offloaded to 'disk' (its weights stay "
+                f"in {where}, read when it runs, and are meta tensors here), so the values given "
+                f"for it ({given!r}) would not be kept: torch copies into its placeholders as a "
+                "no-op, and with assign=True its next call reads the file's over them. Gather "
+                "the model first, torchplace.move(model, 'cpu') (or a device it fits on), then "
+                "load the state dict; or save it and load_into the skeleton from that file with "
+                "the map; nothing was loaded into this module"
+            )
 
 
 def _guard_moves(model: nn.Module, disk: list[Unit]) -> None:
-    """``_NoMove`` and ``_NoLoad`` on each module on disk and on every module above one, the
-    model's root included, each trying the disk modules under it (``undispatch`` takes them
-    away)."""
+    """``_NoMove`` on each module on disk and on every module above one, the model's root
+    included, each trying the disk modules under it, and ``_NoLoad`` on those and on every
+    module inside a disk module (``undispatch`` takes them away)."""
     paths = {""} | {unit.path for unit in disk}
     for unit in disk:
         parts = unit.path.split(".")
@@ -798,10 +803,25 @@ def _guard_moves(model: nn.Module, disk: list[Unit]) -> None:
             installed.previous_apply = module.__dict__.get("_apply")
             installed.wrapped_apply = True
         module.__dict__["_apply"] = _NoMove(module, under, installed.previous_apply)
-        installed.handles.append(
-            module._register_load_state_dict_pre_hook(_NoLoad(under), with_module=True)  # type: ignore[no-untyped-call]
-        )
-        module.__dict__[MARK] = installed
+        cut = len(path) + 1 if path else 0
+        _refuse_loads(module, installed, [(u, u.path[cut:]) for u in under])
+    for unit in disk:  # and each module inside one (a load into it is as silent)
+        for name, inner in unit.module.named_modules():
+            if name:
+                installed = inner.__dict__.get(MARK) or Installed(handles=[])
+                installed.inside = unit.path
+                _refuse_loads(inner, installed, [(unit, "")])
+
+
+def _refuse_loads(module: nn.Module, installed: Installed, under: list[tuple[Unit, str]]) -> None:
+    """``_NoLoad`` on ``module`` for the disk modules ``under`` it (each with its path below
+    ``module``; "" for the one it is, or lies inside), kept in its mark for ``undispatch``."""
+    disk = [
+        (u.path, below, getattr(u.home.source, "where", "its checkpoint")) for u, below in under
+    ]
+    hook = _NoLoad(disk)
+    installed.handles.append(module._register_load_state_dict_pre_hook(hook, with_module=True))  # type: ignore[no-untyped-call]
+    module.__dict__[MARK] = installed
 
 
 def _hook_units(units: list[Unit], window: int, transport: Transport) -> None:

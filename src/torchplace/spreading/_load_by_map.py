@@ -30,7 +30,8 @@ from ..checkpoint._opened import one_open_each
 from ..checkpoint._rename import Rename, as_renamer, given, not_given
 from ..checkpoint._source import PathLike
 from ..checkpoint._statedict import has_post_hooks, loads_itself
-from ..moving._identity import parameter_like, record_replacement
+from ..moving._hooks import MARK
+from ..moving._identity import record_replacement
 from ..moving._offloaded import DEFAULT_WINDOW, HOME, homes, mark_disk_placeholder
 
 if TYPE_CHECKING:  # the map's modules load only when a map is given: a plain load pays none
@@ -113,9 +114,23 @@ def _refuse_offloaded(model: object) -> None:
     """``CheckpointError`` for a model with offloaded modules (``dispatch``, or an earlier
     ``load_into`` by a map): filled in place, they would go on bringing their old weights to
     each call (from the checkpoint they were left in, or from host memory)."""
-    if not isinstance(model, nn.Module) or not any(HOME in m.__dict__ for m in model.modules()):
+    if not isinstance(model, nn.Module) or not any(
+        HOME in m.__dict__ or MARK in m.__dict__ for m in model.modules()
+    ):
         return  # (a walk without names: every load_into pays it)
-    path, module, home = next(homes(model))
+    inside = getattr(model.__dict__.get(MARK), "inside", "")
+    if inside:
+        raise CheckpointError(
+            f"load_into(): {type(model).__name__} lies inside {display(inside)}, which is "
+            "offloaded to 'disk' and reads its weights from the checkpoint it was loaded from "
+            "each time it runs, so what is filled here would be read over at its next call; "
+            "gather the model first, torchplace.move(model, 'cpu'), then load_into, or load the "
+            "checkpoint into a new skeleton with device_map= to run it offloaded"
+        )
+    found = next(homes(model), None)
+    if found is None:
+        return  # dispatched, nothing offloaded
+    path, module, home = found
     name = display(path) if path else type(model).__name__
     kept = "the checkpoint it was loaded from" if home.tier == "disk" else "host memory"
     raise CheckpointError(
@@ -525,7 +540,7 @@ def _params_to_meta(module: nn.Module, path: str) -> None:
     for sub in module.modules():
         for name, p in list(sub._parameters.items()):
             if p is not None and not p.is_meta:
-                meta = parameter_like(p, torch.empty_like(p, device="meta"))
+                meta = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
                 sub._parameters[name] = meta
                 record_replacement(p, meta)[0]()
                 p = meta
