@@ -86,6 +86,19 @@ def mlp(n: int = 6) -> nn.Sequential:
     return nn.Sequential(*layers).eval()
 
 
+def nested_on_disk(tmp_path: Any) -> tuple[nn.Sequential, nn.Sequential]:
+    """A model whose module "1" (with a submodule of its own) is left on disk by load_into, and
+    the model it was saved from."""
+    nested = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh())).eval()
+    torch.save(nested.state_dict(), tmp_path / "nested.pt")
+    loaded = torchplace.load_into(
+        torchplace.skeleton(lambda: copy.deepcopy(nested)),
+        tmp_path / "nested.pt",
+        device_map={"": "cpu", "1": "disk"},
+    )
+    return nested, loaded
+
+
 def on_disk(model: nn.Module, names: list[str]) -> dict[str, MemorySource]:
     """``names`` left "on disk": parameters on meta, each module holding a reader of them."""
     sources = {}
@@ -838,13 +851,7 @@ def test_estimate_of_a_model_with_disk_modules_reads_nothing(
     assert {m.device for m in found.modules} == {cpu} and set(found.peak_by_device()) == {cpu}
     # A disk entry with submodules of its own: torch's tracker refused the hook on their weights
     # brought in for the call (no gradient), and the step went unmeasured.
-    nested = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh())).eval()
-    torch.save(nested.state_dict(), tmp_path / "nested.pt")
-    loaded_nested = torchplace.load_into(
-        torchplace.skeleton(lambda: copy.deepcopy(nested)),
-        tmp_path / "nested.pt",
-        device_map={"": "cpu", "1": "disk"},
-    )
+    nested, loaded_nested = nested_on_disk(tmp_path)
     measured = torchplace.estimate(loaded_nested, example_input=x, step="forward")
     assert measured.fallback is None and measured.activations > 0
     with pytest.raises(
@@ -869,13 +876,7 @@ def test_a_module_inside_a_disk_module_counts_its_weights_on_disk_and_is_not_mea
     step ran on meta, as a skeleton's; they are on disk, read when model.1 runs. Counted, they
     are on_disk; a step of it alone is refused, naming the disk module (and verify's fix names
     it too); once gathered, it is measured as any module."""
-    nested = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh())).eval()
-    torch.save(nested.state_dict(), tmp_path / "nested.pt")
-    loaded = torchplace.load_into(
-        torchplace.skeleton(lambda: copy.deepcopy(nested)),
-        tmp_path / "nested.pt",
-        device_map={"": "cpu", "1": "disk"},
-    )
+    nested, loaded = nested_on_disk(tmp_path)
     inner = loaded[1][0]
     counted = torchplace.estimate(inner)
     assert counted.on_disk == 8 * 8 * 4 + 8 * 4 and counted.rows == ()
@@ -943,13 +944,7 @@ def test_load_state_dict_of_a_model_with_a_disk_module_is_refused_before_anythin
 
 
 def test_load_state_dict_into_a_module_inside_a_disk_module_is_refused(tmp_path: Any) -> None:
-    nested = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh())).eval()
-    torch.save(nested.state_dict(), tmp_path / "nested.pt")
-    loaded = torchplace.load_into(
-        torchplace.skeleton(lambda: copy.deepcopy(nested)),
-        tmp_path / "nested.pt",
-        device_map={"": "cpu", "1": "disk"},
-    )
+    _, loaded = nested_on_disk(tmp_path)
     with pytest.raises(
         torchplace.TorchplaceError, match=r"model\.1 is offloaded to 'disk'.*\('weight'\)"
     ):
