@@ -23,7 +23,7 @@ from torch import nn
 
 from .._devices import normalize
 from .._errors import TorchplaceError
-from ..looking._estimate import Estimate, estimate
+from ..looking._estimate import COUNT_INSTEAD, IF_NOT_A_BATCH, PASS_A_BATCH, Estimate, estimate
 
 __all__ = ["register"]
 
@@ -233,19 +233,15 @@ def _for_the_command_line(
         if isinstance(longest, int) and longest > 0
         else ""
     )
-    python = "model(**batch) for a mapping, model(*batch) for a tuple, else model(batch)"
-    head, found, _ = text.partition("; pass a batch this model takes")
+    head, found, _ = text.partition(f"; {PASS_A_BATCH}")
     if found:  # the model's own refusal of the tokens
         text = f"{head}; pass a --seq and --batch this model takes{limit}"
-    elif f"pass one that is ({python})" in text:  # a fake kernel's failure
+    elif IF_NOT_A_BATCH in text:  # a fake kernel's failure
         text = text.replace(
-            f"If example_input is not a batch this model takes, pass one that is ({python})",
+            IF_NOT_A_BATCH,
             f"If the tokens are not what this model takes, pass a --seq and --batch it "
             f"takes{limit}",
-        ).replace(
-            "estimate without example_input counts",
-            "torchplace estimate of its weights file counts",
-        )
+        ).replace(COUNT_INSTEAD, "torchplace estimate of its weights file counts")
     else:
         return exc
     return TorchplaceError(

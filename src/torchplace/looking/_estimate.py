@@ -516,8 +516,7 @@ def _measured(model: nn.Module, name: str | None, example_input: Any, step: str)
     except Exception as exc:  # the model's own error on this input
         raise TorchplaceError(
             f"example_input: the {step} step of {type(model).__name__} on it raised "
-            f"{type(exc).__name__}: {exc}; pass a batch this model takes, as model(**batch) "
-            "for a mapping, model(*batch) for a tuple, else model(batch)"
+            f"{type(exc).__name__}: {exc}; {PASS_A_BATCH}"
         ) from exc
     return dataclasses.replace(
         counted,
@@ -527,6 +526,16 @@ def _measured(model: nn.Module, name: str | None, example_input: Any, step: str)
         temporaries=measure.most["temporaries"],
         modules=measure.modules,
     )
+
+
+# What estimate's errors about ``example_input`` tell a Python caller to do; the command line,
+# whose input is its own tokens, puts its own fix in their place (``cli/_estimate``).
+_PYTHON_CALLS = "model(**batch) for a mapping, model(*batch) for a tuple, else model(batch)"
+PASS_A_BATCH = f"pass a batch this model takes, as {_PYTHON_CALLS}"
+IF_NOT_A_BATCH = (
+    f"If example_input is not a batch this model takes, pass one that is ({_PYTHON_CALLS})"
+)
+COUNT_INSTEAD = "estimate without example_input counts"
 
 
 def _operator_error(model: nn.Module, step: str, failed: OperatorFailed) -> TorchplaceError:
@@ -541,16 +550,12 @@ def _operator_error(model: nn.Module, step: str, failed: OperatorFailed) -> Torc
     if real_kernel_refuses(cause):  # what the real kernel checks and the fake one does not
         return TorchplaceError(
             f"example_input: the {step} step of {type(model).__name__} cannot run on it: the "
-            f"operator {failed.op}{where} raises {said}, as its real kernel does; pass a batch "
-            "this model takes, as model(**batch) for a mapping, model(*batch) for a tuple, "
-            "else model(batch)"
+            f"operator {failed.op}{where} raises {said}, as its real kernel does; {PASS_A_BATCH}"
         )
     return TorchplaceError(
         f"example_input: the {step} step of {type(model).__name__} on fake tensors failed in "
-        f"the operator {failed.op}{where}: {said}. If example_input is not a batch this model "
-        "takes, pass one that is (model(**batch) for a mapping, model(*batch) for a tuple, "
-        "else model(batch)). If it is (a real forward of the model takes it), this operator "
-        "cannot run on fake tensors with these arguments, so the step cannot be measured: "
-        "estimate without example_input counts the parameters, gradients and optimizer "
-        f"state, and a model in another dtype (bfloat16) may get past {failed.op}"
+        f"the operator {failed.op}{where}: {said}. {IF_NOT_A_BATCH}. If it is (a real forward "
+        "of the model takes it), this operator cannot run on fake tensors with these "
+        f"arguments, so the step cannot be measured: {COUNT_INSTEAD} the parameters, gradients "
+        f"and optimizer state, and a model in another dtype (bfloat16) may get past {failed.op}"
     )

@@ -78,17 +78,22 @@ def disk_placeholders(model: nn.Module, /) -> dict[int, torch.Tensor]:
     """The ``meta`` parameters that stand in for disk-tier weights (read from the checkpoint
     while their module runs), by id: those of ``model``'s disk modules, and those of a disk
     module ``model`` lies inside (``outside_units``)."""
-    found: dict[int, torch.Tensor] = {
+    found = _own_placeholders(model)
+    for p in model.parameters():
+        if p.is_meta and DISK_UNIT in p.__dict__:
+            found.setdefault(id(p), p)
+    return found
+
+
+def _own_placeholders(model: nn.Module) -> dict[int, torch.Tensor]:
+    """The placeholders of ``model``'s own disk modules (their ``Home`` within it), by id."""
+    return {
         id(p): p
         for _, module, home in homes(model)
         if home.tier == "disk"
         for p in module.parameters()
         if p.is_meta
     }
-    for p in model.parameters():
-        if p.is_meta and DISK_UNIT in p.__dict__:
-            found.setdefault(id(p), p)
-    return found
 
 
 def mark_disk_placeholder(p: torch.Tensor, unit: str, /) -> None:
@@ -101,14 +106,9 @@ def outside_units(model: nn.Module, /) -> list[str]:
     """The disk modules that ``model`` lies inside (their paths in the model they were loaded
     into): they hold some of its weights' placeholders, and read those weights when they run,
     not when ``model`` runs alone."""
-    inside = {
-        id(p)
-        for _, module, home in homes(model)
-        if home.tier == "disk"
-        for p in module.parameters()
-    }
+    own = _own_placeholders(model)
     units = (
-        p.__dict__.get(DISK_UNIT) for p in model.parameters() if p.is_meta and id(p) not in inside
+        p.__dict__.get(DISK_UNIT) for p in model.parameters() if p.is_meta and id(p) not in own
     )
     return list(dict.fromkeys(u for u in units if isinstance(u, str)))
 
