@@ -878,3 +878,78 @@ def test_a_kept_index_follows_a_shard_link_pointed_at_another_file_of_the_same_h
     (tmp_path / "s.safetensors").symlink_to("new.safetensors")
     assert load(index)["w"].tolist() == [1.0, 1.0, 1.0]
     assert catalog(index).entries["w"].file == (tmp_path / "new.safetensors").resolve()
+
+
+# --- the kept catalogs: no interrupt leaves later loads waiting ------------------------------
+
+
+def _interrupted_at(code: Any, n: int, call: Any) -> bool:
+    """``call()`` with ``KeyboardInterrupt`` raised at the ``n``-th line or instruction run in
+    ``code`` (a traced injection, at every point a real signal could land); whether it landed."""
+    import sys
+
+    seen = 0
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal seen
+        if event in ("line", "opcode"):
+            seen += 1
+            if seen == n:
+                raise KeyboardInterrupt
+        return local
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code is code:
+            frame.f_trace_opcodes = True
+            return local
+        return None
+
+    sys.settrace(tracer)
+    try:
+        call()
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.settrace(None)
+    return False
+
+
+def _loads_in_time(path: Path, expected: torch.Tensor) -> None:
+    """A load of ``path`` from another thread finishes (a lock left held would hang it) and
+    gives ``expected``."""
+    import threading
+
+    got: list[torch.Tensor] = []
+    worker = threading.Thread(target=lambda: got.append(load(path)["w"]), daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), f"a load of {path.name} hangs after the interrupt"
+    assert torch.equal(got[0], expected)
+
+
+@pytest.mark.parametrize("where", ["_keep", "_used"])
+def test_an_interrupt_at_any_instruction_of_the_kept_catalogs_leaves_loads_working(
+    tmp_path: Path, where: str
+) -> None:
+    """A KeyboardInterrupt at every line and instruction of the function that keeps (``_keep``)
+    or refreshes (``_used``) a safetensors catalog for later calls: the next load, from any
+    thread, neither waits for ever (a lock left held did, once the interrupt landed as its
+    ``with`` block exited) nor reads a wrong catalog."""
+    from torchplace.checkpoint import _catalog
+
+    path, w = tmp_path / "m.safetensors", torch.arange(12.0)
+    save_file({"w": w}, str(path))
+    code = getattr(_catalog, where).__code__
+    landed = 0
+    for n in range(1, 10_000):
+        if where == "_keep":
+            _catalog._KEPT.pop(path.resolve(), None)
+            _catalog._KEPT.pop(path, None)
+        else:
+            load(path)  # kept: the next load refreshes it
+        if not _interrupted_at(code, n, lambda: load(path)):
+            break  # ran to its end with no instruction left to interrupt
+        landed += 1
+        _loads_in_time(path, w)
+    assert landed > 5  # every instruction was tried, the first to the last
+    _loads_in_time(path, w)

@@ -30,7 +30,6 @@ import math
 import os
 import pickle
 import struct
-import threading
 import zipfile
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -595,13 +594,15 @@ def _stamped(p: Path, parse: Callable[[], dict[str, Entry]]) -> tuple[dict[str, 
 # and 1 ms of a sharded fill's 30 ms, where a large read has just flushed the CPU's caches). A
 # catalog given again carries the file's stamp of now. At most ``_KEPT_ENTRIES`` entries are kept
 # in files and as many in indexes (an index's entries are its shards', shared), and no header of
-# more than ``_KEPT_HEADER`` bytes (a large ``__metadata__``).
+# more than ``_KEPT_HEADER`` bytes (a large ``__metadata__``). Shared by threads without a lock:
+# each change is one call of the C ``OrderedDict`` (atomic under the GIL), so no interrupt, at
+# whatever instruction it lands, can leave a lock held for every later load to wait on; a
+# change interrupted half-way leaves at worst an entry too many, dropped by the next ``_keep``.
 _KEPT: collections.OrderedDict[Path, tuple[int, bytes, dict[str, Entry]]] = (
     collections.OrderedDict()
 )
 _KEPT_ENTRIES = 20_000
 _KEPT_HEADER = 4 << 20
-_KEPT_LOCK = threading.Lock()
 
 
 def _kept_catalog(p: Path) -> Catalog | None:
@@ -627,21 +628,23 @@ def _kept_catalog(p: Path) -> Catalog | None:
 
 
 def _used(kept: collections.OrderedDict[Path, Any], p: Path) -> None:
-    with _KEPT_LOCK:
-        if p in kept:
-            kept.move_to_end(p)
+    with contextlib.suppress(KeyError):  # dropped by another thread meanwhile
+        kept.move_to_end(p)
 
 
 def _keep(kept: collections.OrderedDict[Path, Any], p: Path, value: Any, entries: int) -> None:
     """``value`` (of ``entries`` entries) kept for later calls under ``p``, the least recently
-    used dropped beyond ``_KEPT_ENTRIES`` entries in all (a larger one is not kept)."""
+    used dropped beyond ``_KEPT_ENTRIES`` entries in all (a larger one is not kept). Lock-free
+    (see ``_KEPT``): the values are listed in one C call before they are counted."""
     if entries > _KEPT_ENTRIES:
         return
-    with _KEPT_LOCK:
-        kept[p] = value
-        kept.move_to_end(p)
-        while sum(_entries(v) for v in kept.values()) > _KEPT_ENTRIES:
+    kept[p] = value
+    _used(kept, p)
+    while sum(_entries(v) for v in list(kept.values())) > _KEPT_ENTRIES:
+        try:
             kept.popitem(last=False)
+        except KeyError:  # emptied by another thread meanwhile
+            break
 
 
 def _entries(kept: tuple[Any, ...]) -> int:
