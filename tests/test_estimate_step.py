@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import os
 import subprocess
 import sys
 import textwrap
-from typing import Any
+import warnings
+from typing import Any, cast
 
 import pytest
 import torch
@@ -923,3 +925,86 @@ def test_a_model_partly_on_meta_is_counted_and_its_step_said_why_not() -> None:
 
     measured = estimate(Unused(), example_input=torch.ones(2, 4))
     assert measured.fallback is None and measured.activations > 0
+
+
+# --- torch's tracker's own warnings stay inside the estimate ----------------------------------
+
+
+class _Func(nn.Module):
+    """A function made a module and kept as a plain attribute, registered nowhere, as the
+    kernels package makes transformers' hub functions: one calling another of its class makes
+    torch's module tracker see ``Func`` entered inside ``Func`` and warn that its hierarchy
+    "maybe be messed up" (the figures stay right)."""
+
+    def __init__(self, inner: nn.Module | None = None) -> None:
+        super().__init__()
+        self.__dict__["inner"] = inner  # not a child: a plain attribute
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inner = self.__dict__["inner"]
+        return x * 2 if inner is None else inner(x) + 1
+
+
+class _CallsFuncs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.__dict__["rotate"] = _Func(_Func())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cast(torch.Tensor, self.__dict__["rotate"](self.linear(x)))
+
+
+@pytest.mark.parametrize("step", ["forward", "train"])
+def test_the_trackers_hierarchy_warning_is_not_shown_and_nothing_process_wide_changes(
+    step: str,
+) -> None:
+    model = nn.Sequential(_CallsFuncs(), _CallsFuncs())
+    shown, filters = warnings.formatwarning, list(warnings.filters)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # as the suite and -W error run it
+        est = estimate(model, example_input=torch.ones(4, 8), step=step)
+    assert est.fallback is None
+    assert est.parameters == 2 * (8 * 8 + 8) * 4
+    assert warnings.formatwarning is shown  # torch's tracker replaces it when it warns
+    assert warnings.filters == filters
+    # only inside the run: the same warning outside it is heard
+    with pytest.warns(UserWarning, match="hierarchy tracking maybe be messed up"):
+        warnings.warn("The module hierarchy tracking maybe be messed up.", stacklevel=1)
+
+
+def test_a_llama_estimate_under_w_error_with_the_kernels_package() -> None:
+    """transformers 5 pulls in the kernels package, whose hub layers wrap Llama's rotary
+    embedding; estimate of a Llama must pass under -W error there (it raised the tracker's
+    warning), in a process of its own as a user's script runs."""
+    pytest.importorskip("transformers")
+    assert importlib.util.find_spec("kernels") is not None, (
+        "the test extra installs the kernels package (transformers 5 pulls it in)"
+    )
+    script = textwrap.dedent(
+        """
+        import warnings
+        import torch, transformers, torchplace
+        shown = warnings.formatwarning
+        config = transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(config)
+        ids = torch.zeros(2, 32, dtype=torch.long)
+        for step in ("forward", "train"):
+            est = torchplace.estimate(model, example_input={"input_ids": ids, "labels": ids},
+                                      step=step)
+            assert est.fallback is None, est.fallback
+        assert warnings.formatwarning is shown
+        print("ok")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "ok"

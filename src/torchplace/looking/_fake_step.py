@@ -698,7 +698,7 @@ def _measure(
     foreach = True if any(d.type != "cpu" for d in where) else None  # as on an accelerator
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     swapped = _swapped(model, where, disk)
-    with _quiet_failed_operators(), _compiled_unwrapped(model), mode, swapped:
+    with _tracker_unheard(), _quiet_failed_operators(), _compiled_unwrapped(model), mode, swapped:
         batch = _fake_batch(example_input, run, mode)
         opt = _optimizer(model, optimizer, foreach) if train else None
         tracker = _tracker_class()()
@@ -755,6 +755,27 @@ def _eager() -> Iterator[None]:
         warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there")
         with stance("force_eager") if stance is not None else contextlib.nullcontext():
             yield
+
+
+# What torch's module tracker warns when a module is entered again while it runs (a wrapper
+# calling the module's own forward, as the kernels package's hub layers do in transformers 5): a
+# note to PyTorch's developers about its hierarchy, not about the user's model; the figures stay
+# right (the module's bytes are counted once).
+_TRACKER_REENTERED = r"The module hierarchy tracking maybe be messed up"
+
+
+@contextlib.contextmanager
+def _tracker_unheard() -> Iterator[None]:
+    """The step with torch's tracker's internal warning about its module hierarchy ignored (that
+    one warning alone, and only while the step runs), and ``warnings.formatwarning`` as it was
+    afterwards: torch's tracker replaces it for the whole process when it warns so."""
+    shown = warnings.formatwarning
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_TRACKER_REENTERED, category=UserWarning)
+            yield
+    finally:
+        warnings.formatwarning = shown
 
 
 class _DropTracebacks(logging.Filter):
