@@ -1,6 +1,6 @@
 """The CRC-32 the reader's threads compute (``checkpoint/_crc.py``): ISA-L's where it imports,
 zlib's where not, the same values either way; and ``check_crc``'s default, which checks as the
-file is read only where the fast one is there."""
+file is read into host memory with either."""
 
 from __future__ import annotations
 
@@ -96,16 +96,35 @@ def test_isal_crc32_gives_zlibs_values_bit_for_bit() -> None:
     assert _crc.crc32() is isal_zlib.crc32 and _crc.fast_crc()
 
 
-def test_without_isal_the_crc32_is_zlibs_and_the_default_does_not_check(
+def test_without_isal_the_crc32_is_zlibs_and_the_default_still_checks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Where ``isal`` has no wheel, zlib's CRC-32 is the fallback, and the default check stays
+    on: a flipped bit in a zip file never loads silently (it did without the ``fast`` extra)."""
     _without_isal(monkeypatch)
     assert _crc.crc32() is zlib.crc32 and not _crc.fast_crc()
-    assert _crc.check_as_read(None) is False
+    assert _crc.check_as_read(None) is True
     path, sd = _damaged(tmp_path)
-    assert not torch.equal(load(path)["w"], sd["w"])  # zlib's check costs too much to run
-    with pytest.raises(CheckpointError, match=r"w\.pt: is corrupt: w/data/0 fails its CRC"):
-        load(path, check_crc=True)  # asked for: checked with zlib's
+    with pytest.raises(CheckpointError, match=r"w\.pt: is corrupt: w/data/0 fails its CRC") as err:
+        load(path)
+    assert err.value.path == path
+    model = nn.Module()
+    model.register_buffer("w", torch.zeros_like(sd["w"]))
+    model.register_buffer("b", torch.zeros(3))
+    with pytest.raises(CheckpointError, match=r"w/data/0 fails its CRC"):
+        load_into(model, path)
+    assert not model.w.any()  # nothing half-filled
+    assert not torch.equal(load(path, check_crc=False)["w"], sd["w"])  # turned off: loads
+
+
+def test_isal_is_a_runtime_dependency() -> None:
+    """The installed distribution requires isal (no extra needed), and it imports here."""
+    from importlib import metadata
+
+    requires = metadata.requires("torchplace") or []
+    plain = [r for r in requires if r.startswith("isal") and "extra ==" not in r]
+    assert plain, requires
+    assert _crc.fast_crc()  # the real one, where the dependency installed
 
 
 @pytest.mark.parametrize("chunk", [1 << 20, 16 << 20], ids=["many-chunks", "one-chunk"])

@@ -7,11 +7,12 @@ to ``a`` is a linear map over GF(2), found by squaring the one-zero-bit operator
 length (a record's chunks but its last have one length, so a join is one 32-step product).
 
 ``crc32()`` is the function that computes a chunk's CRC-32: ISA-L's (``isal.isal_zlib.crc32``,
-the ``torchplace[fast]`` extra) where it can be imported, else ``zlib.crc32``; both give the
-same values and release the GIL while they run, so reading threads overlap. In the reader's
-threads ISA-L's runs at about 8.5 GB/s a core and zlib's at 2.5 (``bench_read.py --crc``): a
-check adding about 13% to a read from the page cache against 40-60%, which is what lets it run
-by default (``check_as_read``, ``benchmarks/RESULTS.md``). It is picked once, on first use.
+a runtime dependency) where it can be imported, else ``zlib.crc32`` (a platform without an
+``isal`` wheel); both give the same values and release the GIL while they run, so reading
+threads overlap. In the reader's threads ISA-L's runs at about 8.5 GB/s a core and zlib's at 2.5
+(``bench_read.py --crc``): a check adding about 13% to a read from the page cache against
+40-60%. The check is on by default for reads into host memory either way (``check_as_read``,
+``benchmarks/RESULTS.md``): a flipped bit never loads silently. It is picked once, on first use.
 """
 
 from __future__ import annotations
@@ -52,24 +53,27 @@ def crc32() -> Crc32:
 
 
 def fast_crc() -> bool:
-    """Whether ``crc32()`` is ISA-L's (``pip install isal``, or ``torchplace[fast]``)."""
+    """Whether ``crc32()`` is ISA-L's (the ``isal`` dependency installed and working)."""
     return _pick()[1]
 
 
 def check_as_read(check_crc: bool | None, target: str = "cpu") -> bool:
     """Whether the reader checks each record's CRC-32 as it reads it onto a ``target`` device
-    type: ``check_crc`` if given. Left to ``None`` (the default): into host memory when the
-    CRC-32 is ISA-L's. A default may cost at most 15% of a read from the page cache; ISA-L's
-    costs about 13% of one into fresh memory (its page faults dominate), zlib's 40-60%. Onto a
-    GPU the reads go into pinned buffers already faulted in, memcpy-fast: there ISA-L's check
-    took 56% more of a thread's time on the CPU (not yet measured on a GPU), so it is off.
+    type: ``check_crc`` if given. Left to ``None`` (the default): into host memory, always.
+    ISA-L's CRC-32 (a runtime dependency) costs about 13% of a read from the page cache into
+    fresh memory (its page faults dominate); zlib's, the fallback where ``isal`` has no wheel,
+    40-60%, and it stays on there too: a flipped bit must not load silently. Onto a GPU the reads
+    go into pinned buffers already faulted in, memcpy-fast: there ISA-L's check took 56% more of
+    a thread's time on the CPU (not yet measured on a GPU), so it is off by default.
 
     >>> check_as_read(True, "cuda"), check_as_read(False), check_as_read(None, "cuda")
     (True, False, False)
+    >>> check_as_read(None)
+    True
     """
     if check_crc is not None:
         return check_crc
-    return target == "cpu" and fast_crc()
+    return target == "cpu"
 
 
 _POLY = 0xEDB88320  # CRC-32's polynomial, reflected
