@@ -352,6 +352,37 @@ def test_plan_dtype_sizes_floating_tensors_as_cast() -> None:
         plan(model, {"cuda:0": half}, dtype="float17")
 
 
+@pytest.mark.parametrize(
+    ("spelling", "dtype"),
+    [
+        ("bf16", torch.bfloat16),
+        ("BF16", torch.bfloat16),
+        ("fp16", torch.float16),
+        ("half", torch.float16),
+        ("fp32", torch.float32),
+        ("float", torch.float32),
+        ("torch.bfloat16", torch.bfloat16),
+        ("double", torch.float64),
+    ],
+)
+def test_plan_takes_every_dtype_spelling_the_command_line_takes(
+    spelling: str, dtype: torch.dtype
+) -> None:
+    """``plan(dtype=...)`` takes what ``torchplace estimate --dtype`` takes (it refused 'bf16'),
+    and plans as for the dtype itself."""
+    from torchplace.cli._estimate import _dtype as cli_dtype
+
+    assert cli_dtype(spelling) is dtype
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    budget = {"cuda:0": 64 * 64 * 2 + 64 * 2 + 8, "cpu": "1GiB"}  # one layer in 16 bits
+    assert plan(model, budget, dtype=spelling) == plan(model, budget, dtype=dtype)
+
+
+def test_plan_refuses_a_dtype_that_is_not_floating() -> None:
+    with pytest.raises(DeviceSpecError, match=r"dtype='int8' is not a floating torch dtype"):
+        plan(nn.Linear(2, 2), {"cpu": "1GiB"}, dtype="int8")
+
+
 # --- plan: budgets read from the machine (max_memory="auto") ----------------------------------
 
 GiB = 2**30

@@ -9,7 +9,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["PLAIN_TYPES", "local_part", "nbytes", "nbytes_as", "numel"]
+__all__ = [
+    "DTYPE_SPELLINGS",
+    "PLAIN_TYPES",
+    "dtype_named",
+    "local_part",
+    "nbytes",
+    "nbytes_as",
+    "numel",
+]
 
 # Tensors whose data is their own storage (no subclass between them and it).
 PLAIN_TYPES = (torch.Tensor, nn.Parameter)
@@ -86,3 +94,30 @@ def nbytes_as(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> int:
     if dtype is not None and tensor.is_floating_point():
         return numel(tensor) * dtype.itemsize
     return nbytes(tensor)
+
+
+# The short spellings people write for a floating dtype (the command line's --dtype, plan's
+# dtype=): one table, so that every entry point takes what every other takes.
+DTYPE_SPELLINGS = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float": "float32",
+    "fp64": "float64",
+    "double": "float64",
+}
+
+
+def dtype_named(name: str, /) -> torch.dtype | None:
+    """The floating dtype a spelling names (``"bf16"``, ``"bfloat16"``, ``"torch.float16"``,
+    any case), or None where it names none.
+
+    >>> dtype_named("bf16"), dtype_named("torch.float16"), dtype_named("FP32")
+    (torch.bfloat16, torch.float16, torch.float32)
+    >>> dtype_named("int8") is None, dtype_named("weird") is None
+    (True, True)
+    """
+    text = name.strip().lower().removeprefix("torch.")
+    found = getattr(torch, DTYPE_SPELLINGS.get(text, text), None)
+    return found if isinstance(found, torch.dtype) and found.is_floating_point else None

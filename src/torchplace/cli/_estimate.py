@@ -23,14 +23,13 @@ from torch import nn
 
 from .._devices import normalize
 from .._errors import TorchplaceError
+from .._tensor_size import dtype_named
 from ..looking._estimate import COUNT_INSTEAD, IF_NOT_A_BATCH, PASS_A_BATCH, Estimate, estimate
 
 __all__ = ["register"]
 
 HELP = "will it fit: a model directory's training or inference step, or a checkpoint's bytes"
 TRANSFORMERS_HINT = "pip install transformers"
-_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32"}
-_DTYPES.update(float="float32", fp64="float64", double="float64")
 
 
 def register(subparsers: Any) -> None:
@@ -94,9 +93,8 @@ def _positive(text: str) -> int:
 
 
 def _dtype(text: str) -> torch.dtype:
-    name = _DTYPES.get(text.strip().lower(), text.strip().lower())
-    found = getattr(torch, name, None)
-    if not isinstance(found, torch.dtype) or not found.is_floating_point:
+    found = dtype_named(text)
+    if found is None:
         raise argparse.ArgumentTypeError(f"{text!r} is no floating dtype; use bf16, fp16 or fp32")
     return found
 

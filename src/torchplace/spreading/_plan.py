@@ -20,7 +20,7 @@ from torch import nn
 from .._errors import DeviceSpecError, TorchplaceError, prefixed, user_stacklevel
 from .._model_walk import ModelTree, display, walk_model
 from .._sizes import format_bytes as _format_bytes
-from .._tensor_size import nbytes_as
+from .._tensor_size import dtype_named, nbytes_as
 from ..moving._transfer import is_accelerator
 from ._budgets import (
     DISK,
@@ -146,14 +146,16 @@ def _warn_none_present(absent: list[str], present: list[str]) -> None:
 
 
 def _dtype(dtype: object) -> torch.dtype | None:
+    """The dtype ``plan(dtype=...)`` means: a torch dtype as it is, or any spelling the command
+    line's ``--dtype`` takes (``"bf16"``, ``"bfloat16"``, ``"torch.float16"``)."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
-    if isinstance(dtype, str):
-        found = getattr(torch, dtype.removeprefix("torch."), None)
-        if isinstance(found, torch.dtype):
-            return found
+    found = dtype_named(dtype) if isinstance(dtype, str) else None
+    if found is not None:
+        return found
     raise DeviceSpecError(
-        f"dtype={dtype!r} is not a torch dtype; use e.g. torch.float16 or 'bfloat16'"
+        f"dtype={dtype!r} is not a floating torch dtype; use e.g. torch.float16, 'bfloat16' "
+        "or 'bf16'"
     )
 
 
