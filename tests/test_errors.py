@@ -238,3 +238,51 @@ def test_rename_collision_says_how_to_drop_a_key_with_a_dict(tmp_path: Path) -> 
     message = str(info.value)
     assert "the same name 'weight'" in message
     assert "a pattern to None in a dict" in message
+
+
+# --- one prefix: the entry point the user called ------------------------------------------------
+
+
+def _two_linears() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"device_map": {"0": "cpu"}}, "the device map leaves '1.weight', '1.bias' without"),
+        ({"offload_window": 0}, "offload_window must be at least 1"),
+        ({"offload_window": "2"}, "offload_window='2' is not a whole number"),
+        ({"offload_window": 1.5}, "offload_window=1.5 is not a whole number"),
+    ],
+    ids=["dispatch-refuses-the-map", "window-0", "window-str", "window-float"],
+)
+def test_an_error_under_load_into_carries_load_intos_prefix_alone(
+    tmp_path: Path, options: dict[str, object], says: str
+) -> None:
+    """load_into(..., device_map=) ends in dispatch; its errors read "load_into(): ...", once
+    (a map dispatch refused read "load_into(): dispatch(): ..."). A window that is no number
+    is refused as such (it raised a raw TypeError, comparing it with 1)."""
+    path = tmp_path / "m.pt"
+    torch.save(_two_linears().state_dict(), path)
+    model = _two_linears()
+    kwargs = {"device_map": {"0": "cpu", "1": "disk"}, **options}
+    with pytest.raises(torchplace.DeviceSpecError) as err:
+        torchplace.load_into(model, path, **kwargs)
+    message = str(err.value)
+    assert message.startswith(f"load_into(): {says}"), message
+    assert message.count("(): ") == 1, message
+
+
+def test_prefixed_replaces_an_inner_entry_points_prefix_and_keeps_the_data() -> None:
+    from torchplace._errors import prefixed
+
+    inner = torchplace.CheckpointError("dispatch(): load(): m.pt: bad", path="m.pt", missing=["b"])
+    again = prefixed(inner, "load_into()")
+    assert str(again) == "load_into(): m.pt: bad"
+    assert type(again) is torchplace.CheckpointError
+    assert (again.path, again.missing) == (Path("m.pt"), ("b",))
+    # a name with "(): " later in the message is the message's, and stays
+    assert str(prefixed(torchplace.TorchplaceError("x: call f(): no"), "plan()")) == (
+        "plan(): x: call f(): no"
+    )

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sys
 from collections.abc import Iterable
 from pathlib import Path
@@ -274,10 +275,21 @@ def _is_flag(value: object) -> bool:
         return False
 
 
+# An entry point's name leading a message ("dispatch(): "), as ``prefixed`` puts it there.
+_ENTRY_POINT = re.compile(r"^(?:[A-Za-z_][\w.]*\(\): )+")
+
+
 def prefixed(err: TorchplaceError, prefix: str) -> TorchplaceError:
     """``err`` again, its message led by ``prefix`` (an entry point's name), with its data
-    (``missing``, ``path``, ``stragglers``, ...) kept: the wrapper's re-raise of its errors."""
-    return type(err)(f"{prefix}: {err}", **err._data())
+    (``missing``, ``path``, ``stragglers``, ...) kept: the wrapper's re-raise of its errors.
+    One prefix, the outermost entry point's: the user called ``load_into``, so an error of the
+    ``dispatch`` it calls reads ``load_into(): ...``, not ``load_into(): dispatch(): ...``.
+
+    >>> str(prefixed(TorchplaceError("dispatch(): bad map"), "load_into()"))
+    'load_into(): bad map'
+    """
+    text = _ENTRY_POINT.sub("", str(err), count=1)
+    return type(err)(f"{prefix}: {text}", **err._data())
 
 
 def first_line(exc: BaseException) -> str:

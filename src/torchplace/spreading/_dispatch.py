@@ -431,13 +431,20 @@ def check_offloading(
     offloaded entries for ``entries`` (parsed by ``parse_device_map``), for a caller that does
     a long job before dispatching."""
     offload = _offloading(entries, execution_device)
-    if offload.tiers and offload_window < 1:
-        raise _window_error(offload_window)
+    if offload.tiers:
+        _check_window(offload_window)
     _check_offload_map(tree, entries, offload)
 
 
-def _window_error(offload_window: int) -> DeviceSpecError:
-    return DeviceSpecError(f"offload_window must be at least 1, not {offload_window}")
+def _check_window(offload_window: object) -> None:
+    """``DeviceSpecError`` unless ``offload_window`` is a whole number of modules, at least 1."""
+    if isinstance(offload_window, bool) or not isinstance(offload_window, int):
+        raise DeviceSpecError(
+            f"offload_window={offload_window!r} is not a whole number; pass how many offloaded "
+            "modules may be resident at once, e.g. offload_window=2"
+        )
+    if offload_window < 1:
+        raise DeviceSpecError(f"offload_window must be at least 1, not {offload_window}")
 
 
 def _keep_on_disk(model: nn.Module, entries: Mapping[str, object]) -> None:
@@ -928,8 +935,8 @@ def _dispatched(
     targets = _targets(tree, offload.runs)
     _check_offload_map(tree, entries, offload)
     units = _units(tree, offload) if offload.tiers else []
-    if units and offload_window < 1:
-        raise _window_error(offload_window)
+    if units:
+        _check_window(offload_window)
     _place(tree, _homes(tree, offload, targets))  # all or nothing: on failure the model
     _pin(units, offload.execution)  # and its hooks are as they were
     undispatch(model)  # only now: a bad map or a failed move keeps an earlier dispatch whole
