@@ -123,7 +123,7 @@ def test_the_lazy_names_are_the_public_names() -> None:
     (checking,) = [
         node
         for node in tree.body
-        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "_TYPE_CHECKING"
     ]
     seen = {
         alias.name: node.module

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import inspect
+import json
+import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -115,3 +118,26 @@ def test_a_misspelt_public_name_suggests_the_one_meant() -> None:
     with pytest.raises(AttributeError, match=r"no attribute 'zebra'$"):
         torchplace.zebra  # type: ignore[attr-defined]  # noqa: B018
     assert not hasattr(torchplace, "__wrapped__")
+
+
+def test_dir_lists_the_public_names_and_the_subpackages_and_nothing_else() -> None:
+    """dir(torchplace) listed importlib and annotations (and, once used, private modules); in
+    a fresh process, before and after the lazy names and subpackages are touched."""
+    script = (
+        "import json, torchplace\n"
+        "before = dir(torchplace)\n"
+        "torchplace.load, torchplace.estimate, torchplace.distributed, torchplace.cli\n"
+        "import torchplace.moving._move\n"
+        "print(json.dumps([before, dir(torchplace)]))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    before, after = json.loads(done.stdout)
+    root = Path(torchplace.__file__).parent
+    subpackages = {
+        info.name for info in pkgutil.iter_modules([str(root)]) if not info.name.startswith("_")
+    }
+    expected = sorted({*torchplace.__all__, "__version__", *subpackages})
+    assert before == expected
+    assert after == expected

@@ -7,8 +7,8 @@ torch import only when it is first touched.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING
+import importlib as _importlib
+from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 # The exception tree is plain Python (no torch): imported at once, so that an error raised from
 # any module says torchplace.CheckpointError even before anyone asked torchplace for it.
@@ -25,7 +25,7 @@ from ._errors import (
     TorchplaceError,
 )
 
-if TYPE_CHECKING:  # what type checkers and editors see; nothing more is imported at run time
+if _TYPE_CHECKING:  # what type checkers and editors see; nothing more is imported at run time
     from . import distributed as distributed
     from ._devices import available, device
     from .checkpoint._checkpoint import load, skeleton
@@ -103,7 +103,7 @@ _HOMES = {
 def _claim(module: str, names: list[str]) -> None:
     """Bind ``names`` from ``torchplace.<module>`` here, saying they are torchplace's (tracebacks
     and reprs show ``torchplace.load``), so that later look-ups skip ``__getattr__``."""
-    source = importlib.import_module(f"torchplace.{module}")
+    source = _importlib.import_module(f"torchplace.{module}")
     for name in names:
         obj = getattr(source, name)
         if getattr(obj, "__module__", "").startswith("torchplace."):
@@ -119,8 +119,8 @@ def __getattr__(name: str) -> object:
     if home is not None:  # every public name of that module at once, so they agree
         _claim(home, [n for n, m in _HOMES.items() if m == home])
         return globals()[name]
-    if name == "distributed":  # imports torch.distributed, so only when first used
-        return importlib.import_module("torchplace.distributed")
+    if name in _SUBPACKAGES:  # distributed imports torch.distributed: only when first used
+        return _importlib.import_module(f"torchplace.{name}")
     message = f"module 'torchplace' has no attribute {name!r}"
     if not name.startswith("_"):  # not for the probes of tools (__wrapped__, _fields, ...)
         from ._suggest import did_you_mean
@@ -131,5 +131,12 @@ def __getattr__(name: str) -> object:
     raise AttributeError(message, name=name)
 
 
+# The subpackages, each a step of a tensor's journey (docs/design.md, "Module map"): listed by
+# dir() whether or not imported yet.
+_SUBPACKAGES = ("checkpoint", "cli", "distributed", "looking", "moving", "spreading")
+
+
 def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__, "distributed"})
+    """The public names, ``__version__`` and the subpackages; none of the private modules and
+    helpers that importing binds here (``_errors``, ``annotations``, ``importlib``)."""
+    return sorted({*__all__, "__version__", *_SUBPACKAGES})
