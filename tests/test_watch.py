@@ -504,6 +504,155 @@ def test_each_thread_that_enters_is_watched(on_device: OnDevice) -> None:
     }
 
 
+def test_an_exit_in_another_thread_is_refused_and_switches_the_block_off(
+    on_device: OnDevice,
+) -> None:
+    """Modes belong to the thread that pushed them: an exit in another thread is refused, the
+    block it closes records and refuses nothing more, and each thread can watch again after,
+    with no mode of the refused block left on its stack."""
+    import threading
+
+    x = torch.arange(6.0).to("meta")
+    depth = torch._C._len_torch_function_stack()
+    seen = torchplace.watch("meta", raise_on="sync")
+    seen.__enter__()
+    assert torch._C._len_torch_function_stack() == depth + 1
+    found: dict[str, Any] = {}
+
+    def close() -> None:
+        found["stack"] = [torch._C._len_torch_function_stack()]
+        try:
+            seen.__exit__(None, None, None)
+        except Exception as exc:  # the test looks at what it is
+            found["error"] = exc
+        found["stack"].append(torch._C._len_torch_function_stack())
+        with OnDevice(), torchplace.watch("meta") as there:
+            x.sum().item()  # later in the other thread
+        found["there"] = there
+        found["stack"].append(torch._C._len_torch_function_stack())
+
+    worker = threading.Thread(target=close, name="closer")
+    worker.start()
+    worker.join(timeout=60)
+    error = found["error"]
+    assert type(error) is torchplace.TorchplaceError, repr(error)
+    assert repr(threading.current_thread().name) in str(error) and "'closer'" in str(error)
+    assert "exit it in the thread that entered it" in str(error)  # the fix
+    assert found["stack"] == [0, 0, 0]
+    assert [r.line for r in found["there"].rows] == [line_of("later in the other thread")]
+    x.sum().item()  # neither recorded nor refused: the block is closed
+    assert seen.rows == [] and repr(seen) == "<Watch of meta, inactive, 0 rows>"
+    # its mode, switched off, is still on this thread's stack, which the other thread cannot
+    # reach: this thread's next watch takes it off
+    assert torch._C._len_torch_function_stack() == depth + 1
+    with torchplace.watch("meta") as later:
+        assert torch._C._len_torch_function_stack() == depth + 1
+        x.sum().item()  # later here
+    assert torch._C._len_torch_function_stack() == depth
+    assert [r.line for r in later.rows] == [line_of("later here")]
+    with pytest.raises(torchplace.TorchplaceError, match="forbids"), seen:
+        x.sum().item()  # the same watch, entered again
+    assert [r.line for r in seen.rows] == [line_of("the same watch, entered again")]
+    assert torch._C._len_torch_function_stack() == depth
+
+
+def test_a_re_entered_watch_exited_once_in_another_thread_keeps_its_outer_block(
+    on_device: OnDevice,
+) -> None:
+    import threading
+
+    x = torch.arange(6.0).to("meta")
+    depth = torch._C._len_torch_function_stack()
+    seen = torchplace.watch("meta")
+    errors: list[BaseException] = []
+
+    def close() -> None:
+        try:
+            seen.__exit__(None, None, None)
+        except Exception as exc:  # the test looks at what it is
+            errors.append(exc)
+
+    with seen:
+        seen.__enter__()
+        worker = threading.Thread(target=close)
+        worker.start()
+        worker.join(timeout=60)
+        x.sum().item()  # the outer block still watches
+        assert torch._C._len_torch_function_stack() == depth + 1
+    assert [type(e) for e in errors] == [torchplace.TorchplaceError]
+    assert torch._C._len_torch_function_stack() == depth
+    assert [r.line for r in seen.rows] == [line_of("the outer block still watches")]
+
+
+def test_an_exit_elsewhere_while_several_threads_watch_closes_none(on_device: OnDevice) -> None:
+    """Which of their blocks it was meant for is not known: each thread still exits its own."""
+    import threading
+
+    seen = torchplace.watch("meta")
+    x = torch.arange(6.0).to("meta")
+    inside, leave = threading.Barrier(3), threading.Event()
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            with OnDevice(), seen:
+                inside.wait(timeout=60)
+                leave.wait(timeout=60)
+                x.sum().item()  # each thread, to the end of its block
+        except BaseException as exc:  # the test looks at what it is
+            errors.append(exc)
+
+    workers = [threading.Thread(target=read, name=f"reader-{i}") for i in range(2)]
+    for worker in workers:
+        worker.start()
+    inside.wait(timeout=60)
+    try:
+        with pytest.raises(torchplace.TorchplaceError) as info:
+            seen.__exit__(None, None, None)
+    finally:
+        leave.set()
+        for worker in workers:
+            worker.join(timeout=60)
+    assert "'reader-0'" in str(info.value) and "'reader-1'" in str(info.value)
+    assert errors == []
+    assert [(r.line, r.count) for r in seen.rows] == [
+        (line_of("each thread, to the end of its block"), 2)
+    ]
+
+
+def test_an_exit_without_an_enter_is_refused(on_device: OnDevice) -> None:
+    x = torch.arange(6.0).to("meta")
+    depth = torch._C._len_torch_function_stack()
+    seen = torchplace.watch("meta")
+    with pytest.raises(torchplace.TorchplaceError, match=r"use it as a `with` block"):
+        seen.__exit__(None, None, None)
+    with seen:
+        pass
+    with pytest.raises(torchplace.TorchplaceError, match=r"use it as a `with` block"):
+        seen.__exit__(None, None, None)  # one exit too many
+    with seen:
+        assert torch._C._len_torch_function_stack() == depth + 1
+        x.sum().item()  # after the refusals
+    assert torch._C._len_torch_function_stack() == depth
+    assert [r.line for r in seen.rows] == [line_of("after the refusals")]
+
+
+def test_a_mode_entered_in_the_block_and_left_open_stays_installed(on_device: OnDevice) -> None:
+    """The block's end takes off its own mode, not whichever is on top."""
+    from torch.overrides import TorchFunctionMode
+
+    depth = torch._C._len_torch_function_stack()
+    user = TorchFunctionMode()
+    with torchplace.watch("meta"):
+        user.__enter__()
+    try:
+        assert torch._C._len_torch_function_stack() == depth + 1
+        assert torch._C._get_function_stack_at(depth) is user
+    finally:
+        user.__exit__(None, None, None)
+    assert torch._C._len_torch_function_stack() == depth
+
+
 def test_on_the_cpu_alone_nothing_is_recorded_and_it_says_so(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -560,6 +709,46 @@ def test_fake_cuda_tensors_are_watched_as_cuda() -> None:
         (line_of("from data"), "host_to_device"): (1, 8, 1),
         (line_of("back"), "device_to_host"): (1, 64, 1),
     }
+
+
+def test_tolist_of_a_fake_cuda_tensor_is_one_copy_as_on_a_gpu() -> None:
+    """A fake tensor's ``tolist`` reads it one element at a time with ``.item()`` (it has no
+    data to copy); on a GPU, ``Tensor.tolist`` copies the whole tensor to the host once and
+    converts it there: one copy, one wait, the tensor's bytes. Iterating reads each element."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    # scalar outputs allowed: a fake tensor's .item() gives a symbol instead of refusing
+    shapes = ShapeEnv(allow_scalar_outputs=True)
+    with FakeTensorMode(shape_env=shapes), torchplace.watch("cuda:0") as seen:
+        t = torch.empty(16, device="cuda:0")
+        for _ in range(2):
+            t.tolist()  # tolist
+        torch.empty(2, 3, dtype=torch.float64, device="cuda:0").tolist()  # nested
+        torch.empty((), dtype=torch.int64, device="cuda:0").tolist()  # zero-dim
+        for element in torch.empty(4, device="cuda:0"):
+            element.item()  # one element at a time
+    found = {r.line: (r.kind, r.op, r.direction, r.count, r.waits, r.bytes) for r in seen.rows}
+    copy = ("copy", ".cpu() / .tolist()", "device_to_host")
+    assert found == {
+        line_of("tolist"): (*copy, 2, 2, 128),
+        line_of("nested"): (*copy, 1, 1, 48),
+        line_of("zero-dim"): (*copy, 1, 1, 8),
+        line_of("one element at a time"): (
+            "sync", ".item() / bool(t) / if t", "device_to_host", 4, 4, 16,
+        ),
+    }  # fmt: skip
+
+
+@pytest.mark.requires_cuda
+def test_on_a_gpu_tolist_is_one_copy() -> None:
+    t = torch.arange(16.0, device="cuda:0")
+    with torchplace.watch("cuda:0") as seen:
+        values = t.tolist()
+    assert values == [float(i) for i in range(16)]
+    assert [(r.kind, r.op, r.count, r.waits, r.bytes) for r in seen.rows] == [
+        ("copy", ".cpu() / .tolist()", 1, 1, 64)
+    ]
 
 
 def test_a_transformers_training_step_is_watched_without_error(

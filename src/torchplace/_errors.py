@@ -27,8 +27,9 @@ The tree, with when each is raised (every ``raise`` in the package, as of this r
     │                                state_dict() or pickling of a model with modules left on
     │                                disk (gather it with move first);
     │                                watch(): an unknown raise_on kind, an ignore= module that
-    │                                is not installed, and, in its block, the first sync, copy
-    │                                or mix that raise_on names (at the user's line)
+    │                                is not installed, in its block, the first sync, copy or
+    │                                mix that raise_on names (at the user's line), and its exit
+    │                                in a thread that did not enter it (or with none open)
     ├── DeviceSpecError (ValueError)  a device spec torchplace cannot parse ("cdua", -1, 3.5), and
     │                                 the other settings that name devices or sizes: a budget or
     │                                 key of plan's max_memory, plan's strategy, a dispatch

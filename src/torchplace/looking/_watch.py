@@ -20,8 +20,12 @@ dispatcher for each Python-level pattern. Only for an event does ``watch`` walk 
 stack, to the first frame outside torch, torchplace and the libraries named in ``ignore``. An
 empty dispatch mode over every operation costs the small step of ``benchmarks/bench_watch.py``
 2.2x; this, 1.7x.
-Nothing is installed outside the block: the mode is pushed on entry and popped on exit, and
-importing torchplace installs nothing.
+Nothing is installed outside the block: the mode is pushed on entry and taken off on exit, and
+importing torchplace installs nothing. Modes belong to a thread (PyTorch keeps its stacks in
+thread-local state): each thread that enters has its own, and must exit in that thread. An exit
+elsewhere is refused, and closes the block it was meant for, switching its mode off; as no
+thread can reach another's stack, the entering thread takes that mode off the next time it
+enters or exits a watch.
 
 What it cannot see: copies made by other threads (a DataLoader's pinning thread), work inside
 ``torch.compile``d code, where operations run fused (the mode steps aside while Dynamo traces),
@@ -44,10 +48,11 @@ import linecache
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -59,11 +64,15 @@ from .._errors import DeviceUnavailableError, TorchplaceError
 from .._sizes import format_bytes
 from ._watch_ops import (
     ALWAYS,
+    ITEM,
     LOOK,
     PLAIN,
+    TORCH_DIR,
+    TORCHPLACE_DIR,
     Event,
     classify,
     gradient_copy,
+    listed,
     plan,
     scan,
     simple,
@@ -119,7 +128,8 @@ def watch(
 
     Raises:
         TorchplaceError: ``raise_on`` names an unknown kind, ``ignore`` a module that is not
-        installed; in the block, the first event that ``raise_on`` names.
+        installed; in the block, the first event that ``raise_on`` names; on exit, a thread
+        that did not enter it (or more exits than entries).
         DeviceSpecError: ``device`` is not a device spec.
         DeviceUnavailableError: ``device`` names an accelerator this machine does not have
         (``"cuda"`` without CUDA), unless a ``FakeTensorMode`` is active, whose fake tensors
@@ -182,8 +192,14 @@ class _Calls(TorchFunctionMode):
         self.owner = owner
         self.ops = _Ops(owner)
 
+    # Switched off when its block was closed by an exit in another thread: it stays on this
+    # thread's stack, which no other thread can reach, until this thread enters or exits a
+    # watch again (``_take_off_left``), and calls through until then.
+    off = False
+
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if _compiling():  # Dynamo traces a mode's calls into its graph: keep watch out of it
+        # Dynamo traces a mode's calls into its graph: keep watch out of it
+        if self.off or _compiling():
             return func(*args, **kwargs) if kwargs else func(*args)
         how = plan(func)
         if (
@@ -215,6 +231,46 @@ class _Calls(TorchFunctionMode):
 _Key = tuple[str | None, int | None, str | None, Event]
 
 
+class _Block:
+    """One thread's open blocks of a ``Watch``: how deeply nested, and the mode it pushed."""
+
+    __slots__ = ("depth", "mode", "thread")
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.mode: _Calls | None = None
+        self.thread = threading.current_thread()
+
+
+# Modes of blocks closed by an exit in another thread, by the thread whose stack holds them.
+_LEFT: weakref.WeakKeyDictionary[threading.Thread, list[_Calls]] = weakref.WeakKeyDictionary()
+_LEFT_LOCK = threading.Lock()
+
+
+def _take_off_left() -> None:
+    """Takes this thread's switched-off modes (``_LEFT``) off its stack."""
+    if not _LEFT:
+        return
+    with _LEFT_LOCK:
+        modes = _LEFT.pop(threading.current_thread(), [])
+    for mode in modes:
+        _take_off(mode)
+
+
+def _take_off(mode: _Calls) -> None:
+    """``mode`` off this thread's stack of function-level modes wherever it is (the modes above
+    it stay, in their order: a mode entered in the block and not exited); nothing when it is
+    not there."""
+    depth = torch._C._len_torch_function_stack()
+    if not any(torch._C._get_function_stack_at(i) is mode for i in range(depth)):
+        return
+    above = []
+    while (top := torch._C._pop_torch_function_stack()) is not mode:
+        above.append(top)
+    for other in reversed(above):
+        torch._C._push_on_torch_function_stack(other)
+
+
 class Watch:
     """The record of a ``watch`` block (see ``watch``); a context manager and a decorator.
 
@@ -232,10 +288,12 @@ class Watch:
         self._skip = _skipped_dirs(ignore)
         self._seen: dict[str, bool] = {}
         self._totals: dict[_Key, list[int]] = {}
-        # Modes are per thread: each thread that enters has its own, and its depth.
+        # Modes are per thread: each thread that enters has its own ``_Block`` (``.block``), and
+        # the fake tensor's ``tolist`` being recorded (``.listing``, see ``_record``).
         self._here = threading.local()
-        # Blocks open in every thread: a gradient hook records only while one is.
-        self._open = 0
+        # Every thread's open blocks: a gradient hook records only while one is open, and an
+        # exit in a thread with none open closes the one it was meant for (``_exit_elsewhere``).
+        self._open: list[_Block] = []
         self._open_lock = threading.Lock()
         self.note: str | None = _note(self.device)
 
@@ -245,13 +303,17 @@ class Watch:
         return device == self.device
 
     def __enter__(self) -> Watch:
-        depth = getattr(self._here, "depth", 0)
-        if depth == 0 and self.note is None:
-            mode = self._here.mode = _Calls(self)
-            mode.__enter__()  # type: ignore[no-untyped-call]
-        self._here.depth = depth + 1
+        _take_off_left()
+        block = getattr(self._here, "block", None)
+        if block is None:
+            block = self._here.block = _Block()
         with self._open_lock:
-            self._open += 1
+            if block.depth == 0:
+                if self.note is None:
+                    block.mode = _Calls(self)
+                    block.mode.__enter__()  # type: ignore[no-untyped-call]
+                self._open.append(block)
+            block.depth += 1
         return self
 
     def __exit__(
@@ -260,13 +322,56 @@ class Watch:
         error: BaseException | None,
         trace: TracebackType | None,
     ) -> None:
-        self._here.depth -= 1
+        _take_off_left()
+        block = getattr(self._here, "block", None)
+        with self._open_lock:  # another thread's exit may close this thread's block
+            if block is not None and not block.depth:
+                block = None
+            mode = None if block is None else self._close(block)
+        if block is None:
+            self._exit_elsewhere()
+        if mode is not None:
+            _take_off(mode)
+            self._here.listing = None
+
+    def _close(self, block: _Block) -> _Calls | None:
+        """One level of ``block`` closed (under ``_open_lock``): its mode once none is left."""
+        block.depth -= 1
+        if block.depth:
+            return None
+        self._open.remove(block)
+        mode, block.mode = block.mode, None
+        return mode
+
+    def _exit_elsewhere(self) -> NoReturn:
+        """An exit in a thread with no block open: refused, and the block it was meant for, if
+        one other thread has one open, closed there, its mode switched off (no thread can take
+        a mode off another's stack). With several open, which one is not known: none closed."""
+        here = threading.current_thread()
+        this = "watch()" if self.device is None else f"watch({str(self.device)!r})"
         with self._open_lock:
-            self._open -= 1
-        mode = getattr(self._here, "mode", None)
-        if self._here.depth == 0 and mode is not None:
-            self._here.mode = None
-            mode.__exit__(kind, error, trace)
+            others = list(self._open)
+            mode = self._close(others[0]) if len(others) == 1 else None
+            if mode is not None:
+                mode.off = True
+                if others[0].thread.is_alive():
+                    with _LEFT_LOCK:
+                        _LEFT.setdefault(others[0].thread, []).append(mode)
+        if not others:
+            raise TorchplaceError(
+                f"{this} was exited in thread {here.name!r} without being entered; exit it "
+                "once for each time it was entered: use it as a `with` block (or a decorator)"
+            )
+        if len(others) == 1:
+            entered, closed = f"thread {others[0].thread.name!r}", "that block is now closed"
+        else:
+            entered = "threads " + " and ".join(repr(b.thread.name) for b in others)
+            closed = "each of those must exit its own (none is closed)"
+        raise TorchplaceError(
+            f"{this} was entered in {entered} and exited in thread {here.name!r}, but PyTorch's "
+            f"modes belong to the thread that pushed them: {closed}; fix: exit it in the thread "
+            "that entered it, e.g. use it as a `with` block in one thread (or as a decorator)"
+        )
 
     def __call__(self, fn: _F) -> _F:
         @functools.wraps(fn)
@@ -277,7 +382,15 @@ class Watch:
         return watched  # type: ignore[return-value]
 
     def _record(self, event: Event, nbytes: int) -> None:
-        frame = self._user_frame(sys._getframe(1))
+        caller = sys._getframe(1)
+        if event is ITEM:
+            found = listed(caller)
+            if found is not None:  # an element read by a fake tensor's tolist: one copy in all
+                call, (event, nbytes) = found
+                if call is getattr(self._here, "listing", None):
+                    return
+                self._here.listing = call
+        frame = self._user_frame(caller)
         if frame is None:
             key: _Key = (None, None, None, event)
         else:
@@ -384,7 +497,8 @@ class Watch:
 
     def __repr__(self) -> str:
         where = "every accelerator" if self.device is None else str(self.device)
-        state = "active" if getattr(self._here, "mode", None) is not None else "inactive"
+        block = getattr(self._here, "block", None)
+        state = "active" if block is not None and block.mode is not None else "inactive"
         return f"<Watch of {where}, {state}, {len(self._totals)} rows>"
 
 
@@ -437,8 +551,7 @@ def _skipped_dirs(ignore: Iterable[str]) -> tuple[str, ...]:
     """Path prefixes of frames that are not the user's: torch, torchplace, ``ignore``."""
     if isinstance(ignore, str):
         ignore = (ignore,)
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    dirs = [os.path.dirname(torch.__file__) + os.sep, here + os.sep]
+    dirs = [TORCH_DIR, TORCHPLACE_DIR]
     for name in ignore:
         try:
             spec = importlib.util.find_spec(name) if isinstance(name, str) and name else None

@@ -9,7 +9,9 @@ operations that cross. What reaches the dispatcher for each pattern (torch 2.6 t
   ``_local_scalar_dense``: one host wait per call, the element's bytes read back;
 * ``.cpu()``, ``.to("cpu")``, ``.tolist()`` (PyTorch copies to the host first) and ``.to(dev)``,
   ``.cuda()`` are ``_to_copy``; ``a.copy_(b)`` is ``copy_``; ``.numpy()`` of a device tensor
-  is refused by PyTorch, so it is seen as the ``.cpu()`` before it;
+  is refused by PyTorch, so it is seen as the ``.cpu()`` before it; a fake tensor's
+  ``tolist`` (``FakeTensorMode``'s, in Python) is instead one ``_local_scalar_dense`` per
+  element, which ``listed`` turns back into the one copy a device makes;
 * ``torch.tensor(data, device=dev)`` and ``torch.as_tensor(list, device=dev)`` copy inside
   PyTorch's constructor, out of sight, and reach the dispatcher as ``lift_fresh`` of a tensor
   already on the device (under ``FakeTensorMode`` as a ``_to_copy`` instead);
@@ -30,6 +32,7 @@ into pageable memory, the call returns only once the copy is done, a wait.
 
 from __future__ import annotations
 
+import os
 import types
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -40,8 +43,8 @@ import torch
 from .._tensor_size import nbytes
 
 __all__ = [
-    "ALWAYS", "BY_DEVICE", "LOOK", "PLAIN", "Event", "classify", "gradient_copy", "mixing",
-    "plan", "scan", "simple", "touches",
+    "ALWAYS", "BY_DEVICE", "ITEM", "LOOK", "PLAIN", "TORCHPLACE_DIR", "TORCH_DIR", "Event",
+    "classify", "gradient_copy", "listed", "mixing", "plan", "scan", "simple", "touches",
 ]  # fmt: skip
 
 aten = torch.ops.aten
@@ -162,13 +165,42 @@ def _lift_fresh(
     return event, nbytes(out)
 
 
+ITEM = Event("sync", ".item() / bool(t) / if t", "device_to_host", None, None, True, FIX_ITEM)
+
+
 def _item(
     args: Sequence[Any], kwargs: dict[str, Any], out: Any, watched: Callable[[torch.device], bool]
 ) -> tuple[Event, int] | None:
     if not watched(args[0].device):
         return None
-    op = ".item() / bool(t) / if t"
-    return Event("sync", op, "device_to_host", None, None, True, FIX_ITEM), args[0].element_size()
+    return ITEM, args[0].element_size()
+
+
+# Where torch's and torchplace's Python files are: their frames are not the user's.
+TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+TORCHPLACE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def listed(frame: types.FrameType | None) -> tuple[types.FrameType, tuple[Event, int]] | None:
+    """For an ``.item()`` made by a ``tolist`` of torch's Python code (a fake tensor's, which
+    reads its tensor one element at a time, having no data to copy): the outermost such call
+    on the stack from ``frame``, and the one copy that ``Tensor.tolist`` makes of the whole
+    tensor on a device instead, with its bytes. ``None`` for any other ``.item()``."""
+    found = None
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith(TORCH_DIR):
+            if frame.f_code.co_name == "tolist":
+                found = frame
+        elif not name.startswith(TORCHPLACE_DIR):
+            break  # the caller's frame: a tolist above it is another call's
+        frame = frame.f_back
+    if found is None:
+        return None
+    tensor = found.f_locals.get("self")
+    if not isinstance(tensor, torch.Tensor):
+        return None
+    return found, _copy(tensor, None, False, ".cpu() / .tolist()")
 
 
 def _shape(name: str, needs_mask: bool = False) -> Callable[..., tuple[Event, int] | None]:
