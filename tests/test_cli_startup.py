@@ -242,3 +242,25 @@ def test_a_plain_load_imports_only_its_own_path(tmp_path: Path, suffix: str) -> 
         "print(sorted(m for m in heavy if m in sys.modules))\n"
     )
     assert _run(code) == ["True", "[]"]
+
+
+@pytest.mark.slow
+def test_collecting_the_inner_loop_imports_nothing_heavy(tmp_path: Path) -> None:
+    """``pytest -m "not slow" --collect-only`` imports neither torch._dynamo (1.9 s: doctest
+    collection imported every module of the package, ``_dynamo_compat`` among them, and
+    test_compile called torch.compile at import) nor transformers' conversion mapping (0.7 s).
+    The tests import those when they run."""
+    root = Path(__file__).resolve().parent.parent
+    found = tmp_path / "modules.json"
+    script = (
+        "import json, sys, pytest\n"
+        "code = pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', '-m', 'not slow'])\n"
+        f"open({str(found)!r}, 'w').write(json.dumps([int(code), sorted(sys.modules)]))\n"
+    )
+    subprocess.run(
+        [sys.executable, "-c", script], cwd=root, capture_output=True, timeout=600, check=True
+    )
+    code, modules = json.loads(found.read_text())
+    assert code == 0
+    heavy = {"torch._dynamo", "torch._inductor", "transformers.conversion_mapping"}
+    assert heavy.isdisjoint(modules), heavy & set(modules)

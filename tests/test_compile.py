@@ -7,6 +7,7 @@ is what is tested, not a code generator), and a device or batch shape each makes
 from __future__ import annotations
 
 import dataclasses
+import functools
 import subprocess
 import sys
 from collections import OrderedDict, UserDict, defaultdict, namedtuple
@@ -17,21 +18,27 @@ import torch
 from torch import nn
 
 import torchplace
-from torchplace._dynamo_compat import dynamo_supports
+
+
+def dynamo_supports(feature: str) -> bool:
+    """``_dynamo_compat.dynamo_supports``, imported when a test first asks: it imports
+    torch._dynamo (about 2 s), which collecting the suite does not need."""
+    from torchplace._dynamo_compat import dynamo_supports as supports
+
+    return supports(feature)
+
 
 # torch 2.6's Dynamo can neither raise nor catch an exception of a user's class: no torchplace
 # error leaves a trace with its message there (fullgraph=True reports "Observed exception").
 # There torchplace raises its error while tracing, from outside the trace: it names what it met
 # but not where (test_an_old_dynamo_refuses_by_what_it_met), and no fallback to eager follows.
-OLD_DYNAMO = not dynamo_supports("exceptions")
+# (The skip conditions are strings, evaluated when a test runs, not at collection.)
 needs_traced_errors = pytest.mark.skipif(
-    OLD_DYNAMO,
+    "not dynamo_supports('exceptions')",
     reason="this torch's Dynamo (2.6) cannot raise or catch a user's exception class in a "
     "trace: the error's path in the batch and the eager fallback without fullgraph need "
     "torch >= 2.7",
 )
-# torch 2.6's Dynamo hands a defaultdict made in a trace back as a plain dict.
-DEFAULTDICT = dynamo_supports("defaultdict")
 
 Pair = namedtuple("Pair", "boxes labels")
 
@@ -68,7 +75,7 @@ def make_batch() -> dict[str, Any]:
         "ordered": OrderedDict(a=torch.ones(1), b=None),
         "again": shared,  # the same tensor twice: one copy, met twice
         "max": torch.max(torch.arange(6.0).view(2, 3), 1),  # torch.return_types, a tuple kind
-    } | ({"counts": defaultdict(list, n=torch.zeros(2))} if DEFAULTDICT else {})
+    } | ({"counts": defaultdict(list, n=torch.zeros(2))} if dynamo_supports("defaultdict") else {})
 
 
 def _move(batch: Any, device: str | None) -> Any:
@@ -83,8 +90,19 @@ def _move_with_optimizer(t: torch.Tensor, opt: torch.optim.Optimizer) -> Any:
     return torchplace.move(t, "meta", optimizer=opt)
 
 
-_compiled = torch.compile(_move, fullgraph=True, backend="eager")
-_compiled_model = torch.compile(_move_model, fullgraph=True, backend="eager")
+@functools.cache
+def _compiled_once(fn: Any) -> Any:
+    """``torch.compile(fn)``, made when a test first calls it and shared by every test after:
+    ``torch.compile`` imports torch._dynamo (about 2 s), which collection does not need."""
+    return torch.compile(fn, fullgraph=True, backend="eager")
+
+
+def _compiled(batch: Any, device: str | None) -> Any:
+    return _compiled_once(_move)(batch, device)
+
+
+def _compiled_model(batch: Any) -> Any:
+    return _compiled_once(_move_model)(batch)
 
 
 def _leaves(obj: Any) -> list[Any]:
@@ -141,7 +159,8 @@ def test_a_nested_batch_moves_as_in_eager() -> None:
     assert_same_tree(got, torchplace.move(batch, "meta"))
     assert got["x"] is got["again"]  # met twice, copied once, as in eager
     assert isinstance(got["pair"], Pair) and isinstance(got["frozen"], Frozen)
-    assert not DEFAULTDICT or got["counts"].default_factory is list
+    # torch 2.6's Dynamo hands a defaultdict made in a trace back as a plain dict
+    assert not dynamo_supports("defaultdict") or got["counts"].default_factory is list
     assert type(got["max"]) is type(batch["max"]) and got["max"].indices.is_meta
     assert all(a is b for a, b in zip(_leaves(batch), before, strict=True))  # caller's untouched
 
@@ -412,11 +431,22 @@ def _old_dynamo_cases() -> dict[str, tuple[Any, str, str]]:
     }
 
 
-@pytest.mark.skipif(not OLD_DYNAMO, reason="torch >= 2.7 names the path (tests above)")
+# the cases by name, so that collecting builds none (an optimizer's making imports Dynamo)
+_OLD_DYNAMO_CASES = (
+    "module", "own_to", "optimizer", "module_argument", "defaultdict", "init_false", "userdict",
+    "meta",
+)  # fmt: skip
+
+
+@pytest.mark.skipif(
+    "dynamo_supports('exceptions')", reason="torch >= 2.7 names the path (tests above)"
+)
 @pytest.mark.parametrize("fullgraph", [True, False])
-@pytest.mark.parametrize("case", list(_old_dynamo_cases()))
+@pytest.mark.parametrize("case", _OLD_DYNAMO_CASES)
 def test_an_old_dynamo_refuses_by_what_it_met(case: str, fullgraph: bool) -> None:
-    obj, spec, says = _old_dynamo_cases()[case]
+    cases = _old_dynamo_cases()
+    assert tuple(cases) == _OLD_DYNAMO_CASES
+    obj, spec, says = cases[case]
     before = [t for t in _leaves(obj) if isinstance(t, torch.Tensor)]
     compiled = torch.compile(_move, fullgraph=fullgraph, backend="eager")
     with pytest.raises(RuntimeError) as excinfo:

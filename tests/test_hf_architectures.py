@@ -26,6 +26,7 @@ in ``LEGACY_NAMES``), architectures whose tiny config does not build, and those 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -38,15 +39,22 @@ import torchplace
 from torchplace import CheckpointError
 
 transformers = pytest.importorskip("transformers")
-try:
-    import transformers.conversion_mapping as conversions
-except ImportError:  # transformers 4.x
-    conversions = None
+# transformers 4.x has no conversion mapping. Looked for, not imported: importing it takes
+# 0.7 s, which collecting the suite does not need (the tests that use it import it).
+HAS_CONVERSIONS = importlib.util.find_spec("transformers.conversion_mapping") is not None
+
+
+def conversions() -> Any:
+    """transformers' conversion mapping module (where ``HAS_CONVERSIONS``)."""
+    import transformers.conversion_mapping as mapping
+
+    return mapping
+
 
 import hf_architectures as hf  # noqa: E402  (tests/ is on the path, as for helpers)
 
 needs_hub_names = pytest.mark.skipif(
-    conversions is None,
+    not HAS_CONVERSIONS,
     reason="transformers 4.x has no conversion mapping: save_pretrained writes no hub names",
 )
 
@@ -87,7 +95,7 @@ def test_sample_architecture_loads_bit_for_bit(tmp_path: Path, model_type: str) 
 
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, torch.nn.Module, Path]:
-    if conversions is None:
+    if not HAS_CONVERSIONS:
         pytest.skip("transformers 4.x saves Mixtral's own names: no hub names to convert")
     config, model = _tiny("mixtral")
     where = tmp_path_factory.mktemp("mixtral")
@@ -357,7 +365,7 @@ def _whole_list_only(request: pytest.FixtureRequest) -> None:
 def test_every_architecture(request: pytest.FixtureRequest) -> None:
     """The whole list; run it with ``python -m pytest -m hf_architectures``."""
     _whole_list_only(request)
-    if conversions is not None:
+    if HAS_CONVERSIONS:
         types = hf.architecture_types()
     else:
         types = sorted(set(hf.legacy_name_types()) | set(TF4_SAMPLE))
@@ -367,7 +375,7 @@ def test_every_architecture(request: pytest.FixtureRequest) -> None:
     failed = {t: v for t, v in found.items() if v[0] in ("fail", "crash")}
     assert not failed, json.dumps(failed, indent=1)
     # The list did not shrink unseen; on 4.x, every one of the sample is ok.
-    assert sum(v[0] == "ok" for v in found.values()) >= (150 if conversions else len(types))
+    assert sum(v[0] == "ok" for v in found.values()) >= (150 if HAS_CONVERSIONS else len(types))
     legacy = {t for t in hf.legacy_name_types() if found[t][0] != "ok"}
     assert not legacy, {t: found[t] for t in legacy}  # none of them left out either
 
@@ -378,7 +386,7 @@ def _legacy_names_load_as_from_pretrained(model_type: str, where: Path) -> None:
     file's names are not the model's (else the test tests nothing)."""
     config, model = hf.build(model_type)
     model.save_pretrained(where, max_shard_size="200KB")
-    if conversions is None:
+    if not HAS_CONVERSIONS:
         names = set(torchplace.load(where, "meta"))
         assert names - set(model.state_dict()), sorted(names)[:5]
     ours = torchplace.load_into(torchplace.skeleton(hf.maker(model_type), config), where)
@@ -525,7 +533,7 @@ def test_a_conversion_that_is_not_slices_is_run_by_transformers(
     from transformers.core_model_loading import revert_weight_conversion
 
     _skip_unless_rope_renames()
-    monkeypatch.setattr(conversions, "get_model_conversion_mapping", _rope_mapping)
+    monkeypatch.setattr(conversions(), "get_model_conversion_mapping", _rope_mapping)
     config, model = _tiny("llama")
     hub = revert_weight_conversion(model, model.state_dict())  # as save_pretrained writes it
     q = "model.layers.0.self_attn.q_proj.weight"
@@ -550,7 +558,7 @@ def test_a_sharded_model_refuses_a_conversion_that_is_not_slices(
     from transformers.core_model_loading import revert_weight_conversion
 
     _skip_unless_rope_renames()
-    monkeypatch.setattr(conversions, "get_model_conversion_mapping", _rope_mapping)
+    monkeypatch.setattr(conversions(), "get_model_conversion_mapping", _rope_mapping)
     config, model = _tiny("llama")
     hub = revert_weight_conversion(model, model.state_dict())
     save_file(
