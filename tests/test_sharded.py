@@ -5,12 +5,15 @@ The 2-rank job also checks ``torchplace.distributed.verify``, which needs real r
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -217,8 +220,105 @@ def test_a_file_cut_short_during_a_sharded_read_is_said_to_have_changed(
         real(fd, view, offset)
 
     monkeypatch.setattr(_reader, "_pread_exactly", cut_first)
-    with pytest.raises(CheckpointError, match=r"changed while it was read.*partly filled"):
+    with pytest.raises(CheckpointError, match=r"changed while it was read.*put back as it was"):
         torchplace.load_into(model, path)
+    assert model.weight.is_meta and model.bias.is_meta  # the skeleton, as before the load
+
+
+def _stop_at(monkeypatch: pytest.MonkeyPatch, fraction: float, stop: Any) -> list[float]:
+    """``stop()`` runs inside the next sharded fill once ``fraction`` of the bytes of its shards
+    are read into them (the reader's progress callback counts them; one reading thread, so
+    nothing more is read after it); returns the list it appends the fraction read then to."""
+    from torchplace.checkpoint import _progress, _reader
+
+    monkeypatch.setattr(_reader, "READ_THREADS", 1)
+    reporting = _sharded.reporting
+    at: list[float] = []
+
+    @contextlib.contextmanager
+    def counted(total: int, label: str, asked: bool | None) -> Iterator[None]:
+        done = 0
+
+        def advance(n: int) -> None:
+            nonlocal done
+            done += n
+            if done >= fraction * total and not at:
+                at.append(done / total)
+                stop()
+
+        with reporting(total, label, asked):
+            token = _progress._CURRENT.set(advance)
+            try:
+                yield
+            finally:
+                _progress._CURRENT.reset(token)
+
+    monkeypatch.setattr(_sharded, "reporting", counted)
+    return at
+
+
+def _interrupt() -> None:
+    raise KeyboardInterrupt
+
+
+def _deep(tmp_path: Path, mesh: Any, *, skeleton: bool) -> tuple[torch.nn.Module, Path]:
+    """A model of 32 layers sharded over the fake world of 4 (each rank's part of each layer
+    about 1/32 of its fill, read as one chunk) and a buffer of 3s read before them, as a
+    skeleton or with its parameters' memory set to 7, and its file."""
+    from torch.distributed.fsdp import fully_shard
+
+    path = tmp_path / "deep.safetensors"
+    state = {f"{i}.weight": torch.randn(16, 16) for i in range(32)} | {"scale": torch.randn(4)}
+    save_file(state, str(path))
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*(torch.nn.Linear(16, 16, bias=False) for _ in range(32)))
+    model.register_buffer("scale", torch.full((4,), 3.0))
+    fully_shard(model, mesh=mesh)
+    if not skeleton:
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().fill_(7.0)
+            model.scale.fill_(3.0)
+    return model, path
+
+
+def test_a_sharded_fill_interrupted_late_puts_the_skeleton_back(
+    fake_world: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KeyboardInterrupt at 90-95% of a skeleton's fill is raised as itself, with every
+    parameter back on meta, the very objects, FSDP2 keeping no memory for them, and the
+    buffer the fill read first holding its values again."""
+    model, path = _deep(tmp_path, fake_world, skeleton=True)
+    before = [(id(p), p.placements, p.to_local().shape) for p in model.parameters()]
+    at = _stop_at(monkeypatch, 0.9, _interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        torchplace.load_into(model, path)
+    assert 0.9 <= at[0] <= 0.95, at  # the buffer, then 29 of 32 equal chunks
+    assert all(p.is_meta for p in model.parameters())
+    assert torch.equal(model.scale, torch.full((4,), 3.0))
+    assert [(id(p), p.placements, p.to_local().shape) for p in model.parameters()] == before
+    assert all(p._sharded_param_data.is_meta for p in _sharded._fsdp_params(model))
+    torchplace.load_into(model, path)  # and it loads again
+    assert not any(p.is_meta for p in model.parameters())
+
+
+def test_a_real_sharded_model_interrupted_late_says_it_is_partly_filled(
+    fake_world: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shards of parameters that had memory are filled in place with no copy kept (it would
+    double each rank's memory): a KeyboardInterrupt at 90-95% is raised as itself, with a
+    note saying the model is partly filled (its buffer is put back)."""
+    model, path = _deep(tmp_path, fake_world, skeleton=False)
+    at = _stop_at(monkeypatch, 0.9, _interrupt)
+    with pytest.raises(KeyboardInterrupt) as info:
+        torchplace.load_into(model, path)
+    assert 0.9 <= at[0] <= 0.95, at
+    if sys.version_info >= (3, 11):
+        assert "Sequential is partly filled on this rank" in "".join(info.value.__notes__)
+    still = [bool((p.to_local() == 7.0).all()) for p in model.parameters()]
+    assert still == [False] * 29 + [True] * 3, still
+    assert torch.equal(model.scale, torch.full((4,), 3.0))
 
 
 def test_a_same_size_sharded_rewrite_with_its_mtime_put_back_raises(
@@ -238,6 +338,35 @@ def test_a_same_size_sharded_rewrite_with_its_mtime_put_back_raises(
     with pytest.raises(CheckpointError, match=r"changed while it was read.*inode change time"):
         torchplace.load_into(model, path)
     assert done
+
+
+def test_a_rank_stopped_after_telling_the_others_its_fill_went_through_keeps_it() -> None:
+    """A rank stopped (Ctrl-C) as the ranks compare: where it has told the others nothing, it
+    tells them it failed (and puts its fill back); where it told them its fill went through,
+    it keeps it (they may have kept theirs) and its row stays as posted; where they gave up on
+    it, it puts its fill back."""
+    import torch.distributed as dist
+
+    from torchplace.checkpoint import _rendezvous
+
+    def meets() -> _rendezvous.Meeting:
+        return _rendezvous.Meeting(dist.HashStore(), "t", (0, 1), 0, 1, 10.0)
+
+    stopped = meets()
+    assert stopped.own_row() is None
+    assert not _sharded._told_filled(stopped, KeyboardInterrupt())
+    row = stopped.own_row()
+    assert row is not None and row.startswith("1,")  # failed, as the others read it
+    assert "KeyboardInterrupt" in stopped.fulls([0])[0]
+    filled = meets()
+    mine = _sharded._Outcome.of(stamps={})
+    assert filled.post(_sharded._row(mine), _sharded._full(mine))
+    assert _sharded._told_filled(filled, KeyboardInterrupt())
+    assert filled.own_row() == _sharded._row(mine)  # unchanged
+    given_up = meets()
+    given_up.store.compare_set("t/1/row/0", "", _rendezvous.ABSENT)
+    assert not _sharded._told_filled(given_up, KeyboardInterrupt())
+    assert given_up.own_row() == _rendezvous.ABSENT
 
 
 def test_the_ranks_compare_the_inode_change_time_of_each_file(tmp_path: Path) -> None:
@@ -556,11 +685,12 @@ def _():
     except CheckpointError as exc:
         if rank == 0:
             assert "rank 1 could not fill its part of FSDPNet" in str(exc), str(exc)
-            assert "missing keys" in str(exc) and "partly filled across ranks" in str(exc)
+            assert "missing keys" in str(exc) and "put back as it was" in str(exc), str(exc)
         else:
             assert "missing keys" in str(exc), str(exc)
     else:
         raise AssertionError("a rank loaded while the other failed")
+    assert all(p.is_meta for p in model.parameters()), "a rank kept its part of the fill"
 
 
 @case("a-failure-on-one-rank-raises-on-every-rank-with-fsdp2-unsharded")
@@ -584,13 +714,28 @@ def _():
     import shutil
     import time
 
+    from torchplace.checkpoint import _sharded
+
     path = os.path.join(folder, "net-rewritten.safetensors")
+    read_by_0 = os.path.join(folder, "net-rewritten-read-by-0")
     if rank == 0:
         shutil.copy(os.path.join(folder, "net.safetensors"), path)
     dist.barrier()
     model = fsdp(torchplace.skeleton(Net))
+    fill = _sharded._fill_sharded
+    if rank == 0:  # says so once its fill has read the file (and taken its stamp)
+
+        def filled_then_said(*args, **kwargs):
+            read = fill(*args, **kwargs)
+            open(read_by_0, "w").close()
+            return read
+
+        _sharded._fill_sharded = filled_then_said
     if rank == 1:  # rank 0 has read it and waits to compare: now "rewrite" it, then read
-        time.sleep(2.0)
+        end = time.monotonic() + 60  # however long rank 0 takes to read it; fails a hang
+        while not os.path.exists(read_by_0):
+            assert time.monotonic() < end, "rank 0 never said it read the file"
+            time.sleep(0.01)
         stat = os.stat(path)
         os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     try:
@@ -600,6 +745,8 @@ def _():
         assert "mixes two checkpoints" in str(exc), str(exc)
     else:
         raise AssertionError("ranks that read two versions loaded")
+    finally:
+        _sharded._fill_sharded = fill
 
 
 @case("ranks-given-two-checkpoints-raise-and-one-file-spelt-two-ways-loads")
@@ -781,15 +928,17 @@ def test_two_ranks_fill_fsdp2_and_tensor_parallel_models_bit_for_bit(tmp_path: P
 # ------------------------------------- 2 ranks where one stops: the others fail in bounded time
 
 STOPPING = r"""
-import os, signal, sys, time
+import contextlib, os, signal, sys, time
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 
 import torchplace
-from torchplace.checkpoint import _sharded
+from torchplace.checkpoint import _progress, _reader, _sharded
 
 folder, scenario = sys.argv[1], sys.argv[2]
 dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_*: rank 0 holds the store
@@ -816,11 +965,11 @@ def build():
     return model
 
 
-def load(model=None):
+def load(model=None, name="net.safetensors"):
     model = model or build()
     began = time.monotonic()
     try:
-        torchplace.load_into(model, os.path.join(folder, "net.safetensors"))
+        torchplace.load_into(model, os.path.join(folder, name))
     except BaseException as exc:
         say(f"{type(exc).__name__} after {time.monotonic() - began:.0f} s: {exc}")
     else:
@@ -840,6 +989,94 @@ def during_fill(action):  # ``action`` runs on this rank inside load_into, befor
 def interrupt():  # a real SIGINT, as Ctrl-C in a notebook: KeyboardInterrupt in the sleep
     os.kill(os.getpid(), signal.SIGINT)
     time.sleep(30)
+
+
+def at_fraction(action, fraction=0.9):
+    # ``action`` runs inside this rank's next fill, once ``fraction`` of the bytes of its shards
+    # are read into them: the reader's progress callback counts them, and reads on the calling
+    # thread (one thread), so nothing more is read after the action.
+    _reader.READ_THREADS = 1
+    reporting = _sharded.reporting
+
+    @contextlib.contextmanager
+    def counted(total, label, asked):
+        done = 0
+
+        def advance(n):
+            nonlocal done
+            done += n
+            if done >= fraction * total and _sharded.reporting is counted:
+                _sharded.reporting = reporting  # once: the next load reads to the end
+                say(f"interrupted at {done / total:.3f} of the fill")
+                action()
+
+        with reporting(total, label, asked):
+            token = _progress._CURRENT.set(advance)
+            try:
+                yield
+            finally:
+                _progress._CURRENT.reset(token)
+
+    _sharded.reporting = counted
+
+
+def raise_interrupt():
+    raise KeyboardInterrupt
+
+
+class Deep(nn.Module):  # each rank's part of each layer is about 1/32 of its fill, one chunk
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.full((4,), 3.0))  # real in a skeleton, read first
+        self.layers = nn.ModuleList(nn.Linear(16, 16, bias=False) for _ in range(32))
+        self.register_buffer("steps", torch.arange(4.0), persistent=False)  # not in the file
+
+
+def held(model):  # each tensor's object, class, dtype, shapes, device, placements and bits
+    out = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        bits = None if local.is_meta else local.detach().clone().view(torch.uint8)
+        where = (str(local.device), tuple(local.shape), getattr(t, "placements", None))
+        out[name] = (id(t), type(t).__name__, t.dtype, tuple(t.shape), where, bits)
+    return out
+
+
+def differences(before, after):  # the tensors ``after`` holds unlike ``before``, bit for bit
+    if before.keys() != after.keys():
+        return f"names {sorted(before.keys() ^ after.keys())}"
+    wrong = []
+    for name, (*kind, bits) in before.items():
+        *now, now_bits = after[name]
+        same_bits = (bits is None) == (now_bits is None)
+        if same_bits and bits is not None:
+            same_bits = torch.equal(bits, now_bits)
+        if kind != now or not same_bits:
+            wrong.append(f"{name}: {kind[2:5]} -> {now[2:5]}")
+    return "; ".join(wrong)
+
+
+def fsdp_memory(model):  # the devices of FSDP2's own record of each sharded parameter's data
+    state = model._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]
+    return {str(p._sharded_param_data.device) for g in groups for p in g.fsdp_params}
+
+
+def interrupted_late(action):
+    # Rank 1 interrupted at 90-95% of its fill of a skeleton: each rank says what it raised,
+    # whether its model holds what it held before, bit for bit, then loads again.
+    model = torchplace.skeleton(Deep)
+    fully_shard(model, mesh=mesh)
+    before = held(model)
+    if rank == 1:
+        at_fraction(action)
+    load(model, "deep.safetensors")
+    say(f"held before: {differences(before, held(model)) or 'all'}")
+    say(f"FSDP2 keeps its shards on {sorted(fsdp_memory(model))}")
+    load(model, "deep.safetensors")
+    file = load_file(os.path.join(folder, "deep.safetensors"))
+    loaded = {n: p.full_tensor() for n, p in model.named_parameters()} | {"scale": model.scale}
+    say(f"differs from the file: {[n for n, t in loaded.items() if not torch.equal(t, file[n])]}")
 
 
 def die_once_rank_1_fills():
@@ -865,16 +1102,27 @@ if scenario == "absent" and rank == 1:  # never calls load_into, until rank 0 ca
     model = build()
     while not os.path.exists(os.path.join(folder, "again")):
         time.sleep(0.05)
-    time.sleep(0.5)
+elif scenario == "late-raised":  # KeyboardInterrupt raised from inside rank 1's fill
+    interrupted_late(raise_interrupt)
+elif scenario == "late-signalled":  # a real SIGINT from inside rank 1's fill, as Ctrl-C
+    interrupted_late(interrupt)
 else:
     load()
-if scenario == "absent" and rank == 0:
-    open(os.path.join(folder, "again"), "w").close()
+if scenario == "absent" and rank == 0:  # rank 1 calls again once this rank's next round began
+    from torchplace.checkpoint import _rendezvous
+
+    raise_latest = _rendezvous._raise_latest
+
+    def raised_then_said(store, key, round_):  # the round a late rank moves on to
+        raise_latest(store, key, round_)
+        open(os.path.join(folder, "again"), "w").close()
+
+    _rendezvous._raise_latest = raised_then_said
     load()
 if scenario == "absent" and rank == 1:
     load(model)
-if scenario in ("absent", "slow"):  # rank 0's store outlives rank 1's last look at it
-    dist.barrier()
+if scenario in ("absent", "slow", "late-raised", "late-signalled"):  # rank 0's store outlives
+    dist.barrier()  # rank 1's last look at it
 say("done")
 time.sleep(0 if scenario != "interrupted" else 600)  # an interrupted notebook lives on
 os._exit(0)
@@ -941,16 +1189,49 @@ def test_a_rank_that_stops_in_a_sharded_load_fails_the_other_with_checkpoint_err
     tmp_path: Path, scenario: str
 ) -> None:
     """Interrupted (its process lives on, as a notebook's) or killed: the other rank raises
-    ``CheckpointError`` naming it and saying its own shards are filled, instead of waiting
-    for the process group's timeout or raising Gloo's own error."""
+    ``CheckpointError`` naming it and saying its own skeleton is put back as it was, instead
+    of waiting for the process group's timeout or raising Gloo's own error."""
     said = _two_ranks_where_one_stops(tmp_path, scenario)
     (first, done) = said[0]
     assert done == "done", said
     assert first.startswith("CheckpointError after "), said
-    assert "rank 1" in first and "this rank's shards are filled" in first, said
-    assert "load it again on every rank" in first or "build it again" in first, said
+    assert "rank 1" in first and "back as it was: load it again" in first, said
     if scenario == "interrupted":
-        assert said[1] == ["KeyboardInterrupt after 0 s: ", "done"], said
+        # its own interrupt, not an error of waiting (the seconds it took are this machine's)
+        interrupted, done_1 = said[1]
+        assert re.fullmatch(r"KeyboardInterrupt after \d+ s: ", interrupted), said
+        assert done_1 == "done", said
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["raised", "signalled"])
+def test_a_rank_interrupted_late_in_its_fill_puts_every_rank_back_as_it_was(
+    tmp_path: Path, how: str
+) -> None:
+    """Rank 1 is interrupted once 90-95% of its shards are read (a KeyboardInterrupt raised,
+    or a real SIGINT sent, from inside its fill): it raises KeyboardInterrupt, rank 0 raises
+    ``CheckpointError`` naming rank 1 and its interrupt, and on both ranks the skeleton holds
+    what it held before, bit for bit (its parameters back on meta, the same objects, FSDP2
+    keeping no memory for them; its real buffers' values, one of them read before the
+    interrupt, as they were). Then both load it again."""
+    torch.manual_seed(0)
+    deep = {f"layers.{i}.weight": torch.randn(16, 16) for i in range(32)}
+    deep["scale"] = torch.randn(4)
+    save_file(deep, str(tmp_path / "deep.safetensors"))
+    said = _two_ranks_where_one_stops(tmp_path, f"late-{how}")
+    interrupted, *rest = said[1]
+    assert interrupted.startswith("interrupted at "), said
+    assert 0.9 <= float(interrupted.split()[2]) <= 0.95, said  # the buffer, 28 of 32 layers
+    assert re.fullmatch(r"KeyboardInterrupt after \d+ s: ", rest[0]), said
+    first = said[0][0]
+    assert re.match(r"CheckpointError after \d+ s: rank 1 could not fill its part of", first), said
+    assert "FSDPDeep (rank 1: KeyboardInterrupt)" in first, said
+    assert "put back as it was" in first and "partly filled" not in first, said
+    for lines in (said[0][1:], rest[1:]):
+        assert lines[0] == "held before: all", said
+        assert lines[1] == "FSDP2 keeps its shards on ['meta']", said
+        assert lines[2].startswith("loaded after "), said
+        assert lines[3:] == ["differs from the file: []", "done"], said
 
 
 @pytest.mark.slow
@@ -962,7 +1243,8 @@ def test_a_rank_that_never_arrives_is_named_after_the_bound_and_the_next_load_ag
     said = _two_ranks_where_one_stops(tmp_path, "absent")
     assert said[0][0].startswith("CheckpointError after "), said
     assert "rank 1 did not arrive within 4 s" in said[0][0], said
-    assert "this rank's shards are filled" in said[0][0], said
+    assert "this rank filled its shards" in said[0][0], said
+    assert "this rank puts FSDPNet back as it was" in said[0][0], said
     assert said[0][1].startswith("loaded after ") and said[0][2] == "done", said
     assert said[1][0].startswith("loaded after ") and said[1][1] == "done", said
 
@@ -974,7 +1256,8 @@ def test_the_rank_holding_the_store_killed_fails_the_other_with_checkpoint_error
     said = _two_ranks_where_one_stops(tmp_path, "store-host-killed")
     (first, done) = said[1]
     assert done == "done" and first.startswith("CheckpointError after "), said
-    assert "this rank's shards are filled" in first and "rank 0" in first, said
+    assert "this rank filled its shards" in first and "rank 0" in first, said
+    assert "back as it was" in first, said
 
 
 @pytest.mark.slow

@@ -133,6 +133,12 @@ class Meeting:
                 return False
             self.round = _rounds[self.prefix] = latest  # join the round the others are in
 
+    def own_row(self) -> str | None:
+        """This rank's row of its round as the store holds it (``ABSENT`` where the others gave
+        up on it); None where it has posted none."""
+        key = self._key("row", self.rank)
+        return _text(self.store.get(key)) if self.store.check([key]) else None
+
     def rows(self) -> dict[int, str]:
         """Every rank's row, once each has posted or been given up on (``ABSENT``)."""
         keys = {r: self._key("row", r) for r in self.ranks}

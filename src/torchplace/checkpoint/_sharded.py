@@ -27,6 +27,10 @@ with ``parallelize_module``) is filled here instead of by the general ``load_int
    failed, or ranks on one machine read different versions of a file, every rank raises. They
    meet through the process group's store (``_rendezvous``), not a collective, so that a rank
    interrupted, killed or absent makes the others raise within a bound, naming it.
+6. *Undo*: whichever rank fails or is interrupted (Ctrl-C), each rank puts back what its fill
+   gave memory (``_Undo``: a skeleton's tensors, back on meta as they were), so that a failed
+   load leaves every rank's model as it was; a shard that already had memory is filled in
+   place, with no copy kept, and the error says the model is partly filled.
 """
 
 from __future__ import annotations
@@ -316,6 +320,111 @@ def _materialize(model: nn.Module, slots: list[Slot], target: torch.device) -> N
         slot.tensor = first
 
 
+class _Undo:
+    """What a sharded fill can put back, recorded before it changes anything: the tensors it
+    gives memory (on meta before, a skeleton's) at each of their homes, FSDP2's own record of
+    their sharded data, and a copy of each buffer that already had memory (a skeleton's are
+    real, and they are small). A load that fails or is interrupted, on this rank or on another
+    of the mesh, puts them back (``put_back``): the very objects as before, on meta, and the
+    buffers' values, so that every rank holds what it held before the load. Parameters that
+    already had memory are filled in place with no copy kept (a copy would double each rank's
+    memory): ``in_place`` says that some were, and then a failed load leaves the model partly
+    filled."""
+
+    def __init__(self) -> None:
+        self.homes: list[tuple[dict[str, Any], str, torch.Tensor]] = []  # (table, name, tensor)
+        self.fsdp: list[tuple[Any, torch.Tensor]] = []  # (FSDPParam, its sharded data on meta)
+        self.buffers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a buffer, its values)
+        self.in_place = False  # the fill writes into memory a parameter already had
+        self.changed = False  # the fill may have changed the model
+
+    def record(self, model: nn.Module, slots: list[Slot]) -> None:
+        """Keep what ``put_back`` needs of ``slots`` (the fill's), before anything changes."""
+        for slot in slots:
+            if not slot.tensor.is_meta:
+                if slot.is_param:
+                    self.in_place = True
+                else:
+                    local = _local(slot.tensor)
+                    self.buffers.append((local, local.clone()))
+                continue
+            kind = "_parameters" if slot.is_param else "_buffers"
+            for module, attr in slot.homes:
+                table = getattr(module, kind)
+                self.homes.append((table, attr, table[attr]))
+        if self.homes:  # a skeleton's: FSDP2's record of its sharded data, on meta too
+            found = [(p, p._sharded_param_data) for p in _fsdp_params(model)]
+            self.fsdp = [(p, data) for p, data in found if data.is_meta]
+
+    def said(self, what: str) -> str:
+        """What a failed load leaves of the model (called ``what``), once put back."""
+        if not self.changed:
+            return f"{what} is untouched"
+        if self.in_place:
+            return f"{what} is partly filled, so build it again"
+        return f"{what} is put back as it was"
+
+    def put_back(self, model: nn.Module) -> None:
+        """The recorded tensors back at their homes, on meta, as before the fill (``_apply``
+        takes those given memory back to meta first, so that FSDP2 registers them again, and
+        no memory is kept for them). Done to the end whatever interrupts arrive meanwhile (it
+        can be done again), the first of them raised once it is over."""
+        interrupted: BaseException | None = None
+        while True:
+            try:
+                self._put_back(model)
+                break
+            except BaseException as exc:
+                if isinstance(exc, Exception):
+                    raise
+                interrupted = interrupted or exc  # a Ctrl-C part-way: put the rest back
+        if interrupted is not None:
+            raise interrupted
+
+    def _put_back(self, model: nn.Module) -> None:
+        with torch.no_grad():
+            for buffer, values in self.buffers:
+                buffer.copy_(values)
+        given = set()
+        for table, attr, _ in self.homes:
+            t = table.get(attr)
+            if t is not None and not t.is_meta:
+                given.add(id(t))
+        if given:
+
+            def meta(t: torch.Tensor) -> torch.Tensor:
+                return torch.empty_like(t, device="meta") if id(t) in given else t
+
+            with torch.no_grad():
+                model._apply(meta)  # type: ignore[no-untyped-call]
+        for table, attr, original in self.homes:
+            table[attr] = original
+        for param, data in self.fsdp:
+            local = getattr(param.sharded_param, "_local_tensor", None)
+            if isinstance(local, torch.Tensor) and local.is_meta:
+                param._sharded_param_data = data  # what _apply does not reset for meta
+
+
+def _fsdp_params(model: nn.Module) -> list[Any]:
+    """FSDP2's record of each parameter it shards in ``model`` (its private ``FSDPParam``s;
+    none where this torch keeps them elsewhere)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        found: list[Any] = []
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                state = module._get_fsdp_state()
+                groups = getattr(state, "_fsdp_param_groups", None)
+                groups = groups or [getattr(state, "_fsdp_param_group", None)]
+                found.extend(p for g in groups if g is not None for p in g.fsdp_params)
+        for p in found:
+            assert isinstance(p._sharded_param_data, torch.Tensor)
+        return found
+    except Exception:  # a torch without them: put_back keeps the memory FSDP2 still refers to
+        return []
+
+
 _SELF_LOADING: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()  # per class
 
 
@@ -371,20 +480,78 @@ def load_sharded(
     then the ranks of its mesh compare what they did, so that every rank raises or none does.
 
     ``check_crc=True``: every record of a zip file is checked in a pass of its own first (a rank
-    reads slices, never a whole record); the default, ``None``, does not make that pass."""
+    reads slices, never a whole record); the default, ``None``, does not make that pass.
+
+    All or nothing: where any rank fails or is interrupted, every rank raises (the interrupted
+    one its ``KeyboardInterrupt``, the others ``CheckpointError`` naming it), each with what its
+    fill gave memory put back as it was (``_Undo``)."""
     meets = _meeting_of(model, _mesh_of(model))
+    undo = _Undo()
     try:
         how = {"strict": strict, "rename": rename, "check_crc": check_crc, "progress": progress}
         with meets.beating() if meets is not None else contextlib.nullcontext():
-            read = _fill_sharded(model, source, device, **how)
-    except BaseException as exc:  # an interrupt too: the others hear of it now, not later
-        with contextlib.suppress(Exception):  # this rank's own error is the one to raise
-            if meets is not None:
-                mine = _Outcome.of(failure=exc)
-                meets.post(_row(mine), _full(mine))
+            read = _fill_sharded(model, source, device, undo, **how)
+        _compared(model, meets, _Outcome.of(stamps=read), undo)
+    except CheckpointError as exc:  # this rank's own, or the comparison's: every rank raises
+        _told_filled(meets, exc)  # the others told, where this rank had told them nothing
+        _put_back(model, undo, exc)
         raise
-    _compared(model, meets, _Outcome.of(stamps=read))
+    except BaseException as exc:  # an interrupt too: the others hear of it now, not later
+        name = type(model).__name__
+        if _told_filled(meets, exc):  # the others may have kept theirs: so does this rank
+            _note(
+                exc,
+                f"torchplace: this rank's shards of {name} are filled: the load stopped as the "
+                "ranks of its mesh compared their loads, after this rank told them its fill "
+                f"went through, so if another rank failed, {name} differs across ranks: load "
+                "it again on every rank",
+            )
+            raise
+        _put_back(model, undo, exc)
+        if undo.changed and undo.in_place:
+            _note(
+                exc,
+                f"torchplace: the load stopped part-way, and {name} is partly filled on this "
+                "rank (its shards that had memory are filled in place, with no copy kept), so "
+                "build it again",
+            )
+        raise
     return model
+
+
+def _told_filled(meets: Meeting | None, exc: BaseException) -> bool:
+    """Whether this rank had told the others of its mesh that its fill went through when its
+    load stopped on ``exc`` (in the comparison: they may have kept theirs); where it had told
+    them nothing, it tells them it failed, at once (they raise naming it, without waiting)."""
+    if meets is None:
+        return False
+    with contextlib.suppress(Exception):  # this rank's own error is the one to raise
+        row = meets.own_row()
+        if row is not None and row != ABSENT:  # ABSENT: the others gave up on this rank
+            return row.startswith("0,")
+        mine = _Outcome.of(failure=exc)
+        meets.post(_row(mine), _full(mine))
+    return False
+
+
+def _put_back(model: nn.Module, undo: _Undo, exc: BaseException) -> None:
+    """``undo.put_back``, after a failed load (``exc``); where that fails, ``CheckpointError``
+    saying so."""
+    try:
+        undo.put_back(model)
+    except Exception as failure:
+        raise CheckpointError(
+            f"{type(model).__name__}: its load failed ({type(exc).__name__}: {exc}), and what "
+            f"the load changed could not be put back ({type(failure).__name__}: {failure}); "
+            "build it again"
+        ) from exc
+
+
+def _note(exc: BaseException, text: str) -> None:
+    """``text`` added to how ``exc`` is shown (Python 3.11 and later)."""
+    add = getattr(exc, "add_note", None)
+    if add is not None:
+        add(text)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -561,18 +728,24 @@ def _exchanged(meets: Meeting | None, mine: _Outcome) -> list[_Outcome]:
     return [_outcome(text) for text in meets.fulls(sorted(rows)).values()]
 
 
-def _compared(model: nn.Module, meets: Meeting | None, mine: _Outcome) -> None:
+def _compared(model: nn.Module, meets: Meeting | None, mine: _Outcome, undo: _Undo) -> None:
     """Raise ``CheckpointError`` on a rank whose own fill went through when another rank's
     failed or did not arrive within the bound, when the comparison itself failed, or when
     ranks on one machine read different versions of a file (it was rewritten between their
-    reads): either way the model mixes what it should not."""
+    reads): either way the model mixes what it should not, so the caller puts back what
+    ``undo`` can, and the messages say so."""
     name = type(model).__name__
-    again = f"{name} may differ across ranks: load it again on every rank"
+    filled = "this rank's shards are filled" if undo.in_place else "this rank filled its shards"
+    again = (
+        f"{name} may differ across ranks: load it again on every rank"
+        if undo.in_place
+        else f"this rank puts {name} back as it was: load it again on every rank"
+    )
     try:
         everyone = _exchanged(meets, mine)
     except Exception as exc:  # the store gone with the process that held it
         raise CheckpointError(
-            f"{name}: this rank's shards are filled, but it cannot compare them with the other "
+            f"{name}: {filled}, but it cannot compare them with the other "
             f"ranks of its mesh: the process group's store failed ({type(exc).__name__}: {exc}),"
             " as when the process holding it (rank 0's, unless torchrun's agent holds it) has "
             f"died; {again}"
@@ -582,11 +755,11 @@ def _compared(model: nn.Module, meets: Meeting | None, mine: _Outcome) -> None:
         bound = f"{meets.timeout:g} s ({TIMEOUT_VARIABLE} sets it)"
         if late == [mine.rank]:
             raise CheckpointError(
-                f"{name}: this rank's shards are filled, but the other ranks of its mesh gave "
+                f"{name}: {filled}, but the other ranks of its mesh gave "
                 f"up waiting for it: it came more than {bound} after their fills; {again}"
             )
         raise CheckpointError(
-            f"{name}: this rank's shards are filled, but rank {', '.join(map(str, late))} did "
+            f"{name}: {filled}, but rank {', '.join(map(str, late))} did "
             f"not arrive within {bound}: interrupted, killed, or not calling load_into, which "
             f"every rank of the mesh must call; {again}"
         )
@@ -594,12 +767,18 @@ def _compared(model: nn.Module, meets: Meeting | None, mine: _Outcome) -> None:
     if failed:
         first = failed[0]
         ranks = ", ".join(str(o.rank) for o in failed)
+        left = (
+            f"this rank's shards are filled, so {name} is partly filled across ranks: every "
+            "rank raises, so build it again once that is fixed"
+            if undo.in_place
+            else f"every rank raises, and this rank's {name} is put back as it was: load it "
+            "again once that is fixed"
+        )
         raise CheckpointError(
             f"rank {ranks} could not fill its part of {name} (rank {first.rank}: "
-            f"{first.failure}); this rank's shards are filled, so {name} is partly filled "
-            "across ranks: every rank raises, so build it again once that is fixed"
+            f"{first.failure}); {left}"
         )
-    _refuse_other_sources(name, everyone)
+    _refuse_other_sources(name, everyone, undo)
     seen: dict[tuple[str, str], dict[tuple[int, ...], list[int]]] = {}
     for o in everyone:
         for path, *version in o.stamps:
@@ -611,14 +790,15 @@ def _compared(model: nn.Module, meets: Meeting | None, mine: _Outcome) -> None:
                 f" (inode {inode}, changed at {ctime} ns)"
                 for (size, mtime, inode, _, ctime), ranks in versions.items()
             )
+            fix = "build the model again and load" if undo.in_place else "load it again"
             raise CheckpointError(
                 f"{path}: the ranks read different versions of it ({who}): it was rewritten "
                 f"between their reads, so {name} mixes two checkpoints. Every rank raises; "
-                "build the model again and load once the writer is done"
+                f"{fix} once the writer is done"
             )
 
 
-def _refuse_other_sources(name: str, everyone: list[_Outcome]) -> None:
+def _refuse_other_sources(name: str, everyone: list[_Outcome], undo: _Undo) -> None:
     """``CheckpointError`` where ranks on one machine read different files (told by device and
     inode, however a path spells them): copies or not, torchplace cannot tell without reading
     both, and where they differ the model mixes them. Ranks that read the same paths, one file
@@ -639,8 +819,8 @@ def _refuse_other_sources(name: str, everyone: list[_Outcome]) -> None:
                 f"{name}: the ranks of its mesh on one machine read different files ({who}). "
                 "Copies or not, torchplace cannot tell without reading both, and where they "
                 f"differ {name} mixes two checkpoints. Every rank raises; give every rank on a "
-                "machine the same file (links and bind mounts of one file count as one), build "
-                "the model again and load it"
+                "machine the same file (links and bind mounts of one file count as one), "
+                f"{'build the model again and load it' if undo.in_place else 'and load it again'}"
             )
 
 
@@ -788,12 +968,12 @@ def _read_plan(
     sources: Mapping[str, Entry],
     materialize_on: torch.device | None,
     progress: bool | None,
+    undo: _Undo,
 ) -> None:
-    """Step 4: meta tensors given memory, then every box read into its local shard; a failure
-    says whether the model changed."""
+    """Step 4: meta tensors given memory, then every box read into its local shard, what
+    ``undo`` puts back recorded first; a failure says what the model is left as."""
     # shards already resident (no skeleton) are filled in place, their pages not touched first
     reader = BoxReader(stamps, fresh=materialize_on is not None)
-    changed = False
     total = sum(
         math.prod(shape) * (e.dtype if isinstance(e, Fused) else entry_dtype(e)).itemsize
         for (_, e), (shape, _) in zip(plan, pieces, strict=True)
@@ -801,15 +981,16 @@ def _read_plan(
     shown = contextlib.ExitStack()  # the progress bar, closed in the finally below
     shown.enter_context(reporting(total, f"load_into {Path(where).name}", progress))
     try:
+        undo.record(model, [slot for slot, _ in plan])
         if materialize_on is not None:
-            changed = True
+            undo.changed = True
             _materialize(model, [slot for slot, _ in plan], materialize_on)
         with torch.no_grad():
             for (slot, filled_from), (shape, parts) in zip(plan, pieces, strict=True):
                 dest = _local(slot.tensor)
                 if tuple(dest.shape) != shape:  # FSDP2 may keep a padded shard: fill its part
                     dest = dest[tuple(slice(0, n) for n in shape)]
-                changed = True
+                undo.changed = True
                 for box, into in parts:
                     held = dest[into] if into else dest
                     if isinstance(filled_from, Fused):  # each piece of the file into its part
@@ -820,17 +1001,13 @@ def _read_plan(
         reader.flush()  # every queued run, one read call per file
         reader.verify()  # the files are still those catalogued: no mix of old and new bytes
     except CheckpointError as exc:
-        if not changed:
+        if not undo.changed:
             raise
-        raise CheckpointError(
-            f"{exc}; {type(model).__name__} is partly filled, so build it again"
-        ) from exc
+        raise CheckpointError(f"{exc}; {undo.said(type(model).__name__)}") from exc
     except TorchplaceError:
         raise
     except Exception as exc:
-        state = (
-            "the model is partly filled, so build it again" if changed else "the model is untouched"
-        )
+        state = undo.said("the model")
         try:  # a file cut short or rewritten under the read: say that it changed
             reader.verify()
         except CheckpointError as moved:
@@ -846,9 +1023,11 @@ def _read_plan(
             shown.close()
 
 
-def _fill_sharded(model: nn.Module, source: Any, device: Any, **how: Any) -> Mapping[Path, Stamp]:
-    """``load_sharded``'s fill on this rank (``how``: its keywords); returns the stamps of the
-    checkpoint's files."""
+def _fill_sharded(
+    model: nn.Module, source: Any, device: Any, undo: _Undo, **how: Any
+) -> Mapping[Path, Stamp]:
+    """``load_sharded``'s fill on this rank (``how``: its keywords), what ``undo`` puts back
+    recorded; returns the stamps of the checkpoint's files."""
     strict: bool = how["strict"]
     rename: Rename | None = how["rename"]
     check_crc: bool | None = how["check_crc"]
@@ -882,5 +1061,6 @@ def _fill_sharded(model: nn.Module, source: Any, device: Any, **how: Any) -> Map
             left_on_meta(model, where, left, strict, new_home, located.renamed is not None)
         )
     stamps = source_catalog.stamps
-    _read_plan(model, where, stamps, plan, pieces, located.sources, materialize_on, progress)
+    sources = located.sources
+    _read_plan(model, where, stamps, plan, pieces, sources, materialize_on, progress, undo)
     return source_catalog.stamps
