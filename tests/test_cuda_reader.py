@@ -282,22 +282,21 @@ def test_crc_of_a_converting_piece_is_of_the_files_bytes(tmp_path: Path) -> None
 
 
 class _FailingCopies(_LateCopies):
-    """The copy of the chunk landing at ``fail_at`` raises ``exc``; every other copy waits for
-    that failure first (and a moment more), so the other threads can only stop afterwards."""
+    """The copy of the chunk landing at ``fail_at`` raises ``exc``; every other copy waits
+    until that failure has stopped the read (``stop``, the read's own event, set), so the
+    other threads can only go on afterwards, whatever the machine's speed."""
 
     def __init__(self, fail_at: int, exc: BaseException) -> None:
         super().__init__()
         self.fail_at = fail_at
         self.exc = exc
-        self.failed = threading.Event()
+        self.stop = threading.Event()  # replaced by the read's own as it starts its threads
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if dst.data_ptr() == self.fail_at:
-            self.failed.set()
             raise self.exc
-        if not self.failed.wait(10):
-            raise AssertionError("the failing chunk was never reached")
-        time.sleep(0.2)  # the failing thread stops the others meanwhile
+        if not self.stop.wait(60):
+            raise AssertionError("the failing chunk never stopped the read")
         super().copy(dst, src)
 
 
@@ -313,6 +312,13 @@ def test_a_failure_in_one_thread_stops_the_others_and_leaves_no_thread_nor_slot_
     path.write_bytes(data)
     into = torch.zeros(len(data), dtype=torch.uint8)
     copies = _FailingCopies(into[SLOT:].data_ptr(), exc)  # thread 1's first chunk
+    real_run = _reader._read_in_threads
+
+    def caught(share: Any, threads: int, stop: threading.Event) -> None:
+        copies.stop = stop
+        real_run(share, threads, stop)
+
+    monkeypatch.setattr(_reader, "_read_in_threads", caught)
     pool = _WatchedPool(copies, 3)
     fd = os.open(path, os.O_RDONLY)
     try:
