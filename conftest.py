@@ -96,11 +96,16 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_ignore_collect(collection_path: Any, config: pytest.Config) -> bool | None:
-    """A module of the package with no doctest in it is not collected: ``--doctest-modules``
-    would import it only to find nothing, and some import what takes seconds
-    (``_dynamo_compat`` imports ``torch._dynamo``: 1.9 s of every collection). The tests import
-    what they test."""
-    if collection_path.suffix != ".py" or "src" not in collection_path.parts:
+    """A module of the package (under this repository's ``src/``) with no doctest in it is not
+    collected: ``--doctest-modules`` would import it only to find nothing, and some import what
+    takes seconds (``_dynamo_compat`` imports ``torch._dynamo``: 1.9 s of every collection).
+    The tests import what they test (``test_module_graph`` imports every module). A package's
+    ``__init__.py`` is always collected: ``torchplace/__init__.py`` is where the public names'
+    examples are found (their ``__module__`` is ``torchplace``)."""
+    src = config.rootpath / "src"
+    if collection_path.suffix != ".py" or collection_path.name == "__init__.py":
+        return None
+    if not collection_path.is_relative_to(src):
         return None
     try:
         source = collection_path.read_text(encoding="utf-8")

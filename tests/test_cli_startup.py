@@ -264,3 +264,25 @@ def test_collecting_the_inner_loop_imports_nothing_heavy(tmp_path: Path) -> None
     assert code == 0
     heavy = {"torch._dynamo", "torch._inductor", "transformers.conversion_mapping"}
     assert heavy.isdisjoint(modules), heavy & set(modules)
+
+
+@pytest.mark.slow
+def test_every_public_names_example_is_collected() -> None:
+    """Each public name whose docstring has a ``>>>`` example is a doctest of the suite: found
+    through ``torchplace/__init__.py`` (their ``__module__`` is ``torchplace``), which the
+    collection of modules without doctests must not skip."""
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "src"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-2000:]
+    collected = {line.rsplit(".", 1)[-1] for line in done.stdout.splitlines() if "::" in line}
+    documented = [
+        name for name in torchplace.__all__ if ">>>" in (getattr(torchplace, name).__doc__ or "")
+    ]
+    assert {"load", "estimate", "TorchplaceError"} <= set(documented)
+    assert set(documented) <= collected, set(documented) - collected

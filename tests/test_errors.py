@@ -286,3 +286,6 @@ def test_prefixed_replaces_an_inner_entry_points_prefix_and_keeps_the_data() -> 
     assert str(prefixed(torchplace.TorchplaceError("x: call f(): no"), "plan()")) == (
         "plan(): x: call f(): no"
     )
+    # so does a leading name that is no entry point of torchplace's: it says what was refused
+    lead = torchplace.TorchplaceError("state_dict(): layers.1 is offloaded")
+    assert str(prefixed(lead, "estimate()")) == "estimate(): state_dict(): layers.1 is offloaded"

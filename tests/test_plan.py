@@ -378,9 +378,15 @@ def test_plan_takes_every_dtype_spelling_the_command_line_takes(
     assert plan(model, budget, dtype=spelling) == plan(model, budget, dtype=dtype)
 
 
-def test_plan_refuses_a_dtype_that_is_not_floating() -> None:
-    with pytest.raises(DeviceSpecError, match=r"dtype='int8' is not a floating torch dtype"):
-        plan(nn.Linear(2, 2), {"cpu": "1GiB"}, dtype="int8")
+def test_plan_takes_an_integer_dtype_by_name_as_by_itself() -> None:
+    """8-bit weights are sized by dtype=torch.int8 and by 'int8' alike (the command line's
+    --dtype takes floating dtypes only: a step's dtype)."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    budget = {"cuda:0": 64 * 64 + 64 + 8, "cpu": "1GiB"}  # one layer in 8 bits
+    assert plan(model, budget, dtype="int8") == plan(model, budget, dtype=torch.int8)
+    with pytest.raises(DeviceSpecError, match=r"dtype='int9' is not a torch dtype") as err:
+        plan(model, budget, dtype="int9")
+    assert "'bf16'" in str(err.value)
 
 
 # --- plan: budgets read from the machine (max_memory="auto") ----------------------------------

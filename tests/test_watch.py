@@ -580,6 +580,7 @@ def test_a_re_entered_watch_exited_once_in_another_thread_keeps_its_outer_block(
         x.sum().item()  # the outer block still watches
         assert torch._C._len_torch_function_stack() == depth + 1
     assert [type(e) for e in errors] == [torchplace.TorchplaceError]
+    assert "one level of that block is closed, 1 still open there" in str(errors[0])
     assert torch._C._len_torch_function_stack() == depth
     assert [r.line for r in seen.rows] == [line_of("the outer block still watches")]
 

@@ -276,8 +276,14 @@ def _is_flag(value: object) -> bool:
         return False
 
 
-# An entry point's name leading a message ("dispatch(): "), as ``prefixed`` puts it there.
-_ENTRY_POINT = re.compile(r"^(?:[A-Za-z_][\w.]*\(\): )+")
+# The public entry points, whose names lead their errors' messages ("dispatch(): "), as
+# ``prefixed`` puts them there; another name leading a message ("state_dict(): ") is the
+# message's own, and stays.
+_ENTRY_POINTS = (
+    "available|device|devices_of|dispatch|estimate|guard|inspect|load|load_into|move|plan|"
+    "remap|report|skeleton|stragglers|verify|watch|where"
+)
+_ENTRY_POINT = re.compile(rf"^(?:(?:{_ENTRY_POINTS})\(\): )+")
 
 
 def prefixed(err: TorchplaceError, prefix: str) -> TorchplaceError:

@@ -109,15 +109,17 @@ DTYPE_SPELLINGS = {
 }
 
 
-def dtype_named(name: str, /) -> torch.dtype | None:
-    """The floating dtype a spelling names (``"bf16"``, ``"bfloat16"``, ``"torch.float16"``,
-    any case), or None where it names none.
+def dtype_named(name: str, /, *, floating: bool = True) -> torch.dtype | None:
+    """The dtype a spelling names (``"bf16"``, ``"bfloat16"``, ``"torch.float16"``, any case),
+    or None where it names none (or, ``floating``, none that is floating).
 
     >>> dtype_named("bf16"), dtype_named("torch.float16"), dtype_named("FP32")
     (torch.bfloat16, torch.float16, torch.float32)
-    >>> dtype_named("int8") is None, dtype_named("weird") is None
-    (True, True)
+    >>> dtype_named("int8") is None, dtype_named("int8", floating=False), dtype_named("weird")
+    (True, torch.int8, None)
     """
     text = name.strip().lower().removeprefix("torch.")
     found = getattr(torch, DTYPE_SPELLINGS.get(text, text), None)
-    return found if isinstance(found, torch.dtype) and found.is_floating_point else None
+    if not isinstance(found, torch.dtype) or (floating and not found.is_floating_point):
+        return None
+    return found

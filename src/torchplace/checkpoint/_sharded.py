@@ -547,8 +547,18 @@ def _put_back(model: nn.Module, undo: _Undo, exc: BaseException) -> None:
         ) from exc
 
 
+class LoadInterrupted(KeyboardInterrupt):
+    """A Ctrl-C that stopped a sharded load leaving the model partly filled, saying so: still a
+    ``KeyboardInterrupt`` (nothing catching torchplace's errors swallows it), its message the
+    state the model is in, on every Python (a note needs 3.11)."""
+
+
 def _note(exc: BaseException, text: str) -> None:
-    """``text`` added to how ``exc`` is shown (Python 3.11 and later)."""
+    """``text`` said with ``exc``: a ``KeyboardInterrupt`` is raised again as a
+    ``LoadInterrupted`` saying it (chained from it); another exception gets it as a note
+    (Python 3.11 and later)."""
+    if isinstance(exc, KeyboardInterrupt) and not isinstance(exc, LoadInterrupted):
+        raise LoadInterrupted(text) from exc
     add = getattr(exc, "add_note", None)
     if add is not None:
         add(text)

@@ -768,7 +768,10 @@ _TRACKER_REENTERED = r"The module hierarchy tracking maybe be messed up"
 def _tracker_unheard() -> Iterator[None]:
     """The step with torch's tracker's internal warning about its module hierarchy ignored (that
     one warning alone, and only while the step runs), and ``warnings.formatwarning`` as it was
-    afterwards: torch's tracker replaces it for the whole process when it warns so."""
+    afterwards: torch's tracker replaces it for the whole process when it warns so. The filter
+    is ``warnings.catch_warnings``', the one Python offers before 3.14's context-local ones:
+    process-wide while the step runs (another thread warning so meanwhile is not shown either),
+    and the filters put back as they were when it ends."""
     shown = warnings.formatwarning
     try:
         with warnings.catch_warnings():

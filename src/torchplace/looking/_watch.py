@@ -363,7 +363,13 @@ class Watch:
                 "once for each time it was entered: use it as a `with` block (or a decorator)"
             )
         if len(others) == 1:
-            entered, closed = f"thread {others[0].thread.name!r}", "that block is now closed"
+            left = others[0].depth  # levels still open there, this exit's taken off
+            closed = (
+                "that block is now closed"
+                if not left
+                else f"one level of that block is closed, {left} still open there"
+            )
+            entered = f"thread {others[0].thread.name!r}"
         else:
             entered = "threads " + " and ".join(repr(b.thread.name) for b in others)
             closed = "each of those must exit its own (none is closed)"

@@ -146,16 +146,16 @@ def _warn_none_present(absent: list[str], present: list[str]) -> None:
 
 
 def _dtype(dtype: object) -> torch.dtype | None:
-    """The dtype ``plan(dtype=...)`` means: a torch dtype as it is, or any spelling the command
-    line's ``--dtype`` takes (``"bf16"``, ``"bfloat16"``, ``"torch.float16"``)."""
+    """The dtype ``plan(dtype=...)`` means: a torch dtype as it is, its name (``"int8"`` too,
+    to size 8-bit weights), or any spelling the command line's ``--dtype`` takes (``"bf16"``,
+    ``"bfloat16"``, ``"torch.float16"``)."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
-    found = dtype_named(dtype) if isinstance(dtype, str) else None
+    found = dtype_named(dtype, floating=False) if isinstance(dtype, str) else None
     if found is not None:
         return found
     raise DeviceSpecError(
-        f"dtype={dtype!r} is not a floating torch dtype; use e.g. torch.float16, 'bfloat16' "
-        "or 'bf16'"
+        f"dtype={dtype!r} is not a torch dtype; use e.g. torch.float16, 'bfloat16' or 'bf16'"
     )
 
 
