@@ -28,7 +28,7 @@ from helpers import torch_save
 from torchplace import load, load_into
 from torchplace._errors import CheckpointError
 from torchplace.checkpoint import _reader as _readinto
-from torchplace.checkpoint._catalog import catalog, describe_file
+from torchplace.checkpoint._catalog import FileChanged, catalog, describe_file
 
 
 def _flat(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -147,8 +147,9 @@ def test_a_safetensors_dtype_that_is_a_list_is_a_checkpoint_error(tmp_path: Path
     path = tmp_path / "list.safetensors"
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(4))
     for what in (catalog, load, describe_file):
-        with pytest.raises(CheckpointError, match=r"tensor 'a' has dtype \['F32'\]"):
+        with pytest.raises(CheckpointError, match=r"tensor 'a' has dtype \['F32'\]") as e:
             what(path)
+        assert e.value.path == path
 
 
 def test_a_damaged_zip_version_field_is_a_checkpoint_error(tmp_path: Path) -> None:
@@ -163,8 +164,9 @@ def test_a_damaged_zip_version_field_is_a_checkpoint_error(tmp_path: Path) -> No
     for what in (catalog, load, describe_file):
         with pytest.raises(CheckpointError, match=r"v\.pt: is truncated or corrupt"):
             what(path)
-    with pytest.raises(CheckpointError, match="corrupt"):
+    with pytest.raises(CheckpointError, match="corrupt") as e:
         load_into(nn.Module(), path)
+    assert e.value.path == path
 
 
 def _rewrite_while_reading(monkeypatch: pytest.MonkeyPatch, victim: Path) -> list[int]:
@@ -212,8 +214,10 @@ def test_a_file_rewritten_while_it_is_read_raises_and_leaves_the_model_as_it_was
     model = nn.Linear(4, 3)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     done = _rewrite_while_reading(monkeypatch, victim)
-    with pytest.raises(CheckpointError, match="changed while it was read"):
+    with pytest.raises(CheckpointError, match="changed while it was read") as e:
         load_into(model, path)
+    assert isinstance(e.value, FileChanged) and e.value.path == victim
+    assert "its modification time changed" in e.value.changes
     assert done
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
@@ -262,8 +266,10 @@ def test_a_same_size_rewrite_with_its_mtime_put_back_raises(
     model = nn.Linear(4, 3)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     done = rewrite_keeping_mtime(monkeypatch, victim)
-    with pytest.raises(CheckpointError, match=r"changed while it was read.*inode change time"):
+    with pytest.raises(CheckpointError, match=r"changed while it was read.*inode change time") as e:
         load_into(model, path)
+    assert isinstance(e.value, FileChanged) and e.value.path == victim
+    assert e.value.changes[-1].startswith("its inode change time changed")
     assert done
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
@@ -289,8 +295,12 @@ def test_loading_a_directory_names_no_module_but_the_catalog(tmp_path: Path) -> 
     path = _fixtures(tmp_path)["directory"]
     assert {r.name for r in describe_file(path)} == {"a", "b", "c"}
     model = torchplace.skeleton(nn.Module)
-    with pytest.raises(CheckpointError, match=r"model\.safetensors\.index\.json: does not fit"):
+    with pytest.raises(
+        CheckpointError, match=r"model\.safetensors\.index\.json: does not fit"
+    ) as e:
         load_into(model, path)
+    assert e.value.path == path / "model.safetensors.index.json"  # the file read in it
+    assert e.value.unexpected == ("a", "b", "c")
 
 
 _HOSTILE = [None, True, -1, 1.5, "F32x", 2**64, [], [1, 2, 3], {"a": 1}, [[1]], ["F32"], [-1]]
@@ -307,8 +317,9 @@ def test_every_hostile_header_value_stays_inside_the_exception_tree(
         path = tmp_path / f"h{i}.safetensors"
         path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(8))
         for what in (catalog, load, describe_file):
-            with pytest.raises(CheckpointError, match=r"tensor 'a'"):
+            with pytest.raises(CheckpointError, match=r"tensor 'a'") as e:
                 what(path)
+            assert e.value.path == path
 
 
 @pytest.mark.parametrize("size", [1 << 10, (40 << 20) + 12], ids=["one-chunk", "many-chunks"])
@@ -327,16 +338,19 @@ def test_check_crc_finds_a_flipped_bit_in_a_tensors_bytes(
     data[entry.start + entry.nbytes - 5] ^= 0x10  # one bit, in the last chunk
     path.write_bytes(bytes(data))
     assert not torch.equal(load(path, check_crc=False)["w"], sd["w"])  # unnoticed unchecked
-    with pytest.raises(CheckpointError, match=r"w\.pt: is corrupt: w/data/0 fails its CRC"):
+    with pytest.raises(CheckpointError, match=r"w\.pt: is corrupt: w/data/0 fails its CRC") as e:
         load(path, check_crc=True)
+    assert e.value.path == path
     model = nn.Module()
     model.register_buffer("w", torch.zeros(size // 4))
     model.register_buffer("b", torch.zeros(3))
-    with pytest.raises(CheckpointError, match="CRC-32"):
+    with pytest.raises(CheckpointError, match="CRC-32") as e:
         load_into(model, path, check_crc=True)
+    assert e.value.path == path
     assert not model.w.any()
-    with pytest.raises(CheckpointError, match="CRC-32"):  # the torch.load path checks too
+    with pytest.raises(CheckpointError, match="CRC-32") as e:  # the torch.load path checks too
         load(path, check_crc=True, trusted=True)
+    assert e.value.path == path
 
 
 @pytest.mark.parametrize("size", [1 << 10, (40 << 20) + 12], ids=["one-chunk", "many-chunks"])
@@ -358,8 +372,9 @@ def test_check_crc_finds_a_flipped_bit_in_a_tensor_converted_as_it_is_read(
     data[entry.start + entry.nbytes - 5] ^= 0x10  # one bit, in the last chunk
     path.write_bytes(bytes(data))
     model.w.data.zero_()
-    with pytest.raises(CheckpointError, match=r"w\.pt: is corrupt: w/data/0 fails its CRC"):
+    with pytest.raises(CheckpointError, match=r"w\.pt: is corrupt: w/data/0 fails its CRC") as e:
         load_into(model, path, check_crc=True)
+    assert e.value.path == path
     assert not model.w.any()
 
 
@@ -382,8 +397,10 @@ def test_a_file_rewritten_while_torch_load_reads_it_raises(
         return out
 
     monkeypatch.setattr(_load.torch, "load", load_then_rewrite)
-    with pytest.raises(CheckpointError, match="changed while it was read"):
+    with pytest.raises(CheckpointError, match="changed while it was read") as e:
         load(path, trusted=not legacy)
+    assert isinstance(e.value, FileChanged) and e.value.path == path
+    assert "its modification time changed" in e.value.changes
 
 
 def test_one_tensor_is_assembled_from_several_entries_read_into_its_slices(
@@ -574,8 +591,9 @@ def test_remap_checks_every_records_crc_before_writing_new_ones(tmp_path: Path) 
     data = bytearray(path.read_bytes())
     data[entry.start + 9] ^= 0x04
     path.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match="CRC-32"):
+    with pytest.raises(CheckpointError, match="CRC-32") as e:
         remap(path, tmp_path / "out.pt", to="cpu")
+    assert e.value.path == path
     assert not (tmp_path / "out.pt").exists()
 
 
@@ -596,8 +614,10 @@ def test_a_safetensors_file_cut_short_after_its_header_was_read_is_said_to_have_
         return layout
 
     monkeypatch.setattr(_catalog, "read_safetensors_layout", then_cut)
-    with pytest.raises(CheckpointError, match=r"changed while it was read.*writer"):
+    with pytest.raises(CheckpointError, match=r"changed while it was read.*writer") as e:
         _catalog.catalog(path)
+    assert isinstance(e.value, FileChanged) and e.value.path == path
+    assert e.value.changes[0].startswith("its size went from")
 
 
 # ------------------------------------------------------------------- the cost of each tensor
@@ -904,13 +924,14 @@ def _interrupted_at(code: Any, n: int, call: Any) -> bool:
             return local
         return None
 
+    previous = sys.gettrace()  # a coverage tool's or a debugger's, put back after
     sys.settrace(tracer)
     try:
         call()
     except KeyboardInterrupt:
         return True
     finally:
-        sys.settrace(None)
+        sys.settrace(previous)
     return False
 
 

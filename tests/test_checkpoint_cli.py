@@ -234,14 +234,19 @@ def test_remap_refuses_unsafe_file_and_bad_targets(tmp_path: Path) -> None:
     marker = tmp_path / "ran.txt"
     src = tmp_path / "evil.pt"
     torch.save({"evil": _RunsCode(marker)}, src)
-    with pytest.raises(CheckpointError, match=r"builtins\.exec.*remap never runs.*trusted=True"):
+    with pytest.raises(
+        CheckpointError, match=r"builtins\.exec.*remap never runs.*trusted=True"
+    ) as e:
         remap(src, tmp_path / "out.pt", to="cpu")
+    assert e.value.path == src
     assert not marker.exists() and not (tmp_path / "out.pt").exists()
     with pytest.raises(CheckpointError, match="would write over it") as e:
         remap(src, tmp_path, to="cpu")  # into its own directory, under its own name
+    assert e.value.path == src
     assert f"torchplace remap {src} --to DEVICE -o {src}" in str(e.value)
-    with pytest.raises(CheckpointError, match="does not exist"):
+    with pytest.raises(CheckpointError, match="does not exist") as e:
         remap(src, tmp_path / "no" / "out.pt", to="cpu")
+    assert e.value.path == tmp_path / "no" / "out.pt"
 
 
 @pytest.mark.slow
@@ -281,8 +286,9 @@ def test_torchscript_archive_is_described_not_loaded(tmp_path: Path) -> None:
     path = tmp_path / "scripted.pt"
     scripted = script(torch.nn.Linear(2, 3))
     scripted.save(str(path))
-    with pytest.raises(CheckpointError, match="TorchScript"):
+    with pytest.raises(CheckpointError, match="TorchScript") as e:
         load(path)
+    assert e.value.path == path
     shapes = sorted(r.shape for r in describe_file(path))
     assert shapes == [(3,), (3, 2)]
 
@@ -398,6 +404,7 @@ def test_remap_of_a_zip_that_is_not_a_torch_file_says_so(tmp_path: Path, member:
         archive.writestr(member, "not weights")
     with pytest.raises(CheckpointError, match=r"a zip archive but not a torch\.save file") as info:
         remap(src, tmp_path / "out.pt", to="cpu")
+    assert info.value.path == src
     assert "truncated" not in str(info.value)
     assert not (tmp_path / "out.pt").exists()
 
@@ -453,8 +460,9 @@ def test_inspect_follows_the_safe_globals_allowed_since_its_last_call(tmp_path: 
     torch.save({"w": torch.ones(1), "extra": _AllowedLater()}, path)
     qualified = f"{__name__}._AllowedLater"
     assert _checkpoint_cli.code_globals(path) == [qualified]
-    with pytest.raises(CheckpointError, match="refused to unpickle"):
+    with pytest.raises(CheckpointError, match="refused to unpickle") as e:
         load(path)
+    assert e.value.path == path
     with torch.serialization.safe_globals([_AllowedLater]):
         assert _checkpoint_cli.code_globals(path) == []
         assert isinstance(load(path)["extra"], _AllowedLater)
@@ -481,12 +489,16 @@ def test_inspect_refuses_an_index_its_shards_contradict(tmp_path: Path) -> None:
     index.write_text(json.dumps({"weight_map": weight_map}))
     assert [r.name for r in describe_file(index)] == ["a", "b", "c.d"]
     index.write_text(json.dumps({"weight_map": {"a": "s1.safetensors", "zz": "s1.safetensors"}}))
-    with pytest.raises(CheckpointError, match=r"'zz' is in 's1\.safetensors'.*does not hold it"):
+    with pytest.raises(
+        CheckpointError, match=r"'zz' is in 's1\.safetensors'.*does not hold it"
+    ) as e:
         describe_file(index)
+    assert e.value.path == index
     for bad in ({"weight_map": {"a": 5}}, {"weight_map": {"a": None}}, [1, 2]):
         index.write_text(json.dumps(bad))
-        with pytest.raises(CheckpointError, match="not a shard index"):
+        with pytest.raises(CheckpointError, match="not a shard index") as e:
             describe_file(index)
+        assert e.value.path == index
 
 
 def test_inspect_table_of_names_no_terminal_can_print(
@@ -543,6 +555,7 @@ def test_remap_of_a_newer_pickle_protocol_is_not_called_code(tmp_path: Path) -> 
     assert _checkpoint_cli.code_globals(src) == []
     with pytest.raises(CheckpointError, match=r"p4\.pt") as info:
         remap(src, tmp_path / "out.pt", to="cpu")
+    assert info.value.path == src
     assert "would run code" not in str(info.value)
     assert not (tmp_path / "out.pt").exists()
 
@@ -746,6 +759,7 @@ def test_inspect_names_code_that_calls_what_it_built(
     ]
     with pytest.raises(CheckpointError, match=r"would run code .*getattr.*os\.system") as info:
         remap(path, tmp_path / "out.pt", to="cpu")
+    assert info.value.path == path
     assert "truncated" not in str(info.value)
     assert not marker.exists() and not (tmp_path / "out.pt").exists()
 
@@ -843,6 +857,7 @@ def test_inspect_and_remap_refuse_a_safetensors_layout_load_refuses(
     _write_safetensors(path, header, data_len)
     with pytest.raises(CheckpointError, match=r"bad\.safetensors") as info:
         describe_file(path)
+    assert info.value.path == path
     assert culprit in str(info.value)
     assert main(["inspect", str(path), "--json"]) == 1
     assert culprit in capsys.readouterr().err
@@ -860,12 +875,14 @@ def test_load_refuses_the_layouts_inspect_refuses(tmp_path: Path, case: str) -> 
     header, data_len, culprit = _BAD_LAYOUTS[case]
     path = tmp_path / "bad.safetensors"
     _write_safetensors(path, header, data_len)
-    with pytest.raises(CheckpointError, match=r"bad\.safetensors"):
+    with pytest.raises(CheckpointError, match=r"bad\.safetensors") as e:
         load(path)
+    assert e.value.path == path
     from torchplace.checkpoint._checkpoint import safetensors_header
 
-    with pytest.raises(CheckpointError, match=culprit):
+    with pytest.raises(CheckpointError, match=culprit) as e:
         safetensors_header(path)
+    assert e.value.path == path
 
 
 def test_safetensors_read_without_torch_matches_load_on_damaged_files(tmp_path: Path) -> None:
@@ -1085,8 +1102,9 @@ def test_remap_of_an_index_refuses_to_write_over_what_it_reads(tmp_path: Path) -
     index = _sharded(tmp_path)
     before = {p: p.read_bytes() for p in index.parent.rglob("*") if p.is_file()}
     for out in (index.parent, index.parent / "other.index.json"):
-        with pytest.raises(CheckpointError, match="would write over"):
+        with pytest.raises(CheckpointError, match="would write over") as e:
             remap(index, out, to="cpu")
+        assert e.value.path == index
     assert {p: p.read_bytes() for p in index.parent.rglob("*") if p.is_file()} == before
 
 
@@ -1205,8 +1223,9 @@ def test_an_index_remapped_to_a_name_without_json_makes_a_directory_that_loads(
     loaded = load(made)
     assert torch.equal(loaded["a"], torch.arange(3.0)) and torch.equal(loaded["b"], torch.ones(2))
     (out / "taken").write_bytes(b"mine")
-    with pytest.raises(CheckpointError, match=r"taken: is a file, not a directory.*\.json"):
+    with pytest.raises(CheckpointError, match=r"taken: is a file, not a directory.*\.json") as e:
         remap(index, out / "taken", to="cpu")
+    assert e.value.path == out / "taken"
     assert (out / "taken").read_bytes() == b"mine"
 
 
@@ -1284,6 +1303,7 @@ def test_remap_of_a_whole_pickled_model_gives_a_rewrite_that_remap_then_takes(
     torch.save(torch.nn.Sequential(torch.nn.Linear(2, 2)), path)
     with pytest.raises(CheckpointError, match="remap never runs") as info:
         remap(path, tmp_path / "x.pt", to="cpu")
+    assert info.value.path == path
     out = tmp_path / "whole-weights.pt"  # named after the file, beside it
     fix = f"torch.save(torchplace.load({str(path)!r}, 'cpu', trusted=True).state_dict(), "
     fix += f"{str(out)!r})"
@@ -1306,6 +1326,7 @@ def test_remap_of_a_dict_holding_an_object_gives_a_rewrite_that_remap_then_takes
     torch.save({"w": torch.arange(3.0), "ratio": fractions.Fraction(1, 3)}, path)
     with pytest.raises(CheckpointError, match="remap never runs") as info:
         remap(path, tmp_path / "x.pt", to="cpu")
+    assert info.value.path == path
     found = re.search(r"(torch\.save\(.*\)), then remap", str(info.value))
     assert found is not None
     fix = found.group(1)
@@ -1332,8 +1353,9 @@ def test_remap_of_a_file_into_a_directory_writes_it_there_under_its_own_name(
     assert main(["remap", str(src), "--to", "meta", "-o", str(tmp_path / "there")]) == 0
     assert [p.name for p in (tmp_path / "there").iterdir()] == ["model.pt"]
     (tmp_path / "taken").write_bytes(b"mine")
-    with pytest.raises(CheckpointError, match=r"taken: is a file, not a directory.*model\.pt"):
+    with pytest.raises(CheckpointError, match=r"taken: is a file, not a directory.*model\.pt") as e:
         remap(src, f"{tmp_path / 'taken'}/", to="cpu")
+    assert e.value.path == tmp_path / "taken"
     assert (tmp_path / "taken").read_bytes() == b"mine"
     assert torch.equal(torch.load(src)["w"], torch.arange(3.0))  # the source untouched
 
@@ -1367,8 +1389,9 @@ def test_the_remap_function_refuses_an_existing_output_unless_forced(
 ) -> None:
     out = tmp_path / "other.pt"
     out.write_bytes(b"someone else's file")
-    with pytest.raises(CheckpointError, match=r"exists already.*force=True"):
+    with pytest.raises(CheckpointError, match=r"exists already.*force=True") as e:
         remap(gpu_file, out, to="cpu")
+    assert e.value.path == out
     assert out.read_bytes() == b"someone else's file"
     assert remap(gpu_file, out, to="cpu", force=True) == out
     assert {r.device for r in describe_file(out)} == {"cpu"}
@@ -1436,8 +1459,9 @@ def test_remap_of_a_directory_refuses_an_existing_copy_of_its_other_files(
     (index.parent / "config.json").write_text("{}")
     (tmp_path / "copy").mkdir()
     (tmp_path / "copy" / "config.json").write_text("mine")
-    with pytest.raises(CheckpointError, match=r"config\.json: exists already"):
+    with pytest.raises(CheckpointError, match=r"config\.json: exists already") as e:
         remap(index.parent, tmp_path / "copy", to="cpu")
+    assert e.value.path == tmp_path / "copy" / "config.json"
     assert _listing(tmp_path / "copy") == {"config.json": b"mine"}
 
 

@@ -271,6 +271,7 @@ def test_metric_state_left_behind_is_a_straggler_and_the_fix_works() -> None:
     assert [(s.name, s.kind, s.device) for s in found] == [("metric.tp", "attribute", CPU)]
     with pytest.raises(PlacementError, match=r"metric\.tp") as info:
         torchplace.verify(model, "meta")
+    assert [s.name for s in info.value.stragglers] == ["metric.tp"]
     text = str(info.value)
     # Module.to() does move a metric's states (torchmetrics' _apply): saying otherwise misleads
     assert "does not move" not in text, text
@@ -720,6 +721,7 @@ def test_own_to_returning_something_else_raises(cls: type, what: str) -> None:
     batch = {"x": obj, "y": torch.ones(1)}
     with pytest.raises(MoveError, match=cls.__name__) as info:
         torchplace.move(batch, "meta")
+    assert info.value.name == "batch['x']"
     assert what in str(info.value)
     assert batch["x"] is obj and batch["y"].device == CPU
 
@@ -758,8 +760,9 @@ def test_verify_sees_a_cached_value_left_behind() -> None:
     feats.x = feats.x.to("meta")
     names = [s.name for s in torchplace.stragglers(feats, "meta")]
     assert len(names) == 1 and "doubled" in names[0], names
-    with pytest.raises(PlacementError, match="doubled"):
+    with pytest.raises(PlacementError, match="doubled") as e:
         torchplace.verify(feats, "meta")
+    assert [s.name for s in e.value.stragglers] == ["batch.doubled"]
 
 
 # --- advice that must not dead-end ------------------------------------------------------------
@@ -847,6 +850,7 @@ def test_advice_after_optimizer_state_went_to_meta_and_weights_came_back(tmp_pat
     namespace = state_lost_then_weights_back(tmp_path / "model.pt")
     with pytest.raises(PlacementError) as info:
         torchplace.verify(namespace["model"], "cpu", optimizer=namespace["opt"])
+    assert {s.kind for s in info.value.stragglers} == {"optimizer_state"}
     assert "exp_avg" in str(info.value)
     check_fixes_for_lost_state(str(info.value), tmp_path / "model.pt", "verify")
 
@@ -857,6 +861,7 @@ def test_move_error_for_meta_optimizer_state_says_what_was_lost(tmp_path: Path) 
     before = [p for g in opt.param_groups for p in g["params"]]
     with pytest.raises(MoveError) as info:
         torchplace.move(model, "cpu", optimizer=opt)
+    assert info.value.name == "optimizer.state[0.weight].exp_avg"
     assert "exp_avg" in str(info.value)
     assert [p for g in opt.param_groups for p in g["params"]] == before  # nothing moved
     check_fixes_for_lost_state(str(info.value), tmp_path / "model.pt", "move")
@@ -1013,8 +1018,9 @@ def test_llama_with_rotary_embeddings_on_meta_names_the_keyword_input() -> None:
         MoveError,
         match=r"model.model.layers.0 \(LlamaDecoderLayer\) runs on cpu but got "
         r"kwargs\['position_embeddings'\]\[0\] on meta",
-    ):
+    ) as e:
         model(IDS)
+    assert e.value.name == "kwargs['position_embeddings'][0]"
 
 
 def test_plan_no_split_auto_keeps_each_llama_decoder_layer_whole() -> None:

@@ -108,11 +108,13 @@ def test_without_isal_the_crc32_is_zlibs_and_the_default_still_checks(
     with pytest.raises(CheckpointError, match=r"w\.pt: is corrupt: w/data/0 fails its CRC") as err:
         load(path)
     assert err.value.path == path
+    assert err.value.path == path
     model = nn.Module()
     model.register_buffer("w", torch.zeros_like(sd["w"]))
     model.register_buffer("b", torch.zeros(3))
-    with pytest.raises(CheckpointError, match=r"w/data/0 fails its CRC"):
+    with pytest.raises(CheckpointError, match=r"w/data/0 fails its CRC") as e:
         load_into(model, path)
+    assert e.value.path == path
     assert not model.w.any()  # nothing half-filled
     assert not torch.equal(load(path, check_crc=False)["w"], sd["w"])  # turned off: loads
 
@@ -136,20 +138,23 @@ def test_with_isal_a_damaged_record_is_caught_by_default(
     assert _crc.check_as_read(None) is True
     assert _crc.check_as_read(None, "cuda") is False  # pinned reads: the check's share is larger
     path, sd = _damaged(tmp_path)
-    with pytest.raises(CheckpointError, match=r"w\.pt: is corrupt: w/data/0 fails its CRC"):
+    with pytest.raises(CheckpointError, match=r"w\.pt: is corrupt: w/data/0 fails its CRC") as e:
         load(path)
+    assert e.value.path == path
     assert sum(calls) == sd["w"].nbytes + sd["b"].nbytes  # every byte, by the picked function
     model = nn.Module()
     model.register_buffer("w", torch.zeros_like(sd["w"]))
     model.register_buffer("b", torch.zeros(3))
-    with pytest.raises(CheckpointError, match=r"w/data/0 fails its CRC"):
+    with pytest.raises(CheckpointError, match=r"w/data/0 fails its CRC") as e:
         load_into(model, path)
+    assert e.value.path == path
     assert not model.w.any()  # nothing half-filled
     bf16 = nn.Module()  # converted as it is read: the file's bytes are what is checked
     bf16.w = nn.Parameter(torch.zeros(sd["w"].shape, dtype=torch.bfloat16))
     bf16.b = nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
-    with pytest.raises(CheckpointError, match=r"w/data/0 fails its CRC"):
+    with pytest.raises(CheckpointError, match=r"w/data/0 fails its CRC") as e:
         load_into(bf16, path)
+    assert e.value.path == path
     assert not torch.equal(load(path, check_crc=False)["w"], sd["w"])  # turned off: loads
 
 
@@ -194,8 +199,9 @@ def test_the_default_makes_no_pass_of_its_own_where_torch_load_reads(
     path, sd = _damaged(tmp_path)
     for how in ({"trusted": True}, {"mmap": True}):
         assert not torch.equal(load(path, **how)["w"], sd["w"])
-        with pytest.raises(CheckpointError, match=r"w\.pt: is corrupt"):
+        with pytest.raises(CheckpointError, match=r"w\.pt: is corrupt") as e:
             load(path, check_crc=True, **how)
+        assert e.value.path == path
 
 
 def test_a_broken_isal_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:

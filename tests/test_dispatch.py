@@ -391,8 +391,9 @@ def test_meta_input_to_a_real_part_is_explained() -> None:
     model = dispatch(Net(), {"": "cpu", "blocks.1": "meta"})
     with pytest.raises(
         MoveError, match=r"model.blocks.2 \(Block\) runs on cpu but got args\[0\] on meta"
-    ):
+    ) as e:
         model(torch.ones(2, 8))
+    assert e.value.name == "args[0]"
 
 
 class _Rotary(nn.Module):
@@ -613,15 +614,17 @@ def test_dispatch_to_an_absent_device_says_what_is_visible() -> None:
 
 
 def test_dispatch_of_a_skeleton_to_a_real_device_points_at_load_into() -> None:
-    with pytest.raises(MoveError, match=r"embed.weight is on meta.*load_into"):
+    with pytest.raises(MoveError, match=r"embed.weight is on meta.*load_into") as e:
         dispatch(Net(device="meta"), {"": "cpu"})
+    assert e.value.name == "embed.weight"
 
 
 def test_a_failed_dispatch_puts_back_what_it_moved() -> None:
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
     first = model[0].weight
-    with pytest.raises(MoveError, match=r"1.weight is on meta"):
+    with pytest.raises(MoveError, match=r"1.weight is on meta") as e:
         dispatch(model, {"0": "meta", "1": "cpu"})
+    assert e.value.name == "1.weight"
     assert model[0].weight is first
     assert first.device == CPU
     assert not is_dispatched(model)

@@ -50,6 +50,7 @@ def test_plain_and_sharded_fills_give_one_advice_for_lost_buffers(
     fully_shard(sharded, mesh=fake_world)
     with pytest.raises(CheckpointError) as by_sharded:
         torchplace.load_into(sharded, path)
+    assert by_plain.value.path == path
     said = _advice(str(by_plain.value))
     assert said == _advice(str(by_sharded.value))
     assert "torchplace.skeleton(YourModel, ...), which keeps such buffers real" in said
@@ -75,5 +76,9 @@ def test_a_sharded_misfit_suggests_a_call_that_names_the_file(
             fully_shard(model, mesh=fake_world)
         with pytest.raises(CheckpointError) as info:
             torchplace.load_into(model, path)
+        assert (info.value.missing, info.value.unexpected) == (
+            ("weight", "bias"),
+            ("module.bias", "module.weight"),
+        )
         fix = f'torchplace.load_into(model, {str(path)!r}, rename={{r"^module\\.": ""}})'
         assert fix in str(info.value), (sharded, str(info.value))

@@ -95,6 +95,7 @@ def test_malicious_pickle_is_refused_and_nothing_runs(tmp_path: Path, how: str) 
         save(payload, path, legacy=how == "legacy")
     with pytest.raises(CheckpointError, match=r"evil\.pt") as info:
         load(path)
+    assert info.value.path == path
     assert not marker.exists()
     if how == "plain-pickle":  # refused before any unpickling: there is no cause to chain
         assert "is a plain pickle, not a torch.save file" in str(info.value)
@@ -107,8 +108,9 @@ def test_malicious_pickle_is_refused_and_nothing_runs(tmp_path: Path, how: str) 
 def test_a_plain_pickle_is_named_as_such(tmp_path: Path, protocol: int) -> None:
     path = tmp_path / "state.pkl"
     path.write_bytes(pickle.dumps({"a": 1}, protocol=protocol))
-    with pytest.raises(CheckpointError, match=r"state\.pkl: is a plain pickle"):
+    with pytest.raises(CheckpointError, match=r"state\.pkl: is a plain pickle") as info:
         load(path)
+    assert info.value.path == path
 
 
 def test_refusals_name_what_was_blocked(tmp_path: Path) -> None:
@@ -117,22 +119,27 @@ def test_refusals_name_what_was_blocked(tmp_path: Path) -> None:
             return (os.system, ("true",))
 
     path = save({"x": System()}, tmp_path / "evil.pt")
-    with pytest.raises(CheckpointError, match=r"GLOBAL (posix|nt)\.system"):
+    with pytest.raises(CheckpointError, match=r"GLOBAL (posix|nt)\.system") as info:
         load(path)
+    assert info.value.path == path
 
 
 def test_legacy_files_of_newer_pickle_protocols_are_explained(tmp_path: Path) -> None:
     path = tmp_path / "old.pt"
     torch.save({"w": torch.ones(1)}, path, _use_new_zipfile_serialization=False, pickle_protocol=4)
-    with pytest.raises(CheckpointError, match=r"Re-save it with torch\.save's default protocol"):
+    with pytest.raises(
+        CheckpointError, match=r"Re-save it with torch\.save's default protocol"
+    ) as e:
         load(path)
+    assert e.value.path == path
     assert torch.equal(load(path, trusted=True)["w"], torch.ones(1))
 
 
 def test_trusted_loads_other_objects(tmp_path: Path) -> None:
     path = save({"args": argparse.Namespace(lr=0.5)}, tmp_path / "c.pt")
-    with pytest.raises(CheckpointError, match="trusted=True"):
+    with pytest.raises(CheckpointError, match="trusted=True") as info:
         load(path)
+    assert info.value.path == path
     assert load(path, trusted=True)["args"].lr == 0.5
 
 
@@ -148,6 +155,7 @@ def test_a_whole_pickled_model_is_refused_with_a_fix_that_works_when_followed(
     for attempt in (lambda: load(path), lambda: load_into(model, path)):
         with pytest.raises(CheckpointError, match="holds a whole model") as info:
             attempt()
+        assert info.value.path == path
         fix = f"torchplace.load({str(path)!r}, trusted=True).state_dict()"
         assert fix in str(info.value) and "Nothing was run" in str(info.value)
     load_into(model, load(path, trusted=True).state_dict())  # the fix, as given
@@ -175,8 +183,9 @@ def test_safetensors_missing_gives_install_hint(
     safetensors_torch().save_file({"a": torch.ones(2)}, path)
     monkeypatch.setitem(sys.modules, "safetensors", None)
     monkeypatch.setitem(sys.modules, "safetensors.torch", None)
-    with pytest.raises(CheckpointError, match=r"pip install safetensors"):
+    with pytest.raises(CheckpointError, match=r"pip install safetensors") as info:
         load(path, mmap=True)  # mapping goes through the library
+    assert info.value.path == path
     assert torch.equal(load(path)["a"], torch.ones(2))  # reading needs no library
 
 
@@ -194,8 +203,9 @@ def test_sharded_index_problems(tmp_path: Path) -> None:
     data = json.loads(index.read_text())
     data["weight_map"]["ghost.weight"] = data["weight_map"]["layer0.weight"]
     index.write_text(json.dumps(data))
-    with pytest.raises(CheckpointError, match=r"ghost\.weight"):
+    with pytest.raises(CheckpointError, match=r"ghost\.weight") as info:
         load(index)
+    assert info.value.path == index
     data["weight_map"] = {"a": "../elsewhere.safetensors"}
     index.write_text(json.dumps(data))
     with pytest.raises(CheckpointError, match="outside its own directory"):
@@ -205,8 +215,9 @@ def test_sharded_index_problems(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"absent\.safetensors"):
         load(index)
     index.write_text('{"not": "an index"}')
-    with pytest.raises(CheckpointError, match="not a shard index"):
+    with pytest.raises(CheckpointError, match="not a shard index") as info:
         load(index)
+    assert info.value.path == index
 
 
 def test_shard_indexes_that_name_an_index_are_refused(tmp_path: Path) -> None:
@@ -301,8 +312,9 @@ def test_malformed_safetensors_headers(
     (where torchplace reads the header alone) as on the CPU."""
     path = tmp_path / "model.safetensors"
     path.write_bytes(_safetensors_bytes(header))
-    with pytest.raises(CheckpointError, match=message):
+    with pytest.raises(CheckpointError, match=message) as info:
         load(path, device)
+    assert info.value.path == path
 
 
 @pytest.mark.parametrize("dtype", [torch.uint16, torch.float8_e4m3fn])
@@ -319,7 +331,7 @@ def test_a_legacy_file_of_a_dtype_torch_cannot_read_back_is_not_called_corrupt(
         pytest.skip(f"torch {torch.__version__} reads legacy {dtype} files back")
     with pytest.raises(CheckpointError, match=r"legacy-format file .* default zip format") as e:
         load(path)
-    assert "corrupt" not in str(e.value)
+    assert "corrupt" not in str(e.value) and e.value.path == path
 
 
 def test_a_safetensors_file_cut_inside_its_header_is_called_so(tmp_path: Path) -> None:
@@ -349,8 +361,9 @@ def test_a_torch_shard_cut_short_is_called_so_with_the_fix(tmp_path: Path) -> No
 
 def test_a_deeply_nested_shard_index_is_a_checkpoint_error(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors.index.json").write_bytes(b'{"weight_map": ' + _DEEP + b"}")
-    with pytest.raises(CheckpointError, match="not a readable JSON shard index"):
+    with pytest.raises(CheckpointError, match="not a readable JSON shard index") as info:
         load(tmp_path / "model.safetensors.index.json")
+    assert info.value.path == tmp_path / "model.safetensors.index.json"
 
 
 @pytest.mark.parametrize("member", ["foo.txt", "archive/foo.txt"])
@@ -360,8 +373,9 @@ def test_a_zip_that_is_not_a_torch_file_is_named_as_such(tmp_path: Path, member:
     path = tmp_path / "weights.pt"
     with zipfile.ZipFile(path, "w") as archive:
         archive.writestr(member, "not weights")
-    with pytest.raises(CheckpointError, match=r"a zip archive but not a torch\.save file"):
+    with pytest.raises(CheckpointError, match=r"a zip archive but not a torch\.save file") as e:
         load(path)
+    assert e.value.path == path
 
 
 def test_a_directory_of_several_checkpoints_is_refused_with_its_files_named(
@@ -404,6 +418,7 @@ def test_failures_that_are_not_the_files_fault_say_so(
         with pytest.raises(CheckpointError, match=message) as info:
             load(p)
         assert p.name in str(info.value) and "truncated" not in str(info.value)
+        assert info.value.path == p
 
 
 def _fuzz_cases(data: bytes, seed: int, count: int) -> list[bytes]:

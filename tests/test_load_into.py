@@ -195,6 +195,7 @@ def test_a_meta_value_is_refused_before_anything_is_written(strict: bool) -> Non
     state["body.1.bias"] = torch.empty(8, device="meta")  # the last key: three come before it
     with pytest.raises(CheckpointError) as info:
         load_into(model, state, strict=strict)
+    assert info.value.path is None  # a state dict: no file
     assert str(info.value).startswith(
         "the state dict given to load_into: does not fit Net: tensors on meta, which hold no "
         "values to load: body.1.bias (the state dict came from a model on meta"
@@ -233,6 +234,7 @@ def test_a_load_onto_meta_warns_as_move_does_and_the_next_load_says_why(ckpt: Pa
     assert by_load.filename == __file__
     with pytest.raises(CheckpointError) as info:
         load_into(model, ckpt, "cpu")
+    assert info.value.path == ckpt
     text = str(info.value)
     assert "mask (their values were lost when they went to meta, by a move or a load onto " in text
     assert f"then torchplace.load_into(model, {str(ckpt)!r}, 'cpu'))" in text
@@ -253,8 +255,9 @@ def test_a_warning_turned_error_leaves_the_skeleton_as_it_was(tmp_path: Path) ->
 def test_meta_model_loses_non_persistent_buffers(ckpt: Path) -> None:
     with torch.device("meta"):
         model = Net()
-    with pytest.raises(CheckpointError, match=r"mask.*torchplace.skeleton"):
+    with pytest.raises(CheckpointError, match=r"mask.*torchplace.skeleton") as info:
         load_into(model, ckpt)
+    assert info.value.path == ckpt
 
 
 # ----------------------------------------------------------------------------- sources and failures
@@ -352,8 +355,9 @@ def test_a_failed_placement_leaves_the_model_untouched(
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "to", failing_to)
-    with pytest.raises(CheckpointError, match="the model is untouched"):
+    with pytest.raises(CheckpointError, match="the model is untouched") as info:
         load_into(model, path)
+    assert info.value.path == path
     monkeypatch.setattr(torch.Tensor, "to", real)
     for name, p in model.named_parameters():
         assert p is before[name] and p.device.type == "meta"
@@ -396,8 +400,11 @@ def test_tied_weights_saved_with_different_values_are_refused(tmp_path: Path, st
         {"emb.weight": torch.ones(3, 2), "head.weight": torch.zeros(3, 2)}, tmp_path / "c.pt"
     )
     model = skeleton(_TiedLM)
-    with pytest.raises(CheckpointError, match=r"emb\.weight and head\.weight .*keeps them apart"):
+    with pytest.raises(
+        CheckpointError, match=r"emb\.weight and head\.weight .*keeps them apart"
+    ) as info:
         load_into(model, path, strict=strict)
+    assert info.value.path == path
     assert model.emb.weight.device.type == "meta"
 
 

@@ -122,8 +122,9 @@ def test_cpu_starts_no_thread() -> None:
 
 def test_cpu_names_a_batch_that_cannot_come_back() -> None:
     batch = {"ok": torch.ones(2), "ghost": torch.empty(3, device="meta")}
-    with pytest.raises(MoveError, match=r"batch 0 .*batch\['ghost'\]"):
+    with pytest.raises(MoveError, match=r"batch 0 .*batch\['ghost'\]") as e:
         list(DeviceLoader([batch], "cpu"))
+    assert e.value.name == "batch['ghost']"
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=pytest.mark.requires_cuda)])
@@ -233,8 +234,9 @@ def test_own_to_follows_the_rule_move_follows() -> None:
 
     (out,) = list(DeviceLoader([{"enc": Plain(torch.ones(2))}], "meta", non_blocking=True))
     assert out["enc"].ids.device.type == "meta"
-    with pytest.raises(MoveError, match=r"batch 0 .*dtype it does not know"):
+    with pytest.raises(MoveError, match=r"batch 0 .*dtype it does not know") as e:
         list(DeviceLoader([{"enc": Picky()}], "meta", non_blocking=True))
+    assert e.value.name == "batch['enc']"
     assert Picky.calls == 1
 
 
@@ -384,8 +386,9 @@ def test_failed_copy_names_batch_and_path() -> None:
     batches: list[dict[str, Any]] = [{"ok": torch.ones(1)}, {"ok": torch.ones(1), "bad": Broken()}]
     it = iter(DeviceLoader(batches, "meta"))
     assert next(it)["ok"].device.type == "meta"
-    with pytest.raises(MoveError, match=r"batch 1 to meta: batch\['bad'\].*no room"):
+    with pytest.raises(MoveError, match=r"batch 1 to meta: batch\['bad'\].*no room") as e:
         next(it)
+    assert e.value.name == "batch['bad']"
 
 
 @pytest.mark.parametrize("end", ["exhausted", "source fails", "copy fails"])

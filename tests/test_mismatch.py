@@ -25,6 +25,9 @@ def test_strict_lists_missing_unexpected_and_mismatched(tmp_path: Path) -> None:
     model = skeleton(Net)
     with pytest.raises(CheckpointError) as info:
         load_into(model, path)
+    err = info.value
+    assert (err.path, err.missing, err.unexpected) == (path, ("body.0.bias",), ("extra.weight",))
+    assert err.mismatched == ("body.1.weight",)
     text = str(info.value)
     for needle in ("bad.pt", "missing keys: body.0.bias", "unexpected keys: extra.weight"):
         assert needle in text
@@ -36,14 +39,17 @@ def test_non_strict_loads_what_matches(tmp_path: Path) -> None:
     sd = reference().state_dict()
     del sd["body.0.bias"]
     sd["extra.weight"] = torch.ones(1)
-    with pytest.raises(CheckpointError, match="pass strict=False to load what matches"):
+    with pytest.raises(CheckpointError, match="pass strict=False to load what matches") as e:
         load_into(skeleton(Net), save(sd, tmp_path / "partial.pt"))
+    assert (e.value.missing, e.value.unexpected) == (("body.0.bias",), ("extra.weight",))
     with pytest.warns(UserWarning, match=r"left 1 tensor\(s\) of Net on meta.*: body\.0\.bias\."):
         model = load_into(skeleton(Net), save(sd, tmp_path / "partial.pt"), strict=False)
     assert model.emb.weight.device.type == "cpu" and model.body[0].bias.device.type == "meta"
     sd["body.1.weight"] = torch.ones(3)
-    with pytest.raises(CheckpointError, match="shape mismatches"):
+    with pytest.raises(CheckpointError, match="shape mismatches") as e:
         load_into(skeleton(Net), save(sd, tmp_path / "partial.pt"), strict=False)
+    # strict=False: only the mismatch stops the load, so only it is listed
+    assert (e.value.missing, e.value.unexpected, e.value.mismatched) == ((), (), ("body.1.weight",))
 
 
 def test_prefixed_keys_get_a_hint_that_works(tmp_path: Path) -> None:
@@ -59,9 +65,14 @@ def test_prefixed_keys_get_a_hint_that_works(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"extra prefix 'module\.': drop it") as e:
         load_into(skeleton(Tied), path)
     assert "strict=False" not in str(e.value)  # which would load nothing
+    assert e.value.unexpected == ("module.head.weight", "module.emb.weight")
     model = skeleton(Tied)
-    with pytest.raises(CheckpointError, match=r"strict=False would load nothing.*'module\.'"):
+    with pytest.raises(
+        CheckpointError, match=r"strict=False would load nothing.*'module\.'"
+    ) as nothing:
         load_into(model, path, strict=False)
+    assert nothing.value.path == path
+    assert nothing.value.unexpected == ("module.head.weight", "module.emb.weight")
     assert model.head.weight.is_meta
     # the hint, followed word for word
     hint = str(e.value).split(f"torchplace.load_into(model, {str(path)!r}, ")[1].split(")")[0]
@@ -75,6 +86,7 @@ def test_keys_that_merely_end_alike_get_no_prefix_hint(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="does not fit Linear") as info:
         load_into(nn.Linear(8, 8), path)
     assert "prefix" not in str(info.value)
+    assert (info.value.path, info.value.missing) == (path, ("weight", "bias"))
 
 
 @pytest.mark.parametrize(
@@ -152,6 +164,8 @@ def test_a_rename_is_suggested_only_where_the_shapes_fit(tmp_path: Path) -> None
     with pytest.raises(CheckpointError, match=r"unexpected keys: encoder\.weight") as e:
         load_into(Decoder(), other)
     assert "rename" not in str(e.value) and "misspelt" not in str(e.value), str(e.value)
+    assert e.value.missing == ("decoder.weight", "decoder.bias")
+    assert e.value.unexpected == ("encoder.weight", "encoder.bias")
     fitting = {"encoder.weight": torch.ones(3, 2), "encoder.bias": torch.ones(3)}
     with pytest.raises(CheckpointError, match=r'rename=\{r"\^encoder\\\.": "decoder\."\}'):
         load_into(Decoder(), fitting)
@@ -166,6 +180,7 @@ def test_another_depth_or_another_model_is_no_typo(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"unexpected keys: 2\.weight, 2\.bias") as e:
         load_into(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), deeper.state_dict())
     assert "misspelt" not in str(e.value) and "spell" not in str(e.value)
+    assert (e.value.path, e.value.missing, e.value.unexpected) == (None, (), ("2.weight", "2.bias"))
 
     class Conv(nn.Module):
         def __init__(self) -> None:
@@ -184,8 +199,10 @@ def test_another_depth_or_another_model_is_no_typo(tmp_path: Path) -> None:
 
 def test_a_file_of_one_part_of_the_model_gets_a_hint_that_works(tmp_path: Path) -> None:
     path = save(reference().body.state_dict(), tmp_path / "body.pt")
-    with pytest.raises(CheckpointError, match=r"prefix 'body\.'.*get_submodule\('body'\)"):
+    with pytest.raises(CheckpointError, match=r"prefix 'body\.'.*get_submodule\('body'\)") as e:
         load_into(reference(), path)
+    assert e.value.path == path
+    assert e.value.unexpected == ("0.weight", "0.bias", "1.weight", "1.bias")
     model = reference()
     load_into(model.get_submodule("body"), path)
 
@@ -194,8 +211,9 @@ def test_whole_training_checkpoint_gets_a_hint(tmp_path: Path) -> None:
     path = save({"model": reference().state_dict(), "epoch": 3}, tmp_path / "all.pt")
     with pytest.raises(
         CheckpointError, match=r"not a state dict.*load\('.*all\.pt'\)\['model'\]\)$"
-    ):
+    ) as e:
         load_into(skeleton(Net), path)
+    assert e.value.path == path
     model = load_into(skeleton(Net), load(path)["model"])  # the hint, followed
     assert torch.equal(model.emb.weight, reference().emb.weight)
 
@@ -218,6 +236,8 @@ def test_a_rename_that_drops_every_key_is_said_so(tmp_path: Path) -> None:
         text = str(e.value)
         assert f"rename= dropped all {held} of the file's keys (it returned None" in text
         assert "holds none" not in text
+        assert e.value.path == path and e.value.unexpected == ()
+        assert e.value.missing == tuple(n for n in reference().state_dict() if n != "head.weight")
 
 
 def test_a_hint_under_rename_changes_the_rename_given(tmp_path: Path) -> None:
@@ -293,3 +313,4 @@ def test_a_rename_that_kept_keys_of_the_wrong_shape_is_not_said_to_drop_them(
         with pytest.raises(CheckpointError, match=r"shape mismatches: body\.0\.weight") as e:
             load_into(skeleton(Net), path, strict=strict, rename={r"^net\.": ""})
         assert "dropped" not in str(e.value)
+        assert e.value.path == path and e.value.mismatched == ("body.0.weight",)

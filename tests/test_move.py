@@ -296,10 +296,16 @@ def test_meta_tensor_in_a_batch_is_named_with_advice_for_data() -> None:
     moved = torchplace.move(batch, "cpu")
     assert moved["images"][1].shape == (2, 3) and moved["images"][1].dtype == torch.float16
     # a tensor alone is data too; a module's weights in a batch keep the advice for models
-    with pytest.raises(torchplace.MoveError, match=r"^tensor is on meta: .* torch\.zeros\(\(\), "):
+    with pytest.raises(
+        torchplace.MoveError, match=r"^tensor is on meta: .* torch\.zeros\(\(\), "
+    ) as info:
         torchplace.move(torch.tensor(1, device="meta"), "cpu")
-    with pytest.raises(torchplace.MoveError, match=r"^batch\['m'\]\.weight is on meta.*to_empty"):
+    assert info.value.name == "tensor"
+    with pytest.raises(
+        torchplace.MoveError, match=r"^batch\['m'\]\.weight is on meta.*to_empty"
+    ) as info:
         torchplace.move({"m": nn.Linear(2, 2, device="meta")}, "cpu")
+    assert info.value.name == "batch['m'].weight"
 
 
 def test_failing_copy_in_a_batch_names_path_and_chains_cause(
@@ -315,6 +321,7 @@ def test_failing_copy_in_a_batch_names_path_and_chains_cause(
         torchplace.move({"x": torch.ones(2, 3)}, "meta")
     assert isinstance(info.value.__cause__, RuntimeError)
     assert "nothing was moved" in str(info.value)
+    assert info.value.name == "batch['x']"
 
 
 def test_bad_arguments() -> None:
@@ -459,8 +466,10 @@ def test_step_wrongly_on_device_is_brought_back_to_cpu() -> None:
     assert {s.kind for s in problems} == {"optimizer_state"}
     assert all(s.name.endswith(".step") for s in problems)
     # on meta the steps have no values: the fix says so, and following it to the letter works
-    with pytest.raises(torchplace.PlacementError, match=r"lost.*opt\.state\.clear\(\)"):
+    with pytest.raises(torchplace.PlacementError, match=r"lost.*opt\.state\.clear\(\)") as info:
         torchplace.verify(model, "cpu", optimizer=opt)
+    assert [s.name for s in info.value.stragglers] == [s.name for s in problems]
+    assert {s.kind for s in info.value.stragglers} == {"optimizer_state"}
     opt.state.clear()
     torchplace.verify(model, "cpu", optimizer=opt)
 
@@ -523,6 +532,8 @@ def test_attributes_warn_by_default() -> None:
     }
     with pytest.raises(torchplace.PlacementError) as info:
         torchplace.verify(model, "meta")
+    found = [s.name for s in info.value.stragglers]
+    assert found == ["scale", "tables[0]", "helpers[0].weight", "helpers[0].bias"]
     lines = {line.split()[1]: line for line in str(info.value).splitlines()[1:]}
     assert "register_buffer('scale'" in lines["scale"]
     for name in ("helpers[0].weight", "tables[0]"):  # no register_buffer('weight') here
@@ -546,8 +557,9 @@ def test_attributes_move_and_ignore() -> None:
 
 def test_module_on_meta_to_real_device_is_refused_and_untouched() -> None:
     model = nn.Linear(2, 2, device="meta")
-    with pytest.raises(torchplace.MoveError, match=r"^weight is on meta.*to_empty"):
+    with pytest.raises(torchplace.MoveError, match=r"^weight is on meta.*to_empty") as info:
         torchplace.move(model, "cpu")
+    assert info.value.name == "weight"
     assert model.weight.device == META
 
 
@@ -827,8 +839,9 @@ def test_objects_with_their_own_to_move_after_every_tensor(
         return _COPY(t, target, non_blocking)
 
     monkeypatch.setattr(_transfer, "copy_tensor", failing_second)
-    with pytest.raises(torchplace.MoveError, match=r"batch\[2\]"):
+    with pytest.raises(torchplace.MoveError, match=r"batch\[2\]") as info:
         torchplace.move([torch.ones(1), encoding, torch.ones(1)], "meta")
+    assert info.value.name == "batch[2]"
     assert encoding.ids.device == CPU  # never reached: nothing of the batch moved
     monkeypatch.setattr(_transfer, "copy_tensor", _COPY)
     moved = torchplace.move([torch.ones(1), encoding], "meta")
@@ -843,8 +856,11 @@ def test_a_failing_own_to_undoes_the_modules_moved_before_it() -> None:
 
     model = nn.Linear(2, 2)
     weight = model.weight
-    with pytest.raises(torchplace.MoveError, match=r"could not move batch\['enc'\] to meta"):
+    with pytest.raises(
+        torchplace.MoveError, match=r"could not move batch\['enc'\] to meta"
+    ) as info:
         torchplace.move({"model": model, "enc": Broken()}, "meta")
+    assert info.value.name == "batch['enc']"
     assert model.weight is weight and weight.device == CPU
 
 
@@ -879,8 +895,9 @@ def test_a_parameter_beside_its_model_in_a_batch_stays_the_models() -> None:
 
 def test_modules_inside_a_batch_are_named_by_their_place() -> None:
     model = nn.Linear(2, 2, device="meta")
-    with pytest.raises(torchplace.MoveError, match=r"^batch\['model'\]\.weight is on meta"):
+    with pytest.raises(torchplace.MoveError, match=r"^batch\['model'\]\.weight is on meta") as e:
         torchplace.move({"model": model}, "cpu")
+    assert e.value.name == "batch['model'].weight"
 
 
 class _TwoArgs(tuple):  # type: ignore[type-arg]
@@ -909,8 +926,9 @@ def test_tuple_subclasses_are_rebuilt_or_named() -> None:
         assert moved[0].device.type == "meta" and moved[1] == 7
     kept = torch.ones(1)
     odd = {"ok": kept, "odd": _Scaled((torch.ones(1), 2), 0.5)}
-    with pytest.raises(torchplace.MoveError, match=r"_Scaled.*constructor that takes one"):
+    with pytest.raises(torchplace.MoveError, match=r"_Scaled.*constructor that takes one") as e:
         torchplace.move(odd, "meta")
+    assert e.value.name == "batch['odd']"
     assert odd["ok"] is kept and odd["odd"][0].device.type == "cpu"
 
 
@@ -920,8 +938,9 @@ def test_an_optimizer_of_another_model_is_refused_before_anything_moves() -> Non
     other(torch.ones(1, 2)).sum().backward()
     opt.step()
     weight = model.weight
-    with pytest.raises(torchplace.MoveError, match=r"holds none of the parameters.*2 belong"):
+    with pytest.raises(torchplace.MoveError, match=r"holds none of the parameters.*2 belong") as e:
         torchplace.move(model, "meta", optimizer=opt)
+    assert e.value.name == "optimizer"
     assert model.weight is weight and weight.device.type == "cpu"
     # one optimizer over two models (a GAN's, say) moves the state of the model being moved
     both = torch.optim.SGD([*model.parameters(), *other.parameters()], lr=0.1, momentum=0.9)
@@ -952,6 +971,7 @@ def test_tensors_without_plain_sizes_fail_with_their_name() -> None:
         torchplace.move({"n": nested}, "meta")
     message = str(info.value)
     assert "batch['n'] (a nested float32 tensor)" in message
+    assert info.value.name == "batch['n']"
     assert "full error chained" in message and len(message) < 400
     assert "Could not run" in str(info.value.__cause__)
 
@@ -1022,6 +1042,7 @@ def test_the_way_back_from_meta_with_an_optimizer_works_as_written(
     torchplace.move(model, "meta", optimizer=opt)
     with pytest.raises(torchplace.MoveError) as info:
         torchplace.move(model, "cpu", optimizer=opt)
+    assert info.value.name == "weight"
     text = str(info.value)
     assert "load_into(model, checkpoint, 'cpu')" in text and "to_empty(device='cpu')" in text
     assert "opt.state.clear()" in text and "torchplace.move(model, 'cpu', optimizer=opt)" in text
@@ -1066,8 +1087,9 @@ def test_a_modules_cached_property_moves_with_it_without_a_warning() -> None:
     assert model.mask.device == META
     torchplace.verify(model, "meta")
     model.__dict__["mask"] = torch.ones(2, 2)  # a stale cached value: found, and the fix works
-    with pytest.raises(torchplace.PlacementError, match=r"cached_property.*del model\.mask"):
+    with pytest.raises(torchplace.PlacementError, match=r"cached_property.*del model\.mask") as e:
         torchplace.verify(model, "meta")
+    assert [s.name for s in e.value.stragglers] == ["mask"]
     del model.mask
     torchplace.verify(model, "meta")
 
@@ -1100,8 +1122,9 @@ def test_an_object_move_cannot_walk_is_said_and_seen() -> None:
     with pytest.warns(UserWarning, match=r"left the _Opaque as it is.*batch\.x.*\.to\(device\)"):
         assert torchplace.move(obj, "meta") is obj
     assert obj.x.device == CPU
-    with pytest.raises(torchplace.PlacementError, match=r"batch\.x .*held by _Opaque"):
+    with pytest.raises(torchplace.PlacementError, match=r"batch\.x .*held by _Opaque") as info:
         torchplace.verify(obj, "meta")
+    assert [(s.name, s.device) for s in info.value.stragglers] == [("batch.x", CPU)]
     assert torchplace.where(obj) == CPU  # no longer "holds no tensors"
 
 
@@ -1124,6 +1147,8 @@ def test_only_a_self_moving_module_s_own_state_gets_the_move_fix() -> None:
     model = _Tracked()
     with pytest.raises(torchplace.PlacementError) as info:
         torchplace.verify(model, "meta")
+    found = [s.name for s in info.value.stragglers]
+    assert found == ["lin.weight", "lin.bias", "total", "lin.cache"]
     lines = {line.split(" (")[0].strip("- "): line for line in str(info.value).splitlines()[1:]}
     assert "moves it itself (_Tracked's _apply)" in lines["total"]
     assert (
@@ -1149,8 +1174,9 @@ def test_an_attribute_with_its_own_to_moves_by_it_under_attributes_move() -> Non
     model = nn.Linear(2, 2)
     kept = _OwnTo(torch.arange(3.0))
     model.extra = kept  # type: ignore[assignment]
-    with pytest.raises(torchplace.PlacementError, match="attributes='move'"):
+    with pytest.raises(torchplace.PlacementError, match="attributes='move'") as info:
         torchplace.verify(model, "meta")
+    assert [s.name for s in info.value.stragglers] == ["weight", "bias", "extra.t"]
     torchplace.move(model, "meta", attributes="move")
     assert model.extra.t.device.type == "meta"  # type: ignore[union-attr]
     assert kept.t.device.type == "cpu"  # the caller's object is left as it was

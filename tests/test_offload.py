@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import torchplace
+from torchplace.checkpoint._catalog import FileChanged
 from torchplace.moving import _offloaded as offloaded
 from torchplace.moving._hooks import is_dispatched
 from torchplace.moving._offloaded import HOME, Home, homes
@@ -544,6 +545,7 @@ def test_a_checkpoint_removed_under_a_disk_module_is_said_to_be_gone(
     with gone as caught, torch.no_grad():
         model(torch.ones(1, 8))
     assert "truncated" not in str(caught.value) and "safetensors (" not in str(caught.value)
+    assert caught.value.path == path
 
 
 def test_a_state_dict_cannot_be_left_on_disk() -> None:
@@ -894,8 +896,9 @@ def test_a_module_inside_a_disk_module_counts_its_weights_on_disk_and_is_not_mea
         torchplace.PlacementError,
         match=r"weight .* on meta; fix: its values stay on disk with the module offloaded at "
         r"model\.1, .*torchplace\.verify\(model, device_map\)",
-    ):
+    ) as placed:
         torchplace.verify(inner, "cpu")
+    assert [s.name for s in placed.value.stragglers] == ["weight", "bias"]
     torchplace.move(loaded, "cpu")  # gathered: its weights real again, unmarked
     alone = torchplace.estimate(loaded[1][0], example_input=x, step="forward")
     assert alone.on_disk == 0 and alone.parameters == 288
@@ -1015,8 +1018,10 @@ def test_an_optimizer_built_before_a_load_by_map_is_re_bound_when_the_model_is_g
         torchplace.PlacementError,
         match=r"optimizer\.state\[2\.weight\]\..* held for a replaced parameter.*re-bind it: "
         r"torchplace\.move\(model, 'cpu', optimizer=opt\)",
-    ):
+    ) as placed:
         torchplace.verify(model, "cpu", optimizer=opt)
+    assert placed.value.stragglers[0].name == "optimizer.state[2.weight].step"
+    assert {s.kind for s in placed.value.stragglers} == {"optimizer_state"}
     assert torchplace.stragglers(model, "cpu", optimizer=opt)
     torchplace.move(model, "cpu", optimizer=opt)
     torchplace.verify(model, "cpu", optimizer=opt)
@@ -1040,8 +1045,9 @@ def test_a_disk_module_over_a_legacy_torch_file_is_refused_with_the_fix(tmp_path
         torchplace.CheckpointError,
         match=r"model\.2 on 'disk'.*cannot give its weight '2\.weight' on its own: it is in a "
         r"legacy .*save the checkpoint again with torch\.save .* or map '2' to 'cpu'",
-    ):
+    ) as caught:
         torchplace.load_into(target, path, device_map={"": "cpu", "2": "disk"})
+    assert caught.value.path == path
     assert all(p.is_meta for p in target.parameters())
     loaded = torchplace.load_into(target, path, device_map={"": "cpu", "2": "cpu"})
     x = torch.randn(3, 8)
@@ -1050,12 +1056,15 @@ def test_a_disk_module_over_a_legacy_torch_file_is_refused_with_the_fix(tmp_path
     state = dict(model.state_dict())
     state["2.weight"] = torch.cat([state["2.weight"]] * 2, dim=1)[:, ::2]
     torch.save(state, tmp_path / "strided.pt")
-    with pytest.raises(torchplace.CheckpointError, match=r"cannot give its weight '2\.weight'"):
+    with pytest.raises(
+        torchplace.CheckpointError, match=r"cannot give its weight '2\.weight'"
+    ) as caught:
         torchplace.load_into(
             torchplace.skeleton(mlp, 2),
             tmp_path / "strided.pt",
             device_map={"": "cpu", "2": "disk"},
         )
+    assert caught.value.path == tmp_path / "strided.pt"
 
 
 @pytest.mark.parametrize("device_map", [None, {"": "cpu", "2": "disk"}], ids=["plain", "by-map"])
@@ -1074,6 +1083,7 @@ def test_load_into_refuses_a_model_with_offloaded_modules_until_it_is_gathered(
     with pytest.raises(torchplace.PlacementError) as said:
         torchplace.verify(model, "cpu")
     assert "offloaded to disk by a device map" in str(said.value)
+    assert [s.name for s in said.value.stragglers] == ["2.weight", "2.bias"]
     assert "torchplace.move(model, 'cpu')" in str(said.value)
     assert "load_into" not in str(said.value)
     device = "cpu" if device_map is None else None
@@ -1169,8 +1179,10 @@ def test_report_where_and_verify_show_offloaded_modules(tmp_path: Any) -> None:
     with pytest.raises(
         torchplace.PlacementError,
         match=r"model\.norm\.weight \(parameter\): it is on meta, the map says cpu",
-    ):
+    ) as placed:
         torchplace.verify(model, device_map)
+    assert [s.name for s in placed.value.stragglers] == ["model.norm.weight"]
+    assert placed.value.stragglers[0].device == torch.device("meta")
 
 
 def test_verify_reads_a_map_as_dispatch_does_and_refuses_a_module_the_model_lacks() -> None:
@@ -1195,8 +1207,11 @@ def test_verify_reads_a_map_as_dispatch_does_and_refuses_a_module_the_model_lack
             torchplace.dispatch(model, device_map)  # the same words
     torchplace.verify(model, {"": "cpu", "layers.1": "cpu"})
     # Its devices need not be on this machine: the map is read, not carried out.
-    with pytest.raises(torchplace.PlacementError, match=r"layers\.1\.weight .*the map says cuda:0"):
+    with pytest.raises(
+        torchplace.PlacementError, match=r"layers\.1\.weight .*the map says cuda:0"
+    ) as placed:
         torchplace.verify(model, {"": "cpu", "layers.1": "cuda:0"})
+    assert [s.name for s in placed.value.stragglers] == ["layers.1.weight", "layers.1.bias"]
 
 
 # ------------------------------------------------- the CUDA transport's streams, with fake ones
@@ -1405,10 +1420,11 @@ def test_a_checkpoint_rewritten_under_a_running_model_raises(
         model(torch.ones(1, 8))
         torch.save({"other": torch.zeros(3)}, tmp_path / "mlp.pt")
         monkeypatch.setattr(CheckpointWeights, "read", counted)
-        with pytest.raises(torchplace.CheckpointError, match=r"mlp\.pt"):
-            model(torch.ones(1, 8))
-        with pytest.raises(torchplace.CheckpointError, match=r"mlp\.pt"):
-            model(torch.ones(1, 8))
+        for _ in range(2):
+            with pytest.raises(torchplace.CheckpointError, match=r"mlp\.pt") as caught:
+                model(torch.ones(1, 8))
+            assert caught.value.path == tmp_path / "mlp.pt"
+            assert isinstance(caught.value, FileChanged) and caught.value.changes
     assert reads == ["2", "2"]  # the failed read is read again, not kept and re-raised
     assert model[2].weight.is_meta
 
@@ -1835,8 +1851,9 @@ def test_dispatching_a_disk_module_elsewhere_says_to_gather_first(tmp_path: Any)
     model = torchplace.load_into(
         torchplace.skeleton(mlp, 2), tmp_path / "mlp.pt", device_map={"": "cpu", "2": "disk"}
     )
-    with pytest.raises(torchplace.MoveError, match=r"model\.2 is offloaded.*torchplace\.move"):
+    with pytest.raises(torchplace.MoveError, match=r"model\.2 is offloaded.*torchplace\.move") as e:
         torchplace.dispatch(model, {"": "cpu"})
+    assert e.value.name == "2"
     torchplace.dispatch(model, {"": "cpu", "2": "disk"}, offload_window=1)  # kept on disk: fine
     x = torch.randn(3, 8)
     with torch.no_grad():
@@ -1860,13 +1877,15 @@ def test_key_errors_of_a_load_by_map_speak_of_a_rename_only_where_one_was_given(
     with pytest.raises(torchplace.CheckpointError, match=r"unexpected keys: extra;") as e:
         torchplace.load_into(torchplace.skeleton(mlp, 2), path, device_map=disk)
     assert "rename" not in str(e.value)
+    assert (e.value.path, e.value.unexpected) == (path, ("extra",))
     for rename, kept in (({r".*": None}, r"it dropped every one"), ({r"^": "x."}, "x.0.bias")):
         with pytest.raises(
             torchplace.CheckpointError,
             match=rf"model\.2 on 'disk', but after the rename= given none of the keys of .*m\.pt "
             rf"is under '2\.' \(.*{kept}.*\).*fix the rename",
-        ):
+        ) as e:
             torchplace.load_into(torchplace.skeleton(mlp, 2), path, device_map=disk, rename=rename)
+        assert (e.value.path, e.value.missing) == (path, ("2.weight", "2.bias"))
 
 
 def test_strict_false_by_map_leaving_a_resident_tensor_on_meta_is_refused_untouched(
@@ -1884,15 +1903,17 @@ def test_strict_false_by_map_leaving_a_resident_tensor_on_meta_is_refused_untouc
         torchplace.CheckpointError,
         match=r"strict=False would leave 1 tensor\(s\) of Sequential on meta.*: 0\.bias; .*"
         r"partial\.pt has no key for them.*Nothing was filled",
-    ):
+    ) as left:
         torchplace.load_into(target, path, device_map=disk, strict=False)
+    assert (left.value.path, left.value.missing) == (path, ("0.bias",))
     assert all(p.is_meta for p in target.parameters()) and not is_dispatched(target)
     # A model partly real: its real weights are not overwritten (the fill wrote in place).
     half = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8, device="meta"), nn.Tanh())
     torch.save({k: v for k, v in model.state_dict().items() if k != "2.bias"}, path)
     before = half[0].weight.detach().clone()
-    with pytest.raises(torchplace.CheckpointError, match=r"2\.bias;.*Nothing was filled"):
+    with pytest.raises(torchplace.CheckpointError, match=r"2\.bias;.*Nothing was filled") as left:
         torchplace.load_into(half, path, device_map={"": "cpu"}, strict=False)
+    assert (left.value.path, left.value.missing) == (path, ("2.bias",))
     assert torch.equal(half[0].weight, before) and half[2].weight.is_meta
     torch.save({k: v for k, v in model.state_dict().items() if k != "0.bias"}, path)
     target[0].bias = nn.Parameter(model[0].bias.detach().clone())  # given a value first
@@ -1928,8 +1949,9 @@ def test_a_hooked_model_left_on_meta_by_map_is_refused_by_its_fill_in_that_threa
     with pytest.raises(
         torchplace.CheckpointError,
         match=LEFT_ON_META + r".*0\.bias.*; with a device_map the load stops here",
-    ):
+    ) as left:
         torchplace.load_into(hooked, path, device_map={"": "cpu"}, strict=False)
+    assert (left.value.path, left.value.missing) == (path, ("0.bias",))  # the hook's leftovers
     assert not is_dispatched(hooked)
     assert all(p.is_meta for p in hooked.parameters())  # put back, as for any failed fill
 

@@ -103,10 +103,12 @@ def test_out_of_memory_while_allocating_is_a_checkpoint_error(
     monkeypatch.setattr(_load, "_allocated", no_memory)
     with pytest.raises(torchplace.CheckpointError, match=r"w\.safetensors") as info:
         torchplace.load(path)
+    assert info.value.path == path
     assert isinstance(info.value.__cause__, torch.OutOfMemoryError)
     model = torchplace.skeleton(torch.nn.Linear, 4, 4, bias=False)
-    with pytest.raises(torchplace.CheckpointError, match=r"w\.safetensors"):
+    with pytest.raises(torchplace.CheckpointError, match=r"w\.safetensors") as e:
         torchplace.load_into(model, path)
+    assert e.value.path == path
     assert model.weight.is_meta  # untouched
     monkeypatch.setattr(_load, "_allocated", real)
     assert torch.equal(torchplace.load(path)["weight"], torch.ones(4, 4))

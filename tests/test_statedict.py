@@ -59,8 +59,9 @@ def test_a_refused_extra_state_leaves_the_model_untouched(tmp_path: Path) -> Non
     path = save(src.state_dict(), tmp_path / "x.pt")
     model = _Picky()
     before = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-    with pytest.raises(CheckpointError, match=r"second\._extra_state.*v9.*untouched"):
+    with pytest.raises(CheckpointError, match=r"second\._extra_state.*v9.*untouched") as e:
         load_into(model, path)
+    assert e.value.path == path
     assert model.first.note == "unset"  # set, then put back
     after = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     assert all(torch.equal(before[k], after[k]) for k in before)
@@ -106,8 +107,9 @@ def test_a_current_batchnorm_file_still_needs_num_batches_tracked(tmp_path: Path
     path = _old_batchnorm_file(tmp_path, 2)  # version 2 files have it: its absence is real
     with pytest.raises(RuntimeError, match="num_batches_tracked"):
         nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)).load_state_dict(torch.load(path))
-    with pytest.raises(CheckpointError, match=r"missing keys: 1\.num_batches_tracked"):
+    with pytest.raises(CheckpointError, match=r"missing keys: 1\.num_batches_tracked") as e:
         load_into(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)), path)
+    assert (e.value.path, e.value.missing) == (path, ("1.num_batches_tracked",))
 
 
 def test_old_instance_norm_running_stats_are_refused_as_load_state_dict_refuses(
@@ -116,8 +118,9 @@ def test_old_instance_norm_running_stats_are_refused_as_load_state_dict_refuses(
     path = save({"running_mean": torch.zeros(3), "running_var": torch.ones(3)}, tmp_path / "in.pt")
     with pytest.raises(RuntimeError, match="track_running_stats=False"):
         nn.InstanceNorm1d(3).load_state_dict(torch.load(path), strict=False)
-    with pytest.raises(CheckpointError, match=r"running_mean and running_var.*InstanceNorm1d"):
+    with pytest.raises(CheckpointError, match=r"running_mean and running_var.*InstanceNorm1d") as e:
         load_into(nn.InstanceNorm1d(3), path, strict=False)
+    assert e.value.path == path
 
 
 class _OldLayout(nn.Module):
@@ -195,8 +198,9 @@ def test_a_pre_hook_that_reports_an_error_refuses_the_file(tmp_path: Path) -> No
         )
     )
     path = save(nn.Linear(2, 2).state_dict(), tmp_path / "lin.pt")
-    with pytest.raises(CheckpointError, match="incompatible release"):
+    with pytest.raises(CheckpointError, match="incompatible release") as e:
         load_into(model, path, strict=False)
+    assert e.value.path == path
     assert model.weight.device.type == "meta"
 
     def raising(*args: object) -> None:
@@ -204,8 +208,11 @@ def test_a_pre_hook_that_reports_an_error_refuses_the_file(tmp_path: Path) -> No
 
     model = skeleton(nn.Linear, 2, 2)
     model._register_load_state_dict_pre_hook(raising)
-    with pytest.raises(CheckpointError, match=r"pre-hook .*raising.*KeyError.*nothing was loaded"):
+    with pytest.raises(
+        CheckpointError, match=r"pre-hook .*raising.*KeyError.*nothing was loaded"
+    ) as e:
         load_into(model, path)
+    assert e.value.path == path
     assert model.weight.device.type == "meta"
 
 
@@ -282,16 +289,20 @@ def test_keys_a_post_hook_leaves_undo_the_load(tmp_path: Path) -> None:
     model.register_load_state_dict_post_hook(_forgiving("2.weight"))  # not 2.bias
     params = dict(model.named_parameters())
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(CheckpointError, match=r"missing keys: 2\.bias$|missing keys: 2\.bias;"):
+    with pytest.raises(
+        CheckpointError, match=r"missing keys: 2\.bias$|missing keys: 2\.bias;"
+    ) as e:
         load_into(model, path)
+    assert (e.value.path, e.value.missing) == (path, ("2.bias",))
     for name, p in model.named_parameters():
         assert p is params[name] and torch.equal(p, before[name])  # filled in place, put back
 
     model = skeleton(_with_extra_layer)
     model.register_load_state_dict_post_hook(_forgiving("2.weight"))
     params = dict(model.named_parameters())
-    with pytest.raises(CheckpointError, match=r"missing keys: 2\.bias"):
+    with pytest.raises(CheckpointError, match=r"missing keys: 2\.bias") as e:
         load_into(model, path, "cpu")
+    assert (e.value.path, e.value.missing) == (path, ("2.bias",))
     for name, p in model.named_parameters():
         assert p is params[name] and p.device.type == "meta"  # swapped in, swapped back
 
@@ -300,8 +311,9 @@ def test_keys_a_post_hook_leaves_undo_the_load(tmp_path: Path) -> None:
 
     model = skeleton(_with_extra_layer)
     model.register_load_state_dict_post_hook(failing)
-    with pytest.raises(CheckpointError, match=r"failing.*ValueError.*put back as it was"):
+    with pytest.raises(CheckpointError, match=r"failing.*ValueError.*put back as it was") as e:
         load_into(model, path)
+    assert e.value.path == path
     assert all(p.device.type == "meta" for p in model.parameters())
 
 
@@ -323,8 +335,9 @@ def test_an_undo_a_post_hook_made_impossible_is_said_not_raised_raw(tmp_path: Pa
     sd = _HookedPair().state_dict()
     del sd["b.bias"]
     path = save(sd, tmp_path / "pair.pt")
-    with pytest.raises(CheckpointError, match=r"missing keys: b\.bias.*could not be put back"):
+    with pytest.raises(CheckpointError, match=r"missing keys: b\.bias.*could not be put back") as e:
         load_into(skeleton(_HookedPair), path)
+    assert (e.value.path, e.value.missing) == (path, ("b.bias",))
 
 
 def test_keys_a_post_hook_adds_to_a_clean_strict_load_raise_as_in_torch(tmp_path: Path) -> None:
@@ -339,8 +352,9 @@ def test_keys_a_post_hook_adds_to_a_clean_strict_load_raise_as_in_torch(tmp_path
         reference.load_state_dict(torch.load(path, weights_only=True))
     model = nn.Linear(2, 2)
     model.register_load_state_dict_post_hook(demanding)
-    with pytest.raises(CheckpointError, match=r"missing keys: calibration.*post-hooks"):
+    with pytest.raises(CheckpointError, match=r"missing keys: calibration.*post-hooks") as e:
         load_into(model, path)
+    assert (e.value.path, e.value.missing) == (path, ("calibration",))
     model = nn.Linear(2, 2)
     model.register_load_state_dict_post_hook(demanding)
     load_into(model, path, strict=False)  # as torch: not strict, not raised
@@ -348,8 +362,11 @@ def test_keys_a_post_hook_adds_to_a_clean_strict_load_raise_as_in_torch(tmp_path
 
 def test_an_empty_file_under_strict_false_says_it_holds_nothing(tmp_path: Path) -> None:
     path = save({}, tmp_path / "empty.pt")
-    with pytest.raises(CheckpointError, match=r"the model has weight, bias; the file holds none"):
+    with pytest.raises(
+        CheckpointError, match=r"the model has weight, bias; the file holds none"
+    ) as e:
         load_into(nn.Linear(2, 2), path, strict=False)
+    assert (e.value.path, e.value.missing) == (path, ("weight", "bias"))
 
 
 def test_a_swap_that_fails_midway_puts_back_the_ones_done(
@@ -370,8 +387,9 @@ def test_a_swap_that_fails_midway_puts_back_the_ones_done(
         return real(p, data, **kw)
 
     monkeypatch.setattr(checkpoint, "parameter_like", second_fails)
-    with pytest.raises(CheckpointError, match=r"simulated failure.*the model is untouched"):
+    with pytest.raises(CheckpointError, match=r"simulated failure.*the model is untouched") as e:
         load_into(model, path)
+    assert e.value.path == path
     assert len(calls) == 2
     for name, p in model.named_parameters():
         assert p is params[name] and p.device.type == "meta"
@@ -408,8 +426,11 @@ def test_a_module_that_loads_itself_and_fails_leaves_the_model_untouched(tmp_pat
     path = save({"0.weight": torch.ones(2, 2), "0.bias": torch.ones(2)}, tmp_path / "lin.pt")
     model = skeleton(lambda: nn.Sequential(_Refusing(2, 2)))
     before = dict(model.named_parameters())
-    with pytest.raises(CheckpointError, match=r"0 \(_Refusing\) loads itself.*another version"):
+    with pytest.raises(
+        CheckpointError, match=r"0 \(_Refusing\) loads itself.*another version"
+    ) as e:
         load_into(model, path)
+    assert e.value.path == path
     for name, p in model.named_parameters():
         assert p is before[name] and p.device.type == "meta"
     assert not hasattr(model[0], "seen")  # its attributes put back too
@@ -491,6 +512,7 @@ def test_a_skeleton_of_lazy_modules_stays_lazy_and_loads(tmp_path: Path) -> None
 def test_a_refused_load_leaves_a_lazy_module_lazy(tmp_path: Path) -> None:
     path = save({"weight": torch.ones(2, 3)}, tmp_path / "no_bias.pt")
     model = nn.LazyLinear(2)
-    with pytest.raises(CheckpointError, match="missing keys: bias"):
+    with pytest.raises(CheckpointError, match="missing keys: bias") as e:
         load_into(model, path)
+    assert (e.value.path, e.value.missing) == (path, ("bias",))
     assert nn.parameter.is_lazy(model.weight) and nn.parameter.is_lazy(model.bias)

@@ -130,10 +130,12 @@ def test_trap_07_non_persistent_buffers_are_not_in_the_state_dict(tmp_path: Path
     assert model.freqs.device == META  # moved like any buffer, found by looking
     assert {s.name for s in torchplace.stragglers(Rotary(), "meta")} == {"freqs"}
     # no way back but a rebuild: the error and verify say so, and the fix they give works
-    with pytest.raises(torchplace.MoveError, match=r"freqs: a non-persistent.*skeleton"):
+    with pytest.raises(torchplace.MoveError, match=r"freqs: a non-persistent.*skeleton") as e:
         torchplace.move(model, "cpu")
-    with pytest.raises(torchplace.PlacementError, match=r"freqs.*fix: a non-persistent.*skel"):
+    assert e.value.name == "freqs"
+    with pytest.raises(torchplace.PlacementError, match=r"freqs.*fix: a non-persistent.*skel") as e:
         torchplace.verify(model, "cpu")
+    assert [s.name for s in e.value.stragglers] == ["freqs"]
     torch.save(model.state_dict(), tmp_path / "rotary.pt")  # nothing in it: freqs is not saved
     rebuilt = torchplace.skeleton(Rotary)
     torchplace.load_into(rebuilt, tmp_path / "rotary.pt", "cpu")
@@ -145,8 +147,9 @@ def test_trap_08_meta_to_real_needs_to_empty() -> None:
     model = nn.Linear(2, 2, device="meta")
     with pytest.raises(NotImplementedError, match="Cannot copy out of meta tensor"):
         model.to("cpu")
-    with pytest.raises(torchplace.MoveError, match="to_empty"):
+    with pytest.raises(torchplace.MoveError, match="to_empty") as e:
         torchplace.move(model, "cpu")
+    assert e.value.name == "weight"
     assert model.weight.device == META  # nothing half-moved
 
 
@@ -203,8 +206,9 @@ def test_trap_11_untrusted_pickles_never_run(tmp_path: Path) -> None:
 
     evil = tmp_path / "evil.pt"
     torch.save({"x": Evil()}, evil)
-    with pytest.raises(torchplace.CheckpointError, match=r"evil\.pt"):
+    with pytest.raises(torchplace.CheckpointError, match=r"evil\.pt") as e:
         torchplace.load(evil)
+    assert e.value.path == evil
     assert not marker.exists()  # weights_only: nothing ran
     weights = tmp_path / "weights.pt"
     torch.save({"w": torch.arange(3.0)}, weights)

@@ -23,6 +23,7 @@ from ._errors import (
     DeviceSpecError,
     DeviceUnavailableError,
     PlacementError,
+    Straggler,
     TorchplaceError,
     first_line,
 )
@@ -234,9 +235,11 @@ def setup(backend: str | None = None, *, single_process: bool = False) -> torch.
 _SHOWN = 20  # straggler lines an error shows, over all ranks
 
 
-def _local_report(obj: Any, device: Any, optimizer: Any) -> tuple[str, list[str]]:
-    """("", []) when this rank's objects are in place; else (error class, lines)."""
+def _local_report(obj: Any, device: Any, optimizer: Any) -> tuple[str, list[str], list[Straggler]]:
+    """("", [], []) when this rank's objects are in place; else (error class, lines, the
+    stragglers found)."""
     from ._devices import normalize
+    from ._tensor_size import nbytes
     from .looking._inspect import fix_for, misplaced
 
     try:
@@ -254,8 +257,9 @@ def _local_report(obj: Any, device: Any, optimizer: Any) -> tuple[str, list[str]
             lines.append(f"{e.name} ({e.kind}) {where}; fix: {fix}")
     except Exception as exc:  # the check itself failed here: every rank must still hear of it
         kind = type(exc).__name__ if isinstance(exc, TorchplaceError) else "TorchplaceError"
-        return kind, [f"the check itself failed: {type(exc).__name__}: {first_line(exc)}"]
-    return ("PlacementError", lines) if lines else ("", [])
+        return kind, [f"the check itself failed: {type(exc).__name__}: {first_line(exc)}"], []
+    stragglers = [Straggler(e.name, e.kind, e.tensor.device, nbytes(e.tensor)) for e in bad]
+    return ("PlacementError", lines, stragglers) if lines else ("", [], [])
 
 
 def verify(obj: Any, device: Any, /, *, optimizer: Any = None, group: Any = None) -> None:
@@ -275,9 +279,10 @@ def verify(obj: Any, device: Any, /, *, optimizer: Any = None, group: Any = None
     what they found with ``all_gather_object``. If any rank has a tensor out of place, every
     rank raises the same ``PlacementError``, naming the stragglers by rank
     (``rank 3: encoder.weight (parameter) is on cpu, expected cuda:3; fix: ...``), so no rank
-    goes on to a collective that the others never reach. A rank whose check itself fails (a
-    bad device spec) is reported the same way, and the error takes its class. Call it on
-    every rank of ``group``, as any collective.
+    goes on to a collective that the others never reach; its ``stragglers`` holds every
+    rank's, rank by rank (a ``Straggler`` does not say its rank: the message does). A rank
+    whose check itself fails (a bad device spec) is reported the same way, and the error takes
+    its class. Call it on every rank of ``group``, as any collective.
     """
     import torch.distributed as dist
 
@@ -300,11 +305,11 @@ def verify(obj: Any, device: Any, /, *, optimizer: Any = None, group: Any = None
     failing = [(rank, report) for rank, report in zip(ranks, found, strict=True) if report[0]]
     if not failing:
         return
-    lines = [f"  - rank {rank}: {line}" for rank, (_, texts) in failing for line in texts]
+    lines = [f"  - rank {rank}: {line}" for rank, (_, texts, _) in failing for line in texts]
     total = len(lines)
     if total > _SHOWN:
         lines = [*lines[:_SHOWN], f"  ... and {total - _SHOWN} more"]
-    kinds = [kind for _, (kind, _) in failing if kind != "PlacementError"]
+    kinds = [kind for _, (kind, _, _) in failing if kind != "PlacementError"]
     if kinds:  # a check failed: the error of the first such rank, on every rank
         from . import _errors
 
@@ -315,5 +320,6 @@ def verify(obj: Any, device: Any, /, *, optimizer: Any = None, group: Any = None
         )
     raise PlacementError(
         f"{total} tensor{'s' if total != 1 else ''} on {len(failing)} of {len(found)} ranks "
-        f"{'are' if total != 1 else 'is'} not where they should be:\n" + "\n".join(lines)
+        f"{'are' if total != 1 else 'is'} not where they should be:\n" + "\n".join(lines),
+        stragglers=[s for _, (_, _, found_here) in failing for s in found_here],
     )

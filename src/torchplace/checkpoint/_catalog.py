@@ -119,7 +119,7 @@ def stamp(p: Path, /) -> Stamp:
     try:
         return Stamp.of(os.stat(p))
     except OSError as exc:
-        raise CheckpointError(f"{p}: cannot be read ({exc.strerror or exc})") from exc
+        raise CheckpointError(f"{p}: cannot be read ({exc.strerror or exc})", path=p) from exc
 
 
 # ------------------------------------------------------------------------------------ entries
@@ -164,7 +164,8 @@ class Entry:
         if not isinstance(found, torch.dtype):
             raise CheckpointError(
                 f"{where}: tensor {self.name!r} has dtype {self.dtype!r}, which this version of "
-                f"torch ({torch.__version__}) cannot hold"
+                f"torch ({torch.__version__}) cannot hold",
+                path=self.file,
             )
         return found
 
@@ -389,7 +390,8 @@ def zip_layout(p: Path, /) -> ZipLayout | None:
     except NotImplementedError as exc:  # a version field zipfile does not know: a damaged one
         raise CheckpointError(
             f"{p}: is truncated or corrupt (NotImplementedError: {exc}); {WRITER_HINT}, or "
-            "save or fetch it again"
+            "save or fetch it again",
+            path=p,
         ) from exc
     except zipfile.BadZipFile as exc:  # the catalog refuses it too: load agrees, whatever
         # the installed torch's own zip reader would make of it
@@ -398,7 +400,8 @@ def zip_layout(p: Path, /) -> ZipLayout | None:
         raise CheckpointError(  # a directory that does not match the records: a save rewriting
             # the file under it looks so, as does damage
             f"{p}: is truncated or corrupt (BadZipFile: {exc}); {WRITER_HINT}, or save or fetch "
-            "it again"
+            "it again",
+            path=p,
         ) from exc
     except (OSError, ValueError, EOFError, struct.error):
         return None
@@ -408,7 +411,8 @@ def zip_layout(p: Path, /) -> ZipLayout | None:
         raise CheckpointError(
             f"{p}: is corrupt: its pickle record {info.filename} fails its CRC-32 check (the "
             "bytes that name and shape the tensors were damaged after it was written); save or "
-            "fetch it again"
+            "fetch it again",
+            path=p,
         )
     records = {i.filename: i for i in infos}
     return ZipLayout(p, prefix, data, records, starts, byteorder)
@@ -435,17 +439,28 @@ def has_data_pkl(p: Path) -> bool:
         return True
 
 
+# The bytes that hold torch's magic number pickled, with room for any protocol's framing.
+_MAGIC_BYTES = 64
+
+
 class _NoGlobals(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         raise pickle.UnpicklingError(f"{module}.{name} is not loaded here")
 
 
 def has_legacy_magic(p: Path) -> bool:
-    """Whether the first pickled object of ``p`` is torch's magic number (nothing is run)."""
+    """Whether the first pickled object of ``p`` is torch's magic number (nothing is run).
+
+    Only its first bytes are unpickled, enough for that number (15 bytes as torch writes it):
+    a plain pickle's first object is all of it, which unpickling whole would build first."""
     try:
         with opened(p) as f:
-            first = _NoGlobals(f).load()
-    except Exception:
+            head = f.read(_MAGIC_BYTES)
+    except OSError:
+        return False
+    try:
+        first = _NoGlobals(io.BytesIO(head)).load()
+    except Exception:  # longer than the number, or not a pickle
         return False
     return isinstance(first, int) and not isinstance(first, bool) and first == LEGACY_MAGIC
 
@@ -528,7 +543,8 @@ def safetensors_header(path: PathLike, /) -> dict[str, Any]:
         if name != "__metadata__" and entry["dtype"] not in holdable:
             raise CheckpointError(
                 f"{p}: tensor {name!r} has dtype {entry['dtype']!r}, which this version of "
-                f"torch cannot hold (supported: {', '.join(sorted(holdable))})"
+                f"torch cannot hold (supported: {', '.join(sorted(holdable))})",
+                path=p,
             )
     return header
 
@@ -752,7 +768,9 @@ def _zip_root(
     big-endian machine."""
     pickle_name = _pickle_record(archive)
     if pickle_name is None:
-        raise CheckpointError(f"{p}: is a zip archive but not a torch.save file (no data.pkl)")
+        raise CheckpointError(
+            f"{p}: is a zip archive but not a torch.save file (no data.pkl)", path=p
+        )
     prefix = pickle_name[: -len("data.pkl")]
     locator = _Locator(io.BytesIO(archive.read(pickle_name)))
     try:
@@ -820,7 +838,8 @@ def _zip_entries(p: Path, code: list[str]) -> dict[str, Entry]:
                 if info is None or info.compress_type != zipfile.ZIP_STORED:
                     raise CheckpointError(
                         f"{p}: the data of {name!r} is missing or compressed in the zip; "
-                        "save it again with torch.save"
+                        "save it again with torch.save",
+                        path=p,
                     )
                 starts[storage.key] = (record_start(raw, info), info.file_size)
             first, size = starts[storage.key]
@@ -832,7 +851,8 @@ def _zip_entries(p: Path, code: list[str]) -> dict[str, Entry]:
                 order = _storage_order(ref.shape, stride)
                 if numel and (ref.offset + numel) * itemsize > size:
                     raise CheckpointError(
-                        f"{p}: is truncated or corrupt: tensor {name!r} runs past its storage"
+                        f"{p}: is truncated or corrupt: tensor {name!r} runs past its storage",
+                        path=p,
                     )
                 start = first + ref.offset * itemsize
                 if order is None or big_endian or ref.bits:  # read whole by torch
@@ -907,7 +927,8 @@ def _index_catalog(p: Path) -> Catalog:
         if part.kind == "index":
             raise CheckpointError(
                 f"{p}: names shard {shard!r}, which is itself a shard index; an index lists "
-                "the files that hold the tensors"
+                "the files that hold the tensors",
+                path=p,
             )
         stamps.update(part.stamps)
         kinds.update(part.kinds)
@@ -967,7 +988,8 @@ def _check_listed(p: Path, shard: str, names: list[str], held: Mapping[str, Entr
         if name not in parents:
             raise CheckpointError(
                 f"{p}: says {name!r} is in {shard!r}, but that shard does not hold it; the "
-                "index and its shards do not match"
+                "index and its shards do not match",
+                path=p,
             )
     return False
 

@@ -527,7 +527,8 @@ def _read_for_remap(src: Path, kind: str) -> Any:
         raise CheckpointError(
             f"{src}: would run code when loaded ({', '.join(found)}), "
             "and remap never runs a file's code. If you trust its source, rewrite it yourself"
-            f"{note}: torch.save({kept}, {resaved!r}), then remap {resaved!r}"
+            f"{note}: torch.save({kept}, {resaved!r}), then remap {resaved!r}",
+            path=src,
         ) from exc
 
 
@@ -563,11 +564,15 @@ def _output_file(dst: Path) -> None:
     """Refuse an output that cannot be a file: a directory, or one in a missing directory."""
     try:
         if dst.is_dir():
-            raise CheckpointError(f"{dst}: is a directory; give the output file's name with -o")
+            raise CheckpointError(
+                f"{dst}: is a directory; give the output file's name with -o", path=dst
+            )
         if not dst.parent.is_dir():
-            raise CheckpointError(f"{dst}: its directory {dst.parent} does not exist")
+            raise CheckpointError(f"{dst}: its directory {dst.parent} does not exist", path=dst)
     except OSError as exc:
-        raise CheckpointError(f"{dst}: cannot be written ({exc.strerror or exc})") from exc
+        raise CheckpointError(
+            f"{dst}: cannot be written ({exc.strerror or exc})", path=dst
+        ) from exc
 
 
 def _index_outputs(src: Path, dst: Path) -> tuple[Path, list[tuple[Path, Path, str]]]:
@@ -578,9 +583,11 @@ def _index_outputs(src: Path, dst: Path) -> tuple[Path, list[tuple[Path, Path, s
         if dst.is_dir() or str(dst).endswith(("/", os.sep)):
             dst = dst / src.name
         if not dst.parent.is_dir():
-            raise CheckpointError(f"{dst}: its directory {dst.parent} does not exist")
+            raise CheckpointError(f"{dst}: its directory {dst.parent} does not exist", path=dst)
     except OSError as exc:
-        raise CheckpointError(f"{dst}: cannot be written ({exc.strerror or exc})") from exc
+        raise CheckpointError(
+            f"{dst}: cannot be written ({exc.strerror or exc})", path=dst
+        ) from exc
     from ._index import weight_map
 
     # each shard under the name the index spells (the file may be a link elsewhere, as every
@@ -595,7 +602,8 @@ def _index_outputs(src: Path, dst: Path) -> tuple[Path, list[tuple[Path, Path, s
         if out.resolve() in reading:
             raise CheckpointError(
                 f"{src}: remapping it to {dst} would write over {out}, which it reads; give "
-                "-o a new directory (or an index file in one) for the remapped shards"
+                "-o a new directory (or an index file in one) for the remapped shards",
+                path=src,
             )
     return dst, outputs
 
@@ -631,7 +639,8 @@ def _refuse_existing(jobs: list[tuple[Path, Path, str]]) -> None:
         raise CheckpointError(
             f"{', '.join(taken[:3])}{more}: exist{'s' if len(taken) == 1 else ''} already, and "
             f"remap does not write over a file it does not read unless told to: pass --force "
-            f"(force=True) to replace {them}, or choose another -o. Nothing was written"
+            f"(force=True) to replace {them}, or choose another -o. Nothing was written",
+            path=taken[0],
         )
 
 
@@ -704,7 +713,8 @@ def remap(
         if isinstance(exc, Exception):
             raise CheckpointError(
                 f"{src}: could not be rewritten to {dst} ({type(exc).__name__}: {exc}); "
-                f"{dst} was not touched"
+                f"{dst} was not touched",
+                path=src,
             ) from exc
         raise
     return dst
@@ -732,13 +742,16 @@ def _remap_destination(
     try:
         is_dir, exists = dst.is_dir(), dst.exists()
     except OSError as exc:  # a name too long, say
-        raise CheckpointError(f"{dst}: cannot be written ({exc.strerror or exc})") from exc
+        raise CheckpointError(
+            f"{dst}: cannot be written ({exc.strerror or exc})", path=dst
+        ) from exc
     into_folder = src != given or slash or is_dir or (index and not dst.name.endswith(".json"))
     if into_folder and src == given and exists and not is_dir:
         name = "an index name ending in .json such as " if index else "the file's name, such as "
         raise CheckpointError(
             f"{dst}: is a file, not a directory; give -o a directory for the remapped "
-            f"{'shards' if index else 'file'}, or {name}{src.name}. Nothing was written"
+            f"{'shards' if index else 'file'}, or {name}{src.name}. Nothing was written",
+            path=dst,
         )
     if into_folder:
         try:
@@ -746,7 +759,9 @@ def _remap_destination(
                 dst.mkdir()
                 made = dst
         except OSError as exc:
-            raise CheckpointError(f"{dst}: cannot be made ({exc.strerror or exc})") from exc
+            raise CheckpointError(
+                f"{dst}: cannot be made ({exc.strerror or exc})", path=dst
+            ) from exc
         if dst.is_dir():
             dst = dst / src.name
         if not index and dst.resolve() == src.resolve():
@@ -754,7 +769,8 @@ def _remap_destination(
                 f"{src}: remapping it into {dst.parent} would write over it, the file it reads; "
                 "give -o another directory, or rewrite it in place by naming the file as both "
                 f"the source and the output (torchplace remap {src} --to DEVICE -o {src}). "
-                "Nothing was written"
+                "Nothing was written",
+                path=src,
             )
     return dst, made
 
@@ -796,7 +812,8 @@ def _write_jobs(
                     raise CheckpointError(
                         f"{output}: cannot be written ({exc.strerror or exc}: no file could be "
                         f"created in {output.parent}); choose another output with -o. Nothing "
-                        "was written"
+                        "was written",
+                        path=output,
                     ) from exc
                 _write_remapped(source, obj, fd, target, advance)
                 if fmt == "copy":  # as shutil.copy2 copies: its mode and times too

@@ -42,6 +42,7 @@ import re
 import sys
 import types
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -730,7 +731,7 @@ def fused_boxes(fused: Fused, box: Box, /) -> list[tuple[str, Box, tuple[Any, ..
     return out
 
 
-def hub_plan(label: str, model: nn.Module, state: Mapping[str, Any], /) -> Plan | None:
+def hub_plan(label: Path | str, model: nn.Module, state: Mapping[str, Any], /) -> Plan | None:
     """``conversion_plan`` for the tensors of ``state`` (``label`` names the source in
     errors)."""
     catalog = {
@@ -741,11 +742,13 @@ def hub_plan(label: str, model: nn.Module, state: Mapping[str, Any], /) -> Plan 
     try:
         return conversion_plan(model, catalog)
     except CheckpointError as exc:
-        raise CheckpointError(f"{label}: {exc}") from exc
+        raise CheckpointError(
+            f"{label}: {exc}", path=label if isinstance(label, Path) else None
+        ) from exc
 
 
 def converted(
-    label: str, model_name: str, plan: Plan, state: Mapping[str, Any], /, *, owned: bool
+    label: Path | str, model_name: str, plan: Plan, state: Mapping[str, Any], /, *, owned: bool
 ) -> Any:
     """``apply_plan``, with what goes wrong in it (out of memory for a fused tensor,
     transformers' own op failing) a ``CheckpointError`` naming the source ``label``."""
@@ -757,5 +760,6 @@ def converted(
         raise CheckpointError(
             f"{label}: converting its hub names to {model_name}'s failed "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); the model "
-            "is untouched"
+            "is untouched",
+            path=label if isinstance(label, Path) else None,
         ) from exc

@@ -56,7 +56,7 @@ def model_names(
     try:
         plan = conversion_plan(model, shapes)
     except CheckpointError as exc:
-        raise CheckpointError(f"{found.where}: {exc}") from exc
+        raise CheckpointError(f"{found.where}: {exc}", path=found.path) from exc
     if plan is None:
         return names, None
     for new, old in plan.renames.items():
@@ -200,7 +200,7 @@ class CheckpointWeights:
         try:
             direct = direct_reads(self.found, model, names, self._file_keys())
         except CheckpointError as exc:
-            raise CheckpointError(f"{self.where}: {exc}") from exc
+            raise CheckpointError(f"{self.where}: {exc}", path=self.found.path) from exc
         computed = direct is not None and direct.rest.computed
         self._direct = None if computed else (made_for, direct)
         return direct
@@ -210,7 +210,7 @@ class CheckpointWeights:
             return self._read(device)
         except FileChanged as exc:
             file = f" (its file {exc.path})" if exc.path and str(exc.path) != self.where else ""
-            raise CheckpointError(
+            raise FileChanged(
                 f"{self.where}: the checkpoint that {display(self.entry)} (offloaded to 'disk') "
                 f"reads its weights from when it runs has changed since the model was "
                 f"loaded{file} ({'; '.join(exc.changes)}); nothing read from it is kept. A "
@@ -218,6 +218,7 @@ class CheckpointWeights:
                 "again from it once the writer is done, or gather the model first, "
                 "torchplace.move(model, 'cpu'), before rewriting the file",
                 path=exc.path,
+                changes=exc.changes,
             ) from exc
 
     def _read(self, device: torch.device) -> dict[str, torch.Tensor]:
@@ -256,7 +257,9 @@ class CheckpointWeights:
             raise CheckpointError(
                 f"{self.where} no longer holds {shown} ({len(missing)} tensor(s) of the "
                 "offloaded module); the checkpoint a disk-offloaded model reads must stay as "
-                "it was loaded"
+                "it was loaded",
+                path=self.found.path,
+                missing=[f"{self.entry}.{n}" for n in missing],
             )
         return out
 

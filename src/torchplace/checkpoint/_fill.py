@@ -323,7 +323,7 @@ def _read_source(
     # A directory's model file: messages name the file read, not its directory.
     p: Path | str = "the state dict given to load_into" if from_memory else resolve(source)
     if renamer is not None:  # its own failure on a key is an error naming the source and key
-        renamer = guarded(str(p), renamer)
+        renamer = guarded(p, renamer)
     slots = tensor_slots(model)
     read_on = _read_on(slots.loadable, target)
     assembled: dict[str, torch.Tensor] = {}  # fused tensors read straight into their memory
@@ -384,7 +384,7 @@ def _fit_and_fill(model: nn.Module, read: _Read, *, strict: bool) -> nn.Module:
     check_state_dict(p, model, state, loadable)
     held = len(state)
     if renamer is not None:
-        state = renamed(str(p), state, renamer)
+        state = renamed(p, state, renamer)
     # what messages say of a rename the caller gave: the keys it had, and those it kept
     counts = (held, len(state)) if read.given_rename else None
     plan = read.rest
@@ -398,9 +398,9 @@ def _fit_and_fill(model: nn.Module, read: _Read, *, strict: bool) -> nn.Module:
         # as from_pretrained converts them; the read state is changed in place, each tensor let
         # go as soon as its fused tensor holds it.
         owned = not read.from_memory or renamer is not None
-        plan = hub_plan(str(p), model, state)
+        plan = hub_plan(p, model, state)
         if plan is not None:
-            state = converted(str(p), type(model).__name__, plan, state, owned=owned)
+            state = converted(p, type(model).__name__, plan, state, owned=owned)
     # What each module would be given by load_state_dict: older norm layers upgraded, every
     # pre-hook run (a layout converted, a key renamed), so values and shapes match its result.
     seen = as_load_state_dict_sees(p, model, state, extra)
@@ -504,7 +504,7 @@ def _direct_plan(
     try:
         return direct_reads(found, model, names)
     except CheckpointError as exc:
-        raise CheckpointError(f"{p}: {exc}") from exc
+        raise CheckpointError(f"{p}: {exc}", path=p) from exc
 
 
 def _plan_names(
@@ -541,7 +541,9 @@ def _warn_after_fill(fit: _Fit) -> None:
     if not left:
         return
     warn_left_on_meta(
-        left_on_meta(fit.model, fit.p, left, fit.strict, fit.target, fit.check.renamed is not None)
+        left_on_meta(fit.model, fit.p, left, fit.strict, fit.target, fit.check.renamed is not None),
+        path=fit.p if isinstance(fit.p, Path) else None,
+        missing=[s.names[0] for s in left],
     )
 
 
@@ -783,7 +785,8 @@ def _prepare(fit: _Fit, target: torch.device | None, *, copy: bool) -> _Prepared
     except Exception as exc:
         raise CheckpointError(
             f"{fit.p}: could not be placed into {type(fit.model).__name__} ({type(exc).__name__}"
-            f": {first_sentence(str(exc))}); the model is untouched"
+            f": {first_sentence(str(exc))}); the model is untouched",
+            path=fit.p if isinstance(fit.p, Path) else None,
         ) from exc
     return out
 
@@ -889,7 +892,8 @@ def _apply_steps(
             state = "the model is partly filled, so build it again"
         raise CheckpointError(
             f"{p}: could not be placed into {type(model).__name__} ({type(exc).__name__}: "
-            f"{first_sentence(str(exc))}); {state}"
+            f"{first_sentence(str(exc))}); {state}",
+            path=p if isinstance(p, Path) else None,
         ) from exc
     left_missing, left_unexpected = list(fit.not_loaded), list(fit.unexpected)
     _run_own_loaders(fit, undos, left_missing, left_unexpected, put_back)
@@ -935,7 +939,10 @@ def _own_moves_after(
             if not failure
             else (f"the model could not be put back as it was ({failure}), so build it again")
         )
-        raise CheckpointError(f"{fit.p}: the weights fit, but {exc}; {state}") from exc
+        raise CheckpointError(
+            f"{fit.p}: the weights fit, but {exc}; {state}",
+            path=fit.p if isinstance(fit.p, Path) else None,
+        ) from exc
 
 
 def _run_own_loaders(
@@ -979,7 +986,8 @@ def _run_own_loaders(
                 )
                 raise CheckpointError(
                     f"{fit.p}: {where} ({type(module).__name__}) loads itself "
-                    f"(_load_from_state_dict) and refused the file: {listing(errors)}; {state}"
+                    f"(_load_from_state_dict) and refused the file: {listing(errors)}; {state}",
+                    path=fit.p if isinstance(fit.p, Path) else None,
                 )
             missing += [k for k in reported if k not in missing and k not in fit.not_loaded]
 

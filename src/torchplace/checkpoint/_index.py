@@ -25,7 +25,7 @@ def index_bytes(p: Path, /) -> bytes:
         with opened(p) as f:
             return f.read()
     except OSError as exc:
-        raise CheckpointError(f"{p}: is not a readable JSON shard index ({exc})") from exc
+        raise CheckpointError(f"{p}: is not a readable JSON shard index ({exc})", path=p) from exc
 
 
 def weight_map(p: Path, /, raw: bytes | None = None) -> dict[str, str]:
@@ -35,12 +35,13 @@ def weight_map(p: Path, /, raw: bytes | None = None) -> dict[str, str]:
     try:
         index = json.loads((index_bytes(p) if raw is None else raw).decode("utf-8"))
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
-        raise CheckpointError(f"{p}: is not a readable JSON shard index ({exc})") from exc
+        raise CheckpointError(f"{p}: is not a readable JSON shard index ({exc})", path=p) from exc
     found = index.get("weight_map") if isinstance(index, dict) else None
     # JSON's keys are strings: its values are what may not be
     if not isinstance(found, dict) or not all(type(v) is str for v in found.values()):
         raise CheckpointError(
             f"{p}: is JSON but not a shard index; a sharded checkpoint's index maps every tensor "
-            'name to its file under "weight_map"'
+            'name to its file under "weight_map"',
+            path=p,
         )
     return found

@@ -227,7 +227,11 @@ def matches_nothing(
     hint = keys_hint(said, check.missing_names, unexpected, shapes, check.tied_names, renamed)
     return CheckpointError(
         f"{p}: not one of its keys matches {model_name}, so strict=False would load nothing: "
-        f"the model has {listing(check.listed_missing(), 5)}; {held}{hint}"
+        f"the model has {listing(check.listed_missing(), 5)}; {held}{hint}",
+        path=p if isinstance(p, Path) else None,
+        missing=check.missing_names,
+        unexpected=unexpected,
+        mismatched=check.mismatched_names,
     )
 
 

@@ -37,8 +37,8 @@ from ._formats import (
     out_of_memory,
     refusal_reason,
 )
-from ._opened import one_open_each
-from ._pickle_reader import WHOLE_MODEL, pickles_a_model
+from ._opened import made_in_call, one_open_each, unopenable
+from ._pickle_reader import WHOLE_MODEL, pickles_a_model, within_bound
 from ._plan_items import Assembled, Part
 from ._progress import reporting, wanted
 from ._reader import (
@@ -96,16 +96,16 @@ def load(
     ``check_crc`` checks every tensor record of a zip file against the CRC-32 it was saved with
     (torch writes one per record), so a flipped bit in a tensor's bytes raises
     ``CheckpointError`` naming the record; the pickle record is always checked. Left to
-    ``None`` (the default), the records are checked as they are read into host memory when
-    ISA-L's CRC-32 is installed (``pip install isal``, or ``torchplace[fast]``): in the reader's
-    threads it adds about 13% to a read from the page cache, where zlib's, the fallback, adds
-    40-60% (``benchmarks/RESULTS.md``). Without it, onto a GPU (where the reads are faster and
-    the check's share larger), or where the file is mapped (``mmap=True``) or read by
-    ``torch.load`` (``trusted=True``, a legacy or unusual file), nothing more is checked by
-    default. ``True`` always checks (with zlib's CRC-32 if need be, in a pass of its
-    own where ``torch.load`` reads) and warns where the file records no CRC-32; ``False`` never
-    checks. Safetensors files carry no checksum: asked of one (or of an index with safetensors
-    shards), ``check_crc=True`` warns once that nothing was checked there.
+    ``None`` (the default), the records are checked as they are read into host memory: with
+    ISA-L's CRC-32 (``isal``, a dependency) it adds about 7-13% to a read from the page cache in
+    the reader's threads; with zlib's, the fallback where ``isal`` has no wheel, 35-60%
+    (``benchmarks/RESULTS.md``). Onto a GPU (where the reads are faster and the check's share
+    larger), or where the file is mapped (``mmap=True``) or read by ``torch.load``
+    (``trusted=True``, a legacy or unusual file), nothing more is checked by default. ``True``
+    always checks (in a pass of its own where ``torch.load`` reads) and warns where the file
+    records no CRC-32; ``False`` never checks. Safetensors files carry no checksum: asked of
+    one (or of an index with safetensors shards), ``check_crc=True`` warns once that nothing
+    was checked there.
 
     ``progress``: a bar on stderr (bytes, rate, time left) while the file is read. ``None``
     shows it when stderr is a terminal and the checkpoint holds at least 2 GiB; ``True`` and
@@ -190,15 +190,24 @@ def _load_torch(
     if not zip_format and not has_legacy_magic(p):
         raise CheckpointError(
             f"{p}: is a plain pickle, not a torch.save file (it does not open with torch's "
-            "magic number); a pickle is not a checkpoint, and torchplace does not unpickle it"
+            "magic number); a pickle is not a checkpoint, and torchplace does not unpickle it",
+            path=p,
         )
     when = stamp(p)  # the file read must stay the one whose layout was found
+    # torch's reader has no bound on a pickle's objects: they are counted first, the count
+    # stopping at the bound, unless the file is trusted or this call's catalog counted them
+    count = not trusted and not made_in_call(("catalog", p))
+    if count and not zip_format:
+        within_bound(p, zip_format=False)
     # Only an explicit True warns of nothing to check, or checks in a pass of its own; left to
-    # None, records are checked only as the reader reads them into host memory, by ISA-L's CRC-32.
+    # None, records are checked only as the reader reads them into host memory (ISA-L's CRC-32,
+    # else zlib's).
     if check_crc and not zip_format:
         unchecked_warning(p, "a legacy (non-zip) torch file records no CRC-32")
     if zip_format:
         layout = zip_layout(p)  # the pickle record's CRC-32 is checked, however it is read
+        if count:
+            within_bound(p, layout.pickle if layout is not None else None)
         if check_crc and layout is not None and not any(i.CRC for i in layout.records.values()):
             unchecked_warning(p, NO_CRC)
             check_crc = False
@@ -220,28 +229,34 @@ def _load_torch(
             raise CheckpointError(
                 f"{p}: was pickled with an instruction torch's safe loader does not read "
                 f"({reason}; a newer pickle protocol). Nothing was run. Re-save it with "
-                "torch.save's default protocol, or pass trusted=True if you trust its source"
+                "torch.save's default protocol, or pass trusted=True if you trust its source",
+                path=p,
             ) from exc
         if "Weights only load failed" in text and _whole_model(p):
             raise CheckpointError(
                 f"{p}: {WHOLE_MODEL.format(path=repr(str(p)))} (a state dict load_into takes "
-                "as it is); better, save model.state_dict() instead of the model"
+                "as it is); better, save model.state_dict() instead of the model",
+                path=p,
             ) from exc
         if "Weights only load failed" in text:
             raise CheckpointError(
                 f"{p}: refused to unpickle it, because loading it would run code or build "
                 f"objects other than tensors and containers ({reason}). "
                 "Nothing was run. If you trust where the file came from, pass trusted=True to "
-                "torchplace.load, or allow that class with torch.serialization.add_safe_globals"
+                "torchplace.load, or allow that class with torch.serialization.add_safe_globals",
+                path=p,
             ) from exc
-        raise CheckpointError(f"{p}: is corrupt ({first_sentence(text)})") from exc
+        raise CheckpointError(f"{p}: is corrupt ({first_sentence(text)})", path=p) from exc
     except Exception as exc:
+        if isinstance(exc, (PermissionError, IsADirectoryError)):  # torch.load's own open
+            raise unopenable(p, exc) from exc
         if zip_format and not has_data_pkl(p):
             raise CheckpointError(
                 f"{p}: is a zip archive but not a torch.save file (no data.pkl); torchplace "
-                "reads torch.save files, .safetensors files and *.index.json shard maps"
+                "reads torch.save files, .safetensors files and *.index.json shard maps",
+                path=p,
             ) from exc
-        raise CheckpointError(f"{p}: {diagnose(exc, zip_format, target)}") from exc
+        raise CheckpointError(f"{p}: {diagnose(exc, zip_format, target)}", path=p) from exc
 
 
 def _safetensors_on_meta(p: Path, target: torch.device, o: ReadOptions) -> dict[str, Any]:
@@ -272,7 +287,7 @@ def _load_safetensors(p: Path, target: torch.device, o: ReadOptions) -> dict[str
             else "reading it on a big-endian machine needs the safetensors package;"
         )
         raise CheckpointError(
-            f"{p}: is a safetensors file, and {how} install it with {SAFETENSORS_HINT}"
+            f"{p}: is a safetensors file, and {how} install it with {SAFETENSORS_HINT}", path=p
         ) from exc
     try:
         return safetensors_load(p, target, mmap=mmap, stamp=found.stamps.get(p))
@@ -339,7 +354,9 @@ def _allocated(
         for piece in made.pieces:
             e = piece.entry
             if not e.addressable or e.file is None or e.order is None:
-                raise CheckpointError(f"{e.file}: tensor {e.name!r} cannot be read here: {e.why}")
+                raise CheckpointError(
+                    f"{e.file}: tensor {e.name!r} cannot be read here: {e.why}", path=e.file
+                )
             e.torch_dtype(found.where)  # one this torch holds
             lead = len(piece.at) - len(e.shape)  # leading offsets index (stacked experts)
             dest: torch.Tensor | None = None
@@ -350,7 +367,8 @@ def _allocated(
             if dest is None or tuple(dest.shape) != e.shape:
                 raise CheckpointError(
                     f"{found.where}: {e.name!r} of shape {e.shape} does not fit {name!r} "
-                    f"(shape {made.shape}) at {piece.at}"
+                    f"(shape {made.shape}) at {piece.at}",
+                    path=found.path,
                 )
             parts.append((e, dest))
     return out, parts
@@ -382,10 +400,13 @@ def read_assembled(
         raise
     except Exception as exc:  # out of memory on the target, a failing device
         if out_of_memory(exc) or device_failure(exc):
-            raise CheckpointError(f"{found.where}: {diagnose(exc, True, target)}") from exc
+            raise CheckpointError(
+                f"{found.where}: {diagnose(exc, True, target)}", path=found.path
+            ) from exc
         raise CheckpointError(
             f"{found.where}: its tensors could not be allocated on {target} "
-            f"({type(exc).__name__}: {first_sentence(str(exc))})"
+            f"({type(exc).__name__}: {first_sentence(str(exc))})",
+            path=found.path,
         ) from exc
     reader = BoxReader(found.stamps, fresh=fresh, threads=threads, together=False)
     try:
@@ -421,16 +442,19 @@ def _unreadable(
 ) -> CheckpointError:
     """The error for a file of ``kind`` that failed to read: the device's own trouble (out of
     memory, a failing GPU) said as such, a file gone since it was found (a checkpoint a
-    ``"disk"`` module reads, moved or deleted under the model) as such, anything else as a
-    damaged file."""
+    ``"disk"`` module reads, moved or deleted under the model) or one this user may not read
+    (or a directory now) as such, anything else as a damaged file."""
     if out_of_memory(exc) or device_failure(exc):
-        return CheckpointError(f"{p}: {diagnose(exc, True, target)}")
+        return CheckpointError(f"{p}: {diagnose(exc, True, target)}", path=p)
     if isinstance(exc, FileNotFoundError):
         return CheckpointError(
             f"{p}: no longer exists: it was moved or deleted after it was found; put it back "
-            "where it was, or load the model again from where it is now"
+            "where it was, or load the model again from where it is now",
+            path=p,
         )
-    return CheckpointError(f"{p}: cannot be read as {kind} ({detail}); {likely}")
+    if isinstance(exc, (PermissionError, IsADirectoryError)):  # not damage: said as it is
+        return unopenable(p, exc)
+    return CheckpointError(f"{p}: cannot be read as {kind} ({detail}); {likely}", path=p)
 
 
 def load_state(
@@ -472,7 +496,9 @@ def _load_index(p: Path, target: torch.device, o: ReadOptions) -> dict[str, Any]
             crc = o.check_crc and kind != "safetensors"
             loaded = reader_for(kind, target)(shard, target, dataclasses.replace(o, check_crc=crc))
             if not isinstance(loaded, Mapping):
-                raise CheckpointError(f"{shard}: holds a {type(loaded).__name__}, not tensors")
+                raise CheckpointError(
+                    f"{shard}: holds a {type(loaded).__name__}, not tensors", path=shard
+                )
             part = loaded
         for name in names:
             if name in part:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextvars
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -259,7 +259,10 @@ def as_pattern(regex: str) -> str:
 def check_state_dict(p: Path | str, model: nn.Module, state: Any, loadable: list[Slot]) -> None:
     """A ``CheckpointError`` for what is not a state dict, with the way to the one inside."""
     if not isinstance(state, Mapping) or not all(isinstance(k, str) for k in state):
-        raise CheckpointError(f"{p}: holds a {type(state).__name__}, not a state dict")
+        raise CheckpointError(
+            f"{p}: holds a {type(state).__name__}, not a state dict",
+            path=p if isinstance(p, Path) else None,
+        )
     nested = [k for k, v in state.items() if isinstance(v, Mapping)]
     if nested and not any(isinstance(v, torch.Tensor) for v in state.values()):
         key = "state_dict" if "state_dict" in nested else nested[0]
@@ -275,7 +278,8 @@ def check_state_dict(p: Path | str, model: nn.Module, state: Any, loadable: list
         where = "state_dict" if isinstance(p, str) else f"torchplace.load({source_name(p)})"
         raise CheckpointError(
             f"{p}: holds a dict of {listing(sorted(nested), 5)}, not a state dict; load the "
-            f"part that holds the weights, torchplace.load_into(model, {where}[{key!r}]{rename})"
+            f"part that holds the weights, torchplace.load_into(model, {where}[{key!r}]{rename})",
+            path=p if isinstance(p, Path) else None,
         )
 
 
@@ -347,14 +351,20 @@ REFUSE_LEFT_ON_META: contextvars.ContextVar[bool] = contextvars.ContextVar(
 class LeftOnMeta(Exception):
     """The warning of ``left_on_meta``, raised where the load under way refuses it
     (``REFUSE_LEFT_ON_META``): not a ``CheckpointError``, so that the fill puts the model back
-    as for any failure; the load that refuses it says what it means for it."""
+    as for any failure; the load that refuses it says what it means for it. ``path`` and
+    ``missing``: the file and the tensors left on meta, for that load's ``CheckpointError``."""
+
+    def __init__(self, text: str, *, path: Path | None = None, missing: Iterable[str] = ()) -> None:
+        super().__init__(text)
+        self.path = path
+        self.missing = tuple(missing)
 
 
-def warn_left_on_meta(text: str) -> None:
-    """The warning ``text`` of ``left_on_meta``, or ``LeftOnMeta`` where the load under way
-    refuses it."""
+def warn_left_on_meta(text: str, *, path: Path | None = None, missing: Iterable[str] = ()) -> None:
+    """The warning ``text`` of ``left_on_meta``, or ``LeftOnMeta`` (with ``path`` and
+    ``missing``) where the load under way refuses it."""
     if REFUSE_LEFT_ON_META.get():
-        raise LeftOnMeta(text)
+        raise LeftOnMeta(text, path=path, missing=missing)
     warnings.warn(text, UserWarning, stacklevel=user_stacklevel())
 
 

@@ -10,19 +10,42 @@ such a call (``inspect``, a catalog asked for on its own) ``opened`` opens and c
 as ``open`` would. What a call works out from its files once (the source's catalog) is kept
 for the call too (``once_per_call``), so the steps below the entry point that ask for it again
 are given the same one. No torch here (``torchplace inspect FILE.safetensors`` starts without it).
+
+Every open of a checkpoint's file goes through ``open_file``: the path is asked (``stat``) before
+it is opened, so a named pipe, a socket or a device is refused at once (opening a pipe for
+reading waits for a writer, for ever), and a file that cannot be opened raises a
+``CheckpointError`` saying why (permission denied, a directory), never one that calls it
+damaged.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import errno
 import io
+import os
+import shlex
+import stat
 import weakref
 from collections.abc import Callable, Hashable, Iterator
 from pathlib import Path
 from typing import BinaryIO, TypeVar, cast
 
-__all__ = ["once_per_call", "one_open_each", "opened", "raw_file"]
+from .._errors import CheckpointError
+
+__all__ = [
+    "file_kind",
+    "made_in_call",
+    "not_a_file",
+    "once_per_call",
+    "one_open_each",
+    "open_file",
+    "opened",
+    "raw_file",
+    "regular_file",
+    "unopenable",
+]
 
 _T = TypeVar("_T")
 
@@ -77,6 +100,99 @@ def once_per_call(key: Hashable, make: Callable[[], _T]) -> _T:
     return cast(_T, call.kept[key])
 
 
+def made_in_call(key: Hashable) -> bool:
+    """Whether the call under way has made what ``once_per_call(key, ...)`` keeps."""
+    call = _current()
+    return call is not None and key in call.kept
+
+
+# ------------------------------------------------------------------------ what a path names
+
+_KINDS = (
+    (stat.S_ISDIR, "directory"),
+    (stat.S_ISFIFO, "named pipe (FIFO)"),
+    (stat.S_ISSOCK, "socket"),
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISBLK, "block device"),
+)
+
+
+def file_kind(mode: int) -> str:
+    """What a file of ``mode`` (``st_mode``) that is not a regular file is: ``"named pipe
+    (FIFO)"``, ``"socket"``, ``"character device"``, ...
+
+    >>> file_kind(stat.S_IFIFO)
+    'named pipe (FIFO)'
+    """
+    return next((what for test, what in _KINDS if test(mode)), "special file")
+
+
+_WHY_NOT = " (reading one waits for a writer, for ever)"  # said of a pipe
+
+
+def not_a_file(p: Path, mode: int) -> CheckpointError:
+    """The error for ``p``, found to be a ``mode`` other than a regular file's."""
+    if stat.S_ISDIR(mode):
+        return CheckpointError(
+            f"{p}: is a directory where a checkpoint file was expected; name the checkpoint "
+            "file itself",
+            path=p,
+        )
+    return CheckpointError(
+        f"{p}: is not a regular file but a {file_kind(mode)}, which torchplace does not read"
+        f"{_WHY_NOT if stat.S_ISFIFO(mode) else ''}; save the checkpoint to a file and pass "
+        "that file's path",
+        path=p,
+    )
+
+
+def unopenable(p: Path, exc: OSError, *, asked: bool = False) -> CheckpointError:
+    """The error for ``p``, which could not be opened (or, ``asked``, not even asked about)
+    for ``exc``: permission denied and a directory are said as such, anything else with the
+    system's words."""
+    if isinstance(exc, PermissionError):
+        where = (
+            "this user cannot reach it (a directory on its path may not be searched); give "
+            "that directory search permission (chmod a+x, as its owner) or load it as a user "
+            "who may read it"
+            if asked
+            else f"this user cannot read it; give it read permission (chmod a+r "
+            f"{shlex.quote(str(p))}, as its owner or root) or load it as a user who may read it"
+        )
+        return CheckpointError(f"{p}: permission denied: {where}", path=p)
+    if isinstance(exc, IsADirectoryError) or exc.errno == errno.EISDIR:
+        return not_a_file(p, stat.S_IFDIR)
+    return CheckpointError(f"{p}: cannot be read ({exc.strerror or exc})", path=p)
+
+
+def regular_file(p: Path) -> os.stat_result:
+    """What ``os.stat`` says of ``p``, which must be a regular file: ``CheckpointError`` (see
+    ``not_a_file``, ``unopenable``) for anything else, and ``FileNotFoundError`` where nothing
+    is there (its caller says where it went)."""
+    try:
+        info = os.stat(p)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise unopenable(p, exc, asked=True) from exc
+    if not stat.S_ISREG(info.st_mode):
+        raise not_a_file(p, info.st_mode)
+    return info
+
+
+def open_file(p: Path) -> io.FileIO:
+    """``p`` opened for reading, once ``stat`` has shown it to be a regular file (a pipe is
+    never opened: that waits for a writer). ``CheckpointError`` where it is not one or cannot
+    be opened; ``FileNotFoundError`` where it does not exist."""
+    regular_file(p)
+    try:
+        return io.FileIO(p)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise unopenable(p, exc) from exc
+
+
 def raw_file(p: Path) -> io.FileIO | None:
     """The call's open file of ``p`` (opened now, on first use), or None outside a call. The
     caller must not close it: the call does."""
@@ -85,7 +201,7 @@ def raw_file(p: Path) -> io.FileIO | None:
         return None
     file = call.files.get(p)
     if file is None or file.closed:
-        file = call.files[p] = io.FileIO(p)  # recorded at once; the call's end closes it
+        file = call.files[p] = open_file(p)  # recorded at once; the call's end closes it
         call.callback(file.close)
     return file
 
@@ -96,7 +212,7 @@ def opened(p: Path) -> Iterator[BinaryIO]:
     rest of the call), or, outside a call, a file of its own, closed on leaving."""
     raw = raw_file(p)
     if raw is None:
-        with open(p, "rb") as f:
+        with io.BufferedReader(open_file(p)) as f:
             yield f
         return
     raw.seek(0)

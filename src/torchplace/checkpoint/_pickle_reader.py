@@ -12,6 +12,7 @@ from __future__ import annotations
 import _compat_pickle
 import contextlib
 import functools
+import io
 import os
 import pickle
 import zipfile
@@ -23,7 +24,7 @@ from typing import IO, Any, ClassVar, cast
 
 from .._errors import CheckpointError
 from ._index import LEGACY_MAGIC
-from ._opened import opened
+from ._opened import opened, unopenable
 from ._source import WRITER_HINT
 
 __all__ = [
@@ -42,6 +43,8 @@ __all__ = [
     "rebuild_tensor",
     "shape_of",
     "tensor_refs",
+    "too_large",
+    "within_bound",
 ]
 
 
@@ -531,20 +534,85 @@ def readable(p: Path) -> Iterator[None]:
     except CheckpointError:
         raise
     except PickleTooLarge as exc:
-        raise CheckpointError(
-            f"{p}: its pickle holds more than {exc.bound:,} objects besides tensors' own (lists, "
-            f"dicts, tuples and their members; reading stopped at {exc.count:,}), more than a "
-            f"checkpoint's table of tensors needs; nothing was run. If it is the file you "
-            f"meant, set {_MAX_OBJECTS_VARIABLE} to a larger bound to read it anyway (its "
-            "objects take memory and time in proportion)"
-        ) from None
+        raise too_large(p, exc) from None
+    except OSError as exc:  # it cannot be opened or read: said as such, not as damage
+        raise unopenable(p, exc) from exc
     except Exception as exc:
         if isinstance(exc, zipfile.BadZipFile) and "not a zip file" in str(exc):
             raise cut_short(p) from exc
         raise CheckpointError(
             f"{p}: is truncated or corrupt ({type(exc).__name__}: {exc}); {WRITER_HINT}, or "
-            "save or fetch it again"
+            "save or fetch it again",
+            path=p,
         ) from exc
+
+
+def too_large(p: Path, exc: PickleTooLarge, *, trusted: bool = False) -> CheckpointError:
+    """The error for ``p``, whose pickle placed more objects than the bound (``exc``);
+    ``trusted``: a trusted load would read it (``load``'s and ``load_into``'s read of a file,
+    not ``inspect``'s), so the error says how."""
+    anyway = (
+        f"set {_MAX_OBJECTS_VARIABLE} to a larger bound to read it anyway, or, for a file you "
+        f"made yourself or got from a source you trust, read it with torchplace.load({str(p)!r}"
+        ", trusted=True) (torch.load reads it as it is; load_into takes the state dict it "
+        "returns)"
+        if trusted
+        else f"set {_MAX_OBJECTS_VARIABLE} to a larger bound to read it anyway"
+    )
+    return CheckpointError(
+        f"{p}: its pickle holds more than {exc.bound:,} objects besides tensors' own (lists, "
+        f"dicts, tuples and their members; reading stopped at {exc.count:,}), more than a "
+        f"checkpoint's table of tensors needs; nothing was run. If it is the file you meant, "
+        f"{anyway} (its objects take memory and time in proportion)",
+        path=p,
+    )
+
+
+def within_bound(p: Path, data: bytes | None = None, *, zip_format: bool = True) -> None:
+    """Refuse ``p`` (``too_large``'s ``CheckpointError``, naming ``trusted=True``) where its
+    pickle places more objects than the bound, before a reader without one (torch's, which
+    ``load`` and ``load_into`` read a torch file with) builds
+    them all: counted by the inert unpickler, which stops at the bound as ``inspect``'s does
+    (the two refuse the same files). ``data``: a zip file's pickle record, where it is at hand;
+    a legacy file's (``zip_format=False``) pickles are read from the file.
+
+    A pickle of no more bytes than the bound cannot pass it (each object it places was pushed
+    by an instruction of a byte at least), so a checkpoint of fewer than about 9,000 tensors
+    is not read twice. A pickle the count cannot read is left to the reader that follows,
+    which says what is wrong with it.
+    """
+    bound = _max_objects()
+    try:
+        if zip_format:
+            data = _zip_pickle(p, bound) if data is None else data
+            if data is None or len(data) <= bound:
+                return
+            InertUnpickler(io.BytesIO(data)).load()
+            return
+        size = os.stat(p).st_size
+        if size <= bound:
+            return
+        with opened(p) as raw:
+            f = _BoundedReader(raw, size)
+            for _ in range(4):  # magic number, protocol, system info, the object
+                InertUnpickler(f).load()
+    except PickleTooLarge as exc:
+        raise too_large(p, exc, trusted=True) from None
+    except CheckpointError:
+        raise
+    except Exception:  # damaged: the read that follows says how
+        return
+
+
+def _zip_pickle(p: Path, bound: int) -> bytes | None:
+    """The pickle record of the torch zip file ``p`` (its top ``data.pkl``), where it holds one
+    of more than ``bound`` bytes; else None."""
+    with opened(p) as f, zipfile.ZipFile(f) as archive:
+        pickles = [i for i in archive.infolist() if i.filename.endswith("data.pkl")]
+        if not pickles:
+            return None
+        info = min(pickles, key=lambda i: len(i.filename))
+        return archive.read(info) if info.file_size > bound else None
 
 
 def cut_short(p: Path) -> CheckpointError:
@@ -552,7 +620,8 @@ def cut_short(p: Path) -> CheckpointError:
     written (the catalog and the readers say it alike)."""
     return CheckpointError(
         f"{p}: is truncated (its zip central directory is missing); {WRITER_HINT}, or its "
-        "save was interrupted (save it again)"
+        "save was interrupted (save it again)",
+        path=p,
     )
 
 
@@ -605,7 +674,8 @@ def legacy_records(p: Path) -> tuple[list[TensorRecord], list[str]]:
         if magic != LEGACY_MAGIC:
             raise CheckpointError(
                 f"{p}: is a pickle but not a torch.save file (wrong magic number); a plain "
-                "pickle is not a checkpoint"
+                "pickle is not a checkpoint",
+                path=p,
             )
         load(f)  # protocol version
         load(f)  # system info
@@ -626,29 +696,35 @@ def _check_legacy_storages(
     ``load`` refuses it, instead of being described as whole."""
     keys = InertUnpickler(f).load()
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-        raise CheckpointError(f"{p}: is corrupt: its list of storages is not a list of keys")
+        raise CheckpointError(
+            f"{p}: is corrupt: its list of storages is not a list of keys", path=p
+        )
     end = p.stat().st_size
     cut_short = "the save or copy was cut short, so save or fetch the file again"
     for key in keys:
         ref = storages.get(key)
         if ref is None:
             raise CheckpointError(
-                f"{p}: is corrupt: it lists data for storage {key}, which no tensor uses"
+                f"{p}: is corrupt: it lists data for storage {key}, which no tensor uses", path=p
             )
         tensor = owners.get(key, f"storage {key}")
         head = f.f.read(8)
         if len(head) < 8:
-            raise CheckpointError(f"{p}: is truncated before the data of {tensor}; {cut_short}")
+            raise CheckpointError(
+                f"{p}: is truncated before the data of {tensor}; {cut_short}", path=p
+            )
         numel = int.from_bytes(head, "little", signed=True)
         if numel < 0 or (ref.numel >= 0 and numel != ref.numel):
             raise CheckpointError(
                 f"{p}: is corrupt: the data of {tensor} holds {numel} elements, where the "
-                f"tensor's record says {ref.numel}"
+                f"tensor's record says {ref.numel}",
+                path=p,
             )
         wanted, left = numel * ref.itemsize, end - f.f.tell()
         if wanted > left:
             raise CheckpointError(
                 f"{p}: is truncated: the data of {tensor} takes {wanted} bytes, and the file "
-                f"ends {left} bytes later; {cut_short}"
+                f"ends {left} bytes later; {cut_short}",
+                path=p,
             )
         f.f.seek(wanted, os.SEEK_CUR)

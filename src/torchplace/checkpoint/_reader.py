@@ -48,7 +48,7 @@ from ..moving._staging import (
 from ._catalog import Stamp, ZipLayout, changed_error
 from ._crc import Crc32, combine, crc32
 from ._formats import device_failure, diagnose, first_sentence, out_of_memory
-from ._opened import opened, raw_file
+from ._opened import open_file, opened, raw_file, unopenable
 from ._plan_items import ReadItem
 from ._progress import current
 
@@ -474,7 +474,7 @@ class OpenFiles:
             if shared is not None:
                 file = self.shared[path] = shared
             else:
-                file = self.files[path] = io.FileIO(path)  # recorded at once: close() closes it
+                file = self.files[path] = open_file(path)  # recorded at once: close() closes it
             try:
                 _same_file(path, file.fileno(), self.stamps.get(path))
             except BaseException:
@@ -520,7 +520,8 @@ class OpenFiles:
             raise CheckpointError(
                 f"{path}: is corrupt: {', '.join(failed[:5])} "
                 f"{'fails its' if len(failed) == 1 else 'fail their'} CRC-32 check (the bytes "
-                "of the tensors were damaged after the file was written); save or fetch it again"
+                "of the tensors were damaged after the file was written); save or fetch it again",
+                path=path,
             )
 
     def read_files(
@@ -766,7 +767,7 @@ def _read_zip_once(
     except Exception as exc:
         _forget_sparse_checks()  # queued by this read: torch.load would check them next
         if out_of_memory(exc) or device_failure(exc):
-            raise CheckpointError(f"{p}: {diagnose(exc, True, target)}") from exc
+            raise CheckpointError(f"{p}: {diagnose(exc, True, target)}", path=p) from exc
         return UNUSUAL
     return result
 
@@ -913,10 +914,13 @@ def check_records(p: Path) -> None:
                 with archive.open(info) as record:
                     while record.read(16 << 20):
                         pass
+    except (PermissionError, IsADirectoryError) as exc:  # not damage: said as it is
+        raise unopenable(p, exc) from exc
     except (OSError, zipfile.BadZipFile, ValueError, EOFError, NotImplementedError) as exc:
         raise CheckpointError(
             f"{p}: is corrupt ({type(exc).__name__}: {first_sentence(str(exc))}); the bytes were "
-            "damaged after the file was written, so save or fetch it again"
+            "damaged after the file was written, so save or fetch it again",
+            path=p,
         ) from exc
     if not checked:
         unchecked_warning(p, NO_CRC)
@@ -937,7 +941,7 @@ def unchecked_warning(p: Path, why: str) -> None:
 def copy_file(path: Path, out: Any) -> None:
     """Every byte of ``path`` written to the file object ``out`` as it is, ``CheckpointError``
     if the file changed while it was copied (its stamp before and after)."""
-    with path.open("rb") as f:
+    with open_file(path) as f:  # a pipe put there is refused, not read
         before = Stamp.of(os.fstat(f.fileno()))
         shutil.copyfileobj(f, out, READ_CHUNK_BYTES)
         now = Stamp.of(os.fstat(f.fileno()))

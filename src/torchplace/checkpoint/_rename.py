@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import re
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, Union
 
 from .._errors import CheckpointError, TorchplaceError
@@ -40,7 +41,9 @@ def given(rename: Rename | None, /) -> bool:
     return rename is not None and not isinstance(rename, _NotGiven)
 
 
-def guarded(label: str, rename: Callable[[str], str | None], /) -> Callable[[str], str | None]:
+def guarded(
+    label: Path | str, rename: Callable[[str], str | None], /
+) -> Callable[[str], str | None]:
     """``rename`` whose own failure on a key is a ``CheckpointError`` naming ``label`` and the key
     (as ``renamed`` words it), wherever the key is renamed first."""
 
@@ -49,10 +52,16 @@ def guarded(label: str, rename: Callable[[str], str | None], /) -> Callable[[str
             return rename(key)
         except Exception as exc:
             raise CheckpointError(
-                f"{label}: rename= raised {type(exc).__name__} on key {key!r}: {exc}"
+                f"{label}: rename= raised {type(exc).__name__} on key {key!r}: {exc}",
+                path=_file(label),
             ) from exc
 
     return fitted
+
+
+def _file(label: Path | str) -> Path | None:
+    """The file a label names, for an error's ``path`` (a state dict's label names none)."""
+    return label if isinstance(label, Path) else None
 
 
 def as_renamer(rename: Any, /) -> Callable[[str], str | None]:
@@ -96,16 +105,17 @@ def as_renamer(rename: Any, /) -> Callable[[str], str | None]:
     return renamer
 
 
-def not_a_name(label: str, key: str, new: object) -> CheckpointError:
+def not_a_name(label: Path | str, key: str, new: object) -> CheckpointError:
     """The error for a rename that turned ``key`` into ``new``, neither a str nor None."""
     return CheckpointError(
         f"{label}: rename= turned {key!r} into {new!r}; it must return a str (the new name) or "
-        "None (to drop the key)"
+        "None (to drop the key)",
+        path=_file(label),
     )
 
 
 def renamed(
-    label: str, state: Mapping[str, Any], rename: Callable[[str], str | None]
+    label: Path | str, state: Mapping[str, Any], rename: Callable[[str], str | None]
 ) -> dict[str, Any]:
     """``state`` under its new names (keys renamed to None dropped), ``_metadata`` renamed too.
 
@@ -119,7 +129,8 @@ def renamed(
             new = rename(key)
         except Exception as exc:
             raise CheckpointError(
-                f"{label}: rename= raised {type(exc).__name__} on key {key!r}: {exc}"
+                f"{label}: rename= raised {type(exc).__name__} on key {key!r}: {exc}",
+                path=_file(label),
             ) from exc
         if new is None:
             continue
@@ -129,7 +140,8 @@ def renamed(
             raise CheckpointError(
                 f"{label}: rename= gives {source[new]!r} and {key!r} the same name {new!r}, so "
                 "one of them would be lost; rename them apart, or drop one (map it to None: a "
-                "pattern to None in a dict, or return None from a callable)"
+                "pattern to None in a dict, or return None from a callable)",
+                path=_file(label),
             )
         out[new] = value
         source[new] = key

@@ -134,7 +134,8 @@ def read_layout_and_bytes(
             if len(raw_len) < 8:
                 raise CheckpointError(
                     f"{p}: is truncated (shorter than a safetensors header); {WRITER_HINT}, or "
-                    "its save was interrupted (save it again)"
+                    "its save was interrupted (save it again)",
+                    path=p,
                 )
             (header_len,) = struct.unpack("<Q", raw_len)
             size = os.fstat(f.fileno()).st_size
@@ -146,19 +147,20 @@ def read_layout_and_bytes(
                 )
                 raise CheckpointError(
                     f"{p}: is truncated or corrupt: its safetensors header claims {header_len} "
-                    f"bytes but the file holds {size} bytes{cut}"
+                    f"bytes but the file holds {size} bytes{cut}",
+                    path=p,
                 )
             raw = f.read(header_len)
             noted = _noted(odd)
             header = json.loads(raw, parse_float=noted, parse_constant=noted)
     except OSError as exc:
-        raise CheckpointError(f"{p}: cannot be read ({exc.strerror or exc})") from exc
+        raise CheckpointError(f"{p}: cannot be read ({exc.strerror or exc})", path=p) from exc
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # nesting past any limit
         raise CheckpointError(
-            f"{p}: has a corrupt safetensors header ({type(exc).__name__}: {exc})"
+            f"{p}: has a corrupt safetensors header ({type(exc).__name__}: {exc})", path=p
         ) from exc
     if not isinstance(header, dict):
-        raise CheckpointError(f"{p}: has a corrupt safetensors header (not a JSON object)")
+        raise CheckpointError(f"{p}: has a corrupt safetensors header (not a JSON object)", path=p)
     # 1 == True == 1.0: the quick pass, which looks at each (dtype, shape) once, is for JSON
     # whose numbers can only be ints (a name that spells true or false takes the long way)
     quick = not odd and b"true" not in raw and b"false" not in raw
@@ -202,7 +204,8 @@ def _check_layout(
     ):
         raise CheckpointError(
             f"{path}: has corrupt __metadata__ ({_printable(repr(meta))[:200]}): safetensors "
-            f"metadata maps strings to strings; {_RESAVE}"
+            f"metadata maps strings to strings; {_RESAVE}",
+            path=path,
         )
     rows = _quick_rows(header, data_len) if quick else None
     if rows is not None:
@@ -220,20 +223,23 @@ def _check_layout(
         if start < reached:
             raise CheckpointError(
                 f"{path}: tensor {name!r} (bytes {start} to {end}) overlaps tensor {last!r} "
-                f"(which ends at byte {reached}): each tensor owns its bytes; {_RESAVE}"
+                f"(which ends at byte {reached}): each tensor owns its bytes; {_RESAVE}",
+                path=path,
             )
         if start > reached:
             after = f"after tensor {last!r}" if last is not None else "at the start of the data"
             raise CheckpointError(
                 f"{path}: tensor {name!r} starts at byte {start}, leaving {start - reached} "
-                f"bytes {after} that no tensor holds; {_RESAVE}"
+                f"bytes {after} that no tensor holds; {_RESAVE}",
+                path=path,
             )
         reached, last = end, name
     if reached != data_len:
         after = f"after tensor {last!r}" if last is not None else "in a file of no tensors"
         raise CheckpointError(
             f"{path}: is truncated or corrupt: it holds {data_len} bytes of data, and "
-            f"{data_len - reached} bytes {after} are no tensor's; {_RESAVE}"
+            f"{data_len - reached} bytes {after} are no tensor's; {_RESAVE}",
+            path=path,
         )
     return rows
 
@@ -333,22 +339,26 @@ def _checked_span(path: Path, name: str, entry: Any, data_len: int) -> tuple[int
     if not isinstance(entry, dict):
         raise CheckpointError(
             f"{where} has a corrupt entry ({_printable(repr(entry))[:200]}): it should map "
-            f"dtype, shape and data_offsets; {_RESAVE}"
+            f"dtype, shape and data_offsets; {_RESAVE}",
+            path=path,
         )
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in DTYPES:  # a list or a map is no dtype name
         raise CheckpointError(
             f"{where} has dtype {dtype!r}, which this version of torch cannot hold "
-            f"(supported: {', '.join(sorted(DTYPES))})"
+            f"(supported: {', '.join(sorted(DTYPES))})",
+            path=path,
         )
     if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
         raise CheckpointError(
-            f"{where} has shape {shape!r}, which is not a list of non-negative integers; {_RESAVE}"
+            f"{where} has shape {shape!r}, which is not a list of non-negative integers; {_RESAVE}",
+            path=path,
         )
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
         raise CheckpointError(
             f"{where} has data_offsets {offsets!r}, which are not two non-negative integers; "
-            f"{_RESAVE}"
+            f"{_RESAVE}",
+            path=path,
         )
     extent, numel = 1, 1
     for n in shape:
@@ -357,14 +367,16 @@ def _checked_span(path: Path, name: str, entry: Any, data_len: int) -> tuple[int
     if extent >= _MAX_INDEX:
         raise CheckpointError(
             f"{where} has shape {shape}, whose sizes multiply past 2**63 (its size overflows): "
-            f"torch cannot index it; {_RESAVE}"
+            f"torch cannot index it; {_RESAVE}",
+            path=path,
         )
     start, end = offsets
     nbytes = numel * DTYPES[dtype][1]
     if nbytes >= _MAX_INDEX:
         raise CheckpointError(
             f"{where} has shape {shape}, which would take {nbytes} bytes of {dtype}, more than "
-            f"any tensor can hold (its size overflows); {_RESAVE}"
+            f"any tensor can hold (its size overflows); {_RESAVE}",
+            path=path,
         )
     if not start <= end <= data_len or end - start != nbytes:
         cut = (  # its bytes would be there, the file longer: a save still writing it looks so
@@ -375,6 +387,7 @@ def _checked_span(path: Path, name: str, entry: Any, data_len: int) -> tuple[int
         raise CheckpointError(
             f"{path}: is truncated or corrupt: tensor {name!r} ({dtype}, shape {shape}) "
             f"takes {nbytes} bytes, which do not fit its data offsets {offsets} in the "
-            f"file's {data_len} bytes of data{cut}"
+            f"file's {data_len} bytes of data{cut}",
+            path=path,
         )
     return start, end

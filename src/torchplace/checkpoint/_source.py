@@ -18,7 +18,7 @@ from typing import Any, Union
 
 from .._errors import CheckpointError
 from .._suggest import close_matches
-from ._opened import opened
+from ._opened import file_kind, not_a_file, opened, unopenable
 
 __all__ = [
     "CHECKPOINT_SUFFIXES",
@@ -90,34 +90,33 @@ def detect_format(path: PathLike, /) -> str:
         info = p.stat()
     except FileNotFoundError:
         hint = _near_misses(p)
-        raise CheckpointError(f"{p}: no such file; check the path{hint}") from None
+        raise CheckpointError(f"{p}: no such file; check the path{hint}", path=p) from None
     except OSError as exc:  # a name too long, a permission on a parent directory, ...
-        raise CheckpointError(f"{p}: cannot be read ({exc.strerror or exc})") from exc
+        raise unopenable(p, exc, asked=True) from exc
     if stat.S_ISDIR(info.st_mode):
         found = sorted(
             q.name for q in p.iterdir() if q.is_file() and q.name.endswith(CHECKPOINT_SUFFIXES)
         )
         which = f": pass one of its files ({', '.join(found[:5])})" if found else ""
-        raise CheckpointError(f"{p}: is a directory, not a checkpoint file{which}")
-    if not stat.S_ISREG(info.st_mode):
-        raise CheckpointError(
-            f"{p}: is not a regular file (a pipe, socket or device); save the checkpoint to a "
-            "file and pass its path"
-        )
+        raise CheckpointError(f"{p}: is a directory, not a checkpoint file{which}", path=p)
+    if not stat.S_ISREG(info.st_mode):  # never opened: a pipe's open waits for a writer
+        raise not_a_file(p, info.st_mode)
     size = info.st_size
     try:
-        with opened(p) as f:
+        with opened(p) as f:  # a file it cannot open is refused there, saying why
             head = f.read(16)
     except OSError as exc:
-        raise CheckpointError(f"{p}: cannot be read ({exc.strerror or exc})") from exc
+        raise unopenable(p, exc) from exc
     if size == 0:
         raise CheckpointError(
-            f"{p}: is empty (0 bytes); {WRITER_HINT}, or its save was interrupted (save it again)"
+            f"{p}: is empty (0 bytes); {WRITER_HINT}, or its save was interrupted (save it again)",
+            path=p,
         )
     if len(head) < min(size, 16):  # fewer bytes than the size just read: it shrank
         raise CheckpointError(
             f"{p}: the file changed while it was read (its size went from {size} to "
-            f"{len(head)} bytes); {WRITER_HINT}"
+            f"{len(head)} bytes); {WRITER_HINT}",
+            path=p,
         )
     return _format_by_head(p, head, size)
 
@@ -137,7 +136,8 @@ def _format_by_head(p: Path, head: bytes, size: int) -> str:
             raise CheckpointError(
                 f"{p}: is a safetensors file cut short: its header alone should take "
                 f"{header_len + 8} bytes, and the file has {size}; {WRITER_HINT}, or the save "
-                "or download was interrupted (write or fetch it again)"
+                "or download was interrupted (write or fetch it again)",
+                path=p,
             )
     if head[:1] == b"\x80":  # a pickle: torch's legacy format (torch checks its magic number)
         return "legacy"
@@ -145,7 +145,9 @@ def _format_by_head(p: Path, head: bytes, size: int) -> str:
         return "index"
     for magic, what in _FOREIGN_MAGIC:
         if head.startswith(magic):
-            raise CheckpointError(f"{p}: is {what}, not a PyTorch or safetensors checkpoint")
+            raise CheckpointError(
+                f"{p}: is {what}, not a PyTorch or safetensors checkpoint", path=p
+            )
     short = (
         f"; at {size} bytes it is too short to be one: {WRITER_HINT}, or its save was "
         "interrupted (save it again)"
@@ -155,7 +157,8 @@ def _format_by_head(p: Path, head: bytes, size: int) -> str:
     raise CheckpointError(
         f"{p}: is not a PyTorch or safetensors checkpoint (it starts with {head[:8]!r}); "
         "torchplace reads torch.save files (zip or legacy), .safetensors files and "
-        f"*.index.json shard maps{short}"
+        f"*.index.json shard maps{short}",
+        path=p,
     )
 
 
@@ -199,16 +202,27 @@ def shards(p: Path, weight_map: Mapping[str, str]) -> list[tuple[str, Path, list
         # Face cache links each file of a snapshot to ../../blobs/<hash>.
         if root not in Path(os.path.normpath(p.parent / shard)).parents:
             raise CheckpointError(
-                f"{p}: names shard {shard!r} outside its own directory; refusing to read it"
+                f"{p}: names shard {shard!r} outside its own directory; refusing to read it", path=p
             )
         try:
             where = (p.parent / shard).resolve()
         except (OSError, ValueError) as exc:  # a NUL in the name, a loop of links
             raise CheckpointError(
-                f"{p}: names shard {shard!r}, which is not a usable file name ({exc})"
+                f"{p}: names shard {shard!r}, which is not a usable file name ({exc})", path=p
             ) from exc
         by_shard.setdefault(where, (shard, []))[1].extend(names)
-    missing = [shard for shard_path, (shard, _) in by_shard.items() if not shard_path.is_file()]
+    missing: list[str] = []
+    odd: list[tuple[str, int]] = []  # shards that are there but are no regular files
+    for shard_path, (shard, _) in by_shard.items():
+        try:
+            mode = os.stat(shard_path).st_mode  # asked, never opened: a pipe's open blocks
+        except FileNotFoundError:  # (a link to nothing too)
+            missing.append(shard)
+            continue
+        except OSError:  # a permission on its directory, ...: detect_format below says so
+            continue
+        if not stat.S_ISREG(mode):
+            odd.append((shard, mode))
     if missing:
         which = (
             f"shard {missing[0]!r}, which is"
@@ -226,17 +240,37 @@ def shards(p: Path, weight_map: Mapping[str, str]) -> list[tuple[str, Path, list
         )
         raise CheckpointError(
             f"{p}: names {which} missing from {root}{listed}{dangling}; download or copy every "
-            "shard the index lists"
+            "shard the index lists",
+            path=p,
         )
+    if odd:
+        raise _odd_shard(p, *odd[0])
     found = []
     for shard_path, (shard, names) in by_shard.items():
         if detect_format(shard_path) == "index":
             raise CheckpointError(
                 f"{p}: names shard {shard!r}, which is itself a shard index; an index lists "
-                "the files that hold the tensors"
+                "the files that hold the tensors",
+                path=p,
             )
         found.append((shard, shard_path, names))
     return found
+
+
+def _odd_shard(p: Path, shard: str, mode: int) -> CheckpointError:
+    """The error for the index ``p`` naming ``shard``, which is there as a ``mode`` other than a
+    regular file's (a directory, a pipe, a device): it names the shard as the index spells it."""
+    spelt = Path(os.path.normpath(p.parent / shard))
+    what = (
+        "a directory, not a file"
+        if stat.S_ISDIR(mode)
+        else f"not a regular file but a {file_kind(mode)}, which torchplace does not read"
+    )
+    link = f" (a link to {os.readlink(spelt)!r})" if spelt.is_symlink() else ""
+    return CheckpointError(
+        f"{p}: names shard {shard!r}{link}, which is {what}; copy the shard's file itself there",
+        path=spelt,
+    )
 
 
 # The files save_pretrained writes, in the order a directory is searched for its one model file.
@@ -261,11 +295,10 @@ def model_file(p: Path, /) -> Path:
     the files to choose from.
     """
     try:
-        found = sorted(
-            q for q in p.iterdir() if q.name.endswith(CHECKPOINT_SUFFIXES) and q.is_file()
-        )
+        named = sorted(q for q in p.iterdir() if q.name.endswith(CHECKPOINT_SUFFIXES))
+        found = [q for q in named if q.is_file()]
     except OSError as exc:
-        raise CheckpointError(f"{p}: cannot be read ({exc.strerror or exc})") from exc
+        raise unopenable(p, exc) from exc
     indexes = [q for q in found if q.name.endswith(".index.json")]
     candidates = indexes or found
     if len(candidates) == 1:
@@ -275,15 +308,39 @@ def model_file(p: Path, /) -> Path:
         if len(preferred) == 1:
             return preferred[0]
     if not candidates:
+        odd = _not_files(named)
+        if odd is not None:
+            return odd
         raise CheckpointError(
             f"{p}: is a directory holding no checkpoint (no *.safetensors, *.bin, *.pt, *.pth, "
-            "*.ckpt or *.index.json file); pass the checkpoint's own path"
+            "*.ckpt or *.index.json file); pass the checkpoint's own path",
+            path=p,
         )
     names = ", ".join(q.name for q in candidates[:6])
     raise CheckpointError(
         f"{p}: is a directory holding several checkpoints ({names}), and which one is meant "
-        f"cannot be told; pass its path, e.g. {str(p / candidates[0].name)!r}"
+        f"cannot be told; pass its path, e.g. {str(p / candidates[0].name)!r}",
+        path=p,
     )
+
+
+def _not_files(named: list[Path]) -> Path | None:
+    """Of a directory's entries ``named`` as checkpoints, none a regular file: the first that is
+    there (a pipe, a socket, a device), which ``detect_format`` then refuses by name, or a
+    ``CheckpointError`` for one that is a directory; None where none is there at all."""
+    for q in named:
+        try:
+            mode = q.stat().st_mode  # asked, never opened
+        except OSError:  # a link to nothing
+            continue
+        if stat.S_ISDIR(mode):
+            raise CheckpointError(
+                f"{q.parent}: holds no checkpoint file: {q.name} is a directory, not a file; "
+                "pass the checkpoint file's own path",
+                path=q,
+            )
+        return q
+    return None
 
 
 def resolve(source: Any, /) -> Path:

@@ -55,7 +55,8 @@ def set_extra_states(
         undo()
         raise CheckpointError(
             f"{p}: {key} was refused by {type(extra[key]).__name__}.set_extra_state "
-            f"({type(exc).__name__}: {first_sentence(str(exc))}); the model is untouched"
+            f"({type(exc).__name__}: {first_sentence(str(exc))}); the model is untouched",
+            path=p if isinstance(p, Path) else None,
         ) from exc
 
 
@@ -169,7 +170,8 @@ def _run_pre_hooks(
             raise CheckpointError(
                 f"{p}: the load_state_dict pre-hook {_hook_name(hook)} of {where} "
                 f"({type(module).__name__}) raised {type(exc).__name__}: "
-                f"{first_sentence(str(exc))}; nothing was loaded"
+                f"{first_sentence(str(exc))}; nothing was loaded",
+                path=p if isinstance(p, Path) else None,
             ) from exc
 
 
@@ -279,13 +281,15 @@ def run_post_hooks(
             except Exception as exc:
                 raise CheckpointError(
                     f"{p}: the load_state_dict post-hook {_hook_name(hook)} of {where} raised "
-                    f"{type(exc).__name__}: {first_sentence(str(exc))}; {then()}"
+                    f"{type(exc).__name__}: {first_sentence(str(exc))}; {then()}",
+                    path=p if isinstance(p, Path) else None,
                 ) from exc
             if out is not None:
                 raise CheckpointError(
                     f"{p}: the load_state_dict post-hook {_hook_name(hook)} of {where} returned "
                     "a value; post-hooks change the incompatible keys in place and return "
-                    f"None; {then()}"
+                    f"None; {then()}",
+                    path=p if isinstance(p, Path) else None,
                 )
 
     try:

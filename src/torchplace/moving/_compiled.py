@@ -43,6 +43,9 @@ class _TracedMoveError(MoveError):
     cannot trace ``MoveError``'s own), its ``name`` set afterwards."""
 
     __init__ = RuntimeError.__init__
+    # Pickled as the built-in pickles it (its args, then its __dict__ with ``name``):
+    # MoveError's own rebuild passes ``name=``, which this ``__init__`` does not take.
+    __reduce__ = BaseException.__reduce__
 
 
 def _error(message: str, name: str | None) -> MoveError:

@@ -355,7 +355,8 @@ def _located(index: int, device: torch.device, batch: Any, walk: Callable[[], An
                     break
         raise MoveError(
             f"DeviceLoader could not copy batch {index} to {device}: {what} failed: "
-            f"{type(cause).__name__}: {cause}"
+            f"{type(cause).__name__}: {cause}",
+            name=path,
         ) from cause
 
 

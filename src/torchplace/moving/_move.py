@@ -187,7 +187,8 @@ def _check_non_persistent(plan: _Plan, target: torch.device, copier: Copier) -> 
     if lost:
         names = ", ".join(lost[:5]) + (", ..." if len(lost) > 5 else "")
         raise MoveError(
-            f"{names}: {NON_PERSISTENT_LOST.format(dev=repr(str(target)))}. Nothing was moved"
+            f"{names}: {NON_PERSISTENT_LOST.format(dev=repr(str(target)))}. Nothing was moved",
+            name=lost[0],
         )
 
 
@@ -575,7 +576,8 @@ def _plan_optimizer_states(
                 f"{label} ({type(opt).__name__}) holds none of the parameters being moved (its "
                 f"{count} belong to another model), so its state would stay where it is; pass "
                 "the optimizer built on this model's parameters, or move that optimizer with "
-                "its own model. Nothing was moved"
+                "its own model. Nothing was moved",
+                name=label,
             )
     return result
 

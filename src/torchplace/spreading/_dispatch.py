@@ -456,7 +456,8 @@ def _keep_on_disk(model: nn.Module, entries: Mapping[str, object]) -> None:
             raise MoveError(
                 f"{display(path)} is offloaded to 'disk' (its weights are in its checkpoint, "
                 "not in memory), and this map puts it elsewhere; gather the model first, "
-                "torchplace.move(model, 'cpu'), then dispatch it by the new map"
+                "torchplace.move(model, 'cpu'), then dispatch it by the new map",
+                name=path,
             )
 
 

@@ -264,7 +264,9 @@ def _left_on_meta_refused(load: Callable[[], object]) -> None:
             f"{left}; with a device_map the load stops here: the map places them in memory, "
             "where they must hold values before the model is dispatched (the load fills only "
             "what the file holds, so what you initialise first stays). What the fill wrote in "
-            "place may stay written: build the model again"
+            "place may stay written: build the model again",
+            path=left.path,
+            missing=left.missing,
         ) from None
 
 
