@@ -195,3 +195,45 @@ def test_a_missing_file_names_the_one_meant(tmp_path: Path, given: str, found: s
     assert str(e.value).rsplit("found nearby: ", 1)[1].rstrip(")").split(", ")[0] == found
     with pytest.raises(CheckpointError, match=r"no such file; check the path$"):
         load(tmp_path / "zebra.pt")
+
+
+# --- a flat shard index ({name: file}), as Accelerate takes one ---------------------------------
+
+
+def _flat_index(tmp_path: Path, torch_shards: bool) -> tuple[Path, dict[str, torch.Tensor]]:
+    import json
+
+    from helpers import write_shards
+
+    model = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    index = write_shards(tmp_path, sd, torch_shards=torch_shards)
+    flat = tmp_path / "weights.index.json"
+    flat.write_text(json.dumps(json.loads(index.read_text())["weight_map"]))
+    index.unlink()
+    return flat, sd
+
+
+@pytest.mark.parametrize("torch_shards", [False, True], ids=["safetensors", "bin"])
+def test_a_flat_index_is_read_as_the_weight_map_form(tmp_path: Path, torch_shards: bool) -> None:
+    """A flat {name: file} index loads, fills a model and is inspected like the "weight_map"
+    form (it was refused as "not a shard index")."""
+    flat, sd = _flat_index(tmp_path, torch_shards)
+    loaded = load(flat)
+    assert sorted(loaded) == sorted(sd)
+    assert all(torch.equal(loaded[k], sd[k]) for k in sd)
+    model = load_into(skeleton(lambda: nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))), flat)
+    assert all(torch.equal(model.state_dict()[k], sd[k]) for k in sd)
+    assert load(tmp_path).keys() == sd.keys()  # the directory: its one index
+    assert sorted(t.name for t in describe_file(flat)) == sorted(sd)
+
+
+def test_json_that_is_no_index_in_either_form_is_refused(tmp_path: Path) -> None:
+    import json
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
+    with pytest.raises(CheckpointError, match="is JSON but not a shard index") as err:
+        load(config)
+    assert err.value.path == config
+    assert "as the whole object ({name: file}" in str(err.value)
