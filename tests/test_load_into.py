@@ -587,3 +587,78 @@ def test_an_on_off_option_given_a_string_is_refused_by_name(
         run()
     if call == "load_into":  # what equals True or False passes, as torch's own options take
         torchplace.load_into(torch.nn.Linear(2, 2), path, **{option: 0})
+
+
+# --- strict=False names what it skipped: as data, in one warning ---------------------------------
+
+
+def _two_layers() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+
+
+@pytest.fixture
+def skipping(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A file that lacks the model's 1.bias and holds a key the model does not take."""
+    sd = {k: v.detach().clone() for k, v in _two_layers().state_dict().items() if k != "1.bias"}
+    sd["head.scale"] = torch.ones(2)
+    return save(sd, tmp_path / "partial.pt"), sd
+
+
+def test_strict_false_names_the_skipped_keys_in_one_warning(
+    skipping: tuple[Path, dict[str, torch.Tensor]],
+) -> None:
+    path, sd = skipping
+    model = _two_layers()
+    kept = model[1].bias.detach().clone()
+    with pytest.warns(UserWarning, match=r"partial\.pt: strict=False skipped 2 keys") as w:
+        load_into(model, path, strict=False)
+    assert len(w) == 1
+    skipped = w[0].message
+    assert (skipped.path, skipped.missing, skipped.unexpected) == (
+        path,
+        ("1.bias",),
+        ("head.scale",),
+    )
+    assert "keep the values they had" in str(skipped)
+    assert torch.equal(model[1].bias, kept)  # the key the file lacks kept its value
+    assert torch.equal(model[0].weight, sd["0.weight"])
+
+
+def test_strict_false_on_a_skeleton_warns_once_naming_both_kinds(
+    skipping: tuple[Path, dict[str, torch.Tensor]],
+) -> None:
+    """Left on meta is the one warning then: it names the unexpected keys too, and carries
+    every skipped key as data."""
+    path, _ = skipping
+    with pytest.warns(UserWarning, match=r"1\.bias") as w:
+        model = load_into(skeleton(_two_layers), path, strict=False)
+    assert len(w) == 1
+    skipped = w[0].message
+    assert (skipped.missing, skipped.unexpected) == (("1.bias",), ("head.scale",))
+    assert "head.scale" in str(skipped)
+    assert model[1].bias.is_meta
+
+
+def test_the_skipped_keys_warning_is_silenced_by_the_standard_filters(
+    skipping: tuple[Path, dict[str, torch.Tensor]],
+) -> None:
+    import warnings
+
+    path, sd = skipping
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", message=r".*strict=False skipped")
+        model = load_into(_two_layers(), path, strict=False)
+    assert torch.equal(model[0].weight, sd["0.weight"])
+    # a state dict in memory: the same warning, with no path
+    with pytest.warns(UserWarning, match="strict=False skipped 2 keys") as w:
+        load_into(_two_layers(), sd, strict=False)
+    assert w[0].message.path is None
+
+
+def test_a_source_that_fits_says_nothing_with_strict_false(ckpt: Path) -> None:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_into(Net(), ckpt, strict=False)

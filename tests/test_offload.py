@@ -1917,7 +1917,9 @@ def test_strict_false_by_map_leaving_a_resident_tensor_on_meta_is_refused_untouc
     assert torch.equal(half[0].weight, before) and half[2].weight.is_meta
     torch.save({k: v for k, v in model.state_dict().items() if k != "0.bias"}, path)
     target[0].bias = nn.Parameter(model[0].bias.detach().clone())  # given a value first
-    loaded = torchplace.load_into(target, path, device_map=disk, strict=False)
+    with pytest.warns(UserWarning, match=r"strict=False skipped 1 key: the model's 0\.bias") as w:
+        loaded = torchplace.load_into(target, path, device_map=disk, strict=False)
+    assert [(x.message.missing, x.message.unexpected) for x in w] == [(("0.bias",), ())]
     x = torch.randn(3, 8)
     with torch.no_grad():
         assert torch.equal(loaded(x), model(x))

@@ -283,6 +283,22 @@ def _deep(tmp_path: Path, mesh: Any, *, skeleton: bool) -> tuple[torch.nn.Module
     return model, path
 
 
+def test_a_sharded_strict_false_load_names_the_skipped_keys(
+    fake_world: object, tmp_path: Path
+) -> None:
+    """strict=False over a sharded model names what it skipped in one warning, as data, as the
+    plain load does: the file lacks 31.weight and holds a key the model does not take."""
+    model, path = _deep(tmp_path, fake_world, skeleton=False)
+    state = {f"{i}.weight": torch.randn(16, 16) for i in range(31)} | {"scale": torch.randn(4)}
+    save_file(state | {"extra": torch.ones(1)}, str(path))
+    with pytest.warns(UserWarning, match=r"strict=False skipped 2 keys") as w:
+        torchplace.load_into(model, path, strict=False)
+    assert [(x.message.path, x.message.missing, x.message.unexpected) for x in w] == [
+        (path, ("31.weight",), ("extra",))
+    ]
+    assert bool((model[31].weight.to_local() == 7.0).all())  # kept the value it had
+
+
 def test_a_sharded_fill_interrupted_late_puts_the_skeleton_back(
     fake_world: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -49,9 +49,11 @@ from ._load import (
 )
 from ._mismatch import (
     Shapes,
+    SkippedKeys,
     check_state_dict,
     left_on_meta,
     listing,
+    skipped_keys,
     target_for,
     warn_left_on_meta,
 )
@@ -535,16 +537,29 @@ def _warn_after_fill(fit: _Fit) -> None:
         warnings.warn(
             discarded_warning("load_into", fit.discarded), UserWarning, stacklevel=user_stacklevel()
         )
-    if fit.read_on.type == "meta":
-        return
+    path = fit.p if isinstance(fit.p, Path) else None
+    missing = [] if fit.strict else fit.check.missing_names
+    unexpected = [] if fit.strict else list(fit.check.unexpected)
     left = [s for s in (*fit.loadable, *fit.transient) if s.tensor.is_meta]
-    if not left:
-        return
-    warn_left_on_meta(
-        left_on_meta(fit.model, fit.p, left, fit.strict, fit.target, fit.check.renamed is not None),
-        path=fit.p if isinstance(fit.p, Path) else None,
-        missing=[s.names[0] for s in left],
-    )
+    if left and fit.read_on.type != "meta":  # the one warning: it names what was skipped too
+        text = left_on_meta(
+            fit.model, fit.p, left, fit.strict, fit.target, fit.check.renamed is not None
+        )
+        if unexpected:
+            text += f" It skipped the source's {listing(unexpected)} too (the model takes none)."
+        on_meta = [s.names[0] for s in left]
+        every = on_meta + [n for n in missing if n not in set(on_meta)]
+        warn_left_on_meta(text, path=path, missing=every, unexpected=unexpected)
+    elif missing or unexpected:
+        warnings.warn(
+            SkippedKeys(
+                skipped_keys(fit.p, missing, unexpected),
+                path=path,
+                missing=missing,
+                unexpected=unexpected,
+            ),
+            stacklevel=user_stacklevel(),
+        )
 
 
 def _dtype_wish(

@@ -27,6 +27,7 @@ __all__ = [
     "REFUSE_LEFT_ON_META",
     "LeftOnMeta",
     "Shapes",
+    "SkippedKeys",
     "as_pattern",
     "check_state_dict",
     "keys_hint",
@@ -34,6 +35,7 @@ __all__ = [
     "listing",
     "path_of",
     "python_path",
+    "skipped_keys",
     "source_name",
     "target_for",
     "warn_left_on_meta",
@@ -360,12 +362,63 @@ class LeftOnMeta(Exception):
         self.missing = tuple(missing)
 
 
-def warn_left_on_meta(text: str, *, path: Path | None = None, missing: Iterable[str] = ()) -> None:
-    """The warning ``text`` of ``left_on_meta``, or ``LeftOnMeta`` (with ``path`` and
-    ``missing``) where the load under way refuses it."""
+class SkippedKeys(UserWarning):
+    """The one warning of a ``strict=False`` load that skipped keys, carrying them as data:
+    ``path`` (the file, or None for a mapping), ``missing`` (the model's keys the source lacks:
+    they keep the values they had, or stay on meta), ``unexpected`` (the source's keys the
+    model takes no tensor for). A ``UserWarning``, so the standard filters silence it (by its
+    message, which holds "strict=False skipped", or by this class).
+
+    >>> w = SkippedKeys("m.pt: strict=False skipped 1 key", missing=["bias"])
+    >>> isinstance(w, UserWarning), w.missing, w.unexpected
+    (True, ('bias',), ())
+    """
+
+    def __init__(
+        self,
+        text: str,
+        *,
+        path: Path | None = None,
+        missing: Iterable[str] = (),
+        unexpected: Iterable[str] = (),
+    ) -> None:
+        super().__init__(text)
+        self.path = path
+        self.missing = tuple(missing)
+        self.unexpected = tuple(unexpected)
+
+
+def skipped_keys(p: Path | str, missing: list[str], unexpected: list[str]) -> str:
+    """What a ``strict=False`` load that skipped ``missing`` and ``unexpected`` keys says."""
+    parts = []
+    if missing:
+        parts.append(
+            f"the model's {listing(missing)}, which it lacks (they keep the values they had)"
+        )
+    if unexpected:
+        parts.append(f"its {listing(unexpected)}, which the model takes no tensor for")
+    count = len(missing) + len(unexpected)
+    return (
+        f"{p}: strict=False skipped {count} key{'s' * (count != 1)}: {'; and '.join(parts)}. "
+        "The keys are in this warning's .missing and .unexpected; pass strict=True to refuse "
+        "a source that does not fit"
+    )
+
+
+def warn_left_on_meta(
+    text: str,
+    *,
+    path: Path | None = None,
+    missing: Iterable[str] = (),
+    unexpected: Iterable[str] = (),
+) -> None:
+    """The warning ``text`` of ``left_on_meta`` (a ``SkippedKeys`` carrying ``missing`` and
+    ``unexpected``), or ``LeftOnMeta`` (with ``path`` and ``missing``) where the load under
+    way refuses it."""
     if REFUSE_LEFT_ON_META.get():
         raise LeftOnMeta(text, path=path, missing=missing)
-    warnings.warn(text, UserWarning, stacklevel=user_stacklevel())
+    skipped = SkippedKeys(text, path=path, missing=missing, unexpected=unexpected)
+    warnings.warn(skipped, stacklevel=user_stacklevel())
 
 
 def left_on_meta(
