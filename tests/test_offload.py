@@ -1993,3 +1993,52 @@ def test_a_hooked_model_left_on_meta_by_map_is_refused_by_its_fill_in_that_threa
     with pytest.raises(KeyboardInterrupt):
         _load_by_map._left_on_meta_refused(interrupted)
     assert REFUSE_LEFT_ON_META.get() is False
+
+
+# --- a load by map reads only what stays resident ------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["file", "index", "pt"])
+def test_a_load_by_map_reads_no_byte_of_the_disk_modules(tmp_path: Any, form: str) -> None:
+    """A load by map read the whole checkpoint into memory, the disk modules' layers too (all
+    of a 192 MiB file for one resident layer of 16 MiB): now the bytes read from the file are
+    those of the resident modules, to the byte, and the disk modules read theirs as they run."""
+    from helpers import safetensors_torch, write_shards
+    from torchplace.checkpoint import _reader
+
+    model = mlp(6)
+    sd = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    if form == "file":
+        path = tmp_path / "m.safetensors"
+        safetensors_torch().save_file(sd, str(path))
+    elif form == "pt":
+        path = tmp_path / "m.pt"
+        torch.save(sd, path)
+    else:
+        path = write_shards(tmp_path, sd)
+    read: list[int] = []
+    pread = _reader._pread_exactly
+
+    def counting(fd: int, view: memoryview, offset: int) -> None:
+        read.append(view.nbytes)
+        pread(fd, view, offset)
+
+    disk = {"": "cpu", "2": "disk", "4": "disk"}
+    resident = sum(v.nbytes for k, v in sd.items() if not k.startswith(("2.", "4.")))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_reader, "_pread_exactly", counting)
+        loaded = torchplace.load_into(torchplace.skeleton(mlp, 6), path, device_map=disk)
+        assert sum(read) == resident
+        read.clear()
+        x = torch.randn(3, 8)
+        with torch.no_grad():
+            got = loaded(x)
+        assert (
+            sum(read)
+            == sd["2.weight"].nbytes
+            + sd["2.bias"].nbytes
+            + sd["4.weight"].nbytes
+            + sd["4.bias"].nbytes
+        )
+    with torch.no_grad():
+        assert torch.equal(got, model(x))

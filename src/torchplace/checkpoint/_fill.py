@@ -306,6 +306,7 @@ class _Read:
     renamer: Callable[[str], str | None] | None
     from_memory: bool
     given_rename: bool  # the caller gave rename= (not only a wrapper's prefix taken off)
+    dropped: int = 0  # the file's keys not read, as the renamer drops them (not in state)
 
 
 def _read_source(
@@ -332,9 +333,10 @@ def _read_source(
     rest: Plan | None = None  # the conversions left to apply once the file is read
     if isinstance(source, Mapping):
         state: Any = source
+        dropped = 0
     else:
         assert isinstance(p, Path)
-        state, assembled, rest = _read_file(
+        state, assembled, rest, dropped = _read_file(
             p,
             model,
             slots.loadable,
@@ -345,7 +347,17 @@ def _read_source(
             progress=progress,
         )
     return _Read(
-        p, state, assembled, rest, slots, target, read_on, renamer, from_memory, given_rename
+        p,
+        state,
+        assembled,
+        rest,
+        slots,
+        target,
+        read_on,
+        renamer,
+        from_memory,
+        given_rename,
+        dropped,
     )
 
 
@@ -359,10 +371,11 @@ def _read_file(
     mmap: bool,
     check_crc: bool | None,
     progress: bool | None,
-) -> tuple[Any, dict[str, torch.Tensor], Plan | None]:
+) -> tuple[Any, dict[str, torch.Tensor], Plan | None, int]:
     """The file's tensors read onto ``read_on``: the state (by the file's names), the fused
-    tensors read straight into their memory (by the model's), and the rest of the conversion
-    plan to apply to the state (None where there is no plan read straight)."""
+    tensors read straight into their memory (by the model's), the rest of the conversion plan
+    to apply to the state (None where there is no plan read straight), and how many of the
+    file's keys were not read, as ``renamer`` drops them."""
     # Tensors of another floating dtype than the model's are converted as they are read.
     wish = _dtype_wish(model, loadable, renamer)
     kind = format_of(p)
@@ -372,10 +385,29 @@ def _read_file(
     total = source_bytes(p, kind) if wanted(progress) else 0
     with reporting(total, f"load_into {p.name}", progress):
         if direct is None:
-            state = load_state(p, read_on, mmap=mmap, dtype_of=wish, check_crc=check_crc, kind=kind)
-            return state, {}, None
+            # a key the rename drops (a load by map's disk modules' among them) is not read
+            refused: set[str] = set()
+
+            def kept(key: str) -> bool:
+                assert renamer is not None
+                if renamer(key) is not None:
+                    return True
+                refused.add(key)
+                return False
+
+            state = load_state(
+                p,
+                read_on,
+                mmap=mmap,
+                dtype_of=wish,
+                check_crc=check_crc,
+                kind=kind,
+                wanted=None if renamer is None else kept,
+            )
+            held = state.keys() if isinstance(state, Mapping) else ()
+            return state, {}, None, len(refused.difference(held))
         state, assembled = read_direct(direct, read_on, wish)
-        return state, assembled, direct.rest
+        return state, assembled, direct.rest, 0
 
 
 def _fit_and_fill(model: nn.Module, read: _Read, *, strict: bool) -> nn.Module:
@@ -384,7 +416,7 @@ def _fit_and_fill(model: nn.Module, read: _Read, *, strict: bool) -> nn.Module:
     p, state, renamer, slots = read.p, read.state, read.renamer, read.slots
     loadable, transient, extra = slots.loadable, slots.transient, slots.extra_state
     check_state_dict(p, model, state, loadable)
-    held = len(state)
+    held = len(state) + read.dropped  # the keys the file holds, those not read among them
     if renamer is not None:
         state = renamed(p, state, renamer)
     # what messages say of a rename the caller gave: the keys it had, and those it kept

@@ -213,7 +213,7 @@ def _load_torch(
             check_crc = False
         if layout is not None and not mmap and not trusted and by_layout:
             crc = check_as_read(check_crc, target.type)
-            read = read_zip(layout, target, when, crc, o.dtype_of)
+            read = read_zip(layout, target, when, crc, o.dtype_of, o.wanted)
             if read is not UNUSUAL:
                 return read
         if check_crc:  # read by torch.load below: every record checked in a pass of its own
@@ -275,7 +275,8 @@ def _load_safetensors(p: Path, target: torch.device, o: ReadOptions) -> dict[str
     found = catalog(p)
     mmap = o.mmap
     if not mmap and sys.byteorder == "little":
-        return read_entries(found, list(found.entries), target, o.dtype_of)
+        names = [n for n in found.entries if o.wanted is None or o.wanted(n)]
+        return read_entries(found, names, target, o.dtype_of)
     for e in found.entries.values():
         e.torch_dtype(str(p))  # refused as the reader refuses it
     try:
@@ -465,16 +466,18 @@ def load_state(
     dtype_of: DTypeWish | None,
     check_crc: bool | None = None,
     kind: str | None = None,
+    wanted: Callable[[str], bool] | None = None,
 ) -> Any:
     """``load(path, target, mmap=mmap)`` for ``load_into``: tensors of safetensors files (alone
-    or in an index) are read in the dtype ``dtype_of`` asks for, converted as they are read.
+    or in an index) are read in the dtype ``dtype_of`` asks for, converted as they are read,
+    and only the keys ``wanted`` keeps (all where None; see ``ReadOptions.wanted``).
     ``kind``: the format of ``path``, where the caller resolved it already (then ``path`` is
     the file it resolved to, and neither is worked out again)."""
     p = resolve(path) if kind is None else Path(path)
     kind = format_of(p) if kind is None else kind
     # (a safetensors file has no checksum: load_into has said so already)
     crc = check_crc and kind != "safetensors"
-    return reader_for(kind, target)(p, target, ReadOptions(mmap, False, crc, dtype_of))
+    return reader_for(kind, target)(p, target, ReadOptions(mmap, False, crc, dtype_of, wanted))
 
 
 def _load_index(p: Path, target: torch.device, o: ReadOptions) -> dict[str, Any]:
@@ -484,7 +487,8 @@ def _load_index(p: Path, target: torch.device, o: ReadOptions) -> dict[str, Any]
     by_file: dict[Path, list[str]] = {}
     for name, e in found.entries.items():
         assert e.file is not None
-        by_file.setdefault(e.file, []).append(name)
+        if o.wanted is None or o.wanted(name):  # a shard of none of them is not opened
+            by_file.setdefault(e.file, []).append(name)
     result: dict[str, Any] = {}
     for shard, names in by_file.items():
         kind = found.kinds.get(shard) or format_of(shard)
@@ -526,6 +530,12 @@ class ReadOptions:
     trusted: bool = False
     check_crc: bool | None = None
     dtype_of: DTypeWish | None = None
+    # Which keys to read, where not all: the others are not read at all (load_into's rename
+    # drops them, or they stay on disk, as a load by map's disk modules do). Kept by a
+    # safetensors file (or index) entry by entry, by a torch zip file storage by storage (one
+    # that a wanted tensor shares is read) where it is read in wished dtypes; a legacy or
+    # unusual torch file is read whole.
+    wanted: Callable[[str], bool] | None = None
 
 
 Reader = Callable[[Path, torch.device, ReadOptions], Any]  # a whole file's objects on the device

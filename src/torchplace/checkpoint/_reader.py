@@ -667,6 +667,7 @@ def read_zip(
     when: Stamp,
     check_crc: bool,
     dtype_of: DTypeWish | None = None,
+    wanted: Callable[[str], bool] | None = None,
 ) -> Any:
     """A torch zip file's objects, each record read into a storage on ``target``.
 
@@ -678,13 +679,15 @@ def read_zip(
     With ``dtype_of`` (``load_into``'s wish: the model's floating dtype by the file's name), a
     state dict's storages are first unpickled onto ``meta``; a floating storage whose tensors
     all want one other floating dtype is then allocated in that dtype and converted a chunk at a
-    time as it is read, so the file's dtype never lands whole on the target.
+    time as it is read, so the file's dtype never lands whole on the target. There, a storage
+    whose every tensor's name ``wanted`` refuses is not read at all, and those names are not in
+    the result (a load by map's disk modules, keys ``rename`` drops).
     """
     mine = sys.byteorder.encode()
     if layout.byteorder != mine and (layout.byteorder is not None or mine != b"little"):
         return UNUSUAL
     if dtype_of is not None:
-        read = _read_zip_once(layout, target, when, check_crc, dtype_of)
+        read = _read_zip_once(layout, target, when, check_crc, dtype_of, wanted)
         if read is not UNUSUAL:
             return read
     return _read_zip_once(layout, target, when, check_crc, None)
@@ -718,6 +721,7 @@ def _read_zip_once(
     when: Stamp,
     check_crc: bool,
     dtype_of: DTypeWish | None,
+    wanted: Callable[[str], bool] | None = None,
 ) -> Any:
     p = layout.path
     defer = dtype_of is not None  # storages on meta until every tensor's wish is known
@@ -753,7 +757,7 @@ def _read_zip_once(
         unpickler.persistent_load = persistent_load  # type: ignore[method-assign]
         result = unpickler.load()  # type: ignore[no-untyped-call]
         if dtype_of is not None:
-            reads = _read_in_wished_dtypes(result, records, target, dtype_of)
+            reads = _read_in_wished_dtypes(result, records, target, dtype_of, wanted)
         else:
             reads = [ReadItem(r.start, r.data, None, r.check) for r in records.values()]
         read_into(p, reads, when)
@@ -773,7 +777,11 @@ def _read_zip_once(
 
 
 def _read_in_wished_dtypes(
-    result: Any, records: Mapping[str, _Record], target: torch.device, dtype_of: DTypeWish
+    result: Any,
+    records: Mapping[str, _Record],
+    target: torch.device,
+    dtype_of: DTypeWish,
+    wanted: Callable[[str], bool] | None = None,
 ) -> list[ReadItem]:
     """A state dict unpickled onto ``meta`` given real storages on ``target``, in place: a
     floating storage whose tensors all wish for one other floating dtype in that dtype (read
@@ -798,7 +806,12 @@ def _read_in_wished_dtypes(
         users.setdefault(key, []).append((name, t))
     reads: list[ReadItem] = []
     for key, record in by_storage.items():
-        wishes = {dtype_of(name) for name, _ in users.get(key, [])}
+        held = users.get(key, [])
+        if wanted is not None and held and not any(wanted(name) for name, _ in held):
+            for name, _ in held:  # none of its tensors is wanted: not read, not given
+                del result[name]
+            continue
+        wishes = {dtype_of(name) for name, _ in held}
         want = wishes.pop() if len(wishes) == 1 else None
         dtype = record.dtype
         floating = want is not None and want.is_floating_point and dtype.is_floating_point
