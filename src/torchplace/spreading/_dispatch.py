@@ -41,7 +41,7 @@ from ..moving._hooks import MARK, Installed, is_dispatched, undispatch
 from ..moving._move import place
 from ..moving._offloaded import HOME, Home, homes
 from ..moving._transfer import is_accelerator
-from ._offload import DEFAULT_WINDOW, DeviceTransport, Ring, Transport, Unit
+from ._offload import DEFAULT_WINDOW, SHIELD, DeviceTransport, Ring, Transport, Unit
 
 __all__ = [
     "dispatch",
@@ -640,6 +640,7 @@ class _Before:
 
     @_untraced
     def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        SHIELD.enter()  # a Ctrl-C waits until the forward runs (``_Interrupted``)
         self.ring.before(self.index)
 
 
@@ -651,14 +652,22 @@ class _After:
 
     @_untraced
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        self.ring.after(self.index)
+        SHIELD.cover()
+        began = self.ring.began(self.index)
+        try:
+            self.ring.after(self.index)
+        finally:
+            if began:
+                SHIELD.leave()  # a Ctrl-C kept meanwhile is raised here, the weights out
 
 
 class _Interrupted(_StandIn):
     """Stands in for an offloaded module's forward: a ``KeyboardInterrupt`` (or another
     ``BaseException`` that is not an ``Exception``) raised inside it ends the unit's call in
     the ring, as ``_After`` ends it for the rest (PyTorch runs ``always_call`` forward hooks
-    for an ``Exception`` only), so that its fetched weights do not stay in place for good."""
+    for an ``Exception`` only), so that its fetched weights do not stay in place for good.
+    Around it, ``Shield`` keeps a SIGINT from landing where neither would run: from
+    ``_Before`` to the forward's first line, and from its last to the end of ``_After``."""
 
     def __init__(self, module: nn.Module, previous: Any, ring: Ring, index: int) -> None:
         super().__init__(module, previous)
@@ -666,11 +675,21 @@ class _Interrupted(_StandIn):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
-            return self.forward(*args, **kwargs)
+            SHIELD.lift()  # a Ctrl-C kept since the weights began to come in is raised here
+            out = self.forward(*args, **kwargs)
+            SHIELD.cover()  # until ``_After`` has let the weights go
+            return out
         except Exception:
+            SHIELD.cover()  # ``_After`` runs for it (PyTorch's always_call hooks)
             raise
         except BaseException:
-            self.ring.after(self.index)
+            SHIELD.cover()
+            began = self.ring.began(self.index)
+            try:
+                self.ring.after(self.index)
+            finally:
+                if began:
+                    SHIELD.leave(deliver=False)  # the interrupt under way is the one raised
             raise
 
 

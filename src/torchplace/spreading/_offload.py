@@ -41,7 +41,16 @@ from .._errors import TorchplaceError
 from .._model_walk import display
 from ..moving._offloaded import DEFAULT_WINDOW, Home
 
-__all__ = ["DEFAULT_WINDOW", "DeviceTransport", "Fetched", "Ring", "Transport", "Unit"]
+__all__ = [
+    "DEFAULT_WINDOW",
+    "SHIELD",
+    "DeviceTransport",
+    "Fetched",
+    "Ring",
+    "Shield",
+    "Transport",
+    "Unit",
+]
 
 
 @dataclasses.dataclass
@@ -164,6 +173,12 @@ class Ring:
             del self.resident[i]  # a failed read is not kept: the next call reads again
             raise
         self.attached[i] = _swap_in(unit, tensors)
+
+    def began(self, i: int) -> bool:
+        """Whether this thread's latest call ``before`` saw (run or refused) is unit ``i``'s:
+        the one ``after(i)`` ends."""
+        calls = self._calls()
+        return bool(calls) and calls[-1][0] == i
 
     def after(self, i: int) -> None:
         calls = self._calls()
@@ -297,3 +312,98 @@ class DeviceTransport:
     def record(self, t: torch.Tensor, stream: Any) -> None:
         """Keep ``t``'s memory from reuse until the work queued on ``stream`` has run."""
         t.record_stream(stream)
+
+
+class Shield:
+    """Ctrl-C held back while an offloaded module's weights come in or go out, so that no
+    SIGINT, wherever it lands, leaves them in place for good.
+
+    PyTorch runs ``always_call`` forward hooks for an ``Exception`` only: a ``KeyboardInterrupt``
+    landing after the module's weights came in (in its pre-hooks, between them and its
+    forward, or after its forward returned, before the hook that lets them go) skipped the
+    letting go, and the weights stayed resident (8 of 600 real SIGINTs during ``generate``).
+    While the outermost offloaded call of the main thread runs, a handler of SIGINT wraps the
+    one before it (Python's ``default_int_handler``, or the program's own): in the covered
+    stretches (from ``before`` to the forward's first line, and from its last to the end of
+    ``after``) a SIGINT is kept and delivered as the stretch ends, inside the code that lets
+    the weights go on an error; elsewhere it is delivered at once, as it would have been. A
+    program whose SIGINT is ignored or left to the system's default action, or another
+    thread's call (signals reach the main thread only), is not covered. The handler before is
+    put back when the outermost call ends.
+    """
+
+    def __init__(self) -> None:
+        self.depth = 0  # offloaded calls under way on the main thread, nested
+        self.covered = False
+        self.pending: tuple[int, Any] | None = None
+        self.previous: Any = None  # the handler wrapped, while ours is installed
+        self.handler = self._handle  # one bound method, so that it is told by identity
+
+    @staticmethod
+    def _main() -> bool:
+        return threading.current_thread() is threading.main_thread()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.covered:
+            self.pending = (signum, frame)
+            return
+        self.previous(signum, frame)
+
+    def enter(self) -> None:
+        """An offloaded call begins (its weights are about to come in): covered from now."""
+        if not self._main():
+            return
+        if self.depth == 0:
+            import signal
+
+            current = signal.getsignal(signal.SIGINT)
+            if callable(current) and current is not self.handler:
+                self.previous = current
+                signal.signal(signal.SIGINT, self.handler)
+        self.depth += 1
+        self.covered = True
+
+    def lift(self) -> None:
+        """The forward runs: a SIGINT is the program's again (one kept meanwhile raised now).
+        Inside a ``torch.compile`` trace nothing is done (it would trace the thread look-up):
+        a compiled forward stays covered, and a SIGINT in it is raised as its unit ends."""
+        if torch.compiler.is_compiling() or not self._main() or not self.depth:
+            return
+        self.covered = False
+        self._deliver()
+
+    def cover(self) -> None:
+        """The forward ended: the weights are about to go out."""
+        if not torch.compiler.is_compiling() and self._main() and self.depth:
+            self.covered = True
+
+    def leave(self, *, deliver: bool = True) -> None:
+        """The call ended (its weights went out): the outermost puts the handler back, and a
+        SIGINT kept meanwhile is delivered (not where another already ends the call)."""
+        if not self._main() or not self.depth:
+            return
+        self.depth -= 1
+        self.covered = False
+        if self.depth == 0 and self.previous is not None:
+            import signal
+
+            previous, self.previous = self.previous, None
+            if signal.getsignal(signal.SIGINT) is self.handler:
+                signal.signal(signal.SIGINT, previous)
+            if self.pending is not None and deliver:
+                signum, frame = self.pending
+                self.pending = None
+                previous(signum, frame)
+        if not deliver:
+            self.pending = None
+        else:
+            self._deliver()
+
+    def _deliver(self) -> None:
+        if self.pending is not None and self.previous is not None:
+            signum, frame = self.pending
+            self.pending = None
+            self.previous(signum, frame)
+
+
+SHIELD = Shield()
