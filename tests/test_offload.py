@@ -2142,3 +2142,97 @@ def test_ctrl_c_anywhere_around_an_offloaded_forward_leaves_no_weight_resident(
         "handler put back: True",
     ], done.stdout
     assert lines[5].startswith("left resident: 0 ; right after: True"), done.stdout
+
+
+# --- persistent buffers inside disk modules ----------------------------------------------------
+
+
+class _Router(nn.Module):
+    """A MoE router's shape of state: a weight and a persistent bias buffer it adds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(8, 8)
+        self.register_buffer("e_score_correction_bias", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(x) + self.e_score_correction_bias
+
+
+def _with_buffers() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 8),
+        nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)),
+        _Router(),
+        nn.Linear(8, 8),
+    )
+
+
+def _trained_buffers() -> nn.Sequential:
+    model = _with_buffers()
+    model[1][1].running_mean.normal_()
+    model[1][1].running_var.uniform_(0.5, 2.0)
+    model[1][1].num_batches_tracked.fill_(7)
+    model[2].e_score_correction_bias.normal_()
+    return model.eval()
+
+
+_BUFFERED_DISK = {"": "cpu", "1": "disk", "2": "disk"}
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_a_disk_module_with_persistent_buffers_loads_and_runs_bit_for_bit(
+    tmp_path: Any, suffix: str
+) -> None:
+    """BatchNorm statistics and a router's bias inside disk modules were refused ("the disk
+    tier leaves only parameters in the file"): their buffers now live in memory, read with the
+    load, and the parameters stay in the file."""
+    from helpers import safetensors_torch
+
+    reference = _trained_buffers()
+    path = tmp_path / f"m{suffix}"
+    if suffix == ".pt":
+        torch.save(reference.state_dict(), path)
+    else:
+        safetensors_torch().save_file(reference.state_dict(), str(path))
+    model = torchplace.load_into(
+        torchplace.skeleton(_with_buffers), path, device_map=_BUFFERED_DISK
+    )
+    model.eval()
+    assert model[1][0].weight.is_meta and model[2].gate.weight.is_meta  # left in the file
+    for name, buffer in reference.named_buffers():
+        assert torch.equal(model.get_buffer(name), buffer), name
+        assert model.get_buffer(name).dtype == buffer.dtype, name
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    # a real model keeps its buffer objects, written in place
+    real = _with_buffers()
+    stats = real[1][1].running_mean
+    torchplace.load_into(real, path, device_map=_BUFFERED_DISK)
+    assert real[1][1].running_mean is stats
+    assert torch.equal(stats, reference[1][1].running_mean)
+
+
+def test_a_disk_modules_buffer_the_file_lacks_is_missing(tmp_path: Any) -> None:
+    reference = _trained_buffers()
+    state = {k: v for k, v in reference.state_dict().items() if k != "2.e_score_correction_bias"}
+    path = tmp_path / "m.pt"
+    torch.save(state, path)
+    target = torchplace.skeleton(_with_buffers)
+    before = {k: (v.device, v) for k, v in target.state_dict(keep_vars=True).items()}
+    with pytest.raises(torchplace.CheckpointError, match=r"missing keys: 2\.e_score") as err:
+        torchplace.load_into(target, path, device_map=_BUFFERED_DISK)
+    assert (err.value.path, err.value.missing) == (path, ("2.e_score_correction_bias",))
+    after = {k: (v.device, v) for k, v in target.state_dict(keep_vars=True).items()}
+    assert after.keys() == before.keys()
+    assert all(after[k][1] is before[k][1] for k in before)  # nothing filled, nothing swapped
+    # strict=False: the buffer keeps the value it had (a skeleton's buffers are made real, as
+    # its class's __init__ gives them), named in the skipped keys' warning
+    for model in (target, _with_buffers()):
+        with pytest.warns(UserWarning, match="strict=False skipped 1 key") as w:
+            torchplace.load_into(model, path, device_map=_BUFFERED_DISK, strict=False)
+        assert [x.message.missing for x in w] == [("2.e_score_correction_bias",)]
+        assert not model[2].e_score_correction_bias.any()
+        assert torch.equal(model[1][1].running_var, reference[1][1].running_var)

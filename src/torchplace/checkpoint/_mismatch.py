@@ -39,6 +39,7 @@ __all__ = [
     "source_name",
     "target_for",
     "warn_left_on_meta",
+    "warn_skipped",
 ]
 
 
@@ -403,6 +404,16 @@ def skipped_keys(p: Path | str, missing: list[str], unexpected: list[str]) -> st
         "The keys are in this warning's .missing and .unexpected; pass strict=True to refuse "
         "a source that does not fit"
     )
+
+
+def warn_skipped(
+    where: Path | str, path: Path | None, missing: list[str], unexpected: list[str]
+) -> None:
+    """The one warning of a ``strict=False`` load of ``where`` that skipped ``missing`` and
+    ``unexpected`` keys (a ``SkippedKeys`` carrying them), at the user's line."""
+    text = skipped_keys(where, missing, unexpected)
+    skipped = SkippedKeys(text, path=path, missing=missing, unexpected=unexpected)
+    warnings.warn(skipped, stacklevel=user_stacklevel())
 
 
 def warn_left_on_meta(

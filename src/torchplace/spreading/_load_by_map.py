@@ -25,7 +25,7 @@ from ..checkpoint._catalog import Catalog, catalog
 from ..checkpoint._checkpoint import load_into as fill
 from ..checkpoint._conversions import Plan
 from ..checkpoint._keys import KeyCheck, Mismatch, Missing, does_not_fit
-from ..checkpoint._mismatch import REFUSE_LEFT_ON_META, LeftOnMeta, listing
+from ..checkpoint._mismatch import REFUSE_LEFT_ON_META, LeftOnMeta, listing, warn_skipped
 from ..checkpoint._opened import one_open_each
 from ..checkpoint._rename import Rename, as_renamer, given, not_given
 from ..checkpoint._source import PathLike
@@ -160,8 +160,7 @@ def _by_map(
     if not isinstance(model, nn.Module):
         raise TorchplaceError(f"load_into() fills an nn.Module, not {type(model).__name__}")
     from .._device_map import DISK, parse_device_map
-    from ..checkpoint._disk_weights import CheckpointWeights, model_names
-    from ..moving._offloaded import HOME, Home
+    from ..checkpoint._disk_weights import model_names
     from ._dispatch import check_offloading, dispatch
 
     tree = walk_model(model)
@@ -181,6 +180,9 @@ def _by_map(
         if found is not None and not strict:
             _refuse_left_on_meta(model, found, disk, names, renamer)
         dtypes = {name: _dtypes(model.get_submodule(name)) for name in disk}
+        # a disk module's persistent buffers (BatchNorm's statistics, a router's bias) are read
+        # now, before anything changes, and live in memory as any module's buffers do
+        buffers = _disk_buffers(model, found, disk, names, strict) if found is not None else {}
         filled = source if found is None or found.path is None else found.path
         with _held_out(model, disk):
             _left_on_meta_refused(  # what a hook left
@@ -192,14 +194,33 @@ def _by_map(
                     **options,
                 )
             )
+    _put_buffers(model, buffers)
     if found is not None:
-        for name in disk:
-            module = model.get_submodule(name)
-            reader = CheckpointWeights(found, model, name, dtypes[name], renamer, names)
-            _params_to_meta(module, name)
-            module.__dict__[HOME] = Home(DISK, torch.device("cpu"), reader)
+        _leave_on_disk(model, found, disk, dtypes, (names, renamer))
     dispatch(model, device_map, execution_device=execution_device, offload_window=offload_window)
     return model
+
+
+def _leave_on_disk(
+    model: nn.Module,
+    found: Catalog,
+    disk: list[str],
+    dtypes: Mapping[str, Any],
+    keys: tuple[dict[str, tuple[str, ...]], Callable[[str], str | None] | None],
+) -> None:
+    """The ``"disk"`` modules' parameters made ``meta`` placeholders, each module marked with
+    its home: the reader of its weights from ``found`` (``keys``: each file key's model names,
+    and the renamer)."""
+    from .._device_map import DISK
+    from ..checkpoint._disk_weights import CheckpointWeights
+    from ..moving._offloaded import HOME, Home
+
+    names, renamer = keys
+    for name in disk:
+        module = model.get_submodule(name)
+        reader = CheckpointWeights(found, model, name, dtypes[name], renamer, names)
+        _params_to_meta(module, name)
+        module.__dict__[HOME] = Home(DISK, torch.device("cpu"), reader)
 
 
 def _refuse_left_on_meta(
@@ -294,14 +315,6 @@ def _check_disk(model: nn.Module, source: object, disk: list[str]) -> None:
                 f"module's first forward, so the disk tier cannot read it by its byte range; "
                 f"run one batch through the model first, or map {name!r} to 'cpu' or to a device"
             )
-        params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-        kept = [n for n in module.state_dict(keep_vars=True) if n not in params]
-        if kept:
-            raise CheckpointError(
-                f"{display(name)} holds the buffer {display(f'{name}.{kept[0]}')}, which its "
-                "checkpoint keeps too; the disk tier leaves only parameters in the file, so "
-                f"map {name!r} to 'cpu' or to a device"
-            )
 
 
 def _check_in_file(
@@ -324,7 +337,7 @@ def _check_in_file(
     renamed = given(keys[2])
     wanted = _wanted(model, found, disk, names, renamed)
     _check_readable(found, disk, filled, wanted)
-    check = _disk_keys(found, disk, keys, names, wanted)
+    check = _disk_keys(found, disk, keys, names, wanted, _persistent_buffers(model, disk))
     if renamed:
         check.renamed = (len(found.entries), len(filled))
     if not strict:
@@ -430,6 +443,7 @@ def _disk_keys(
     keys: tuple[Mapping[str, tuple[str, ...]], Plan | None, Callable[[str], str | None] | None],
     names: set[str],
     wanted: Mapping[str, tuple[int, ...]],
+    buffers: frozenset[str] = frozenset(),
 ) -> KeyCheck:
     """The ``"disk"`` modules' weights (``wanted``: each one's shape) against the file: those it
     lacks (a fused tensor with the keys it lacks), keys under them that fill none, and weights
@@ -447,6 +461,8 @@ def _disk_keys(
     mismatched = [Mismatch(n, f"file {built[n]}, model {wanted[n]}") for n in wanted if n in built]
     for key, targets in filled.items():
         if not any(t.startswith(heads) for t in targets):
+            continue
+        if any(t in buffers for t in targets):  # read into memory (``_disk_buffers``)
             continue
         if not any(t in wanted for t in targets):
             unexpected.append(key)
@@ -493,6 +509,77 @@ def _one_device(entries: Mapping[str, torch.device | str]) -> torch.device | Non
 
 def _dtypes(module: nn.Module) -> dict[str, torch.dtype]:
     return {name: p.dtype for name, p in module.named_parameters()}
+
+
+def _persistent_buffers(model: nn.Module, disk: list[str]) -> frozenset[str]:
+    """The names in the model of the ``"disk"`` modules' persistent buffers (a state dict's
+    tensors that are not parameters)."""
+    found: set[str] = set()
+    for name in disk:
+        module = model.get_submodule(name)
+        params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+        for local, value in module.state_dict(keep_vars=True).items():
+            if local not in params and isinstance(value, torch.Tensor):
+                found.add(f"{name}.{local}" if name else local)
+    return frozenset(found)
+
+
+def _disk_buffers(
+    model: nn.Module,
+    found: Catalog,
+    disk: list[str],
+    names: Mapping[str, tuple[str, ...]],
+    strict: bool,
+) -> dict[str, torch.Tensor]:
+    """The persistent buffers of the ``"disk"`` modules (by their names in the model) read from
+    the file (each on the CPU, in the buffer's dtype), before anything of the model changes.
+    Buffers are small and read every call (a running statistic, a router's bias), so they
+    live in memory, on the execution device, as every buffer of a dispatched model does; only
+    parameters stay in the file. ``names``: each file key's model names (after ``rename`` and
+    the hub-name conversion). A buffer the file lacks is missing with ``strict``; without, it
+    keeps its value, and one on ``meta`` (a skeleton's) is refused, as it holds none."""
+    from ..checkpoint._load import read_entries
+
+    key_of = {n: key for key, targets in names.items() for n in targets}
+    wanted: dict[str, tuple[str, torch.Tensor]] = {}  # model name -> (file key, buffer)
+    lacking: list[str] = []
+    skipped: list[str] = []
+    for full in sorted(_persistent_buffers(model, disk)):
+        buffer = model.get_buffer(full)
+        key = key_of.get(full)
+        if key is None or key not in found.entries:
+            (lacking if strict or buffer.is_meta else skipped).append(full)
+            continue
+        wanted[full] = (key, buffer)
+    if lacking:
+        raise CheckpointError(
+            f"{found.where}: does not fit {type(model).__name__}: missing keys: "
+            f"{listing(lacking)} (buffers of modules mapped to 'disk', which live in memory and "
+            "take their values from the file); load a checkpoint that holds them, or give them "
+            "values first and pass strict=False",
+            path=found.path,
+            missing=lacking,
+        )
+    if skipped:  # said before anything changes: where warnings are errors, nothing has
+        warn_skipped(found.where, found.path, skipped, [])
+    if not wanted:
+        return {}
+    read = read_entries(found, sorted({key for key, _ in wanted.values()}), torch.device("cpu"))
+    return {full: read[key].to(buffer.dtype) for full, (key, buffer) in wanted.items()}
+
+
+def _put_buffers(model: nn.Module, buffers: Mapping[str, torch.Tensor]) -> None:
+    """The disk modules' buffers read by ``_disk_buffers`` given to the model: a buffer on
+    ``meta`` (a skeleton's) replaced, a real one written in place (its object kept)."""
+    for full, value in buffers.items():
+        owner_name, _, local = full.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        current = owner._buffers[local]
+        if current is None or current.is_meta or current.shape != value.shape:
+            owner._buffers[local] = value
+        else:
+            with torch.no_grad():
+                current.copy_(value)
 
 
 @contextlib.contextmanager
