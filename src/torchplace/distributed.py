@@ -279,10 +279,9 @@ def verify(obj: Any, device: Any, /, *, optimizer: Any = None, group: Any = None
     what they found with ``all_gather_object``. If any rank has a tensor out of place, every
     rank raises the same ``PlacementError``, naming the stragglers by rank
     (``rank 3: encoder.weight (parameter) is on cpu, expected cuda:3; fix: ...``), so no rank
-    goes on to a collective that the others never reach; its ``stragglers`` holds every
-    rank's, rank by rank (a ``Straggler`` does not say its rank: the message does). A rank
-    whose check itself fails (a bad device spec) is reported the same way, and the error takes
-    its class. Call it on every rank of ``group``, as any collective.
+    goes on to a collective that the others never reach; ``stragglers`` holds every rank's in
+    rank order. A rank whose check fails (a bad device spec) is reported alike, the error
+    taking its class. Call it on every rank of ``group``, as any collective.
     """
     import torch.distributed as dist
 

@@ -49,13 +49,12 @@ from ._load import (
 )
 from ._mismatch import (
     Shapes,
-    SkippedKeys,
     check_state_dict,
     left_on_meta,
     listing,
-    skipped_keys,
     target_for,
     warn_left_on_meta,
+    warn_skipped,
 )
 from ._opened import one_open_each
 from ._progress import reporting, wanted
@@ -583,15 +582,7 @@ def _warn_after_fill(fit: _Fit) -> None:
         every = on_meta + [n for n in missing if n not in set(on_meta)]
         warn_left_on_meta(text, path=path, missing=every, unexpected=unexpected)
     elif missing or unexpected:
-        warnings.warn(
-            SkippedKeys(
-                skipped_keys(fit.p, missing, unexpected),
-                path=path,
-                missing=missing,
-                unexpected=unexpected,
-            ),
-            stacklevel=user_stacklevel(),
-        )
+        warn_skipped(fit.p, path, missing, unexpected)
 
 
 def _dtype_wish(

@@ -59,7 +59,7 @@ from ._catalog import Catalog, Entry, Stamp, catalog
 from ._conversions import Fused, Plan, conversion_plan, fused_boxes
 from ._keys import check_keys, does_not_fit, matches_nothing, no_data_buffers
 from ._load import warn_unchecked_safetensors
-from ._mismatch import SkippedKeys, left_on_meta, skipped_keys, warn_left_on_meta
+from ._mismatch import left_on_meta, warn_left_on_meta, warn_skipped
 from ._plan_items import Box
 from ._progress import reporting
 from ._reader import check_records
@@ -885,16 +885,7 @@ def _checked_plan(
     planned = {id(slot) for slot, _ in plan}
     left = any(s.tensor.is_meta and id(s) not in planned for s in slots)  # warned of later
     if not strict and not left and (check.missing or check.unexpected):  # nothing changed yet
-        missing, unexpected = check.missing_names, list(check.unexpected)
-        warnings.warn(
-            SkippedKeys(
-                skipped_keys(where, missing, unexpected),
-                path=located.catalog.path,
-                missing=missing,
-                unexpected=unexpected,
-            ),
-            stacklevel=user_stacklevel(),
-        )
+        warn_skipped(where, located.catalog.path, check.missing_names, list(check.unexpected))
     return plan
 
 

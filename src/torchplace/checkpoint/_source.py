@@ -224,25 +224,7 @@ def shards(p: Path, weight_map: Mapping[str, str]) -> list[tuple[str, Path, list
         if not stat.S_ISREG(mode):
             odd.append((shard, mode))
     if missing:
-        which = (
-            f"shard {missing[0]!r}, which is"
-            if len(missing) == 1
-            else f"{len(missing)} shards that are"
-        )
-        listed = "" if len(missing) == 1 else f" ({', '.join(map(repr, missing))})"
-        links = [s for s in missing if (p.parent / s).is_symlink()]
-        dangling = (
-            f" ({'a link' if len(links) == 1 else 'links'} to nothing: "
-            f"{', '.join(f'{s!r} -> {os.readlink(p.parent / s)!r}' for s in links[:3])}, as an "
-            "unfinished download leaves in the Hugging Face cache)"
-            if links
-            else ""
-        )
-        raise CheckpointError(
-            f"{p}: names {which} missing from {root}{listed}{dangling}; download or copy every "
-            "shard the index lists",
-            path=p,
-        )
+        raise _missing_shards(p, root, missing)
     if odd:
         raise _odd_shard(p, *odd[0])
     found = []
@@ -255,6 +237,30 @@ def shards(p: Path, weight_map: Mapping[str, str]) -> list[tuple[str, Path, list
             )
         found.append((shard, shard_path, names))
     return found
+
+
+def _missing_shards(p: Path, root: Path, missing: list[str]) -> CheckpointError:
+    """The error for the shards ``missing`` that the index ``p`` names: every one, and the
+    links among them that lead to nothing (an unfinished download in the Hugging Face cache)."""
+    which = (
+        f"shard {missing[0]!r}, which is"
+        if len(missing) == 1
+        else f"{len(missing)} shards that are"
+    )
+    listed = "" if len(missing) == 1 else f" ({', '.join(map(repr, missing))})"
+    links = [s for s in missing if (p.parent / s).is_symlink()]
+    dangling = (
+        f" ({'a link' if len(links) == 1 else 'links'} to nothing: "
+        f"{', '.join(f'{s!r} -> {os.readlink(p.parent / s)!r}' for s in links[:3])}, as an "
+        "unfinished download leaves in the Hugging Face cache)"
+        if links
+        else ""
+    )
+    return CheckpointError(
+        f"{p}: names {which} missing from {root}{listed}{dangling}; download or copy every "
+        "shard the index lists",
+        path=p,
+    )
 
 
 def _odd_shard(p: Path, shard: str, mode: int) -> CheckpointError:
