@@ -86,6 +86,17 @@ def _check_values(crc32: Callable[..., int]) -> None:
         assert crc32(view) == zlib.crc32(data), n  # a tensor's bytes, as the reader passes them
 
 
+def _load_into_refuses(path: Path, sd: dict[str, torch.Tensor]) -> None:
+    """``load_into`` of the damaged ``path`` raises naming the record, nothing half-filled."""
+    model = nn.Module()
+    model.register_buffer("w", torch.zeros_like(sd["w"]))
+    model.register_buffer("b", torch.zeros(3))
+    with pytest.raises(CheckpointError, match=r"w/data/0 fails its CRC") as e:
+        load_into(model, path)
+    assert e.value.path == path
+    assert not model.w.any()  # nothing half-filled
+
+
 def test_the_crc32_picked_gives_zlibs_values_bit_for_bit() -> None:
     _check_values(_crc.crc32())
 
@@ -108,14 +119,7 @@ def test_without_isal_the_crc32_is_zlibs_and_the_default_still_checks(
     with pytest.raises(CheckpointError, match=r"w\.pt: is corrupt: w/data/0 fails its CRC") as err:
         load(path)
     assert err.value.path == path
-    assert err.value.path == path
-    model = nn.Module()
-    model.register_buffer("w", torch.zeros_like(sd["w"]))
-    model.register_buffer("b", torch.zeros(3))
-    with pytest.raises(CheckpointError, match=r"w/data/0 fails its CRC") as e:
-        load_into(model, path)
-    assert e.value.path == path
-    assert not model.w.any()  # nothing half-filled
+    _load_into_refuses(path, sd)
     assert not torch.equal(load(path, check_crc=False)["w"], sd["w"])  # turned off: loads
 
 
@@ -142,13 +146,7 @@ def test_with_isal_a_damaged_record_is_caught_by_default(
         load(path)
     assert e.value.path == path
     assert sum(calls) == sd["w"].nbytes + sd["b"].nbytes  # every byte, by the picked function
-    model = nn.Module()
-    model.register_buffer("w", torch.zeros_like(sd["w"]))
-    model.register_buffer("b", torch.zeros(3))
-    with pytest.raises(CheckpointError, match=r"w/data/0 fails its CRC") as e:
-        load_into(model, path)
-    assert e.value.path == path
-    assert not model.w.any()  # nothing half-filled
+    _load_into_refuses(path, sd)
     bf16 = nn.Module()  # converted as it is read: the file's bytes are what is checked
     bf16.w = nn.Parameter(torch.zeros(sd["w"].shape, dtype=torch.bfloat16))
     bf16.b = nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))

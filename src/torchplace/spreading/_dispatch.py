@@ -652,13 +652,20 @@ class _After:
 
     @_untraced
     def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        SHIELD.cover()
-        began = self.ring.began(self.index)
-        try:
-            self.ring.after(self.index)
-        finally:
-            if began:
-                SHIELD.leave()  # a Ctrl-C kept meanwhile is raised here, the weights out
+        _let_go(self.ring, self.index, deliver=True)  # a Ctrl-C kept meanwhile: raised here
+
+
+def _let_go(ring: Ring, index: int, *, deliver: bool) -> None:
+    """Unit ``index``'s weights let go after its call, covered by ``SHIELD`` until they are
+    out; then a SIGINT kept meanwhile is raised (``deliver``), or dropped where an interrupt
+    already ends the call."""
+    SHIELD.cover()
+    began = ring.began(index)
+    try:
+        ring.after(index)
+    finally:
+        if began:
+            SHIELD.leave(deliver=deliver)
 
 
 class _Interrupted(_StandIn):
@@ -683,13 +690,7 @@ class _Interrupted(_StandIn):
             SHIELD.cover()  # ``_After`` runs for it (PyTorch's always_call hooks)
             raise
         except BaseException:
-            SHIELD.cover()
-            began = self.ring.began(self.index)
-            try:
-                self.ring.after(self.index)
-            finally:
-                if began:
-                    SHIELD.leave(deliver=False)  # the interrupt under way is the one raised
+            _let_go(self.ring, self.index, deliver=False)  # the interrupt under way is raised
             raise
 
 
