@@ -686,11 +686,18 @@ def read_zip(
     mine = sys.byteorder.encode()
     if layout.byteorder != mine and (layout.byteorder is not None or mine != b"little"):
         return UNUSUAL
+    if dtype_of is None and wanted is not None:  # unpickled on meta first all the same: each
+        dtype_of = _as_saved  # storage's names are known before it is read, or skipped
     if dtype_of is not None:
         read = _read_zip_once(layout, target, when, check_crc, dtype_of, wanted)
         if read is not UNUSUAL:
             return read
     return _read_zip_once(layout, target, when, check_crc, None)
+
+
+def _as_saved(name: str) -> torch.dtype | None:
+    """A dtype wish for no tensor: each read in its file's dtype."""
+    return None
 
 
 class _Record:

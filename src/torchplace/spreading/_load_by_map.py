@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch import nn
 
+from .._device_map import DISK
 from .._devices import DeviceSpec
 from .._errors import CheckpointError, DeviceSpecError, TorchplaceError, check_flags, prefixed
 from .._model_walk import display, tensor_slots, walk_model
@@ -159,11 +160,13 @@ def _by_map(
         )
     if not isinstance(model, nn.Module):
         raise TorchplaceError(f"load_into() fills an nn.Module, not {type(model).__name__}")
-    from .._device_map import DISK, parse_device_map
+    from .._device_map import parse_device_map
     from ..checkpoint._disk_weights import model_names
     from ._dispatch import check_offloading, dispatch
 
     tree = walk_model(model)
+    if isinstance(device_map, Mapping) and dict(device_map) == {"": "disk"}:
+        device_map = blocks_on_disk(model, execution_device)  # the whole model, block by block
     entries = parse_device_map(tree, device_map)
     disk = [name for name, where in entries.items() if where == DISK]
     _check_disk(model, source, disk)
@@ -211,7 +214,6 @@ def _leave_on_disk(
     """The ``"disk"`` modules' parameters made ``meta`` placeholders, each module marked with
     its home: the reader of its weights from ``found`` (``keys``: each file key's model names,
     and the renamer)."""
-    from .._device_map import DISK
     from ..checkpoint._disk_weights import CheckpointWeights
     from ..moving._offloaded import HOME, Home
 
@@ -221,6 +223,37 @@ def _leave_on_disk(
         reader = CheckpointWeights(found, model, name, dtypes[name], renamer, names)
         _params_to_meta(module, name)
         module.__dict__[HOME] = Home(DISK, torch.device("cpu"), reader)
+
+
+def blocks_on_disk(model: nn.Module, execution_device: object = None) -> dict[str, str]:
+    """The map that ``{"": "disk"}`` stands for: the whole model on disk, each block its own
+    entry, so that a window of one block bounds the memory while it runs (a module is its own
+    block where its state dict holds tensors of its own, or where it is a class a transformers
+    model keeps whole, its ``_no_split_modules``: a decoder layer). Buffers a state dict leaves
+    out (a rotary embedding's) stay resident on the execution device (``execution_device``,
+    else the CPU); a module with no tensor needs no entry.
+
+    >>> m = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Sequential(nn.Linear(2, 2)))
+    >>> blocks_on_disk(m)
+    {'0': 'disk', '2.0': 'disk'}
+    """
+    whole = {n for m in model.modules() for n in getattr(m, "_no_split_modules", None) or ()}
+    resident = "cpu" if execution_device is None else str(execution_device)
+    out: dict[str, str] = {}
+
+    def visit(name: str, module: nn.Module) -> None:
+        children = [(n, c) for n, c in module._modules.items() if c is not None]
+        saved = any("." not in key for key in module.state_dict(keep_vars=True))
+        if saved or type(module).__name__ in whole:
+            out[name] = DISK
+            return
+        if any(b is not None for b in module._buffers.values()):
+            out[name] = resident  # only buffers it does not save: made, not read
+        for child, inner in children:
+            visit(f"{name}.{child}" if name else child, inner)
+
+    visit("", model)
+    return out
 
 
 def _refuse_left_on_meta(
@@ -302,8 +335,9 @@ def _check_disk(model: nn.Module, source: object, disk: list[str]) -> None:
         )
     if "" in disk:
         raise DeviceSpecError(
-            "device_map[''] is 'disk': map the model's parts (its layers) to 'disk', not the "
-            "whole model, so that they are read one after another as they run"
+            "device_map[''] is 'disk' beside other entries; give {'': 'disk'} alone for the "
+            "whole model on disk (each block read as it runs), or map the model's parts (its "
+            "layers) to 'disk' one by one"
         )
     _check_ties(model, disk)
     for name in disk:
