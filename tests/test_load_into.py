@@ -662,3 +662,20 @@ def test_a_source_that_fits_says_nothing_with_strict_false(ckpt: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_into(Net(), ckpt, strict=False)
+
+
+def test_the_skipped_keys_warning_as_an_error_leaves_the_model_untouched(
+    skipping: tuple[Path, dict[str, torch.Tensor]],
+) -> None:
+    """Given before anything is written: under -W error the load stops with the model as it
+    was (it was given after the fill, which wrote a real model's weights in place)."""
+    import warnings
+
+    path, _ = skipping
+    model = _two_layers()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="strict=False skipped 2 keys"):
+            load_into(model, path, strict=False)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

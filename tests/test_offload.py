@@ -613,9 +613,11 @@ def test_a_disk_module_missing_one_weight_is_refused_before_anything_is_filled(
     where = {"": "cpu", "2": "disk"}
     with pytest.raises(torchplace.CheckpointError, match=r"unexpected keys: 2\.extra; pass strict"):
         torchplace.load_into(torchplace.skeleton(mlp, 4), tmp_path / "extra.pt", device_map=where)
-    loaded = torchplace.load_into(
-        torchplace.skeleton(mlp, 4), tmp_path / "extra.pt", device_map=where, strict=False
-    )
+    with pytest.warns(UserWarning, match=r"strict=False skipped 1 key: its 2\.extra") as w:
+        loaded = torchplace.load_into(
+            torchplace.skeleton(mlp, 4), tmp_path / "extra.pt", device_map=where, strict=False
+        )
+    assert [(x.message.missing, x.message.unexpected) for x in w] == [((), ("2.extra",))]
     x = torch.randn(3, 8)
     with torch.no_grad():
         assert torch.equal(loaded(x), model(x))
@@ -2287,5 +2289,141 @@ def test_a_whole_transformers_model_on_disk_is_one_unit_per_decoder_layer(tmp_pa
         "model.norm", "lm_head",
     ]  # fmt: skip
     ids = torch.randint(0, 128, (2, 12))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+_HUNG_READ_CHILD = """
+import os, signal, sys, threading, time
+import torch
+from torch import nn
+import torchplace
+from torchplace.checkpoint import _disk_weights
+
+def make():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+
+torch.save(make().state_dict(), sys.argv[1])
+model = torchplace.load_into(torchplace.skeleton(make), sys.argv[1],
+                             device_map={"": "cpu", "1": "disk"})
+read = _disk_weights.CheckpointWeights.read
+
+def hung(self, device):  # a read that hangs (a stalled network mount)
+    time.sleep(30)
+    return read(self, device)
+
+_disk_weights.CheckpointWeights.read = hung
+for delay in (0.3, 0.6):
+    threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+began = time.monotonic()
+with torch.no_grad():
+    try:
+        model(torch.ones(1, 8))
+    except KeyboardInterrupt:
+        print("interrupted in time:", time.monotonic() - began < 20)
+_disk_weights.CheckpointWeights.read = read
+print("on meta:", model[1].weight.is_meta,
+      "; handler put back:", signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+with torch.no_grad():
+    print("again:", torch.equal(model(torch.ones(1, 8)), make()(torch.ones(1, 8))))
+"""
+
+
+@pytest.mark.slow  # a subprocess, real signals
+def test_a_second_ctrl_c_interrupts_a_disk_read_that_hangs(tmp_path: Any) -> None:
+    """A SIGINT while a disk module's weights are read is held until the read ends; a second
+    one (the read hangs) is raised at once, leaving nothing resident and the handler as it
+    was (it waited out the read: 6 s for two SIGINTs during 3 s reads)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _HUNG_READ_CHILD, str(tmp_path / "m.pt")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "interrupted in time: True",
+        "on meta: True ; handler put back: True",
+        "again: True",
+    ], done.stdout
+
+
+def test_a_disk_modules_buffer_of_another_shape_is_refused_untouched(tmp_path: Any) -> None:
+    reference = _trained_buffers()
+    state = dict(reference.state_dict())
+    state["2.e_score_correction_bias"] = torch.zeros(7)
+    path = tmp_path / "m.pt"
+    torch.save(state, path)
+    for strict in (True, False):
+        real = _with_buffers()
+        kept = real[2].e_score_correction_bias
+        with pytest.raises(torchplace.CheckpointError, match="shape mismatches") as err:
+            torchplace.load_into(real, path, device_map=_BUFFERED_DISK, strict=strict)
+        assert err.value.mismatched == ("2.e_score_correction_bias",)
+        assert real[2].e_score_correction_bias is kept and kept.shape == (8,)
+
+
+class _SharedBuffers(nn.Module):
+    """Two disk modules sharing one buffer object, saved once (as a tie is)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = _Router(), _Router()
+        self.b.e_score_correction_bias = self.a.e_score_correction_bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def test_a_buffer_two_disk_modules_share_is_read_once_from_either_name(tmp_path: Any) -> None:
+    from helpers import safetensors_torch
+
+    torch.manual_seed(0)
+    reference = _SharedBuffers().eval()
+    reference.a.e_score_correction_bias.normal_()
+    state = {k: v for k, v in reference.state_dict().items() if k != "b.e_score_correction_bias"}
+    path = tmp_path / "m.safetensors"
+    safetensors_torch().save_file(state, str(path))
+    model = torchplace.load_into(
+        torchplace.skeleton(_SharedBuffers), path, device_map={"a": "disk", "b": "disk"}
+    )
+    assert model.a.e_score_correction_bias is model.b.e_score_correction_bias  # still one
+    assert torch.equal(model.b.e_score_correction_bias, reference.a.e_score_correction_bias)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+
+
+def test_a_transformers_moe_loaded_by_map_reads_only_its_resident_layers(tmp_path: Any) -> None:
+    """A Mixtral saved with hub names: its experts fused straight into the model's tensors,
+    the disk layers' keys were read whole all the same; now they are not read at all."""
+    transformers = pytest.importorskip("transformers")
+    from torchplace.checkpoint import _reader
+
+    config = transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=64, num_local_experts=4, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    reference = transformers.MixtralForCausalLM(config).eval()
+    reference.save_pretrained(tmp_path)
+    read: list[int] = []
+    pread = _reader._pread_exactly
+
+    def counting(fd: int, view: memoryview, offset: int) -> None:
+        read.append(view.nbytes)
+        pread(fd, view, offset)
+
+    disk = {"": "cpu", "model.layers.1": "disk", "model.layers.2": "disk"}
+    on_disk = ("model.layers.1.", "model.layers.2.")
+    resident = sum(v.nbytes for k, v in reference.state_dict().items() if not k.startswith(on_disk))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_reader, "_pread_exactly", counting)
+        skeleton = torchplace.skeleton(transformers.MixtralForCausalLM, config)
+        model = torchplace.load_into(skeleton, tmp_path, device_map=disk).eval()
+        assert sum(read) == resident
+    ids = torch.randint(0, 64, (2, 8))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, reference(ids).logits)

@@ -406,7 +406,8 @@ def _read_file(
             held = state.keys() if isinstance(state, Mapping) else ()
             return state, {}, None, len(refused.difference(held))
         state, assembled = read_direct(direct, read_on, wish)
-        return state, assembled, direct.rest, 0
+        dropped = 0 if renamer is None else sum(renamer(k) is None for k in catalog(p).entries)
+        return state, assembled, direct.rest, dropped
 
 
 def _fit_and_fill(model: nn.Module, read: _Read, *, strict: bool) -> nn.Module:
@@ -457,7 +458,23 @@ def _fit_and_fill(model: nn.Module, read: _Read, *, strict: bool) -> nn.Module:
         renamed=counts,
     )
     prepared = _prepare(fit, read.target, copy=read.from_memory)
+    _warn_skipped_first(fit)  # before phase 2: where warnings are errors, nothing has changed
     return _apply(fit, prepared, extra, seen.own)
+
+
+def _warn_skipped_first(fit: _Fit) -> None:
+    """The one warning of a ``strict=False`` load that skips keys, given before anything of the
+    model changes; where the fill will leave tensors on ``meta``, its warning after the fill
+    is that one instead (``_warn_after_fill``), naming the skipped keys too."""
+    if fit.strict or not (fit.check.missing or fit.check.unexpected):
+        return
+    planned = {id(slot) for slot, _ in fit.plan}
+    if fit.read_on.type != "meta" and any(
+        s.tensor.is_meta and id(s) not in planned for s in (*fit.loadable, *fit.transient)
+    ):
+        return
+    path = fit.p if isinstance(fit.p, Path) else None
+    warn_skipped(fit.p, path, fit.check.missing_names, list(fit.check.unexpected))
 
 
 def _without_prefix(prefix: str, rename: Rename | None) -> Rename:
@@ -534,8 +551,10 @@ def _direct_plan(
     names = _plan_names(found, renamer)
     if names is None:
         return None  # two keys renamed to one name: renamed() raises, naming both
+    # the keys a rename drops (a load by map's disk modules') are not read, as by load_state
+    keys = [k for k in found.entries if renamer is None or renamer(k) is not None]
     try:
-        return direct_reads(found, model, names)
+        return direct_reads(found, model, names, keys)
     except CheckpointError as exc:
         raise CheckpointError(f"{p}: {exc}", path=p) from exc
 
@@ -581,8 +600,6 @@ def _warn_after_fill(fit: _Fit) -> None:
         on_meta = [s.names[0] for s in left]
         every = on_meta + [n for n in missing if n not in set(on_meta)]
         warn_left_on_meta(text, path=path, missing=every, unexpected=unexpected)
-    elif missing or unexpected:
-        warn_skipped(fit.p, path, missing, unexpected)
 
 
 def _dtype_wish(

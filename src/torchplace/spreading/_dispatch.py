@@ -641,7 +641,13 @@ class _Before:
     @_untraced
     def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         SHIELD.enter()  # a Ctrl-C waits until the forward runs (``_Interrupted``)
-        self.ring.before(self.index)
+        try:
+            self.ring.before(self.index)
+        except Exception:
+            raise  # ``_After`` runs for it (PyTorch's always_call hooks) and leaves the shield
+        except BaseException:  # a second Ctrl-C during a read that hangs: no ``_After`` runs
+            SHIELD.leave(deliver=False)
+            raise
 
 
 class _After:

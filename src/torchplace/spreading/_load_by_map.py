@@ -178,14 +178,15 @@ def _by_map(
         found = catalog(source) if disk or not strict else None
         # each file key's model names, after rename and the hub-name conversion
         names, plan = model_names(found, model, renamer) if found is not None else ({}, None)
+        skipped = []  # keys under the disk modules that fill nothing (strict=False)
         if found is not None and disk:
-            _check_in_file(model, found, disk, (names, plan, renamer), strict=strict)
+            skipped = _check_in_file(model, found, disk, (names, plan, renamer), strict=strict)
         if found is not None and not strict:
             _refuse_left_on_meta(model, found, disk, names, renamer)
         dtypes = {name: _dtypes(model.get_submodule(name)) for name in disk}
         # a disk module's persistent buffers (BatchNorm's statistics, a router's bias) are read
         # now, before anything changes, and live in memory as any module's buffers do
-        buffers = _disk_buffers(model, found, disk, names, strict) if found is not None else {}
+        buffers = _disk_buffers(model, found, disk, names, strict, skipped) if found else {}
         filled = source if found is None or found.path is None else found.path
         with _held_out(model, disk):
             _left_on_meta_refused(  # what a hook left
@@ -358,14 +359,15 @@ def _check_in_file(
     keys: tuple[Mapping[str, tuple[str, ...]], Plan | None, Callable[[str], str | None] | None],
     *,
     strict: bool,
-) -> None:
+) -> list[str]:
     """Refuse, before anything is filled, a ``"disk"`` module whose weights the checkpoint does
     not all hold in their shapes, and with ``strict``, keys under one that fill nothing: it
     would load without a word and fail on its first call, blaming the file for changing or with
     torch's own shape error. The weights are found as its reader finds them: ``keys`` gives the
     model names each file key fills (after ``rename`` and the hub-name conversion), that
     conversion's plan, and the renamer. A weight the file lacks is refused with
-    ``strict=False`` too: its module reads every weight from the file."""
+    ``strict=False`` too: its module reads every weight from the file. Returns, with
+    ``strict=False``, the keys under the disk modules that fill nothing, skipped."""
     filled = keys[0]
     names = {n for targets in filled.values() for n in targets}
     renamed = given(keys[2])
@@ -374,10 +376,11 @@ def _check_in_file(
     check = _disk_keys(found, disk, keys, names, wanted, _persistent_buffers(model, disk))
     if renamed:
         check.renamed = (len(found.entries), len(filled))
+    skipped: list[str] = []
     if not strict:
-        check.unexpected = []
+        skipped, check.unexpected = check.unexpected, []
     if not check.missing and not check.unexpected and not check.mismatched:
-        return
+        return skipped
     entries = [name for name in disk if any(m.name.startswith(f"{name}.") for m in check.missing)]
     fix = (
         "; a module on 'disk' reads each of its weights from the file when it runs, so it "
@@ -546,15 +549,15 @@ def _dtypes(module: nn.Module) -> dict[str, torch.dtype]:
 
 
 def _persistent_buffers(model: nn.Module, disk: list[str]) -> frozenset[str]:
-    """The names in the model of the ``"disk"`` modules' persistent buffers (a state dict's
-    tensors that are not parameters)."""
+    """The names in the model of the ``"disk"`` modules' persistent buffers: registered
+    buffers that a state dict keeps (an ``_extra_state`` a module makes is not one)."""
     found: set[str] = set()
     for name in disk:
-        module = model.get_submodule(name)
-        params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
-        for local, value in module.state_dict(keep_vars=True).items():
-            if local not in params and isinstance(value, torch.Tensor):
-                found.add(f"{name}.{local}" if name else local)
+        for local, _ in model.get_submodule(name).named_buffers(remove_duplicate=False):
+            full = f"{name}.{local}" if name else local
+            owner_name, _, leaf = full.rpartition(".")
+            if leaf not in model.get_submodule(owner_name)._non_persistent_buffers_set:
+                found.add(full)
     return frozenset(found)
 
 
@@ -564,6 +567,7 @@ def _disk_buffers(
     disk: list[str],
     names: Mapping[str, tuple[str, ...]],
     strict: bool,
+    unexpected: list[str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The persistent buffers of the ``"disk"`` modules (by their names in the model) read from
     the file (each on the CPU, in the buffer's dtype), before anything of the model changes.
@@ -571,35 +575,64 @@ def _disk_buffers(
     live in memory, on the execution device, as every buffer of a dispatched model does; only
     parameters stay in the file. ``names``: each file key's model names (after ``rename`` and
     the hub-name conversion). A buffer the file lacks is missing with ``strict``; without, it
-    keeps its value, and one on ``meta`` (a skeleton's) is refused, as it holds none."""
+    keeps its value, and one on ``meta`` (a skeleton's) is refused, as it holds none. The
+    disk modules' skipped keys (those and ``unexpected``, keys under them that fill nothing)
+    are named in one warning, before anything changes."""
     from ..checkpoint._load import read_entries
 
     key_of = {n: key for key, targets in names.items() for n in targets}
     wanted: dict[str, tuple[str, torch.Tensor]] = {}  # model name -> (file key, buffer)
     lacking: list[str] = []
     skipped: list[str] = []
+    shared: dict[int, list[str]] = {}  # one buffer under several names: saved under any one
     for full in sorted(_persistent_buffers(model, disk)):
-        buffer = model.get_buffer(full)
-        key = key_of.get(full)
-        if key is None or key not in found.entries:
-            (lacking if strict or buffer.is_meta else skipped).append(full)
+        shared.setdefault(id(model.get_buffer(full)), []).append(full)
+    mismatched: list[str] = []
+    for fulls in shared.values():
+        buffer = model.get_buffer(fulls[0])
+        key = next((key_of[n] for n in fulls if key_of.get(n) in found.entries), None)
+        if key is None:
+            (lacking if strict or buffer.is_meta else skipped).append(fulls[0])
             continue
-        wanted[full] = (key, buffer)
-    if lacking:
-        raise CheckpointError(
-            f"{found.where}: does not fit {type(model).__name__}: missing keys: "
-            f"{listing(lacking)} (buffers of modules mapped to 'disk', which live in memory and "
-            "take their values from the file); load a checkpoint that holds them, or give them "
-            "values first and pass strict=False",
-            path=found.path,
-            missing=lacking,
-        )
-    if skipped:  # said before anything changes: where warnings are errors, nothing has
-        warn_skipped(found.where, found.path, skipped, [])
+        if tuple(found.entries[key].shape) != tuple(buffer.shape):
+            mismatched.append(f"{fulls[0]} (file {tuple(found.entries[key].shape)}, model "
+                              f"{tuple(buffer.shape)})")  # fmt: skip
+            continue
+        wanted.update((full, (key, buffer)) for full in fulls)
+    if mismatched or lacking:
+        raise _buffers_do_not_fit(found, type(model).__name__, mismatched, lacking)
+    if skipped or unexpected:  # said before anything changes: where warnings are errors
+        warn_skipped(found.where, found.path, skipped, list(unexpected or []))
     if not wanted:
         return {}
     read = read_entries(found, sorted({key for key, _ in wanted.values()}), torch.device("cpu"))
-    return {full: read[key].to(buffer.dtype) for full, (key, buffer) in wanted.items()}
+    values: dict[int, torch.Tensor] = {}  # a shared buffer stays one tensor
+    return {
+        full: values.setdefault(id(buffer), read[key].to(buffer.dtype))
+        for full, (key, buffer) in wanted.items()
+    }
+
+
+def _buffers_do_not_fit(
+    found: Catalog, model_name: str, mismatched: list[str], lacking: list[str]
+) -> CheckpointError:
+    """The error for disk modules' buffers the file holds in another shape (``mismatched``,
+    each said with its shapes) or lacks (``lacking``)."""
+    if mismatched:
+        return CheckpointError(
+            f"{found.where}: does not fit {model_name}: shape mismatches: {listing(mismatched)} "
+            "(buffers of modules mapped to 'disk'); the model is untouched",
+            path=found.path,
+            mismatched=[m.split(" ")[0] for m in mismatched],
+        )
+    return CheckpointError(
+        f"{found.where}: does not fit {model_name}: missing keys: {listing(lacking)} (buffers "
+        "of modules mapped to 'disk', which live in memory and take their values from the "
+        "file); load a checkpoint that holds them, or give them values first and pass "
+        "strict=False",
+        path=found.path,
+        missing=lacking,
+    )
 
 
 def _put_buffers(model: nn.Module, buffers: Mapping[str, torch.Tensor]) -> None:
@@ -609,7 +642,7 @@ def _put_buffers(model: nn.Module, buffers: Mapping[str, torch.Tensor]) -> None:
         owner_name, _, local = full.rpartition(".")
         owner = model.get_submodule(owner_name)
         current = owner._buffers[local]
-        if current is None or current.is_meta or current.shape != value.shape:
+        if current is None or current.is_meta:
             owner._buffers[local] = value
         else:
             with torch.no_grad():

@@ -326,7 +326,8 @@ class Shield:
     one before it (Python's ``default_int_handler``, or the program's own): in the covered
     stretches (from ``before`` to the forward's first line, and from its last to the end of
     ``after``) a SIGINT is kept and delivered as the stretch ends, inside the code that lets
-    the weights go on an error; elsewhere it is delivered at once, as it would have been. A
+    the weights go on an error; elsewhere it is delivered at once, as it would have been, and
+    so is a second SIGINT in a covered stretch (a read of the weights that hangs). A
     program whose SIGINT is ignored or left to the system's default action, or another
     thread's call (signals reach the main thread only), is not covered. The handler before is
     put back when the outermost call ends.
@@ -344,15 +345,19 @@ class Shield:
         return threading.current_thread() is threading.main_thread()
 
     def _handle(self, signum: int, frame: Any) -> None:
-        if self.covered:
+        if self.covered and self.pending is None:
             self.pending = (signum, frame)
             return
-        self.previous(signum, frame)
+        # a second Ctrl-C in a covered stretch (a read that hangs) is raised at once, as is
+        # one outside them
+        self.pending = None
+        (self.previous or signal_default())(signum, frame)
 
     def enter(self) -> None:
         """An offloaded call begins (its weights are about to come in): covered from now."""
         if not self._main():
             return
+        self.covered = True  # first: a SIGINT once ours is installed finds it covered
         if self.depth == 0:
             import signal
 
@@ -361,7 +366,6 @@ class Shield:
                 self.previous = current
                 signal.signal(signal.SIGINT, self.handler)
         self.depth += 1
-        self.covered = True
 
     def lift(self) -> None:
         """The forward runs: a SIGINT is the program's again (one kept meanwhile raised now).
@@ -404,6 +408,13 @@ class Shield:
             signum, frame = self.pending
             self.pending = None
             self.previous(signum, frame)
+
+
+def signal_default() -> Any:
+    """Python's own handler of SIGINT, which raises ``KeyboardInterrupt``."""
+    import signal
+
+    return signal.default_int_handler
 
 
 SHIELD = Shield()
