@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -2427,3 +2427,37 @@ def test_a_transformers_moe_loaded_by_map_reads_only_its_resident_layers(tmp_pat
     ids = torch.randint(0, 64, (2, 8))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+class _SeesRequiresGrad(nn.Linear):
+    """A layer whose forward records whether its weight requires grad, as kernels that choose
+    by it (Mamba's) look."""
+
+    seen: ClassVar[list[bool]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _SeesRequiresGrad.seen.append(self.weight.requires_grad)
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable", "frozen"])
+def test_a_disk_modules_weights_require_grad_as_the_model_has_them(
+    tmp_path: Any, frozen: bool
+) -> None:
+    """They came back with requires_grad=False whatever the model said, so a kernel that
+    chooses by it ran another path than on the whole model (falcon_mamba, mamba: not bit for
+    bit)."""
+
+    def make() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), _SeesRequiresGrad(8, 8))
+
+    torch.save(make().state_dict(), tmp_path / "m.pt")
+    model = torchplace.load_into(
+        torchplace.skeleton(make), tmp_path / "m.pt", device_map={"": "cpu", "1": "disk"}
+    )
+    model.requires_grad_(not frozen)
+    _SeesRequiresGrad.seen.clear()
+    with torch.no_grad():
+        model(torch.ones(1, 8))
+    assert _SeesRequiresGrad.seen == [not frozen]

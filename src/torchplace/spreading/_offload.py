@@ -220,7 +220,10 @@ def _swap_in(unit: Unit, tensors: list[torch.Tensor]) -> list[tuple[nn.Module, s
     for (owner, name, home), t in zip(unit.slots, tensors, strict=True):
         fetched = made.get(id(home))
         if fetched is None:
-            fetched = made[id(home)] = nn.Parameter(t, requires_grad=False)
+            # requires_grad as the model has it: kernels choose by it (Mamba's do), so the
+            # same ones run as on the model held whole
+            wants = home.requires_grad and (t.is_floating_point() or t.is_complex())
+            fetched = made[id(home)] = nn.Parameter(t, requires_grad=wants)
         owner._parameters[name] = fetched
     return list(unit.slots)
 
