@@ -2461,3 +2461,43 @@ def test_a_disk_modules_weights_require_grad_as_the_model_has_them(
     with torch.no_grad():
         model(torch.ones(1, 8))
     assert _SeesRequiresGrad.seen == [not frozen]
+
+
+# peft calls transformers 5's deprecated is_gradient_checkpointing
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_peft_lora_on_disk_layers_is_refused_then_runs_once_given_values(tmp_path: Any) -> None:
+    """PEFT's LoRA over a model with disk layers put the adapter's weights of those layers on
+    meta, and logits came out wrong without a word: the first call is refused, naming the
+    weight; given values as the message says, the adapted model matches the same adapter on a
+    resident model bit for bit. Wrapping a layer inside a disk module (PEFT's LoRA layers hold
+    the base layer) raised a raw AttributeError: its weights are found by the module objects."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config).eval()
+    reference.save_pretrained(tmp_path)
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(1)
+    resident = peft.get_peft_model(reference, lora)
+    disk = {"": "cpu", "model.layers.1": "disk", "model.layers.2": "disk"}
+    skeleton = torchplace.skeleton(transformers.LlamaForCausalLM, config)
+    model = peft.get_peft_model(torchplace.load_into(skeleton, tmp_path, device_map=disk), lora)
+    ids = torch.randint(0, 128, (2, 8))
+    with torch.no_grad(), pytest.raises(torchplace.PlacementError, match="lora_A") as err:
+        model(ids)
+    assert err.value.stragglers[0].name.endswith("layers.1.self_attn.q_proj.lora_A.default.weight")
+    values = dict(resident.named_parameters())
+    for name, p in list(model.named_parameters()):
+        if "lora_" in name and p.is_meta:  # the fix the message gives, then the values
+            owner = model.get_submodule(name.rpartition(".")[0])
+            owner.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(values[name])
+        assert torch.equal(model(ids).logits, resident(ids).logits)

@@ -106,6 +106,9 @@ class CheckpointWeights:
         # held weakly, as the model: the model holds this reader.
         self._holders: _Holders | None = None
         self.nbytes = sum(_numel(model, entry, n) * d.itemsize for n, d in self.dtypes.items())
+        # found now, by the module objects of the model as loaded: a module wrapped later (an
+        # adapter's layer put in its place, holding it) still holds its weights
+        self._current_dtypes(model)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> CheckpointWeights:
         """A copy for a deep copy of the model: it reads for the copy of the model (found in

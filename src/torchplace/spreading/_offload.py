@@ -144,6 +144,7 @@ class Ring:
         try:
             if torch.is_grad_enabled() and any(p.requires_grad for _, _, p in unit.slots):
                 raise _grad_error(unit)
+            _refuse_foreign_meta(unit)
             with self.lock:
                 self._before(i)
         except Exception:
@@ -211,6 +212,31 @@ class Ring:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.lock, self.calls = threading.RLock(), threading.local()
+
+
+def _refuse_foreign_meta(unit: Unit) -> None:
+    """``PlacementError`` for a parameter on ``meta`` inside an offloaded unit that is none of
+    its placeholders: added after the model was mapped (PEFT puts an adapter's weights on the
+    device of the layer's weight, a placeholder's ``meta``), it holds no values, and the unit
+    would compute garbage without a word."""
+    homes = {id(p) for _, _, p in unit.slots}
+    for name, p in unit.module.named_parameters():
+        if p.is_meta and id(p) not in homes:
+            from .._errors import PlacementError, Straggler
+
+            full = f"{unit.path}.{name}" if unit.path else name
+            owner = full.rpartition(".")[0]
+            raise PlacementError(
+                f"{display(full)} is on meta inside {display(unit.path)}, which is offloaded to "
+                f"{unit.home.tier}, and it is none of the weights the offload brings in: it was "
+                "added after the model was mapped (as PEFT adds an adapter's weights on the "
+                "device of the layer's weight, here a placeholder), so it holds no values and "
+                f"the module would compute garbage. Give it values first (model.get_submodule("
+                f"{owner!r}).to_empty(device={str(unit.home.execution)!r}), then initialise or "
+                "load them), or map the module to a device, where the adapter's weights are "
+                "made real",
+                stragglers=[Straggler(full, "parameter", p.device, 0)],
+            )
 
 
 def _swap_in(unit: Unit, tensors: list[torch.Tensor]) -> list[tuple[nn.Module, str, nn.Parameter]]:
