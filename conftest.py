@@ -174,8 +174,8 @@ _NOT_YET_RUNNABLE: dict[str, str] = {}
 
 
 def _needs_newer_torch(source: str) -> str | None:
-    """Why a block cannot run with the installed torch, found by what torch offers, or None.
-    (tests/helpers.py asks the same of the tests.)"""
+    """Why a block cannot run with the installed torch or transformers, found by what they
+    offer, or None. (tests/helpers.py asks the same of the tests.)"""
     import torch
 
     if "fully_shard(" in source and not hasattr(torch.cpu.Stream, "record_event"):
@@ -183,6 +183,11 @@ def _needs_newer_torch(source: str) -> str | None:
             "FSDP2 trains on the CPU from torch 2.7 (torch.cpu.Stream.record_event); "
             f"this is torch {torch.__version__}"
         )
+    if "# transformers 5" in source:  # a block about what transformers 5 writes (hub names)
+        import importlib.util
+
+        if importlib.util.find_spec("transformers.conversion_mapping") is None:
+            return "transformers 4.x writes no hub names: this block shows transformers 5's"
     return None
 
 

@@ -148,3 +148,20 @@ def write_shards(root: Path, sd: dict[str, torch.Tensor], *, torch_shards: bool 
 
 
 DISCARDED_MASK = r"load_into to meta discarded the values of 1 non-persistent buffer\(s\) \(mask\)"
+
+
+def transformers_major() -> int:
+    """The installed transformers' major version (0 where it is not installed), read without
+    importing it."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return int(version("transformers").split(".")[0])
+    except (PackageNotFoundError, ValueError):
+        return 0
+
+
+def needs_transformers_5(why: str) -> pytest.MarkDecorator:
+    """Skip, saying ``why``, on transformers 4.x (the suite runs on 5 and on 4.57.6, the test
+    extra's floor): for what a 4.x model does otherwise."""
+    return pytest.mark.skipif(0 < transformers_major() < 5, reason=f"transformers 4.x: {why}")

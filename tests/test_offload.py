@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import torchplace
+from helpers import needs_transformers_5
 from torchplace.checkpoint._catalog import FileChanged
 from torchplace.moving import _offloaded as offloaded
 from torchplace.moving._hooks import is_dispatched
@@ -406,6 +407,11 @@ def test_half_the_layers_on_disk_run_as_the_whole_model(
     assert all(p.is_meta for p in model.model.layers[3].parameters())
 
 
+# transformers 4.x's Mixtral holds block_sparse_moe, and its save_pretrained writes no hub names
+hub_names = needs_transformers_5("Mixtral's save_pretrained writes no hub names")
+
+
+@hub_names
 @pytest.mark.parametrize("strict", [True, False], ids=["strict", "not-strict"])
 @pytest.mark.parametrize("entry", ["model.layers.1.mlp", "model.layers.1.mlp.experts"])
 def test_a_part_of_a_layer_whose_weights_have_hub_names_runs_from_disk(
@@ -428,6 +434,7 @@ def test_a_part_of_a_layer_whose_weights_have_hub_names_runs_from_disk(
         assert torch.equal(model(IDS).logits, reference(IDS).logits)
 
 
+@hub_names
 def test_a_disk_layer_works_out_its_hub_name_conversion_once(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -643,6 +650,7 @@ def test_a_disk_module_whose_weight_has_another_shape_is_refused_before_anything
     assert all(p.is_meta for p in target.parameters())
 
 
+@hub_names
 def test_a_disk_layer_missing_an_expert_says_the_shape_its_pieces_make(tmp_path: Any) -> None:
     from safetensors.torch import load_file, save_file
 
@@ -694,6 +702,7 @@ def test_a_lazy_parameter_cannot_be_left_on_disk(tmp_path: Any) -> None:
         torchplace.load_into(lazy, tmp_path / "m.pt", device_map={"": "cpu", "1": "disk"})
 
 
+@hub_names
 @pytest.mark.parametrize("entry", ["model.layers.1", "model.layers.1.mlp"])
 def test_a_disk_module_whose_expert_lacks_one_projection_names_the_key(
     entry: str, tmp_path: Any

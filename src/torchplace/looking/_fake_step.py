@@ -706,8 +706,10 @@ def _measure(
         _skip_frozen(tracker, model)
         inputs = (t for _, t in iter_leaves(batch, "example_input"))
         tracker.track_external(model, *([opt] if opt is not None else []), *inputs)
-        fused = FusedAttention(label(run)) if run.type == "meta" else contextlib.nullcontext()
-        with tracker, _eager(), fused, tracker.torchplace_checks.seen():
+        on_meta = run.type == "meta"
+        fused = FusedAttention(label(run)) if on_meta else contextlib.nullcontext()
+        autocast = _meta_autocast() if on_meta else contextlib.nullcontext()
+        with tracker, _eager(), fused, autocast, tracker.torchplace_checks.seen():
             _run(model, batch, opt, train)
 
         def shown(dev: torch.device) -> bool:  # the placeholders' meta is on no device
@@ -724,6 +726,29 @@ def _measure(
             most=_most(tracker.torchplace_most),
             modules=_module_peaks(tracker, model, label, shown),
         )
+
+
+@contextlib.contextmanager
+def _meta_autocast() -> Iterator[None]:
+    """``torch.autocast`` taking ``device_type="meta"`` while a step runs on meta, as the CPU's
+    (which changes nothing for meta tensors): a model that switches autocast off around its
+    own code for the device its input is on (transformers 4.x's rotary embeddings:
+    ``torch.autocast(device_type=x.device.type, enabled=False)``) raised "unsupported
+    autocast device_type 'meta'", so its step could not be measured. ``torch.autocast`` and
+    ``torch.amp.autocast`` are a subclass that passes every other device type on as it is,
+    for the step only, then put back."""
+    plain = torch.amp.autocast_mode.autocast
+
+    class _Autocast(plain):  # type: ignore[misc, valid-type]
+        def __init__(self, device_type: str, *args: Any, **kwargs: Any) -> None:
+            super().__init__("cpu" if device_type == "meta" else device_type, *args, **kwargs)
+
+    saved = torch.autocast, torch.amp.autocast
+    torch.autocast = torch.amp.autocast = _Autocast  # type: ignore[misc]
+    try:
+        yield
+    finally:
+        torch.autocast, torch.amp.autocast = saved  # type: ignore[misc]
 
 
 @contextlib.contextmanager
