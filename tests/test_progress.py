@@ -160,3 +160,18 @@ def test_a_bar_on_a_terminal_counts_in_the_binary_units_of_the_summary(
     last = [line for line in drawn if line.startswith("load big.pt")][-1]
     assert re.fullmatch(r"load big\.pt \S+ 300\.0/300\.0 MiB \d+\.\d [KMGT]iB/s \S+", last), last
     assert not re.search(r"\d ?[kMGT]B\b", "".join(drawn)), drawn
+
+
+def test_a_load_by_map_counts_to_the_bytes_it_reads(tmp_path: Path, bars: list[list[int]]) -> None:
+    """The disk modules' bytes are not read by the load: the bar counts to the resident ones
+    and ends full (it counted to the whole file, and ended partly filled)."""
+
+    def make() -> nn.Module:
+        return nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64))
+
+    path = tmp_path / "m.safetensors"
+    save_file(make().state_dict(), str(path))
+    disk = {"": "cpu", "1": "disk", "2": "disk"}
+    torchplace.load_into(torchplace.skeleton(make), path, device_map=disk, progress=True)
+    resident = (64 * 64 + 64) * 4
+    assert bars == [[resident, resident]]

@@ -381,7 +381,7 @@ def _read_file(
     if check_crc:
         warn_unchecked_safetensors(p, kind, None)
     direct = _direct_plan(p, model, renamer, read_on, mmap=mmap, kind=kind)
-    total = source_bytes(p, kind) if wanted(progress) else 0
+    total = _bytes_to_read(p, kind, renamer) if wanted(progress) else 0
     with reporting(total, f"load_into {p.name}", progress):
         if direct is None:
             # a key the rename drops (a load by map's disk modules' among them) is not read
@@ -557,6 +557,17 @@ def _direct_plan(
         return direct_reads(found, model, names, keys)
     except CheckpointError as exc:
         raise CheckpointError(f"{p}: {exc}", path=p) from exc
+
+
+def _bytes_to_read(p: Path, kind: str, renamer: Callable[[str], str | None] | None) -> int:
+    """What a progress bar counts to: the source's bytes, less a safetensors source's entries
+    that the renamer drops (they are not read: a load by map's disk modules)."""
+    if renamer is None or kind not in ("safetensors", "index"):
+        return source_bytes(p, kind)
+    found = catalog(p)
+    if any(k != "safetensors" for f, k in found.kinds.items() if f != p):
+        return source_bytes(p, kind)  # a torch shard is read whole
+    return sum(e.nbytes for key, e in found.entries.items() if renamer(key) is not None)
 
 
 def _plan_names(
