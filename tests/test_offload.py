@@ -2281,8 +2281,8 @@ def test_the_whole_model_on_disk_runs_block_by_block(tmp_path: Any) -> None:
         torchplace.load_into(torchplace.skeleton(mlp, 4), path, device_map={"": "disk", "0": "cpu"})
 
 
-def test_a_whole_transformers_model_on_disk_is_one_unit_per_decoder_layer(tmp_path: Any) -> None:
-    transformers = pytest.importorskip("transformers")
+def _saved_llama(transformers: Any, where: Any) -> tuple[Any, nn.Module]:
+    """A tiny untied Llama's config and the model, saved to ``where`` by save_pretrained."""
     config = transformers.LlamaConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
@@ -2290,7 +2290,13 @@ def test_a_whole_transformers_model_on_disk_is_one_unit_per_decoder_layer(tmp_pa
     )  # fmt: skip
     torch.manual_seed(0)
     reference = transformers.LlamaForCausalLM(config).eval()
-    reference.save_pretrained(tmp_path)
+    reference.save_pretrained(where)
+    return config, reference
+
+
+def test_a_whole_transformers_model_on_disk_is_one_unit_per_decoder_layer(tmp_path: Any) -> None:
+    transformers = pytest.importorskip("transformers")
+    config, reference = _saved_llama(transformers, tmp_path)
     skeleton = torchplace.skeleton(transformers.LlamaForCausalLM, config)
     model = torchplace.load_into(skeleton, tmp_path, device_map={"": "disk"}).eval()
     assert [p for p, _, _ in homes(model)] == [
@@ -2482,14 +2488,7 @@ def test_peft_lora_on_disk_layers_is_refused_then_runs_once_given_values(tmp_pat
     the base layer) raised a raw AttributeError: its weights are found by the module objects."""
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    reference = transformers.LlamaForCausalLM(config).eval()
-    reference.save_pretrained(tmp_path)
+    config, reference = _saved_llama(transformers, tmp_path)
     lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     torch.manual_seed(1)
     resident = peft.get_peft_model(reference, lora)
