@@ -2009,13 +2009,30 @@ def test_a_hooked_model_left_on_meta_by_map_is_refused_by_its_fill_in_that_threa
 # --- a load by map reads only what stays resident ------------------------------------------------
 
 
+@pytest.fixture
+def bytes_read(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of each read the checkpoint reader makes from now on, in order."""
+    from torchplace.checkpoint import _reader
+
+    read: list[int] = []
+    pread = _reader._pread_exactly
+
+    def counting(fd: int, view: memoryview, offset: int) -> None:
+        read.append(view.nbytes)
+        pread(fd, view, offset)
+
+    monkeypatch.setattr(_reader, "_pread_exactly", counting)
+    return read
+
+
 @pytest.mark.parametrize("form", ["file", "index", "pt"])
-def test_a_load_by_map_reads_no_byte_of_the_disk_modules(tmp_path: Any, form: str) -> None:
+def test_a_load_by_map_reads_no_byte_of_the_disk_modules(
+    tmp_path: Any, form: str, bytes_read: list[int]
+) -> None:
     """A load by map read the whole checkpoint into memory, the disk modules' layers too (all
     of a 192 MiB file for one resident layer of 16 MiB): now the bytes read from the file are
     those of the resident modules, to the byte, and the disk modules read theirs as they run."""
     from helpers import safetensors_torch, write_shards
-    from torchplace.checkpoint import _reader
 
     model = mlp(6)
     sd = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
@@ -2027,30 +2044,18 @@ def test_a_load_by_map_reads_no_byte_of_the_disk_modules(tmp_path: Any, form: st
         torch.save(sd, path)
     else:
         path = write_shards(tmp_path, sd)
-    read: list[int] = []
-    pread = _reader._pread_exactly
-
-    def counting(fd: int, view: memoryview, offset: int) -> None:
-        read.append(view.nbytes)
-        pread(fd, view, offset)
-
     disk = {"": "cpu", "2": "disk", "4": "disk"}
     resident = sum(v.nbytes for k, v in sd.items() if not k.startswith(("2.", "4.")))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_reader, "_pread_exactly", counting)
-        loaded = torchplace.load_into(torchplace.skeleton(mlp, 6), path, device_map=disk)
-        assert sum(read) == resident
-        read.clear()
-        x = torch.randn(3, 8)
-        with torch.no_grad():
-            got = loaded(x)
-        assert (
-            sum(read)
-            == sd["2.weight"].nbytes
-            + sd["2.bias"].nbytes
-            + sd["4.weight"].nbytes
-            + sd["4.bias"].nbytes
-        )
+    loaded = torchplace.load_into(torchplace.skeleton(mlp, 6), path, device_map=disk)
+    assert sum(bytes_read) == resident
+    bytes_read.clear()
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        got = loaded(x)
+    assert (
+        sum(bytes_read)
+        == sd["2.weight"].nbytes + sd["2.bias"].nbytes + sd["4.weight"].nbytes + sd["4.bias"].nbytes
+    )
     with torch.no_grad():
         assert torch.equal(got, model(x))
 
@@ -2252,26 +2257,15 @@ def test_a_disk_modules_buffer_the_file_lacks_is_missing(tmp_path: Any) -> None:
 # --- the whole model on disk: {"": "disk"} --------------------------------------------------------
 
 
-def test_the_whole_model_on_disk_runs_block_by_block(tmp_path: Any) -> None:
+def test_the_whole_model_on_disk_runs_block_by_block(tmp_path: Any, bytes_read: list[int]) -> None:
     """{"": "disk"} was refused ("map the model's parts"), where Accelerate's disk_offload puts
     a whole model on disk: it now means every block on disk, each its own unit, read as it
     runs; nothing is read by the load, and the output is the model's bit for bit."""
-    from torchplace.checkpoint import _reader
-
     model = mlp(4)
     path = tmp_path / "m.pt"
     torch.save(model.state_dict(), path)
-    read: list[int] = []
-    pread = _reader._pread_exactly
-
-    def counting(fd: int, view: memoryview, offset: int) -> None:
-        read.append(view.nbytes)
-        pread(fd, view, offset)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_reader, "_pread_exactly", counting)
-        loaded = torchplace.load_into(torchplace.skeleton(mlp, 4), path, device_map={"": "disk"})
-        assert read == []  # nothing stays resident, so nothing is read
+    loaded = torchplace.load_into(torchplace.skeleton(mlp, 4), path, device_map={"": "disk"})
+    assert bytes_read == []  # nothing stays resident, so nothing is read
     assert [p for p, _, _ in homes(loaded)] == ["0", "2", "4", "6"]
     assert all(p.is_meta for p in loaded.parameters())
     x = torch.randn(3, 8)
@@ -2411,12 +2405,12 @@ def test_a_buffer_two_disk_modules_share_is_read_once_from_either_name(tmp_path:
         assert torch.equal(model(x), reference(x))
 
 
-def test_a_transformers_moe_loaded_by_map_reads_only_its_resident_layers(tmp_path: Any) -> None:
+def test_a_transformers_moe_loaded_by_map_reads_only_its_resident_layers(
+    tmp_path: Any, bytes_read: list[int]
+) -> None:
     """A Mixtral saved with hub names: its experts fused straight into the model's tensors,
     the disk layers' keys were read whole all the same; now they are not read at all."""
     transformers = pytest.importorskip("transformers")
-    from torchplace.checkpoint import _reader
-
     config = transformers.MixtralConfig(
         hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=64, num_local_experts=4, max_position_embeddings=64,
@@ -2424,21 +2418,12 @@ def test_a_transformers_moe_loaded_by_map_reads_only_its_resident_layers(tmp_pat
     torch.manual_seed(0)
     reference = transformers.MixtralForCausalLM(config).eval()
     reference.save_pretrained(tmp_path)
-    read: list[int] = []
-    pread = _reader._pread_exactly
-
-    def counting(fd: int, view: memoryview, offset: int) -> None:
-        read.append(view.nbytes)
-        pread(fd, view, offset)
-
     disk = {"": "cpu", "model.layers.1": "disk", "model.layers.2": "disk"}
     on_disk = ("model.layers.1.", "model.layers.2.")
     resident = sum(v.nbytes for k, v in reference.state_dict().items() if not k.startswith(on_disk))
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_reader, "_pread_exactly", counting)
-        skeleton = torchplace.skeleton(transformers.MixtralForCausalLM, config)
-        model = torchplace.load_into(skeleton, tmp_path, device_map=disk).eval()
-        assert sum(read) == resident
+    skeleton = torchplace.skeleton(transformers.MixtralForCausalLM, config)
+    model = torchplace.load_into(skeleton, tmp_path, device_map=disk).eval()
+    assert sum(bytes_read) == resident
     ids = torch.randint(0, 64, (2, 8))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, reference(ids).logits)
