@@ -551,10 +551,10 @@ def _direct_plan(
     names = _plan_names(found, renamer)
     if names is None:
         return None  # two keys renamed to one name: renamed() raises, naming both
-    # the keys a rename drops (a load by map's disk modules') are not read, as by load_state
-    keys = [k for k in found.entries if renamer is None or renamer(k) is not None]
+    # the keys a rename drops (a load by map's disk modules') are not read, as by load_state:
+    # those it keeps are the file keys ``names`` holds
     try:
-        return direct_reads(found, model, names, keys)
+        return direct_reads(found, model, names, list(names.values()))
     except CheckpointError as exc:
         raise CheckpointError(f"{p}: {exc}", path=p) from exc
 

@@ -577,9 +577,11 @@ def within_bound(p: Path, data: bytes | None = None, *, zip_format: bool = True)
     a legacy file's (``zip_format=False``) pickles are read from the file.
 
     A pickle of no more bytes than the bound cannot pass it (each object it places was pushed
-    by an instruction of a byte at least), so a checkpoint of fewer than about 9,000 tensors
-    is not read twice. A pickle the count cannot read is left to the reader that follows,
-    which says what is wrong with it.
+    by an instruction of a byte at least), so a zip file's pickle record of fewer than about
+    9,000 tensors is not read twice; a legacy file's pickles are not sized apart from its
+    data, so one of more bytes than the bound has them read twice (they are its small part).
+    A pickle the count cannot read is left to the reader that follows, which says what is
+    wrong with it.
     """
     bound = _max_objects()
     try:
