@@ -114,19 +114,22 @@ def on_disk(model: nn.Module, names: list[str]) -> dict[str, MemorySource]:
 
 
 def checked(model: nn.Module, transport: FakeTransport, names: list[str]) -> list[str]:
-    """Pre-hooks (after the ring's) that fail a layer running before its weights arrived."""
+    """Forwards (called by the ring's record, set before dispatch wraps them) that fail a layer
+    running before its weights arrived."""
     ran: list[str] = []
 
-    def check(name: str) -> Any:
-        def hook(module: nn.Module, args: Any) -> None:
+    def check(name: str, module: nn.Module) -> Any:
+        def forward(*args: Any) -> Any:
             assert name in transport.arrived, f"{name} ran before its weights arrived"
             assert all(not p.is_meta for p in module.parameters()), name
             ran.append(name)
+            return type(module).forward(module, *args)
 
-        return hook
+        return forward
 
     for name in names:
-        model.get_submodule(name).register_forward_pre_hook(check(name))
+        module = model.get_submodule(name)
+        module.forward = check(name, module)
     return ran
 
 
@@ -141,8 +144,8 @@ def test_disk_layers_fetched_ahead_within_the_window(window: int) -> None:
     on_disk(model, disk)
     transport = FakeTransport()
     device_map = {"": "cpu", **dict.fromkeys(disk, "disk")}
-    torchplace.dispatch(model, device_map, offload_window=window, _transport=transport)
     ran = checked(model, transport, disk)
+    torchplace.dispatch(model, device_map, offload_window=window, _transport=transport)
     got = model(x)
     assert torch.equal(got, want)
     assert ran == disk
@@ -184,13 +187,38 @@ def test_the_real_transport_reads_disk_layers_for_each_call() -> None:
     assert model[2].weight.is_meta  # dropped after use
 
 
-def test_training_through_an_offloaded_module_is_refused() -> None:
+def test_gradients_reach_resident_parameters_through_a_disk_module() -> None:
+    """A call with gradients on was refused ("inference only"). It runs now: the offloaded
+    weights keep requires_grad as the model has them, the resident ones get the gradients a
+    resident model gives, bit for bit, and nothing offloaded stays resident."""
+    reference = mlp(3)
+    reference[2].requires_grad_(False)
+    model = copy.deepcopy(reference)
+    on_disk(model, ["2"])
+    torchplace.dispatch(model, {"": "cpu", "2": "disk"})
+    x = torch.randn(4, 8)
+    reference(x).square().sum().backward()
+    out = model(x)
+    assert out.requires_grad and model[2].weight.is_meta
+    out.square().sum().backward()
+    for name, p in model.named_parameters():
+        if not name.startswith("2."):
+            assert p.grad is not None and torch.equal(p.grad, reference.get_parameter(name).grad)
+    assert model[2].weight.is_meta and model[2].weight.grad is None
+
+
+def test_a_gradient_for_an_offloaded_weight_raises_naming_it() -> None:
+    """A backward that would give an offloaded weight a gradient raises there, naming it (the
+    gradient would land on a copy and be lost); forward alone with gradients on works."""
     model = mlp(2)
     on_disk(model, ["2"])
     torchplace.dispatch(model, {"": "cpu", "2": "disk"})
-    with pytest.raises(torchplace.TorchplaceError, match=r"model\.2 \(Linear\).*no_grad"):
-        model(torch.ones(1, 8))
-    assert model[2].weight.is_meta
+    out = model(torch.ones(1, 8))
+    assert model[2].weight.is_meta and model[2].weight.requires_grad
+    with pytest.raises(
+        torchplace.TorchplaceError, match=r"model\.2\.(weight|bias) is offloaded.*Freeze"
+    ):
+        out.sum().backward()
     with torch.no_grad():
         model(torch.ones(1, 8))
 
@@ -1307,11 +1335,13 @@ def test_host_tier_copies_run_on_a_side_stream_that_compute_waits_for() -> None:
         slots = [(module, leaf, p) for leaf, p in module.named_parameters()]
         home = Home("cpu", torch.device("cuda:0"))
         units.append(Unit(name, module, slots, [s[1] for s in slots], home))
+
+        def forward(x: torch.Tensor, name: str = name, module: nn.Module = module) -> Any:
+            cuda.log.append(("run", "compute", name))  # the forward itself, weights in place
+            return type(module).forward(module, x)
+
+        module.forward = forward
     _hook_units(units, 2, transport)
-    for name in ("0", "2", "4"):
-        model.get_submodule(name).register_forward_pre_hook(
-            lambda m, a, name=name: cuda.log.append(("run", "compute", name))
-        )
     x = torch.randn(2, 8)
     with torch.no_grad():
         assert torch.equal(model(x), reference(x))
@@ -1772,10 +1802,9 @@ def test_load_into_checks_the_offload_options_before_reading_the_checkpoint(
     assert list(homes(skeleton)) == [] and not is_dispatched(skeleton)
 
 
-def test_a_refused_call_leaves_another_threads_call_of_the_unit_alone() -> None:
-    """A call refused by the ring (gradients on) still gets PyTorch's ``always_call`` forward
-    hook, which used to end the unit's call in the ring: another thread running that unit
-    had its weights swapped out under it."""
+def test_two_threads_calling_one_unit_share_its_weights_and_leave_it_offloaded() -> None:
+    """A call of a unit while another thread's call of it runs (here with gradients on, which
+    was refused before) finds its weights in place; the last call to end lets them go."""
     import threading
 
     class Waiting(nn.Linear):
@@ -1806,8 +1835,7 @@ def test_a_refused_call_leaves_another_threads_call_of_the_unit_alone() -> None:
     thread.start()
     try:
         assert Waiting.inside.wait(60)
-        with pytest.raises(torchplace.TorchplaceError, match=r"model\.0 \(Waiting\).*no_grad"):
-            model(x)  # gradients on: refused
+        assert torch.equal(model(x).detach(), reference(x).detach())  # gradients on
     finally:
         Waiting.go.set()
         thread.join(60)

@@ -573,7 +573,7 @@ def _units(tree: ModelTree, offload: _Offload) -> list[Unit]:
             if source is not None and tier == DISK and path != entry:
                 source = source.only(path[len(entry) + 1 :] if entry else path)
             home = Home(tier, execution, source if tier == DISK else None)
-            units.append(Unit(path, tree.modules[path], slots, names, home))
+            units.append(Unit(path, tree.modules[path], slots, names, home, entry))
     units.sort(key=lambda u: list(tree.modules).index(u.path))
     return units
 
@@ -630,74 +630,73 @@ _UNTRACED = (
 )
 
 
-class _Before:
-    """An offloaded module's weights brought in before its call. Never traced by
-    ``torch.compile`` (a graph break runs it as it is, each call): traced, its reads would
-    run on the compiler's fake tensors."""
-
-    def __init__(self, ring: Ring, index: int) -> None:
-        self.ring, self.index = ring, index
-
-    @_untraced
-    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        SHIELD.enter()  # a Ctrl-C waits until the forward runs (``_Interrupted``)
+@_untraced
+def _bring_in(ring: Ring, index: int) -> None:
+    """Unit ``index``'s weights in before its call, covered by ``SHIELD`` (a Ctrl-C waits
+    until the forward runs); on any failure nothing stays in and the shield is left. Never
+    traced by ``torch.compile`` (a graph break runs it as it is, each call): traced, its reads
+    would run on the compiler's fake tensors."""
+    SHIELD.enter()
+    try:
+        ring.before(index)
+    except BaseException:
+        SHIELD.cover()
         try:
-            self.ring.before(self.index)
-        except Exception:
-            raise  # ``_After`` runs for it (PyTorch's always_call hooks) and leaves the shield
-        except BaseException:  # a second Ctrl-C during a read that hangs: no ``_After`` runs
+            ring.after(index)  # ends the call ``before`` refused or half began
+        finally:
             SHIELD.leave(deliver=False)
-            raise
+        raise
 
 
-class _After:
-    """An offloaded module's weights let go after its call (not traced, as ``_Before``)."""
-
-    def __init__(self, ring: Ring, index: int) -> None:
-        self.ring, self.index = ring, index
-
-    @_untraced
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        _let_go(self.ring, self.index, deliver=True)  # a Ctrl-C kept meanwhile: raised here
-
-
+@_untraced
 def _let_go(ring: Ring, index: int, *, deliver: bool) -> None:
     """Unit ``index``'s weights let go after its call, covered by ``SHIELD`` until they are
     out; then a SIGINT kept meanwhile is raised (``deliver``), or dropped where an interrupt
     already ends the call."""
     SHIELD.cover()
-    began = ring.began(index)
     try:
         ring.after(index)
     finally:
-        if began:
-            SHIELD.leave(deliver=deliver)
+        SHIELD.leave(deliver=deliver)
 
 
-class _Interrupted(_StandIn):
-    """Stands in for an offloaded module's forward: a ``KeyboardInterrupt`` (or another
-    ``BaseException`` that is not an ``Exception``) raised inside it ends the unit's call in
-    the ring, as ``_After`` ends it for the rest (PyTorch runs ``always_call`` forward hooks
-    for an ``Exception`` only), so that its fetched weights do not stay in place for good.
-    Around it, ``Shield`` keeps a SIGINT from landing where neither would run: from
-    ``_Before`` to the forward's first line, and from its last to the end of ``_After``."""
+class _Offloaded(_StandIn):
+    """Stands in for an offloaded module's forward, the one record of its offload: weights in,
+    the call, weights out, whatever ends the call (an exception, a Ctrl-C anywhere: ``Shield``
+    keeps a SIGINT from landing between the steps). Being the forward itself, it runs for
+    ``module.forward(...)`` called directly too. With gradients on, the call runs under its
+    unit's saved-tensor hooks (``_through``). ``inside``: a module inside the unit, which
+    brings the unit's weights in when it is called on its own (a model calling a layer's
+    child), and costs one look when its unit called it."""
 
-    def __init__(self, module: nn.Module, previous: Any, ring: Ring, index: int) -> None:
+    def __init__(
+        self, module: nn.Module, previous: Any, ring: Ring, index: int, inside: bool = False
+    ) -> None:
         super().__init__(module, previous)
-        self.ring, self.index = ring, index
+        self.ring, self.index, self.inside = ring, index, inside
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        ring, index = self.ring, self.index
+        if self.inside and ring.running(index):
+            return self.forward(*args, **kwargs)
+        _bring_in(ring, index)
         try:
             SHIELD.lift()  # a Ctrl-C kept since the weights began to come in is raised here
-            out = self.forward(*args, **kwargs)
-            SHIELD.cover()  # until ``_After`` has let the weights go
-            return out
+            kept = ring.kept(index)
+            if kept is None:
+                out = self.forward(*args, **kwargs)
+            else:
+                with kept.hooks():
+                    out = self.forward(*args, **kwargs)
+            SHIELD.cover()  # until the weights are out
         except Exception:
-            SHIELD.cover()  # ``_After`` runs for it (PyTorch's always_call hooks)
+            _let_go(ring, index, deliver=True)  # a Ctrl-C kept meanwhile replaces it
             raise
         except BaseException:
-            _let_go(self.ring, self.index, deliver=False)  # the interrupt under way is raised
+            _let_go(ring, index, deliver=False)  # the interrupt under way is raised
             raise
+        _let_go(ring, index, deliver=True)
+        return out
 
 
 class _NoValues:
@@ -859,25 +858,31 @@ def _refuse_loads(module: nn.Module, installed: Installed, under: list[tuple[Uni
 
 
 def _hook_units(units: list[Unit], window: int, transport: Transport) -> None:
-    """The ring's hooks on each offloaded module, kept in its mark for ``undispatch``."""
+    """The ring's record on each offloaded module and on the modules inside it that hold its
+    weights (``_Offloaded``), kept in their marks for ``undispatch``."""
     if not units:
         return
     ring = Ring(units, window, transport)
     for i, unit in enumerate(units):
-        module = unit.module
-        installed = module.__dict__.get(MARK) or Installed(handles=[])
-        # First of its pre-hooks, so that one failing after it still has ``after`` run for
-        # a call ``before`` saw (the always_call hook); the inputs move after it.
-        installed.handles.append(module.register_forward_pre_hook(_Before(ring, i), prepend=True))
-        installed.handles.append(module.register_forward_hook(_After(ring, i), always_call=True))
+        _stand_in(unit.module, ring, i, inside=False)
+        owners = {id(owner): owner for owner, _, _ in unit.slots if owner is not unit.module}
+        for owner in owners.values():
+            if _runs(owner):
+                _stand_in(owner, ring, i, inside=True)
         if unit.home.tier == DISK:
-            installed.handles.append(module.register_state_dict_pre_hook(_NoValues(unit)))  # type: ignore[no-untyped-call]
-        if not installed.wrapped_forward:  # undispatch puts back what was there before both
-            installed.previous_forward = module.__dict__.get("forward")
-            installed.wrapped_forward = True
-        module.__dict__["forward"] = _Interrupted(module, module.__dict__.get("forward"), ring, i)
-        module.__dict__[MARK] = installed
+            installed = unit.module.__dict__[MARK]
+            installed.handles.append(unit.module.register_state_dict_pre_hook(_NoValues(unit)))  # type: ignore[no-untyped-call]
         unit.module.__dict__[HOME] = unit.home
+
+
+def _stand_in(module: nn.Module, ring: Ring, index: int, *, inside: bool) -> None:
+    installed = module.__dict__.get(MARK) or Installed(handles=[])
+    if not installed.wrapped_forward:  # undispatch puts back what was there before
+        installed.previous_forward = module.__dict__.get("forward")
+        installed.wrapped_forward = True
+    previous = module.__dict__.get("forward")
+    module.__dict__["forward"] = _Offloaded(module, previous, ring, index, inside)
+    module.__dict__[MARK] = installed
 
 
 def dispatch(

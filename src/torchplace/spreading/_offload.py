@@ -20,9 +20,9 @@ the forward only takes cores from its own threads (with a background read, 16 la
 them resident, on 2 cores; see ``benchmarks/bench_offload.py``). Tests give the ring a fake
 transport and check the order, the bound and the waits.
 
-Training through offloaded weights is refused (``TorchplaceError``): the fetched weights are
-copies, so no gradient would reach the parameters, and the autograd graph would keep every
-fetched copy alive until backward, defeating the bound.
+Gradients go through offloaded units (``_through``): with gradients on, what autograd would
+keep of a fetched weight is kept as a reference and the unit is fetched again at backward
+(``Ring.refetch``), and a gradient for an offloaded weight that requires grad raises, naming it.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from .._devices import faking
 from .._errors import TorchplaceError
 from .._model_walk import display
 from ..moving._offloaded import DEFAULT_WINDOW, Home
+from ._through import Kept, requiring
 
 __all__ = [
     "DEFAULT_WINDOW",
@@ -60,8 +61,14 @@ class Unit:
     path: str
     module: nn.Module
     slots: list[tuple[nn.Module, str, nn.Parameter]]  # (owner, name, the parameter at home)
-    names: list[str]  # each slot's name inside the unit, for the disk tier's reader
+    names: list[str]  # each slot's name inside its map entry, for the disk tier's reader
     home: Home
+    entry: str | None = None  # the map entry the names start from (None: ``path``)
+
+    def full_name(self, name: str) -> str:
+        """A slot's name in the model."""
+        top = self.path if self.entry is None else self.entry
+        return f"{top}.{name}" if top else name
 
     @property
     def nbytes(self) -> int:
@@ -103,16 +110,6 @@ class Transport(Protocol):
         ...
 
 
-def _grad_error(unit: Unit) -> TorchplaceError:
-    return TorchplaceError(
-        f"{display(unit.path)} ({type(unit.module).__name__}) is offloaded to "
-        f"{unit.home.tier} and runs on {unit.home.execution} with copies of its weights, so "
-        "gradients cannot reach its parameters: offloaded modules run for inference only. Call "
-        "the model under torch.no_grad() or torch.inference_mode() (or "
-        "model.requires_grad_(False)), or give it a map without 'cpu' or 'disk' entries to train"
-    )
-
-
 class Ring:
     """The resident window over a model's units, in their order (see the module docstring)."""
 
@@ -129,6 +126,9 @@ class Ring:
         # read holds it): each unit is swapped in once and out by the last call to end.
         self.lock = threading.RLock()
         self.calls = threading.local()  # per thread: (unit, whether ``before`` let it run)
+        self.tensors: dict[int, list[torch.Tensor]] = {}  # what each attached unit fetched
+        self.again: dict[int, tuple[Fetched, list[torch.Tensor]]] = {}  # fetched by backward
+        self.forgetting = False  # a callback gives ``again`` back as the backward pass ends
 
     def _calls(self) -> list[tuple[int, bool]]:
         calls: list[tuple[int, bool]] | None = getattr(self.calls, "stack", None)
@@ -142,8 +142,6 @@ class Ring:
         # call may be running it).
         unit = self.units[i]
         try:
-            if torch.is_grad_enabled() and any(p.requires_grad for _, _, p in unit.slots):
-                raise _grad_error(unit)
             _refuse_foreign_meta(unit)
             with self.lock:
                 self._before(i)
@@ -173,7 +171,48 @@ class Ring:
         except BaseException:
             del self.resident[i]  # a failed read is not kept: the next call reads again
             raise
+        self.tensors[i] = tensors
         self.attached[i] = _swap_in(unit, tensors)
+
+    def running(self, i: int) -> bool:
+        """Whether a call of unit ``i`` is under way on this thread (its weights in place)."""
+        return any(j == i and ran for j, ran in self._calls())
+
+    def kept(self, i: int) -> Kept | None:
+        """The saved-tensor hooks for a call of unit ``i`` with gradients on (None when its
+        weights are not fetched ones: a fake step, or a host tier run where it lives)."""
+        tensors = self.tensors.get(i)
+        if tensors is None or not torch.is_grad_enabled():
+            return None
+        return Kept(i, tensors, self.refetch)
+
+    def refetch(self, i: int) -> list[torch.Tensor]:
+        """Unit ``i``'s weights again, for a backward that unpacks them: the last ``window``
+        units fetched so are kept while the backward pass runs, and given back as it ends."""
+        with self.lock:
+            got = self.again.get(i)
+            if got is not None:
+                return got[1]
+            fetched = self.transport.fetch(self.units[i])
+            tensors = self.transport.ready(fetched)
+            self.again[i] = (fetched, tensors)
+            while len(self.again) > self.window:
+                self.transport.release(self.again.pop(next(iter(self.again)))[0])
+            if not self.forgetting:
+                try:  # only inside a backward pass; elsewhere nothing is kept
+                    engine = torch.autograd.Variable._execution_engine
+                    engine.queue_callback(self.forget)
+                    self.forgetting = True
+                except RuntimeError:
+                    self.transport.release(self.again.pop(i)[0])
+            return tensors
+
+    def forget(self) -> None:
+        """Give back what backward fetched (the backward pass ended)."""
+        with self.lock:
+            self.forgetting = False
+            while self.again:
+                self.transport.release(self.again.popitem()[1][0])
 
     def began(self, i: int) -> bool:
         """Whether this thread's latest call ``before`` saw (run or refused) is unit ``i``'s:
@@ -195,6 +234,7 @@ class Ring:
             self.inner[i] -= 1
             return
         slots = self.attached.pop(i, None)
+        self.tensors.pop(i, None)
         if slots is None:
             return
         for owner, name, home in slots:
@@ -206,6 +246,7 @@ class Ring:
     def __getstate__(self) -> dict[str, Any]:  # a copy starts with nothing resident
         state = dict(self.__dict__)
         state["resident"], state["attached"], state["inner"] = {}, {}, {}
+        state["tensors"], state["again"], state["forgetting"] = {}, {}, False
         del state["lock"], state["calls"]
         return state
 
@@ -241,16 +282,20 @@ def _refuse_foreign_meta(unit: Unit) -> None:
 
 def _swap_in(unit: Unit, tensors: list[torch.Tensor]) -> list[tuple[nn.Module, str, nn.Parameter]]:
     """Put the fetched tensors in the unit's slots (tied slots share one); returns the slots
-    with their parameters at home, to put back."""
-    made: dict[int, nn.Parameter] = {}
-    for (owner, name, home), t in zip(unit.slots, tensors, strict=True):
+    with their parameters at home, to put back. ``requires_grad`` is as the model has it:
+    kernels choose by it (Mamba's do), so the same ones run as on the model held whole; with
+    gradients on, such a weight is ``_through``'s non-leaf, which autograd does not hold."""
+    made: dict[int, torch.Tensor] = {}
+    grad = torch.is_grad_enabled()
+    for (owner, name, home), t, slot in zip(unit.slots, tensors, unit.names, strict=True):
         fetched = made.get(id(home))
         if fetched is None:
-            # requires_grad as the model has it: kernels choose by it (Mamba's do), so the
-            # same ones run as on the model held whole
             wants = home.requires_grad and (t.is_floating_point() or t.is_complex())
-            fetched = made[id(home)] = nn.Parameter(t, requires_grad=wants)
-        owner._parameters[name] = fetched
+            if wants and grad:
+                fetched = made[id(home)] = requiring(t, unit.full_name(slot))
+            else:
+                fetched = made[id(home)] = nn.Parameter(t, requires_grad=wants)
+        owner._parameters[name] = fetched  # type: ignore[assignment]
     return list(unit.slots)
 
 

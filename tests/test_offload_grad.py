@@ -1,0 +1,246 @@
+"""Offloaded modules under gradients, and called the ways real models call them.
+
+Before, a call with gradients on was refused ("inference only"), ``layer.forward(...)`` called
+directly met the ``meta`` placeholders, and so did a child of an offloaded module called on its
+own. Each test here failed then.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import torchplace
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class Net(nn.Module):
+    """Calls its blocks the ways models do: through ``__call__``, through ``.forward`` (as
+    squeezebert and mobilebert do), and a block's child on its own."""
+
+    def __init__(self, how: str = "call") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.head = nn.Linear(8, 3)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            if self.how == "forward":
+                x = block.forward(x)
+            elif self.how == "child":
+                x = x + block.down(torch.tanh(block.up(x)))
+            else:
+                x = block(x)
+        return self.head(x)
+
+
+DISK = {"": "cpu", "blocks.1": "disk", "blocks.2": "disk", "blocks.3": "disk"}
+
+
+def loaded(tmp_path: Path, how: str = "call", frozen: bool = False) -> tuple[Net, Net]:
+    reference = Net(how).eval()
+    torch.save(reference.state_dict(), tmp_path / "net.pt")
+    model = torchplace.load_into(
+        torchplace.skeleton(Net, how), tmp_path / "net.pt", device_map=DISK
+    )
+    if frozen:
+        for m in (reference, model):
+            m.blocks.requires_grad_(False)
+    return reference, model
+
+
+@pytest.mark.parametrize("how", ["call", "forward", "child"])
+def test_blocks_called_any_way_get_their_weights(tmp_path: Path, how: str) -> None:
+    reference, model = loaded(tmp_path, how)
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    assert all(p.is_meta for b in model.blocks[1:] for p in b.parameters())
+
+
+def test_a_layer_forward_called_alone_reads_and_lets_go(tmp_path: Path) -> None:
+    reference, model = loaded(tmp_path)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(model.blocks[2].forward(x), reference.blocks[2].forward(x))
+        assert torch.equal(model.blocks[2].up(x), reference.blocks[2].up(x))
+    assert model.blocks[2].up.weight.is_meta
+
+
+@pytest.mark.parametrize("how", ["call", "forward", "child"])
+def test_gradients_through_disk_blocks_equal_the_resident_models(tmp_path: Path, how: str) -> None:
+    """Frozen disk blocks, trainable resident input and head: the same gradients bit for bit,
+    and two optimizer steps give the same weights."""
+    reference, model = loaded(tmp_path, how, frozen=True)
+    opts = [
+        torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1)
+        for m in (reference, model)
+    ]
+    for step in range(2):
+        x = torch.randn(5, 8, generator=torch.Generator().manual_seed(step))
+        for m, opt in zip((reference, model), opts, strict=True):
+            opt.zero_grad()
+            m(x).square().mean().backward()
+            opt.step()
+        for name in ("inp.weight", "inp.bias", "head.weight", "head.bias"):
+            got, want = model.get_parameter(name), reference.get_parameter(name)
+            assert torch.equal(got.grad, want.grad), name
+            assert torch.equal(got, want), name
+    assert all(p.is_meta and p.grad is None for b in model.blocks[1:] for p in b.parameters())
+
+
+def test_autograd_keeps_no_offloaded_weight_between_forward_and_backward(tmp_path: Path) -> None:
+    """The graph keeps references, not the fetched weights: after the forward every tensor
+    read for the disk blocks is gone, and backward reads them again."""
+    _, model = loaded(tmp_path, frozen=True)
+    ring = model.blocks[1].forward.ring
+    read: list[weakref.ref[torch.Tensor]] = []
+    transport = ring.transport
+    ready = transport.ready
+
+    def watching(fetched: Any) -> list[torch.Tensor]:
+        tensors = ready(fetched)
+        read.extend(weakref.ref(t) for t in tensors)
+        return tensors
+
+    transport.ready = watching
+    out = model(torch.randn(3, 8))
+    gc.collect()
+    assert read and all(r() is None for r in read), "a fetched weight outlived its call"
+    before = len(read)
+    out.sum().backward()
+    assert len(read) > before, "backward did not fetch the weights again"
+    gc.collect()
+    assert all(r() is None for r in read) and not ring.again
+
+
+def test_backward_into_an_offloaded_weight_that_requires_grad_names_it(tmp_path: Path) -> None:
+    _, model = loaded(tmp_path)
+    out = model(torch.randn(3, 8))
+    with pytest.raises(
+        torchplace.TorchplaceError,
+        match=r"model\.blocks\.3\.\w+\.(weight|bias) is offloaded.*Freeze",
+    ):
+        out.sum().backward()
+    assert all(p.is_meta for b in model.blocks[1:] for p in b.parameters())
+
+
+def test_activation_checkpointing_around_a_disk_block_still_recomputes(tmp_path: Path) -> None:
+    """torch.utils.checkpoint around an offloaded block: its hooks still see the activations
+    (ours defer to them), the block runs again at backward, and the gradients are equal."""
+    from torch.utils.checkpoint import checkpoint
+
+    reference, model = loaded(tmp_path, frozen=True)
+    calls = {"n": 0}
+    inner = model.blocks[2].forward
+
+    def counting(*args: Any) -> Any:
+        calls["n"] += 1
+        return inner(*args)
+
+    x = torch.randn(3, 8)
+    for m in (reference, model):
+        h = m.blocks[0](m.inp(x))
+        run = counting if m is model else m.blocks[2].forward
+        h = checkpoint(run, m.blocks[1](h), use_reentrant=False)
+        m.head(m.blocks[3](h)).sum().backward()
+    assert calls["n"] == 2, "the checkpointed block was not recomputed at backward"
+    assert torch.equal(model.inp.weight.grad, reference.inp.weight.grad)
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_peft_lora_on_resident_layers_trains_through_disk_layers(tmp_path: Path) -> None:
+    """PEFT LoRA on the resident layers of a model whose other layers are on disk: training
+    steps equal those on the resident model, bit for bit; the base stays frozen and offloaded."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(config).eval()
+    base.save_pretrained(tmp_path / "base")
+    disk = {"": "cpu", "model.layers.2": "disk", "model.layers.3": "disk"}
+    skeleton = torchplace.skeleton(transformers.LlamaForCausalLM, config)
+    offloaded = torchplace.load_into(skeleton, tmp_path / "base", device_map=disk)
+    lora = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], layers_to_transform=[0, 1])
+    models = []
+    for m in (copy.deepcopy(base), offloaded):
+        torch.manual_seed(1)
+        models.append(peft.get_peft_model(m, lora))
+    opts = [
+        torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in models
+    ]
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(2))
+    for _ in range(3):
+        losses = []
+        for m, opt in zip(models, opts, strict=True):
+            opt.zero_grad()
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            losses.append(loss.detach())
+        assert torch.equal(losses[0], losses[1])
+    want = dict(models[0].named_parameters())
+    trained = [(n, p) for n, p in models[1].named_parameters() if p.requires_grad]
+    assert trained and all(torch.equal(p, want[n]) for n, p in trained)
+    assert offloaded.model.layers[3].mlp.up_proj.weight.is_meta
+
+
+def test_squeezebert_calling_its_layers_forward_runs_with_layers_on_disk(tmp_path: Path) -> None:
+    """squeezebert's encoder calls ``layer.forward(...)``: with its second layer on disk the
+    call met the placeholders; now the output is the resident model's, bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.SqueezeBertConfig(
+        vocab_size=50,
+        hidden_size=32,
+        embedding_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        q_groups=1,
+        k_groups=1,
+        v_groups=1,
+        post_attention_groups=1,
+        intermediate_groups=1,
+        output_groups=1,
+    )
+    torch.manual_seed(0)
+    model = transformers.SqueezeBertModel(config).eval()
+    model.save_pretrained(tmp_path)
+    loaded = torchplace.load_into(
+        torchplace.skeleton(transformers.SqueezeBertModel, config),
+        tmp_path,
+        device_map={"": "cpu", "encoder.layers.1": "disk"},
+    ).eval()
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(input_ids=ids).last_hidden_state
+        assert torch.equal(loaded(input_ids=ids).last_hidden_state, want)
+    assert all(p.is_meta for p in loaded.encoder.layers[1].parameters())
