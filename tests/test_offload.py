@@ -2522,3 +2522,25 @@ def test_peft_lora_on_disk_layers_is_refused_then_runs_once_given_values(tmp_pat
             if "lora_" in name:
                 p.copy_(values[name])
         assert torch.equal(model(ids).logits, resident(ids).logits)
+
+
+def test_the_whole_model_in_host_memory_runs_block_by_block(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``{"": "cpu"}`` with an accelerator executing made the whole model one unit: all of it
+    on the device at once. Each block is its own unit now, a window of them resident."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from torchplace.spreading import _dispatch as dispatch_module
+
+    monkeypatch.setattr(dispatch_module, "_device", torch.device)  # fake CUDA, inside the mode
+    monkeypatch.setattr(dispatch_module, "_pin", lambda units, execution: None)  # no fake pins
+    with FakeTensorMode(), torch.no_grad():
+        model = mlp(4)
+        torchplace.dispatch(model, {"": "cpu"}, execution_device="cuda:0")
+        out = model(torch.empty(2, 8))
+    ring = model[0].forward.ring
+    assert [unit.path for unit in ring.units] == ["0", "2", "4", "6"]  # each block a unit
+    assert {unit.home.tier for unit in ring.units} == {"cpu"} and ring.window == 2
+    assert out.device == torch.device("cpu")
+    assert all(p.device.type == "cpu" for p in model.parameters())

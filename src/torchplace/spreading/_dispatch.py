@@ -421,6 +421,17 @@ def _offloading(entries: dict[str, torch.device | str], execution_device: object
     return _Offload(execution, tiers, runs)
 
 
+def _blocks_in_host(model: nn.Module, offload: _Offload) -> dict[str, str]:
+    """The map that ``{"": "cpu"}`` stands for with an accelerator executing: each block of the
+    model its own entry in host memory (as ``{"": "disk"}`` puts each on disk), so that a
+    window of blocks bounds the device's memory, not the whole model at once."""
+    from ._load_by_map import blocks_on_disk
+
+    execution = str(offload.execution)
+    blocks = blocks_on_disk(model, execution)
+    return {name: "cpu" if where == DISK else where for name, where in blocks.items()}
+
+
 def check_offloading(
     tree: ModelTree,
     entries: dict[str, torch.device | str],
@@ -964,6 +975,9 @@ def _dispatched(
     entries = parse_device_map(tree, device_map, resolve=_device)  # a test may fake it
     _keep_on_disk(model, entries)
     offload = _offloading(entries, execution_device)
+    if offload.tiers.get("") == "cpu" and len(entries) == 1:  # the whole model in host memory
+        entries = parse_device_map(tree, _blocks_in_host(model, offload), resolve=_device)
+        offload = _offloading(entries, execution_device)
     targets = _targets(tree, offload.runs)
     _check_offload_map(tree, entries, offload)
     units = _units(tree, offload) if offload.tiers else []
