@@ -9,6 +9,7 @@ units resident than the window allows, fails the test.
 from __future__ import annotations
 
 import copy
+import itertools
 import subprocess
 import sys
 from typing import Any, ClassVar
@@ -2544,3 +2545,36 @@ def test_the_whole_model_in_host_memory_runs_block_by_block(
     assert {unit.home.tier for unit in ring.units} == {"cpu"} and ring.window == 2
     assert out.device == torch.device("cpu")
     assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_prefetch_follows_the_order_the_first_call_ran_the_units() -> None:
+    """A model that runs its layers out of registration order (here in reverse) had the wrong
+    units fetched ahead: each read waited. From the second call on, the unit fetched ahead of
+    each one is the one that runs next."""
+
+    class Reversed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in reversed(self.layers):
+                x = torch.tanh(layer(x))
+            return x
+
+    reference = Reversed()
+    model = copy.deepcopy(reference).requires_grad_(False)
+    disk = [f"layers.{i}" for i in range(4)]
+    on_disk(model, disk)
+    transport = FakeTransport()
+    torchplace.dispatch(model, {"": "cpu", **dict.fromkeys(disk, "disk")}, _transport=transport)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        model(x)
+        transport.log.clear()
+        assert torch.equal(model(x), reference(x))
+    log = transport.log
+    runs = list(reversed(disk))
+    for now, following in itertools.pairwise(runs):
+        assert log.index(("fetch", following)) < log.index(("wait", now)), (now, following)

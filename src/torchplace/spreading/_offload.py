@@ -4,8 +4,9 @@ A module that ``dispatch`` offloads (mapped to ``"cpu"`` or ``"disk"`` while ano
 executes it, or to ``"disk"`` with the CPU executing) is a ``Unit``. Its parameters keep their
 home between calls (pinned host memory, or ``meta`` with the bytes left in the checkpoint) and
 the ``Ring`` of a model holds at most ``window`` units' weights on the execution device at once:
-before unit ``i`` runs, the units ``i .. i + window - 1`` (in registration order, wrapping round
-for the next call, as generation calls the model again) are fetched if they are not already,
+before unit ``i`` runs, it and the ``window - 1`` units after it (in the order the model's first
+call ran them, registration order until that is known, wrapping round for the next call, as
+generation calls the model again) are fetched if they are not already,
 the current stream is ordered after unit ``i``'s copies, its parameters are swapped for the
 fetched ones, and after its forward they are swapped back and the fetched memory released.
 
@@ -129,6 +130,9 @@ class Ring:
         self.tensors: dict[int, list[torch.Tensor]] = {}  # what each attached unit fetched
         self.again: dict[int, tuple[Fetched, list[torch.Tensor]]] = {}  # fetched by backward
         self.forgetting = False  # a callback gives ``again`` back as the backward pass ends
+        self.seen: list[int] = []  # units in the order the first call ran them
+        self.order: list[int] | None = None  # that order, once known; ``place``: each's index
+        self.place: dict[int, int] | None = None
 
     def _calls(self) -> list[tuple[int, bool]]:
         calls: list[tuple[int, bool]] | None = getattr(self.calls, "stack", None)
@@ -159,8 +163,7 @@ class Ring:
             fake = [torch.empty_like(p, device=unit.home.execution) for _, _, p in unit.slots]
             self.attached[i] = _swap_in(unit, fake)
             return
-        n = len(self.units)
-        wanted = [(i + k) % n for k in range(self.window)]
+        wanted = self._ahead(i)
         for j in [j for j in self.resident if j not in wanted and j not in self.attached]:
             self.transport.release(self.resident.pop(j))
         for j in wanted:
@@ -173,6 +176,29 @@ class Ring:
             raise
         self.tensors[i] = tensors
         self.attached[i] = _swap_in(unit, tensors)
+
+    def _ahead(self, i: int) -> list[int]:
+        """Unit ``i`` and the ones to fetch ahead of it: the next in the order the first call
+        ran them (a model may call its layers in any order), registration order until then.
+        The first call's order is kept once a unit runs twice (the next call has begun) or
+        every unit has run."""
+        if self.order is None:
+            if i in self.seen:
+                self._keep_order()
+            else:
+                self.seen.append(i)
+                if len(self.seen) == len(self.units):
+                    self._keep_order()
+        order, place = (self.order, self.place) if self.order is not None else (None, None)
+        n = len(self.units)
+        if order is None or place is None:
+            return [(i + k) % n for k in range(self.window)]
+        at = place[i]
+        return [order[(at + k) % n] for k in range(self.window)]
+
+    def _keep_order(self) -> None:
+        order = self.seen + [j for j in range(len(self.units)) if j not in self.seen]
+        self.order, self.place = order, {j: k for k, j in enumerate(order)}
 
     def running(self, i: int) -> bool:
         """Whether a call of unit ``i`` is under way on this thread (its weights in place)."""
