@@ -244,3 +244,79 @@ def test_squeezebert_calling_its_layers_forward_runs_with_layers_on_disk(tmp_pat
         want = model(input_ids=ids).last_hidden_state
         assert torch.equal(loaded(input_ids=ids).last_hidden_state, want)
     assert all(p.is_meta for p in loaded.encoder.layers[1].parameters())
+
+
+_INTERRUPTED_TRAINING = """
+import os, random, signal, sys, threading, time
+import torch
+from torch import nn
+import torchplace
+
+def make():
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(256, 256) for _ in range(6)))
+
+reference = make()
+torch.save(reference.state_dict(), sys.argv[1])
+disk = {"": "cpu", "1": "disk", "3": "disk", "4": "disk"}
+model = torchplace.load_into(torchplace.skeleton(make), sys.argv[1], device_map=disk)
+for m in (model, reference):
+    for i in (1, 3, 4):
+        m[i].requires_grad_(False)
+x = torch.randn(4, 256)
+reference(x).square().sum().backward()
+want = reference[0].weight.grad.clone()
+ring = model[1].forward.ring
+
+def step():
+    model.zero_grad()
+    model(x).square().sum().backward()
+
+def resident():
+    return [i for i in ("1", "3", "4") if not model.get_submodule(i).weight.is_meta]
+
+random.seed(0)
+began = time.perf_counter()
+step()
+took = time.perf_counter() - began
+landed = left = 0
+for _ in range(int(sys.argv[2])):
+    when = random.uniform(0, 2 * took)
+    timer = threading.Timer(when, lambda: os.kill(os.getpid(), signal.SIGINT))
+    try:
+        timer.start()
+        step()
+    except KeyboardInterrupt:
+        landed += 1
+    while True:  # a signal after the step is taken here
+        try:
+            timer.join()
+            time.sleep(0.01)
+            break
+        except KeyboardInterrupt:
+            pass
+    left += bool(resident())
+step()
+print("left resident:", left, "; right after:", torch.equal(model[0].weight.grad, want),
+      "; kept by backward:", len(ring.again), "; some landed:", landed > 0)
+"""
+
+
+@pytest.mark.slow  # a subprocess, real signals
+def test_ctrl_c_during_training_through_disk_layers_leaves_nothing_resident(
+    tmp_path: Path,
+) -> None:
+    """Real SIGINTs at random moments of forward and backward with disk layers: no weight stays
+    in a module, backward's fetched units are given back, and the next step is right."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _INTERRUPTED_TRAINING, str(tmp_path / "m.pt"), "120"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    last = done.stdout.splitlines()[-1]
+    assert (
+        last == "left resident: 0 ; right after: True ; kept by backward: 0 ; some landed: True"
+    ), done.stdout

@@ -130,6 +130,7 @@ class Ring:
         self.tensors: dict[int, list[torch.Tensor]] = {}  # what each attached unit fetched
         self.again: dict[int, tuple[Fetched, list[torch.Tensor]]] = {}  # fetched by backward
         self.forgetting = False  # a callback gives ``again`` back as the backward pass ends
+        self.task: int | None = None  # the backward pass ``again`` belongs to
         self.seen: list[int] = []  # units in the order the first call ran them
         self.order: list[int] | None = None  # that order, once known; ``place``: each's index
         self.place: dict[int, int] | None = None
@@ -159,6 +160,8 @@ class Ring:
         if i in self.attached:  # called again from inside itself: its weights are in place
             self.inner[i] = self.inner.get(i, 0) + 1
             return
+        if self.again and _graph_task() == -1:  # a backward pass ended without its callback
+            self.forget()
         if faking():  # estimate's fake step: weights of their shapes where they run, no read
             fake = [torch.empty_like(p, device=unit.home.execution) for _, _, p in unit.slots]
             self.attached[i] = _swap_in(unit, fake)
@@ -216,6 +219,10 @@ class Ring:
         """Unit ``i``'s weights again, for a backward that unpacks them: the last ``window``
         units fetched so are kept while the backward pass runs, and given back as it ends."""
         with self.lock:
+            task = _graph_task()
+            if task != self.task:  # another backward pass (one interrupted kept its units)
+                self.forget()
+                self.task = task
             got = self.again.get(i)
             if got is not None:
                 return got[1]
@@ -236,7 +243,7 @@ class Ring:
     def forget(self) -> None:
         """Give back what backward fetched (the backward pass ended)."""
         with self.lock:
-            self.forgetting = False
+            self.forgetting, self.task = False, None
             while self.again:
                 self.transport.release(self.again.popitem()[1][0])
 
@@ -272,13 +279,19 @@ class Ring:
     def __getstate__(self) -> dict[str, Any]:  # a copy starts with nothing resident
         state = dict(self.__dict__)
         state["resident"], state["attached"], state["inner"] = {}, {}, {}
-        state["tensors"], state["again"], state["forgetting"] = {}, {}, False
+        state["tensors"], state["again"], state["forgetting"], state["task"] = {}, {}, False, None
         del state["lock"], state["calls"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.lock, self.calls = threading.RLock(), threading.local()
+
+
+def _graph_task() -> int | None:
+    """The backward pass running on this thread (-1 when none; None where torch cannot say)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return None if current is None else int(current())
 
 
 def _refuse_foreign_meta(unit: Unit) -> None:
