@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -13,8 +12,9 @@ import torch
 from ._devices import device as _device
 from ._errors import DeviceSpecError, TorchplaceError
 from ._model_walk import ModelTree, display
+from ._suggest import close_matches
 
-__all__ = ["DISK", "parse_device_map"]
+__all__ = ["DISK", "entry_of", "parse_device_map"]
 
 DISK = "disk"  # the tier a device map may name besides devices: weights left in their checkpoint
 
@@ -48,7 +48,7 @@ def parse_device_map(
                     f"{where}: {display(name)} is a tensor, not a module; map the module that "
                     f"holds it, {module!r}"
                 )
-            guess = difflib.get_close_matches(name, names, n=3)
+            guess = close_matches(name, names, n=3)
             hint = f"did you mean {' or '.join(repr(g) for g in guess)}? " if guess else ""
             raise DeviceSpecError(
                 f"{where}: the model has no submodule {name!r}; {hint}keys are names from "
@@ -65,7 +65,7 @@ def parse_device_map(
         try:
             entries[name] = resolve(spec)
         except TorchplaceError as err:
-            if isinstance(spec, str) and difflib.get_close_matches(spec.lower(), [DISK]):
+            if isinstance(spec, str) and close_matches(spec.lower(), [DISK], same=True):
                 raise DeviceSpecError(  # a map's own word, which device() does not know
                     f"{where}: unknown device spec {spec!r}; did you mean {DISK!r} (the module "
                     "left in its checkpoint, read as it runs)? A map takes a device spec or "
@@ -73,3 +73,21 @@ def parse_device_map(
                 ) from None
             raise type(err)(f"{where}: {err}") from None
     return entries
+
+
+def entry_of(path: str, entries: Mapping[str, object]) -> str | None:
+    """The most specific key of ``entries`` (a device map, ``""`` the whole model) that
+    contains module ``path``: itself, else its nearest parent.
+
+    >>> entry_of("layers.1.mlp", {"": "cpu", "layers.1": "disk"})
+    'layers.1'
+    >>> entry_of("head", {"layers": "cpu"}) is None
+    True
+    """
+    probe = path
+    while True:
+        if probe in entries:
+            return probe
+        if not probe:
+            return None
+        probe = probe.rpartition(".")[0]

@@ -7,7 +7,6 @@ Nothing here creates a CUDA context on a device it does not return.
 
 from __future__ import annotations
 
-import difflib
 import os
 import re
 import sys
@@ -15,6 +14,7 @@ import sys
 import torch
 
 from ._errors import DeviceSpecError, DeviceUnavailableError
+from ._suggest import close_matches
 
 __all__ = ["DeviceSpec", "available", "device"]
 
@@ -319,7 +319,7 @@ def _gpu(text: str, spec: DeviceSpec) -> torch.device:
 def _unknown_spec(text: str, spec: DeviceSpec) -> DeviceSpecError:
     """The error for a spec torch does not parse either, with the nearest known one."""
     name, digits = re.fullmatch(r"(.*?)(\d*)", text.split(":")[0]).groups()  # type: ignore[union-attr]
-    guess = difflib.get_close_matches(name, _KEYWORDS, n=1, cutoff=0.5)
+    guess = close_matches(name, _KEYWORDS, n=1, cutoff=0.5, same=True)
     if guess and digits and guess[0] not in ("auto", "best", "meta"):  # 'cuda0': 'cuda:0'
         guess = [f"{guess[0]}:{int(digits)}"]
     hint = f"did you mean {guess[0]!r}? " if guess else ""

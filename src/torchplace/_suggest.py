@@ -16,9 +16,10 @@ __all__ = ["close_matches", "did_you_mean"]
 
 
 def close_matches(
-    word: str, choices: Iterable[str], /, *, n: int = 3, cutoff: float = 0.6
+    word: str, choices: Iterable[str], /, *, n: int = 3, cutoff: float = 0.6, same: bool = False
 ) -> list[str]:
-    """The choices ``word`` most likely stands for, best first; none equal to it.
+    """The choices ``word`` most likely stands for, best first; none equal to it unless
+    ``same`` (a word that is right but misplaced: ``cuda0`` for ``cuda:0``).
 
     >>> close_matches("laod_into", ["load", "load_into", "move"])
     ['load_into']
@@ -30,7 +31,7 @@ def close_matches(
     Case is ignored when comparing (``Load_Into`` finds ``load_into``). ``cutoff`` is the least
     similarity (``difflib``'s ratio, 0 to 1) a typo needs.
     """
-    options = list(dict.fromkeys(c for c in choices if c != word))
+    options = list(dict.fromkeys(c for c in choices if same or c != word))
     folded: dict[str, list[str]] = {}
     for option in options:
         folded.setdefault(option.lower(), []).append(option)

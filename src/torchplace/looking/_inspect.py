@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .._device_map import parse_device_map
+from .._device_map import entry_of, parse_device_map
 from .._devices import DeviceSpec, normalize
 from .._devices import device as _device
 from .._errors import (
@@ -620,10 +620,5 @@ def _verify_by_map(model: Any, device_map: Mapping[str, Any]) -> None:
 
 def _mapped(path: str, table: Mapping[str, Any]) -> Any:
     """The value of the most specific key of ``table`` that contains module ``path``."""
-    probe = path
-    while True:
-        if probe in table:
-            return table[probe]
-        if not probe:
-            return None
-        probe = probe.rpartition(".")[0]
+    entry = entry_of(path, table)
+    return None if entry is None else table[entry]

@@ -25,7 +25,7 @@ from typing import Any, TypeVar, cast
 import torch
 from torch import nn
 
-from .._device_map import DISK, parse_device_map
+from .._device_map import DISK, entry_of, parse_device_map
 from .._devices import device as _device
 from .._errors import (
     DeviceMismatchError,
@@ -103,13 +103,8 @@ def _first_device(obj: Any) -> torch.device | None:
 
 def _resolve(path: str, entries: dict[str, torch.device]) -> torch.device | None:
     """The device of the most specific map entry that contains ``path``."""
-    probe = path
-    while True:
-        if probe in entries:
-            return entries[probe]
-        if not probe:
-            return None
-        probe = probe.rpartition(".")[0]
+    entry = entry_of(path, entries)
+    return None if entry is None else entries[entry]
 
 
 def _targets(tree: ModelTree, entries: dict[str, torch.device]) -> dict[int, torch.device]:
@@ -462,7 +457,7 @@ def _keep_on_disk(model: nn.Module, entries: Mapping[str, object]) -> None:
     """Refuse a new map that takes a module off the disk tier: its weights are in the checkpoint,
     not in memory, and only ``move`` reads them back."""
     for path, _, home in homes(model):
-        entry = _entry_of(path, entries)
+        entry = entry_of(path, entries)
         if home.tier == DISK and (entry is None or entries[entry] != DISK):
             raise MoveError(
                 f"{display(path)} is offloaded to 'disk' (its weights are in its checkpoint, "
@@ -470,17 +465,6 @@ def _keep_on_disk(model: nn.Module, entries: Mapping[str, object]) -> None:
                 "torchplace.move(model, 'cpu'), then dispatch it by the new map",
                 name=path,
             )
-
-
-def _entry_of(path: str, entries: Mapping[str, object]) -> str | None:
-    """The most specific map entry that contains ``path``."""
-    probe = path
-    while True:
-        if probe in entries:
-            return probe
-        if not probe:
-            return None
-        probe = probe.rpartition(".")[0]
 
 
 def _homes(
@@ -494,7 +478,7 @@ def _homes(
     for key in params:
         # The most specific entry of the whole map decides: a module mapped to a device
         # inside an offloaded entry ({"": "cpu", "model.layers": "cuda:0"}) is not offloaded.
-        entry = _entry_of(tree.owner_modules[key][0], offload.runs)
+        entry = entry_of(tree.owner_modules[key][0], offload.runs)
         if entry is None or entry not in offload.tiers:
             continue
         if offload.tiers[entry] == "cpu":
@@ -518,11 +502,11 @@ def _unit_paths(tree: ModelTree, path: str, entries: Mapping[str, object]) -> li
     elsewhere (an entry of their own)."""
     if _runs(tree.modules[path]) or not tree.children[path]:
         return [path]
-    entry = _entry_of(path, entries)
+    entry = entry_of(path, entries)
     return [
         p
         for child in tree.children[path]
-        if _entry_of(child, entries) == entry
+        if entry_of(child, entries) == entry
         for p in _unit_paths(tree, child, entries)
     ]
 
@@ -544,7 +528,7 @@ def _check_offload_map(tree: ModelTree, entries: Mapping[str, object], offload: 
     for key, owners in tree.owner_modules.items():
         if len(set(owners)) < 2:
             continue
-        held = {path: _entry_of(path, entries) for path in owners}
+        held = {path: entry_of(path, entries) for path in owners}
         tiers = {path: offload.tiers.get(entry or "") for path, entry in held.items()}
         if len(set(tiers.values())) > 1:
             names = tree.owners[key]
@@ -577,7 +561,7 @@ def _units(tree: ModelTree, offload: _Offload) -> list[Unit]:
                     continue
                 for qualified in tree.owners[key]:
                     owner, _, leaf = qualified.rpartition(".")
-                    if _entry_of(owner, offload.runs) != entry or not _under(owner, path):
+                    if entry_of(owner, offload.runs) != entry or not _under(owner, path):
                         continue
                     slots.append((tree.modules[owner], leaf, tensor))
                     names.append(qualified[len(entry) + 1 :] if entry else qualified)

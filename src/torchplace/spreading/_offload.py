@@ -38,7 +38,6 @@ import torch
 from torch import nn
 
 from .._devices import faking
-from .._errors import TorchplaceError
 from .._model_walk import display
 from ..moving._offloaded import DEFAULT_WINDOW, Home
 from ._through import Kept, requiring
@@ -115,8 +114,6 @@ class Ring:
     """The resident window over a model's units, in their order (see the module docstring)."""
 
     def __init__(self, units: list[Unit], window: int, transport: Transport) -> None:
-        if window < 1:
-            raise TorchplaceError(f"offload_window must be at least 1, not {window}")
         self.units = units
         self.window = min(window, len(units))
         self.transport = transport
