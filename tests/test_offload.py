@@ -2578,3 +2578,72 @@ def test_prefetch_follows_the_order_the_first_call_ran_the_units() -> None:
     runs = list(reversed(disk))
     for now, following in itertools.pairwise(runs):
         assert log.index(("fetch", following)) < log.index(("wait", now)), (now, following)
+
+
+class _Seeing(nn.Linear):
+    """Notes whether its weight, as its forward sees it, is memory of its own (a storage torch
+    allocated, resizable) or a view of a buffer it does not own (a mapped file's)."""
+
+    seen: ClassVar[list[bool]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _Seeing.seen.append(not self.weight.untyped_storage().resizable())
+        return super().forward(x)
+
+
+def _seeing() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), _Seeing(8, 8), nn.Tanh(), nn.Linear(8, 8))
+
+
+def test_mmap_true_maps_the_disk_modules_weights_instead_of_copying_them(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``mmap=True`` a disk module's weights, in the model's dtype, are views of the mapped
+    file when it runs (no copy per call, as transformers' disk offload maps its files); a
+    weight in another dtype is read by copy as before. Outputs bit for bit either way."""
+    from torchplace.checkpoint import _disk_weights
+
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    reference = _seeing()
+    safetensors_torch.save_file(reference.state_dict(), str(tmp_path / "m.safetensors"))
+    device_map = {"": "cpu", "2": "disk", "4": "disk"}
+    model = torchplace.load_into(
+        torchplace.skeleton(_seeing), tmp_path / "m.safetensors", device_map=device_map, mmap=True
+    )
+    copies: list[str] = []
+    real = _disk_weights.read_entries
+    monkeypatch.setattr(
+        _disk_weights, "read_entries", lambda *a, **k: copies.append("read") or real(*a, **k)
+    )
+    x = torch.randn(3, 8)
+    _Seeing.seen.clear()
+    with torch.no_grad():
+        want = reference(x)
+        _Seeing.seen.clear()
+        assert torch.equal(model(x), want)
+    assert copies == [] and _Seeing.seen == [True]  # a view of the file, no copy of its own
+    assert model[2].weight.is_meta
+    model.double()  # the model's dtype differs from the file's now: read by copy
+    _Seeing.seen.clear()
+    with torch.no_grad():
+        assert torch.equal(model(x.double()), reference.double()(x.double()))
+    assert copies == ["read", "read"] and _Seeing.seen[0] is False
+
+
+def test_a_mapped_disk_module_raises_when_its_checkpoint_is_rewritten(tmp_path: Any) -> None:
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    reference = mlp(2)
+    path = tmp_path / "m.safetensors"
+    safetensors_torch.save_file(reference.state_dict(), str(path))
+    model = torchplace.load_into(
+        torchplace.skeleton(mlp, 2), path, device_map={"": "cpu", "2": "disk"}, mmap=True
+    )
+    with torch.no_grad():
+        model(torch.ones(1, 8))
+        safetensors_torch.save_file(
+            {k: v + 1 for k, v in reference.state_dict().items()}, str(path)
+        )
+        with pytest.raises(torchplace.CheckpointError, match=r"changed since the model was loaded"):
+            model(torch.ones(1, 8))
+    assert model[2].weight.is_meta

@@ -200,7 +200,7 @@ def _by_map(
             )
     _put_buffers(model, buffers)
     if found is not None:
-        _leave_on_disk(model, found, disk, dtypes, (names, renamer))
+        _leave_on_disk(model, found, disk, dtypes, (names, renamer), mapped=bool(options["mmap"]))
     dispatch(model, device_map, execution_device=execution_device, offload_window=offload_window)
     return model
 
@@ -211,10 +211,12 @@ def _leave_on_disk(
     disk: list[str],
     dtypes: Mapping[str, Any],
     keys: tuple[dict[str, tuple[str, ...]], Callable[[str], str | None] | None],
+    *,
+    mapped: bool = False,
 ) -> None:
     """The ``"disk"`` modules' parameters made ``meta`` placeholders, each module marked with
     its home: the reader of its weights from ``found`` (``keys``: each file key's model names,
-    and the renamer)."""
+    and the renamer; ``mapped``: ``mmap=True``, its weights read as views of the file)."""
     from ..checkpoint._disk_weights import CheckpointWeights
     from ..moving._offloaded import HOME, Home
 
@@ -222,6 +224,7 @@ def _leave_on_disk(
     for name in disk:
         module = model.get_submodule(name)
         reader = CheckpointWeights(found, model, name, dtypes[name], renamer, names)
+        reader.mapped = mapped
         _params_to_meta(module, name)
         module.__dict__[HOME] = Home(DISK, torch.device("cpu"), reader)
 
