@@ -8,13 +8,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 from ._devices import device as _device
 from ._errors import DeviceSpecError, TorchplaceError
 from ._model_walk import ModelTree, display
 from ._suggest import close_matches
 
-__all__ = ["DISK", "entry_of", "parse_device_map"]
+__all__ = ["DISK", "entry_of", "parse_device_map", "whole_model_map"]
 
 DISK = "disk"  # the tier a device map may name besides devices: weights left in their checkpoint
 
@@ -91,3 +92,35 @@ def entry_of(path: str, entries: Mapping[str, object]) -> str | None:
         if not probe:
             return None
         probe = probe.rpartition(".")[0]
+
+
+def whole_model_map(model: nn.Module, tier: str, resident: str) -> dict[str, str]:
+    """The map that ``{"": tier}`` stands for: the whole model on that tier (``"disk"``, or
+    ``"cpu"`` beside an accelerator), each block its own entry, so that a window of one block
+    bounds the memory while it runs. A module is its own block where its state dict holds
+    tensors of its own, or where it is a class a transformers model keeps whole, its
+    ``_no_split_modules`` (a decoder layer). Buffers a state dict leaves out (a rotary
+    embedding's) are made, not read: their modules stay on ``resident``. A module with no
+    tensor needs no entry.
+
+    >>> from torch import nn
+    >>> m = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Sequential(nn.Linear(2, 2)))
+    >>> whole_model_map(m, "cpu", "cuda:0")
+    {'0': 'cpu', '2.0': 'cpu'}
+    """
+    whole = {n for m in model.modules() for n in getattr(m, "_no_split_modules", None) or ()}
+    out: dict[str, str] = {}
+
+    def visit(name: str, module: nn.Module) -> None:
+        children = [(n, c) for n, c in module._modules.items() if c is not None]
+        saved = any("." not in key for key in module.state_dict(keep_vars=True))
+        if saved or type(module).__name__ in whole:
+            out[name] = tier
+            return
+        if any(b is not None for b in module._buffers.values()):
+            out[name] = resident  # only buffers it does not save: made, not read
+        for child, inner in children:
+            visit(f"{name}.{child}" if name else child, inner)
+
+    visit("", model)
+    return out

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from ._cached import cached_property_names
+from ._model_walk import cached_property_names
 
 __all__ = [
     "TRACED_FEATURES",

@@ -10,6 +10,7 @@ dotted paths (``encoder.0.weight``); ``display`` is how messages show them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ __all__ = [
     "ModelTree",
     "Slot",
     "Slots",
+    "cached_property_names",
     "display",
     "join",
     "tensor_slots",
@@ -323,3 +325,21 @@ def unwrapped(module: nn.Module) -> tuple[nn.Module, str]:
         if any(id(child) not in inside for child in module._modules.values() if child is not None):
             return module, prefix
         module, prefix = inner, f"{prefix}{attr}."
+
+
+def cached_property_names(cls: type) -> tuple[str, ...]:
+    """The names of ``cls``'s ``functools.cached_property`` attributes, base classes' included.
+
+    >>> import functools
+    >>> class Sample:
+    ...     @functools.cached_property
+    ...     def area(self) -> int:
+    ...         return 4
+    >>> cached_property_names(Sample)
+    ('area',)
+    """
+    return tuple(
+        name
+        for name in dict.fromkeys(n for klass in cls.__mro__ for n in vars(klass))
+        if isinstance(getattr(cls, name, None), functools.cached_property)
+    )

@@ -36,8 +36,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from ._cached import cached_property_names
 from ._errors import TorchplaceError
+from ._model_walk import cached_property_names
 
 __all__ = [
     "Located",

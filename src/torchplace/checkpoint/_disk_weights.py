@@ -20,7 +20,6 @@ copy (another dtype, a fused or converted tensor) has the module read by copy in
 
 from __future__ import annotations
 
-import mmap
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +34,7 @@ from ._catalog import Catalog, Entry, FileChanged
 from ._conversions import Plan, conversion_plan, converted, hub_plan
 from ._direct import Direct, direct_reads, read_direct, with_fused
 from ._load import read_entries
+from ._reader import map_file
 from ._rename import not_a_name
 
 __all__ = ["CheckpointWeights", "model_names"]
@@ -311,18 +311,16 @@ class CheckpointWeights:
                 out[name[cut:]] = value
         return out if set(out) == set(self.dtypes) else None
 
-    def _map(self, path: Path) -> mmap.mmap:
-        """``path`` mapped copy-on-write (the page cache's pages until one is written to),
-        once per reader and file."""
-        maps: dict[Path, mmap.mmap] = self.__dict__.setdefault("_maps", {})
+    def _map(self, path: Path) -> Any:
+        """``path`` mapped (``map_file``), once per reader and file."""
+        maps: dict[Path, Any] = self.__dict__.setdefault("_maps", {})
         found = maps.get(path)
         if found is None:
-            with open(path, "rb") as f:
-                found = maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            found = maps[path] = map_file(path)
         return found
 
 
-def _view(mapped: mmap.mmap, e: Entry, where: str) -> torch.Tensor:
+def _view(mapped: Any, e: Entry, where: str) -> torch.Tensor:
     """Entry ``e`` as a tensor over ``mapped``, its file's map."""
     dtype = e.torch_dtype(where)
     count = e.nbytes // dtype.itemsize

@@ -21,9 +21,9 @@ from .._devices import DeviceSpec
 from .._devices import device as _device
 from .._errors import CheckpointError, MoveError, TorchplaceError, user_stacklevel
 from .._model_walk import Slot, tensor_slots, unwrapped
-from .._own_moves import AttributeSnapshot, run_own_moves
 from ..moving._identity import parameter_like
 from ..moving._move import discarded_warning
+from ..moving._own_moves import AttributeSnapshot, run_own_moves
 from ._catalog import Catalog, catalog, format_of
 from ._conversions import (
     Plan,

@@ -62,6 +62,7 @@ __all__ = [
     "OpenFiles",
     "check_records",
     "copy_file",
+    "map_file",
     "read_into",
     "read_zip",
     "safetensors_load",
@@ -967,3 +968,11 @@ def copy_file(path: Path, out: Any) -> None:
         now = Stamp.of(os.fstat(f.fileno()))
     if now != before:
         raise changed_error(path, before, now)
+
+
+def map_file(path: Path) -> mmap.mmap:
+    """``path`` mapped copy-on-write: the page cache's pages, each copied only where written
+    (nothing here writes), for tensors that view a file's bytes (the disk tier with
+    ``mmap=True``). Opened as every checkpoint is (``open_file``: a pipe is never opened)."""
+    with open_file(path) as f:
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)

@@ -28,7 +28,6 @@ from .._errors import (
     prefixed,
 )
 from .._model_walk import display, user_attributes, user_model, walk_model
-from .._own_moves import moves_itself
 from .._sizes import format_bytes  # its home; imported from here by several modules
 from .._tensor_size import nbytes
 from .._tree import cached_properties, iter_leaves, opaque_tensors, refuse_unwalkable
@@ -36,6 +35,7 @@ from ..moving._identity import current, replaced_outside
 from ..moving._move import NON_PERSISTENT_LOST, REBUILD
 from ..moving._offloaded import DISK_UNIT, Home, homes
 from ..moving._optim_state import optimizer_list, rule_for
+from ..moving._own_moves import moves_itself
 
 __all__ = [
     "Entry",

@@ -28,12 +28,6 @@ from .._devices import DeviceSpec
 from .._devices import device as _device
 from .._errors import MoveError, TorchplaceError, user_stacklevel
 from .._model_walk import tensor_slots, user_attributes
-from .._own_moves import (
-    conversion_flags,
-    covered_modules,
-    run_own_moves,
-    set_conversion_flags,
-)
 from .._suggest import did_you_mean
 from .._tree import (
     Located,
@@ -64,6 +58,12 @@ from ._identity import (
 )
 from ._offloaded import drop_homes, gather_homes
 from ._optim_state import optimizer_list, rule_for
+from ._own_moves import (
+    conversion_flags,
+    covered_modules,
+    run_own_moves,
+    set_conversion_flags,
+)
 from ._transfer import Copier, CopyFailed, is_accelerator, own_to, tensor_mover
 
 __all__ = ["NON_PERSISTENT_LOST", "REBUILD", "discarded_warning", "move"]

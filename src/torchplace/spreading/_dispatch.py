@@ -25,7 +25,7 @@ from typing import Any, TypeVar, cast
 import torch
 from torch import nn
 
-from .._device_map import DISK, entry_of, parse_device_map
+from .._device_map import DISK, entry_of, parse_device_map, whole_model_map
 from .._devices import device as _device
 from .._errors import (
     DeviceMismatchError,
@@ -420,11 +420,7 @@ def _blocks_in_host(model: nn.Module, offload: _Offload) -> dict[str, str]:
     """The map that ``{"": "cpu"}`` stands for with an accelerator executing: each block of the
     model its own entry in host memory (as ``{"": "disk"}`` puts each on disk), so that a
     window of blocks bounds the device's memory, not the whole model at once."""
-    from ._load_by_map import blocks_on_disk
-
-    execution = str(offload.execution)
-    blocks = blocks_on_disk(model, execution)
-    return {name: "cpu" if where == DISK else where for name, where in blocks.items()}
+    return whole_model_map(model, "cpu", str(offload.execution))
 
 
 def check_offloading(

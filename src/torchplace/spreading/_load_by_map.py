@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch import nn
 
-from .._device_map import DISK
+from .._device_map import DISK, whole_model_map
 from .._devices import DeviceSpec
 from .._errors import CheckpointError, DeviceSpecError, TorchplaceError, check_flags, prefixed
 from .._model_walk import display, tensor_slots, walk_model
@@ -230,34 +230,16 @@ def _leave_on_disk(
 
 
 def blocks_on_disk(model: nn.Module, execution_device: object = None) -> dict[str, str]:
-    """The map that ``{"": "disk"}`` stands for: the whole model on disk, each block its own
-    entry, so that a window of one block bounds the memory while it runs (a module is its own
-    block where its state dict holds tensors of its own, or where it is a class a transformers
-    model keeps whole, its ``_no_split_modules``: a decoder layer). Buffers a state dict leaves
-    out (a rotary embedding's) stay resident on the execution device (``execution_device``,
-    else the CPU); a module with no tensor needs no entry.
+    """The map that ``{"": "disk"}`` stands for (``whole_model_map``): the whole model on disk,
+    each block its own entry; buffers a state dict leaves out on the execution device
+    (``execution_device``, else the CPU).
 
     >>> m = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Sequential(nn.Linear(2, 2)))
     >>> blocks_on_disk(m)
     {'0': 'disk', '2.0': 'disk'}
     """
-    whole = {n for m in model.modules() for n in getattr(m, "_no_split_modules", None) or ()}
     resident = "cpu" if execution_device is None else str(execution_device)
-    out: dict[str, str] = {}
-
-    def visit(name: str, module: nn.Module) -> None:
-        children = [(n, c) for n, c in module._modules.items() if c is not None]
-        saved = any("." not in key for key in module.state_dict(keep_vars=True))
-        if saved or type(module).__name__ in whole:
-            out[name] = DISK
-            return
-        if any(b is not None for b in module._buffers.values()):
-            out[name] = resident  # only buffers it does not save: made, not read
-        for child, inner in children:
-            visit(f"{name}.{child}" if name else child, inner)
-
-    visit("", model)
-    return out
+    return whole_model_map(model, DISK, resident)
 
 
 def _refuse_left_on_meta(

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._errors import MoveError, first_line
+from .._errors import MoveError, first_line
 
 __all__ = [
     "AttributeSnapshot",
