@@ -372,7 +372,7 @@ def test_an_empty_file_under_strict_false_says_it_holds_nothing(tmp_path: Path) 
 def test_a_swap_that_fails_midway_puts_back_the_ones_done(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import torchplace.checkpoint._fill as checkpoint
+    import torchplace.checkpoint._apply as checkpoint
 
     path = save(nn.Linear(2, 2).state_dict(), tmp_path / "lin.pt")
     model = skeleton(nn.Linear, 2, 2)
