@@ -28,7 +28,8 @@ from helpers import torch_save
 from torchplace import load, load_into
 from torchplace._errors import CheckpointError
 from torchplace.checkpoint import _reader as _readinto
-from torchplace.checkpoint._catalog import FileChanged, catalog, describe_file
+from torchplace.checkpoint._catalog import catalog, describe_file
+from torchplace.checkpoint._entries import FileChanged, Stamp
 
 
 def _flat(obj: Any, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -773,10 +774,10 @@ def test_a_safetensors_entry_is_the_entry_its_fields_make(tmp_path: Path) -> Non
     alike, every field set, and still frozen."""
     import dataclasses
 
-    from torchplace.checkpoint._catalog import Entry, _file_entry
+    from torchplace.checkpoint._entries import Entry, file_entry
 
     path = tmp_path / "m.safetensors"
-    quick = _file_entry("w", "float32", (2, 3), 24, path, 80, (0, 1))
+    quick = file_entry("w", "float32", (2, 3), 24, path, 80, (0, 1))
     made = Entry("w", "float32", (2, 3), 24, path, 80, (0, 1), stored=24)
     assert quick == made and hash(quick) == hash(made) and repr(quick) == repr(made)
     assert set(vars(quick)) == {f.name for f in dataclasses.fields(Entry)}
@@ -824,7 +825,7 @@ def test_a_safetensors_catalog_is_kept_across_calls_while_its_header_is_unchange
     assert again.entries is not first.entries  # each call's own dict
     time.sleep(0.01)  # a stamp of its own, where timestamps tick coarsely
     save_file({"w": torch.arange(4.0) + 1}, str(path))  # new bytes under the same header
-    assert catalog(path).stamps[path] == _catalog.Stamp.of(os.stat(path))
+    assert catalog(path).stamps[path] == Stamp.of(os.stat(path))
     assert load(path)["w"].tolist() == [1.0, 2.0, 3.0, 4.0]
     assert parsed == []  # the header is the same: so are the entries
 

@@ -24,8 +24,9 @@ import torchplace
 from helpers import TORCHRUN_VARIABLES
 from torchplace import CheckpointError, MoveError, PlacementError, TorchplaceError
 from torchplace._errors import prefixed
-from torchplace.checkpoint._catalog import FileChanged, describe_file
+from torchplace.checkpoint._catalog import describe_file
 from torchplace.checkpoint._checkpoint_cli import remap
+from torchplace.checkpoint._entries import FileChanged
 
 # Every attribute an error of the tree carries as data.
 DATA = ("path", "missing", "unexpected", "mismatched", "stragglers", "name", "changes")

@@ -20,7 +20,7 @@ from torch import nn
 
 import torchplace
 from helpers import needs_transformers_5
-from torchplace.checkpoint._catalog import FileChanged
+from torchplace.checkpoint._entries import FileChanged
 from torchplace.moving import _offloaded as offloaded
 from torchplace.moving._hooks import is_dispatched
 from torchplace.moving._offloaded import HOME, Home, homes

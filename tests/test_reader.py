@@ -16,7 +16,7 @@ import torch
 
 from test_interrupts import Interrupter, tracing
 from torchplace.checkpoint import _reader
-from torchplace.checkpoint._catalog import stamp
+from torchplace.checkpoint._entries import stamp
 from torchplace.checkpoint._plan_items import ReadItem
 
 

@@ -389,7 +389,7 @@ def test_a_rank_stopped_after_telling_the_others_its_fill_went_through_keeps_it(
 
 def test_the_ranks_compare_the_inode_change_time_of_each_file(tmp_path: Path) -> None:
     """Two ranks whose stamps differ only in ctime read two versions: their rows differ."""
-    from torchplace.checkpoint._catalog import Stamp
+    from torchplace.checkpoint._entries import Stamp
     from torchplace.checkpoint._sharded import _digest, _Outcome
 
     p = tmp_path / "m.safetensors"

@@ -24,7 +24,8 @@ from typing import cast
 
 import torch
 
-from ._catalog import Entry, Stamp, contiguous_strides
+from ._catalog import contiguous_strides
+from ._entries import Entry, Stamp
 from ._plan_items import Box, ReadItem
 from ._reader import OpenFiles
 

@@ -27,23 +27,18 @@ import dataclasses
 import gc
 import io
 import math
-import os
-import pickle
-import struct
 import zipfile
-import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar
+from typing import Any, BinaryIO
 
 from .._errors import CheckpointError
-from ._index import LEGACY_MAGIC
+from ._entries import Catalog, Entry, Stamp, changed_error, file_entry, stamp
 from ._opened import once_per_call, opened
 from ._pickle_reader import (
     RecordingUnpickler,
     TensorRecord,
     TensorRef,
-    cut_short,
     legacy_code,
     legacy_records,
     readable,
@@ -56,8 +51,6 @@ from ._safetensors import read_header as read_safetensors_header
 from ._safetensors import read_layout_and_bytes as read_safetensors_layout  # and its rows
 from ._safetensors import sniff as sniff_safetensors
 from ._source import (
-    WRITER_HINT,
-    ZIP_MAGIC,
     PathLike,
     as_path,
     detect_format,
@@ -65,6 +58,7 @@ from ._source import (
     model_file,
     shards,
 )
+from ._zip_layout import ZipLayout, has_data_pkl, has_legacy_magic, record_start, zip_layout
 
 __all__ = [
     "Catalog",
@@ -85,384 +79,6 @@ __all__ = [
     "stamp",
     "zip_layout",
 ]
-
-
-_T = TypeVar("_T")
-
-# ------------------------------------------------------------------------------------- stamps
-
-
-@dataclasses.dataclass(frozen=True)
-class Stamp:
-    """What says a file is the one that was read: its size, modification time, inode and
-    inode change time.
-
-    A file rewritten in place changes its size or its mtime; one replaced by another (a save
-    that writes a new file and renames it over the old) changes its inode. A rewrite of the
-    same size whose mtime is put back (``touch -r``, ``os.utime``) changes the ctime, which no
-    call can set.
-    """
-
-    size: int
-    mtime_ns: int
-    inode: int
-    device: int
-    ctime_ns: int
-
-    @classmethod
-    def of(cls, info: os.stat_result) -> Stamp:
-        return cls(info.st_size, info.st_mtime_ns, info.st_ino, info.st_dev, info.st_ctime_ns)
-
-
-def stamp(p: Path, /) -> Stamp:
-    """The stamp of ``p`` now (``CheckpointError`` where it cannot be asked)."""
-    try:
-        return Stamp.of(os.stat(p))
-    except OSError as exc:
-        raise CheckpointError(f"{p}: cannot be read ({exc.strerror or exc})", path=p) from exc
-
-
-# ------------------------------------------------------------------------------------ entries
-
-
-@dataclasses.dataclass(frozen=True)
-class Entry:
-    """One tensor of a checkpoint, and where its bytes lie.
-
-    ``dtype`` is torch's name for it (``"float32"``, ``"bfloat16"``). ``start`` is the file
-    offset of its first element, or -1 where it cannot be read as one range of bytes (``why``
-    says why: a legacy file, a quantized, sparse or data-less tensor). ``order`` lists its dims
-    from outermost to innermost in the file (``(0, 1)`` row-major, ``(1, 0)`` a transposed view),
-    or is ``None`` for a view with gaps. ``device`` is where the file says it was saved from
-    (``"-"`` for safetensors, which says none), ``storage`` the key of the storage record it
-    views and ``stored`` that record's bytes. A mapping source's entries hold the ``tensor``.
-    """
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    file: Path | None = None
-    start: int = -1
-    order: tuple[int, ...] | None = None
-    device: str = "-"
-    storage: str = ""
-    stored: int = 0
-    why: str = ""
-    tensor: Any = None
-
-    @property
-    def addressable(self) -> bool:
-        """Whether the entry's elements are one dense range of its file (readable by offset)."""
-        return self.file is not None and self.start >= 0 and self.order is not None
-
-    def torch_dtype(self, where: str) -> Any:
-        """The ``torch.dtype``, or ``CheckpointError`` where this torch has none of that name."""
-        import torch
-
-        found = vars(torch).get(self.dtype)
-        if not isinstance(found, torch.dtype):
-            raise CheckpointError(
-                f"{where}: tensor {self.name!r} has dtype {self.dtype!r}, which this version of "
-                f"torch ({torch.__version__}) cannot hold",
-                path=self.file,
-            )
-        return found
-
-
-def _file_entry(
-    name: str,
-    dtype: str,
-    shape: tuple[int, ...],
-    nbytes: int,
-    file: Path,
-    start: int,
-    order: tuple[int, ...],
-) -> Entry:
-    """``Entry(name, dtype, shape, nbytes, file, start, order, stored=nbytes)``, made in half
-    the time (``_frozen``): a safetensors header of 100,000 tensors spent most of its catalog
-    in the frozen dataclass's ``__init__``."""
-    return _frozen(
-        Entry,
-        {
-            "name": name,
-            "dtype": dtype,
-            "shape": shape,
-            "nbytes": nbytes,
-            "file": file,
-            "start": start,
-            "order": order,
-            "device": "-",
-            "storage": "",
-            "stored": nbytes,
-            "why": "",
-            "tensor": None,
-        },
-    )
-
-
-def _frozen(cls: type[_T], fields: dict[str, Any]) -> _T:
-    """An instance of the frozen dataclass ``cls`` whose ``fields`` (every one, in order) are
-    set as its ``__init__`` sets them, in one step instead of one ``object.__setattr__``
-    each."""
-    made = object.__new__(cls)
-    made.__dict__.update(fields)
-    return made
-
-
-@dataclasses.dataclass
-class Catalog:
-    """A source's tensors by name, the files they lie in, and how those files were found.
-
-    ``where`` names the source in messages (the file resolved, or "the state dict ..."),
-    ``kind`` is ``"zip"``, ``"legacy"``, ``"safetensors"``, ``"index"`` or ``"mapping"``,
-    ``path`` the file a path resolved to (None for a mapping), ``stamps`` the stamp of every
-    file at the moment it was parsed, and ``code`` the globals its pickles name that a safe load
-    refuses (read inertly: safetensors files hold none, an index those of its shards).
-    """
-
-    where: str
-    kind: str
-    path: Path | None
-    entries: dict[str, Entry]
-    stamps: dict[Path, Stamp]
-    kinds: dict[Path, str] = dataclasses.field(default_factory=dict)  # each file's format
-    # the globals its pickles name beyond tensors and containers: what a load with
-    # trusted=True would import and call (inspect lists them, load's refusals name them)
-    code: list[str] = dataclasses.field(default_factory=list)
-
-    @property
-    def nbytes(self) -> int:
-        """The bytes of every entry's own data."""
-        return sum(e.nbytes for e in self.entries.values())
-
-    def check_unchanged(self, p: Path, now: Stamp | None = None) -> None:
-        """``CheckpointError`` if ``p`` is no longer the file this catalog parsed."""
-        before = self.stamps.get(p)
-        if before is None:
-            return
-        now = stamp(p) if now is None else now
-        if now != before:
-            raise changed_error(p, before, now)
-
-    def records(self) -> list[TensorRecord]:
-        """The entries as ``inspect`` lists them, a shared storage's bytes counted once."""
-        owners: dict[tuple[Path | None, str], str] = {}
-        names: dict[Path | None, str] = {None: "-"}  # each file's name, asked once
-        out = []
-        for e in self.entries.values():
-            shares = None
-            if e.storage:
-                first = owners.setdefault((e.file, e.storage), e.name)
-                shares = None if first == e.name else first
-            name = names.get(e.file) or names.setdefault(e.file, e.file.name)  # type: ignore[union-attr]
-            out.append(
-                _frozen(
-                    TensorRecord,
-                    {
-                        "name": e.name,
-                        "device": e.device,
-                        "dtype": e.dtype,
-                        "shape": e.shape,
-                        "nbytes": e.nbytes,
-                        "file": name,
-                        "stored": e.stored,
-                        "shares": shares,
-                    },
-                )
-            )
-        return out
-
-
-def changed_error(p: Path, before: Stamp, now: Stamp) -> CheckpointError:
-    """The error for a file that changed between two stamps, saying what changed."""
-    what = []
-    if now.size != before.size:
-        what.append(f"its size went from {before.size} to {now.size} bytes")
-    if now.mtime_ns != before.mtime_ns:
-        what.append("its modification time changed")
-    if (now.inode, now.device) != (before.inode, before.device):
-        what.append("it is another file now (replaced under the same name)")
-    elif not what and now.ctime_ns != before.ctime_ns:
-        what.append(
-            "its inode change time changed: rewritten with its modification time put back, "
-            "or its metadata changed"
-        )
-    return FileChanged(
-        f"{p}: the file changed while it was read ({'; '.join(what)}), so what was read may mix "
-        "old and new tensors; nothing read from it is kept. Load it again once the writer is "
-        "done",
-        path=p,
-        changes=what,
-    )
-
-
-class FileChanged(CheckpointError):
-    """``changed_error``'s: ``changes`` says what changed, for a reader that says what the
-    change means for it (the disk tier: since the model was loaded)."""
-
-    def __init__(self, *args: object, changes: Iterable[str] = (), **data: Any) -> None:
-        super().__init__(*args, **data)
-        self.changes = tuple(changes)
-
-    def _data(self) -> dict[str, Any]:
-        return {**super()._data(), "changes": self.changes}
-
-
-# --------------------------------------------------------------------- what a file is, quickly
-# Questions a load asks of a file before (or instead of) its whole catalog: the layout of a zip
-# file's records for the fast zip read, and whether a file is torch's at all for its errors.
-
-
-class ZipLayout:
-    """Where a torch zip file's records lie, and its pickle record, its CRC-32 checked.
-
-    ``prefix`` is the archive's top folder (``archive/``), ``pickle`` the bytes of ``data.pkl``,
-    ``records`` every entry by name, ``starts`` the first byte of each data record's bytes
-    (-1 where its local header is damaged), and ``byteorder`` what the file's ``byteorder``
-    record says (``None`` where it has none: files before torch 1.10, written little-endian).
-    """
-
-    __slots__ = ("byteorder", "path", "pickle", "prefix", "records", "starts")
-
-    def __init__(
-        self,
-        path: Path,
-        prefix: str,
-        pickle: bytes,
-        records: dict[str, zipfile.ZipInfo],
-        starts: dict[str, int],
-        byteorder: bytes | None,
-    ) -> None:
-        self.path = path
-        self.prefix = prefix
-        self.pickle = pickle
-        self.records = records
-        self.starts = starts
-        self.byteorder = byteorder
-
-
-def record_start(f: Any, info: zipfile.ZipInfo) -> int:
-    """Where a zip record's bytes begin in the open file ``f``, read from its local header.
-
-    The local header's name and extra field may differ in length from the central directory's,
-    so the header itself is read: 30 bytes, then the name, then the extra field.
-    """
-    f.seek(info.header_offset)
-    local = f.read(30)
-    if len(local) != 30 or not local.startswith(ZIP_MAGIC):
-        raise zipfile.BadZipFile(f"record {info.filename} has no local header")
-    name_len, extra_len = struct.unpack("<HH", local[26:30])
-    return int(info.header_offset) + 30 + int(name_len) + int(extra_len)
-
-
-def zip_layout(p: Path, /) -> ZipLayout | None:
-    """The layout of a torch zip file, or None where it is not one zipfile can read.
-
-    Raises ``CheckpointError`` when the pickle record fails its CRC-32 (a damaged byte there
-    would otherwise unpickle into other names or values). A CRC of 0 is taken as "not recorded"
-    (torch writes none with ``compute_crc32`` off).
-    """
-    try:
-        with opened(p) as f, zipfile.ZipFile(f) as archive:
-            infos = archive.infolist()
-            pickles = [i for i in infos if i.filename.rpartition("/")[2] == "data.pkl"]
-            if len(pickles) != 1 or pickles[0].compress_type != zipfile.ZIP_STORED:
-                return None
-            info = pickles[0]
-            with archive.open(info):  # zipfile checks the record's local header against the
-                pass  # directory, as the catalog does: a damaged one is refused alike
-            prefix = info.filename[: -len("data.pkl")]
-            start = record_start(f, info)
-            f.seek(start)
-            data = f.read(info.file_size)
-            starts = {  # the records a read may need: data, and the byte order
-                i.filename: _data_start(f, i)
-                for i in infos
-                if i.filename.startswith(f"{prefix}data/") or i.filename == f"{prefix}byteorder"
-            }
-            order = archive.NameToInfo.get(f"{prefix}byteorder")
-            byteorder = None
-            if order is not None:
-                first = starts.get(order.filename, -1)
-                f.seek(first)
-                byteorder = f.read(order.file_size) if first >= 0 else b"?"
-    except NotImplementedError as exc:  # a version field zipfile does not know: a damaged one
-        raise CheckpointError(
-            f"{p}: is truncated or corrupt (NotImplementedError: {exc}); {WRITER_HINT}, or "
-            "save or fetch it again",
-            path=p,
-        ) from exc
-    except zipfile.BadZipFile as exc:  # the catalog refuses it too: load agrees, whatever
-        # the installed torch's own zip reader would make of it
-        if "not a zip file" in str(exc):  # no central directory: cut short, or being written
-            raise cut_short(p) from exc
-        raise CheckpointError(  # a directory that does not match the records: a save rewriting
-            # the file under it looks so, as does damage
-            f"{p}: is truncated or corrupt (BadZipFile: {exc}); {WRITER_HINT}, or save or fetch "
-            "it again",
-            path=p,
-        ) from exc
-    except (OSError, ValueError, EOFError, struct.error):
-        return None
-    if len(data) != info.file_size:
-        return None
-    if info.CRC and zlib.crc32(data) != info.CRC:
-        raise CheckpointError(
-            f"{p}: is corrupt: its pickle record {info.filename} fails its CRC-32 check (the "
-            "bytes that name and shape the tensors were damaged after it was written); save or "
-            "fetch it again",
-            path=p,
-        )
-    records = {i.filename: i for i in infos}
-    return ZipLayout(p, prefix, data, records, starts, byteorder)
-
-
-def _data_start(f: Any, info: zipfile.ZipInfo) -> int:
-    """``record_start``, or -1 for a record whose local header is damaged."""
-    try:
-        return record_start(f, info)
-    except (zipfile.BadZipFile, OSError, ValueError, OverflowError):  # offset past any file
-        return -1
-
-
-def has_data_pkl(p: Path) -> bool:
-    """Whether a zip file holds a pickle as torch.save writes one (so it is not someone else's).
-
-    An archive that cannot be read at all says nothing either way, and counts as having one: its
-    failure is then described as a truncated or corrupt file.
-    """
-    try:
-        with opened(p) as f, zipfile.ZipFile(f) as archive:
-            return any(n.endswith("data.pkl") for n in archive.namelist())
-    except (OSError, zipfile.BadZipFile, ValueError, EOFError, NotImplementedError):
-        return True
-
-
-# The bytes that hold torch's magic number pickled, with room for any protocol's framing.
-_MAGIC_BYTES = 64
-
-
-class _NoGlobals(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        raise pickle.UnpicklingError(f"{module}.{name} is not loaded here")
-
-
-def has_legacy_magic(p: Path) -> bool:
-    """Whether the first pickled object of ``p`` is torch's magic number (nothing is run).
-
-    Only its first bytes are unpickled, enough for that number (15 bytes as torch writes it):
-    a plain pickle's first object is all of it, which unpickling whole would build first."""
-    try:
-        with opened(p) as f:
-            head = f.read(_MAGIC_BYTES)
-    except OSError:
-        return False
-    try:
-        first = _NoGlobals(io.BytesIO(head)).load()
-    except Exception:  # longer than the number, or not a pickle
-        return False
-    return isinstance(first, int) and not isinstance(first, bool) and first == LEGACY_MAGIC
 
 
 # ----------------------------------------------------------------------------------- catalog
@@ -680,7 +296,7 @@ def _safetensors_catalog(p: Path) -> Catalog:
         for name, start, _, (dtype, shape, nbytes) in rows:
             rank = len(shape)
             order = orders[rank] if rank < 9 else tuple(range(rank))
-            entries[name] = _file_entry(name, dtype, shape, nbytes, p, base + start, order)
+            entries[name] = file_entry(name, dtype, shape, nbytes, p, base + start, order)
         return entries
 
     entries, when = _stamped(p, parse)

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._catalog import Catalog
 from ._conversions import Fused, Plan, conversion_plan, converted, fused_boxes
+from ._entries import Catalog
 from ._load import read_assembled, whole_plan
 from ._plan_items import Assembled, Part
 from ._reader import DTypeWish

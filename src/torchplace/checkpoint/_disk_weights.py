@@ -30,9 +30,9 @@ from torch import nn
 
 from .._errors import CheckpointError, TorchplaceError
 from .._model_walk import display
-from ._catalog import Catalog, Entry, FileChanged
 from ._conversions import Plan, conversion_plan, converted, hub_plan
 from ._direct import Direct, direct_reads, read_direct, with_fused
+from ._entries import Catalog, Entry, FileChanged
 from ._load import read_entries
 from ._reader import map_file
 from ._rename import not_a_name

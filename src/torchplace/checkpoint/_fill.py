@@ -18,7 +18,7 @@ from .._devices import device as _device
 from .._errors import CheckpointError, TorchplaceError
 from .._model_walk import Slot, tensor_slots, unwrapped
 from ._apply import Fit, apply_fit, prepare_fit, warn_skipped_first
-from ._catalog import Catalog, catalog, format_of
+from ._catalog import catalog, format_of
 from ._conversions import (
     Plan,
     converted,
@@ -26,6 +26,7 @@ from ._conversions import (
     may_convert,
 )
 from ._direct import Direct, direct_reads, read_direct, with_fused
+from ._entries import Catalog
 from ._load import (
     load_state,
     source_bytes,

@@ -17,18 +17,9 @@ from .._devices import DeviceSpec
 from .._devices import device as _device
 from .._errors import CheckpointError, check_flags, user_stacklevel
 from ._boxes import BoxReader, queue_box
-from ._catalog import (
-    Catalog,
-    Entry,
-    catalog,
-    code_globals,
-    format_of,
-    has_data_pkl,
-    has_legacy_magic,
-    stamp,
-    zip_layout,
-)
+from ._catalog import catalog, code_globals, format_of
 from ._crc import check_as_read
+from ._entries import Catalog, Entry, stamp
 from ._formats import (
     SAFETENSORS_HINT,
     device_failure,
@@ -52,6 +43,7 @@ from ._reader import (
     unchecked_warning,
 )
 from ._source import WRITER_HINT, PathLike, resolve
+from ._zip_layout import has_data_pkl, has_legacy_magic, zip_layout
 
 # ------------------------------------------------------------------------------------------ load
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     import torch
 
-    from ._catalog import Entry
+    from ._entries import Entry
 
 __all__ = ["Assembled", "Box", "Part", "ReadItem"]
 

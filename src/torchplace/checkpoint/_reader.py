@@ -45,12 +45,13 @@ from ..moving._staging import (
     Transport,
     pinned_pool,
 )
-from ._catalog import Stamp, ZipLayout, changed_error
 from ._crc import Crc32, combine, crc32
+from ._entries import Stamp, changed_error
 from ._formats import device_failure, diagnose, first_sentence, out_of_memory
 from ._opened import open_file, opened, raw_file, unopenable
 from ._plan_items import ReadItem
 from ._progress import current
+from ._zip_layout import ZipLayout
 
 __all__ = [
     "NO_CRC",

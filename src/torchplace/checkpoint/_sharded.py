@@ -55,8 +55,9 @@ from .._devices import device as _device
 from .._errors import CheckpointError, TorchplaceError, user_stacklevel
 from .._model_walk import Slot, tensor_slots
 from ._boxes import BoxReader, entry_dtype, queue_box
-from ._catalog import Catalog, Entry, Stamp, catalog
+from ._catalog import catalog
 from ._conversions import Fused, Plan, conversion_plan, fused_boxes
+from ._entries import Catalog, Entry, Stamp
 from ._keys import check_keys, does_not_fit, matches_nothing, no_data_buffers
 from ._load import warn_unchecked_safetensors
 from ._mismatch import left_on_meta, warn_left_on_meta, warn_skipped

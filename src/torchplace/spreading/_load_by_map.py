@@ -22,9 +22,10 @@ from .._device_map import DISK, whole_model_map
 from .._devices import DeviceSpec
 from .._errors import CheckpointError, DeviceSpecError, TorchplaceError, check_flags, prefixed
 from .._model_walk import display, tensor_slots, walk_model
-from ..checkpoint._catalog import Catalog, catalog
+from ..checkpoint._catalog import catalog
 from ..checkpoint._checkpoint import load_into as fill
 from ..checkpoint._conversions import Plan
+from ..checkpoint._entries import Catalog
 from ..checkpoint._keys import KeyCheck, Mismatch, Missing, does_not_fit
 from ..checkpoint._mismatch import REFUSE_LEFT_ON_META, LeftOnMeta, listing, warn_skipped
 from ..checkpoint._opened import one_open_each
