@@ -508,8 +508,8 @@ def _check_ties(model: nn.Module, disk: list[str]) -> None:
     for full, p in model.named_parameters(remove_duplicate=False):
         entry = entry_of(full)
         tied = [other for other in names[id(p)] if other != full]
-        if entry is None or not tied:
-            continue
+        if entry is None or not tied or all(entry_of(other) is not None for other in tied):
+            continue  # untied, or every holder on disk: each reads the one saved tensor
         # every map entry on 'disk' that holds the tie, so that one fix is enough
         on_disk = list(dict.fromkeys(e for e in map(entry_of, names[id(p)]) if e is not None))
         which = " and ".join(repr(e) for e in on_disk)
