@@ -106,6 +106,7 @@ DTYPE_SPELLINGS = {
     "float": "float32",
     "fp64": "float64",
     "double": "float64",
+    "fp8": "float8_e4m3fn",  # the float8 that checkpoints store weights in (DeepSeek-V3's)
 }
 
 
@@ -115,6 +116,8 @@ def dtype_named(name: str, /, *, floating: bool = True) -> torch.dtype | None:
 
     >>> dtype_named("bf16"), dtype_named("torch.float16"), dtype_named("FP32")
     (torch.bfloat16, torch.float16, torch.float32)
+    >>> dtype_named("fp8")
+    torch.float8_e4m3fn
     >>> dtype_named("int8") is None, dtype_named("int8", floating=False), dtype_named("weird")
     (True, torch.int8, None)
     """
