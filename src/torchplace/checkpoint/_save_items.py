@@ -7,15 +7,19 @@ own ``remove_tied_weights_from_state_dict``), and renamed as ``save_pretrained``
 ``mlp.experts.gate_up_proj`` is written as the hub's per-expert ``w1``/``w3``), so that
 ``from_pretrained`` reads the result. Nothing is read or copied here: each ``Item`` gives its
 values when the writer reaches it. A parameter that a dispatched model left in its checkpoint
-(the ``meta`` placeholder of a ``"disk"`` module) is read from that checkpoint then, one module's
-weights at a time; any other ``meta`` tensor is refused before anything is written.
+(the ``meta`` placeholder of a ``"disk"`` module) is read from that checkpoint then: one leaf
+module's weights at a time, or, where transformers' reversal computes the saved tensors from
+them (a Mixtral layer's fused experts split again), one disk module's at a time. Its name and
+shape are known before, from the reversal run on the placeholders themselves. Any other
+``meta`` tensor is refused before anything is written.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -43,12 +47,16 @@ def items_of(obj: object, /) -> list[Item]:
             f"save() writes a model or a mapping of names to tensors, not a {type(obj).__name__}"
         )
     state = obj.state_dict(keep_vars=True)
+    revert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = dict
     with torch.no_grad():
         if transformers_model(obj):
-            state, origin = _as_transformers_saves(obj, state)
+            from transformers.core_model_loading import revert_weight_conversion
+
+            state = _transformers_kept(obj, state)
+            revert = functools.partial(revert_weight_conversion, cast(Any, obj))
         else:
-            state, origin = _untied(state), _first_names(state)
-    return _model_items(obj, state, origin)
+            state = _untied(state)
+        return _model_items(obj, state, revert)
 
 
 def _mapping_item(name: object, value: object) -> Item:
@@ -67,14 +75,6 @@ def _mapping_item(name: object, value: object) -> Item:
     return Item(name, t.dtype, tuple(t.shape), lambda: t)
 
 
-def _first_names(state: dict[str, torch.Tensor]) -> dict[int, str]:
-    """The first name of each tensor object in ``state``."""
-    first: dict[int, str] = {}
-    for name, t in state.items():
-        first.setdefault(id(t), name)
-    return first
-
-
 def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``state`` with each tensor object once, under its first name."""
     seen: set[int] = set()
@@ -86,39 +86,51 @@ def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return kept
 
 
-def _as_transformers_saves(
-    model: Any, state: dict[str, torch.Tensor]
-) -> tuple[dict[str, torch.Tensor], dict[int, str]]:
-    """``state`` as ``save_pretrained`` writes it: tied weights once, ignored keys left out,
-    transformers' conversions reversed. Second: the model name of each tensor object that the
-    reversal passed through unchanged (a disk module's placeholder is read by it)."""
-    from transformers.core_model_loading import revert_weight_conversion
+def _transformers_kept(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` as ``save_pretrained`` keeps it before renaming: tied weights once (under
+    the name it keeps), the keys it ignores on save left out."""
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    origin = _first_names(state)
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
         state.pop(key, None)
-    state = remove_tied_weights_from_state_dict(dict(state), model)
-    return revert_weight_conversion(model, state), origin
+    kept: dict[str, torch.Tensor] = remove_tied_weights_from_state_dict(dict(state), model)
+    return kept
 
 
 def _model_items(
-    model: nn.Module, state: dict[str, torch.Tensor], origin: dict[int, str]
+    model: nn.Module,
+    state: dict[str, torch.Tensor],
+    revert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
 ) -> list[Item]:
+    """The items of ``state`` (the model's names), renamed by ``revert``: the tensors in
+    memory at once; each disk module's by reverting its placeholders (on ``meta``: names and
+    shapes only), read from the checkpoint when written."""
     placeholders = disk_placeholders(model)
-    units = [(path, home) for path, _, home in homes(model) if home.tier == "disk"]
-    reader = _DiskReader()
-    items = []
+    units = {path: home for path, _, home in homes(model) if home.tier == "disk"}
+    resident: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[str, torch.Tensor]] = {}  # disk module -> its placeholders
     for name, t in state.items():
         if not t.is_meta:
-            items.append(_resident(name, t.detach()))
-            continue
-        model_name = origin.get(id(t))
-        if id(t) not in placeholders or model_name is None:
-            raise _no_values(model, name, model_name, id(t) in placeholders)
-        unit, home = next((u, h) for u, h in units if _within(model_name, u))
-        get = reader.getter(unit, home, model_name[len(unit) + 1 if unit else 0 :])
-        items.append(Item(name, t.dtype, tuple(t.shape), get, resident=False))
+            resident[name] = t
+        elif id(t) in placeholders:
+            unit = next(u for u in units if _within(name, u))
+            parts.setdefault(unit, {})[name] = t
+        else:
+            raise PlacementError(
+                f"{display(name)} is on meta and has no values to save (nothing was written); "
+                "fill the model first, torchplace.load_into(model, checkpoint), or move it to "
+                "a real device"
+            )
+    items = [_resident(name, t.detach()) for name, t in revert(resident).items()]
+    reader = _DiskReader(revert)
+    for unit, part in parts.items():
+        names = {id(t): name for name, t in part.items()}
+        reverted = revert(part)
+        passed = all(id(t) in names for t in reverted.values())  # renamed at most
+        for name, t in reverted.items():
+            local = names[id(t)][len(unit) + 1 if unit else 0 :] if passed else None
+            get = reader.getter(unit, units[unit], local, list(part), name)
+            items.append(Item(name, t.dtype, tuple(t.shape), get, resident=False))
     return items
 
 
@@ -130,39 +142,42 @@ def _within(name: str, unit: str) -> bool:
     return not unit or name.startswith(unit + ".")
 
 
-def _no_values(model: nn.Module, name: str, model_name: str | None, disk: bool) -> Exception:
-    shown = display(model_name or name)
-    if disk:  # a disk weight that transformers' reversal had to compute from
-        return CheckpointError(
-            f"{shown} lies in its checkpoint ('disk'), and transformers' conversion of "
-            f"{type(model).__name__} must compute {name!r} from it: gather the model first, "
-            "torchplace.move(model, 'cpu'), then save it"
-        )
-    return PlacementError(
-        f"{shown} is on meta and has no values to save (nothing was written); fill the model "
-        "first, torchplace.load_into(model, checkpoint), or move it to a real device"
-    )
-
-
 class _DiskReader:
-    """Reads a disk module's weights from their checkpoint, one owning module's at a time
-    (the last one kept, for the tensors of the same module written next)."""
+    """Reads a disk module's weights from their checkpoint when they are written: one owning
+    module's at a time where the names were only changed, else the whole disk module's,
+    converted as ``revert`` converts them (a transformers 5 Mixtral layer's experts); the last
+    read is kept, for the tensors written next."""
 
-    def __init__(self) -> None:
-        self._key: tuple[str, str] | None = None
+    def __init__(self, revert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]):
+        self.revert = revert
+        self._key: tuple[str, str | None] | None = None
         self._values: dict[str, torch.Tensor] = {}
 
-    def getter(self, unit: str, home: Home, local: str) -> Callable[[], torch.Tensor]:
-        owner = local.rpartition(".")[0]
+    def getter(
+        self, unit: str, home: Home, local: str | None, names: list[str], saved: str
+    ) -> Callable[[], torch.Tensor]:
+        """What gives the tensor saved as ``saved``: the weight ``local`` of the disk module
+        ``unit``, or (``local`` None) the one ``revert`` makes of the module's ``names``."""
+        owner = local.rpartition(".")[0] if local is not None else None
 
         def get() -> torch.Tensor:
             if self._key != (unit, owner):
-                self._values = {}  # the last module's weights let go before the next read
-                source = home.source
-                assert source is not None
-                source = source.only(owner) if owner else source
-                self._values = source.read(torch.device("cpu"))
+                self._values = {}  # the last read let go before the next
+                self._values = self._read(unit, home, owner, names)
                 self._key = (unit, owner)
-            return self._values[local]
+            return self._values[local if local is not None else saved]
 
         return get
+
+    def _read(
+        self, unit: str, home: Home, owner: str | None, names: list[str]
+    ) -> dict[str, torch.Tensor]:
+        source = home.source
+        assert source is not None
+        if owner is not None:
+            return (source.only(owner) if owner else source).read(torch.device("cpu"))
+        head = f"{unit}." if unit else ""
+        read = source.read(torch.device("cpu"))
+        wanted = set(names)
+        with torch.no_grad():
+            return self.revert({head + k: v for k, v in read.items() if head + k in wanted})
