@@ -33,7 +33,7 @@ from ._save_items import items_of, transformers_model
 from ._source import PathLike, as_path
 from ._writers import Item, write_pt, write_safetensors
 
-__all__ = ["Saving", "save"]
+__all__ = ["Saving", "save", "save_items"]
 
 _SHOW_FROM = 2 * 2**30  # bytes from which progress=None shows a bar (as load does)
 _INDEX = "model.safetensors.index.json"
@@ -142,6 +142,15 @@ def save(
                                                progress), _PENDING.get(target))  # fmt: skip
         _PENDING[target] = saving
     return saving
+
+
+def save_items(items: list[Item], path: PathLike, /, *, max_shard_size: int | str) -> None:
+    """``save`` of ``items`` made elsewhere (``convert``'s, read from a checkpoint)."""
+    target = as_path(path)
+    shard_bytes = parse_size(max_shard_size, "max_shard_size")
+    layout = _layout(target)
+    _wait_pending(target)
+    _write(target, layout, items, [], shard_bytes, None)
 
 
 def _wait_pending(target: Path) -> None:
