@@ -293,3 +293,33 @@ def test_a_write_past_the_file_size_limit_leaves_the_old_checkpoint(
     assert b"refused:" in done.stdout and b"unchanged" in done.stdout, done.stderr
     assert torch.equal(torchplace.load(path)["w"], torch.ones(1000))
     assert [p.name for p in tmp_path.iterdir()] == [name]
+
+
+_PEAK = """
+import json, sys, torch, torchplace
+# 640 MiB in ten tensors of 64 MiB; half of them transposed views (written through a copy)
+state = {f"t{i}": torch.ones(4096, 4096) for i in range(10)}
+state = {k: (v.t() if i % 2 else v) for i, (k, v) in enumerate(state.items())}
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak (VmHWM) back to what is resident now
+before = status("VmRSS")
+torchplace.save(state, sys.argv[1])
+print(json.dumps({"growth": status("VmHWM") - before}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux's /proc")
+@pytest.mark.parametrize("name", ["big", "big.pt"])
+def test_peak_host_memory_while_saving_640_mib(tmp_path: Path, name: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    done = subprocess.run(
+        [sys.executable, "-c", _PEAK, str(tmp_path / name)],
+        capture_output=True, text=True, env=env, timeout=300, check=True,
+    )  # fmt: skip
+    growth = json.loads(done.stdout.strip().splitlines()[-1])["growth"]
+    largest = 64 * 2**20
+    assert growth <= 64 * 2**20 + largest, f"{growth / 2**20:.0f} MiB above the state"
