@@ -21,6 +21,7 @@ from safetensors import safe_open
 from torch import nn
 
 import torchplace
+from helpers import torchrun_two_cpu
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -323,3 +324,72 @@ def test_peak_host_memory_while_saving_640_mib(tmp_path: Path, name: str) -> Non
     growth = json.loads(done.stdout.strip().splitlines()[-1])["growth"]
     largest = 64 * 2**20
     assert growth <= 64 * 2**20 + largest, f"{growth / 2**20:.0f} MiB above the state"
+
+
+# ------------------------------------------------------------- FSDP2: a collective on 2 ranks
+
+FSDP2_WORKER = r"""
+import sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+import torchplace
+
+out = Path(sys.argv[1])
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+mesh = init_device_mesh("cpu", (2,))
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 33), nn.Tanh(), nn.Linear(33, 7), nn.LayerNorm(7))
+model.register_buffer("steps", torch.tensor(5))
+if rank == 0:  # one process saving the same model
+    torchplace.save(model, out / "single.safetensors")
+for layer in (model[0], model[2]):
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+assert any(type(p).__name__ == "DTensor" for p in model.parameters())
+torchplace.save(model, out / "sharded.safetensors")
+torchplace.save(model, out / "sharded.pt")
+torchplace.save(model, out / "sharded", max_shard_size=600)
+saving = torchplace.save(model, out / "background.safetensors", background=True)
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(1.0)  # after the snapshot: not in the file
+saving.wait()
+if rank == 0:  # a full disk on the writing rank, after its first tensor
+    from torchplace.checkpoint import _save, _writers
+
+    def full_disk(f, items, metadata=None, advance=None):
+        _writers.host_tensor(_writers.safetensors_order(list(items))[0])
+        raise OSError(28, "No space left on device")
+
+    _save.write_safetensors = full_disk
+try:
+    torchplace.save(model, out / "sharded.safetensors")
+except torchplace.CheckpointError as exc:
+    print(f"rank {rank} refused: {exc}", flush=True)
+dist.barrier()
+print(f"rank {rank} done", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_an_fsdp2_model_on_two_ranks_saves_what_one_process_saves(tmp_path: Path) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(FSDP2_WORKER)
+    output = torchrun_two_cpu(script, str(tmp_path), timeout=180)
+    assert "rank 0 done" in output and "rank 1 done" in output, output
+    assert "rank 0 refused" in output and "No space left" in output, output
+    assert "rank 1 refused: the collective save failed on rank 0" in output, output
+    want = read_safetensors(tmp_path / "single.safetensors")
+    assert sorted(want) == ["0.bias", "0.weight", "2.bias", "2.weight", "3.bias", "3.weight",
+                            "steps"]  # fmt: skip
+    for name in ("sharded.safetensors", "sharded", "background.safetensors"):
+        assert_same(read_safetensors(tmp_path / name), want)
+    assert len(list((tmp_path / "sharded").glob("model-*.safetensors"))) > 1
+    assert_same(torch.load(tmp_path / "sharded.pt", weights_only=True), want)
+    assert not [p for p in tmp_path.iterdir() if ".torchplace-tmp-" in p.name]

@@ -29,6 +29,7 @@ from .._errors import CheckpointError, TorchplaceError
 from .._sizes import parse_size
 from ._atomic import replacing, synced
 from ._progress import progress_bar, wanted
+from ._save_collective import collective, gathered_in_order, write_collectively, write_order
 from ._save_items import items_of, transformers_model
 from ._source import PathLike, as_path
 from ._writers import Item, write_pt, write_safetensors
@@ -107,8 +108,9 @@ def save(
     ['model.safetensors']
 
     Args:
-        obj: a model (on one device, split over several, or dispatched with ``"cpu"`` and
-            ``"disk"`` tiers) or a mapping of names to tensors.
+        obj: a model (on one device, split over several, dispatched with ``"cpu"`` and
+            ``"disk"`` tiers, or sharded as DTensors: then call it on every rank, and rank 0
+            writes) or a mapping of names to tensors.
         path: ``*.safetensors``, ``*.pt``/``*.pth`` (read by ``torch.load(weights_only=True)``),
             or any other path: a directory as ``save_pretrained`` writes it.
         max_shard_size: for a directory, the most bytes of one shard (``"5GB"``, ``"500MiB"``,
@@ -132,16 +134,43 @@ def save(
     layout = _layout(target)
     items = items_of(obj)
     config = _configs(obj) if layout == "directory" else []
+    if collective(items):
+        return _save_collective(target, layout, items, config, shard_bytes, background, progress)
     if not background:
         _wait_pending(target)
         _write(target, layout, items, config, shard_bytes, progress)
         return None
-    items = _snapshot(items)
+    return _in_background(target, layout, _snapshot(items), config, shard_bytes, progress)
+
+
+def _in_background(target: Path, layout: str, items: list[Item], config: list[Any],
+                   shard_bytes: int, progress: bool | None) -> Saving:  # fmt: skip
+    """A thread that writes ``items`` (a snapshot) after the saves to ``target`` before it."""
     with _PENDING_LOCK:
         saving = Saving(target, lambda: _write(target, layout, items, config, shard_bytes,
                                                progress), _PENDING.get(target))  # fmt: skip
         _PENDING[target] = saving
     return saving
+
+
+def _save_collective(target: Path, layout: str, items: list[Item], config: list[Any],
+                     shard_bytes: int, background: bool, progress: bool | None
+                     ) -> Saving | None:  # fmt: skip
+    """``save`` of a DTensor-sharded model, on every rank (``_save_collective``): rank 0
+    writes, the others take part in each gather."""
+    import torch.distributed as dist
+
+    if background:  # the snapshot gathers, in the items' order on every rank
+        if dist.get_rank() != 0:
+            gathered_in_order(items)
+            return Saving(target, lambda: None, None)
+        return _in_background(target, layout, _snapshot(items), config, shard_bytes, progress)
+    ordered = write_order(layout, items, lambda listed: _shards(listed, shard_bytes))
+    _wait_pending(target)
+    write_collectively(
+        lambda listed: _write(target, layout, listed, config, shard_bytes, progress), ordered
+    )
+    return None
 
 
 def save_items(items: list[Item], path: PathLike, /, *, max_shard_size: int | str) -> None:
@@ -195,9 +224,10 @@ def _configs(obj: Any) -> list[Any]:
 def _snapshot(items: list[Item]) -> list[Item]:
     """``items`` with every tensor in memory copied into one host buffer (pinned where a
     tensor lies on CUDA); a disk module's weights stay where they are, read when written."""
-    copied = [it for it in items if it.resident]
-    total = sum(it.nbytes for it in copied)
-    pinned = torch.cuda.is_available() and any(it.get().is_cuda for it in copied)
+    total = sum(it.nbytes for it in items if it.resident)
+    # pinned where CUDA is in use (the device tensors' copies then overlap): each item's values
+    # are asked for once, since a DTensor's are a gather every rank takes part in
+    pinned = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
     pool = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
     at, out = 0, []
     for it in items:

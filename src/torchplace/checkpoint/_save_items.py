@@ -135,6 +135,11 @@ def _model_items(
 
 
 def _resident(name: str, value: torch.Tensor) -> Item:
+    """The item of a tensor in memory; a DTensor's is its gather (``full_tensor``), which
+    every rank takes part in."""
+    tensor_module = sys.modules.get("torch.distributed.tensor")
+    if tensor_module is not None and isinstance(value, tensor_module.DTensor):
+        return Item(name, value.dtype, tuple(value.shape), value.full_tensor, collective=True)
     return Item(name, value.dtype, tuple(value.shape), lambda: value)
 
 

@@ -29,7 +29,7 @@ import torch
 from .._errors import CheckpointError
 from ._safetensors import DTYPES
 
-__all__ = ["CHUNK", "Item", "host_tensor", "write_pt", "write_safetensors"]
+__all__ = ["CHUNK", "Item", "host_tensor", "safetensors_order", "write_pt", "write_safetensors"]
 
 CHUNK = 16 * 2**20  # bytes handed to one write() call
 
@@ -48,6 +48,7 @@ class Item:
     shape: tuple[int, ...]
     get: Callable[[], torch.Tensor]
     resident: bool = True  # in memory (False: read from a checkpoint when written)
+    collective: bool = False  # a DTensor's gather, which every rank must take part in
 
     @property
     def nbytes(self) -> int:
@@ -85,7 +86,7 @@ def _write_chunks(f: IO[bytes], data: memoryview, advance: Callable[[int], None]
         advance(len(piece))
 
 
-def _safetensors_order(items: list[Item]) -> list[Item]:
+def safetensors_order(items: list[Item]) -> list[Item]:
     """Wider dtypes first (stable), so that every tensor's bytes start aligned to its dtype, as
     the safetensors library lays them out."""
     return sorted(items, key=lambda it: -it.dtype.itemsize)
@@ -98,7 +99,7 @@ def write_safetensors(
     advance: Callable[[int], None] = lambda n: None,
 ) -> None:
     """Write ``items`` to the open binary file ``f`` as one safetensors file."""
-    ordered = _safetensors_order(list(items))
+    ordered = safetensors_order(list(items))
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for it in ordered:
