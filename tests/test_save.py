@@ -145,6 +145,14 @@ def test_a_directory_keeps_the_files_it_does_not_write(tmp_path: Path) -> None:
     assert sorted(p.name for p in folder.iterdir()) == ["model.safetensors", "tokenizer.json"]
 
 
+def test_flags_are_true_or_false(tmp_path: Path) -> None:
+    with pytest.raises(torchplace.DeviceSpecError, match="background='yes' is not True or False"):
+        torchplace.save({"w": torch.ones(1)}, tmp_path / "w.pt", background="yes")  # type: ignore[arg-type]
+    with pytest.raises(torchplace.DeviceSpecError, match="max_shard_size"):
+        torchplace.save({"w": torch.ones(1)}, tmp_path / "d", max_shard_size="5G")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_file_in_the_way_of_a_directory_is_refused(tmp_path: Path) -> None:
     (tmp_path / "ckpt").write_text("not a directory")
     with pytest.raises(torchplace.CheckpointError, match="is a file"):

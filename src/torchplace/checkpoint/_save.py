@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .._errors import CheckpointError, TorchplaceError
+from .._errors import CheckpointError, check_flags
 from .._sizes import parse_size
 from ._atomic import replacing, synced
 from ._progress import progress_bar, wanted
@@ -67,6 +67,10 @@ class Saving:
             work()
         except BaseException as exc:  # handed to wait()
             self._error = exc
+        finally:
+            with _PENDING_LOCK:  # the last save to its path, done: nothing to wait for
+                if _PENDING.get(self.path) is self:
+                    del _PENDING[self.path]
 
     def done(self) -> bool:
         """Whether the save has finished (written, or failed)."""
@@ -127,9 +131,8 @@ def save(
         CheckpointError: the path cannot be written (a full disk, a file in the way); the old
             checkpoint is left as it was.
     """
+    check_flags("save()", background=background, progress=progress, optional=("progress",))
     target = as_path(path)
-    if not isinstance(background, bool):
-        raise TorchplaceError(f"save(): background= is True or False, not {background!r}")
     shard_bytes = parse_size(max_shard_size, "save(max_shard_size=...)")
     layout = _layout(target)
     items = items_of(obj)
