@@ -106,3 +106,17 @@ def test_a_legacy_pickle_naming_code_is_refused_without_running_it(
 def test_a_bad_shard_size_is_a_usage_error(tmp_path: Path) -> None:
     source = sources(tmp_path)["zip"]
     assert main(["convert", str(source), "-o", str(tmp_path / "d"), "--max-shard-size", "5G"]) == 2
+
+
+def test_a_directory_keeps_its_other_files(tmp_path: Path) -> None:
+    source = tmp_path / "hub"
+    source.mkdir()
+    torch.save(state(), source / "pytorch_model.bin")
+    (source / "config.json").write_text('{"model_type": "toy"}')
+    (source / "tokenizer.json").write_text("{}")
+    assert main(["convert", str(source), "-o", str(tmp_path / "out")]) == 0
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert files == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert (tmp_path / "out" / "config.json").read_text() == '{"model_type": "toy"}'
+    got = torchplace.load(tmp_path / "out")
+    assert all(torch.equal(got[k], v) for k, v in state().items())

@@ -53,8 +53,22 @@ def convert(source: str | Path, dest: str | Path, /, *, max_shard_size: str = "5
                       for n, e in found.entries.items()]  # fmt: skip
     else:  # a legacy file: read whole, by torch's safe loader (refused if it names code)
         items = _tensors(load(source, "cpu"))
-    save_items(items, out, max_shard_size=max_shard_size)
+    save_items(items, out, max_shard_size=max_shard_size, others=_other_files(source, found))
     return len(items), sum(it.nbytes for it in items), list(found.code)
+
+
+def _other_files(source: str | Path, found: Any) -> list[Path]:
+    """The files of a source directory beside its checkpoint (``config.json``, a tokenizer),
+    which a directory written from it receives as they are."""
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        return []
+    read = set(found.stamps) | ({found.path} if found.path is not None else set())
+    return sorted(
+        p for p in folder.iterdir()
+        if p.is_file() and p not in read and not p.name.startswith(".")
+        and not p.name.endswith((".bin", ".safetensors", ".pt", ".pth", ".index.json"))
+    )  # fmt: skip
 
 
 def _tensors(obj: Any, prefix: str = "") -> Any:
@@ -110,7 +124,9 @@ def register(subparsers: Any) -> None:
         description="Convert a checkpoint that torchplace.load reads (a torch .bin/.pt file, "
         "zip or legacy, a .safetensors file, a shard index or a save_pretrained directory) to "
         "a .safetensors file, a .pt file, or (any other DEST) a directory as save_pretrained "
-        "writes it, through torchplace.save: atomically, one tensor in memory at a time. "
+        "writes it (given a directory, with its other files, config.json and tokenizer "
+        "files, copied as they are), through torchplace.save: atomically, one tensor in "
+        "memory at a time. "
         "Pickled code is never run: objects that would need it are left out, and said.",
     )
     cmd.add_argument("source", metavar="SOURCE", help="the checkpoint to read")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -176,13 +177,17 @@ def _save_collective(target: Path, layout: str, items: list[Item], config: list[
     return None
 
 
-def save_items(items: list[Item], path: PathLike, /, *, max_shard_size: int | str) -> None:
-    """``save`` of ``items`` made elsewhere (``convert``'s, read from a checkpoint)."""
+def save_items(
+    items: list[Item], path: PathLike, /, *, max_shard_size: int | str, others: list[Path]
+) -> None:
+    """``save`` of ``items`` made elsewhere (``convert``'s, read from a checkpoint); a
+    directory also receives a copy of each file of ``others``."""
     target = as_path(path)
     shard_bytes = parse_size(max_shard_size, "max_shard_size")
     layout = _layout(target)
     _wait_pending(target)
-    _write(target, layout, items, [], shard_bytes, None)
+    _write(target, layout, items, list(others) if layout == "directory" else [], shard_bytes,
+           None)  # fmt: skip
 
 
 def _wait_pending(target: Path) -> None:
@@ -296,8 +301,11 @@ def _write_directory(
     limit: int,
     advance: Callable[[int], None],
 ) -> None:
-    for config in configs:
-        config.save_pretrained(folder)
+    for config in configs:  # a transformers config, or a file copied as it is
+        if isinstance(config, Path):
+            shutil.copy2(config, folder / config.name)
+        else:
+            config.save_pretrained(folder)
     for written in folder.iterdir():  # the configs flushed to disk as the tensors are
         with open(written, "rb+") as f:
             os.fsync(f.fileno())
