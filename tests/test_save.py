@@ -246,7 +246,7 @@ def _whole_version(path: Path) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ckpt", "ckpt.safetensors"])
+@pytest.mark.parametrize("name", ["ckpt", "ckpt.safetensors", "ckpt.pt"])
 def test_real_sigints_leave_the_old_or_the_new_checkpoint(tmp_path: Path, name: str) -> None:
     path = tmp_path / name
     torchplace.save({f"t{i}": torch.full((256, 1024), 1.0) for i in range(24)}, path)
