@@ -145,6 +145,42 @@ def test_a_directory_keeps_the_files_it_does_not_write(tmp_path: Path) -> None:
     assert sorted(p.name for p in folder.iterdir()) == ["model.safetensors", "tokenizer.json"]
 
 
+def test_progress_says_what_was_written(tmp_path: Path, capsys: Any) -> None:
+    torchplace.save({"w": torch.ones(1000)}, tmp_path / "w.safetensors", progress=True)
+    assert "save w.safetensors: 3.9 KiB in" in capsys.readouterr().err
+    torchplace.save({"w": torch.ones(1000)}, tmp_path / "w.safetensors")  # small: no line
+    assert capsys.readouterr().err == ""
+
+
+def test_a_relative_path_is_where_it_was_when_saved(tmp_path: Path, monkeypatch: Any) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    saving = torchplace.save({"w": torch.ones(2**20)}, "w.safetensors", background=True)
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    assert saving is not None
+    saving.wait()
+    assert (tmp_path / "w.safetensors").is_file()
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+@pytest.mark.requires_cuda
+def test_a_model_on_the_gpu_is_saved_as_cpu_tensors(tmp_path: Path) -> None:
+    from torchplace.checkpoint._catalog import catalog
+
+    model = Tied().to("cuda")
+    want = {k: v.cpu() for k, v in model.state_dict().items() if k != "head.weight"}
+    torchplace.save(model, tmp_path / "m.pt")
+    assert {e.device for e in catalog(tmp_path / "m.pt").entries.values()} == {"cpu"}
+    assert_same(torch.load(tmp_path / "m.pt", weights_only=True), want)
+    saving = torchplace.save(model, tmp_path / "bg.safetensors", background=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    assert saving is not None
+    saving.wait()
+    assert_same(read_safetensors(tmp_path / "bg.safetensors"), want)
+
+
 def test_flags_are_true_or_false(tmp_path: Path) -> None:
     with pytest.raises(torchplace.DeviceSpecError, match="background='yes' is not True or False"):
         torchplace.save({"w": torch.ones(1)}, tmp_path / "w.pt", background="yes")  # type: ignore[arg-type]

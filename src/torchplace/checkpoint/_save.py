@@ -133,7 +133,7 @@ def save(
             checkpoint is left as it was.
     """
     check_flags("save()", background=background, progress=progress, optional=("progress",))
-    target = as_path(path)
+    target = Path(os.path.abspath(as_path(path)))  # where it is now, whatever cwd is later
     shard_bytes = parse_size(max_shard_size, "save(max_shard_size=...)")
     layout = _layout(target)
     items = items_of(obj)
@@ -182,7 +182,7 @@ def save_items(
 ) -> None:
     """``save`` of ``items`` made elsewhere (``convert``'s, read from a checkpoint); a
     directory also receives a copy of each file of ``others``."""
-    target = as_path(path)
+    target = Path(os.path.abspath(as_path(path)))
     shard_bytes = parse_size(max_shard_size, "max_shard_size")
     layout = _layout(target)
     _wait_pending(target)
