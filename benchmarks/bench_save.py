@@ -15,8 +15,9 @@ files to disk, as ``save`` does):
 * ``save_file``: ``safetensors.torch.save_file(state_dict, FILE)`` then flushed.
 
 Each is reported by its fastest round. Then the background save: the time ``save(...,
-background=True)`` blocks the caller (its snapshot into one host buffer) against a copy of the
-state into fresh host memory (``clone`` of each tensor). Last, in a fresh process each, the peak
+background=True)`` blocks the caller (its snapshot into one host buffer: a fresh one the first
+time, then the one the last save gave back) against a copy of the state into fresh host memory
+(``clone`` of each tensor). Last, in a fresh process each, the peak
 host memory above the model while saving (``VmHWM`` reset before the save, through
 ``/proc/self/clear_refs``) for ``torchplace.save`` and ``save_file``.
 
@@ -108,8 +109,9 @@ def timed(work: Callable[[Path], None], where: Path) -> float:
     return took
 
 
-def background(m: Any, root: Path, rounds: int) -> tuple[float, float]:
-    """The fastest time a background save blocks, and the fastest host copy of the state."""
+def background(m: Any, root: Path, rounds: int) -> tuple[float, float, float]:
+    """The time the first background save blocks (a fresh buffer), the fastest of the later
+    ones (the buffer the last one gave back), and the fastest host copy of the state."""
     import torchplace
 
     blocked, copied = [], []
@@ -124,7 +126,7 @@ def background(m: Any, root: Path, rounds: int) -> tuple[float, float]:
         clone = {k: v.clone() for k, v in m.state_dict().items()}
         copied.append(time.perf_counter() - start)
         del clone
-    return min(blocked), min(copied)
+    return blocked[0], min(blocked[1:] or blocked), min(copied)
 
 
 _PEAK = """
@@ -192,11 +194,14 @@ def main() -> None:
             args.rows, "save to a directory / write+fsync floor", ratio, "<= 1.2x", ratio <= 1.2
         )
         add_row(args.rows, "save / save_pretrained + flush", vs, "<= 0.7x", vs <= 0.7)
-        blocked, copied = background(m, root, args.rounds)
-        print(f"background: blocks {blocked:.3f} s, host copy {copied:.3f} s, "
-              f"{blocked / copied:.2f}x (target <= 1.2x)")  # fmt: skip
-        add_row(args.rows, "background save blocking / host copy", blocked / copied, "<= 1.2x",
-                blocked / copied <= 1.2)  # fmt: skip
+        first, blocked, copied = background(m, root, args.rounds)
+        print(f"background: the first blocks {first:.3f} s ({first / copied:.2f}x), the next "
+              f"{blocked:.3f} s ({blocked / copied:.2f}x); host copy {copied:.3f} s "
+              "(target <= 1.2x)")  # fmt: skip
+        add_row(args.rows, "first background save blocking / host copy", first / copied,
+                "<= 1.2x", first / copied <= 1.2)  # fmt: skip
+        add_row(args.rows, "later background save blocking / host copy", blocked / copied,
+                "<= 1.2x", blocked / copied <= 1.2)  # fmt: skip
         del m, table
         for way in ("torchplace", "save_file"):
             found = peak(way, args.layers, root / f"peak-{way}")

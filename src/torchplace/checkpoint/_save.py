@@ -144,15 +144,23 @@ def save(
         _wait_pending(target)
         _write(target, layout, items, config, shard_bytes, progress)
         return None
-    return _in_background(target, layout, _snapshot(items), config, shard_bytes, progress)
+    return _in_background(target, layout, items, config, shard_bytes, progress)
 
 
 def _in_background(target: Path, layout: str, items: list[Item], config: list[Any],
                    shard_bytes: int, progress: bool | None) -> Saving:  # fmt: skip
-    """A thread that writes ``items`` (a snapshot) after the saves to ``target`` before it."""
+    """``items`` snapshotted, and a thread that writes them after the saves to ``target``
+    asked for before; the snapshot's buffer is given back once written."""
+    copied, buffer = _snapshot(items)
+
+    def work() -> None:
+        try:
+            _write(target, layout, copied, config, shard_bytes, progress)
+        finally:
+            _give_buffer(buffer)
+
     with _PENDING_LOCK:
-        saving = Saving(target, lambda: _write(target, layout, items, config, shard_bytes,
-                                               progress), _PENDING.get(target))  # fmt: skip
+        saving = Saving(target, work, _PENDING.get(target))
         _PENDING[target] = saving
     return saving
 
@@ -168,7 +176,7 @@ def _save_collective(target: Path, layout: str, items: list[Item], config: list[
         if dist.get_rank() != 0:
             gathered_in_order(items)
             return Saving(target, lambda: None, None)
-        return _in_background(target, layout, _snapshot(items), config, shard_bytes, progress)
+        return _in_background(target, layout, items, config, shard_bytes, progress)
     ordered = write_order(layout, items, lambda listed: _shards(listed, shard_bytes))
     _wait_pending(target)
     write_collectively(
@@ -229,14 +237,14 @@ def _configs(obj: Any) -> list[Any]:
     return found
 
 
-def _snapshot(items: list[Item]) -> list[Item]:
-    """``items`` with every tensor in memory copied into one host buffer (pinned where a
-    tensor lies on CUDA); a disk module's weights stay where they are, read when written."""
+def _snapshot(items: list[Item]) -> tuple[list[Item], torch.Tensor]:
+    """``items`` with every tensor in memory copied into one host buffer (pinned where CUDA is
+    in use; the buffer a finished background save gave back, where it is large enough); a disk
+    module's weights stay where they are, read when written. Second: the buffer."""
     total = sum(it.nbytes for it in items if it.resident)
-    # pinned where CUDA is in use (the device tensors' copies then overlap): each item's values
-    # are asked for once, since a DTensor's are a gather every rank takes part in
+    # each item's values are asked for once: a DTensor's are a gather every rank takes part in
     pinned = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-    pool = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
+    pool = _take_buffer(total, pinned)
     at, out = 0, []
     for it in items:
         if not it.resident:
@@ -248,7 +256,25 @@ def _snapshot(items: list[Item]) -> list[Item]:
         at += it.nbytes
     if pinned:
         torch.cuda.synchronize()
-    return out
+    return out, pool
+
+
+# The buffer of the last background save, once written, kept for the next one: a fresh buffer
+# of a model's size costs its page faults again on every save (as much as the copy itself).
+_IDLE_BUFFER: list[torch.Tensor] = []
+
+
+def _take_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
+    with _PENDING_LOCK:
+        idle = _IDLE_BUFFER[0] if _IDLE_BUFFER else None
+        if idle is not None and idle.numel() >= nbytes and idle.is_pinned() == pinned:
+            return _IDLE_BUFFER.pop()
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+
+
+def _give_buffer(buffer: torch.Tensor) -> None:
+    with _PENDING_LOCK:
+        _IDLE_BUFFER[:] = [buffer]
 
 
 def _copied(item: Item, view: torch.Tensor) -> Item:
