@@ -17,9 +17,10 @@ shape are known before, from the reversal run on the placeholders themselves. An
 from __future__ import annotations
 
 import functools
+import re
 import sys
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,16 +48,20 @@ def items_of(obj: object, /) -> list[Item]:
             f"save() writes a model or a mapping of names to tensors, not a {type(obj).__name__}"
         )
     state = obj.state_dict(keep_vars=True)
-    revert: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] = dict
     with torch.no_grad():
-        if transformers_model(obj):
-            from transformers.core_model_loading import revert_weight_conversion
+        if not transformers_model(obj):
+            return _model_items(obj, _untied(state), dict)
+        return _model_items(obj, _transformers_kept(obj, state), _reversal(obj))
 
-            state = _transformers_kept(obj, state)
-            revert = functools.partial(revert_weight_conversion, cast(Any, obj))
-        else:
-            state = _untied(state)
-        return _model_items(obj, state, revert)
+
+def _reversal(model: Any) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """transformers' own reversal of its conversions (transformers 5), else nothing to
+    reverse (transformers 4 converts nothing on load; its legacy names are ``_kept``'s)."""
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return dict
+    return functools.partial(revert_weight_conversion, model)
 
 
 def _mapping_item(name: object, value: object) -> Item:
@@ -87,14 +92,48 @@ def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _transformers_kept(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` as ``save_pretrained`` keeps it before renaming: tied weights once (under
-    the name it keeps), the keys it ignores on save left out."""
-    from transformers.modeling_utils import remove_tied_weights_from_state_dict
-
+    """``state`` as ``save_pretrained`` keeps it before its conversions are reversed: tied
+    weights once (under the name it keeps), the keys it ignores on save left out."""
     for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
         state.pop(key, None)
+    try:
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+    except ImportError:  # transformers 4
+        return _as_transformers_4_keeps(model, state)
     kept: dict[str, torch.Tensor] = remove_tied_weights_from_state_dict(dict(state), model)
     return kept
+
+
+def _as_transformers_4_keeps(model: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What transformers 4's ``save_pretrained`` keeps: a multimodal model's keys renamed to
+    its legacy names (its ``_checkpoint_conversion_mapping`` reversed), then of each group of
+    tied names those its ``_tied_weights_keys`` match dropped (by sorted name, one kept)."""
+    from transformers import modeling_utils
+
+    vlms = getattr(modeling_utils, "VLMS", ())
+    if any(v in c.__name__.lower() for c in type(model).__mro__[:-1] for v in vlms):
+        mapping = getattr(model, "_checkpoint_conversion_mapping", None) or {}
+        state = {_legacy_name(key, mapping): t for key, t in state.items()}
+    patterns = modeling_utils._get_tied_weight_keys(model) or []
+    groups: dict[int, list[str]] = {}
+    for name, t in state.items():
+        groups.setdefault(id(t), []).append(name)
+    dropped: set[str] = set()
+    for names in groups.values():
+        matched = [n for n in sorted(names) if any(re.search(p, n) for p in patterns)]
+        dropped.update(matched[: len(names) - 1])
+    return _untied({name: t for name, t in state.items() if name not in dropped})
+
+
+def _legacy_name(key: str, mapping: dict[str, str]) -> str:
+    """``key`` renamed by the first pattern of ``mapping`` reversed that matches it, as
+    transformers 4's ``save_pretrained`` renames it."""
+    for pattern, replacement in {v: k for k, v in mapping.items()}.items():
+        replacement = re.sub(r"\(.*\)", "", replacement.lstrip("^"))
+        key, n = re.subn(pattern, replacement, key)
+        if n:
+            break
+    return key
 
 
 def _model_items(

@@ -164,9 +164,11 @@ def write_pt(
     writer = torch._C.PyTorchFileWriter(f)
     pickled = buffer.getvalue()
     writer.write_record("data.pkl", pickled, len(pickled))
-    alignment = str(torch.serialization._get_storage_alignment()).encode()
-    for record, value in ((".format_version", b"1"), (".storage_alignment", alignment),
-                          ("byteorder", sys.byteorder.encode())):  # fmt: skip
+    records = [(".format_version", b"1"), ("byteorder", sys.byteorder.encode())]
+    aligned = getattr(torch.serialization, "_get_storage_alignment", None)  # where torch has it
+    if aligned is not None:  # the records' alignment, as torch.save records it
+        records.insert(1, (".storage_alignment", str(aligned()).encode()))
+    for record, value in records:
         writer.write_record(record, value, len(value))
     for i, it in enumerate(listed):
         t = host_tensor(it)  # torch's writer takes one record whole: one tensor's host copy
