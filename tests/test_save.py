@@ -403,6 +403,13 @@ with torch.no_grad():
     for p in model.parameters():
         p.add_(1.0)  # after the snapshot: not in the file
 saving.wait()
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+torch.manual_seed(1)
+tp = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+if rank == 0:
+    torchplace.save(tp, out / "tp-single.safetensors")
+parallelize_module(tp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+torchplace.save(tp, out / "tp.safetensors")
 if rank == 0:  # a full disk on the writing rank, after its first tensor
     from torchplace.checkpoint import _save, _writers
 
@@ -422,7 +429,7 @@ dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_an_fsdp2_model_on_two_ranks_saves_what_one_process_saves(tmp_path: Path) -> None:
+def test_fsdp2_and_tensor_parallel_models_save_what_one_process_saves(tmp_path: Path) -> None:
     script = tmp_path / "worker.py"
     script.write_text(FSDP2_WORKER)
     output = torchrun_two_cpu(script, str(tmp_path), timeout=180)
@@ -436,4 +443,6 @@ def test_an_fsdp2_model_on_two_ranks_saves_what_one_process_saves(tmp_path: Path
         assert_same(read_safetensors(tmp_path / name), want)
     assert len(list((tmp_path / "sharded").glob("model-*.safetensors"))) > 1
     assert_same(torch.load(tmp_path / "sharded.pt", weights_only=True), want)
+    tensor_parallel = read_safetensors(tmp_path / "tp.safetensors")
+    assert_same(tensor_parallel, read_safetensors(tmp_path / "tp-single.safetensors"))
     assert not [p for p in tmp_path.iterdir() if ".torchplace-tmp-" in p.name]
