@@ -73,6 +73,35 @@ def test_a_mapping_round_trips_bit_for_bit(tmp_path: Path, name: str) -> None:
     assert [p.name for p in tmp_path.iterdir()] == [name]  # no temporaries left
 
 
+DTYPES = [torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.int16, torch.int32,
+          torch.uint8, torch.bool, torch.complex64, torch.uint16, torch.uint32, torch.uint64,
+          torch.float8_e4m3fn, torch.float8_e5m2]  # fmt: skip
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("name", ["all.pt", "all.safetensors"])
+def test_every_dtype_round_trips(tmp_path: Path, name: str) -> None:
+    base = torch.tensor([[1, 2, 3], [4, 5, 6]], dtype=torch.int32)
+    state = {str(dt): base.to(dt).t() for dt in DTYPES}  # transposed: written through a copy
+    if name.endswith(".pt"):
+        state["complex128"] = base.to(torch.complex128)
+    torchplace.save(state, tmp_path / name)
+    got = torch.load(tmp_path / name, weights_only=True) if name.endswith(".pt") else (
+        read_safetensors(tmp_path / name))  # fmt: skip
+    for key, value in state.items():
+        assert got[key].dtype == value.dtype and got[key].shape == value.shape, key
+        assert torch.equal(_bits(got[key]), _bits(value)), key
+
+
+def test_a_dtype_safetensors_lacks_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(torchplace.CheckpointError, match=r"c is torch.complex128.*\.pt path"):
+        torchplace.save({"c": torch.ones(2, dtype=torch.complex128)}, tmp_path / "c.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_pt_file_is_device_neutral_and_holds_only_each_view(tmp_path: Path) -> None:
     big = torch.randn(1000)
     torchplace.save({"view": big[:3]}, tmp_path / "v.pt")

@@ -120,6 +120,13 @@ def write_safetensors(
         _write_chunks(f, _as_bytes(host_tensor(it)), advance)
 
 
+def _legacy_storage(dtype: torch.dtype) -> Any:
+    """The typed storage class torch pickles a tensor of ``dtype`` with (``FloatStorage``), or
+    None for a dtype that has none (``uint16``, pickled over an ``UntypedStorage``)."""
+    name = torch.storage._dtype_to_storage_type_map().get(dtype)
+    return getattr(torch, name) if name is not None else None
+
+
 class _Storage:
     """A storage record of the torch file being written: its key, dtype and element count."""
 
@@ -139,14 +146,19 @@ class _Slot:
             stride.append(step)
             step *= max(d, 1)
         args: tuple[Any, ...] = (self.storage, 0, self.shape, tuple(reversed(stride)), False,
-                collections.OrderedDict())  # fmt: skip
+                                 collections.OrderedDict())  # fmt: skip
+        if _legacy_storage(self.storage.dtype) is None:  # as torch.save pickles such a dtype
+            return (torch._utils._rebuild_tensor_v3, (*args, self.storage.dtype))
         return (torch._utils._rebuild_tensor_v2, args)
 
 
 class _Pickler(pickle.Pickler):
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _Storage):
-            kind = getattr(torch, torch.storage._dtype_to_storage_type_map()[obj.dtype])
+            kind = _legacy_storage(obj.dtype)
+            if kind is None:
+                nbytes = obj.numel * obj.dtype.itemsize
+                return ("storage", torch.storage.UntypedStorage, obj.key, "cpu", nbytes)
             return ("storage", kind, obj.key, "cpu", obj.numel)
         return None
 
