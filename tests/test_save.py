@@ -237,6 +237,16 @@ def test_background_save_holds_the_values_of_the_call(tmp_path: Path) -> None:
     assert_same(read_safetensors(tmp_path / "bg.safetensors"), want)
 
 
+def test_background_save_of_every_dtype(tmp_path: Path) -> None:
+    state = {str(dt): torch.tensor([[1, 2, 3]], dtype=torch.int32).to(dt) for dt in DTYPES}
+    state["odd"] = torch.ones(3, dtype=torch.bool)  # 3 bytes: the next one starts unaligned
+    saving = torchplace.save(state, tmp_path / "all.safetensors", background=True)
+    assert saving is not None
+    saving.wait()
+    got = read_safetensors(tmp_path / "all.safetensors")
+    assert all(torch.equal(_bits(got[k]), _bits(v)) for k, v in state.items())
+
+
 def test_background_saves_to_one_path_land_in_call_order(tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     savings = [

@@ -241,7 +241,7 @@ def _snapshot(items: list[Item]) -> tuple[list[Item], torch.Tensor]:
     """``items`` with every tensor in memory copied into one host buffer (pinned where CUDA is
     in use; the buffer a finished background save gave back, where it is large enough); a disk
     module's weights stay where they are, read when written. Second: the buffer."""
-    total = sum(it.nbytes for it in items if it.resident)
+    total = sum(_aligned(it.nbytes) for it in items if it.resident)
     # each item's values are asked for once: a DTensor's are a gather every rank takes part in
     pinned = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
     pool = _take_buffer(total, pinned)
@@ -253,10 +253,14 @@ def _snapshot(items: list[Item]) -> tuple[list[Item], torch.Tensor]:
         view = pool[at : at + it.nbytes].view(it.dtype).view(it.shape)
         view.copy_(it.get(), non_blocking=pinned)
         out.append(_copied(it, view))
-        at += it.nbytes
+        at += _aligned(it.nbytes)  # each tensor's bytes start aligned for any dtype
     if pinned:
         torch.cuda.synchronize()
     return out, pool
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 64) * 64
 
 
 # The buffer of the last background save, once written, kept for the next one: a fresh buffer
