@@ -461,6 +461,10 @@ try:
     torchplace.save(model, out / "sharded.safetensors")
 except torchplace.CheckpointError as exc:
     print(f"rank {rank} refused: {exc}", flush=True)
+try:  # a path rank 0 cannot write to: every rank raises, before any gather
+    torchplace.save(model, out / f"missing-{rank}" / "m.safetensors")
+except torchplace.CheckpointError as exc:
+    print(f"rank {rank} bad path: {exc}", flush=True)
 dist.barrier()
 print(f"rank {rank} done", flush=True)
 dist.destroy_process_group()
@@ -475,6 +479,8 @@ def test_fsdp2_and_tensor_parallel_models_save_what_one_process_saves(tmp_path: 
     assert "rank 0 done" in output and "rank 1 done" in output, output
     assert "rank 0 refused" in output and "No space left" in output, output
     assert "rank 1 refused: the collective save failed on rank 0" in output, output
+    assert "rank 0 bad path: " in output and "missing-0 does not exist" in output, output
+    assert "rank 1 bad path: the collective save was refused on rank 0" in output, output
     want = read_safetensors(tmp_path / "single.safetensors")
     assert sorted(want) == ["0.bias", "0.weight", "2.bias", "2.weight", "3.bias", "3.weight",
                             "steps"]  # fmt: skip

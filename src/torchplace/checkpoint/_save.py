@@ -30,7 +30,13 @@ from .._errors import CheckpointError, check_flags
 from .._sizes import parse_size
 from ._atomic import replacing, synced
 from ._progress import progress_bar, wanted
-from ._save_collective import collective, gathered_in_order, write_collectively, write_order
+from ._save_collective import (
+    collective,
+    gathered_in_order,
+    on_rank_0,
+    write_collectively,
+    write_order,
+)
 from ._save_items import items_of, transformers_model
 from ._source import PathLike, as_path
 from ._writers import Item, write_pt, write_safetensors
@@ -135,8 +141,11 @@ def save(
     check_flags("save()", background=background, progress=progress, optional=("progress",))
     target = Path(os.path.abspath(as_path(path)))  # where it is now, whatever cwd is later
     shard_bytes = parse_size(max_shard_size, "save(max_shard_size=...)")
-    layout = _layout(target)
     items = items_of(obj)
+    if collective(items):  # the path checked where it is written: on rank 0
+        layout = on_rank_0(lambda: _layout(target))
+    else:
+        layout = _layout(target)
     config = _configs(obj) if layout == "directory" else []
     if collective(items):
         return _save_collective(target, layout, items, config, shard_bytes, background, progress)

@@ -17,7 +17,7 @@ import torch
 from .._errors import CheckpointError
 from ._writers import Item, safetensors_order
 
-__all__ = ["collective", "gathered_in_order", "write_collectively", "write_order"]
+__all__ = ["collective", "gathered_in_order", "on_rank_0", "write_collectively", "write_order"]
 
 
 def collective(items: list[Item]) -> bool:
@@ -42,6 +42,24 @@ def gathered_in_order(items: list[Item]) -> None:
             it.get()
 
 
+def on_rank_0(check: Callable[[], str]) -> str:
+    """``check()`` (what the path names, whether it can be written) run on rank 0, which
+    writes, before any gather; its answer on every rank, or its error raised on every rank, so
+    that no rank waits in a gather that rank 0 will never join."""
+    import torch.distributed as dist
+
+    failure: Exception | None = None
+    answer = [""]
+    if dist.get_rank() == 0:
+        try:
+            answer[0] = check()
+        except Exception as exc:
+            failure = exc
+    _agree(failure, "was refused on rank 0, which writes the files (its error says why)")
+    dist.broadcast_object_list(answer, src=0)
+    return answer[0]
+
+
 def write_collectively(write: Callable[[list[Item]], None], ordered: list[Item]) -> None:
     """``write(items)`` on rank 0 while the others gather with it in the writer's order
     (``ordered``); then every rank raises if the write failed."""
@@ -57,6 +75,15 @@ def write_collectively(write: Callable[[list[Item]], None], ordered: list[Item])
         gathered_in_order([it for it in ordered if it.name not in done])
     else:
         gathered_in_order(ordered)
+    _agree(failure, "failed on rank 0, which writes the files (its error says why); the "
+           "checkpoint that was there is unchanged")  # fmt: skip
+
+
+def _agree(failure: BaseException | None, said: str) -> None:
+    """Raise ``failure`` on rank 0 and, where rank 0 had one, on every other rank an error
+    that says what happened (``said``)."""
+    import torch.distributed as dist
+
     nccl = dist.get_backend() == "nccl"
     where = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     flag = torch.tensor([failure is not None], dtype=torch.int32, device=where)
@@ -65,8 +92,7 @@ def write_collectively(write: Callable[[list[Item]], None], ordered: list[Item])
         raise failure
     if int(flag.item()):
         raise CheckpointError(
-            "the collective save failed on rank 0, which writes the files (its error says why); "
-            "the checkpoint that was there is unchanged"
+            f"the collective save {said} on rank 0, which writes the files (its error says why)"
         )
 
 
