@@ -170,8 +170,15 @@ def test_a_directory_keeps_the_files_it_does_not_write(tmp_path: Path) -> None:
     folder = tmp_path / "ckpt"
     torchplace.save(Tied(), folder, max_shard_size=300)
     (folder / "tokenizer.json").write_text("{}")
-    torchplace.save(Tied(), folder)  # one file now: the old shards go, the tokenizer stays
-    assert sorted(p.name for p in folder.iterdir()) == ["model.safetensors", "tokenizer.json"]
+    (folder / "logs" / "empty").mkdir(parents=True)
+    (folder / "logs" / "run.txt").write_text("step 1")
+    (folder / "latest").symlink_to("logs")
+    torchplace.save(Tied(), folder)  # one file now: the old shards go, the rest stays
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == ["latest", "logs", "model.safetensors", "tokenizer.json"]
+    assert (folder / "logs" / "empty").is_dir()
+    assert (folder / "latest" / "run.txt").read_text() == "step 1"
+    assert os.readlink(folder / "latest") == "logs"
 
 
 def test_progress_says_what_was_written(tmp_path: Path, capsys: Any) -> None:

@@ -139,22 +139,29 @@ def _interrupts_deferred() -> Iterator[None]:
 
 
 def _carry_other_files(old: Path, new: Path) -> None:
-    """Link into ``new`` the files of the directory ``old`` that ``new`` lacks, but for its
-    model files (copied where links cannot be made)."""
+    """Link into ``new`` what the directory ``old`` holds that ``new`` lacks, but for its model
+    files: files hard-linked (copied where links cannot be made), symbolic links made again,
+    subdirectories (empty ones too) made."""
     if not old.is_dir():
         return
-    for src in old.rglob("*"):
-        rel = src.relative_to(old)
-        dst = new / rel
-        if src.is_dir() or dst.exists() or (len(rel.parts) == 1 and _MODEL_FILES.match(rel.name)):
-            continue
-        if TMP_MARK in src.name:
-            continue
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copy2(src, dst)
+    for top, folders, files in os.walk(old):  # symbolic links to folders: listed, not entered
+        here = Path(top)
+        into = new / here.relative_to(old)
+        for name in [*folders, *files]:
+            src, dst = here / name, into / name
+            if TMP_MARK in name or os.path.lexists(dst):
+                continue
+            if here == old and _MODEL_FILES.match(name):
+                continue
+            if src.is_symlink():
+                os.symlink(os.readlink(src), dst)
+            elif src.is_dir():
+                dst.mkdir()
+            else:
+                try:
+                    os.link(src, dst)
+                except OSError:
+                    shutil.copy2(src, dst)
 
 
 _RENAME_EXCHANGE = 2
