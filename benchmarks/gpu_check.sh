@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One GPU check: the CUDA tests, then every GPU benchmark, then one table of figures against
 # targets, ready for benchmarks/RESULTS.md. Each step has a time limit (110 + 35 + 100 + 35 + 80
-# + 30 + 30 s) so the whole stays under 7 minutes on an H100/H200; a step that runs out counts
-# as failed. The CUDA tests include offloaded execution's and watch()'s (requires_cuda).
+# + 30 + 30 + 40 s) so the whole stays under 8 minutes on an H100/H200; a step that runs out
+# counts as failed. The CUDA tests include offloaded execution's and watch()'s (requires_cuda).
 # The checkpoint load also sweeps the CUDA reader's thread count and the pinned pool's shape
 # (bench_load_gpu.py --sweep): its table says what _reader.CUDA_READ_THREADS should be.
 #
@@ -60,6 +60,7 @@ step 45 "$PY" benchmarks/bench_loader.py --batches 16 --rows "$ROWS"
 step 80 "$PY" benchmarks/bench_load_gpu.py --sweep --rows "$ROWS"
 step 30 "$PY" benchmarks/bench_offload.py --rounds 5 --rows "$ROWS"
 step 30 "$PY" benchmarks/bench_estimate.py --gpu --rows "$ROWS"
+step 40 "$PY" benchmarks/bench_save.py --gpu --rows "$ROWS"
 
 if [ "$DRY" = 1 ]; then
     echo "+ $PY benchmarks/_rows.py $ROWS"

@@ -111,7 +111,7 @@ def test_help_lines_are_the_ones_the_commands_register() -> None:
 
     registered = help_lines(cli._parser(None))
     assert registered == help_lines(cli._parser(""))
-    assert list(registered) == ["doctor", "inspect", "remap", "estimate", "bench"]
+    assert list(registered) == ["doctor", "inspect", "remap", "convert", "estimate", "bench"]
 
 
 def test_the_lazy_names_are_the_public_names() -> None:

@@ -38,6 +38,8 @@ DOCUMENTED = {
     "load",
     "skeleton",
     "load_into",
+    "save",
+    "Saving",
     # several devices
     "plan",
     "dispatch",

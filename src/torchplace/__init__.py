@@ -29,6 +29,7 @@ if _TYPE_CHECKING:  # what type checkers and editors see; nothing more is import
     from . import distributed as distributed
     from ._devices import available, device
     from .checkpoint._checkpoint import load, skeleton
+    from .checkpoint._save import Saving, save
     from .looking._estimate import Estimate, estimate
     from .looking._guard import Guard, guard
     from .looking._inspect import devices_of, stragglers, verify, where
@@ -55,6 +56,7 @@ __all__ = [
     "NoTensorsError",
     "PlacementError",
     "Report",
+    "Saving",
     "Straggler",
     "TorchplaceError",
     "available",
@@ -68,6 +70,7 @@ __all__ = [
     "move",
     "plan",
     "report",
+    "save",
     "skeleton",
     "stragglers",
     "verify",
@@ -95,6 +98,8 @@ _HOMES = {
     "load": "checkpoint._checkpoint",
     "load_into": "spreading._load_by_map",
     "skeleton": "checkpoint._checkpoint",
+    "save": "checkpoint._save",
+    "Saving": "checkpoint._save",
     "move": "moving._move",
     "plan": "spreading._plan",
 }

@@ -12,7 +12,11 @@ model (``_statedict`` does what ``load_state_dict`` does around it, ``_rename`` 
 ``_conversions`` converts a transformers model's hub names as ``from_pretrained`` does,
 ``_skeleton`` builds one on ``meta``), ``_sharded`` fills DTensor shards; ``_progress`` is the
 bar a long load shows, ``_crc`` joins CRC-32s, and ``_checkpoint_cli`` is the ``inspect`` and
-``remap`` commands (``_hub_names``: its note on per-expert hub names).
+``remap`` commands (``_hub_names``: its note on per-expert hub names). Writing goes the other
+way: ``_save`` is ``save`` (``_save_items``: what a model's tensors are saved as,
+``_writers``: a tensor at a time into a safetensors or torch file, ``_atomic``: in place of the
+old checkpoint only once complete, ``_save_collective``: a DTensor model's gathers on every
+rank), and ``_convert_cli`` is the ``convert`` command.
 
 May import: ``moving`` (pinned staging, parameter identity), the base modules at the package
 root, and its own modules; never ``looking``, ``spreading`` or ``cli``. Importing this package

@@ -1,5 +1,5 @@
-"""The ``torchplace`` command: ``doctor`` (the main job), ``inspect``, ``remap``, ``estimate``
-and ``bench``.
+"""The ``torchplace`` command: ``doctor`` (the main job), ``inspect``, ``remap``, ``convert``,
+``estimate`` and ``bench``.
 
 Each sub-command lives beside the code it drives and registers itself here through a
 ``register(subparsers)`` function that sets ``func`` (taking the parsed arguments, returning the
@@ -39,6 +39,10 @@ _COMMANDS = {
     "remap": (
         "checkpoint._checkpoint_cli",
         "rewrite a checkpoint (or every shard of one) to load elsewhere",
+    ),
+    "convert": (
+        "checkpoint._convert_cli",
+        "write a checkpoint again as safetensors or .pt (runs no code)",
     ),
     "estimate": (
         "cli._estimate",
