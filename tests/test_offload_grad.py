@@ -8,8 +8,6 @@ own. Each test here failed then.
 from __future__ import annotations
 
 import copy
-import gc
-import weakref
 from pathlib import Path
 from typing import Any
 
@@ -110,28 +108,88 @@ def test_gradients_through_disk_blocks_equal_the_resident_models(tmp_path: Path,
 
 
 def test_autograd_keeps_no_offloaded_weight_between_forward_and_backward(tmp_path: Path) -> None:
-    """The graph keeps references, not the fetched weights: after the forward every tensor
-    read for the disk blocks is gone, and backward reads them again."""
+    """What autograd saves of an offloaded weight is a reference: an outer saved-tensor hook
+    (around the whole call) sees every tensor the graph keeps that the unit's own hooks did not
+    take, and none of them shares memory with a weight read for a disk block; backward reads
+    the blocks again, and gives them back when it ends."""
     _, model = loaded(tmp_path, frozen=True)
     ring = model.blocks[1].forward.ring
-    read: list[weakref.ref[torch.Tensor]] = []
+    fetched: set[int] = set()  # the storages read for the disk blocks
     transport = ring.transport
     ready = transport.ready
 
-    def watching(fetched: Any) -> list[torch.Tensor]:
-        tensors = ready(fetched)
-        read.extend(weakref.ref(t) for t in tensors)
+    def watching(item: Any) -> list[torch.Tensor]:
+        tensors = ready(item)
+        fetched.update(t.untyped_storage().data_ptr() for t in tensors)
         return tensors
 
     transport.ready = watching
-    out = model(torch.randn(3, 8))
-    gc.collect()
-    assert read and all(r() is None for r in read), "a fetched weight outlived its call"
-    before = len(read)
+    kept: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept.append(t.untyped_storage().data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(torch.randn(3, 8))
+    assert fetched and kept, "nothing was read, or nothing saved"
+    assert not fetched & set(kept), "the graph keeps a weight read for a disk block"
+    reads = len(fetched)
     out.sum().backward()
-    assert len(read) > before, "backward did not fetch the weights again"
-    gc.collect()
-    assert all(r() is None for r in read) and not ring.again
+    assert len(fetched) > reads, "backward did not read the blocks again"
+    assert not ring.again
+
+
+def test_with_saved_tensor_hooks_turned_off_a_call_with_gradients_still_runs(
+    tmp_path: Path,
+) -> None:
+    """Under ``disable_saved_tensors_hooks`` the unit's hooks cannot be set: autograd keeps the
+    weights as it would for a resident model, and the gradients are the same."""
+    reference, model = loaded(tmp_path, frozen=True)
+    x = torch.randn(3, 8)
+    with torch.autograd.graph.disable_saved_tensors_hooks("a library's own reason"):
+        model(x).sum().backward()
+    reference(x).sum().backward()
+    assert torch.equal(model.inp.weight.grad, reference.inp.weight.grad)
+
+
+def test_hooks_of_an_offloaded_module_see_its_weights(tmp_path: Path) -> None:
+    """The weights came in inside forward, so the module's own forward pre-hooks and hooks saw
+    the placeholders (``weight_norm`` computes its weight in a pre-hook: silently wrong outputs
+    on the CPU). They come in before the module's hooks run and go out after."""
+
+    def make() -> nn.Sequential:
+        torch.manual_seed(0)
+        with pytest.warns(FutureWarning):
+            normed = nn.utils.weight_norm(nn.Linear(8, 8))
+        return nn.Sequential(nn.Linear(8, 8), normed, nn.Linear(8, 2))
+
+    reference = make()
+    torch.save(reference.state_dict(), tmp_path / "m.pt")
+    model = torchplace.load_into(
+        torchplace.skeleton(make), tmp_path / "m.pt", device_map={"": "cpu", "1": "disk"}
+    )
+    seen: list[str] = []
+    model[1].register_forward_pre_hook(lambda m, a: seen.append(m.weight_v.device.type))
+    model[1].register_forward_hook(lambda m, a, o: seen.append(m.weight_g.device.type))
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+    assert seen == ["cpu", "cpu"] and model[1].weight_v.is_meta
+
+
+def test_fetched_under_inference_mode_the_weights_serve_a_later_call_with_gradients(
+    tmp_path: Path,
+) -> None:
+    """Weights read under ``inference_mode`` were inference tensors: a later call with
+    gradients could not save them for backward. They are read as plain tensors now."""
+    reference, model = loaded(tmp_path, frozen=True)
+    x = torch.randn(3, 8)
+    with torch.inference_mode():
+        assert torch.equal(model(x), reference(x))
+    model(x).sum().backward()
+    reference(x).sum().backward()
+    assert torch.equal(model.inp.weight.grad, reference.inp.weight.grad)
 
 
 def test_backward_into_an_offloaded_weight_that_requires_grad_names_it(tmp_path: Path) -> None:

@@ -25,6 +25,8 @@ class Installed:
     handles: list[torch.utils.hooks.RemovableHandle]
     wrapped_forward: bool = False
     previous_forward: Any = None  # an instance-level forward that was there before, if any
+    wrapped_call: bool = False  # ``_call_impl`` stood in for (an offloaded module and those in it)
+    previous_call: Any = None  # an instance-level ``_call_impl`` that was there before, if any
     wrapped_apply: bool = False  # ``_apply`` guarded (the root of a model with disk modules)
     previous_apply: Any = None  # an instance-level ``_apply`` that was there before, if any
     inside: str = ""  # the path of the disk module this module lies inside, if any
@@ -64,6 +66,7 @@ def undispatch(module: nn.Module, /) -> None:
             handle.remove()
         for name, wrapped, previous in (
             ("forward", installed.wrapped_forward, installed.previous_forward),
+            ("_call_impl", installed.wrapped_call, installed.previous_call),
             ("_apply", installed.wrapped_apply, installed.previous_apply),
         ):
             if wrapped and previous is None:

@@ -140,6 +140,8 @@ def gather_homes(model: nn.Module, target: torch.device, log: UndoLog, /) -> Non
             owner = module.get_submodule(owner_path)
             old = owner._parameters[leaf]
             assert old is not None
+            if not value.untyped_storage().resizable():  # a view of a mapped file: copied,
+                value = value.clone()  # so that the gathered model no longer hangs on the file
             new = nn.Parameter(value, requires_grad=old.requires_grad)
             log.apply(_put(owner, leaf, new), _put(owner, leaf, old))
             log.apply(*record_replacement(old, new))  # an optimizer holding it is re-bound

@@ -651,43 +651,72 @@ def _let_go(ring: Ring, index: int, *, deliver: bool) -> None:
         SHIELD.leave(deliver=deliver)
 
 
-class _Offloaded(_StandIn):
-    """Stands in for an offloaded module's forward, the one record of its offload: weights in,
-    the call, weights out, whatever ends the call (an exception, a Ctrl-C anywhere: ``Shield``
-    keeps a SIGINT from landing between the steps). Being the forward itself, it runs for
-    ``module.forward(...)`` called directly too. With gradients on, the call runs under its
-    unit's saved-tensor hooks (``_through``). ``inside``: a module inside the unit, which
-    brings the unit's weights in when it is called on its own (a model calling a layer's
-    child), and costs one look when its unit called it."""
+def _run(ring: Ring, index: int, call: Callable[[], Any]) -> Any:
+    """One call of unit ``index``, the one record of its offload: weights in, the call, weights
+    out, whatever ends the call (an exception, a Ctrl-C anywhere: ``Shield`` keeps a SIGINT from
+    landing between the steps). With gradients on, the call runs under the unit's saved-tensor
+    hooks (``_through``)."""
+    _bring_in(ring, index)
+    try:
+        SHIELD.lift()  # a Ctrl-C kept since the weights began to come in is raised here
+        kept = _kept(ring, index)
+        if kept is None:
+            out = call()
+        else:
+            with kept.hooks():
+                out = call()
+        SHIELD.cover()  # until the weights are out
+    except Exception:
+        _let_go(ring, index, deliver=True)  # a Ctrl-C kept meanwhile replaces it
+        raise
+    except BaseException:
+        _let_go(ring, index, deliver=False)  # the interrupt under way is raised
+        raise
+    _let_go(ring, index, deliver=True)
+    return out
 
-    def __init__(
-        self, module: nn.Module, previous: Any, ring: Ring, index: int, inside: bool = False
-    ) -> None:
+
+@_untraced
+def _kept(ring: Ring, index: int) -> Any:
+    """The unit's saved-tensor hooks for this call, made outside any ``torch.compile`` trace."""
+    return ring.kept(index)
+
+
+class _Offloaded(_StandIn):
+    """Stands in for the forward of an offloaded module (or of a module inside one): called
+    directly (``layer.forward(...)``, as squeezebert calls its layers) or by a ``__call__`` that
+    did not go through ``_OffloadedCall`` (a compiled module's), it brings the unit's weights
+    in for the call; called while its unit runs on this thread, it only calls through."""
+
+    def __init__(self, module: nn.Module, previous: Any, ring: Ring, index: int) -> None:
         super().__init__(module, previous)
-        self.ring, self.index, self.inside = ring, index, inside
+        self.ring, self.index = ring, index
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        ring, index = self.ring, self.index
-        if self.inside and ring.running(index):
+        if self.ring.running(self.index):
             return self.forward(*args, **kwargs)
-        _bring_in(ring, index)
-        try:
-            SHIELD.lift()  # a Ctrl-C kept since the weights began to come in is raised here
-            kept = ring.kept(index)
-            if kept is None:
-                out = self.forward(*args, **kwargs)
-            else:
-                with kept.hooks():
-                    out = self.forward(*args, **kwargs)
-            SHIELD.cover()  # until the weights are out
-        except Exception:
-            _let_go(ring, index, deliver=True)  # a Ctrl-C kept meanwhile replaces it
-            raise
-        except BaseException:
-            _let_go(ring, index, deliver=False)  # the interrupt under way is raised
-            raise
-        _let_go(ring, index, deliver=True)
-        return out
+        return _run(self.ring, self.index, lambda: self.forward(*args, **kwargs))
+
+
+class _OffloadedCall:
+    """Stands in for ``_call_impl`` of an offloaded module (or of a module inside one), which
+    ``Module.__call__`` looks up on the instance: the unit's weights come in before the module's
+    own forward pre-hooks run and go out after its forward hooks, so that hooks see the weights
+    as on the model held whole (``weight_norm``'s hook computes the weight from them)."""
+
+    def __init__(self, module: nn.Module, previous: Any, ring: Ring, index: int) -> None:
+        self.module, self.previous = module, previous
+        self.ring, self.index = ring, index
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.ring.running(self.index):
+            return self.call(*args, **kwargs)
+        return _run(self.ring, self.index, lambda: self.call(*args, **kwargs))
+
+    def call(self, *args: Any, **kwargs: Any) -> Any:
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.module)._call_impl(self.module, *args, **kwargs)  # type: ignore[no-untyped-call]
 
 
 class _NoValues:
@@ -849,30 +878,36 @@ def _refuse_loads(module: nn.Module, installed: Installed, under: list[tuple[Uni
 
 
 def _hook_units(units: list[Unit], window: int, transport: Transport) -> None:
-    """The ring's record on each offloaded module and on the modules inside it that hold its
-    weights (``_Offloaded``), kept in their marks for ``undispatch``."""
+    """The ring's record on each offloaded module and on every module inside it that runs
+    (``_OffloadedCall`` and ``_Offloaded``), kept in their marks for ``undispatch``."""
     if not units:
         return
     ring = Ring(units, window, transport)
     for i, unit in enumerate(units):
-        _stand_in(unit.module, ring, i, inside=False)
-        owners = {id(owner): owner for owner, _, _ in unit.slots if owner is not unit.module}
-        for owner in owners.values():
-            if _runs(owner):
-                _stand_in(owner, ring, i, inside=True)
+        done: set[int] = set()
+        for _, module in unit.module.named_modules():
+            if id(module) not in done and (module is unit.module or _runs(module)):
+                done.add(id(module))
+                _stand_in(module, ring, i)
         if unit.home.tier == DISK:
             installed = unit.module.__dict__[MARK]
             installed.handles.append(unit.module.register_state_dict_pre_hook(_NoValues(unit)))  # type: ignore[no-untyped-call]
         unit.module.__dict__[HOME] = unit.home
 
 
-def _stand_in(module: nn.Module, ring: Ring, index: int, *, inside: bool) -> None:
+def _stand_in(module: nn.Module, ring: Ring, index: int) -> None:
     installed = module.__dict__.get(MARK) or Installed(handles=[])
     if not installed.wrapped_forward:  # undispatch puts back what was there before
         installed.previous_forward = module.__dict__.get("forward")
         installed.wrapped_forward = True
+    if not installed.wrapped_call:
+        installed.previous_call = module.__dict__.get("_call_impl")
+        installed.wrapped_call = True
     previous = module.__dict__.get("forward")
-    module.__dict__["forward"] = _Offloaded(module, previous, ring, index, inside)
+    module.__dict__["forward"] = _Offloaded(module, previous, ring, index)
+    module.__dict__["_call_impl"] = _OffloadedCall(
+        module, module.__dict__.get("_call_impl"), ring, index
+    )
     module.__dict__[MARK] = installed
 
 
@@ -924,9 +959,10 @@ def dispatch(
     modules' weights are there at once. Their buffers live on the execution device. With no
     accelerator in the map, ``"cpu"`` modules simply run on the CPU and ``"disk"`` ones run on
     the CPU with their weights read just in time, on the calling thread (there is no copy to
-    overlap). Offloaded modules run for inference only: a
-    call with gradients enabled while an offloaded parameter requires grad raises
-    ``TorchplaceError`` (their weights are copies, so no gradient would reach them).
+    overlap). Gradients flow through offloaded modules to the parameters that live on a
+    device: what autograd saves of an offloaded weight is a reference, read again at backward;
+    a backward that would give an offloaded weight a gradient raises ``TorchplaceError`` naming
+    it (its weights are copies, so that gradient would be lost: freeze them, as PEFT does).
 
     Dispatching again replaces the hooks;
     ``torchplace.move(model, device)`` gathers the model onto one device and removes them.

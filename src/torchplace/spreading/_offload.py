@@ -166,14 +166,18 @@ class Ring:
         wanted = self._ahead(i)
         for j in [j for j in self.resident if j not in wanted and j not in self.attached]:
             self.transport.release(self.resident.pop(j))
-        for j in wanted:
-            if j not in self.resident:
-                self.resident[j] = self.transport.fetch(self.units[j])
-        try:
-            tensors = self.transport.ready(self.resident[i])
-        except BaseException:
-            del self.resident[i]  # a failed read is not kept: the next call reads again
-            raise
+        # Fetched as plain tensors whatever the caller's mode: fetched ahead under
+        # inference_mode, they would be inference tensors that a later call with gradients
+        # cannot save for backward, nor a later call mark as requiring grad.
+        with torch.inference_mode(False):
+            for j in wanted:
+                if j not in self.resident:
+                    self.resident[j] = self.transport.fetch(self.units[j])
+            try:
+                tensors = self.transport.ready(self.resident[i])
+            except BaseException:
+                del self.resident[i]  # a failed read is not kept: the next call reads again
+                raise
         self.tensors[i] = tensors
         self.attached[i] = _swap_in(unit, tensors)
 
@@ -207,10 +211,10 @@ class Ring:
     def kept(self, i: int) -> Kept | None:
         """The saved-tensor hooks for a call of unit ``i`` with gradients on (None when its
         weights are not fetched ones: a fake step, or a host tier run where it lives)."""
+        if not torch.is_grad_enabled() or not _hooks_enabled():
+            return None  # (hooks turned off: autograd keeps the weights, as it would anyway)
         tensors = self.tensors.get(i)
-        if tensors is None or not torch.is_grad_enabled():
-            return None
-        return Kept(i, tensors, self.refetch)
+        return None if tensors is None else Kept(i, tensors, self.refetch)
 
     def refetch(self, i: int) -> list[torch.Tensor]:
         """Unit ``i``'s weights again, for a backward that unpacks them: the last ``window``
@@ -220,14 +224,19 @@ class Ring:
             if task != self.task:  # another backward pass (one interrupted kept its units)
                 self.forget()
                 self.task = task
+                # what the forward fetched ahead for the next call goes: the window bounds
+                # what backward holds too
+                for j in [j for j in self.resident if j not in self.attached]:
+                    self.transport.release(self.resident.pop(j))
             got = self.again.get(i)
             if got is not None:
                 return got[1]
-            fetched = self.transport.fetch(self.units[i])
-            tensors = self.transport.ready(fetched)
-            self.again[i] = (fetched, tensors)
-            while len(self.again) > self.window:
+            while len(self.again) >= self.window:  # room first: at most a window at once
                 self.transport.release(self.again.pop(next(iter(self.again)))[0])
+            with torch.inference_mode(False):
+                fetched = self.transport.fetch(self.units[i])
+                tensors = self.transport.ready(fetched)
+            self.again[i] = (fetched, tensors)
             if not self.forgetting:
                 try:  # only inside a backward pass; elsewhere nothing is kept
                     engine = torch.autograd.Variable._execution_engine
@@ -285,6 +294,13 @@ class Ring:
         self.lock, self.calls = threading.RLock(), threading.local()
 
 
+def _hooks_enabled() -> bool:
+    """Whether saved-tensor hooks may be set (``disable_saved_tensors_hooks`` turns them off,
+    and setting one then raises)."""
+    enabled = getattr(torch._C._autograd, "_saved_tensors_hooks_is_enabled", None)
+    return True if enabled is None else bool(enabled())
+
+
 def _graph_task() -> int | None:
     """The backward pass running on this thread (-1 when none; None where torch cannot say)."""
     current = getattr(torch._C, "_current_graph_task_id", None)
@@ -323,15 +339,15 @@ def _swap_in(unit: Unit, tensors: list[torch.Tensor]) -> list[tuple[nn.Module, s
     gradients on, such a weight is ``_through``'s non-leaf, which autograd does not hold."""
     made: dict[int, torch.Tensor] = {}
     grad = torch.is_grad_enabled()
-    for (owner, name, home), t, slot in zip(unit.slots, tensors, unit.names, strict=True):
-        fetched = made.get(id(home))
-        if fetched is None:
+    for (_, _, home), t, slot in zip(unit.slots, tensors, unit.names, strict=True):
+        if id(home) not in made:  # every one made before any is put in: all or nothing
             wants = home.requires_grad and (t.is_floating_point() or t.is_complex())
             if wants and grad:
-                fetched = made[id(home)] = requiring(t, unit.full_name(slot))
+                made[id(home)] = requiring(t, unit.full_name(slot))
             else:
-                fetched = made[id(home)] = nn.Parameter(t, requires_grad=wants)
-        owner._parameters[name] = fetched  # type: ignore[assignment]
+                made[id(home)] = nn.Parameter(t, requires_grad=wants)
+    for owner, name, home in unit.slots:
+        owner._parameters[name] = made[id(home)]  # type: ignore[assignment]
     return list(unit.slots)
 
 
