@@ -2654,3 +2654,25 @@ def test_a_mapped_disk_module_raises_when_its_checkpoint_is_rewritten(tmp_path: 
         with pytest.raises(torchplace.CheckpointError, match=r"changed since the model was loaded"):
             model(torch.ones(1, 8))
     assert model[2].weight.is_meta
+
+
+def test_a_layer_called_alone_first_does_not_fix_a_wrong_prefetch_order() -> None:
+    """The order was learned from the first units to run, for good: a layer called alone
+    before the model left every later call fetching the wrong units ahead. A unit that runs
+    out of the learned order has it learned again."""
+    reference = mlp(4)
+    model = copy.deepcopy(reference).requires_grad_(False)
+    disk = ["0", "2", "4", "6"]
+    on_disk(model, disk)
+    transport = FakeTransport()
+    torchplace.dispatch(model, {"": "cpu", **dict.fromkeys(disk, "disk")}, _transport=transport)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        model[4](x)  # alone, before the model
+        model(x)
+        model(x)
+        transport.log.clear()
+        assert torch.equal(model(x), reference(x))
+    log = transport.log
+    for now, following in itertools.pairwise(disk):
+        assert log.index(("fetch", following)) < log.index(("wait", now)), (now, following)

@@ -131,6 +131,7 @@ class Ring:
         self.seen: list[int] = []  # units in the order the first call ran them
         self.order: list[int] | None = None  # that order, once known; ``place``: each's index
         self.place: dict[int, int] | None = None
+        self.last = 0  # the unit that ran last
 
     def _calls(self) -> list[tuple[int, bool]]:
         calls: list[tuple[int, bool]] | None = getattr(self.calls, "stack", None)
@@ -185,7 +186,13 @@ class Ring:
         """Unit ``i`` and the ones to fetch ahead of it: the next in the order the first call
         ran them (a model may call its layers in any order), registration order until then.
         The first call's order is kept once a unit runs twice (the next call has begun) or
-        every unit has run."""
+        every unit has run; a unit that runs out of that order (a layer called alone before
+        the model, a model that changed its path) has it learned again from there."""
+        if self.order is not None and self.place is not None:
+            expected = self.order[(self.place[self.last] + 1) % len(self.order)]
+            if i != expected and i != self.last:
+                self.order, self.place, self.seen = None, None, []
+        self.last = i
         if self.order is None:
             if i in self.seen:
                 self._keep_order()
