@@ -3,6 +3,8 @@
 Every architecture ``AutoModelForCausalLM`` knows is built from a tiny config (hidden size 64,
 two layers, four experts, a small vocabulary), without downloads: each size the config class
 has is passed to its constructor, so sizes derived in ``__init__`` (``layer_types``) follow.
+Each that loads is loaded again by ``plan``'s map with about half of it on disk and run on token
+ids against the resident model (``offload_check``: the whole list's offload leg).
 ``python tests/hf_architectures.py [TYPE ...]`` checks each in a process of its own and prints
 one line per architecture (used to time the whole list and to find the sample's kinds).
 """
@@ -19,6 +21,9 @@ TINY: dict[str, Any] = {
     "hidden_size": 64, "n_embd": 64, "d_model": 64, "embed_dim": 64, "dim": 64,
     "intermediate_size": 128, "ffn_dim": 128, "n_inner": 128, "ffn_hidden_size": 128,
     "head_dim": 16, "kv_channels": 16, "max_position_embeddings": 128, "n_positions": 128,
+    # rotary and latent attention widths within the heads' (GPT-J's rotary_dim, MLA's ranks)
+    "rotary_dim": 8, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
+    "kv_lora_rank": 32, "q_lora_rank": 32,
     # depth and heads
     "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "n_layers": 2,
     "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "num_heads": 4,
@@ -136,6 +141,8 @@ def _tiny_kwargs(default: Any, sizes: dict[str, Any] = TINY) -> dict[str, Any]:
         and not isinstance(getattr(type(default), k, None), property)
         and (k not in _GENERATION or k in own)
     }
+    if "qk_rope_head_dim" in out and "head_dim" in out:  # latent attention: its rotary width
+        out["head_dim"] = out["qk_rope_head_dim"]
     vocab = out.get("vocab_size", 512)
     for key in _TOKEN_IDS:  # special tokens of the full vocabulary would fall outside
         value = getattr(default, key, None)
@@ -247,33 +254,99 @@ def check(model_type: str, directory: str) -> str:
     return "; ".join(differences(model, loaded)[:5])
 
 
-def verdict(model_type: str) -> tuple[str, str]:
-    """``("ok", "")``, ``("fail", what differs)``, or why it was not tried: ``("composite",
-    ...)``, ``("nobuild", ...)`` (no tiny model), ``("nosave", ...)`` (transformers' own
-    ``save_pretrained`` fails)."""
+def offload_map(model: torch.nn.Module, skeleton: torch.nn.Module) -> dict[str, Any]:
+    """``plan``'s map of ``skeleton`` with about half of the model on disk: the cpu's budget is
+    half the bytes of the model's state, the disk's open; the model's ``_no_split_modules``
+    kept whole where it has them."""
+    import torchplace
+
+    total = sum(t.nbytes for t in model.state_dict().values())
+    whole = any(getattr(m, "_no_split_modules", None) for m in model.modules())
+    return torchplace.plan(skeleton, {"cpu": total // 2, "disk": "1TB"},
+                           no_split="auto" if whole else ())  # fmt: skip
+
+
+def example_ids(config: Any) -> torch.Tensor:
+    """Token ids a tiny model takes: 8 of them, seeded, inside its text vocabulary."""
+    text = getattr(config, "text_config", None) or config
+    vocab = int(getattr(text, "vocab_size", None) or 512)
+    return torch.randint(3, min(vocab, 512), (1, 8), generator=torch.Generator().manual_seed(0))
+
+
+def _outputs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():  # no cache: a hybrid's two tiny layers may both be linear attention
+        out = model(input_ids=ids, use_cache=False)
+    found = getattr(out, "logits", None)
+    return out[0] if found is None else found  # type: ignore[no-any-return]
+
+
+def offload_check(model_type: str, directory: str) -> tuple[str, str]:
+    """``model_type``'s tiny model, saved in ``directory``, loaded by ``load_into`` by
+    ``plan``'s map with about half of it on disk (``offload_map``) and run on ``example_ids``:
+    ``("ok", the map's disk share)`` when bit for bit the resident model's outputs, else
+    ``("fail", ...)``; ``("noforward", ...)`` where the resident model itself does not run on
+    token ids alone, ``("nodisk", ...)`` where the map puts nothing on disk."""
+    import torchplace
+
+    config, model = build(model_type)
+    model.eval()
+    ids = example_ids(config)
+    try:
+        expected = _outputs(model, ids)
+    except Exception as exc:
+        return "noforward", f"{type(exc).__name__}: {str(exc)[:200]}"
+    skeleton = torchplace.skeleton(maker(model_type), config)
+    device_map = offload_map(model, skeleton)
+    disk = [k for k, v in device_map.items() if v == "disk"]
+    if not disk:
+        return "nodisk", f"plan put nothing on disk: {dict(device_map)}"
+    shown = f"{len(disk)} of {len(device_map)} entries on disk"
+    try:
+        loaded = torchplace.load_into(skeleton, directory, device_map=device_map).eval()
+        got = _outputs(loaded, ids)
+    except Exception as exc:
+        return "fail", f"{type(exc).__name__}: {str(exc)[:400]} ({shown})"
+    if got.shape != expected.shape or not torch.equal(_bytes(got), _bytes(expected)):
+        return "fail", f"outputs differ ({shown}: {disk[:4]})"
+    return "ok", shown
+
+
+def verdict(model_type: str) -> tuple[str, str, str, str]:
+    """The load's verdict, then the offload leg's (``offload_check``; ``("", "")`` where the
+    load was not ok). The load's: ``("ok", "")``, ``("fail", what differs)``, or why it was not
+    tried: ``("composite", ...)``, ``("nobuild", ...)`` (no tiny model), ``("nosave", ...)``
+    (transformers' own ``save_pretrained`` fails)."""
     import tempfile
 
     try:
         tiny_config(model_type)
         build(model_type)
     except Composite as exc:
-        return "composite", str(exc)
+        return "composite", str(exc), "", ""
     except Exception as exc:
-        return "nobuild", f"{type(exc).__name__}: {str(exc)[:200]}"
+        return "nobuild", f"{type(exc).__name__}: {str(exc)[:200]}", "", ""
     with tempfile.TemporaryDirectory() as directory:
         try:
             _, model = build(model_type)
             model.save_pretrained(directory, max_shard_size="200KB")
         except Exception as exc:
-            return "nosave", f"save_pretrained: {type(exc).__name__}: {str(exc)[:200]}"
+            return "nosave", f"save_pretrained: {type(exc).__name__}: {str(exc)[:200]}", "", ""
         try:
             found = check(model_type, directory)
         except Exception as exc:
             found = f"{type(exc).__name__}: {str(exc)[:400]}"
-    return ("fail", found) if found else ("ok", "")
+        if found:
+            return "fail", found, "", ""
+        try:
+            offloaded = offload_check(model_type, directory)
+        except Exception as exc:
+            offloaded = ("fail", f"{type(exc).__name__}: {str(exc)[:400]}")
+    return ("ok", "", *offloaded)
 
 
-def verdicts(types: list[str], *, jobs: int = 2, batch: int = 12) -> dict[str, tuple[str, str]]:
+def verdicts(
+    types: list[str], *, jobs: int = 2, batch: int = 12
+) -> dict[str, tuple[str, str, str, str]]:
     """``verdict`` of each type, each batch in a process of its own (``jobs`` at a time), so a
     crash loses no more than its batch; the types a crashed batch left are tried one per
     process, and the one that crashes alone is ``("crash", its last words)``."""
@@ -281,7 +354,7 @@ def verdicts(types: list[str], *, jobs: int = 2, batch: int = 12) -> dict[str, t
     import subprocess
     from concurrent.futures import ThreadPoolExecutor
 
-    def run(group: list[str]) -> dict[str, tuple[str, str]]:
+    def run(group: list[str]) -> dict[str, tuple[str, str, str, str]]:
         done = subprocess.run(
             [sys.executable, __file__, "--worker", *group],
             capture_output=True,
@@ -294,13 +367,13 @@ def verdicts(types: list[str], *, jobs: int = 2, batch: int = 12) -> dict[str, t
                 found.update({k: tuple(v) for k, v in json.loads(line).items()})
         left = [t for t in group if t not in found]
         if left and len(group) == 1:
-            return {left[0]: ("crash", f"exit {done.returncode}: {done.stderr[-300:]}")}
+            return {left[0]: ("crash", f"exit {done.returncode}: {done.stderr[-300:]}", "", "")}
         for t in left:
             found.update(run([t]))
         return found  # type: ignore[return-value]
 
     groups = [types[i : i + batch] for i in range(0, len(types), batch)]
-    out: dict[str, tuple[str, str]] = {}
+    out: dict[str, tuple[str, str, str, str]] = {}
     with ThreadPoolExecutor(jobs) as pool:
         for found in pool.map(run, groups):
             out.update(found)
@@ -324,6 +397,6 @@ if __name__ == "__main__":
 
         start = time.perf_counter()
         results = verdicts(sys.argv[1:] or architecture_types())
-        for name, (kind, detail) in sorted(results.items()):
-            print(f"{name}\t{kind}\t{detail}")
+        for name, (kind, detail, offload, said) in sorted(results.items()):
+            print(f"{name}\t{kind}\t{detail}\t{offload}\t{said}")
         print(f"{len(results)} types in {time.perf_counter() - start:.0f}s")

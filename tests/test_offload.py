@@ -1588,27 +1588,31 @@ def test_a_tie_half_on_disk_is_refused(entry: str, message: str, tmp_path: Any) 
     assert not is_dispatched(skeleton)
 
 
-@pytest.mark.parametrize(
-    "disk",
-    [
-        {"block": "disk"},
-        {"embed": "disk", "head": "disk"},
-        {"embed": "disk", "head": "disk", "block": "disk"},
-    ],
-)
-def test_a_tie_whose_holders_are_all_on_disk_runs(disk: dict[str, str], tmp_path: Any) -> None:
-    """Every holder of a tie on disk (inside one module, or two modules of their own) was
-    refused; Accelerate runs it. Each holder reads the tie's one tensor when it runs; the tie
-    stays one object in the model, and the outputs are the model's, bit for bit."""
-    reference = Tied()
-    torch.save(reference.state_dict(), tmp_path / "tied.pt")
-    skeleton = torchplace.skeleton(Tied)
-    model = torchplace.load_into(skeleton, tmp_path / "tied.pt", device_map={"": "cpu", **disk})
+def test_a_tie_whose_holders_are_all_on_disk_runs(tmp_path: Any) -> None:
+    """Both holders of a tie mapped to 'disk' under entries of their own (as plan maps a tied
+    embedding and head that find no room in memory): each reads the tensor from the file, and
+    the outputs are the resident model's; it was refused."""
+    torch.manual_seed(0)
+    resident = Tied()
+    torch.save(resident.state_dict(), tmp_path / "tied.pt")
+    both = {"": "cpu", "embed": "disk", "head": "disk"}
+    model = torchplace.load_into(torchplace.skeleton(Tied), tmp_path / "tied.pt", device_map=both)
+    assert model.head.weight.is_meta and model.embed.weight.is_meta
     x = torch.randn(2, 8)
     with torch.no_grad():
-        assert torch.equal(model(x), reference(x))
-    assert model.head.weight is model.embed.weight
-    assert model.block.a.weight is model.block.b.weight
+        assert torch.equal(model(x), resident(x))
+
+
+def test_a_tie_inside_one_disk_module_is_refused_naming_the_fix(tmp_path: Any) -> None:
+    """Two holders of a tie inside one disk module: it reads each of its weights from a key of
+    its own, so the map is refused up front, saying to map the holders one by one."""
+    torch.save(Tied().state_dict(), tmp_path / "tied.pt")
+    skeleton = torchplace.skeleton(Tied)
+    with pytest.raises(torchplace.DeviceSpecError, match=r"both inside model\.block.*one by one"):
+        torchplace.load_into(
+            skeleton, tmp_path / "tied.pt", device_map={"": "cpu", "block": "disk"}
+        )
+    assert not is_dispatched(skeleton)
 
 
 def test_the_disk_tier_reads_into_memory_without_populating_it_first(

@@ -16,6 +16,7 @@ import torchplace.spreading._plan as plan_module
 from torchplace import _sizes
 from torchplace._errors import DeviceSpecError, TorchplaceError
 from torchplace.looking._estimate import estimate
+from torchplace.spreading._budgets import OPEN
 from torchplace.spreading._dispatch import dispatch
 from torchplace.spreading._load_by_map import load_into
 from torchplace.spreading._plan import plan
@@ -295,29 +296,66 @@ def test_plan_ties_make_a_group_that_does_not_fit_say_so() -> None:
         plan(model, budgets)
 
 
-def test_plan_keeps_a_tie_off_the_disk_and_load_into_takes_its_map(tmp_path: Any) -> None:
-    """plan put a tied embedding on the disk, and load_into refused plan's own map; it stays in
-    memory, and where the budget cannot hold it, plan says so."""
+@pytest.mark.parametrize(
+    ("cpu", "tier"),
+    [(32 * 16 * 4 + 1024, CPU), (1024, "disk"), (0, "disk")],
+    ids=["room-on-the-cpu", "disk-if-need-be", "all-on-disk"],
+)
+def test_plan_keeps_a_tie_together_on_one_tier_the_disk_included(
+    tmp_path: Any, cpu: int, tier: Any
+) -> None:
+    """A tied embedding and head go together, to the cpu where it has room, else to the disk
+    (each holder reads the tensor from the file): plan refused with a 1 TB disk budget."""
     torch.manual_seed(0)
     whole = TiedLM().eval()
     torch.save(whole.state_dict(), tmp_path / "lm.pt")
-    embed = 32 * 16 * 4
-    device_map = plan(TiedLM(device="meta"), {"cpu": embed + 1024, "disk": "1MiB"})
-    assert device_map["embed"] == device_map["lm_head"] == torch.device("cpu")
+    device_map = plan(TiedLM(device="meta"), {"cpu": cpu, "disk": "1TB"})
+    assert _tier("embed", device_map) == _tier("lm_head", device_map) == tier
     assert "disk" in device_map.values()
     model = torchplace.load_into(
         torchplace.skeleton(TiedLM), tmp_path / "lm.pt", device_map=device_map
     )
-    assert model.lm_head.weight is model.embed.weight
     tokens = torch.tensor([[1, 2, 3]])
     with torch.no_grad():
         assert torch.equal(model(tokens), whole(tokens))
+
+
+def test_load_into_refuses_a_tie_split_between_the_disk_and_memory(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    torch.save(TiedLM().state_dict(), tmp_path / "lm.pt")
     with pytest.raises(
-        TorchplaceError,
-        match=r"model\.embed\.weight and model\.lm_head\.weight are one tied tensor \(2\.0 "
-        r"KiB\), which the disk tier cannot hold .* raise cpu's budget by at least",
+        DeviceSpecError,
+        match=r"model\.lm_head\.weight is tied to model\.embed\.weight, and the device_map puts "
+        r"model\.lm_head on 'disk' but model\.embed in memory.*or 'embed' to 'disk' too",
     ):
-        plan(TiedLM(device="meta"), {"cpu": 1024, "disk": "1MiB"})
+        load_into(torchplace.skeleton(TiedLM), tmp_path / "lm.pt",
+                  device_map={"": "cpu", "lm_head": "disk"})  # fmt: skip
+
+
+@pytest.mark.slow  # imports transformers' Llama, saves it and loads it twice: ~5 s
+def test_a_tied_llama_saved_once_runs_with_its_embedding_and_head_on_disk(tmp_path: Any) -> None:
+    """transformers saves a tied head once, under the embedding's name: the head on disk reads
+    that key."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    resident = transformers.LlamaForCausalLM(config).eval()
+    resident.save_pretrained(tmp_path)
+    assert "lm_head.weight" not in torchplace.load(tmp_path, "meta")  # the premise
+    ids = torch.arange(16).reshape(2, 8)
+    with torch.no_grad():
+        expected = resident(ids).logits
+    embed = 512 * 32 * 4
+    for cpu in (0, embed // 2):  # the tie cannot stay in memory
+        device_map = plan(resident, {"cpu": cpu, "disk": "1TB"}, no_split="auto")
+        assert _tier("model.embed_tokens", device_map) == _tier("lm_head", device_map) == "disk"
+        model = torchplace.skeleton(transformers.LlamaForCausalLM, config).eval()
+        load_into(model, tmp_path, device_map=device_map)
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, expected), device_map
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -440,11 +478,12 @@ def test_plan_auto_budgets_are_free_memory_less_a_tenth(nvml: bool) -> None:
     assert device_map == expected == fake
     assert type(device_map) is not dict and isinstance(device_map, dict)
     assert device_map.budgets == {CUDA0: 36 * LINEAR_BYTES, CUDA1: 18 * LINEAR_BYTES,
-                                  CPU: 90 * LINEAR_BYTES}  # fmt: skip
+                                  CPU: 90 * LINEAR_BYTES, "disk": OPEN}  # fmt: skip
     assert {d: h.bytes for d, h in device_map.headroom.items()} == {
         CUDA0: 4 * LINEAR_BYTES,
         CUDA1: 2 * LINEAR_BYTES,
         CPU: 10 * LINEAR_BYTES,
+        "disk": 0,
     }
     assert device_map.headroom[CUDA0].how.startswith("10% of the free memory")
     assert "no example_input" in device_map.headroom[CUDA1].how
@@ -455,7 +494,7 @@ def test_plan_auto_without_an_accelerator_keeps_the_hosts_room_for_activations()
     with machine([], host=50 * LINEAR_BYTES):
         device_map = plan(_layers(3))
     assert device_map == {"": CPU}
-    assert device_map.budgets == {CPU: 45 * LINEAR_BYTES}
+    assert device_map.budgets == {CPU: 45 * LINEAR_BYTES, "disk": OPEN}
     assert device_map.headroom[CPU].bytes == 5 * LINEAR_BYTES
     assert "kept for activations" in device_map.headroom[CPU].how
 
@@ -499,6 +538,7 @@ def test_plan_auto_keeps_the_estimated_activations_of_an_example_input() -> None
         CUDA0: 3000,
         CUDA1: 3000,
         CPU: 10 * LINEAR_BYTES,
+        "disk": 0,
     }
     assert "example_input, as estimated" in device_map.headroom[CUDA0].how
     assert device_map.budgets[CUDA0] == 10 * LINEAR_BYTES - 3000  # room for 7 layers
@@ -591,13 +631,51 @@ def test_plan_that_does_not_fit_even_on_disk_names_the_shortfall_and_the_largest
         plan(model, {"cuda:0": 1088})
 
 
-def test_plan_auto_that_does_not_fit_says_to_add_a_disk() -> None:
-    message = r"short.*mapping that adds a 'disk' budget"
-    with (
-        machine([LINEAR_BYTES * 10], host=LINEAR_BYTES * 10),
-        pytest.raises(TorchplaceError, match=message),
-    ):
-        plan(_layers(20))
+def test_plan_auto_spills_the_last_layers_to_the_disk() -> None:
+    """With "auto" budgets the disk is open (the checkpoint is the disk): a model larger than
+    the accelerators and the host goes to the disk from where they are full; it raised."""
+    with machine([LINEAR_BYTES * 10], host=LINEAR_BYTES * 10):
+        device_map = plan(_layers(20))
+    # 9 layers in 90% of cuda:0, 9 in 90% of the host, the last 2 on the disk
+    assert device_map == _spread(9, 9, 2, device_of=[CUDA0, CPU, "disk"].__getitem__)
+    assert device_map.budgets["disk"] == OPEN
+    assert "checkpoint" in device_map.headroom["disk"].how
+
+
+def test_plan_auto_spills_an_8b_llama_skeleton_to_the_disk() -> None:
+    """An 8B Llama (16 GB in bfloat16) on a host with 8 GiB available and no accelerator: the
+    first layers on the cpu, the last ones on the disk, and load_into's checks take the map."""
+    transformers = pytest.importorskip("transformers")
+    from torchplace._model_walk import walk_model
+    from torchplace.spreading._dispatch import check_offloading
+
+    config = transformers.LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    with machine([], host=8 * GiB):
+        device_map = plan(model, no_split="auto")
+    layers = [device_map.get(f"model.layers.{i}") for i in range(32)]
+    first_disk = layers.index("disk")
+    assert 0 < first_disk < 32 and layers[first_disk:] == ["disk"] * (32 - first_disk)
+    assert device_map["lm_head"] == "disk" and device_map["model.rotary_emb"] == CPU
+    on_cpu = sum(p.nbytes for n, p in model.named_parameters() if _tier(n, device_map) == CPU)
+    assert device_map.budgets[CPU] - 2 * 2**30 < on_cpu <= device_map.budgets[CPU]
+    check_offloading(walk_model(model), dict(device_map), None, 2)  # the map load_into checks
+
+
+def _tier(name: str, device_map: dict[str, Any]) -> Any:
+    """Where the map puts the tensor or module ``name``: its most specific entry's value."""
+    entry = max((k for k in device_map if k == "" or name == k or name.startswith(f"{k}.")),
+                key=len)  # fmt: skip
+    return device_map[entry]
+
+
+def test_plan_that_does_not_fit_with_a_given_disk_budget_names_the_shortfall() -> None:
+    with pytest.raises(TorchplaceError, match=r"budgets hold .*disk: 2.1 KiB.*short"):
+        plan(_layers(20), {"cpu": LINEAR_BYTES * 10, "disk": LINEAR_BYTES * 2})
 
 
 # --- plan: balanced strategies ---------------------------------------------------------------
@@ -806,17 +884,14 @@ class _WithNorm(nn.Module):
         return self.head(self.norm(self.layers(x)))  # type: ignore[no-any-return]
 
 
-def test_a_module_with_persistent_buffers_is_planned_off_the_disk_and_loads(
-    tmp_path: Any,
-) -> None:
-    # load_into refuses a "disk" module whose checkpoint holds buffers (the disk tier keeps
-    # only parameters in the file): the plan must not hand it one
+def test_a_module_with_persistent_buffers_goes_to_the_disk_and_loads(tmp_path: Any) -> None:
+    # load_into keeps a "disk" module's persistent buffers in memory, read from the file
     torch.manual_seed(0)
     resident = _WithNorm().eval()
     resident.norm.running_mean.uniform_()  # not the initial values, so a load is seen
     torch.save(resident.state_dict(), tmp_path / "model.pt")
     device_map = plan(resident, {"cpu": 0, "disk": "1GB"})
-    assert device_map["norm"] == CPU and device_map["layers"] == "disk"
+    assert device_map["norm"] == device_map["layers"] == "disk"
     model = load_into(_WithNorm().eval(), tmp_path / "model.pt", device_map=device_map)
     x = torch.randn(4, 64)
     with torch.no_grad():
@@ -854,16 +929,15 @@ class _WithBlocks(nn.Module):
         return self.head(self.calibrated(self.block(self.first(x))))  # type: ignore[no-any-return]
 
 
-def test_no_disk_entry_holds_a_persistent_buffer_or_extra_state_below_it(tmp_path: Any) -> None:
-    # the block holds a parameter itself and a BatchNorm below it: mapping the block to disk
-    # would leave the norm's statistics in the file, which load_into refuses; so would an
-    # extra state
+def test_a_block_goes_to_disk_whole_and_no_disk_entry_holds_an_extra_state(tmp_path: Any) -> None:
+    # the block holds a parameter itself and a BatchNorm below it: on disk whole, its
+    # statistics read into memory; an extra state cannot stay in the file
     torch.manual_seed(0)
     resident = _WithBlocks().eval()
     resident.block.norm.running_mean.uniform_()
     torch.save(resident.state_dict(), tmp_path / "model.pt")
     device_map = plan(resident, {"cpu": 0, "disk": "1GB"})
-    assert device_map["block"] == CPU and device_map["block.fc"] == "disk"
+    assert device_map["block"] == "disk" and "block.norm" not in device_map
     assert device_map["calibrated"] == CPU and device_map["first"] == "disk"
     model = load_into(_WithBlocks().eval(), tmp_path / "model.pt", device_map=device_map)
     x = torch.randn(4, 64)
@@ -923,3 +997,102 @@ def test_plan_of_a_llama_names_its_modules_as_named_modules_does() -> None:
             device_map = plan(model, {"cpu": budget, "disk": "1GB"}, no_split=no_split)
             assert set(device_map) <= names, device_map
             assert not any(key.startswith("model.model.") for key in device_map)
+
+
+# --- plan: every map it returns is one load_into takes ----------------------------------------
+
+
+class _RotaryLayer(nn.Module):
+    """A layer as Sam3's ViT or FalconMamba's mixer has it: a parameter of its own, and a
+    child that holds buffers only (a rotary embedding) beside its weights."""
+
+    def __init__(self, device: str = "meta") -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(64, device=device))
+        self.rotary = _Rotary("cpu" if device == "meta" else device)
+        self.fc = nn.Linear(64, 64, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.scale * self.rotary.inv_freq.to(x.device).sum()  # type: ignore[no-any-return]
+
+
+class _Router(nn.Module):
+    """A MoE router: a weight, and a persistent bias it corrects scores with (DeepSeek's
+    ``e_score_correction_bias``)."""
+
+    def __init__(self, device: str = "meta") -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4, 64, device=device))
+        self.register_buffer("bias", torch.zeros(4, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.weight.t() + self.bias).softmax(-1)
+
+
+class _Decoder(nn.Module):
+    """A decoder layer kept whole (``no_split``) that holds a router."""
+
+    def __init__(self, device: str = "meta") -> None:
+        super().__init__()
+        self.attn = nn.Linear(64, 64, device=device)
+        self.gate = _Router(device)
+        self.experts = nn.Linear(64, 256, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.attn(x)
+        weights = self.gate(h)
+        return (self.experts(h).view(*h.shape[:-1], 4, 64) * weights[..., None]).sum(-2)  # type: ignore[no-any-return]
+
+
+class _Stacked(nn.Module):
+    def __init__(self, layer: Callable[[str], nn.Module], device: str = "meta") -> None:
+        super().__init__()
+        self.embed = nn.Linear(64, 64, device=device)
+        self.layers = nn.ModuleList(layer(device) for _ in range(4))
+        self.head = nn.Linear(64, 8, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)  # type: ignore[no-any-return]
+
+
+def _each_map_loads(tmp_path: Any, layer: Callable[[str], nn.Module], no_split: Any) -> list[Any]:
+    """plan's map of a _Stacked of ``layer`` at every cpu budget from nothing to the whole model,
+    each loaded by load_into and run against the resident model bit for bit; the maps."""
+    torch.manual_seed(0)
+    resident = _Stacked(layer, "cpu").eval()
+    for name, b in resident.named_buffers():
+        if name in resident.state_dict():
+            b.uniform_()  # not a skeleton's values, so that a buffer left unread is seen
+    torch.save(resident.state_dict(), tmp_path / "model.pt")
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        expected = resident(x)
+    total = sum(t.nbytes for t in resident.state_dict().values())
+    maps = []
+    for cpu in range(0, total, total // 9):
+        device_map = plan(_Stacked(layer), {"cpu": cpu, "disk": "1TB"}, no_split=no_split)
+        model = load_into(_Stacked(layer), tmp_path / "model.pt", device_map=device_map).eval()
+        with torch.no_grad():
+            assert torch.equal(model(x), expected), device_map
+        maps.append(device_map)
+    return maps
+
+
+def test_a_buffer_only_child_stays_inside_its_disk_block(tmp_path: Any) -> None:
+    """Sam3's ViT layers, FalconMamba's mixers: plan moved the rotary embedding out of a layer
+    on disk, to the cpu, and load_into refused the map (a disk module is read whole)."""
+    maps = _each_map_loads(tmp_path, _RotaryLayer, ())
+    on_disk = [m for m in maps if _tier("layers.3", m) == "disk"]
+    assert on_disk and all(_tier("layers.3.rotary", m) == "disk" for m in on_disk)
+
+
+def test_a_no_split_block_holding_a_router_bias_is_never_split(tmp_path: Any) -> None:
+    """DeepSeek's decoder layers: plan kept the router (its persistent bias) and the layer's
+    own tensors off the disk, splitting a ``no_split`` block; it goes to the disk whole."""
+    maps = _each_map_loads(tmp_path, _Decoder, [_Decoder])
+    for device_map in maps:
+        assert not [k for k in device_map if k.count(".") > 1], device_map  # no layer split
+    assert any(_tier("layers.3", m) == "disk" for m in maps)

@@ -57,7 +57,6 @@ def model_names(
         if name is not None:
             renamed[name] = key
     names: dict[str, tuple[str, ...]] = {key: (name,) for name, key in renamed.items()}
-    names = _with_ties(model, names)
     shapes = {
         n: (found.entries[k].shape, found.entries[k].torch_dtype(found.where))
         for n, k in renamed.items()
@@ -81,22 +80,7 @@ def model_names(
         filled.setdefault(source, []).append(target)
     for source, targets in filled.items():
         names[renamed[source]] = tuple(dict.fromkeys(targets))
-    return _with_ties(model, names), plan
-
-
-def _with_ties(model: nn.Module, names: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
-    """``names`` with each tied weight's other names beside the one a key fills: a tie is saved
-    once, and a disk module holding it under another name reads that key."""
-    groups: dict[int, list[str]] = {}
-    for full, p in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(p), []).append(full)
-    tie = {n: group for group in groups.values() if len(group) > 1 for n in group}
-    if not tie:
-        return names
-    return {
-        key: tuple(dict.fromkeys(a for n in targets for a in tie.get(n, [n])))
-        for key, targets in names.items()
-    }
+    return names, plan
 
 
 class CheckpointWeights:
@@ -132,7 +116,6 @@ class CheckpointWeights:
         # held weakly, as the model: the model holds this reader.
         self._holders: _Holders | None = None
         self.nbytes = sum(_numel(model, entry, n) * d.itemsize for n, d in self.dtypes.items())
-        self._ties = _ties_into(model, entry)  # a tied weight's other names, for this module
         # found now, by the module objects of the model as loaded: a module wrapped later (an
         # adapter's layer put in its place, holding it) still holds its weights
         self._current_dtypes(model)
@@ -176,18 +159,9 @@ class CheckpointWeights:
             self._keys = [
                 key
                 for key, names in self.names.items()
-                if any(self._local(name, head) is not None for name in names)
+                if any(name.startswith(head) for name in names)
             ]
         return self._keys
-
-    def _local(self, name: str, head: str) -> str | None:
-        """``name`` (a model name a file key fills) as this module's own, below ``head`` (its
-        path and a dot): itself, or the name of the tie it is in that lies in this module (a
-        weight tied across two disk modules is saved once, and each reads it)."""
-        if name.startswith(head):
-            return name[len(head) :]
-        other = self._ties.get(name)
-        return None if other is None else other[len(head) :]
 
     def _current_dtypes(self, model: nn.Module) -> dict[str, torch.dtype]:
         """Each weight's dtype as the model has it now: a model cast after ``load_into`` (its
@@ -289,12 +263,12 @@ class CheckpointWeights:
             plan = self._conversion(model, state, dtypes)
             if plan is not None:
                 state = converted(self.where, type(model).__name__, plan, state, owned=True)
-        head = f"{self.entry}." if self.entry else ""
+        cut = len(self.entry) + 1 if self.entry else 0
         out = {}
         for name, value in state.items():
-            local = self._local(name, head)
-            dtype = dtypes.get(local) if local is not None else None
-            if dtype is not None and local is not None:
+            local = name[cut:]
+            dtype = dtypes.get(local)
+            if dtype is not None:
                 out[local] = value if value.dtype == dtype else value.to(dtype)
         missing = sorted(set(self.dtypes) - set(out))
         if missing:
@@ -327,11 +301,11 @@ class CheckpointWeights:
             state[name] = _view(self._map(e.file), e, found.where)
         if self._conversion(model, state, dtypes) is not None:
             return None
-        head = f"{self.entry}." if self.entry else ""
+        cut = len(self.entry) + 1 if self.entry else 0
         out = {}
         for name, value in state.items():
-            local = self._local(name, head)
-            dtype = dtypes.get(local) if local is not None else None
+            local = name[cut:]
+            dtype = dtypes.get(local)
             if dtype is not None and value.dtype != dtype:
                 return None
             if dtype is not None and local is not None:
@@ -374,21 +348,6 @@ class _Holders:
                 return None
             found.append((name, module, leaf))
         return None if model is None else (model, found)
-
-
-def _ties_into(model: nn.Module, entry: str) -> dict[str, str]:
-    """For each weight of the module at ``entry`` that is tied to weights elsewhere, each other
-    name of the tie with the name of the one inside the module."""
-    head = f"{entry}." if entry else ""
-    names: dict[int, list[str]] = {}
-    for full, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(full)
-    out: dict[str, str] = {}
-    for group in names.values():
-        inside = next((n for n in group if n.startswith(head)), None)
-        if inside is not None and len(group) > 1:
-            out.update({n: inside for n in group if n != inside})
-    return out
 
 
 def _numel(model: nn.Module, entry: str, name: str) -> int:

@@ -25,6 +25,7 @@ from .._sizes import format_bytes, parse_size
 __all__ = [
     "DISK",
     "HEADROOM_FRACTION",
+    "OPEN",
     "Headroom",
     "MemorySpec",
     "Place",
@@ -38,6 +39,9 @@ Size = int | str  # bytes, or "10GiB", "500MB"
 MemorySpec = Mapping[str | int | torch.device, Size] | str  # device -> budget, or "auto"
 Place = torch.device | str  # a device, or DISK
 DISK = "disk"
+# The disk's budget under max_memory="auto": open. The disk tier keeps weights in the checkpoint
+# they are loaded from, where they already lie, so it needs no room of its own.
+OPEN = 2**63 - 1
 
 # The share of each device's free memory that max_memory="auto" keeps free when no example input
 # measures a step. A tenth: on a device filled with weights, the forward of a batch of a few
@@ -155,10 +159,11 @@ def machine_budgets(
     model: nn.Module, example_input: Any
 ) -> tuple[dict[Place, int], dict[Place, Headroom]]:
     """``max_memory="auto"``: each visible accelerator's free memory and the host's available
-    memory, in that order, each less its headroom. The accelerators run the model, so they
-    keep room for its activations; the host keeps a share for the process itself (or, with no
-    accelerator, room for the activations). An accelerator whose free memory cannot be read
-    is left out, and so is the host where its available memory cannot be read."""
+    memory, in that order, each less its headroom, then the disk, open (``OPEN``): its weights
+    stay in the checkpoint. The accelerators run the model, so they keep room for its
+    activations; the host keeps a share for the process itself (or, with no accelerator, room
+    for the activations). An accelerator whose free memory cannot be read is left out, and so
+    is the host where its available memory cannot be read."""
     free = {d: free_memory(d) for d in available() if d.type != "cpu"}
     readable = {d: f for d, f in free.items() if f is not None}
     host = host_available()
@@ -184,9 +189,13 @@ def machine_budgets(
         headroom[cpu] = _reserve(host, measured, example_input, "available host memory")
     have = {**readable, **({} if host is None else {cpu: host})}
     budgets: dict[Place, int] = {d: max(f - headroom[d].bytes, 0) for d, f in have.items()}
+    budgets[DISK] = OPEN
+    headroom[DISK] = Headroom(
+        0, "none: open, its weights stay in the checkpoint they are read from"
+    )
     return budgets, headroom
 
 
 def describe(budgets: Mapping[Place, int]) -> str:
-    """``cuda:0: 10.0 GiB, cpu: 64.0 GiB`` for messages."""
-    return ", ".join(f"{d}: {format_bytes(b)}" for d, b in budgets.items())
+    """``cuda:0: 10.0 GiB, cpu: 64.0 GiB`` for messages (an ``OPEN`` disk: ``disk: open``)."""
+    return ", ".join(f"{d}: {'open' if b == OPEN else format_bytes(b)}" for d, b in budgets.items())

@@ -180,6 +180,7 @@ def _by_map(
         # each file key's model names, after rename and the hub-name conversion
         names, plan = model_names(found, model, renamer) if found is not None else ({}, None)
         skipped = []  # keys under the disk modules that fill nothing (strict=False)
+        tied = _tied_keys(model, disk, names) if disk else {}
         if found is not None and disk:
             skipped = _check_in_file(model, found, disk, (names, plan, renamer), strict=strict)
         if found is not None and not strict:
@@ -201,7 +202,9 @@ def _by_map(
             )
     _put_buffers(model, buffers)
     if found is not None:
-        _leave_on_disk(model, found, disk, dtypes, (names, renamer), mapped=bool(options["mmap"]))
+        _leave_on_disk(
+            model, found, disk, dtypes, (names, renamer), tied, mapped=bool(options["mmap"])
+        )
     dispatch(model, device_map, execution_device=execution_device, offload_window=offload_window)
     return model
 
@@ -212,19 +215,22 @@ def _leave_on_disk(
     disk: list[str],
     dtypes: Mapping[str, Any],
     keys: tuple[dict[str, tuple[str, ...]], Callable[[str], str | None] | None],
+    tied: Mapping[str, Mapping[str, str]],
     *,
     mapped: bool = False,
 ) -> None:
     """The ``"disk"`` modules' parameters made ``meta`` placeholders, each module marked with
     its home: the reader of its weights from ``found`` (``keys``: each file key's model names,
-    and the renamer; ``mapped``: ``mmap=True``, its weights read as views of the file)."""
+    and the renamer; ``tied``: per entry, the file keys its tied weights are read from;
+    ``mapped``: ``mmap=True``, its weights read as views of the file)."""
     from ..checkpoint._disk_weights import CheckpointWeights
     from ..moving._offloaded import HOME, Home
 
     names, renamer = keys
     for name in disk:
         module = model.get_submodule(name)
-        reader = CheckpointWeights(found, model, name, dtypes[name], renamer, names)
+        rename = _renaming(renamer, tied.get(name, {}))
+        reader = CheckpointWeights(found, model, name, dtypes[name], rename, names)
         reader.mapped = mapped
         _params_to_meta(module, name)
         module.__dict__[HOME] = Home(DISK, torch.device("cpu"), reader)
@@ -494,32 +500,88 @@ def _disk_keys(
     return KeyCheck([], missing, unexpected, mismatched)
 
 
-def _check_ties(model: nn.Module, disk: list[str]) -> None:
-    """``DeviceSpecError`` for a ``"disk"`` module's parameter that is tied to another name: a
-    tie is one tensor in memory, while the disk tier reads each weight from its own key."""
+def _tie_groups(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter the model holds under several names (a tied embedding and
+    head)."""
     names: dict[int, list[str]] = {}
     for full, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(full)
-    heads = {name: f"{name}." for name in disk}
+    return [group for group in names.values() if len(group) > 1]
 
-    def entry_of(full: str) -> str | None:
-        return next((n for n, head in heads.items() if full.startswith(head)), None)
 
-    for full, p in model.named_parameters(remove_duplicate=False):
-        entry = entry_of(full)
-        tied = [other for other in names[id(p)] if other != full]
-        if entry is None or not tied or all(entry_of(other) is not None for other in tied):
-            continue  # untied, or every holder on disk: each reads the one saved tensor
-        # every map entry on 'disk' that holds the tie, so that one fix is enough
-        on_disk = list(dict.fromkeys(e for e in map(entry_of, names[id(p)]) if e is not None))
-        which = " and ".join(repr(e) for e in on_disk)
-        raise DeviceSpecError(
-            f"{display(full)} is tied to {display(tied[0])}, and the device_map puts "
-            f"{', '.join(map(display, on_disk))} on 'disk': a tied weight is one tensor in "
-            "memory, but the disk tier reads each weight of a module from its own key in the "
-            f"file (the tie would be cut, each holder reading its own copy); map {which} to "
-            "'cpu' or to a device"
-        )
+def _entry_of(full: str, disk: list[str]) -> str | None:
+    """The ``"disk"`` entry that holds the tensor ``full``, or None."""
+    held = [name for name in disk if full.startswith(f"{name}.")]
+    return max(held, key=len) if held else None
+
+
+def _check_ties(model: nn.Module, disk: list[str]) -> None:
+    """``DeviceSpecError`` for a tied parameter held both by a ``"disk"`` module and by one kept
+    in memory (a tie is one tensor, so its holders share one tier: ``plan`` keeps them
+    together), or twice inside one ``"disk"`` module (which reads each weight from one key).
+    Holders on disk under entries of their own each read the tensor from the file's one key
+    (``_tied_keys``)."""
+    for group in _tie_groups(model):
+        entries = [_entry_of(full, disk) for full in group]
+        placed = [e for e in entries if e is not None]
+        if not placed:
+            continue
+        on, entry = next((full, e) for full, e in zip(group, entries, strict=True) if e)
+        if len(placed) < len(group):
+            off = next(full for full, e in zip(group, entries, strict=True) if e is None)
+            holder = off.rpartition(".")[0]
+            raise DeviceSpecError(
+                f"{display(on)} is tied to {display(off)}, and the device_map puts "
+                f"{display(entry)} on 'disk' but {display(holder)} in memory: a tied weight is "
+                f"one tensor, so its holders share one tier; map {entry!r} to 'cpu' or to a "
+                f"device, or {holder!r} to 'disk' too (plan keeps them together)"
+            )
+        if len(set(placed)) < len(placed):
+            other = next(full for full, e in zip(group, entries, strict=True) if e and full != on)
+            raise DeviceSpecError(
+                f"{display(on)} is tied to {display(other)}, both inside {display(entry)}, "
+                "which the device_map puts on 'disk': a module on disk reads each weight of its "
+                f"own from a key of its own; map the holders' modules inside {entry!r} to "
+                f"'disk' one by one, or map {entry!r} to 'cpu' or to a device"
+            )
+
+
+def _tied_keys(
+    model: nn.Module, disk: list[str], names: dict[str, tuple[str, ...]]
+) -> dict[str, dict[str, str]]:
+    """For each ``"disk"`` entry, the tied weights it holds that the file keeps under another
+    holder's key (transformers saves a tied head once, as the embedding): that key -> the
+    weight's name. ``names`` (each file key's model names) gains those names, so that the
+    entry's reader reads that key for them and the checks find them filled."""
+    key_of = {n: key for key, targets in names.items() for n in targets}
+    out: dict[str, dict[str, str]] = {}
+    for group in _tie_groups(model):
+        held = next((key_of[n] for n in group if n in key_of), None)
+        if held is None:
+            continue  # the file lacks it under every name: the key check says so
+        for full in group:
+            entry = _entry_of(full, disk)
+            if full in key_of or entry is None:
+                continue
+            out.setdefault(entry, {})[held] = full  # one holder per entry: _check_ties
+            names[held] = (*names[held], full)
+    return out
+
+
+def _renaming(
+    renamer: Callable[[str], str | None] | None, tied: Mapping[str, str]
+) -> Callable[[str], str | None] | None:
+    """A disk entry's renamer: ``renamer``, but the file keys of ``tied`` (``_tied_keys``) named
+    as this entry's tied weights."""
+    if not tied:
+        return renamer
+
+    def rename(key: str) -> str | None:
+        if key in tied:
+            return tied[key]
+        return renamer(key) if renamer is not None else key
+
+    return rename
 
 
 def _one_device(entries: Mapping[str, torch.device | str]) -> torch.device | None:

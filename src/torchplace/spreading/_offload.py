@@ -415,11 +415,12 @@ class DeviceTransport:
     def _read(self, unit: Unit, stream: Any) -> tuple[list[torch.Tensor], Any]:
         assert unit.home.source is not None
         if stream is None:
-            return _in_slot_order(unit, unit.home.source.read(self.device)), None
+            by_name = unit.home.source.read(self.device)
+            return [by_name[n] for n in unit.names], None
         with self.cuda.stream(stream):
             by_name = unit.home.source.read(self.device)
             event = self._marked(stream)
-        return _in_slot_order(unit, by_name), event
+        return [by_name[n] for n in unit.names], event
 
     def ready(self, fetched: Fetched) -> list[torch.Tensor]:
         if isinstance(fetched.tensors, Unread):
@@ -444,20 +445,6 @@ class DeviceTransport:
     def record(self, t: torch.Tensor, stream: Any) -> None:
         """Keep ``t``'s memory from reuse until the work queued on ``stream`` has run."""
         t.record_stream(stream)
-
-
-def _in_slot_order(unit: Unit, by_name: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-    """The tensors a source read for ``unit``, one per slot: a weight tied within the unit is
-    read once, under one of its names, and serves every slot holding it."""
-    tied = {
-        id(home): by_name[n]
-        for (_, _, home), n in zip(unit.slots, unit.names, strict=True)
-        if n in by_name
-    }
-    return [
-        by_name[n] if n in by_name else tied[id(home)]
-        for (_, _, home), n in zip(unit.slots, unit.names, strict=True)
-    ]
 
 
 class Shield:

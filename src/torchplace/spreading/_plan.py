@@ -333,15 +333,32 @@ class _Planner:
             f"{last} by at least {_format_bytes(remaining - self.left[-1])}, {fixes}"
         )
 
-    def weightless(self) -> set[int]:
-        """What the disk tier cannot hold: the buffers held only by modules with no parameter in
-        them (a rotary embedding's ``inv_freq``: the disk keeps a module's parameters in its
-        checkpoint, so such a module has nothing there), a parameter tied between modules
-        (one tensor in memory, while the disk tier reads each module's weights from its own
-        key), and every tensor of a module whose checkpoint holds more than parameters (a
-        BatchNorm's running statistics, an extra state) and of the modules above it:
-        ``load_into`` refuses a disk module whose state holds them, and a module's own tensors
-        share one device."""
+    def disk_blocks(self) -> set[str]:
+        """The modules that the map must put on the disk whole: each holds a parameter below
+        it, all of which lie on the disk, and it is kept whole (in ``no_split``) or holds
+        tensors itself (then the map names it, and a disk entry is read whole). What such a
+        block holds besides (a rotary embedding's buffers, a norm without weights) goes with
+        it. Other modules (a decoder that holds the layers and a rotary embedding beside them)
+        are split instead, so that each layer stays a unit of its own."""
+        disk = self.devices.index(DISK)
+        params = {k for k, t in self.tree.tensors.items() if isinstance(t, nn.Parameter)}
+        return {
+            path
+            for path, module in self.tree.modules.items()
+            if path
+            and (self.tree.direct[path] or self.no_split.entry(module) is not None)
+            and (mine := self.tree.subtree(path) & params)
+            and all(self.placed.get(k) == disk for k in mine)
+        }
+
+    def weightless(self, blocks: set[str]) -> set[int]:
+        """What the disk tier cannot hold: the buffers held only by modules with no parameter
+        in them and in no disk block (``blocks``; a rotary embedding beside the layers would be
+        a disk entry with nothing in the checkpoint), and every tensor of a module with an extra
+        state (``get_extra_state``, which ``load_into`` cannot leave in the file) and of the
+        modules above it, or of the outermost ``no_split`` block around it, kept whole. A tied
+        parameter and a persistent buffer may stay: ``load_into`` reads a tie for each holder
+        from its one key, and keeps a disk module's buffers in memory."""
         bare = {
             path
             for path in self.tree.modules
@@ -352,25 +369,34 @@ class _Planner:
         found = {
             key
             for key, owners in self.tree.owner_modules.items()
-            if all(path in bare for path in owners)
-            or (len(owners) > 1 and isinstance(self.tree.tensors[key], nn.Parameter))
+            if all(path in bare and not blocks & set(_and_above(path)) for path in owners)
         }
         for path, module in self.tree.modules.items():
-            if _keeps_more_than_parameters(module):
+            if type(module).get_extra_state is not nn.Module.get_extra_state:
                 # it and every module above it that holds tensors itself: a disk entry's whole
                 # subtree stays in the file, so none of them may be one
-                for above in _and_above(path):
-                    found.update(self.tree.direct.get(above, ()))
+                above = _and_above(path)
+                whole = [a for a in above if self.no_split.entry(self.tree.modules[a])]
+                if whole:
+                    found.update(self.tree.subtree(whole[-1]))
+                for name in above:
+                    found.update(self.tree.direct.get(name, ()))
         return found
 
     def keep_off_disk(self) -> None:
         """Move what the disk cannot hold (``weightless``) from the disk to the device that
         runs the disk's modules, as ``dispatch`` picks it: the first accelerator the map
-        uses, else the cpu. Its budget may be passed by these buffers' bytes."""
+        uses, else the cpu, past its budget by these bytes (buffers, small); and pull onto the
+        disk what a disk block holds on another tier (a buffer-only child placed before it)."""
         if DISK not in self.devices:
             return
         disk = self.devices.index(DISK)
-        moved = [k for k in self.weightless() if self.placed.get(k) == disk]
+        blocks = self.disk_blocks()
+        off = self.weightless(blocks)
+        for path in blocks:
+            for key in self.tree.subtree(path) - off:
+                self.placed[key] = disk
+        moved = [k for k in off if self.placed.get(k) == disk]
         if not moved:
             return
         used = set(self.placed.values())
@@ -387,17 +413,6 @@ class _Planner:
         for key in moved:
             self.placed[key] = home
         self.left[home] -= self.need(set(moved))
-        tied = [k for k in moved if len(self.tree.owner_modules[k]) > 1]
-        if tied and self.left[home] < 0:  # a tie is no small buffer: its budget must hold it
-            names = " and ".join(map(display, self.tree.owners[tied[0]]))
-            dev = self.devices[home]
-            raise TorchplaceError(
-                f"the model does not fit: {names} are one tied tensor "
-                f"({_format_bytes(self.need({tied[0]}))}), which the disk tier cannot hold (it "
-                "reads each module's weights from its own key), so it stays in memory on "
-                f"{dev}, which has no room left for it in its budget; raise {dev}'s budget by at "
-                f"least {_format_bytes(-self.left[home])}"
-            )
 
     def device_map(self) -> dict[str, Place]:
         """The smallest map: children of one device collapse to their parent, except that a
@@ -431,15 +446,6 @@ class _Planner:
         finally:
             del emit  # it refers to itself: break the cycle so it is freed at once
         return out
-
-
-def _keeps_more_than_parameters(module: nn.Module) -> bool:
-    """Whether ``module``'s own entries of a state dict hold more than its parameters: a
-    persistent buffer, or an extra state (``get_extra_state`` overridden)."""
-    skipped = module._non_persistent_buffers_set
-    if any(t is not None and n not in skipped for n, t in module._buffers.items()):
-        return True
-    return type(module).get_extra_state is not nn.Module.get_extra_state
 
 
 def _and_above(path: str) -> list[str]:
@@ -558,7 +564,6 @@ def _refuse_overfull(
     size: dict[int, int],
     *,
     dtype: torch.dtype | None,
-    auto: bool,
 ) -> None:
     """The error for a model whose parameters and buffers exceed all budgets together: the
     shortfall in bytes, and the largest part that finds no room when the devices are filled."""
@@ -570,16 +575,15 @@ def _refuse_overfull(
     path, largest = max(collecting.overflow or [("", total)], key=lambda item: item[1])
     part = f"{display(path)} ({type(tree.modules[path]).__name__}, {_format_bytes(largest)})"
     cast = "" if dtype is None else f" in {str(dtype).removeprefix('torch.')}"
-    # Host memory is the usual room to grow: suggest adding it, or, when it is already
-    # budgeted, raising it (adding the cpu again is no advice); then the disk.
+    # Host memory is the usual room to grow: suggest raising it when it is budgeted already
+    # (adding the cpu again is no advice), else adding it; then the disk. ("auto" budgets end
+    # with an open disk, so a model never overfills them.)
     more = (
-        "free memory on these devices, or pass max_memory as a mapping that adds a 'disk' budget"
-        if auto
-        else "raise a budget by that much (the cpu's, if the machine has the memory)"
+        "raise a budget by that much (the cpu's, if the machine has the memory)"
         if torch.device("cpu") in budgets
         else "raise a budget by that much, add a device (for example 'cpu')"
     )
-    if not auto and DISK not in budgets:
+    if DISK not in budgets:
         more += ", add a 'disk' budget"
     raise TorchplaceError(
         f"the model does not fit: its parameters and buffers need "
@@ -629,7 +633,9 @@ def plan(
     keeps a tenth for the process and the staging of offloaded weights (without an
     accelerator, room for activations as above). An accelerator whose free memory cannot be
     read (MPS), or a host whose available memory cannot be, is left out (named in
-    ``.headroom``); ``"auto"`` never includes the disk. The result is a plain ``dict`` that
+    ``.headroom``), and then the disk, open (``budgets["disk"]`` is ``OPEN``): a model larger
+    than the accelerators and the host spills its last modules to ``"disk"``, left in the
+    checkpoint ``load_into`` reads. The result is a plain ``dict`` that
     also carries ``.budgets`` (bytes per device as used) and ``.headroom`` (per device, a
     ``Headroom`` with ``.bytes`` and ``.how``, how the figure was obtained).
 
@@ -650,15 +656,15 @@ def plan(
     that name (as ``no_split_module_classes``), a class its instances, subclasses included;
     entries that match no module are ignored (a warning says when none matches), and
     ``no_split="auto"`` reads a transformers model's ``_no_split_modules``. Modules that hold
-    the same tensor (tied weights) go where the first of them goes. A module that holds
-    buffers and no parameter (a rotary embedding's ``inv_freq``) has nothing the disk tier
-    keeps in the checkpoint, and one that holds a persistent buffer itself (a BatchNorm's
-    running statistics) would need that buffer kept there too: neither goes to ``"disk"``.
-    Where its turn falls on the disk, it goes to the device that runs the disk's modules (the
-    first accelerator of the map, else the cpu), past that device's budget by its bytes. So
-    does a parameter tied between modules (one tensor in memory, where the disk tier reads each
-    module's weights from its own key), but within that device's budget, else ``plan`` raises
-    naming the tie.
+    the same tensor (tied weights: an embedding and its head) go where the first of them goes,
+    the disk included (each reads the tensor from the file's one key). Every map is one that
+    ``load_into`` and ``dispatch`` accept: a module that holds buffers and no parameter (a
+    rotary embedding's ``inv_freq``) stays with the disk block it is part of (a layer on disk
+    keeps its buffers in memory, its persistent ones read from the file), but one outside any
+    has nothing the disk tier keeps: where its turn falls on the disk, it goes to the device
+    that runs the disk's modules (the first accelerator of the map, else the cpu), past that
+    device's budget by its bytes. So does a module with an extra state (``get_extra_state``),
+    with the modules above it, or the ``no_split`` block around it, kept whole.
     ``dtype`` sizes floating tensors as if cast to it. A module whose whole subtree shares a
     device is one entry, and a name covers its submodules unless a longer name overrides it. A
     model that does not fit raises, naming the shortfall in bytes and the largest part left
@@ -688,8 +694,7 @@ def _device_map(
     classes = _no_split_classes(model, no_split)
     tree = walk_model(model)
     size = {key: nbytes_as(t, cast) for key, t in tree.tensors.items()}
-    auto = isinstance(max_memory, str)
-    _refuse_overfull(tree, budgets, classes, size, dtype=cast, auto=auto)
+    _refuse_overfull(tree, budgets, classes, size, dtype=cast)
     targets = _targets(budgets, sum(size.values()), chosen)
     device_map = _place(tree, budgets, classes, size, targets)
     return DeviceMap(device_map, budgets=budgets, headroom=headroom)
