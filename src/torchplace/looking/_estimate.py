@@ -33,7 +33,14 @@ from .._sizes import format_bytes as _format_bytes
 from .._tensor_size import nbytes_as
 from ..moving._offloaded import disk_placeholders, homes, outside_units
 from ._fake_checks import real_kernel_refuses
-from ._fake_step import KINDS, ModulePeak, OperatorFailed, Unmeasurable, measure_step
+from ._fake_step import (
+    KINDS,
+    ModulePeak,
+    OperatorFailed,
+    StepMeasure,
+    Unmeasurable,
+    measure_step,
+)
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -130,6 +137,7 @@ class Estimate:
     modules: tuple[ModulePeak, ...] = ()
     fallback: str | None = None
     on_disk: int = 0
+    first_step_peak: int | None = None
 
     @property
     def parameters(self) -> int:
@@ -202,6 +210,7 @@ class Estimate:
             "step": self.step,
             "fallback": self.fallback,
             "peak": self.peak,
+            "first_step_peak": self.first_step_peak,
             "peak_by_device": {str(dev): n for dev, n in self.peak_by_device().items()},
             "activations": self.activations,
             "temporaries": self.temporaries,
@@ -380,7 +389,10 @@ def estimate(
     ``example_input`` (a batch, or a callable that takes a device and builds one there with
     ``torch.zeros``/``ones``/``full``/``empty``) makes one step run on fake tensors on the
     model's devices: ``step="train"`` a forward, a backward from the output's ``.loss`` (else
-    the sum of its floating outputs) and the optimizer's step; ``step="forward"`` a forward
+    the sum of its floating outputs) and the optimizer's step, run twice so that ``peak`` is a
+    steady step's (the optimizer's state held from its start; ``first_step_peak`` is the
+    first's where it differs), with the optimizer implementation PyTorch picks on the model's
+    device (single-tensor on the CPU and ``meta``, foreach on CUDA); ``step="forward"`` a forward
     under ``torch.no_grad`` (no gradients or optimizer state then). A mapping is passed as
     ``model(**batch)``, a tuple as ``model(*batch)``, anything else as ``model(batch)``. The
     model runs as its code says (autocast, activation checkpointing, its training flag) and is
@@ -525,7 +537,17 @@ def _measured(model: nn.Module, name: str | None, example_input: Any, step: str)
         activations=measure.most["activations"],
         temporaries=measure.most["temporaries"],
         modules=measure.modules,
+        first_step_peak=_first_step_peak(measure),
     )
+
+
+def _first_step_peak(measure: StepMeasure) -> int | None:
+    """The first step's peak, where it differs from the steady step's."""
+    if measure.first_peaks is None:
+        return None
+    first = sum(kinds["total"] for kinds in measure.first_peaks.values())
+    steady = sum(kinds["total"] for kinds in measure.peaks.values())
+    return first if first != steady else None
 
 
 # What estimate's errors about ``example_input`` tell a Python caller to do; the command line,

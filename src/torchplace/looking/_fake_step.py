@@ -108,11 +108,14 @@ class ModulePeak:
 class StepMeasure:
     """``peaks``: per device, the bytes of each kind at that device's peak and ``"total"``;
     ``most``: per kind, the most held at once (summed over devices); ``modules``: the modules
-    that ran, those with the highest peak first."""
+    that ran, those with the highest peak first; ``first_peaks``: the first step's ``peaks``
+    where a steady step (one with the optimizer's state held from its start) was run after it,
+    else None."""
 
     peaks: dict[torch.device, dict[str, int]]
     most: dict[str, int]
     modules: tuple[ModulePeak, ...]
+    first_peaks: dict[torch.device, dict[str, int]] | None = None
 
 
 def _lacks(tracker: type) -> None:
@@ -695,7 +698,7 @@ def _measure(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     where, disk = placing  # each device's stand-in; the placeholders of weights on disk
-    foreach = True if any(d.type != "cpu" for d in where) else None  # as on an accelerator
+    foreach = _foreach_default(where)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     swapped = _swapped(model, where, disk)
     with _tracker_unheard(), _quiet_failed_operators(), _compiled_unwrapped(model), mode, swapped:
@@ -710,22 +713,67 @@ def _measure(
         fused = FusedAttention(label(run)) if on_meta else contextlib.nullcontext()
         autocast = _meta_autocast() if on_meta else contextlib.nullcontext()
         with tracker, _eager(), fused, autocast, tracker.torchplace_checks.seen():
-            _run(model, batch, opt, train)
+            first = _steps(tracker, model, batch, opt, train)
 
         def shown(dev: torch.device) -> bool:  # the placeholders' meta is on no device
             return dev in where.values() or not (disk and dev.type == "meta")
 
-        peaks = {
-            label(dev): _by_kind(snap)
-            for dev, snap in tracker.get_tracker_snapshot("peak").items()
-            if shown(dev)
-        }
-        add_workspaces(peaks, tracker.torchplace_matmuls, label)
+        def by_device(snapshot: Mapping[torch.device, Any]) -> dict[torch.device, dict[str, int]]:
+            out = {label(dev): _by_kind(snap) for dev, snap in snapshot.items() if shown(dev)}
+            add_workspaces(out, tracker.torchplace_matmuls, label)
+            return out
+
         return StepMeasure(
-            peaks=peaks,
+            peaks=by_device(tracker.get_tracker_snapshot("peak")),
             most=_most(tracker.torchplace_most),
             modules=_module_peaks(tracker, model, label, shown),
+            first_peaks=by_device(first) if first is not None else None,
         )
+
+
+def _steps(
+    tracker: Any,
+    model: nn.Module,
+    batch: Any,
+    opt: torch.optim.Optimizer | None,
+    train: bool,
+) -> dict[torch.device, dict[Any, int]] | None:
+    """The step as a training loop runs it again and again: the first, and where that one
+    made the optimizer's state (Adam's moments), a second one, the steady step, which runs
+    with that state held from its start; the tracker's peaks are then the steady step's, and
+    the first step's peak snapshot is returned (None where one step is all there is)."""
+    _run(model, batch, opt, train)
+    if opt is None or not _holds_state(opt):
+        return None
+    first: dict[torch.device, dict[Any, int]] = tracker.get_tracker_snapshot("peak")
+    opt.zero_grad(set_to_none=True)  # the loop's: no gradient is held through the forward
+    with _tracker_changed("restarts its peaks"):
+        tracker.reset_mod_stats()
+        tracker.torchplace_stats.clear()
+        tracker._peak_mem_snap = tracker.get_tracker_snapshot()
+        tracker._peak_mem = {dev: snap[_TOTAL] for dev, snap in tracker._peak_mem_snap.items()}
+        tracker.torchplace_most = {}
+    _run(model, batch, opt, train)
+    return first
+
+
+def _holds_state(opt: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer keeps a tensor in its state after a step (SGD without momentum
+    keeps none: its steps are all alike)."""
+    return any(
+        isinstance(value, torch.Tensor) for state in opt.state.values() for value in state.values()
+    )
+
+
+def _foreach_default(where: Mapping[torch.device, torch.device]) -> bool:
+    """The optimizer implementation PyTorch picks for parameters on the model's devices (the
+    devices themselves, not the fake or ``meta`` ones the step runs on): ``foreach`` where
+    every one has foreach kernels (CUDA), the single-tensor loop elsewhere (the CPU, and
+    ``meta``, where a skeleton's parameters are)."""
+    from torch.optim import optimizer
+
+    supported = optimizer._get_foreach_kernels_supported_devices()  # type: ignore[attr-defined]
+    return all(dev.type in supported for dev in where)
 
 
 @contextlib.contextmanager
