@@ -110,3 +110,20 @@ def test_frozen_parameters_get_no_gradient_or_state() -> None:
 def test_sgd_without_momentum_has_one_kind_of_step() -> None:
     est = estimate(nn.Linear(64, 64), example_input=torch.ones(4, 64), optimizer="sgd")
     assert est.first_step_peak is None and est.peak > est.total
+
+
+def test_the_users_optimizer_runs_with_its_own_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, inputs = tiny("gpt2"), batch()
+
+    def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, amsgrad=True, foreach=True)
+
+    user = make(list(model.parameters()))
+    ran = adam_paths(monkeypatch)
+    est = estimate(model, example_input=inputs, optimizer=user)
+    assert set(ran) == {"_multi_tensor_adam"} and not user.state  # foreach, as it says
+    assert est.optimizer == "AdamW"
+    assert est.optimizer_state == 3 * est.parameters + 4 * len(list(model.parameters()))
+    monkeypatch.undo()
+    _, *steady = train_peaks(model, inputs, make)
+    assert est.peak == pytest.approx(max(steady), rel=0.01)

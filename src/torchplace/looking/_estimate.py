@@ -41,6 +41,7 @@ from ._fake_step import (
     Unmeasurable,
     measure_step,
 )
+from ._user_opt import state_bytes
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -310,10 +311,14 @@ class Estimate:
         return "\n".join(line.rstrip() for line in buffer.getvalue().strip("\n").splitlines())
 
 
-def _optimizer_name(optimizer: str | None) -> str | None:
-    if optimizer is None:
-        return None
-    names = f"{', '.join(repr(n) for n in _OPTIMIZERS)}, 'momentum' or None"
+# What sizes the optimizer's state: a name of ``_OPTIMIZERS``, the user's own optimizer, or None.
+OptimizerSpec = str | torch.optim.Optimizer | None
+
+
+def _optimizer_name(optimizer: OptimizerSpec) -> OptimizerSpec:
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    names = f"{', '.join(repr(n) for n in _OPTIMIZERS)}, 'momentum', None or an Optimizer"
     if not isinstance(optimizer, str):
         return _not_a_name(optimizer, names)
     text = optimizer.strip().lower()
@@ -328,16 +333,9 @@ def _optimizer_name(optimizer: str | None) -> str | None:
 
 
 def _not_a_name(optimizer: object, names: str) -> NoReturn:
-    """The error for an optimizer given as an object (an ``Optimizer``), named by its class
-    (its repr lists every parameter group) with the name that sizes it, where one does."""
-    kind = type(optimizer).__name__
-    guess = kind.lower()
-    if isinstance(optimizer, torch.optim.SGD):
-        momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
-        guess = "sgd-momentum" if momentum else "sgd"
-    hint = f" (here optimizer={guess!r})" if guess in _OPTIMIZERS else ""
     raise DeviceSpecError(
-        f"optimizer={kind}(...): give the optimizer's name as a string{hint}, one of {names}"
+        f"optimizer={type(optimizer).__name__}(...) is neither an optimizer's name nor a "
+        f"torch.optim.Optimizer; give one of {names}"
     )
 
 
@@ -357,7 +355,7 @@ def estimate(
     model: nn.Module,
     /,
     *,
-    optimizer: str | None = "adam",
+    optimizer: OptimizerSpec = "adam",
     grads: bool = True,
     example_input: Any = None,
     step: str = "train",
@@ -380,8 +378,11 @@ def estimate(
     counted for parameters that require grad, on their parameter's device and dtype, as PyTorch
     creates them: ``"sgd"`` keeps none, ``"sgd-momentum"`` (or ``"momentum"``) one buffer per
     parameter, ``"adam"``/``"adamw"`` two, ``"adagrad"`` one; Adam and Adagrad also keep a scalar
-    ``step`` per parameter on the CPU. ``optimizer=None`` counts no state, ``grads=False`` no
-    gradients, ``step="forward"`` (inference) neither, with or without an ``example_input``. A
+    ``step`` per parameter on the CPU. Your own ``torch.optim.Optimizer`` is sized by a step of
+    a copy of it (its class and flags: ``amsgrad``, ``foreach``, momentum) on ``meta`` stand-ins,
+    and that copy runs the measured step; yours is not touched. ``optimizer=None`` counts no
+    state, ``grads=False`` no gradients, ``step="forward"`` (inference) neither, with or without
+    an ``example_input``. A
     skeleton (parameters on ``meta``) is sized like the real model. A model already sharded by
     FSDP2 (DTensor parameters) is sized by the shards this rank holds, while
     ``parameter_count`` stays the whole model's.
@@ -465,8 +466,11 @@ def _uncompiled(model: nn.Module) -> nn.Module:
     return model
 
 
-def _count(model: nn.Module, name: str | None, grads: bool) -> Estimate:
-    """Parameters, buffers, gradients and optimizer state, per device and dtype."""
+def _count(model: nn.Module, spec: OptimizerSpec, grads: bool) -> Estimate:
+    """Parameters, buffers, gradients and optimizer state, per device and dtype (the state of
+    the user's own optimizer, ``spec``, sized by a step of a copy of it on meta)."""
+    user = spec if isinstance(spec, torch.optim.Optimizer) else None
+    name = spec if isinstance(spec, str) else None
     copies, has_step = _OPTIMIZERS[name] if name is not None else (0, False)
     rows: dict[tuple[torch.device, torch.dtype], dict[str, int]] = {}
 
@@ -496,9 +500,11 @@ def _count(model: nn.Module, name: str | None, grads: bool) -> Estimate:
             add(torch.device("cpu"), step_dtype, "optimizer_state", step_dtype.itemsize)
     for buffer in model.buffers():
         add(buffer.device, buffer.dtype, "buffers", nbytes_as(buffer))
+    for (dev, dtype), nbytes in state_bytes(user, model).items() if user is not None else ():
+        add(dev, dtype, "optimizer_state", nbytes)
     return Estimate(
         rows=tuple(EstimateRow(dev, dtype, **fields) for (dev, dtype), fields in rows.items()),
-        optimizer=name,
+        optimizer=type(user).__name__ if user is not None else name,
         grads=grads,
         parameter_count=count,
         trainable_count=trainable,
@@ -506,13 +512,13 @@ def _count(model: nn.Module, name: str | None, grads: bool) -> Estimate:
     )
 
 
-def _measured(model: nn.Module, name: str | None, example_input: Any, step: str) -> Estimate:
+def _measured(model: nn.Module, name: OptimizerSpec, example_input: Any, step: str) -> Estimate:
     """The counting for ``step``, with the peak of that step run on fake tensors added (or the
     reason it could not be, warned about)."""
     train = step == "train"
     counted = _count(model, name if train else None, train)
     try:
-        measure = measure_step(model, example_input, optimizer=counted.optimizer, train=train)
+        measure = measure_step(model, example_input, optimizer=name if train else None, train=train)
     except Unmeasurable as why:
         warnings.warn(
             f"estimate(): the {step} step was not measured, so activations and temporaries are "

@@ -39,6 +39,7 @@ from ..moving._offloaded import disk_placeholders
 from ._attention import FusedAttention
 from ._fake_checks import FakeChecks
 from ._opt_step import OptimizerStepBook
+from ._user_opt import clone_over
 from ._workspace import add_workspaces, note_matmul
 
 __all__ = [
@@ -455,12 +456,12 @@ def _fake_like(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
 @contextlib.contextmanager
 def _swapped(
     model: nn.Module, where: dict[torch.device, torch.device], disk: Mapping[int, torch.Tensor]
-) -> Iterator[None]:
+) -> Iterator[dict[int, torch.Tensor]]:
     """The model with fake parameters and buffers (each tied tensor one fake) while the block
     runs; the model's own tensors are put back however the block ends. The placeholders of
     weights on disk (``disk``) stay: their module's hooks bring fake weights in as it runs."""
     saved: list[tuple[dict[str, Any], str, torch.Tensor]] = []
-    fakes: dict[int, torch.Tensor] = {}
+    fakes: dict[int, torch.Tensor] = {}  # id of the model's tensor -> its fake
     try:
         for module in model.modules():
             for table in (module._parameters, module._buffers):
@@ -471,7 +472,7 @@ def _swapped(
                         fakes[id(t)] = _fake_like(t, where[t.device])
                     saved.append((table, name, t))
                     table[name] = fakes[id(t)]  # type: ignore[assignment]
-        yield
+        yield fakes
     finally:
         for table, name, t in reversed(saved):
             table[name] = t
@@ -524,11 +525,19 @@ _OPTIMIZER_CLASSES: dict[
 
 
 def _optimizer(
-    model: nn.Module, name: str | None, foreach: bool | None
+    model: nn.Module,
+    name: str | torch.optim.Optimizer | None,
+    foreach: bool | None,
+    fakes: Mapping[int, torch.Tensor],
 ) -> torch.optim.Optimizer | None:
+    """The step's optimizer over the model's fake parameters that require grad: the named one
+    with the implementation PyTorch picks on the device (``foreach``), or a copy of the user's
+    own (its flags as they are) over the fakes of its parameters."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     if name is None or not trainable:
         return None
+    if isinstance(name, torch.optim.Optimizer):
+        return clone_over(name, lambda p: fakes.get(id(p)))
     return _OPTIMIZER_CLASSES[name](trainable, foreach)
 
 
@@ -629,7 +638,11 @@ def _unfakeable() -> tuple[type[BaseException], ...]:
 
 
 def measure_step(
-    model: nn.Module, example_input: Any, *, optimizer: str | None, train: bool
+    model: nn.Module,
+    example_input: Any,
+    *,
+    optimizer: str | torch.optim.Optimizer | None,
+    train: bool,
 ) -> StepMeasure:
     """Run one step of ``model`` on fake tensors and measure it (see the module docstring).
 
@@ -691,7 +704,7 @@ def _measure(
     placing: tuple[dict[torch.device, torch.device], Mapping[int, torch.Tensor]],
     run: torch.device,
     label: Callable[[torch.device], torch.device],
-    optimizer: str | None,
+    optimizer: str | torch.optim.Optimizer | None,
     train: bool,
     failed: FailedAt,
 ) -> StepMeasure:
@@ -700,10 +713,12 @@ def _measure(
     where, disk = placing  # each device's stand-in; the placeholders of weights on disk
     foreach = _foreach_default(where)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    swapped = _swapped(model, where, disk)
-    with _tracker_unheard(), _quiet_failed_operators(), _compiled_unwrapped(model), mode, swapped:
+    quiet = contextlib.ExitStack()
+    quiet.enter_context(_tracker_unheard())
+    quiet.enter_context(_quiet_failed_operators())
+    with quiet, _compiled_unwrapped(model), mode, _swapped(model, where, disk) as fakes:
         batch = _fake_batch(example_input, run, mode)
-        opt = _optimizer(model, optimizer, foreach) if train else None
+        opt = _optimizer(model, optimizer, foreach, fakes) if train else None
         tracker = _tracker_class()()
         tracker.torchplace_failed = failed
         _skip_frozen(tracker, model)
