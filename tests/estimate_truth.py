@@ -53,6 +53,7 @@ def _tracking(model: nn.Module, *extra: Any) -> Iterator[Any]:
     tracker.track_external(model, *extra)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The module hierarchy tracking")
+        warnings.filterwarnings("ignore", message="Module is None")  # a loss made in forward
         with tracker:
             yield tracker
 

@@ -69,7 +69,9 @@ def test_a_model_directory_prints_the_tables(
 ) -> None:
     status, out, _ = run(capsys, str(tiny_dir), "--step", "forward")
     assert status == 0
-    assert "LlamaForCausalLM, one forward step of 1 x 64 tokens on cuda:0" in out  # seq capped
+    assert (
+        "LlamaForCausalLM, one forward step of 1 x 64 tokens of input_ids on cuda:0" in out
+    )  # seq capped
     for text in ("Peak of one forward step", "activations", "Modules at the highest peaks"):
         assert text in out
     assert "model.layers." in out

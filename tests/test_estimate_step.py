@@ -926,15 +926,17 @@ def test_a_fake_cuda_sdpa_model_holds_no_attention_matrix() -> None:
     assert est.activations < 8 * 256 * 256 * 2  # one layer's bf16 scores would be more
 
 
-def test_a_model_partly_on_meta_is_counted_and_its_step_said_why_not() -> None:
-    """A model with one layer still on meta (a skeleton partly loaded) failed deep in the fake
-    step, whose error blamed the batch or the dtype; where its step fails, it is not measured,
-    saying why (a forward that never uses its meta part is measured)."""
+def test_a_model_partly_on_meta_runs_wholly_on_meta() -> None:
+    """A model with one layer still on meta (a skeleton partly loaded, or one whose code makes
+    a tensor on the CPU whatever the default device) fell back to counting, "spread over cpu
+    and meta"; a fake step needs no values, so it runs wholly on meta, and is measured as the
+    same model wholly on the CPU is."""
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4, device="meta"))
-    with pytest.warns(UserWarning, match=r"spread over cpu and meta: its tensors on meta .* load "):
-        found = estimate(model, example_input=torch.ones(2, 4))
-    assert found.fallback is not None and "spread over cpu and meta" in found.fallback
+    found = estimate(model, example_input=torch.ones(2, 4))
+    whole = estimate(model.to_empty(device="cpu"), example_input=torch.ones(2, 4))
+    assert found.fallback is None and found.peak == whole.peak
     assert found.parameters == 2 * (16 + 4) * 4
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
 
     class Unused(torch.nn.Module):  # its meta part never runs: the step is measured
         def __init__(self) -> None:

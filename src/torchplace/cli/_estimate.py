@@ -25,6 +25,7 @@ from .._devices import normalize
 from .._errors import TorchplaceError
 from .._tensor_size import dtype_named
 from ..looking._estimate import COUNT_INSTEAD, IF_NOT_A_BATCH, PASS_A_BATCH, Estimate, estimate
+from ._inputs import example_batch
 
 __all__ = ["register"]
 
@@ -116,8 +117,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if extra["kind"] == "transformers":
         print(
-            f"{args.path}: {extra['architecture']}, one {args.step} step of {args.batch} x "
-            f"{extra['seq']} tokens on {device}\n"
+            f"{args.path}: {extra['architecture']}, one {args.step} step of {extra['input']} "
+            f"on {device}\n"
         )
     else:
         kept = f", leaving out its {', '.join(map(repr, extra['left_out']))}"
@@ -199,28 +200,21 @@ def _from_config(
         model, config = _skeleton_from_config(folder, args.dtype)
     longest = getattr(config, "max_position_embeddings", None)
     seq = args.seq or (min(2048, longest) if isinstance(longest, int) and longest > 0 else 2048)
-    train = args.step == "train"
-
-    def tokens(dev: torch.device) -> dict[str, torch.Tensor]:
-        ids = torch.zeros(args.batch, seq, dtype=torch.long, device=dev)
-        return {"input_ids": ids, "labels": ids} if train else {"input_ids": ids}
-
+    batch, said = example_batch(model, config, args.batch, seq, args.step == "train")
     extra = {"kind": "transformers", "architecture": type(model).__name__, "batch": args.batch}
-    extra["seq"] = seq
+    extra.update(seq=seq, input=said)
     name = None if args.optimizer.strip().lower() == "none" else args.optimizer
-    with _saying(f"one {args.step} step of {type(model).__name__}, {args.batch} x {seq} tokens"):
+    with _saying(f"one {args.step} step of {type(model).__name__}, {said}"):
         try:
             found = estimate(
-                _on_fake(model, device), optimizer=name, example_input=tokens, step=args.step
+                _on_fake(model, device), optimizer=name, example_input=batch, step=args.step
             )
         except TorchplaceError as exc:
-            raise _for_the_command_line(exc, args.batch, seq, longest) from exc.__cause__
+            raise _for_the_command_line(exc, said, longest) from exc.__cause__
     return found, extra
 
 
-def _for_the_command_line(
-    exc: TorchplaceError, batch: int, seq: int, longest: object
-) -> TorchplaceError:
+def _for_the_command_line(exc: TorchplaceError, said: str, longest: object) -> TorchplaceError:
     """``estimate``'s error about its ``example_input``, with the fix a command line can
     follow: the tokens are the command's (``--batch`` x ``--seq``), not a batch in Python."""
     text = str(exc)
@@ -242,9 +236,7 @@ def _for_the_command_line(
         ).replace(COUNT_INSTEAD, "torchplace estimate of its weights file counts")
     else:
         return exc
-    return TorchplaceError(
-        text.replace("example_input: ", f"{batch} x {seq} tokens of input_ids: ", 1)
-    )
+    return TorchplaceError(text.replace("example_input: ", f"{said}: ", 1))
 
 
 # The top-level keys of a training checkpoint that hold no weights of the model: its

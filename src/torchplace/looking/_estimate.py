@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import io
 import os
 import shlex
 import warnings
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -534,7 +536,7 @@ def _measured(model: nn.Module, name: OptimizerSpec, example_input: Any, step: s
     except Exception as exc:  # the model's own error on this input
         raise TorchplaceError(
             f"example_input: the {step} step of {type(model).__name__} on it raised "
-            f"{type(exc).__name__}: {exc}; {PASS_A_BATCH}"
+            f"{type(exc).__name__}: {exc}; {_lacking(model, example_input)}{PASS_A_BATCH}"
         ) from exc
     return dataclasses.replace(
         counted,
@@ -554,6 +556,22 @@ def _first_step_peak(measure: StepMeasure) -> int | None:
     first = sum(kinds["total"] for kinds in measure.first_peaks.values())
     steady = sum(kinds["total"] for kinds in measure.peaks.values())
     return first if first != steady else None
+
+
+def _lacking(model: nn.Module, example_input: Any) -> str:
+    """Where a mapping batch lacks the model's main input (a transformers model's
+    ``main_input_name``: ``pixel_values`` for an image model), a sentence naming it, else ''.
+    Said only once the step failed: a model may take another input in its place."""
+    if not isinstance(example_input, Mapping):
+        return ""
+    main = getattr(model, "main_input_name", None)
+    try:
+        takes = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return ""
+    if not isinstance(main, str) or main in example_input or main not in takes:
+        return ""
+    return f"it lacks {main!r}, the input {type(model).__name__} takes first; "
 
 
 # What estimate's errors about ``example_input`` tell a Python caller to do; the command line,

@@ -14,7 +14,8 @@ A backward on fake CUDA tensors needs the CUDA runtime (a CPU-only build aborts 
 so a model on a device this machine cannot run, such as a fake ``cuda:0`` on a laptop, is run on
 ``meta`` and its figures are reported under its own device; its attention then runs the fused
 kernel that device would pick (``_attention``), where ``meta`` would run the math path. A
-model spread over several devices that cannot all run here, and a torch whose tracker is
+model partly on ``meta`` runs wholly there. A model spread over several devices that cannot all
+run here, and a torch whose tracker is
 missing or differs from the one this was written against, raise ``Unmeasurable`` with the
 reason: ``estimate`` then counts instead.
 """
@@ -372,10 +373,43 @@ def _grouped_mm_any_dtype(
 _GROUPED_MM_DTYPES = (torch.float16, torch.float32, torch.float64)
 
 
+def _all_nonzero(t: torch.Tensor) -> torch.Tensor:
+    """``aten.nonzero``'s result where every element is nonzero: the most it can hold."""
+    return torch.empty((t.numel(), t.dim()), dtype=torch.long, device=t.device)
+
+
+# The operators that take a list of indices, where a boolean mask stands for its nonzero places.
+_INDEXED = (
+    torch.ops.aten.index.Tensor,
+    torch.ops.aten.index_put.default,
+    torch.ops.aten.index_put_.default,
+    torch.ops.aten._index_put_impl_.default,
+)
+
+
+def _is_mask(index: Any) -> bool:
+    return isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
+
+
+def _masks_all_set(func: Any, t: torch.Tensor, indices: Any, *rest: Any, **kwargs: Any) -> Any:
+    """``func`` with each boolean mask among ``indices`` as the long indices of its places, all
+    of them taken (``_all_nonzero``)."""
+    spread: list[Any] = []
+    for index in indices:
+        spread.extend(_all_nonzero(index).unbind(1) if _is_mask(index) else [index])
+    return func(t, spread, *rest, **kwargs)
+
+
 def _stand_in(func: Any, args: Any, kwargs: Any) -> Any:
     """What runs for ``func`` on fake tensors: itself, or for an operator whose meta kernel
     refuses what its real kernels take (``_grouped_mm`` in float32, as transformers' MoE
-    layers run it on a CPU), one that sizes its result otherwise."""
+    layers run it on a CPU), one that sizes its result otherwise; ``nonzero``, whose result's
+    size depends on values that fake tensors do not have (a boolean mask used as an index:
+    wav2vec2's SpecAugment), is sized as if every element were nonzero, the most it holds."""
+    if func is torch.ops.aten.nonzero.default and not kwargs:
+        return _all_nonzero
+    if func in _INDEXED and len(args) > 1 and any(_is_mask(i) for i in args[1]):
+        return functools.partial(_masks_all_set, func)
     packet = getattr(torch.ops.aten, "_grouped_mm", None)
     if packet is None or func is not getattr(packet, "default", None) or len(args) < 2:
         return func
@@ -423,7 +457,10 @@ def _run_devices(
     parameter's, as run).
 
     A model whose parameters sit on one device runs there whole (its buffers too: a skeleton
-    keeps them on the cpu), on ``meta`` when that device cannot run here. The placeholders of
+    keeps them on the cpu), on ``meta`` when that device cannot run here. A model partly on
+    ``meta`` (a skeleton partly loaded, or one whose code made a tensor on the CPU whatever the
+    default device, as ``torch.FloatTensor(n)`` does) runs wholly on ``meta``: its tensors there
+    have no values to mix with real ones, and a fake step needs none. The placeholders of
     weights on disk (``disk``) run where their module runs: they place nothing.
     """
     params = [p.device for p in model.parameters() if id(p) not in disk] or [
@@ -437,6 +474,9 @@ def _run_devices(
             dev
         }
         return dict.fromkeys(every, run), run
+    if any(d.type == "meta" for d in devices):  # a skeleton partly loaded, or partly made
+        every = {t.device for t in (*model.parameters(), *model.buffers()) if id(t) not in disk}
+        return dict.fromkeys(every, torch.device("meta")), torch.device("meta")
     cannot = [str(d) for d in devices if not _runs_here(d)]
     if cannot:
         raise Unmeasurable(
@@ -662,18 +702,15 @@ def measure_step(
         return shown if dev == run else dev
 
     failed = FailedAt()
-    spread = _spread_over_meta(where)
     try:
         return _measure(model, example_input, (where, disk), run, label, optimizer, train, failed)
     except _unfakeable() as exc:
         raise Unmeasurable(
-            spread or f"fake tensors cannot run the step ({type(exc).__name__}: {exc})"
+            f"fake tensors cannot run the step ({type(exc).__name__}: {exc})"
         ) from exc
     except Exception as exc:
         if isinstance(exc, Unmeasurable):
             raise
-        if spread:  # the step failed, and what failed is the mix
-            raise Unmeasurable(spread) from exc
         if _in_tracker(exc):
             raise Unmeasurable(
                 f"torch {torch.__version__}'s MemTracker failed ({type(exc).__name__}: {exc})"
@@ -681,21 +718,6 @@ def measure_step(
         if failed.error is not None:
             raise failed.error from exc
         raise
-
-
-def _spread_over_meta(where: Mapping[torch.device, torch.device]) -> str:
-    """Why a step failed where a model is spread over a real device and ``meta`` (a skeleton
-    partly loaded), else ''. Run anyway first: a forward that never uses its ``meta`` part
-    is measured."""
-    runs = set(where.values())  # a model wholly on meta runs there, its buffers too
-    if all(d.type != "meta" for d in runs) or all(d.type == "meta" for d in runs):
-        return ""
-    real = ", ".join(str(d) for d in runs if d.type != "meta")
-    return (
-        f"the model is spread over {real} and meta: its tensors on meta (a part of a skeleton "
-        "not loaded yet) hold no values, and a step cannot mix them with real ones; load them "
-        "first, or estimate the model wholly on meta (a skeleton sizes like the real model)"
-    )
 
 
 def _measure(
@@ -716,6 +738,7 @@ def _measure(
     quiet = contextlib.ExitStack()
     quiet.enter_context(_tracker_unheard())
     quiet.enter_context(_quiet_failed_operators())
+    quiet.enter_context(_no_layerdrop(model))
     with quiet, _compiled_unwrapped(model), mode, _swapped(model, where, disk) as fakes:
         batch = _fake_batch(example_input, run, mode)
         opt = _optimizer(model, optimizer, foreach, fakes) if train else None
@@ -734,7 +757,11 @@ def _measure(
             return dev in where.values() or not (disk and dev.type == "meta")
 
         def by_device(snapshot: Mapping[torch.device, Any]) -> dict[torch.device, dict[str, int]]:
-            out = {label(dev): _by_kind(snap) for dev, snap in snapshot.items() if shown(dev)}
+            out: dict[torch.device, dict[str, int]] = {}
+            for dev, snap in snapshot.items():
+                if shown(dev):  # meta standing in for the cpu adds to the cpu's own (scalars)
+                    kinds, held = _by_kind(snap), out.setdefault(label(dev), {})
+                    out[label(dev)] = {k: held.get(k, 0) + n for k, n in kinds.items()}
             add_workspaces(out, tracker.torchplace_matmuls, label)
             return out
 
@@ -812,6 +839,40 @@ def _meta_autocast() -> Iterator[None]:
         yield
     finally:
         torch.autocast, torch.amp.autocast = saved  # type: ignore[misc]
+
+
+def _layerdrop_holders(model: nn.Module) -> Iterator[tuple[Any, str]]:
+    """Each (object, attribute) of the model that sets a LayerDrop rate above 0: a module's
+    ``layerdrop``, its transformers config's ``layerdrop``, ``encoder_layerdrop`` and the like."""
+    seen: set[int] = set()
+    for module in model.modules():
+        for holder in (module, getattr(module, "config", None)):
+            if holder is None or id(holder) in seen:
+                continue
+            seen.add(id(holder))
+            for name in _LAYERDROPS:
+                rate = getattr(holder, name, None)
+                if isinstance(rate, float) and rate > 0:
+                    yield holder, name
+
+
+_LAYERDROPS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop", "speech_encoder_layerdrop")
+
+
+@contextlib.contextmanager
+def _no_layerdrop(model: nn.Module) -> Iterator[None]:
+    """LayerDrop off while the step runs, put back after: a training step skips each layer
+    when a random draw falls under the rate (``torch.rand([]) < layerdrop``), a test of a
+    value fake tensors do not have; with every layer run, the step measured is the most a
+    step of the model can hold."""
+    saved = [(holder, name, getattr(holder, name)) for holder, name in _layerdrop_holders(model)]
+    try:
+        for holder, name, _ in saved:
+            setattr(holder, name, 0.0)
+        yield
+    finally:
+        for holder, name, rate in reversed(saved):
+            setattr(holder, name, rate)
 
 
 @contextlib.contextmanager
