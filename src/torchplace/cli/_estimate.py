@@ -22,9 +22,10 @@ import torch
 from torch import nn
 
 from .._devices import normalize
-from .._errors import TorchplaceError
+from .._errors import TorchplaceError, first_line
 from .._tensor_size import dtype_named
 from ..looking._estimate import COUNT_INSTEAD, IF_NOT_A_BATCH, PASS_A_BATCH, Estimate, estimate
+from ._config_checks import checked_config, model_class
 from ._inputs import example_batch
 
 __all__ = ["register"]
@@ -170,27 +171,32 @@ def _skeleton_from_config(folder: Path, dtype: torch.dtype | None) -> tuple[nn.M
             f"{config_file} is a transformers config, and building its model needs "
             f"transformers, which is not installed: {TRANSFORMERS_HINT}"
         ) from None
-    try:
-        raw = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise TorchplaceError(f"{config_file} cannot be read as JSON: {exc}") from exc
-    names = raw.get("architectures") or []
-    architecture = names[0] if names and isinstance(names[0], str) else None
+    raw = checked_config(config_file)
+    cls = model_class(config_file, raw, transformers)
+    names = raw.get("architectures") or [None]
+    architecture = names[0]
     try:
         config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
-        cls = getattr(transformers, architecture, None) if architecture else None
         with torch.device("meta"):
             model = cls(config) if cls is not None else transformers.AutoModel.from_config(config)  # type: ignore[no-untyped-call]
     except Exception as exc:
         raise TorchplaceError(
             f"{config_file}: transformers {transformers.__version__} cannot build architecture "
             f"{architecture or '(none named)'} (model_type {raw.get('model_type')!r}): "
-            f"{type(exc).__name__}: {exc}; upgrade transformers, or estimate the model in "
-            "Python: torchplace.estimate(model, example_input=...)"
+            f"{type(exc).__name__}: {first_line(exc)}{_fields_named(raw, exc)}; upgrade "
+            "transformers, or estimate the model in Python: torchplace.estimate(model, "
+            "example_input=...)"
         ) from exc
     saved = raw.get("dtype") or raw.get("torch_dtype")
     wanted = dtype or getattr(torch, str(saved), None)
     return (model.to(wanted) if isinstance(wanted, torch.dtype) else model), config
+
+
+def _fields_named(raw: dict[str, Any], exc: BaseException) -> str:
+    """The config's fields that ``exc``'s message names, as a clause ('' where none is)."""
+    said = str(exc)
+    named = [key for key in raw if len(key) > 2 and key in said]
+    return f" (check {', '.join(named)} in config.json)" if named else ""
 
 
 def _from_config(
@@ -200,7 +206,14 @@ def _from_config(
         model, config = _skeleton_from_config(folder, args.dtype)
     longest = getattr(config, "max_position_embeddings", None)
     seq = args.seq or (min(2048, longest) if isinstance(longest, int) and longest > 0 else 2048)
-    batch, said = example_batch(model, config, args.batch, seq, args.step == "train")
+    try:
+        batch, said = example_batch(model, config, args.batch, seq, args.step == "train")
+    except (TypeError, ValueError, OverflowError) as exc:  # a size of the config's that is none
+        raise TorchplaceError(
+            f"{folder / 'config.json'}: the {getattr(model, 'main_input_name', 'input')} of "
+            f"{type(model).__name__} cannot be shaped from it: {type(exc).__name__}: {exc}; "
+            "fix image_size, num_channels or conv_stride, whichever is no whole number"
+        ) from exc
     extra = {"kind": "transformers", "architecture": type(model).__name__, "batch": args.batch}
     extra.update(seq=seq, input=said)
     name = None if args.optimizer.strip().lower() == "none" else args.optimizer
