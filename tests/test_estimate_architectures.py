@@ -141,3 +141,54 @@ def test_a_missing_input_is_named() -> None:
     model = build("vit", "ViTForImageClassification")
     with pytest.raises(TorchplaceError, match=r"it lacks 'pixel_values', the input ViTForImage"):
         estimate(model, example_input={"labels": torch.zeros(2, dtype=torch.long)})
+
+
+class _Stateful(nn.Module):
+    """A forward that stores on ``self``: a head made lazily, a parameter made in the forward,
+    the last activations, a history list, a replaced attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(16, 16)
+        self.history: list[torch.Tensor] = []
+        self.last: torch.Tensor | None = None
+        self.scale = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "head"):
+            self.head = nn.Linear(16, 4)
+            self.gate = nn.Parameter(torch.ones(16))
+        h = self.body(x) * self.gate
+        self.last = h
+        self.history.append(h)
+        self.scale = 2.0
+        self.body.seen = h  # on a submodule too
+        return self.head(h)
+
+
+def _fakes_in(model: nn.Module) -> list[str]:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    found = []
+    for path, module in model.named_modules():
+        for name, value in vars(module).items():
+            values = value.values() if isinstance(value, dict) else value
+            items = values if isinstance(value, (list, dict)) else [value]
+            if any(isinstance(v, FakeTensor) for v in items):
+                found.append(f"{path}.{name}")
+    return found
+
+
+@pytest.mark.parametrize("step", ["forward", "train"])
+def test_state_the_forward_stores_on_self_is_undone(step: str) -> None:
+    model = _Stateful()
+    before = {id(m): dict(vars(m)) for m in model.modules()}
+    modules = list(model.modules())
+    est = estimate(model, example_input=torch.ones(8, 16), step=step)
+    assert est.fallback is None and est.peak > 0
+    assert list(model.modules()) == modules
+    assert {id(m): dict(vars(m)) for m in model.modules()} == before
+    assert not hasattr(model, "head") and not hasattr(model, "gate")
+    assert (model.history, model.last, model.scale) == ([], None, 1.0)
+    assert not hasattr(model.body, "seen") and _fakes_in(model) == []
+    assert model(torch.ones(2, 16)).shape == (2, 4)  # and it still runs, for real

@@ -738,6 +738,7 @@ def _measure(
     quiet = contextlib.ExitStack()
     quiet.enter_context(_tracker_unheard())
     quiet.enter_context(_quiet_failed_operators())
+    quiet.enter_context(_state_kept(model))
     quiet.enter_context(_no_layerdrop(model))
     with quiet, _compiled_unwrapped(model), mode, _swapped(model, where, disk) as fakes:
         batch = _fake_batch(example_input, run, mode)
@@ -839,6 +840,34 @@ def _meta_autocast() -> Iterator[None]:
         yield
     finally:
         torch.autocast, torch.amp.autocast = saved  # type: ignore[misc]
+
+
+@contextlib.contextmanager
+def _state_kept(model: nn.Module) -> Iterator[None]:
+    """Every module of the model as it was before the block, however it ends: what its forward
+    stored on ``self`` (a head made lazily, cached activations, a parameter made in the forward:
+    fake tensors all) removed, what it replaced put back, and its lists and dicts (its tables of
+    parameters, buffers, submodules and hooks among them) given back their entries."""
+    saved = [(module, dict(vars(module))) for module in model.modules()]
+    contents = {
+        id(value): (value, list(value) if isinstance(value, list) else dict(value))
+        for _, attrs in saved
+        for value in attrs.values()
+        if isinstance(value, (list, dict))
+    }
+    try:
+        yield
+    finally:
+        for module, attrs in saved:
+            for name in [n for n in vars(module) if n not in attrs]:
+                del vars(module)[name]
+            vars(module).update(attrs)
+        for value, entries in contents.values():
+            if isinstance(value, list):
+                value[:] = entries
+            else:
+                value.clear()
+                value.update(entries)
 
 
 def _layerdrop_holders(model: nn.Module) -> Iterator[tuple[Any, str]]:
