@@ -43,6 +43,7 @@ from ._fake_step import (
     Unmeasurable,
     measure_step,
 )
+from ._sigint import sigint_deferred
 from ._user_opt import state_bytes
 
 if TYPE_CHECKING:
@@ -426,7 +427,8 @@ def estimate(
                 "is dispatched (a skeleton sizes like the real model)"
             )
         _refuse_inside_disk_module(model)
-        return _measured(model, name, example_input, step)
+        with sigint_deferred():  # a Ctrl-C raised once the step has unwound, the model put back
+            return _measured(model, name, example_input, step)
     except TorchplaceError as err:
         raise prefixed(err, "estimate()") from err.__cause__
 
