@@ -22,9 +22,16 @@ import torch
 from torch import nn
 
 from .._devices import normalize
-from .._errors import TorchplaceError, first_line
+from .._errors import TorchplaceError, first_line, prefixed
 from .._tensor_size import dtype_named
-from ..looking._estimate import COUNT_INSTEAD, IF_NOT_A_BATCH, PASS_A_BATCH, Estimate, estimate
+from ..looking._estimate import (
+    COUNT_INSTEAD,
+    IF_NOT_A_BATCH,
+    PASS_A_BATCH,
+    Estimate,
+    count_tensors,
+    estimate,
+)
 from ._config_checks import checked_config, model_class
 from ._inputs import example_batch
 
@@ -206,6 +213,7 @@ def _from_config(
         model, config = _skeleton_from_config(folder, args.dtype)
     longest = getattr(config, "max_position_embeddings", None)
     seq = args.seq or (min(2048, longest) if isinstance(longest, int) and longest > 0 else 2048)
+    model.train(args.step == "train")  # inference in eval mode, as from_pretrained gives it
     try:
         batch, said = example_batch(model, config, args.batch, seq, args.step == "train")
     except (TypeError, ValueError, OverflowError) as exc:  # a size of the config's that is none
@@ -265,10 +273,9 @@ _NOT_WEIGHTS = frozenset(
 def _from_checkpoint(
     source: Path, args: argparse.Namespace, device: torch.device
 ) -> tuple[Estimate, list[str]]:
-    """The checkpoint's weights as fake parameters on ``device``, counted, and what of a
-    training checkpoint was left out (its ``optimizer`` state: counted from the weights)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    """The checkpoint's weights counted as parameters on ``device`` from their shapes (no
+    tensor made), and what of a training checkpoint was left out (its ``optimizer`` state:
+    counted from the weights)."""
     from ..checkpoint._catalog import catalog
 
     every = [r for r in catalog(source).records() if r.shares is None]  # each storage once
@@ -278,15 +285,15 @@ def _from_checkpoint(
     left_out = sorted(
         {r.name.split(".", 1)[0] for r in every} - {r.name.split(".", 1)[0] for r in records}
     )
-    holder = nn.Module()
-    with FakeTensorMode():
-        for i, r in enumerate(records):
-            dtype = getattr(torch, r.dtype)
-            if args.dtype is not None and dtype.is_floating_point:
-                dtype = args.dtype
-            fake = torch.empty(r.shape, dtype=dtype, device=device)
-            grad = dtype.is_floating_point or dtype.is_complex
-            holder.register_parameter(f"t{i}", nn.Parameter(fake, requires_grad=grad))
     train = args.step == "train"
     name = None if args.optimizer.strip().lower() == "none" or not train else args.optimizer
-    return estimate(holder, optimizer=name, grads=train), left_out
+    shapes = []
+    for r in records:
+        dtype = getattr(torch, r.dtype)
+        if args.dtype is not None and dtype.is_floating_point:
+            dtype = args.dtype
+        shapes.append((tuple(r.shape), dtype))
+    try:
+        return count_tensors(shapes, device, name, train), left_out
+    except TorchplaceError as err:
+        raise prefixed(err, "estimate()") from err.__cause__

@@ -14,11 +14,12 @@ import dataclasses
 import difflib
 import inspect
 import io
+import math
 import os
 import shlex
 import warnings
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, NoReturn
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import torch
 from torch import nn
@@ -513,6 +514,51 @@ def _count(model: nn.Module, spec: OptimizerSpec, grads: bool) -> Estimate:
         parameter_count=count,
         trainable_count=trainable,
         on_disk=on_disk,
+    )
+
+
+def count_tensors(
+    tensors: Iterable[tuple[tuple[int, ...], torch.dtype]],
+    device: torch.device,
+    optimizer: str | None,
+    grads: bool,
+) -> Estimate:
+    """``estimate`` of parameters of these shapes and dtypes on ``device`` (the floating and
+    complex ones trained), counted from the shapes alone: what ``torchplace estimate`` of a
+    checkpoint gives, with no tensor made (a 100k-tensor index made fake parameters for
+    seconds). The same bytes as ``estimate`` of a module holding such parameters.
+
+    >>> found = count_tensors([((1000, 1000), torch.float32)], torch.device("cpu"), "adam", True)
+    >>> found.parameters, found.gradients, found.optimizer_state
+    (4000000, 4000000, 8000004)
+    """
+    name = cast("str | None", _optimizer_name(optimizer))  # a name in, a name out
+    copies, has_step = _OPTIMIZERS[name] if name is not None else (0, False)
+    step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    rows: dict[tuple[torch.device, torch.dtype], dict[str, int]] = {}
+    cpu = torch.device("cpu")
+    count = trainable = steps = 0
+    for shape, dtype in tensors:
+        numel = math.prod(shape)
+        nbytes = numel * dtype.itemsize
+        row = rows.setdefault((device, dtype), dict.fromkeys(("parameters", "gradients"), 0))
+        row["parameters"] += nbytes
+        count += numel
+        if not (dtype.is_floating_point or dtype.is_complex):
+            continue
+        trainable += numel
+        row["gradients"] += nbytes if grads else 0
+        row["optimizer_state"] = row.get("optimizer_state", 0) + copies * nbytes
+        steps += 1 if has_step else 0
+    if steps:
+        row = rows.setdefault((cpu, step_dtype), {})
+        row["optimizer_state"] = row.get("optimizer_state", 0) + steps * step_dtype.itemsize
+    return Estimate(
+        rows=tuple(EstimateRow(dev, dtype, **fields) for (dev, dtype), fields in rows.items()),
+        optimizer=name,
+        grads=grads,
+        parameter_count=count,
+        trainable_count=trainable,
     )
 
 
