@@ -65,6 +65,7 @@ ARCHS: list[tuple[str, str, str | None, dict[str, Any]]] = [
 
 def _build(model_type: str, cls: str | None, overrides: dict[str, Any], device: str) -> Any:
     import transformers
+
     from hf_architectures import tiny_config
 
     config = tiny_config(model_type)
@@ -79,7 +80,6 @@ def _build(model_type: str, cls: str | None, overrides: dict[str, Any], device: 
 
 def _one(model_type: str, cls: str | None, overrides: dict[str, Any]) -> dict[str, Any]:
     from estimate_truth import forward_peak, train_peaks
-
     from torchplace.cli._inputs import example_batch
     from torchplace.looking._estimate import estimate
 
