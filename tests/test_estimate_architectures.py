@@ -192,3 +192,21 @@ def test_state_the_forward_stores_on_self_is_undone(step: str) -> None:
     assert (model.history, model.last, model.scale) == ([], None, 1.0)
     assert not hasattr(model.body, "seen") and _fakes_in(model) == []
     assert model(torch.ones(2, 16)).shape == (2, 4)  # and it still runs, for real
+
+
+@pytest.mark.parametrize("heads", [4, 2])  # as many key and value heads as heads, or fewer
+def test_an_mla_config_is_measured_or_its_sizes_blamed_not_the_batch(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], heads: int
+) -> None:
+    config = tiny("minicpm3")
+    config.num_key_value_heads = heads  # MLA takes no grouped-query: 2 of 4 is no model
+    config.architectures = ["MiniCPM3ForCausalLM"]
+    config.save_pretrained(tmp_path)
+    argv = [str(tmp_path), "--batch", "2", "--seq", "16", "--device", "cpu", "--json"]
+    status = main(["estimate", *argv])
+    out, err = capsys.readouterr()
+    if heads == 4:
+        assert status == 0 and json.loads(out)["fallback"] is None, err
+        return
+    assert status == 1 and "fails too, so the config's sizes disagree" in err, err
+    assert "pass a --seq" not in err

@@ -231,16 +231,39 @@ def _from_config(
                 _on_fake(model, device), optimizer=name, example_input=batch, step=args.step
             )
         except TorchplaceError as exc:
-            raise _for_the_command_line(exc, said, longest) from exc.__cause__
+            fault = _config_at_fault(model, config, seq)
+            raise _for_the_command_line(exc, said, longest, fault) from exc.__cause__
     return found, extra
 
 
-def _for_the_command_line(exc: TorchplaceError, said: str, longest: object) -> TorchplaceError:
+def _config_at_fault(model: nn.Module, config: Any, seq: int) -> str:
+    """Where the model's step failed on the command's batch: whether a forward of the
+    smallest batch fails too (then the config's sizes disagree with each other, not with the
+    batch: a sentence saying so), else ''."""
+    small, said = example_batch(model, config, 1, min(seq, 8), False)
+    try:
+        estimate(model, optimizer=None, example_input=small, step="forward")
+    except TorchplaceError:
+        return (
+            f"a forward of the smallest batch ({said}) fails too, so the config's sizes "
+            "disagree with each other, not with the batch: check the fields of config.json "
+            "that the failing module reads (head counts and sizes, num_key_value_heads)"
+        )
+    return ""
+
+
+def _for_the_command_line(
+    exc: TorchplaceError, said: str, longest: object, fault: str = ""
+) -> TorchplaceError:
     """``estimate``'s error about its ``example_input``, with the fix a command line can
-    follow: the tokens are the command's (``--batch`` x ``--seq``), not a batch in Python."""
+    follow: the tokens are the command's (``--batch`` x ``--seq``), not a batch in Python; or
+    ``fault``, where the config, not the batch, is at fault."""
     text = str(exc)
     if "example_input: " not in text:
         return exc
+    if fault:
+        head = text.partition(f"; {PASS_A_BATCH}")[0].partition(f". {IF_NOT_A_BATCH}")[0]
+        return TorchplaceError(f"{head.replace('example_input: ', f'{said}: ', 1)}; {fault}")
     limit = (
         f" (this config's max_position_embeddings is {longest})"
         if isinstance(longest, int) and longest > 0
