@@ -30,6 +30,8 @@ KINDS = [
     ("whisper", "WhisperForConditionalGeneration", "input_features"),
     ("xlnet", "XLNetLMHeadModel", "input_ids"),
     ("doge", "DogeForCausalLM", "input_ids"),
+    # a layer given a parameter whole in an inference forward (torch's tracker hooked its grad)
+    ("nemotron_h", "NemotronHForCausalLM", "input_ids"),
 ]
 
 

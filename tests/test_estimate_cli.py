@@ -192,6 +192,7 @@ def _index(root: Path, count: int, shards: int = 8) -> Path:
     return index
 
 
+@pytest.mark.slow  # writes and reads a 100k-tensor index
 def test_an_index_of_100k_tensors_is_counted_in_under_3_s(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -101,6 +101,7 @@ def _mutated(rng: random.Random) -> str:
     return json.dumps(config)
 
 
+@pytest.mark.slow  # a fuzz, 20 s
 def test_fuzzed_configs_raise_only_torchplace_errors_in_bounded_time(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

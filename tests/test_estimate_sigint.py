@@ -15,7 +15,10 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+pytestmark = [
+    pytest.mark.slow,  # real signals to a subprocess
+    pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals"),
+]
 
 CHILD = textwrap.dedent(
     """

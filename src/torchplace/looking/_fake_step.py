@@ -486,20 +486,27 @@ def _run_devices(
     return {d: d for d in devices}, devices[0]
 
 
-def _fake_like(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+def _fake_like(t: torch.Tensor, dev: torch.device, grad: bool = True) -> torch.Tensor:
+    """A fake tensor shaped and strided as ``t`` on ``dev``, requiring grad as ``t`` does (none
+    where ``grad`` is False: an inference step, in which torch's module tracker would try to
+    hook the gradients of what a module is given and fail on a parameter passed in whole)."""
     fake = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=dev)
     if isinstance(t, nn.Parameter):
-        return nn.Parameter(fake, requires_grad=t.requires_grad)
-    return fake.requires_grad_(t.requires_grad) if t.is_leaf else fake
+        return nn.Parameter(fake, requires_grad=t.requires_grad and grad)
+    return fake.requires_grad_(t.requires_grad and grad) if t.is_leaf else fake
 
 
 @contextlib.contextmanager
 def _swapped(
-    model: nn.Module, where: dict[torch.device, torch.device], disk: Mapping[int, torch.Tensor]
+    model: nn.Module,
+    where: dict[torch.device, torch.device],
+    disk: Mapping[int, torch.Tensor],
+    grad: bool = True,
 ) -> Iterator[dict[int, torch.Tensor]]:
-    """The model with fake parameters and buffers (each tied tensor one fake) while the block
-    runs; the model's own tensors are put back however the block ends. The placeholders of
-    weights on disk (``disk``) stay: their module's hooks bring fake weights in as it runs."""
+    """The model with fake parameters and buffers (each tied tensor one fake; none requiring
+    grad unless ``grad``) while the block runs; the model's own tensors are put back however
+    the block ends. The placeholders of weights on disk (``disk``) stay: their module's hooks
+    bring fake weights in as it runs."""
     saved: list[tuple[dict[str, Any], str, torch.Tensor]] = []
     fakes: dict[int, torch.Tensor] = {}  # id of the model's tensor -> its fake
     try:
@@ -509,7 +516,7 @@ def _swapped(
                     if t is None or id(t) in disk:
                         continue
                     if id(t) not in fakes:
-                        fakes[id(t)] = _fake_like(t, where[t.device])
+                        fakes[id(t)] = _fake_like(t, where[t.device], grad)
                     saved.append((table, name, t))
                     table[name] = fakes[id(t)]  # type: ignore[assignment]
         yield fakes
@@ -740,7 +747,8 @@ def _measure(
     quiet.enter_context(_quiet_failed_operators())
     quiet.enter_context(_state_kept(model))
     quiet.enter_context(_no_layerdrop(model))
-    with quiet, _compiled_unwrapped(model), mode, _swapped(model, where, disk) as fakes:
+    swapped = _swapped(model, where, disk, train)
+    with quiet, _compiled_unwrapped(model), mode, swapped as fakes:
         batch = _fake_batch(example_input, run, mode)
         opt = _optimizer(model, optimizer, foreach, fakes) if train else None
         tracker = _tracker_class()()
