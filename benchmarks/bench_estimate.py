@@ -7,6 +7,9 @@ as the estimate does it. Target: under 30 s on the 2-core machine. The time to b
 skeleton is shown apart (it is transformers', not the estimate's). ``--profile`` prints where
 the estimate's time goes (cProfile, top functions by cumulative time).
 
+``--archs [TYPE ...]`` checks accuracy across some 30 transformers architectures against real
+steps on the CPU (``_estimate_archs``): predicted / measured per architecture, then the summary.
+
 ``--gpu`` (on a CUDA machine) checks accuracy instead: three small transformers models (GPT-2,
 Llama, BERT; a few layers, batch 8 x 256) each run one real training step (forward, backward,
 Adam) and one inference forward on ``cuda:0``, and the predicted peak of ``estimate`` for the
@@ -97,19 +100,23 @@ def _fresh(model: torch.nn.Module) -> int:
 
 def _real_peak(model: torch.nn.Module, batch: dict[str, torch.Tensor], train: bool) -> int:
     """``max_memory_allocated`` over one real step on cuda:0 (weights already there); a
-    training step keeps its output until the optimizer's step is done."""
+    training step keeps its output until the optimizer's step is done, and is a steady one:
+    a first step (which makes Adam's state) runs before the one measured, as ``estimate``
+    predicts the steady step."""
     opt = torch.optim.Adam(model.parameters()) if train else None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    if train:
+    for _ in range(2 if train else 1):  # the peak kept is the last step's
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        if not train:
+            with torch.no_grad():
+                model(**batch)
+            continue
         assert opt is not None
         output = model(**batch)
         output.loss.backward()
         opt.step()
+        opt.zero_grad()
         del output
-    else:
-        with torch.no_grad():
-            model(**batch)
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated()
 
@@ -155,7 +162,19 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--gpu", action="store_true", help="accuracy against a real CUDA step")
     parser.add_argument("--rows", default=None, help="append figures as JSON lines here")
+    parser.add_argument(
+        "--archs",
+        nargs="*",
+        default=None,
+        help="accuracy across architectures against real CPU steps (all, or those named)",
+    )
     args = parser.parse_args()
+    if args.archs is not None:
+        import _estimate_archs
+
+        print(_estimate_archs.HEADER)
+        print(_estimate_archs.summary(_estimate_archs.run(args.archs)))
+        return
     if args.gpu:
         if not torch.cuda.is_available():
             print("bench_estimate --gpu: no CUDA device here, nothing to measure")

@@ -1,4 +1,5 @@
-"""Tiny transformers models for the differential test of ``load_into`` against ``save_pretrained``.
+"""Tiny transformers models for the differential test of ``load_into`` against ``save_pretrained``,
+with an estimate leg (``estimate_check``: each one estimated for training and a forward).
 
 Every architecture ``AutoModelForCausalLM`` knows is built from a tiny config (hidden size 64,
 two layers, four experts, a small vocabulary), without downloads: each size the config class
@@ -311,6 +312,46 @@ def offload_check(model_type: str, directory: str) -> tuple[str, str]:
     return "ok", shown
 
 
+def estimate_check(model_type: str) -> str:
+    """The estimate leg: ``torchplace.estimate`` of ``model_type``'s skeleton for a training
+    step and an inference forward, on the batch ``torchplace estimate DIR`` gives it; "" when
+    both are measured (no error, no fallback), or where the real tiny model itself cannot run
+    that batch (its config is at fault, not the estimate), else what failed."""
+    import warnings
+
+    import torchplace
+    from torchplace.cli._inputs import example_batch
+
+    config, model = build(model_type)
+    skeleton = torchplace.skeleton(maker(model_type), config)
+    for step in ("train", "forward"):
+        make, _ = example_batch(model, config, 2, 16, step == "train")
+        try:
+            with torch.no_grad():
+                model.train(step == "train")(**make(torch.device("cpu")))
+        except Exception:  # the real model refuses it too: nothing to hold the estimate to
+            return ""
+        skeleton.train(step == "train")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                found = torchplace.estimate(skeleton, example_input=make, step=step)
+            except Exception as exc:
+                return f"estimate {step}: {type(exc).__name__}: {str(exc)[:300]}"
+        if found.fallback is not None:
+            return f"estimate {step} fell back: {found.fallback[:300]}"
+    return ""
+
+
+def _estimate_leg(model_type: str) -> str:
+    """``estimate_check`` on transformers 5, where its results were checked; the 4.x sample of
+    the sweep keeps to the load."""
+    import transformers
+
+    major = int(transformers.__version__.split(".")[0])
+    return estimate_check(model_type) if major >= 5 else ""
+
+
 def verdict(model_type: str) -> tuple[str, str, str, str]:
     """The load's verdict, then the offload leg's (``offload_check``; ``("", "")`` where the
     load was not ok). The load's: ``("ok", "")``, ``("fail", what differs)``, or why it was not
@@ -332,7 +373,7 @@ def verdict(model_type: str) -> tuple[str, str, str, str]:
         except Exception as exc:
             return "nosave", f"save_pretrained: {type(exc).__name__}: {str(exc)[:200]}", "", ""
         try:
-            found = check(model_type, directory)
+            found = check(model_type, directory) or _estimate_leg(model_type)
         except Exception as exc:
             found = f"{type(exc).__name__}: {str(exc)[:400]}"
         if found:

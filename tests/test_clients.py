@@ -584,7 +584,7 @@ def test_llama_with_its_layers_on_a_gpu_gives_the_same_logits() -> None:
     torchplace.dispatch(model, {"": "cpu", "model.layers": "cuda:0"})
     assert model.model.layers[0].self_attn.q_proj.weight.device == torch.device("cuda", 0)
     assert model.model.embed_tokens.weight.is_pinned()  # "cpu" beside a GPU: offloaded
-    with torch.no_grad():  # the offload tier runs for inference only
+    with torch.no_grad():
         logits = model(IDS).logits
     assert logits.device == CPU
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-5)

@@ -658,7 +658,7 @@ def test_dispatch_across_two_cuda_devices() -> None:
 @pytest.mark.requires_cuda
 def test_dispatch_between_cpu_and_cuda() -> None:
     # "cpu" beside a GPU is the offload tier: the head's weights stay home on the CPU and
-    # run on cuda:0, for inference only.
+    # run on cuda:0.
     reference = seeded(Net)
     model = dispatch(copy.deepcopy(reference), {"": "cuda:0", "head": "cpu"})
     assert model.embed.weight.device == CUDA0

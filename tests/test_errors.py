@@ -119,6 +119,7 @@ def test_bare_root_error_sites_are_the_ones_the_drawing_describes() -> None:
         "_offload",  # an offloaded module called with gradients on, offload_window < 1
         "_load_by_map",  # load_into() of a non-module, execution_device= without a map
         "_estimate",  # a non-module, a lazy module
+        "_config_checks",  # a config.json no model is built from (not an object, too deep)
         "_guard",  # a non-module
         "_inspect",  # verify() with another model's optimizer
         "_optim_state",  # optimizer= of the wrong kind

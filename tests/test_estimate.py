@@ -144,27 +144,31 @@ def test_estimate_rejects_unknown_optimizer_with_a_suggestion() -> None:
         estimate(nn.Linear(2, 2), optimizer="adma")
 
 
-NAMES = "'sgd', 'sgd-momentum', 'adam', 'adamw', 'adagrad', 'momentum' or None"
+NAMES = "'sgd', 'sgd-momentum', 'adam', 'adamw', 'adagrad', 'momentum', None or an Optimizer"
 
 
-def test_estimate_names_an_optimizer_object_by_its_class_and_lists_every_name() -> None:
-    model = nn.Linear(2, 2)
+def test_estimate_sizes_the_users_own_optimizer_by_its_flags() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    model[1].requires_grad_(False)
+    weights = (8 * 8 + 8) * 4  # what requires grad
     cases = [
-        (torch.optim.AdamW(model.parameters()), "AdamW", " (here optimizer='adamw')"),
-        (
-            torch.optim.SGD(model.parameters(), momentum=0.9),
-            "SGD",
-            " (here optimizer='sgd-momentum')",
-        ),
-        (torch.optim.RMSprop(model.parameters()), "RMSprop", ""),
+        (torch.optim.AdamW(model.parameters(), amsgrad=True), 3 * weights + 2 * 4),
+        (torch.optim.SGD(model.parameters(), momentum=0.9), weights),
+        (torch.optim.SGD(model.parameters()), 0),
+        (torch.optim.RMSprop(model.parameters(), centered=True, momentum=0.9), 3 * weights + 8),
     ]
-    for optimizer, kind, hint in cases:
-        with pytest.raises(DeviceSpecError) as caught:
-            estimate(model, optimizer=optimizer)  # type: ignore[arg-type]
-        assert str(caught.value) == (
-            f"estimate(): optimizer={kind}(...): give the optimizer's name as a string{hint}, "
-            f"one of {NAMES}"
-        )
+    for optimizer, state in cases:
+        groups = [dict(g) for g in optimizer.param_groups]
+        est = estimate(model, optimizer=optimizer)
+        assert (est.optimizer, est.optimizer_state) == (type(optimizer).__name__, state)
+        assert est.gradients == weights
+        assert not optimizer.state and optimizer.param_groups == groups  # left alone
+    with pytest.raises(DeviceSpecError) as caught:
+        estimate(model, optimizer=3)  # type: ignore[arg-type]
+    assert str(caught.value) == (
+        f"estimate(): optimizer=int(...) is neither an optimizer's name nor a "
+        f"torch.optim.Optimizer; give one of {NAMES}"
+    )
     with pytest.raises(DeviceSpecError) as caught:
         estimate(model, optimizer="adma")
     assert str(caught.value).endswith(f"use one of {NAMES}")

@@ -69,7 +69,9 @@ def test_a_model_directory_prints_the_tables(
 ) -> None:
     status, out, _ = run(capsys, str(tiny_dir), "--step", "forward")
     assert status == 0
-    assert "LlamaForCausalLM, one forward step of 1 x 64 tokens on cuda:0" in out  # seq capped
+    assert (
+        "LlamaForCausalLM, one forward step of 1 x 64 tokens of input_ids on cuda:0" in out
+    )  # seq capped
     for text in ("Peak of one forward step", "activations", "Modules at the highest peaks"):
         assert text in out
     assert "model.layers." in out
@@ -165,3 +167,49 @@ def test_without_transformers_it_says_what_to_install(
     assert (status, out) == (1, "")
     assert err.strip().endswith("is not installed: pip install transformers")
     assert "config.json" in err
+
+
+def _index(root: Path, count: int, shards: int = 8) -> Path:
+    """A shard index of ``count`` 2x2 tensors (float32, and every tenth one int64)."""
+    import struct
+
+    names = [f"model.layers.{i // 100}.mlp.experts.{i % 100}.w" for i in range(count)]
+    per, weight_map = -(-count // shards), {}
+    for s in range(shards):
+        part = names[s * per : (s + 1) * per]
+        shard = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        header, at = {}, 0
+        for k, name in enumerate(part):
+            size = 32 if k % 10 == 0 else 16
+            dtype = "I64" if size == 32 else "F32"
+            header[name] = {"dtype": dtype, "shape": [2, 2], "data_offsets": [at, at + size]}
+            at += size
+        raw = json.dumps({"__metadata__": {"format": "pt"}, **header}).encode()
+        (root / shard).write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(at))
+        weight_map.update(dict.fromkeys(part, shard))
+    index = root / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return index
+
+
+@pytest.mark.slow  # writes and reads a 100k-tensor index
+def test_an_index_of_100k_tensors_is_counted_in_under_3_s(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import time
+
+    index = _index(tmp_path, 100_000)
+    started = time.perf_counter()
+    status, out, err = run(capsys, str(index), "--json", "--device", "cpu", "--optimizer", "adamw")
+    took = time.perf_counter() - started
+    assert status == 0 and took < 3.0, (took, err)
+    report = json.loads(out)
+    floats, ints = 90_000, 10_000
+    rows = {(r["device"], r["dtype"]): r for r in report["rows"]}
+    assert report["parameter_count"] == 4 * 100_000 and report["trainable_count"] == 4 * floats
+    assert (
+        rows["cpu", "float32"]["parameters"] == rows["cpu", "float32"]["gradients"] == 16 * floats
+    )
+    # AdamW: two moments per floating tensor, and a float32 step for each on the cpu
+    assert rows["cpu", "float32"]["optimizer_state"] == 2 * 16 * floats + 4 * floats
+    assert (rows["cpu", "int64"]["parameters"], rows["cpu", "int64"]["gradients"]) == (32 * ints, 0)

@@ -238,7 +238,7 @@ NOT_A_SOURCE = {
     ("_devices", "host_available", "open"): "/proc/meminfo",
     ("cli._doctor", "_nvidia_driver", "open"): "the driver's version in /proc",
     ("cli._main", "_silence_stdout", "os.open"): "/dev/null",
-    ("cli._estimate", "_skeleton_from_config", "config_file.read_text"): "a config.json",
+    ("cli._config_checks", "checked_config", "config_file.read_text"): "a config.json",
 }
 # Calls that open or read a file, or parse one, whatever the receiver (``Path.read_bytes``,
 # ``torch.load``, ``pickle.load``, ``safetensors.torch.load_file``, ``numpy.fromfile``); the

@@ -898,7 +898,7 @@ def test_estimate_of_a_model_with_disk_modules_reads_nothing(
     assert measured.fallback is None and measured.activations > 0
     with pytest.raises(
         torchplace.TorchplaceError,
-        match=r"estimate\(\): model\.1 is offloaded .* inference only.*pass step='forward'",
+        match=r"estimate\(\): model\.1 is offloaded .* not measured.*pass step='forward'",
     ):
         torchplace.estimate(loaded_nested, example_input=x)  # step="train", the default
     assert (

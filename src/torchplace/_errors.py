@@ -17,7 +17,9 @@ The tree, with when each is raised (every ``raise`` in the package, as of this r
     │                                operator that fake tensors cannot run on it),
     │                                grads=False with step='train',
     │                                torchplace estimate's config that transformers cannot
-    │                                build or lacking transformers, a one-shot source read by
+    │                                build or lacking transformers, or that is no JSON object,
+    │                                nests too deep, names no model class in architectures or
+    │                                asks for too many layers, a one-shot source read by
     │                                two DeviceLoader loops, bench
     │                                --device meta, and distributed's setup() outside torchrun,
     │                                without torch.distributed, or when the process group does

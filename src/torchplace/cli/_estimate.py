@@ -22,9 +22,18 @@ import torch
 from torch import nn
 
 from .._devices import normalize
-from .._errors import TorchplaceError
+from .._errors import TorchplaceError, first_line, prefixed
 from .._tensor_size import dtype_named
-from ..looking._estimate import COUNT_INSTEAD, IF_NOT_A_BATCH, PASS_A_BATCH, Estimate, estimate
+from ..looking._estimate import (
+    COUNT_INSTEAD,
+    IF_NOT_A_BATCH,
+    PASS_A_BATCH,
+    Estimate,
+    count_tensors,
+    estimate,
+)
+from ._config_checks import checked_config, model_class
+from ._inputs import example_batch
 
 __all__ = ["register"]
 
@@ -116,8 +125,8 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     if extra["kind"] == "transformers":
         print(
-            f"{args.path}: {extra['architecture']}, one {args.step} step of {args.batch} x "
-            f"{extra['seq']} tokens on {device}\n"
+            f"{args.path}: {extra['architecture']}, one {args.step} step of {extra['input']} "
+            f"on {device}\n"
         )
     else:
         kept = f", leaving out its {', '.join(map(repr, extra['left_out']))}"
@@ -169,27 +178,32 @@ def _skeleton_from_config(folder: Path, dtype: torch.dtype | None) -> tuple[nn.M
             f"{config_file} is a transformers config, and building its model needs "
             f"transformers, which is not installed: {TRANSFORMERS_HINT}"
         ) from None
-    try:
-        raw = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise TorchplaceError(f"{config_file} cannot be read as JSON: {exc}") from exc
-    names = raw.get("architectures") or []
-    architecture = names[0] if names and isinstance(names[0], str) else None
+    raw = checked_config(config_file)
+    cls = model_class(config_file, raw, transformers)
+    names = raw.get("architectures") or [None]
+    architecture = names[0]
     try:
         config = transformers.AutoConfig.from_pretrained(str(folder), local_files_only=True)
-        cls = getattr(transformers, architecture, None) if architecture else None
         with torch.device("meta"):
             model = cls(config) if cls is not None else transformers.AutoModel.from_config(config)  # type: ignore[no-untyped-call]
     except Exception as exc:
         raise TorchplaceError(
             f"{config_file}: transformers {transformers.__version__} cannot build architecture "
             f"{architecture or '(none named)'} (model_type {raw.get('model_type')!r}): "
-            f"{type(exc).__name__}: {exc}; upgrade transformers, or estimate the model in "
-            "Python: torchplace.estimate(model, example_input=...)"
+            f"{type(exc).__name__}: {first_line(exc)}{_fields_named(raw, exc)}; upgrade "
+            "transformers, or estimate the model in Python: torchplace.estimate(model, "
+            "example_input=...)"
         ) from exc
     saved = raw.get("dtype") or raw.get("torch_dtype")
     wanted = dtype or getattr(torch, str(saved), None)
     return (model.to(wanted) if isinstance(wanted, torch.dtype) else model), config
+
+
+def _fields_named(raw: dict[str, Any], exc: BaseException) -> str:
+    """The config's fields that ``exc``'s message names, as a clause ('' where none is)."""
+    said = str(exc)
+    named = [key for key in raw if len(key) > 2 and key in said]
+    return f" (check {', '.join(named)} in config.json)" if named else ""
 
 
 def _from_config(
@@ -199,33 +213,57 @@ def _from_config(
         model, config = _skeleton_from_config(folder, args.dtype)
     longest = getattr(config, "max_position_embeddings", None)
     seq = args.seq or (min(2048, longest) if isinstance(longest, int) and longest > 0 else 2048)
-    train = args.step == "train"
-
-    def tokens(dev: torch.device) -> dict[str, torch.Tensor]:
-        ids = torch.zeros(args.batch, seq, dtype=torch.long, device=dev)
-        return {"input_ids": ids, "labels": ids} if train else {"input_ids": ids}
-
+    model.train(args.step == "train")  # inference in eval mode, as from_pretrained gives it
+    try:
+        batch, said = example_batch(model, config, args.batch, seq, args.step == "train")
+    except (TypeError, ValueError, OverflowError) as exc:  # a size of the config's that is none
+        raise TorchplaceError(
+            f"{folder / 'config.json'}: the {getattr(model, 'main_input_name', 'input')} of "
+            f"{type(model).__name__} cannot be shaped from it: {type(exc).__name__}: {exc}; "
+            "fix image_size, num_channels or conv_stride, whichever is no whole number"
+        ) from exc
     extra = {"kind": "transformers", "architecture": type(model).__name__, "batch": args.batch}
-    extra["seq"] = seq
+    extra.update(seq=seq, input=said)
     name = None if args.optimizer.strip().lower() == "none" else args.optimizer
-    with _saying(f"one {args.step} step of {type(model).__name__}, {args.batch} x {seq} tokens"):
+    with _saying(f"one {args.step} step of {type(model).__name__}, {said}"):
         try:
             found = estimate(
-                _on_fake(model, device), optimizer=name, example_input=tokens, step=args.step
+                _on_fake(model, device), optimizer=name, example_input=batch, step=args.step
             )
         except TorchplaceError as exc:
-            raise _for_the_command_line(exc, args.batch, seq, longest) from exc.__cause__
+            fault = _config_at_fault(model, config, seq)
+            raise _for_the_command_line(exc, said, longest, fault) from exc.__cause__
     return found, extra
 
 
+def _config_at_fault(model: nn.Module, config: Any, seq: int) -> str:
+    """Where the model's step failed on the command's batch: whether a forward of the
+    smallest batch fails too (then the config's sizes disagree with each other, not with the
+    batch: a sentence saying so), else ''."""
+    small, said = example_batch(model, config, 1, min(seq, 8), False)
+    try:
+        estimate(model, optimizer=None, example_input=small, step="forward")
+    except TorchplaceError:
+        return (
+            f"a forward of the smallest batch ({said}) fails too, so the config's sizes "
+            "disagree with each other, not with the batch: check the fields of config.json "
+            "that the failing module reads (head counts and sizes, num_key_value_heads)"
+        )
+    return ""
+
+
 def _for_the_command_line(
-    exc: TorchplaceError, batch: int, seq: int, longest: object
+    exc: TorchplaceError, said: str, longest: object, fault: str = ""
 ) -> TorchplaceError:
     """``estimate``'s error about its ``example_input``, with the fix a command line can
-    follow: the tokens are the command's (``--batch`` x ``--seq``), not a batch in Python."""
+    follow: the tokens are the command's (``--batch`` x ``--seq``), not a batch in Python; or
+    ``fault``, where the config, not the batch, is at fault."""
     text = str(exc)
     if "example_input: " not in text:
         return exc
+    if fault:
+        head = text.partition(f"; {PASS_A_BATCH}")[0].partition(f". {IF_NOT_A_BATCH}")[0]
+        return TorchplaceError(f"{head.replace('example_input: ', f'{said}: ', 1)}; {fault}")
     limit = (
         f" (this config's max_position_embeddings is {longest})"
         if isinstance(longest, int) and longest > 0
@@ -242,9 +280,7 @@ def _for_the_command_line(
         ).replace(COUNT_INSTEAD, "torchplace estimate of its weights file counts")
     else:
         return exc
-    return TorchplaceError(
-        text.replace("example_input: ", f"{batch} x {seq} tokens of input_ids: ", 1)
-    )
+    return TorchplaceError(text.replace("example_input: ", f"{said}: ", 1))
 
 
 # The top-level keys of a training checkpoint that hold no weights of the model: its
@@ -260,10 +296,9 @@ _NOT_WEIGHTS = frozenset(
 def _from_checkpoint(
     source: Path, args: argparse.Namespace, device: torch.device
 ) -> tuple[Estimate, list[str]]:
-    """The checkpoint's weights as fake parameters on ``device``, counted, and what of a
-    training checkpoint was left out (its ``optimizer`` state: counted from the weights)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
+    """The checkpoint's weights counted as parameters on ``device`` from their shapes (no
+    tensor made), and what of a training checkpoint was left out (its ``optimizer`` state:
+    counted from the weights)."""
     from ..checkpoint._catalog import catalog
 
     every = [r for r in catalog(source).records() if r.shares is None]  # each storage once
@@ -273,15 +308,15 @@ def _from_checkpoint(
     left_out = sorted(
         {r.name.split(".", 1)[0] for r in every} - {r.name.split(".", 1)[0] for r in records}
     )
-    holder = nn.Module()
-    with FakeTensorMode():
-        for i, r in enumerate(records):
-            dtype = getattr(torch, r.dtype)
-            if args.dtype is not None and dtype.is_floating_point:
-                dtype = args.dtype
-            fake = torch.empty(r.shape, dtype=dtype, device=device)
-            grad = dtype.is_floating_point or dtype.is_complex
-            holder.register_parameter(f"t{i}", nn.Parameter(fake, requires_grad=grad))
     train = args.step == "train"
     name = None if args.optimizer.strip().lower() == "none" or not train else args.optimizer
-    return estimate(holder, optimizer=name, grads=train), left_out
+    shapes = []
+    for r in records:
+        dtype = getattr(torch, r.dtype)
+        if args.dtype is not None and dtype.is_floating_point:
+            dtype = args.dtype
+        shapes.append((tuple(r.shape), dtype))
+    try:
+        return count_tensors(shapes, device, name, train), left_out
+    except TorchplaceError as err:
+        raise prefixed(err, "estimate()") from err.__cause__

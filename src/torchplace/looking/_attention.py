@@ -13,7 +13,8 @@ The rules are PyTorch's dispatch (``sdp_utils``), as its documentation and sourc
 - CPU (and a skeleton on ``meta``, measured as a CPU runs it): the flash kernel for 4-d query,
   key and value of one head size in float32/64, bfloat16 or float16, with or without a mask,
   causal or not, grouped-query where this torch's CPU kernel takes it (torch 2.6's does not);
-  the math path with dropout.
+  the math path with dropout, or with a mask that requires grad (a learned bias: T5's, Doge's,
+  SAM's), which the flash kernel cannot differentiate.
 - CUDA (taken to be sm80 or later): the flash kernel for float16/bfloat16 without a mask, one
   head size of at most 256; else the memory-efficient kernel (float32 too, with a mask, query
   and key of one head size, head sizes a multiple of 8 elements in 16-bit dtypes, of 4 in
@@ -73,9 +74,8 @@ def _kernel(target: torch.device, a: dict[str, Any]) -> str:
     if target.type != "cuda":
         one_size = q.shape[-1] == k.shape[-1] == v.shape[-1]
         takes = same_heads or _cpu_flash_takes_grouped_query()
-        return (
-            "cpu" if q.dtype in _CPU_DTYPES and one_size and takes and not a["dropout"] else "math"
-        )
+        plain = not a["dropout"] and not (mask is not None and mask.requires_grad)
+        return "cpu" if q.dtype in _CPU_DTYPES and one_size and takes and plain else "math"
     if (
         q.dtype in _FLASH_CUDA_DTYPES
         and a["mask"] is None

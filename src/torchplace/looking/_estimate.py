@@ -12,11 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import io
+import math
 import os
 import shlex
 import warnings
-from typing import TYPE_CHECKING, Any, NoReturn
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import torch
 from torch import nn
@@ -33,7 +36,16 @@ from .._sizes import format_bytes as _format_bytes
 from .._tensor_size import nbytes_as
 from ..moving._offloaded import disk_placeholders, homes, outside_units
 from ._fake_checks import real_kernel_refuses
-from ._fake_step import KINDS, ModulePeak, OperatorFailed, Unmeasurable, measure_step
+from ._fake_step import (
+    KINDS,
+    ModulePeak,
+    OperatorFailed,
+    StepMeasure,
+    Unmeasurable,
+    measure_step,
+)
+from ._sigint import sigint_deferred
+from ._user_opt import state_bytes
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -114,8 +126,8 @@ class Estimate:
     while their module runs). They are in no row, since no device holds them between calls,
     and no gradients or optimizer state is counted for them (they are read afresh each call);
     a measured step counts them on their module's device while it runs, among its activations
-    (tensors made during the step). A training step of an offloaded model is refused: it runs
-    for inference only.
+    (tensors made during the step). A training step of an offloaded model is not measured
+    (refused): estimate the model before it is dispatched, where a skeleton sizes like it.
     """
 
     rows: tuple[EstimateRow, ...]
@@ -130,6 +142,7 @@ class Estimate:
     modules: tuple[ModulePeak, ...] = ()
     fallback: str | None = None
     on_disk: int = 0
+    first_step_peak: int | None = None
 
     @property
     def parameters(self) -> int:
@@ -202,6 +215,7 @@ class Estimate:
             "step": self.step,
             "fallback": self.fallback,
             "peak": self.peak,
+            "first_step_peak": self.first_step_peak,
             "peak_by_device": {str(dev): n for dev, n in self.peak_by_device().items()},
             "activations": self.activations,
             "temporaries": self.temporaries,
@@ -301,10 +315,14 @@ class Estimate:
         return "\n".join(line.rstrip() for line in buffer.getvalue().strip("\n").splitlines())
 
 
-def _optimizer_name(optimizer: str | None) -> str | None:
-    if optimizer is None:
-        return None
-    names = f"{', '.join(repr(n) for n in _OPTIMIZERS)}, 'momentum' or None"
+# What sizes the optimizer's state: a name of ``_OPTIMIZERS``, the user's own optimizer, or None.
+OptimizerSpec = str | torch.optim.Optimizer | None
+
+
+def _optimizer_name(optimizer: OptimizerSpec) -> OptimizerSpec:
+    if optimizer is None or isinstance(optimizer, torch.optim.Optimizer):
+        return optimizer
+    names = f"{', '.join(repr(n) for n in _OPTIMIZERS)}, 'momentum', None or an Optimizer"
     if not isinstance(optimizer, str):
         return _not_a_name(optimizer, names)
     text = optimizer.strip().lower()
@@ -319,16 +337,9 @@ def _optimizer_name(optimizer: str | None) -> str | None:
 
 
 def _not_a_name(optimizer: object, names: str) -> NoReturn:
-    """The error for an optimizer given as an object (an ``Optimizer``), named by its class
-    (its repr lists every parameter group) with the name that sizes it, where one does."""
-    kind = type(optimizer).__name__
-    guess = kind.lower()
-    if isinstance(optimizer, torch.optim.SGD):
-        momentum = any(g.get("momentum", 0) for g in optimizer.param_groups)
-        guess = "sgd-momentum" if momentum else "sgd"
-    hint = f" (here optimizer={guess!r})" if guess in _OPTIMIZERS else ""
     raise DeviceSpecError(
-        f"optimizer={kind}(...): give the optimizer's name as a string{hint}, one of {names}"
+        f"optimizer={type(optimizer).__name__}(...) is neither an optimizer's name nor a "
+        f"torch.optim.Optimizer; give one of {names}"
     )
 
 
@@ -348,7 +359,7 @@ def estimate(
     model: nn.Module,
     /,
     *,
-    optimizer: str | None = "adam",
+    optimizer: OptimizerSpec = "adam",
     grads: bool = True,
     example_input: Any = None,
     step: str = "train",
@@ -371,8 +382,11 @@ def estimate(
     counted for parameters that require grad, on their parameter's device and dtype, as PyTorch
     creates them: ``"sgd"`` keeps none, ``"sgd-momentum"`` (or ``"momentum"``) one buffer per
     parameter, ``"adam"``/``"adamw"`` two, ``"adagrad"`` one; Adam and Adagrad also keep a scalar
-    ``step`` per parameter on the CPU. ``optimizer=None`` counts no state, ``grads=False`` no
-    gradients, ``step="forward"`` (inference) neither, with or without an ``example_input``. A
+    ``step`` per parameter on the CPU. Your own ``torch.optim.Optimizer`` is sized by a step of
+    a copy of it (its class and flags: ``amsgrad``, ``foreach``, momentum) on ``meta`` stand-ins,
+    and that copy runs the measured step; yours is not touched. ``optimizer=None`` counts no
+    state, ``grads=False`` no gradients, ``step="forward"`` (inference) neither, with or without
+    an ``example_input``. A
     skeleton (parameters on ``meta``) is sized like the real model. A model already sharded by
     FSDP2 (DTensor parameters) is sized by the shards this rank holds, while
     ``parameter_count`` stays the whole model's.
@@ -380,7 +394,10 @@ def estimate(
     ``example_input`` (a batch, or a callable that takes a device and builds one there with
     ``torch.zeros``/``ones``/``full``/``empty``) makes one step run on fake tensors on the
     model's devices: ``step="train"`` a forward, a backward from the output's ``.loss`` (else
-    the sum of its floating outputs) and the optimizer's step; ``step="forward"`` a forward
+    the sum of its floating outputs) and the optimizer's step, run twice so that ``peak`` is a
+    steady step's (the optimizer's state held from its start; ``first_step_peak`` is the
+    first's where it differs), with the optimizer implementation PyTorch picks on the model's
+    device (single-tensor on the CPU and ``meta``, foreach on CUDA); ``step="forward"`` a forward
     under ``torch.no_grad`` (no gradients or optimizer state then). A mapping is passed as
     ``model(**batch)``, a tuple as ``model(*batch)``, anything else as ``model(batch)``. The
     model runs as its code says (autocast, activation checkpointing, its training flag) and is
@@ -406,12 +423,14 @@ def estimate(
         if offloaded is not None:
             raise TorchplaceError(
                 f"{display(offloaded) if offloaded else 'the model'} is offloaded by its device "
-                "map, and offloaded modules run for inference only, so no training step can be "
-                "measured; pass step='forward' for inference, or estimate the model before it "
-                "is dispatched (a skeleton sizes like the real model)"
+                "map, and a training step of an offloaded model is not measured (its weights "
+                "come and go with each call and again at backward); pass step='forward' for "
+                "inference, or estimate the model before it is dispatched (a skeleton sizes "
+                "like the real model)"
             )
         _refuse_inside_disk_module(model)
-        return _measured(model, name, example_input, step)
+        with sigint_deferred():  # a Ctrl-C raised once the step has unwound, the model put back
+            return _measured(model, name, example_input, step)
     except TorchplaceError as err:
         raise prefixed(err, "estimate()") from err.__cause__
 
@@ -453,8 +472,11 @@ def _uncompiled(model: nn.Module) -> nn.Module:
     return model
 
 
-def _count(model: nn.Module, name: str | None, grads: bool) -> Estimate:
-    """Parameters, buffers, gradients and optimizer state, per device and dtype."""
+def _count(model: nn.Module, spec: OptimizerSpec, grads: bool) -> Estimate:
+    """Parameters, buffers, gradients and optimizer state, per device and dtype (the state of
+    the user's own optimizer, ``spec``, sized by a step of a copy of it on meta)."""
+    user = spec if isinstance(spec, torch.optim.Optimizer) else None
+    name = spec if isinstance(spec, str) else None
     copies, has_step = _OPTIMIZERS[name] if name is not None else (0, False)
     rows: dict[tuple[torch.device, torch.dtype], dict[str, int]] = {}
 
@@ -484,9 +506,11 @@ def _count(model: nn.Module, name: str | None, grads: bool) -> Estimate:
             add(torch.device("cpu"), step_dtype, "optimizer_state", step_dtype.itemsize)
     for buffer in model.buffers():
         add(buffer.device, buffer.dtype, "buffers", nbytes_as(buffer))
+    for (dev, dtype), nbytes in state_bytes(user, model).items() if user is not None else ():
+        add(dev, dtype, "optimizer_state", nbytes)
     return Estimate(
         rows=tuple(EstimateRow(dev, dtype, **fields) for (dev, dtype), fields in rows.items()),
-        optimizer=name,
+        optimizer=type(user).__name__ if user is not None else name,
         grads=grads,
         parameter_count=count,
         trainable_count=trainable,
@@ -494,13 +518,58 @@ def _count(model: nn.Module, name: str | None, grads: bool) -> Estimate:
     )
 
 
-def _measured(model: nn.Module, name: str | None, example_input: Any, step: str) -> Estimate:
+def count_tensors(
+    tensors: Iterable[tuple[tuple[int, ...], torch.dtype]],
+    device: torch.device,
+    optimizer: str | None,
+    grads: bool,
+) -> Estimate:
+    """``estimate`` of parameters of these shapes and dtypes on ``device`` (the floating and
+    complex ones trained), counted from the shapes alone: what ``torchplace estimate`` of a
+    checkpoint gives, with no tensor made (a 100k-tensor index made fake parameters for
+    seconds). The same bytes as ``estimate`` of a module holding such parameters.
+
+    >>> found = count_tensors([((1000, 1000), torch.float32)], torch.device("cpu"), "adam", True)
+    >>> found.parameters, found.gradients, found.optimizer_state
+    (4000000, 4000000, 8000004)
+    """
+    name = cast("str | None", _optimizer_name(optimizer))  # a name in, a name out
+    copies, has_step = _OPTIMIZERS[name] if name is not None else (0, False)
+    step_dtype = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    rows: dict[tuple[torch.device, torch.dtype], dict[str, int]] = {}
+    cpu = torch.device("cpu")
+    count = trainable = steps = 0
+    for shape, dtype in tensors:
+        numel = math.prod(shape)
+        nbytes = numel * dtype.itemsize
+        row = rows.setdefault((device, dtype), dict.fromkeys(("parameters", "gradients"), 0))
+        row["parameters"] += nbytes
+        count += numel
+        if not (dtype.is_floating_point or dtype.is_complex):
+            continue
+        trainable += numel
+        row["gradients"] += nbytes if grads else 0
+        row["optimizer_state"] = row.get("optimizer_state", 0) + copies * nbytes
+        steps += 1 if has_step else 0
+    if steps:
+        row = rows.setdefault((cpu, step_dtype), {})
+        row["optimizer_state"] = row.get("optimizer_state", 0) + steps * step_dtype.itemsize
+    return Estimate(
+        rows=tuple(EstimateRow(dev, dtype, **fields) for (dev, dtype), fields in rows.items()),
+        optimizer=name,
+        grads=grads,
+        parameter_count=count,
+        trainable_count=trainable,
+    )
+
+
+def _measured(model: nn.Module, name: OptimizerSpec, example_input: Any, step: str) -> Estimate:
     """The counting for ``step``, with the peak of that step run on fake tensors added (or the
     reason it could not be, warned about)."""
     train = step == "train"
     counted = _count(model, name if train else None, train)
     try:
-        measure = measure_step(model, example_input, optimizer=counted.optimizer, train=train)
+        measure = measure_step(model, example_input, optimizer=name if train else None, train=train)
     except Unmeasurable as why:
         warnings.warn(
             f"estimate(): the {step} step was not measured, so activations and temporaries are "
@@ -516,7 +585,7 @@ def _measured(model: nn.Module, name: str | None, example_input: Any, step: str)
     except Exception as exc:  # the model's own error on this input
         raise TorchplaceError(
             f"example_input: the {step} step of {type(model).__name__} on it raised "
-            f"{type(exc).__name__}: {exc}; {PASS_A_BATCH}"
+            f"{type(exc).__name__}: {exc}; {_lacking(model, example_input)}{PASS_A_BATCH}"
         ) from exc
     return dataclasses.replace(
         counted,
@@ -525,7 +594,33 @@ def _measured(model: nn.Module, name: str | None, example_input: Any, step: str)
         activations=measure.most["activations"],
         temporaries=measure.most["temporaries"],
         modules=measure.modules,
+        first_step_peak=_first_step_peak(measure),
     )
+
+
+def _first_step_peak(measure: StepMeasure) -> int | None:
+    """The first step's peak, where it differs from the steady step's."""
+    if measure.first_peaks is None:
+        return None
+    first = sum(kinds["total"] for kinds in measure.first_peaks.values())
+    steady = sum(kinds["total"] for kinds in measure.peaks.values())
+    return first if first != steady else None
+
+
+def _lacking(model: nn.Module, example_input: Any) -> str:
+    """Where a mapping batch lacks the model's main input (a transformers model's
+    ``main_input_name``: ``pixel_values`` for an image model), a sentence naming it, else ''.
+    Said only once the step failed: a model may take another input in its place."""
+    if not isinstance(example_input, Mapping):
+        return ""
+    main = getattr(model, "main_input_name", None)
+    try:
+        takes = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return ""
+    if not isinstance(main, str) or main in example_input or main not in takes:
+        return ""
+    return f"it lacks {main!r}, the input {type(model).__name__} takes first; "
 
 
 # What estimate's errors about ``example_input`` tell a Python caller to do; the command line,

@@ -14,7 +14,8 @@ A backward on fake CUDA tensors needs the CUDA runtime (a CPU-only build aborts 
 so a model on a device this machine cannot run, such as a fake ``cuda:0`` on a laptop, is run on
 ``meta`` and its figures are reported under its own device; its attention then runs the fused
 kernel that device would pick (``_attention``), where ``meta`` would run the math path. A
-model spread over several devices that cannot all run here, and a torch whose tracker is
+model partly on ``meta`` runs wholly there. A model spread over several devices that cannot all
+run here, and a torch whose tracker is
 missing or differs from the one this was written against, raise ``Unmeasurable`` with the
 reason: ``estimate`` then counts instead.
 """
@@ -39,6 +40,7 @@ from ..moving._offloaded import disk_placeholders
 from ._attention import FusedAttention
 from ._fake_checks import FakeChecks
 from ._opt_step import OptimizerStepBook
+from ._user_opt import clone_over
 from ._workspace import add_workspaces, note_matmul
 
 __all__ = [
@@ -108,11 +110,14 @@ class ModulePeak:
 class StepMeasure:
     """``peaks``: per device, the bytes of each kind at that device's peak and ``"total"``;
     ``most``: per kind, the most held at once (summed over devices); ``modules``: the modules
-    that ran, those with the highest peak first."""
+    that ran, those with the highest peak first; ``first_peaks``: the first step's ``peaks``
+    where a steady step (one with the optimizer's state held from its start) was run after it,
+    else None."""
 
     peaks: dict[torch.device, dict[str, int]]
     most: dict[str, int]
     modules: tuple[ModulePeak, ...]
+    first_peaks: dict[torch.device, dict[str, int]] | None = None
 
 
 def _lacks(tracker: type) -> None:
@@ -368,10 +373,43 @@ def _grouped_mm_any_dtype(
 _GROUPED_MM_DTYPES = (torch.float16, torch.float32, torch.float64)
 
 
+def _all_nonzero(t: torch.Tensor) -> torch.Tensor:
+    """``aten.nonzero``'s result where every element is nonzero: the most it can hold."""
+    return torch.empty((t.numel(), t.dim()), dtype=torch.long, device=t.device)
+
+
+# The operators that take a list of indices, where a boolean mask stands for its nonzero places.
+_INDEXED = (
+    torch.ops.aten.index.Tensor,
+    torch.ops.aten.index_put.default,
+    torch.ops.aten.index_put_.default,
+    torch.ops.aten._index_put_impl_.default,
+)
+
+
+def _is_mask(index: Any) -> bool:
+    return isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
+
+
+def _masks_all_set(func: Any, t: torch.Tensor, indices: Any, *rest: Any, **kwargs: Any) -> Any:
+    """``func`` with each boolean mask among ``indices`` as the long indices of its places, all
+    of them taken (``_all_nonzero``)."""
+    spread: list[Any] = []
+    for index in indices:
+        spread.extend(_all_nonzero(index).unbind(1) if _is_mask(index) else [index])
+    return func(t, spread, *rest, **kwargs)
+
+
 def _stand_in(func: Any, args: Any, kwargs: Any) -> Any:
     """What runs for ``func`` on fake tensors: itself, or for an operator whose meta kernel
     refuses what its real kernels take (``_grouped_mm`` in float32, as transformers' MoE
-    layers run it on a CPU), one that sizes its result otherwise."""
+    layers run it on a CPU), one that sizes its result otherwise; ``nonzero``, whose result's
+    size depends on values that fake tensors do not have (a boolean mask used as an index:
+    wav2vec2's SpecAugment), is sized as if every element were nonzero, the most it holds."""
+    if func is torch.ops.aten.nonzero.default and not kwargs:
+        return _all_nonzero
+    if func in _INDEXED and len(args) > 1 and any(_is_mask(i) for i in args[1]):
+        return functools.partial(_masks_all_set, func)
     packet = getattr(torch.ops.aten, "_grouped_mm", None)
     if packet is None or func is not getattr(packet, "default", None) or len(args) < 2:
         return func
@@ -419,7 +457,10 @@ def _run_devices(
     parameter's, as run).
 
     A model whose parameters sit on one device runs there whole (its buffers too: a skeleton
-    keeps them on the cpu), on ``meta`` when that device cannot run here. The placeholders of
+    keeps them on the cpu), on ``meta`` when that device cannot run here. A model partly on
+    ``meta`` (a skeleton partly loaded, or one whose code made a tensor on the CPU whatever the
+    default device, as ``torch.FloatTensor(n)`` does) runs wholly on ``meta``: its tensors there
+    have no values to mix with real ones, and a fake step needs none. The placeholders of
     weights on disk (``disk``) run where their module runs: they place nothing.
     """
     params = [p.device for p in model.parameters() if id(p) not in disk] or [
@@ -433,6 +474,9 @@ def _run_devices(
             dev
         }
         return dict.fromkeys(every, run), run
+    if any(d.type == "meta" for d in devices):  # a skeleton partly loaded, or partly made
+        every = {t.device for t in (*model.parameters(), *model.buffers()) if id(t) not in disk}
+        return dict.fromkeys(every, torch.device("meta")), torch.device("meta")
     cannot = [str(d) for d in devices if not _runs_here(d)]
     if cannot:
         raise Unmeasurable(
@@ -442,22 +486,29 @@ def _run_devices(
     return {d: d for d in devices}, devices[0]
 
 
-def _fake_like(t: torch.Tensor, dev: torch.device) -> torch.Tensor:
+def _fake_like(t: torch.Tensor, dev: torch.device, grad: bool = True) -> torch.Tensor:
+    """A fake tensor shaped and strided as ``t`` on ``dev``, requiring grad as ``t`` does (none
+    where ``grad`` is False: an inference step, in which torch's module tracker would try to
+    hook the gradients of what a module is given and fail on a parameter passed in whole)."""
     fake = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=dev)
     if isinstance(t, nn.Parameter):
-        return nn.Parameter(fake, requires_grad=t.requires_grad)
-    return fake.requires_grad_(t.requires_grad) if t.is_leaf else fake
+        return nn.Parameter(fake, requires_grad=t.requires_grad and grad)
+    return fake.requires_grad_(t.requires_grad and grad) if t.is_leaf else fake
 
 
 @contextlib.contextmanager
 def _swapped(
-    model: nn.Module, where: dict[torch.device, torch.device], disk: Mapping[int, torch.Tensor]
-) -> Iterator[None]:
-    """The model with fake parameters and buffers (each tied tensor one fake) while the block
-    runs; the model's own tensors are put back however the block ends. The placeholders of
-    weights on disk (``disk``) stay: their module's hooks bring fake weights in as it runs."""
+    model: nn.Module,
+    where: dict[torch.device, torch.device],
+    disk: Mapping[int, torch.Tensor],
+    grad: bool = True,
+) -> Iterator[dict[int, torch.Tensor]]:
+    """The model with fake parameters and buffers (each tied tensor one fake; none requiring
+    grad unless ``grad``) while the block runs; the model's own tensors are put back however
+    the block ends. The placeholders of weights on disk (``disk``) stay: their module's hooks
+    bring fake weights in as it runs."""
     saved: list[tuple[dict[str, Any], str, torch.Tensor]] = []
-    fakes: dict[int, torch.Tensor] = {}
+    fakes: dict[int, torch.Tensor] = {}  # id of the model's tensor -> its fake
     try:
         for module in model.modules():
             for table in (module._parameters, module._buffers):
@@ -465,10 +516,10 @@ def _swapped(
                     if t is None or id(t) in disk:
                         continue
                     if id(t) not in fakes:
-                        fakes[id(t)] = _fake_like(t, where[t.device])
+                        fakes[id(t)] = _fake_like(t, where[t.device], grad)
                     saved.append((table, name, t))
                     table[name] = fakes[id(t)]  # type: ignore[assignment]
-        yield
+        yield fakes
     finally:
         for table, name, t in reversed(saved):
             table[name] = t
@@ -521,11 +572,19 @@ _OPTIMIZER_CLASSES: dict[
 
 
 def _optimizer(
-    model: nn.Module, name: str | None, foreach: bool | None
+    model: nn.Module,
+    name: str | torch.optim.Optimizer | None,
+    foreach: bool | None,
+    fakes: Mapping[int, torch.Tensor],
 ) -> torch.optim.Optimizer | None:
+    """The step's optimizer over the model's fake parameters that require grad: the named one
+    with the implementation PyTorch picks on the device (``foreach``), or a copy of the user's
+    own (its flags as they are) over the fakes of its parameters."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     if name is None or not trainable:
         return None
+    if isinstance(name, torch.optim.Optimizer):
+        return clone_over(name, lambda p: fakes.get(id(p)))
     return _OPTIMIZER_CLASSES[name](trainable, foreach)
 
 
@@ -626,7 +685,11 @@ def _unfakeable() -> tuple[type[BaseException], ...]:
 
 
 def measure_step(
-    model: nn.Module, example_input: Any, *, optimizer: str | None, train: bool
+    model: nn.Module,
+    example_input: Any,
+    *,
+    optimizer: str | torch.optim.Optimizer | None,
+    train: bool,
 ) -> StepMeasure:
     """Run one step of ``model`` on fake tensors and measure it (see the module docstring).
 
@@ -646,18 +709,15 @@ def measure_step(
         return shown if dev == run else dev
 
     failed = FailedAt()
-    spread = _spread_over_meta(where)
     try:
         return _measure(model, example_input, (where, disk), run, label, optimizer, train, failed)
     except _unfakeable() as exc:
         raise Unmeasurable(
-            spread or f"fake tensors cannot run the step ({type(exc).__name__}: {exc})"
+            f"fake tensors cannot run the step ({type(exc).__name__}: {exc})"
         ) from exc
     except Exception as exc:
         if isinstance(exc, Unmeasurable):
             raise
-        if spread:  # the step failed, and what failed is the mix
-            raise Unmeasurable(spread) from exc
         if _in_tracker(exc):
             raise Unmeasurable(
                 f"torch {torch.__version__}'s MemTracker failed ({type(exc).__name__}: {exc})"
@@ -667,40 +727,30 @@ def measure_step(
         raise
 
 
-def _spread_over_meta(where: Mapping[torch.device, torch.device]) -> str:
-    """Why a step failed where a model is spread over a real device and ``meta`` (a skeleton
-    partly loaded), else ''. Run anyway first: a forward that never uses its ``meta`` part
-    is measured."""
-    runs = set(where.values())  # a model wholly on meta runs there, its buffers too
-    if all(d.type != "meta" for d in runs) or all(d.type == "meta" for d in runs):
-        return ""
-    real = ", ".join(str(d) for d in runs if d.type != "meta")
-    return (
-        f"the model is spread over {real} and meta: its tensors on meta (a part of a skeleton "
-        "not loaded yet) hold no values, and a step cannot mix them with real ones; load them "
-        "first, or estimate the model wholly on meta (a skeleton sizes like the real model)"
-    )
-
-
 def _measure(
     model: nn.Module,
     example_input: Any,
     placing: tuple[dict[torch.device, torch.device], Mapping[int, torch.Tensor]],
     run: torch.device,
     label: Callable[[torch.device], torch.device],
-    optimizer: str | None,
+    optimizer: str | torch.optim.Optimizer | None,
     train: bool,
     failed: FailedAt,
 ) -> StepMeasure:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     where, disk = placing  # each device's stand-in; the placeholders of weights on disk
-    foreach = True if any(d.type != "cpu" for d in where) else None  # as on an accelerator
+    foreach = _foreach_default(where)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    swapped = _swapped(model, where, disk)
-    with _tracker_unheard(), _quiet_failed_operators(), _compiled_unwrapped(model), mode, swapped:
+    quiet = contextlib.ExitStack()
+    quiet.enter_context(_tracker_unheard())
+    quiet.enter_context(_quiet_failed_operators())
+    quiet.enter_context(_state_kept(model))
+    quiet.enter_context(_no_layerdrop(model))
+    swapped = _swapped(model, where, disk, train)
+    with quiet, _compiled_unwrapped(model), mode, swapped as fakes:
         batch = _fake_batch(example_input, run, mode)
-        opt = _optimizer(model, optimizer, foreach) if train else None
+        opt = _optimizer(model, optimizer, foreach, fakes) if train else None
         tracker = _tracker_class()()
         tracker.torchplace_failed = failed
         _skip_frozen(tracker, model)
@@ -710,22 +760,71 @@ def _measure(
         fused = FusedAttention(label(run)) if on_meta else contextlib.nullcontext()
         autocast = _meta_autocast() if on_meta else contextlib.nullcontext()
         with tracker, _eager(), fused, autocast, tracker.torchplace_checks.seen():
-            _run(model, batch, opt, train)
+            first = _steps(tracker, model, batch, opt, train)
 
         def shown(dev: torch.device) -> bool:  # the placeholders' meta is on no device
             return dev in where.values() or not (disk and dev.type == "meta")
 
-        peaks = {
-            label(dev): _by_kind(snap)
-            for dev, snap in tracker.get_tracker_snapshot("peak").items()
-            if shown(dev)
-        }
-        add_workspaces(peaks, tracker.torchplace_matmuls, label)
+        def by_device(snapshot: Mapping[torch.device, Any]) -> dict[torch.device, dict[str, int]]:
+            out: dict[torch.device, dict[str, int]] = {}
+            for dev, snap in snapshot.items():
+                if shown(dev):  # meta standing in for the cpu adds to the cpu's own (scalars)
+                    kinds, held = _by_kind(snap), out.setdefault(label(dev), {})
+                    out[label(dev)] = {k: held.get(k, 0) + n for k, n in kinds.items()}
+            add_workspaces(out, tracker.torchplace_matmuls, label)
+            return out
+
         return StepMeasure(
-            peaks=peaks,
+            peaks=by_device(tracker.get_tracker_snapshot("peak")),
             most=_most(tracker.torchplace_most),
             modules=_module_peaks(tracker, model, label, shown),
+            first_peaks=by_device(first) if first is not None else None,
         )
+
+
+def _steps(
+    tracker: Any,
+    model: nn.Module,
+    batch: Any,
+    opt: torch.optim.Optimizer | None,
+    train: bool,
+) -> dict[torch.device, dict[Any, int]] | None:
+    """The step as a training loop runs it again and again: the first, and where that one
+    made the optimizer's state (Adam's moments), a second one, the steady step, which runs
+    with that state held from its start; the tracker's peaks are then the steady step's, and
+    the first step's peak snapshot is returned (None where one step is all there is)."""
+    _run(model, batch, opt, train)
+    if opt is None or not _holds_state(opt):
+        return None
+    first: dict[torch.device, dict[Any, int]] = tracker.get_tracker_snapshot("peak")
+    opt.zero_grad(set_to_none=True)  # the loop's: no gradient is held through the forward
+    with _tracker_changed("restarts its peaks"):
+        tracker.reset_mod_stats()
+        tracker.torchplace_stats.clear()
+        tracker._peak_mem_snap = tracker.get_tracker_snapshot()
+        tracker._peak_mem = {dev: snap[_TOTAL] for dev, snap in tracker._peak_mem_snap.items()}
+        tracker.torchplace_most = {}
+    _run(model, batch, opt, train)
+    return first
+
+
+def _holds_state(opt: torch.optim.Optimizer) -> bool:
+    """Whether the optimizer keeps a tensor in its state after a step (SGD without momentum
+    keeps none: its steps are all alike)."""
+    return any(
+        isinstance(value, torch.Tensor) for state in opt.state.values() for value in state.values()
+    )
+
+
+def _foreach_default(where: Mapping[torch.device, torch.device]) -> bool:
+    """The optimizer implementation PyTorch picks for parameters on the model's devices (the
+    devices themselves, not the fake or ``meta`` ones the step runs on): ``foreach`` where
+    every one has foreach kernels (CUDA), the single-tensor loop elsewhere (the CPU, and
+    ``meta``, where a skeleton's parameters are)."""
+    from torch.optim import optimizer
+
+    supported = optimizer._get_foreach_kernels_supported_devices()  # type: ignore[attr-defined]
+    return all(dev.type in supported for dev in where)
 
 
 @contextlib.contextmanager
@@ -749,6 +848,68 @@ def _meta_autocast() -> Iterator[None]:
         yield
     finally:
         torch.autocast, torch.amp.autocast = saved  # type: ignore[misc]
+
+
+@contextlib.contextmanager
+def _state_kept(model: nn.Module) -> Iterator[None]:
+    """Every module of the model as it was before the block, however it ends: what its forward
+    stored on ``self`` (a head made lazily, cached activations, a parameter made in the forward:
+    fake tensors all) removed, what it replaced put back, and its lists and dicts (its tables of
+    parameters, buffers, submodules and hooks among them) given back their entries."""
+    saved = [(module, dict(vars(module))) for module in model.modules()]
+    contents = {
+        id(value): (value, list(value) if isinstance(value, list) else dict(value))
+        for _, attrs in saved
+        for value in attrs.values()
+        if isinstance(value, (list, dict))
+    }
+    try:
+        yield
+    finally:
+        for module, attrs in saved:
+            for name in [n for n in vars(module) if n not in attrs]:
+                del vars(module)[name]
+            vars(module).update(attrs)
+        for value, entries in contents.values():
+            if isinstance(value, list):
+                value[:] = entries
+            else:
+                value.clear()
+                value.update(entries)
+
+
+def _layerdrop_holders(model: nn.Module) -> Iterator[tuple[Any, str]]:
+    """Each (object, attribute) of the model that sets a LayerDrop rate above 0: a module's
+    ``layerdrop``, its transformers config's ``layerdrop``, ``encoder_layerdrop`` and the like."""
+    seen: set[int] = set()
+    for module in model.modules():
+        for holder in (module, getattr(module, "config", None)):
+            if holder is None or id(holder) in seen:
+                continue
+            seen.add(id(holder))
+            for name in _LAYERDROPS:
+                rate = getattr(holder, name, None)
+                if isinstance(rate, float) and rate > 0:
+                    yield holder, name
+
+
+_LAYERDROPS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop", "speech_encoder_layerdrop")
+
+
+@contextlib.contextmanager
+def _no_layerdrop(model: nn.Module) -> Iterator[None]:
+    """LayerDrop off while the step runs, put back after: a training step skips each layer
+    when a random draw falls under the rate (``torch.rand([]) < layerdrop``), a test of a
+    value fake tensors do not have; with every layer run, the step measured is the most a
+    step of the model can hold."""
+    saved = [(holder, name, getattr(holder, name)) for holder, name in _layerdrop_holders(model)]
+    try:
+        for holder, name, _ in saved:
+            setattr(holder, name, 0.0)
+        yield
+    finally:
+        for holder, name, rate in reversed(saved):
+            setattr(holder, name, rate)
 
 
 @contextlib.contextmanager

@@ -43,6 +43,8 @@ class OptimizerStepBook:
         from torch.distributed._tools.mem_tracker import _MemRefType
 
         self.started = True
+        self.made.clear()  # a step before this one (the first of a steady one) is settled
+        self.peaks.clear()
         opt, temp = _MemRefType.OPT, _MemRefType.TEMP
         for dev in {*current, *most}:
             held = current.get(dev, {}).get(temp, 0)
