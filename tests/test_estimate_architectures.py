@@ -202,6 +202,11 @@ def test_an_mla_config_is_measured_or_its_sizes_blamed_not_the_batch(
 ) -> None:
     config = tiny("minicpm3")
     config.num_key_value_heads = heads  # MLA takes no grouped-query: 2 of 4 is no model
+    if heads != 4:  # the class's own latent widths, as a real config gives them: with fewer
+        defaults = type(config)()  # key and value heads, the real model refuses the batch
+        for field in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank"):
+            setattr(config, field, getattr(defaults, field))
+        config.q_lora_rank, config.head_dim = defaults.q_lora_rank, defaults.head_dim
     config.architectures = ["MiniCPM3ForCausalLM"]
     config.save_pretrained(tmp_path)
     argv = [str(tmp_path), "--batch", "2", "--seq", "16", "--device", "cpu", "--json"]

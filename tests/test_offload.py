@@ -2680,3 +2680,25 @@ def test_a_layer_called_alone_first_does_not_fix_a_wrong_prefetch_order() -> Non
     log = transport.log
     for now, following in itertools.pairwise(disk):
         assert log.index(("fetch", following)) < log.index(("wait", now)), (now, following)
+
+
+def test_a_module_shared_by_two_disk_units_is_refused(tmp_path: Any) -> None:
+    """One block object reached under two names (as Zamba shares a block), each name in a disk
+    entry of its own: each unit brought its weights in and out under the other's call, and the
+    outputs came out wrong. The map is refused, naming both."""
+
+    class Shared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.a = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+            self.b = nn.Sequential(self.a[0], nn.Tanh())  # the same Linear under b.0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x))
+
+    torch.save(Shared().state_dict(), tmp_path / "s.pt")
+    with pytest.raises(torchplace.DeviceSpecError, match=r"model\.a\.0 and model\.b\.0 are one"):
+        torchplace.load_into(
+            torchplace.skeleton(Shared), tmp_path / "s.pt", device_map={"a": "disk", "b": "disk"}
+        )

@@ -43,7 +43,7 @@ def moves_itself(cls: type) -> frozenset[str]:
     """Which of ``to``, ``cuda``, ``cpu`` and ``_apply`` ``cls`` overrides (empty: none).
 
     >>> import torch
-    >>> from torchplace._own_moves import moves_itself
+    >>> from torchplace.moving._own_moves import moves_itself
     >>> moves_itself(torch.nn.Linear)
     frozenset()
     >>> class Tracked(torch.nn.Module):

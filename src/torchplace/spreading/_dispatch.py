@@ -538,6 +538,37 @@ def _check_offload_map(tree: ModelTree, entries: Mapping[str, object], offload: 
                 f"fetched or resident, not both, so map "
                 f"{' and '.join(repr(e) for e in dict.fromkeys(held.values()))} alike"
             )
+    _refuse_shared_modules(tree, offload)
+
+
+def _refuse_shared_modules(tree: ModelTree, offload: _Offload) -> None:
+    """``DeviceSpecError`` for one module object reached under two names that the map runs in
+    different offloaded units (a block a model shares between places, as Zamba's): each unit
+    would bring its weights in and take them out under the other one's call."""
+    if not offload.tiers:
+        return
+    paths: dict[int, list[str]] = {}
+    for path, module in tree.modules[""].named_modules(remove_duplicate=False):
+        paths.setdefault(id(module), []).append(path)
+    units: dict[str, list[str]] = {}
+    for group in (g for g in paths.values() if len(g) > 1):
+        homes: set[str | None] = set()
+        for path in group:
+            entry = entry_of(path, offload.runs)
+            if entry is None or entry not in offload.tiers:
+                homes.add(None)
+                continue
+            found = units.get(entry)
+            if found is None:
+                found = units[entry] = _unit_paths(tree, entry, offload.runs)
+            homes.add(next((u for u in found if _under(path, u)), entry))
+        if len(homes) > 1 and homes != {None}:
+            raise DeviceSpecError(
+                f"{' and '.join(map(display, group))} are one module, shared, and the map "
+                "offloads them as parts of different units (or offloads one and not the "
+                "other): each would bring its weights in and out under the other's call; map "
+                "the modules that share it to one entry, or keep it on a device"
+            )
 
 
 def _units(tree: ModelTree, offload: _Offload) -> list[Unit]:
