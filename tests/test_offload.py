@@ -2702,3 +2702,27 @@ def test_a_module_shared_by_two_disk_units_is_refused(tmp_path: Any) -> None:
         torchplace.load_into(
             torchplace.skeleton(Shared), tmp_path / "s.pt", device_map={"a": "disk", "b": "disk"}
         )
+
+
+def test_a_shared_module_without_weights_across_disk_units_is_fine(tmp_path: Any) -> None:
+    """GPT's one activation module shared by every layer: no weights, nothing to bring in."""
+
+    class SharedAct(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            act = nn.Tanh()
+            self.a = nn.Sequential(nn.Linear(8, 8), act)
+            self.b = nn.Sequential(nn.Linear(8, 8), act)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.a(x))
+
+    reference = SharedAct()
+    torch.save(reference.state_dict(), tmp_path / "s.pt")
+    model = torchplace.load_into(
+        torchplace.skeleton(SharedAct), tmp_path / "s.pt", device_map={"a": "disk", "b": "disk"}
+    )
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))

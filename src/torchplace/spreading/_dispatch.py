@@ -542,14 +542,16 @@ def _check_offload_map(tree: ModelTree, entries: Mapping[str, object], offload: 
 
 
 def _refuse_shared_modules(tree: ModelTree, offload: _Offload) -> None:
-    """``DeviceSpecError`` for one module object reached under two names that the map runs in
-    different offloaded units (a block a model shares between places, as Zamba's): each unit
-    would bring its weights in and take them out under the other one's call."""
+    """``DeviceSpecError`` for one module object with weights, reached under two names that the
+    map runs in different offloaded units (a block a model shares between places, as Zamba's):
+    each unit would bring its weights in and take them out under the other one's call. A shared
+    module without weights (GPT's one activation for every layer) is left alone."""
     if not offload.tiers:
         return
     paths: dict[int, list[str]] = {}
     for path, module in tree.modules[""].named_modules(remove_duplicate=False):
-        paths.setdefault(id(module), []).append(path)
+        if next(module.parameters(), None) is not None:  # one with no weights is harmless
+            paths.setdefault(id(module), []).append(path)
     units: dict[str, list[str]] = {}
     for group in (g for g in paths.values() if len(g) > 1):
         homes: set[str | None] = set()
