@@ -416,9 +416,11 @@ def test_half_the_layers_on_disk_run_as_the_whole_model(
 
     real_read = CheckpointWeights.read
 
-    def counted(self: CheckpointWeights, device: torch.device) -> dict[str, torch.Tensor]:
+    def counted(
+        self: CheckpointWeights, device: torch.device, alloc: Any = None
+    ) -> dict[str, torch.Tensor]:
         reads.append(self.entry)
-        return real_read(self, device)
+        return real_read(self, device, alloc)
 
     monkeypatch.setattr(CheckpointWeights, "read", counted)
     disk = {"model.layers.1": "disk", "model.layers.3": "disk"}
@@ -766,9 +768,9 @@ def test_a_model_with_disk_modules_compiles_and_matches_eager(
     reads: list[str] = []
     read = _disk_weights.CheckpointWeights.read
 
-    def counted(self: Any, device: torch.device) -> Any:
+    def counted(self: Any, device: torch.device, alloc: Any = None) -> Any:
         reads.append(self.entry)
-        return read(self, device)
+        return read(self, device, alloc)
 
     monkeypatch.setattr(_disk_weights.CheckpointWeights, "read", counted)
     model = mlp(2).eval()
@@ -1454,9 +1456,11 @@ def test_a_checkpoint_rewritten_under_a_running_model_raises(
     reads: list[str] = []
     real_read = CheckpointWeights.read
 
-    def counted(self: CheckpointWeights, device: torch.device) -> dict[str, torch.Tensor]:
+    def counted(
+        self: CheckpointWeights, device: torch.device, alloc: Any = None
+    ) -> dict[str, torch.Tensor]:
         reads.append(self.entry)
-        return real_read(self, device)
+        return real_read(self, device, alloc)
 
     with torch.no_grad():
         model(torch.ones(1, 8))
@@ -2358,9 +2362,9 @@ model = torchplace.load_into(torchplace.skeleton(make), sys.argv[1],
                              device_map={"": "cpu", "1": "disk"})
 read = _disk_weights.CheckpointWeights.read
 
-def hung(self, device):  # a read that hangs (a stalled network mount)
+def hung(self, device, alloc=None):  # a read that hangs (a stalled network mount)
     time.sleep(30)
-    return read(self, device)
+    return read(self, device, alloc)
 
 _disk_weights.CheckpointWeights.read = hung
 for delay in (0.3, 0.6):
@@ -2726,3 +2730,42 @@ def test_a_shared_module_without_weights_across_disk_units_is_fine(tmp_path: Any
     x = torch.randn(2, 8)
     with torch.no_grad():
         assert torch.equal(model(x), reference(x))
+
+
+class _Leaky(nn.Linear):
+    """Returns a view of its own weight beside its output (as a model keeping a weight's slice)."""
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return super().forward(x), self.weight[0]
+
+
+def test_disk_reads_on_the_cpu_reuse_one_host_buffer_but_never_one_still_viewed(
+    tmp_path: Any,
+) -> None:
+    """Each call's read went into fresh memory, given back to the system after the call and
+    faulted in again by the next (half the time per token of an all-disk decode). The reads
+    reuse a kept buffer now; a buffer a tensor still views (a module returned a view of its
+    weight) is never handed out again, so what the caller holds keeps its values."""
+
+    def make() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), _Leaky(8, 8))
+
+    reference = make()
+    torch.save(reference.state_dict(), tmp_path / "m.pt")
+    model = torchplace.load_into(
+        torchplace.skeleton(make), tmp_path / "m.pt", device_map={"": "cpu", "1": "disk"}
+    )
+    buffers = model[1].forward.ring.transport.buffers
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        out, row = model(x)
+        first = [b.data_ptr() for b in buffers.kept]
+        held = row.clone()
+        model(x)  # the first buffer is still viewed by ``row``: not reused
+        assert torch.equal(row, held) and len(buffers.kept) == 2
+        del out, row
+        model(x)
+        again = [b.data_ptr() for b in buffers.kept]
+        assert torch.equal(model(x)[0], reference(x)[0])
+    assert first[0] in again and len(again) == 2  # reused, nothing more allocated

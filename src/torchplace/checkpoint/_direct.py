@@ -15,7 +15,7 @@ from torch import nn
 
 from ._conversions import Fused, Plan, conversion_plan, converted, fused_boxes
 from ._entries import Catalog
-from ._load import read_assembled, whole_plan
+from ._load import Alloc, read_assembled, whole_plan
 from ._plan_items import Assembled, Part
 from ._reader import DTypeWish
 
@@ -114,6 +114,7 @@ def read_direct(
     *,
     fresh: bool = True,
     threads: int | None = None,
+    alloc: Alloc | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The file's tensors read whole (by the file's names) and the fused ones (by the model's),
     read side by side in one pass over the files (``fresh``, ``threads``: as ``read_into``
@@ -122,7 +123,7 @@ def read_direct(
     plan = whole_plan(found, list(direct.whole), wish)
     fused_keys = {name: _apart(f"{name} (fused)", found.entries) for name in direct.fused}
     plan.update({fused_keys[name]: made for name, made in direct.fused.items()})
-    read = read_assembled(found, plan, read_on, fresh=fresh, threads=threads)
+    read = read_assembled(found, plan, read_on, fresh=fresh, threads=threads, alloc=alloc)
     assembled = {name: read.pop(key) for name, key in fused_keys.items()}
     return read, assembled
 

@@ -33,7 +33,7 @@ from .._model_walk import display
 from ._conversions import Plan, conversion_plan, converted, hub_plan
 from ._direct import Direct, direct_reads, read_direct, with_fused
 from ._entries import Catalog, Entry, FileChanged
-from ._load import read_entries
+from ._load import Alloc, read_entries
 from ._reader import map_file
 from ._rename import not_a_name
 
@@ -90,6 +90,7 @@ class CheckpointWeights:
     them to a submodule's."""
 
     mapped = False  # read by copy; ``load_into(..., mmap=True)`` maps (see the module docstring)
+    takes_buffers = True  # ``read`` reads into the host buffers it is handed (``alloc``)
 
     def __init__(
         self,
@@ -220,9 +221,11 @@ class CheckpointWeights:
         self._direct = None if computed else (made_for, direct)
         return direct
 
-    def read(self, device: torch.device) -> dict[str, torch.Tensor]:
+    def read(self, device: torch.device, alloc: Alloc | None = None) -> dict[str, torch.Tensor]:
+        """The module's weights by their names in it, read onto ``device`` (on the CPU, into
+        what ``alloc`` hands out where it does: the disk tier's reused buffer)."""
         try:
-            return self._read(device)
+            return self._read(device, alloc)
         except FileChanged as exc:
             file = f" (its file {exc.path})" if exc.path and str(exc.path) != self.where else ""
             raise FileChanged(
@@ -236,7 +239,7 @@ class CheckpointWeights:
                 changes=exc.changes,
             ) from exc
 
-    def _read(self, device: torch.device) -> dict[str, torch.Tensor]:
+    def _read(self, device: torch.device, alloc: Alloc | None) -> dict[str, torch.Tensor]:
         model = self._model()
         assert model is not None, "the model this reader belongs to is gone"
         found, keys = self.found, self._file_keys()
@@ -252,12 +255,12 @@ class CheckpointWeights:
         # than they saved, 16 layers' reads taking 150-200 ms against 53-110 ms read on one
         # thread on the 2-core machine of bench_offload (most of it waiting for them to start).
         if direct is not None:
-            state, fused = read_direct(direct, device, None, fresh=False, threads=1)
+            state, fused = read_direct(direct, device, None, fresh=False, threads=1, alloc=alloc)
             if self.renamer is not None:
                 state = {self.renamer(k) or k: v for k, v in state.items()}
             state = with_fused(self.where, type(model).__name__, direct.rest, state, fused)
         else:
-            state = read_entries(found, keys, device, fresh=False, threads=1)
+            state = read_entries(found, keys, device, fresh=False, threads=1, alloc=alloc)
             if self.renamer is not None:
                 state = {self.renamer(k) or k: v for k, v in state.items()}
             plan = self._conversion(model, state, dtypes)

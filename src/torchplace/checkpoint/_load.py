@@ -298,6 +298,11 @@ def _whole_model(p: Path) -> bool:
         return False
 
 
+Alloc = Callable[[tuple[int, ...], torch.dtype], "torch.Tensor | None"]
+"""Host memory for a tensor of a read (its shape and dtype), or None to allocate it afresh:
+the disk tier hands its reused buffer (``spreading._offload``)."""
+
+
 def read_entries(
     found: Catalog,
     names: list[str],
@@ -306,6 +311,7 @@ def read_entries(
     *,
     fresh: bool = True,
     threads: int | None = None,
+    alloc: Alloc | None = None,
 ) -> dict[str, torch.Tensor]:
     """The catalog's addressable entries ``names``, each allocated on ``target`` (the CPU for an
     accelerator other than CUDA) and read straight into, every file's stamp checked.
@@ -316,7 +322,7 @@ def read_entries(
     this many threads read into host memory (both as ``read_into`` takes them).
     """
     plan = whole_plan(found, names, dtype_of)
-    return read_assembled(found, plan, target, fresh=fresh, threads=threads)
+    return read_assembled(found, plan, target, fresh=fresh, threads=threads, alloc=alloc)
 
 
 def whole_plan(
@@ -336,14 +342,19 @@ def whole_plan(
 
 
 def _allocated(
-    found: Catalog, plan: Mapping[str, Assembled], home: torch.device
+    found: Catalog, plan: Mapping[str, Assembled], home: torch.device, alloc: Alloc | None = None
 ) -> tuple[dict[str, torch.Tensor], list[tuple[Entry, torch.Tensor]]]:
     """``read_assembled``'s tensors allocated on ``home``, and each piece's entry with the slice
     of its tensor it fills (every piece checked to fit before a byte is read)."""
     out: dict[str, torch.Tensor] = {}
     parts: list[tuple[Entry, torch.Tensor]] = []
     for name, made in plan.items():
-        t = out[name] = torch.empty(made.shape, dtype=made.dtype, device=home)
+        made_here = None if alloc is None else alloc(made.shape, made.dtype)
+        t = out[name] = (
+            made_here
+            if made_here is not None
+            else torch.empty(made.shape, dtype=made.dtype, device=home)
+        )
         for piece in made.pieces:
             e = piece.entry
             if not e.addressable or e.file is None or e.order is None:
@@ -374,6 +385,7 @@ def read_assembled(
     *,
     fresh: bool = True,
     threads: int | None = None,
+    alloc: Alloc | None = None,
 ) -> dict[str, torch.Tensor]:
     """Each tensor of ``plan`` allocated on ``target`` (the CPU for an accelerator other than
     CUDA) and filled from its pieces' byte ranges, every file's stamp checked.
@@ -388,7 +400,7 @@ def read_assembled(
     """
     home = target if target.type in ("cpu", "cuda") else torch.device("cpu")
     try:  # every tensor is allocated before a byte is read
-        out, parts = _allocated(found, plan, home)
+        out, parts = _allocated(found, plan, home, alloc if home.type == "cpu" else None)
     except CheckpointError:
         raise
     except Exception as exc:  # out of memory on the target, a failing device
