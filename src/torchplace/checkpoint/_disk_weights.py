@@ -294,6 +294,7 @@ class CheckpointWeights:
             return None
         found = self.found
         state: dict[str, torch.Tensor] = {}
+        maps: dict[Path, Any] = {}  # this read's maps, one per file, held by its views alone
         for key in self._file_keys():
             e = found.entries[key]
             if not e.addressable or e.order != tuple(range(len(e.shape))):
@@ -301,7 +302,10 @@ class CheckpointWeights:
             assert e.file is not None
             found.check_unchanged(e.file)
             name = key if self.renamer is None else (self.renamer(key) or key)
-            state[name] = _view(self._map(e.file), e, found.where)
+            mapped = maps.get(e.file)
+            if mapped is None:  # the views hold it: it goes with them after the call, its
+                mapped = maps[e.file] = map_file(e.file)  # pages out of the resident set
+            state[name] = _view(mapped, e, found.where)
         if self._conversion(model, state, dtypes) is not None:
             return None
         cut = len(self.entry) + 1 if self.entry else 0
@@ -314,14 +318,6 @@ class CheckpointWeights:
             if dtype is not None and local is not None:
                 out[local] = value
         return out if set(out) == set(self.dtypes) else None
-
-    def _map(self, path: Path) -> Any:
-        """``path`` mapped (``map_file``), once per reader and file."""
-        maps: dict[Path, Any] = self.__dict__.setdefault("_maps", {})
-        found = maps.get(path)
-        if found is None:
-            found = maps[path] = map_file(path)
-        return found
 
 
 def _view(mapped: Any, e: Entry, where: str) -> torch.Tensor:
