@@ -26,6 +26,12 @@ transformers = pytest.importorskip("transformers")
 # fake tensors lack: counted only there (the sweep's estimate leg runs on 5 alone, as well)
 READS_VALUES_ON_4 = needs_transformers_5("the step reads tensor values (.item()): counted only")
 NOT_ON_4 = needs_transformers_5("no such model")
+# torch 2.6 has no meta kernel for weight norm's backward (wav2vec2's and HuBERT's positional
+# convolution), so their training step cannot run on fake tensors there
+WEIGHT_NORM_BACKWARD = pytest.mark.skipif(
+    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 7),
+    reason="torch 2.6 has no meta kernel for weight norm's backward",
+)
 
 # model type, class, and what the class takes as its main input
 KINDS = [
@@ -64,6 +70,10 @@ def build(model_type: str, cls: str, device: str = "meta") -> nn.Module:
 def test_a_skeleton_of_each_kind_is_measured(
     model_type: str, cls: str, main_input: str, step: str
 ) -> None:
+    if step == "train" and model_type in ("wav2vec2", "hubert"):
+        old_torch = tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 7)
+        if old_torch:
+            pytest.skip("torch 2.6 has no meta kernel for weight norm's backward")
     model = build(model_type, cls)
     batch, _ = example_batch(model, tiny(model_type), 2, 16, step == "train")
     assert main_input in batch(torch.device("meta"))
@@ -100,6 +110,7 @@ def test_the_training_peak_is_the_real_ones(model_type: str, cls: str) -> None:
 
 
 @READS_VALUES_ON_4
+@WEIGHT_NORM_BACKWARD
 def test_layerdrop_is_off_in_the_step_and_put_back() -> None:
     model = build("wav2vec2", "Wav2Vec2ForCTC")
     model.config.layerdrop = 0.3

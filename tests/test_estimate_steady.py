@@ -64,17 +64,23 @@ def test_the_forward_peak_is_the_real_ones() -> None:
 
 
 def adam_paths(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The Adam loops that run, by name: torch 2.6's AdamW has loops of its own (``adamw``),
+    later ones run Adam's; either is named as Adam's."""
     import torch.optim.adam as adam
+    import torch.optim.adamw as adamw
 
     ran: list[str] = []
-    for name in ("_single_tensor_adam", "_multi_tensor_adam"):
-        real = getattr(adam, name)
+    for module, suffix in ((adam, ""), (adamw, "w")):
+        for name in ("_single_tensor_adam", "_multi_tensor_adam"):
+            real = getattr(module, name + suffix, None)
+            if real is None:
+                continue
 
-        def spy(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
-            ran.append(_name)
-            return _real(*args, **kwargs)
+            def spy(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+                ran.append(_name)
+                return _real(*args, **kwargs)
 
-        monkeypatch.setattr(adam, name, spy)
+            monkeypatch.setattr(module, name + suffix, spy)
     return ran
 
 

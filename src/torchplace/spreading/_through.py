@@ -27,7 +27,7 @@ import torch
 from .._errors import TorchplaceError
 from .._model_walk import display
 
-__all__ = ["ANCHOR", "Kept", "Ref", "lost_gradient", "requiring"]
+__all__ = ["ANCHOR", "Kept", "Ref", "lost_gradient", "outer_hooks", "requiring"]
 
 
 def lost_gradient(name: str) -> TorchplaceError:
@@ -76,7 +76,7 @@ class Ref:
     offset: int  # in elements, from the slot tensor's own storage offset
 
 
-def _outer_hooks() -> tuple[Callable[[Any], Any], Callable[[Any], Any]] | None:
+def outer_hooks() -> tuple[Callable[[Any], Any], Callable[[Any], Any]] | None:
     """The saved-tensor hooks active around the call (torch >= 2.x keeps a stack of them)."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     if top is None:
@@ -104,7 +104,7 @@ class Kept:
                 ptr = t.untyped_storage().data_ptr()
                 where = (slot, t.dtype, int(t.storage_offset()), t.numel())
                 self.by_storage.setdefault(ptr, []).append(where)
-        self.outer = _outer_hooks()
+        self.outer = outer_hooks()
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
