@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 from torch import nn
 
-from .._device_map import DISK, whole_model_map
+from .._device_map import DISK, entry_of, whole_model_map
 from .._devices import DeviceSpec
 from .._errors import CheckpointError, DeviceSpecError, TorchplaceError, check_flags, prefixed
 from .._model_walk import display, tensor_slots, walk_model
@@ -509,20 +509,15 @@ def _tie_groups(model: nn.Module) -> list[list[str]]:
     return [group for group in names.values() if len(group) > 1]
 
 
-def _entry_of(full: str, disk: list[str]) -> str | None:
-    """The ``"disk"`` entry that holds the tensor ``full``, or None."""
-    held = [name for name in disk if full.startswith(f"{name}.")]
-    return max(held, key=len) if held else None
-
-
 def _check_ties(model: nn.Module, disk: list[str]) -> None:
     """``DeviceSpecError`` for a tied parameter held both by a ``"disk"`` module and by one kept
     in memory (a tie is one tensor, so its holders share one tier: ``plan`` keeps them
     together), or twice inside one ``"disk"`` module (which reads each weight from one key).
     Holders on disk under entries of their own each read the tensor from the file's one key
     (``_tied_keys``)."""
+    on_disk = dict.fromkeys(disk)
     for group in _tie_groups(model):
-        entries = [_entry_of(full, disk) for full in group]
+        entries = [entry_of(full, on_disk) for full in group]
         placed = [e for e in entries if e is not None]
         if not placed:
             continue
@@ -555,12 +550,13 @@ def _tied_keys(
     entry's reader reads that key for them and the checks find them filled."""
     key_of = {n: key for key, targets in names.items() for n in targets}
     out: dict[str, dict[str, str]] = {}
+    on_disk = dict.fromkeys(disk)
     for group in _tie_groups(model):
         held = next((key_of[n] for n in group if n in key_of), None)
         if held is None:
             continue  # the file lacks it under every name: the key check says so
         for full in group:
-            entry = _entry_of(full, disk)
+            entry = entry_of(full, on_disk)
             if full in key_of or entry is None:
                 continue
             out.setdefault(entry, {})[held] = full  # one holder per entry: _check_ties
