@@ -12,10 +12,11 @@ a fresh process (``python bench_offload_hf.py --worker KIND MAP DIR``):
 - ``torchplace-mmap``: the same with ``mmap=True`` (resident weights map the file, as
   transformers' do).
 
-Each worker reports the host peak over the load (``ru_maxrss`` above the process after
-``import torch, transformers``), over load and generate, the bytes the process read
-(``/proc/self/io`` ``rchar``) and wrote (the offload folder's size), the load time, and the
-seconds per token of ``generate`` (greedy, ``--tokens`` new tokens after a warm-up of 2).
+Each worker reports the host peak over the load (``VmHWM`` above the process after
+``import torch, transformers`` and the import of each loader's code), over load and generate,
+the bytes the process read (``/proc/self/io`` ``rchar``) and wrote (the offload folder's size),
+the load time, and the seconds per token of ``generate`` (greedy, ``--tokens`` new tokens
+after a warm-up of 2).
 Targets (DESIGN.md section 5): peak within the resident bytes + the prefetch window + 64 MiB;
 with ``mmap=True`` at most transformers' peak over load and generate; decoding at most 1.1x
 transformers' seconds per token; nothing written. ``--rows FILE`` appends JSON lines.
@@ -87,6 +88,9 @@ def worker(kind: str, share: str, directory: Path, tokens: int) -> dict[str, Any
     cfg = transformers.AutoConfig.from_pretrained(directory)
     dmap = device_map(cfg.num_hidden_layers, share)
     torch.manual_seed(0)
+    # Each loader's code is imported before the peak is reset (transformers' Llama module;
+    # torchplace's load, which its package imports on first use): the peaks are the load's.
+    _ = transformers.LlamaForCausalLM, torchplace.load_into, torchplace.skeleton
     base, read0 = reset_peak(), rchar()
     offload = Path(tempfile.mkdtemp(dir=directory.parent))
     t0 = time.perf_counter()

@@ -16,10 +16,14 @@ weight is one file tensor in the model's dtype, laid out row-major, the read giv
 the mapped file (copy-on-write, so nothing writes to it): no copy per call, the page cache
 serving the bytes, as transformers' own disk offload maps its files. Any weight that needs a
 copy (another dtype, a fused or converted tensor) has the module read by copy instead.
+Such a read's weights can hand their pages back early (``page_out``): the offload hooks do
+this as each module inside the offloaded one returns, so that a layer's weights are not all
+in the resident set at once (transformers' hooks hold one module's at a time).
 """
 
 from __future__ import annotations
 
+import mmap
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -317,7 +321,7 @@ class CheckpointWeights:
                 return None
             if dtype is not None and local is not None:
                 out[local] = value
-        return out if set(out) == set(self.dtypes) else None
+        return MappedViews(out, list(maps.values())) if set(out) == set(self.dtypes) else None
 
 
 def _view(mapped: Any, e: Entry, where: str) -> torch.Tensor:
@@ -328,6 +332,37 @@ def _view(mapped: Any, e: Entry, where: str) -> torch.Tensor:
         return torch.empty(e.shape, dtype=dtype)
     flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=e.start)
     return flat.view(e.shape)
+
+
+class MappedViews(dict[str, torch.Tensor]):
+    """A read's weights as views of mapped files (``_views``), and ``page_out``: the pages under
+    a view leave the process's resident set (``MADV_DONTNEED``; the map is copy-on-write and
+    never written, so a later touch faults the same bytes in again from the page cache)."""
+
+    PAGE = mmap.PAGESIZE
+
+    def __init__(self, views: dict[str, torch.Tensor], maps: list[mmap.mmap]) -> None:
+        super().__init__(views)
+        self._maps = [(_address(m), len(m), m) for m in maps if len(m)]
+
+    def page_out(self, t: torch.Tensor) -> None:
+        """Hand back the whole pages under ``t`` where it views one of this read's maps."""
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if advice is None or t.device.type != "cpu":
+            return
+        start, size = t.data_ptr(), t.numel() * t.element_size()
+        for base, length, m in self._maps:
+            if base <= start < base + length:
+                lo = -(-(start - base) // self.PAGE) * self.PAGE
+                hi = min(start - base + size, length) // self.PAGE * self.PAGE
+                if hi > lo:
+                    m.madvise(advice, lo, hi - lo)
+                return
+
+
+def _address(m: mmap.mmap) -> int:
+    """Where ``m`` starts in memory."""
+    return torch.frombuffer(m, dtype=torch.uint8, count=1).data_ptr()
 
 
 class _Holders:

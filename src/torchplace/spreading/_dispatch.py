@@ -743,7 +743,9 @@ class _OffloadedCall:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.ring.running(self.index):
-            return self.call(*args, **kwargs)
+            out = self.call(*args, **kwargs)
+            self.ring.used(self.index, self.module)
+            return out
         return _run(self.ring, self.index, lambda: self.call(*args, **kwargs))
 
     def call(self, *args: Any, **kwargs: Any) -> Any:

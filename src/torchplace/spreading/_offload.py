@@ -92,6 +92,8 @@ class Fetched:
 
     tensors: Any  # list[torch.Tensor] in slot order, a future of it, or ``Unread``
     event: Any = None  # what the compute stream waits on before reading them
+    # where the weights view a mapped file: hands the pages under one back (``used``)
+    page_out: Callable[[torch.Tensor], None] | None = None
 
 
 class Transport(Protocol):
@@ -261,6 +263,19 @@ class Ring:
             while self.again:
                 self.transport.release(self.again.popitem()[1][0])
 
+    def used(self, i: int, module: nn.Module) -> None:
+        """``module``, inside unit ``i``, returned while the unit runs: where the unit's weights
+        view a mapped file (``mmap=True``), the pages under its own weights leave the resident
+        set now, not with the unit, so that one module's weights are resident at a time, as
+        transformers' hooks keep them (a later use faults them in again from the page cache)."""
+        fetched = self.resident.get(i)
+        page_out = None if fetched is None else fetched.page_out
+        if page_out is None:
+            return
+        for t in [*module._parameters.values(), *module._buffers.values()]:
+            if t is not None:
+                page_out(t)
+
     def began(self, i: int) -> bool:
         """Whether this thread's latest call ``before`` saw (run or refused) is unit ``i``'s:
         the one ``after(i)`` ends."""
@@ -423,15 +438,15 @@ class DeviceTransport:
                 by_name = source.read(self.device, alloc=self.buffers.carver(source.nbytes))  # type: ignore[call-arg]
             else:
                 by_name = source.read(self.device)
-            return [by_name[n] for n in unit.names], None
+            return [by_name[n] for n in unit.names], getattr(by_name, "page_out", None)
         with self.cuda.stream(stream):
             by_name = unit.home.source.read(self.device)
             event = self._marked(stream)
         return [by_name[n] for n in unit.names], event
 
     def ready(self, fetched: Fetched) -> list[torch.Tensor]:
-        if isinstance(fetched.tensors, Unread):
-            fetched.tensors, fetched.event = self._read(fetched.tensors.unit, None)
+        if isinstance(fetched.tensors, Unread):  # executed on the CPU: no event to wait on
+            fetched.tensors, fetched.page_out = self._read(fetched.tensors.unit, None)
         elif isinstance(fetched.tensors, concurrent.futures.Future):
             fetched.tensors, fetched.event = fetched.tensors.result()
         if fetched.event is not None:
