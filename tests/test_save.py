@@ -1,6 +1,7 @@
 """``torchplace.save`` (issue 52): round trips bit for bit, sharding, tied weights, refusals,
-atomic replacement under real signals and write failures, background saves, and a model with
-layers left on disk."""
+atomic replacement under real signals and write failures, background saves, a model with
+layers left on disk, and DTensor models saved collectively on two ranks (a directory's files
+split among them)."""
 
 from __future__ import annotations
 
@@ -539,15 +540,15 @@ torchplace.save(tp, out / "tp-split", max_shard_size=1000)
 with torch.no_grad():  # what the save that fails would have written
     for p in model.parameters():
         p.add_(1.0)
-if rank == 1:  # a write past the file size limit, on rank 1 only
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (64, hard))
-try:
-    torchplace.save(model, out / "split", max_shard_size=600)
-except torchplace.CheckpointError as exc:
-    print(f"rank {rank} limited: {exc}", flush=True)
-if rank == 1:
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+for limited in (1, 0):  # a write past the file size limit on one rank only
+    if rank == limited:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64, hard))
+    try:
+        torchplace.save(model, out / "split", max_shard_size=600)
+    except torchplace.CheckpointError as exc:
+        print(f"rank {rank}, {limited} limited: {exc}", flush=True)
     resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 dist.barrier()
 print(f"rank {rank} done", flush=True)
@@ -580,11 +581,14 @@ def test_a_collective_save_to_a_directory_splits_its_files_among_the_ranks(
             "model-00004-of-00004.safetensors": 0o640,
             "model.safetensors.index.json": 0o644,
         }, split
-    # The save past rank 1's file size limit raised on both ranks, and left the old checkpoint
-    # (what "single" holds: the new one's values differ) and no temporary.
-    assert "rank 1 limited: " in output and "File too large" in output, output
-    assert "the checkpoint that was there is unchanged" in output, output
-    assert "rank 0 limited: the collective save failed on rank 1" in output, output
+    # The saves past one rank's file size limit raised on both ranks, and left the old
+    # checkpoint (what "single" holds: the new one's values differ) and no temporary (when rank
+    # 0 failed, rank 1's files were in it).
+    for limited, other in ((1, 0), (0, 1)):
+        mine = f"rank {limited}, {limited} limited: {tmp_path / 'split'}: could not be saved"
+        assert f"{mine} (File too large); the checkpoint that was there is unchanged" in output
+        theirs = f"rank {other}, {limited} limited: the collective save failed on rank {limited}"
+        assert f"{theirs} (its error there says why); the checkpoint" in output, output
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "single", "split", "tp-single", "tp-split", "worker.py"
     ]  # fmt: skip
