@@ -1,13 +1,15 @@
 """Saving an FSDP2 model on 2 ranks (Gloo, CPU) to a directory, beside DCP's Hugging Face writer.
 
-Run as ``python benchmarks/bench_save_sharded.py [--layers 16] [--width 2048] [--rounds 3]``.
+Run as ``python benchmarks/bench_save_sharded.py [--layers 16] [--width 2048] [--rounds 3]
+[--max-shard-size 5GB]``.
 
 A model of ``--layers`` x ``Linear(width, width)`` (16 x 2048 x 2048 float32: 256 MiB) is
 sharded with ``fully_shard`` (each layer, then the root) on 2 ranks under ``torchrun``, and saved
 into a fresh directory each round, the ways taking turns in the same processes:
 
-* ``torchplace``: ``torchplace.save(model, DIR)`` on every rank (each tensor gathered once, rank
-  0 writes ``model.safetensors``, flushed);
+* ``torchplace``: ``torchplace.save(model, DIR, max_shard_size=...)`` on every rank (each tensor
+  gathered once; one shard, ``model.safetensors``, is written by rank 0, several are split among
+  the ranks, shard ``i`` by rank ``i % 2``; every file flushed);
 * ``dcp``: ``torch.distributed.checkpoint.save(model.state_dict(),
   storage_writer=HuggingFaceStorageWriter(DIR, save_distributed=True,
   enable_consolidation=True))``, then rank 0 flushes the files (``os.fsync``), as ``save`` does.
@@ -44,6 +46,7 @@ from torch.distributed.fsdp import fully_shard
 import torchplace
 
 root, layers, width, rounds = Path(sys.argv[1]), *map(int, sys.argv[2:5])
+max_shard_size = sys.argv[5]
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 mesh = init_device_mesh("cpu", (2,))
@@ -62,7 +65,8 @@ def flush(folder):
 
 
 def ways(folder):
-    yield "torchplace", lambda: torchplace.save(model, folder / "torchplace")
+    yield "torchplace", lambda: torchplace.save(model, folder / "torchplace",
+                                                 max_shard_size=max_shard_size)
     def with_dcp():
         writer = dcp.HuggingFaceStorageWriter(str(folder / "dcp"), save_distributed=True,
                                               enable_consolidation=True)
@@ -94,6 +98,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="torchplace's shards (below the model's size: split among the ranks)",
+    )
     parser.add_argument("--rows", help="append the figures as JSON lines to this file")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench_save_sharded-") as d:
@@ -103,7 +112,7 @@ def main() -> None:
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                    "--nnodes=1", "--nproc-per-node=2", str(script), d, str(args.layers),
-                   str(args.width), str(args.rounds)]  # fmt: skip
+                   str(args.width), str(args.rounds), args.max_shard_size]  # fmt: skip
         done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             sys.exit(f"torchrun failed:\n{done.stdout}\n{done.stderr}")
@@ -122,7 +131,9 @@ def _check(folder: Path) -> None:
     """The two ways saved the same tensors."""
     from safetensors.torch import load_file
 
-    ours = load_file(str(folder / "torchplace" / "model.safetensors"))
+    ours: dict = {}
+    for file in sorted((folder / "torchplace").glob("*.safetensors")):  # one file, or shards
+        ours |= load_file(str(file))
     theirs: dict = {}
     for file in sorted((folder / "dcp").glob("*.safetensors")):  # the consolidated files
         theirs |= load_file(str(file))

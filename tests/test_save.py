@@ -1,6 +1,7 @@
 """``torchplace.save`` (issue 52): round trips bit for bit, sharding, tied weights, refusals,
-atomic replacement under real signals and write failures, background saves, and a model with
-layers left on disk."""
+atomic replacement under real signals and write failures, background saves, a model with
+layers left on disk, and DTensor models saved collectively on two ranks (a directory's files
+split among them)."""
 
 from __future__ import annotations
 
@@ -502,3 +503,92 @@ def test_fsdp2_and_tensor_parallel_models_save_what_one_process_saves(tmp_path: 
     tensor_parallel = read_safetensors(tmp_path / "tp.safetensors")
     assert_same(tensor_parallel, read_safetensors(tmp_path / "tp-single.safetensors"))
     assert not [p for p in tmp_path.iterdir() if ".torchplace-tmp-" in p.name]
+
+
+SPLIT_WORKER = r"""
+import os
+import resource
+import signal
+import sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+import torchplace
+
+out = Path(sys.argv[1])
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+os.umask(0o022 if rank == 0 else 0o027)  # the mode of a file says which rank made it
+mesh = init_device_mesh("cpu", (2,))
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 33), nn.Tanh(), nn.Linear(33, 7), nn.LayerNorm(7))
+torch.manual_seed(1)
+tp = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+if rank == 0:  # one process saving the same models
+    torchplace.save(model, out / "single", max_shard_size=600)
+    torchplace.save(tp, out / "tp-single", max_shard_size=1000)
+for layer in (model[0], model[2]):
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+parallelize_module(tp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+torchplace.save(model, out / "split", max_shard_size=600)
+torchplace.save(tp, out / "tp-split", max_shard_size=1000)
+with torch.no_grad():  # what the save that fails would have written
+    for p in model.parameters():
+        p.add_(1.0)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+for limited in (1, 0):  # a write past the file size limit on one rank only
+    if rank == limited:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64, hard))
+    try:
+        torchplace.save(model, out / "split", max_shard_size=600)
+    except torchplace.CheckpointError as exc:
+        print(f"rank {rank}, {limited} limited: {exc}", flush=True)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+dist.barrier()
+print(f"rank {rank} done", flush=True)
+dist.destroy_process_group()
+os._exit(0)  # as FSDP2_WORKER: Gloo's threads sometimes abort the interpreter's teardown
+"""
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.slow
+def test_a_collective_save_to_a_directory_splits_its_files_among_the_ranks(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "worker.py"
+    script.write_text(SPLIT_WORKER)
+    output = torchrun_two_cpu(script, str(tmp_path), timeout=180)
+    assert "rank 0 done" in output and "rank 1 done" in output, output
+    for split, single in (("split", "single"), ("tp-split", "tp-single")):
+        # bit for bit what one process saving the whole model writes: shards and index
+        assert _files(tmp_path / split) == _files(tmp_path / single), split
+        # shard i by rank i % 2 (the files rank 1 made have its umask's mode); the index by 0
+        modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / split).iterdir()}
+        assert modes == {
+            "model-00001-of-00004.safetensors": 0o644,
+            "model-00002-of-00004.safetensors": 0o640,
+            "model-00003-of-00004.safetensors": 0o644,
+            "model-00004-of-00004.safetensors": 0o640,
+            "model.safetensors.index.json": 0o644,
+        }, split
+    # The saves past one rank's file size limit raised on both ranks, and left the old
+    # checkpoint (what "single" holds: the new one's values differ) and no temporary (when rank
+    # 0 failed, rank 1's files were in it).
+    for limited, other in ((1, 0), (0, 1)):
+        mine = f"rank {limited}, {limited} limited: {tmp_path / 'split'}: could not be saved"
+        assert f"{mine} (File too large); the checkpoint that was there is unchanged" in output
+        theirs = f"rank {other}, {limited} limited: the collective save failed on rank {limited}"
+        assert f"{theirs} (its error there says why); the checkpoint" in output, output
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "single", "split", "tp-single", "tp-split", "worker.py"
+    ]  # fmt: skip

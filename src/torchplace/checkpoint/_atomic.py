@@ -10,6 +10,11 @@ old model files are not. The parent directory is flushed after the rename, so th
 itself survives a power cut. A failure or a Ctrl-C before the rename removes the temporary and
 leaves the old checkpoint as it was; the temporaries a killed process left (its PID gone) are
 swept by the next save to that path.
+
+A collective save to a directory of several shards (``_save_collective``) takes the same steps
+apart: rank 0 makes the temporary directory (``staging``), every rank writes its files into it
+(``created``) and flushes them (``flushed``), and once every rank has, rank 0 puts it in place
+(``put_in_place``); ``replacing`` is the three in one process.
 """
 
 from __future__ import annotations
@@ -21,11 +26,11 @@ import re
 import shutil
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["TMP_MARK", "replacing", "synced"]
+__all__ = ["TMP_MARK", "created", "flushed", "put_in_place", "replacing", "staging", "synced"]
 
 TMP_MARK = ".torchplace-tmp-"
 # What a directory's old model files are called: not carried into the new directory.
@@ -33,12 +38,26 @@ _MODEL_FILES = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?
 
 
 @contextlib.contextmanager
+def created(path: Path) -> Iterator[IO[bytes]]:
+    """``path`` made and opened for writing (an error if it is there already)."""
+    with open(path, "xb") as f:
+        yield f
+
+
+@contextlib.contextmanager
 def synced(path: Path) -> Iterator[IO[bytes]]:
     """``path`` opened for writing, flushed to disk when the block ends."""
-    with open(path, "xb") as f:
+    with created(path) as f:
         yield f
         f.flush()
         os.fsync(f.fileno())
+
+
+def flushed(paths: Iterable[Path]) -> None:
+    """Flush the files ``paths``, written and closed, to disk."""
+    for path in paths:
+        with open(path, "rb+") as f:
+            os.fsync(f.fileno())
 
 
 def _fsync_dir(path: Path) -> None:
@@ -98,24 +117,39 @@ def _temporary(target: Path, directory: bool) -> Path:
 def replacing(target: Path, directory: bool) -> Iterator[Path]:
     """A temporary path beside ``target`` (a new directory, or a file name) for the block to
     write, put in place of ``target`` when the block ends, or removed if it raises."""
+    with staging(target, directory) as tmp:
+        yield tmp
+        put_in_place(tmp, target, directory)
+
+
+@contextlib.contextmanager
+def staging(target: Path, directory: bool) -> Iterator[Path]:
+    """A temporary path beside ``target`` (a new directory, or a file name), removed when the
+    block ends: by then ``put_in_place`` has put it in place (its name holds the old directory,
+    if any), or the save failed."""
     _sweep(target)
     tmp: Path | None = None
     try:
         with _interrupts_deferred():  # made and known to the cleanup at once
             tmp = _temporary(target, directory)
         yield tmp
-        with _interrupts_deferred():
-            if directory:
-                _carry_other_files(target, tmp)
-                _fsync_dir(tmp)
-                _swap_directory(tmp, target)
-            else:
-                os.replace(tmp, target)
-            _fsync_dir(target.parent)
     finally:
         with _interrupts_deferred():
             if tmp is not None:
                 _remove(tmp)  # on success, the old directory (exchanged to this name), if any
+
+
+def put_in_place(tmp: Path, target: Path, directory: bool) -> None:
+    """Put the temporary ``tmp``, written and flushed, at ``target``: a file renamed, a
+    directory exchanged with the old one (given the old one's other files first)."""
+    with _interrupts_deferred():
+        if directory:
+            _carry_other_files(target, tmp)
+            _fsync_dir(tmp)
+            _swap_directory(tmp, target)
+        else:
+            os.replace(tmp, target)
+        _fsync_dir(target.parent)
 
 
 @contextlib.contextmanager

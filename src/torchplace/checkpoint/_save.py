@@ -28,7 +28,7 @@ import torch
 
 from .._errors import CheckpointError, check_flags
 from .._sizes import parse_size
-from ._atomic import replacing, synced
+from ._atomic import created, flushed, replacing, synced
 from ._progress import progress_bar, wanted
 from ._save_collective import (
     collective,
@@ -36,6 +36,7 @@ from ._save_collective import (
     on_rank_0,
     write_collectively,
     write_order,
+    write_split,
 )
 from ._save_items import items_of, transformers_model
 from ._source import PathLike, as_path
@@ -120,8 +121,9 @@ def save(
 
     Args:
         obj: a model (on one device, split over several, dispatched with ``"cpu"`` and
-            ``"disk"`` tiers, or sharded as DTensors: then call it on every rank, and rank 0
-            writes) or a mapping of names to tensors.
+            ``"disk"`` tiers, or sharded as DTensors: then call it on every rank; a directory's
+            shard files are split among the ranks, a single file is written by rank 0) or a
+            mapping of names to tensors.
         path: ``*.safetensors``, ``*.pt``/``*.pth`` (read by ``torch.load(weights_only=True)``),
             or any other path: a directory as ``save_pretrained`` writes it.
         max_shard_size: for a directory, the most bytes of one shard (``"5GB"``, ``"500MiB"``,
@@ -177,8 +179,9 @@ def _in_background(target: Path, layout: str, items: list[Item], config: list[An
 def _save_collective(target: Path, layout: str, items: list[Item], config: list[Any],
                      shard_bytes: int, background: bool, progress: bool | None
                      ) -> Saving | None:  # fmt: skip
-    """``save`` of a DTensor-sharded model, on every rank (``_save_collective``): rank 0
-    writes, the others take part in each gather."""
+    """``save`` of a DTensor-sharded model, on every rank (``_save_collective``): a directory
+    of several shards written by every rank, anything else by rank 0 while the others take part
+    in each gather."""
     import torch.distributed as dist
 
     if background:  # the snapshot gathers, in the items' order on every rank
@@ -186,8 +189,12 @@ def _save_collective(target: Path, layout: str, items: list[Item], config: list[
             gathered_in_order(items)
             return Saving(target, lambda: None, None)
         return _in_background(target, layout, items, config, shard_bytes, progress)
-    ordered = write_order(layout, items, lambda listed: _shards(listed, shard_bytes))
     _wait_pending(target)
+    shards = _shards(items, shard_bytes) if layout == "directory" else []
+    if len(shards) > 1:
+        _write_split(target, _shard_files(shards), config, progress)
+        return None
+    ordered = write_order(layout, items, lambda listed: _shards(listed, shard_bytes))
     write_collectively(
         lambda listed: _write(target, layout, listed, config, shard_bytes, progress), ordered
     )
@@ -312,11 +319,43 @@ def _write(target: Path, layout: str, items: list[Item], configs: list[Any], sha
                 else:
                     write_safetensors(f, items, {"format": "pt"}, advance)
     except OSError as exc:
-        raise CheckpointError(
-            f"{target}: could not be saved ({exc.strerror or exc}); the checkpoint that was "
-            "there is unchanged and nothing partial was left",
-            path=target,
-        ) from exc
+        raise _unsaved(target, exc) from exc
+
+
+def _write_split(target: Path, files: list[tuple[str, list[Item]]], configs: list[Any],
+                 progress: bool | None) -> None:  # fmt: skip
+    """The directory ``target`` of several shard ``files``, its files split among the ranks
+    (``write_split``); a bar on rank 0, which takes part in every file's gathers."""
+    import torch.distributed as dist
+
+    total = sum(it.nbytes for _, shard in files for it in shard)
+    show = dist.get_rank() == 0 and wanted(progress) and (progress is True or total >= _SHOW_FROM)
+    try:
+        with progress_bar(total, f"save {target.name}", show) as advance:
+            write_split(
+                target,
+                files,
+                before=lambda folder: _write_configs(folder, configs),
+                write=lambda path, items: _write_shard(path, items, advance),
+                after=lambda folder: _write_index(folder, files),
+                advance=advance,
+            )
+    except OSError as exc:
+        raise _unsaved(target, exc) from exc
+
+
+def _unsaved(target: Path, exc: OSError) -> CheckpointError:
+    return CheckpointError(
+        f"{target}: could not be saved ({exc.strerror or exc}); the checkpoint that was "
+        "there is unchanged and nothing partial was left",
+        path=target,
+    )
+
+
+def _write_shard(path: Path, items: list[Item], advance: Callable[[int], None]) -> None:
+    """One shard file of a collective save, written (flushed to disk with the rank's others)."""
+    with created(path) as f:
+        write_safetensors(f, items, {"format": "pt"}, advance)
 
 
 def _shards(items: list[Item], limit: int) -> list[list[Item]]:
@@ -340,29 +379,43 @@ def _write_directory(
     limit: int,
     advance: Callable[[int], None],
 ) -> None:
-    for config in configs:  # a transformers config, or a file copied as it is
-        if isinstance(config, Path):
-            shutil.copy2(config, folder / config.name)
-        else:
-            config.save_pretrained(folder)
-    for written in folder.iterdir():  # the configs flushed to disk as the tensors are
-        with open(written, "rb+") as f:
-            os.fsync(f.fileno())
+    _write_configs(folder, configs)
     shards = _shards(items, limit)
     if len(shards) == 1:
         with synced(folder / "model.safetensors") as f:
             write_safetensors(f, shards[0], {"format": "pt"}, advance)
         return
-    weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+    files = _shard_files(shards)
+    for name, shard in files:
         with synced(folder / name) as f:
             write_safetensors(f, shard, {"format": "pt"}, advance)
-        weight_map.update(dict.fromkeys((it.name for it in shard), name))
+    _write_index(folder, files)
+
+
+def _write_configs(folder: Path, configs: list[Any]) -> None:
+    """A transformers config, or a file copied as it is, each, flushed to disk as the tensors
+    are."""
+    for config in configs:
+        if isinstance(config, Path):
+            shutil.copy2(config, folder / config.name)
+        else:
+            config.save_pretrained(folder)
+    flushed(list(folder.iterdir()))
+
+
+def _shard_files(shards: list[list[Item]]) -> list[tuple[str, list[Item]]]:
+    """Each shard with its file's name, as ``save_pretrained`` names them."""
+    n = len(shards)
+    return [(f"model-{i:05d}-of-{n:05d}.safetensors", shard) for i, shard in enumerate(shards, 1)]
+
+
+def _write_index(folder: Path, files: list[tuple[str, list[Item]]]) -> None:
+    """``model.safetensors.index.json``: which file holds each tensor, and their total size."""
+    items = [it for _, shard in files for it in shard]
     index = {
         "metadata": {"total_size": sum(it.nbytes for it in items),
                      "total_parameters": sum(it.nbytes // it.dtype.itemsize for it in items)},
-        "weight_map": weight_map,
+        "weight_map": {it.name: name for name, shard in files for it in shard},
     }  # fmt: skip
     with synced(folder / _INDEX) as f:
         f.write((json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
