@@ -24,7 +24,7 @@ from torchplace.checkpoint._entries import FileChanged
 from torchplace.moving import _offloaded as offloaded
 from torchplace.moving._hooks import is_dispatched
 from torchplace.moving._offloaded import HOME, Home, homes
-from torchplace.spreading._offload import DeviceTransport, Fetched, Unit
+from torchplace.spreading._offload import DeviceFetcher, Fetched, Unit
 
 
 class MemorySource:
@@ -57,7 +57,7 @@ class FakeTransport:
         self.arrived: set[str] = set()
         self.resident: set[str] = set()
         self.most = 0
-        self.real = DeviceTransport(torch.device("cpu"))
+        self.real = DeviceFetcher(torch.device("cpu"))
 
     def fetch(self, unit: Unit) -> Fetched:
         self.log.append(("fetch", unit.path))
@@ -1310,7 +1310,7 @@ class FakeCuda:
         return Using()
 
 
-class LoggingTransport(DeviceTransport):
+class LoggingTransport(DeviceFetcher):
     """The real transport's logic over fake streams: copies are clones, logged with the stream
     they were queued on."""
 

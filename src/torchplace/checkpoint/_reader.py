@@ -39,12 +39,8 @@ from typing import Any, cast
 import torch
 
 from .._errors import CheckpointError, user_stacklevel
-from ..moving._staging import (
-    CudaTransport,
-    PinnedPool,
-    Transport,
-    pinned_pool,
-)
+from ..moving._staging import PinnedPool, pinned_pool
+from ..moving._transport import CurrentStream, Transport
 from ._crc import Crc32, combine, crc32
 from ._entries import Stamp, changed_error
 from ._formats import device_failure, diagnose, first_sentence, out_of_memory
@@ -295,22 +291,6 @@ def _failed_checks(checked: Sequence[tuple[int, str, Sequence[tuple[int, int]]]]
     return failed
 
 
-class _CurrentStream(CudaTransport):
-    """Copies queued on the current stream of one CUDA device, events recorded behind them:
-    what reads onto the device do after them (a conversion, the model's first use) is ordered
-    after them by the stream alone, so there is nothing to order at the start or the end."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.stream = self.caller = torch.cuda.current_stream(device)
-
-    def begin(self) -> None:
-        """Nothing to order: the copies run on the caller's own stream."""
-
-    def finish(self) -> None:
-        """Nothing to order: the copies run on the caller's own stream."""
-
-
 # Threads that read onto a CUDA device, set by ``benchmarks/bench_load_gpu.py --sweep`` on an
 # H200 host (2026-11-28): 8 threads on the pool's 8 slots of 8 MiB read 1 GiB onto the GPU at
 # 29 GB/s; 16 threads on 16 slots of 4 MiB, 15 GB/s. At most one thread per slot of the pool
@@ -412,7 +392,7 @@ def _read_cuda(
     ``transport`` are for tests; by default the copies run on the device's current stream (from
     every thread), so the model's first use is ordered after them."""
     pool = pool if pool is not None else pinned_pool()
-    transport = transport if transport is not None else _CurrentStream(device)
+    transport = transport if transport is not None else CurrentStream(device)
     sends, checked, crc_chunks = _cuda_sends(items, pool.slot_bytes)  # a chunk: a slot
     crcs = [0] * crc_chunks  # each checked chunk's CRC-32, written by the thread that read it
     crc = crc32() if checked else zlib.crc32  # ISA-L's is imported only when it is used
