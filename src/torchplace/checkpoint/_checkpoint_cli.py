@@ -541,7 +541,7 @@ def _write_remapped(
         writer = _CountingWriter(raw, advance)
         try:
             if obj is None:
-                from ._reader import copy_file  # torch: imported only once a file is copied
+                from ._whole_files import copy_file  # torch: imported only once a file is copied
 
                 copy_file(src, writer)
             else:
