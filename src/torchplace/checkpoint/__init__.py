@@ -18,7 +18,8 @@ shards; ``_progress`` is the bar a long load shows, ``_crc`` joins CRC-32s, and
 per-expert hub names). Writing goes the other way: ``_save`` is ``save`` (``_save_items``: what
 a model's tensors are saved as, ``_writers``: a tensor at a time into a safetensors or torch
 file, ``_atomic``: in place of the old checkpoint only once complete, ``_save_collective``: a
-DTensor model's gathers on every rank), and ``_convert_cli`` is the ``convert`` command.
+DTensor model's gathers on every rank), and ``_convert_cli`` is the ``convert`` command
+(``_run_command``: how ``convert`` and ``remap`` end, their exit status).
 
 May import: ``moving`` (pinned staging, parameter identity), the base modules at the package
 root, and its own modules; never ``looking``, ``spreading`` or ``cli``. Importing this package
