@@ -20,11 +20,11 @@ Targets (issue 26): at least 25 GB/s for a checkpoint of 1 GB or more, at most 0
 time, and a peak of at most the bf16 model's bytes + 256 MiB. Aim: 0.8 of the pinned copy.
 
 ``--sweep`` then times the same load with the reader's thread count
-(``_reader.CUDA_READ_THREADS``) and the pinned pool's shape (``_staging.STAGE_BUFFERS`` slots of
-``_staging.STAGE_CHUNK_BYTES``; the pool moves use too) set to each of a few values. At most one
-thread per slot reads, so counts above a shape's slots are left out. It prints the fastest
-setting, to be written into ``_reader.py`` (and, weighed against ``bench_move.py --sweep``, into
-``_staging.py``); no default has been set by a GPU measurement yet.
+(``_cuda_read.CUDA_READ_THREADS``) and the pinned pool's shape (``_staging.STAGE_BUFFERS``
+slots of ``_staging.STAGE_CHUNK_BYTES``; the pool moves use too) set to each of a few values. At
+most one thread per slot reads, so counts above a shape's slots are left out. It prints the
+fastest setting, to be written into ``_cuda_read.py`` (and, weighed against ``bench_move.py
+--sweep``, into ``_staging.py``); no default has been set by a GPU measurement yet.
 
 ``--crc`` also saves the weights as a torch zip file (``.pt``) and times ``load_into`` of it
 onto the GPU unchecked and with ``check_crc=True``, by zlib's CRC-32 and by ISA-L's (where
@@ -120,10 +120,10 @@ def peak_beyond_model(path: Path, layers: int) -> tuple[int, int]:
 def sweep(path: Path, layers: int, nbytes: int, rounds: int) -> tuple[float, str]:
     """GB/s of ``load_into`` per (threads, pool shape); returns the best and its setting."""
     from torchplace import load_into, skeleton
-    from torchplace.checkpoint import _reader
+    from torchplace.checkpoint import _cuda_read
     from torchplace.moving import _staging
 
-    saved = (_reader.CUDA_READ_THREADS, _staging.STAGE_BUFFERS, _staging.STAGE_CHUNK_BYTES)
+    saved = (_cuda_read.CUDA_READ_THREADS, _staging.STAGE_BUFFERS, _staging.STAGE_CHUNK_BYTES)
     cores = os.cpu_count() or 1
     print(f"\nsweep: GB/s of load_into by CUDA_READ_THREADS (default {saved[0]}) x pool shape")
     print("pool        " + "".join(f"{t:>8d}" for t in THREADS))
@@ -137,7 +137,7 @@ def sweep(path: Path, layers: int, nbytes: int, rounds: int) -> tuple[float, str
                 if threads > slots or threads > cores:
                     cells.append(f"{'-':>8s}")
                     continue
-                _reader.CUDA_READ_THREADS = threads
+                _cuda_read.CUDA_READ_THREADS = threads
 
                 def load() -> nn.Module:
                     return load_into(skeleton(Model, layers), path, "cuda", progress=False)
@@ -152,7 +152,7 @@ def sweep(path: Path, layers: int, nbytes: int, rounds: int) -> tuple[float, str
                     )
             print(f"{slots:2d} x {mib:2d} MiB " + "".join(cells))
     finally:
-        _reader.CUDA_READ_THREADS, _staging.STAGE_BUFFERS, _staging.STAGE_CHUNK_BYTES = saved
+        _cuda_read.CUDA_READ_THREADS, _staging.STAGE_BUFFERS, _staging.STAGE_CHUNK_BYTES = saved
     print(f"fastest: {top:.1f} GB/s with {top_setting}")
     return top, top_setting
 

@@ -21,7 +21,7 @@ checked, what that option costs) and a bf16 load of the fp32 safetensors file th
 ``load_into`` (converted a chunk at a time as it is read).
 
 ``--sweep`` times ``torchplace.load`` of each file with the reader's pool of threads
-(``_reader.READ_THREADS``) and chunk size (``_reader.READ_CHUNK_BYTES``) set to each of a few
+(``_host_read.READ_THREADS``) and chunk size (``_host_read.READ_CHUNK_BYTES``) set to each of a few
 values, to choose them by measurement.
 
 ``--crc`` times what checking every record's CRC-32 as it is read costs, with each CRC-32
@@ -146,23 +146,23 @@ class _Layers(torch.nn.Module):
 
 def _sweep(st: Path, pt: Path, nbytes: int, rounds: int) -> None:
     import torchplace
-    from torchplace.checkpoint import _reader
+    from torchplace.checkpoint import _host_read
 
     print(f"{nbytes / 2**20:.0f} MiB from the page cache, {os.cpu_count()} CPUs")
     print(f"{'threads':>8}{'chunk MiB':>10}{'st GB/s':>9}{'pt GB/s':>9}")
-    saved = (_reader.READ_THREADS, _reader.READ_CHUNK_BYTES)
+    saved = (_host_read.READ_THREADS, _host_read.READ_CHUNK_BYTES)
     try:
         for threads in (1, 2, 4, 8, 16):
             if threads > 2 * (os.cpu_count() or 1):
                 continue
             for chunk_mb in (4, 16, 64):
-                _reader.READ_THREADS, _reader.READ_CHUNK_BYTES = threads, chunk_mb << 20
+                _host_read.READ_THREADS, _host_read.READ_CHUNK_BYTES = threads, chunk_mb << 20
                 speeds = [
                     nbytes / best(lambda p=p: torchplace.load(p), rounds) / 1e9 for p in (st, pt)
                 ]
                 print(f"{threads:>8}{chunk_mb:>10}{speeds[0]:>9.2f}{speeds[1]:>9.2f}")
     finally:
-        _reader.READ_THREADS, _reader.READ_CHUNK_BYTES = saved
+        _host_read.READ_THREADS, _host_read.READ_CHUNK_BYTES = saved
 
 
 def _crc_functions() -> dict[str, Callable[..., int]]:
@@ -229,12 +229,12 @@ def _crc_report(
     cpu: dict[str, float],
     in_crc: dict[str, float],
 ) -> None:
-    from torchplace.checkpoint import _reader
+    from torchplace.checkpoint import _host_read
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(
         f"{nbytes / 2**20:.0f} MiB .pt from the page cache, best of {rounds} rounds, "
-        f"{_reader.READ_THREADS} reading threads, {os.cpu_count()} CPUs, load average {load:.1f}"
+        f"{_host_read.READ_THREADS} reading threads, {os.cpu_count()} CPUs, load average {load:.1f}"
     )
     print(
         f"{'check':<12}{'wall s':>8}{'GB/s':>7}{'+wall':>8}{'CPU s':>8}{'CRC CPU s':>11}{'+CPU':>7}"

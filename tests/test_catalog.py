@@ -27,6 +27,7 @@ import torchplace
 from helpers import torch_save
 from torchplace import load, load_into
 from torchplace._errors import CheckpointError
+from torchplace.checkpoint import _host_read
 from torchplace.checkpoint import _reader as _readinto
 from torchplace.checkpoint._catalog import catalog, describe_file
 from torchplace.checkpoint._entries import FileChanged, Stamp
@@ -172,7 +173,7 @@ def test_a_damaged_zip_version_field_is_a_checkpoint_error(tmp_path: Path) -> No
 
 def _rewrite_while_reading(monkeypatch: pytest.MonkeyPatch, victim: Path) -> list[int]:
     """After the first read from ``victim``, rewrite it in place (same size, new bytes)."""
-    real = _readinto._read_host
+    real = _readinto.read_host
     done: list[int] = []
 
     def read_then_rewrite(*args: Any) -> list[str]:
@@ -185,7 +186,7 @@ def _rewrite_while_reading(monkeypatch: pytest.MonkeyPatch, victim: Path) -> lis
                 f.write(bytes(4))
         return failed
 
-    monkeypatch.setattr(_readinto, "_read_host", read_then_rewrite)
+    monkeypatch.setattr(_readinto, "read_host", read_then_rewrite)
     return done
 
 
@@ -327,9 +328,9 @@ def test_every_hostile_header_value_stays_inside_the_exception_tree(
 def test_check_crc_finds_a_flipped_bit_in_a_tensors_bytes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int
 ) -> None:
-    from torchplace.checkpoint import _reader as readinto
+    from torchplace.checkpoint import _host_read
 
-    monkeypatch.setattr(readinto, "READ_CHUNK_BYTES", 1 << 20)  # many chunks, joined
+    monkeypatch.setattr(_host_read, "READ_CHUNK_BYTES", 1 << 20)  # many chunks, joined
     path = tmp_path / "w.pt"
     sd = {"w": torch.arange(size // 4, dtype=torch.float32), "b": torch.ones(3)}
     torch.save(sd, path)
@@ -360,7 +361,7 @@ def test_check_crc_finds_a_flipped_bit_in_a_tensor_converted_as_it_is_read(
 ) -> None:
     """A bf16 model from an fp32 zip file: the CRC-32 is of the file's bytes, checked on the
     chunks read before they are converted (none of them lands in the model in fp32)."""
-    monkeypatch.setattr(_readinto, "READ_CHUNK_BYTES", 1 << 20)  # many chunks, joined
+    monkeypatch.setattr(_host_read, "READ_CHUNK_BYTES", 1 << 20)  # many chunks, joined
     path = tmp_path / "w.pt"
     sd = {"w": torch.arange(size // 4, dtype=torch.float32)}
     torch.save(sd, path)

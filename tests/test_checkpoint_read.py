@@ -186,10 +186,10 @@ def test_read_values_are_bit_for_bit(tmp_path: Path, dtype: torch.dtype) -> None
 def test_large_tensors_read_in_chunks_by_threads(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import torchplace.checkpoint._reader as readinto
+    from torchplace.checkpoint import _host_read
 
-    monkeypatch.setattr(readinto, "READ_CHUNK_BYTES", 4096)
-    monkeypatch.setattr(readinto, "READ_THREADS", 3)
+    monkeypatch.setattr(_host_read, "READ_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(_host_read, "READ_THREADS", 3)
     sd = {"a": torch.arange(10_000, dtype=torch.float32), "b": torch.arange(777.0)}
     torch.save(sd, tmp_path / "w.pt")
     safetensors_torch.save_file(sd, tmp_path / "w.safetensors")
@@ -723,13 +723,13 @@ def test_reads_onto_cuda_go_through_pinned_staging(
     import torchplace.checkpoint._reader as readinto
 
     staged: list[int] = []
-    real = readinto._read_cuda
+    real = readinto.read_cuda
 
     def counting(fd: int, pieces: Any, device: torch.device, *rest: Any) -> list[str]:
         staged.extend(piece[1].nbytes for piece in pieces)
         return real(fd, pieces, device, *rest)
 
-    monkeypatch.setattr(readinto, "_read_cuda", counting)
+    monkeypatch.setattr(readinto, "read_cuda", counting)
 
     sd = {"big": torch.randn(5 << 20), "small": torch.arange(3.0), "e": torch.empty(0)}
     path = tmp_path / f"w.{fmt}"
@@ -1100,7 +1100,7 @@ _PEAK_CHILD = """
 import sys, torch
 from torch import nn
 import torchplace
-from torchplace.checkpoint._reader import READ_CHUNK_BYTES, READ_THREADS
+from torchplace.checkpoint._host_read import READ_CHUNK_BYTES, READ_THREADS
 
 def hwm():
     for line in open("/proc/self/status"):
@@ -1202,19 +1202,19 @@ def test_a_zip_file_is_converted_to_the_models_dtypes_as_it_is_read(
 ) -> None:
     """Each fp32 record wanted in bf16 is read converting (a 3-tuple piece, never an fp32
     tensor of its own); the fp32 norm and the int64 buffer are read as saved."""
-    from torchplace.checkpoint import _reader
+    from torchplace.checkpoint import _zip_read
 
     sd = _mixed_state()
     path = tmp_path / "m.pt"
     torch.save(sd, path)
     reads: list[tuple[Any, ...]] = []
-    real = _reader.read_into
+    real = _zip_read.read_into
 
     def recording(p: Path, pieces: Any, *args: Any) -> None:
         reads.extend(pieces)
         real(p, pieces, *args)
 
-    monkeypatch.setattr(_reader, "read_into", recording)
+    monkeypatch.setattr(_zip_read, "read_into", recording)
     model = load_into(skeleton(_Mixed), path)
     converting = [p.into.dtype for p in reads if p.stored is not None]
     assert converting == [torch.bfloat16, torch.bfloat16]  # proj.weight, proj.bias

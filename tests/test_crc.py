@@ -18,7 +18,7 @@ from torch import nn
 
 from helpers import torch_save
 from torchplace import CheckpointError, load, load_into
-from torchplace.checkpoint import _crc, _reader
+from torchplace.checkpoint import _crc, _host_read
 from torchplace.checkpoint._catalog import catalog
 
 _LENGTHS = [0, 1, 7, 4095, 4096, (1 << 20) + 3]
@@ -137,7 +137,7 @@ def test_isal_is_a_runtime_dependency() -> None:
 def test_with_isal_a_damaged_record_is_caught_by_default(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
 ) -> None:
-    monkeypatch.setattr(_reader, "READ_CHUNK_BYTES", chunk)
+    monkeypatch.setattr(_host_read, "READ_CHUNK_BYTES", chunk)
     calls = _counting_isal(monkeypatch)
     assert _crc.check_as_read(None) is True
     assert _crc.check_as_read(None, "cuda") is False  # pinned reads: the check's share is larger

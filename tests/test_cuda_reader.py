@@ -1,4 +1,4 @@
-"""The CUDA reader's threads (``_reader._read_cuda``), driven on the CPU.
+"""The CUDA reader's threads (``_cuda_read.read_cuda``), driven on the CPU.
 
 Several threads each take a slot of a small pool, read a chunk into it and queue its copy on a
 transport that runs copies late (only when an event behind them is waited for), as a copy
@@ -22,7 +22,7 @@ import torch
 
 from test_interrupts import Interrupter
 from test_staging import _Event, _LateTransport
-from torchplace.checkpoint import _reader
+from torchplace.checkpoint import _cuda_read
 from torchplace.checkpoint._plan_items import ReadItem
 from torchplace.moving import _staging
 from torchplace.moving._staging import PinnedPool, Slot
@@ -175,7 +175,7 @@ def test_threads_read_every_chunk_bit_for_bit_through_a_bounded_pool(
     """Values bit for bit, converting pieces too, whatever the thread count against the pool's
     slots: at most one thread per slot reads, the pool never grows beyond its slots nor hands
     out a buffer of its own, and a second read pins nothing new."""
-    monkeypatch.setattr(_reader, "CUDA_READ_THREADS", threads)
+    monkeypatch.setattr(_cuda_read, "CUDA_READ_THREADS", threads)
     case = _Case(tmp_path)
     copies = _LateCopies()
     pool = _WatchedPool(copies, slots)
@@ -184,7 +184,7 @@ def test_threads_read_every_chunk_bit_for_bit_through_a_bounded_pool(
         for _ in range(2):
             pieces, into = case.pieces()
             advanced: list[int] = []
-            failed = _reader._read_cuda(
+            failed = _cuda_read.read_cuda(
                 fd, pieces, HOST, advanced.append, pool=pool, transport=copies
             )
             assert copies.queue  # copies still pending when the call returned: they ran late
@@ -214,7 +214,7 @@ def test_the_pool_check_catches_a_slot_reused_before_its_copy(tmp_path: Path) ->
     try:
         pieces, _ = case.pieces()
         with pytest.raises(AssertionError, match="handed out while a copy from it was pending"):
-            _reader._read_cuda(fd, pieces, HOST, pool=Careless(copies, 1), transport=copies)
+            _cuda_read.read_cuda(fd, pieces, HOST, pool=Careless(copies, 1), transport=copies)
     finally:
         os.close(fd)
 
@@ -223,7 +223,7 @@ def test_crc_of_a_piece_read_in_parallel_chunks_names_only_the_damaged_piece(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Chunks arrive in any order; each piece's CRC-32 is joined from its chunks' own."""
-    monkeypatch.setattr(_reader, "CUDA_READ_THREADS", 3)
+    monkeypatch.setattr(_cuda_read, "CUDA_READ_THREADS", 3)
     first = os.urandom(10 * SLOT + 5)  # eleven chunks, read by three threads
     second = os.urandom(3 * SLOT)
     expected = {0: (zlib.crc32(first), "first"), len(first): (zlib.crc32(second), "second")}
@@ -239,7 +239,7 @@ def test_crc_of_a_piece_read_in_parallel_chunks_names_only_the_damaged_piece(
         b = torch.empty(len(second), dtype=torch.uint8)
         fd = os.open(path, os.O_RDONLY)
         try:
-            failed = _reader._read_cuda(
+            failed = _cuda_read.read_cuda(
                 fd,
                 _checked([ReadItem(0, a), ReadItem(len(first), b)], expected),
                 HOST,
@@ -269,11 +269,11 @@ def test_crc_of_a_converting_piece_is_of_the_files_bytes(tmp_path: Path) -> None
             for k in converting
         }
         checked = _checked(pieces, sound)
-        assert _reader._read_cuda(fd, checked, HOST, pool=pool, transport=copies) == []
+        assert _cuda_read.read_cuda(fd, checked, HOST, pool=pool, transport=copies) == []
         copies.wait()
         wrong = {case.offsets[k]: (zlib.crc32(b"other"), f"r{k}") for k in converting}
         checked = _checked(pieces, wrong)
-        failed = _reader._read_cuda(fd, checked, HOST, pool=pool, transport=copies)
+        failed = _cuda_read.read_cuda(fd, checked, HOST, pool=pool, transport=copies)
         copies.wait()
         assert failed == [f"r{k}" for k in converting]
     finally:
@@ -306,24 +306,24 @@ class _FailingCopies(_LateCopies):
 def test_a_failure_in_one_thread_stops_the_others_and_leaves_no_thread_nor_slot_behind(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, exc: BaseException
 ) -> None:
-    monkeypatch.setattr(_reader, "CUDA_READ_THREADS", 3)
+    monkeypatch.setattr(_cuda_read, "CUDA_READ_THREADS", 3)
     data = os.urandom(40 * SLOT)
     path = tmp_path / "bytes"
     path.write_bytes(data)
     into = torch.zeros(len(data), dtype=torch.uint8)
     copies = _FailingCopies(into[SLOT:].data_ptr(), exc)  # thread 1's first chunk
-    real_run = _reader._read_in_threads
+    real_run = _cuda_read.read_in_threads
 
     def caught(share: Any, threads: int, stop: threading.Event) -> None:
         copies.stop = stop
         real_run(share, threads, stop)
 
-    monkeypatch.setattr(_reader, "_read_in_threads", caught)
+    monkeypatch.setattr(_cuda_read, "read_in_threads", caught)
     pool = _WatchedPool(copies, 3)
     fd = os.open(path, os.O_RDONLY)
     try:
         with pytest.raises(type(exc)):
-            _reader._read_cuda(fd, [ReadItem(0, into)], HOST, pool=pool, transport=copies)
+            _cuda_read.read_cuda(fd, [ReadItem(0, into)], HOST, pool=pool, transport=copies)
         after = copies.queued
         time.sleep(0.1)
         assert copies.queued == after  # nothing queues any more once the call is over
@@ -345,7 +345,7 @@ def test_a_mark_that_fails_after_its_copy_still_fences_the_slot(
 ) -> None:
     """A copy queued, then the event behind it fails to record: the slot goes back behind a
     second event (or a wait), never bare."""
-    monkeypatch.setattr(_reader, "CUDA_READ_THREADS", 2)
+    monkeypatch.setattr(_cuda_read, "CUDA_READ_THREADS", 2)
 
     class FlakyMark(_LateCopies):
         marks = 0
@@ -365,7 +365,7 @@ def test_a_mark_that_fails_after_its_copy_still_fences_the_slot(
     fd = os.open(path, os.O_RDONLY)
     try:
         with pytest.raises(RuntimeError, match="event record failed"):
-            _reader._read_cuda(
+            _cuda_read.read_cuda(
                 fd, [ReadItem(0, torch.empty(len(data), dtype=torch.uint8))], HOST, pool=pool,
                 transport=copies,
             )  # fmt: skip
@@ -396,7 +396,7 @@ def test_ctrl_c_at_any_line_leaves_no_thread_and_no_slot_under_a_pending_copy(
     every read, copy and give): the call ends with no reader thread left, and no slot is handed
     out again before the copies queued from it ran (a slot the interrupt kept from the pool is
     lost to it, which is safe)."""
-    monkeypatch.setattr(_reader, "CUDA_READ_THREADS", threads)
+    monkeypatch.setattr(_cuda_read, "CUDA_READ_THREADS", threads)
     case = _Case(tmp_path)
     fd = os.open(case.path, os.O_RDONLY)
 
@@ -407,7 +407,7 @@ def test_ctrl_c_at_any_line_leaves_no_thread_and_no_slot_under_a_pending_copy(
         interrupter = _Interrupter(at)
         sys.settrace(interrupter)
         try:
-            _reader._read_cuda(fd, pieces, HOST, pool=pool, transport=copies)
+            _cuda_read.read_cuda(fd, pieces, HOST, pool=pool, transport=copies)
         except KeyboardInterrupt:
             pass
         finally:
@@ -449,7 +449,7 @@ def test_cuda_threads_copy_on_the_callers_stream_bit_for_bit(
     and a kernel queued on the caller's (non-default) stream right after the read sees them
     all while the default stream is still busy: every thread queued its copies on the caller's
     stream, not on its own thread's default one."""
-    monkeypatch.setattr(_reader, "CUDA_READ_THREADS", 4)
+    monkeypatch.setattr(_cuda_read, "CUDA_READ_THREADS", 4)
     monkeypatch.setattr(_staging, "STAGE_CHUNK_BYTES", 64 << 10)
     gen = torch.Generator().manual_seed(0)
     direct = torch.randn(3 << 18, generator=gen)  # 3 MiB: 48 chunks
@@ -467,7 +467,7 @@ def test_cuda_threads_copy_on_the_callers_stream_bit_for_bit(
             b = torch.zeros(converted.shape, dtype=torch.bfloat16, device=dev)
             checks = {0: (zlib.crc32(direct.numpy().tobytes()), "direct")}
             pieces = [ReadItem(0, a), ReadItem(direct.nbytes, b, torch.float32)]
-            failed = _reader._read_cuda(fd, _checked(pieces, checks), dev)
+            failed = _cuda_read.read_cuda(fd, _checked(pieces, checks), dev)
             sums = torch.stack([a.double().sum(), b.double().sum()])
     finally:
         os.close(fd)

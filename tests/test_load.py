@@ -409,10 +409,11 @@ def test_failures_that_are_not_the_files_fault_say_so(
 
     import torchplace.checkpoint._load
     import torchplace.checkpoint._reader
+    import torchplace.checkpoint._zip_read
 
     monkeypatch.setattr(torch, "load", failing)  # what reads legacy and unusual files
     monkeypatch.setattr(torchplace.checkpoint._reader.OpenFiles, "read", failing)  # safetensors
-    monkeypatch.setattr(torchplace.checkpoint._reader, "read_into", failing)  # zip files
+    monkeypatch.setattr(torchplace.checkpoint._zip_read, "read_into", failing)  # zip files
     safetensors_torch().save_file({"w": torch.ones(2)}, tmp_path / "good.safetensors")
     for p in (path, tmp_path / "good.safetensors"):
         with pytest.raises(CheckpointError, match=message) as info:

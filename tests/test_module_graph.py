@@ -220,6 +220,9 @@ OPENS_SOURCES = {
     "checkpoint._pickle_reader",
     "checkpoint._index",
     "checkpoint._reader",
+    "checkpoint._host_read",  # the reader's preadv into host memory (split out of _reader)
+    "checkpoint._zip_read",  # the reader's zip file, unpickled by torch (split out of _reader)
+    "checkpoint._whole_files",  # what torch.load or safetensors reads whole (out of _reader)
     "checkpoint._opened",  # a call's open files, which the modules above read through
 }
 # What opens or reads a file elsewhere, by module, function and call, and why it is no source.

@@ -25,7 +25,7 @@ from torchplace.checkpoint._entries import FileChanged
 from torchplace.moving import _offloaded as offloaded
 from torchplace.moving._hooks import is_dispatched
 from torchplace.moving._offloaded import HOME, Home, homes
-from torchplace.spreading._offload import DeviceTransport, Fetched, Unit
+from torchplace.spreading._offload import DeviceFetcher, Fetched, Unit
 
 
 class MemorySource:
@@ -58,7 +58,7 @@ class FakeTransport:
         self.arrived: set[str] = set()
         self.resident: set[str] = set()
         self.most = 0
-        self.real = DeviceTransport(torch.device("cpu"))
+        self.real = DeviceFetcher(torch.device("cpu"))
 
     def fetch(self, unit: Unit) -> Fetched:
         self.log.append(("fetch", unit.path))
@@ -1311,7 +1311,7 @@ class FakeCuda:
         return Using()
 
 
-class LoggingTransport(DeviceTransport):
+class LoggingTransport(DeviceFetcher):
     """The real transport's logic over fake streams: copies are clones, logged with the stream
     they were queued on."""
 
@@ -1656,7 +1656,7 @@ def test_disk_layers_executed_on_the_cpu_are_read_as_they_run_on_the_calling_thr
 
     from safetensors.torch import save_file
 
-    from torchplace.checkpoint import _reader
+    from torchplace.checkpoint import _host_read
 
     reference = mlp(3)
     save_file(reference.state_dict(), str(tmp_path / "mlp.safetensors"))
@@ -1666,9 +1666,9 @@ def test_disk_layers_executed_on_the_cpu_are_read_as_they_run_on_the_calling_thr
         tmp_path / "mlp.safetensors",
         device_map={"": "cpu", **dict.fromkeys(disk, "disk")},
     )
-    monkeypatch.setattr(_reader, "READ_THREADS", 4)  # as on a machine with cores to spare
+    monkeypatch.setattr(_host_read, "READ_THREADS", 4)  # as on a machine with cores to spare
     log: list[tuple[str, Any]] = []
-    real_pread, real_start = _reader._pread_exactly, threading.Thread.start
+    real_pread, real_start = _host_read.pread_exactly, threading.Thread.start
 
     def pread(fd: int, view: memoryview, offset: int) -> None:
         log.append(("read", threading.current_thread()))
@@ -1678,7 +1678,7 @@ def test_disk_layers_executed_on_the_cpu_are_read_as_they_run_on_the_calling_thr
         log.append(("thread started", thread.name))
         real_start(thread)
 
-    monkeypatch.setattr(_reader, "_pread_exactly", pread)
+    monkeypatch.setattr(_host_read, "pread_exactly", pread)
     monkeypatch.setattr(threading.Thread, "start", start)
     for name in disk:
         model.get_submodule(name).register_forward_hook(
@@ -2057,16 +2057,16 @@ def test_a_hooked_model_left_on_meta_by_map_is_refused_by_its_fill_in_that_threa
 @pytest.fixture
 def bytes_read(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The size of each read the checkpoint reader makes from now on, in order."""
-    from torchplace.checkpoint import _reader
+    from torchplace.checkpoint import _host_read
 
     read: list[int] = []
-    pread = _reader._pread_exactly
+    pread = _host_read.pread_exactly
 
     def counting(fd: int, view: memoryview, offset: int) -> None:
         read.append(view.nbytes)
         pread(fd, view, offset)
 
-    monkeypatch.setattr(_reader, "_pread_exactly", counting)
+    monkeypatch.setattr(_host_read, "pread_exactly", counting)
     return read
 
 

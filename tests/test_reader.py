@@ -15,15 +15,15 @@ import pytest
 import torch
 
 from test_interrupts import Interrupter, tracing
-from torchplace.checkpoint import _reader
+from torchplace.checkpoint import _host_read, _read_threads, _reader
 from torchplace.checkpoint._entries import stamp
 from torchplace.checkpoint._plan_items import ReadItem
 
 
 @pytest.fixture
 def four_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_reader, "READ_THREADS", 4)
-    monkeypatch.setattr(_reader, "READ_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(_host_read, "READ_THREADS", 4)
+    monkeypatch.setattr(_host_read, "READ_CHUNK_BYTES", 4096)
 
 
 def test_a_failing_thread_stops_the_others_and_none_outlives_the_read(
@@ -33,7 +33,7 @@ def test_a_failing_thread_stops_the_others_and_none_outlives_the_read(
     path.write_bytes(os.urandom(256 * 4096))
     reads: list[int] = []
     lock = threading.Lock()
-    real, real_run = _reader._pread_exactly, _reader._read_in_threads
+    real, real_run = _host_read.pread_exactly, _host_read.read_in_threads
     run: list[tuple[int, threading.Event]] = []  # the read's thread count and its stop event
 
     def caught(share: Callable[[int, int], None], threads: int, stop: threading.Event) -> None:
@@ -52,14 +52,14 @@ def test_a_failing_thread_stops_the_others_and_none_outlives_the_read(
             raise AssertionError("the failing read never stopped the others")
         real(fd, view, offset)
 
-    monkeypatch.setattr(_reader, "_read_in_threads", caught)
-    monkeypatch.setattr(_reader, "_pread_exactly", failing_third)
+    monkeypatch.setattr(_host_read, "read_in_threads", caught)
+    monkeypatch.setattr(_host_read, "pread_exactly", failing_third)
     before = {t.ident for t in threading.enumerate()}
     into = torch.empty(256 * 4096, dtype=torch.uint8)
     fd = os.open(path, os.O_RDONLY)
     try:
         with pytest.raises(OSError, match="disk gone"):
-            _reader._read_host(fd, [ReadItem(0, into)])
+            _host_read.read_host(fd, [ReadItem(0, into)])
         after = len(reads)
         time.sleep(0.05)
         assert len(reads) == after  # no thread still reading once the call returned
@@ -78,7 +78,7 @@ def test_all_chunks_land_in_place_with_several_threads(tmp_path: Path, four_thre
     into = torch.empty(len(data) - 100, dtype=torch.uint8)
     fd = os.open(path, os.O_RDONLY)
     try:
-        _reader._read_host(fd, [ReadItem(100, into)])
+        _host_read.read_host(fd, [ReadItem(100, into)])
     finally:
         os.close(fd)
     assert into.numpy().tobytes() == data[100:]
@@ -133,12 +133,12 @@ def test_ranks_on_one_machine_share_its_cores(
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     else:
         monkeypatch.setenv("LOCAL_WORLD_SIZE", local_world)
-    monkeypatch.setattr(_reader, "_CORES", cores)
+    monkeypatch.setattr(_read_threads, "CORES", cores)
     path = tmp_path / "data.bin"
     data = os.urandom(64 * 4096)
     path.write_bytes(data)
     seen: set[int] = set()
-    real = _reader._pread_exactly
+    real = _host_read.pread_exactly
     met = threading.Barrier(threads)  # each reader waits for the others at its first chunk
 
     def counted(fd: int, view: memoryview, offset: int) -> None:
@@ -148,7 +148,7 @@ def test_ranks_on_one_machine_share_its_cores(
                 met.wait(timeout=5)  # so a slow start on a busy machine still shows them all
         real(fd, view, offset)
 
-    monkeypatch.setattr(_reader, "_pread_exactly", counted)
+    monkeypatch.setattr(_host_read, "pread_exactly", counted)
     out = torch.empty(len(data), dtype=torch.uint8)
     _reader.read_into(path, [ReadItem(0, out)])
     assert len(seen) == threads

@@ -206,20 +206,20 @@ def test_a_file_cut_short_during_a_sharded_read_is_said_to_have_changed(
     the file changed while it was read: a writer truncating it is now named as such."""
     from torch.distributed.fsdp import fully_shard
 
-    from torchplace.checkpoint import _reader
+    from torchplace.checkpoint import _host_read
 
     path = tmp_path / "m.safetensors"
     save_file({"weight": torch.randn(64, 64), "bias": torch.randn(64)}, str(path))
     with torch.device("meta"):
         model = torch.nn.Linear(64, 64)
     fully_shard(model, mesh=fake_world)
-    real = _reader._pread_exactly
+    real = _host_read.pread_exactly
 
     def cut_first(fd: int, view: memoryview, offset: int) -> None:
         os.truncate(path, 100)  # a writer starts over, mid-load
         real(fd, view, offset)
 
-    monkeypatch.setattr(_reader, "_pread_exactly", cut_first)
+    monkeypatch.setattr(_host_read, "pread_exactly", cut_first)
     with pytest.raises(CheckpointError, match=r"changed while it was read.*put back as it was"):
         torchplace.load_into(model, path)
     assert model.weight.is_meta and model.bias.is_meta  # the skeleton, as before the load
@@ -229,9 +229,9 @@ def _stop_at(monkeypatch: pytest.MonkeyPatch, fraction: float, stop: Any) -> lis
     """``stop()`` runs inside the next sharded fill once ``fraction`` of the bytes of its shards
     are read into them (the reader's progress callback counts them; one reading thread, so
     nothing more is read after it); returns the list it appends the fraction read then to."""
-    from torchplace.checkpoint import _progress, _reader
+    from torchplace.checkpoint import _host_read, _progress
 
-    monkeypatch.setattr(_reader, "READ_THREADS", 1)
+    monkeypatch.setattr(_host_read, "READ_THREADS", 1)
     reporting = _sharded.reporting
     at: list[float] = []
 
@@ -956,7 +956,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import torchplace
-from torchplace.checkpoint import _progress, _reader, _sharded
+from torchplace.checkpoint import _host_read, _progress, _sharded
 
 folder, scenario = sys.argv[1], sys.argv[2]
 dist.init_process_group("gloo")  # RANK, WORLD_SIZE, MASTER_*: rank 0 holds the store
@@ -1013,7 +1013,7 @@ def at_fraction(action, fraction=0.9):
     # ``action`` runs inside this rank's next fill, once ``fraction`` of the bytes of its shards
     # are read into them: the reader's progress callback counts them, and reads on the calling
     # thread (one thread), so nothing more is read after the action.
-    _reader.READ_THREADS = 1
+    _host_read.READ_THREADS = 1
     reporting = _sharded.reporting
 
     @contextlib.contextmanager

@@ -524,15 +524,15 @@ def _file_of(tmp_path: object, data: bytes) -> int:
 def test_reads_onto_a_device_go_through_the_pool_even_when_copies_run_late(
     tmp_path: object,
 ) -> None:
-    """``_reader._read_cuda``'s logic on the CPU: every chunk read into a slot of the pool and
+    """``_cuda_read.read_cuda``'s logic on the CPU: every chunk read into a slot of the pool and
     sent on by the transport, a slot taken again only once its copy ran (the values would show
     a refill before it), a converting piece converted by the copy, the pool never beyond its
     bound, and a second read pins nothing new."""
     import os
     import zlib
 
+    from torchplace.checkpoint._cuda_read import read_cuda
     from torchplace.checkpoint._plan_items import ReadItem
-    from torchplace.checkpoint._reader import _read_cuda
 
     gen = torch.Generator().manual_seed(0)
     direct = torch.randn(86, generator=gen)  # 344 bytes: five full slots of 64 and a part
@@ -546,13 +546,13 @@ def test_reads_onto_a_device_go_through_the_pool_even_when_copies_run_late(
             b = torch.empty(40, dtype=torch.bfloat16)
             check = (zlib.crc32(direct.numpy().tobytes()), "direct")
             items = [ReadItem(0, a, None, check), ReadItem(direct.nbytes, b, torch.float32)]
-            failed = _read_cuda(fd, items, torch.device("cpu"), pool=pool, transport=transport)
+            failed = read_cuda(fd, items, torch.device("cpu"), pool=pool, transport=transport)
             transport.wait()  # what the device's stream does before the tensors are used
             assert failed == []
             assert torch.equal(a, direct) and torch.equal(b, converted.to(torch.bfloat16))
             assert pool.allocations == 2 and pool.kept_bytes == 2 * 64  # bounded, then reused
         bad = ReadItem(0, torch.empty(86), None, (zlib.crc32(b"other"), "direct"))
-        assert _read_cuda(fd, [bad], torch.device("cpu"), pool=pool, transport=transport) == [
+        assert read_cuda(fd, [bad], torch.device("cpu"), pool=pool, transport=transport) == [
             "direct"
         ]
     finally:
@@ -562,14 +562,14 @@ def test_reads_onto_a_device_go_through_the_pool_even_when_copies_run_late(
 def test_a_read_that_fails_gives_its_slot_back(tmp_path: object) -> None:
     import os
 
+    from torchplace.checkpoint._cuda_read import read_cuda
     from torchplace.checkpoint._plan_items import ReadItem
-    from torchplace.checkpoint._reader import _read_cuda
 
     fd = _file_of(tmp_path, bytes(100))
     try:
         pool, transport = host_pool(limit=2 * 64), _LateTransport()
         with pytest.raises(EOFError):
-            _read_cuda(
+            read_cuda(
                 fd,
                 [ReadItem(0, torch.empty(64))],
                 torch.device("cpu"),

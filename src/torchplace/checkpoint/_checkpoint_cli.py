@@ -44,6 +44,7 @@ from ._catalog import catalog, code_globals, describe_file, format_of, gc_paused
 from ._hub_names import hub_names_note
 from ._pickle_reader import TensorRecord, pickles_a_model
 from ._progress import progress_bar, wanted
+from ._run_command import run_command
 from ._source import as_path, resolve, shards
 
 __all__ = [
@@ -541,7 +542,7 @@ def _write_remapped(
         writer = _CountingWriter(raw, advance)
         try:
             if obj is None:
-                from ._reader import copy_file  # torch: imported only once a file is copied
+                from ._whole_files import copy_file  # torch: imported only once a file is copied
 
                 copy_file(src, writer)
             else:
@@ -825,17 +826,16 @@ def _write_jobs(
 
 
 def _run_remap(args: argparse.Namespace) -> int:
-    try:
-        out = remap(args.file, args.output, to=args.to, force=args.force)
-    except DeviceSpecError as exc:  # bad usage, not a bad file
-        print(f"torchplace remap: error: {exc}", file=sys.stderr)
-        return 2
-    except TorchplaceError as exc:
-        print(f"torchplace remap: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"torchplace remap: interrupted; {args.output} was not written", file=sys.stderr)
-        return 130
+    return run_command(
+        "remap",
+        args.output,
+        lambda: remap(args.file, args.output, to=args.to, force=args.force),
+        lambda out: _say_remapped(args, out),
+    )
+
+
+def _say_remapped(args: argparse.Namespace, out: Path) -> None:
+    """What ``remap`` wrote, and what it left as it was."""
     src = resolve(args.file)
     kind = format_of(src)
     loads_on = f"tensors load on {_parse_target(args.to)}"
@@ -855,7 +855,6 @@ def _run_remap(args: argparse.Namespace) -> int:
         print(f"wrote {_printable(out)} ({loads_on})")
     if src != as_path(args.file):  # a save_pretrained directory
         print(f"copied the other files of {_printable(args.file)} beside it, as they are")
-    return 0
 
 
 def register(subparsers: Any) -> None:

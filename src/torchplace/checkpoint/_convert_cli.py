@@ -11,7 +11,6 @@ be read by offset, is read whole, with ``weights_only=True``, and refused if it 
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -86,27 +85,24 @@ def _tensors(obj: Any, prefix: str = "") -> Any:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from .._errors import DeviceSpecError, TorchplaceError
     from .._sizes import format_bytes
+    from ._run_command import run_command
 
-    try:
-        count, nbytes, code = convert(
+    def say(written: tuple[int, int, list[str]]) -> None:
+        count, nbytes, code = written
+        print(f"wrote {args.output}: {count} tensors, {format_bytes(nbytes)}")
+        if code:
+            print(f"left out what its pickle would build by running code ({', '.join(code)}); "
+                  "none of it was run")  # fmt: skip
+
+    return run_command(
+        "convert",
+        args.output,
+        lambda: convert(
             args.source, args.output, max_shard_size=args.max_shard_size, force=args.force
-        )
-    except DeviceSpecError as exc:  # a size it cannot read: bad usage
-        print(f"torchplace convert: error: {exc}", file=sys.stderr)
-        return 2
-    except TorchplaceError as exc:
-        print(f"torchplace convert: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"torchplace convert: interrupted; {args.output} was not written", file=sys.stderr)
-        return 130
-    print(f"wrote {args.output}: {count} tensors, {format_bytes(nbytes)}")
-    if code:
-        print(f"left out what its pickle would build by running code ({', '.join(code)}); "
-              "none of it was run")  # fmt: skip
-    return 0
+        ),
+        say,
+    )
 
 
 def register(subparsers: Any) -> None:

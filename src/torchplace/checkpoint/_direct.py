@@ -17,7 +17,7 @@ from ._conversions import Fused, Plan, conversion_plan, converted, fused_boxes
 from ._entries import Catalog
 from ._load import Alloc, read_assembled, whole_plan
 from ._plan_items import Assembled, Part
-from ._reader import DTypeWish
+from ._zip_read import DTypeWish
 
 __all__ = ["Direct", "direct_reads", "read_direct", "with_fused"]
 

@@ -38,8 +38,8 @@ from ._conversions import Plan, conversion_plan, converted, hub_plan
 from ._direct import Direct, direct_reads, read_direct, with_fused
 from ._entries import Catalog, Entry, FileChanged
 from ._load import Alloc, read_entries
-from ._reader import map_file
 from ._rename import not_a_name
+from ._whole_files import map_file
 
 __all__ = ["CheckpointWeights", "model_names"]
 

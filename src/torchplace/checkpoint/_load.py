@@ -32,18 +32,10 @@ from ._opened import made_in_call, one_open_each, unopenable
 from ._pickle_reader import WHOLE_MODEL, pickles_a_model, within_bound
 from ._plan_items import Assembled, Part
 from ._progress import reporting, wanted
-from ._reader import (
-    NO_CRC,
-    UNUSUAL,
-    DTypeWish,
-    check_records,
-    read_zip,
-    safetensors_load,
-    torch_load,
-    unchecked_warning,
-)
 from ._source import WRITER_HINT, PathLike, resolve
+from ._whole_files import NO_CRC, check_records, safetensors_load, torch_load, unchecked_warning
 from ._zip_layout import has_data_pkl, has_legacy_magic, zip_layout
+from ._zip_read import UNUSUAL, DTypeWish, read_zip
 
 # ------------------------------------------------------------------------------------------ load
 

@@ -9,8 +9,8 @@ conversion (the file's dtype where it differs from the destination's) and, where
 those bytes must have and the name a failed check reports. One routine turns a part of an entry
 into ``ReadItem``s for both fills (``_boxes.queue_box``): a plain fill is the case of one shard
 covering every tensor, each entry one box read whole into its tensor (or its slice of a fused
-one). No module but the reader (``_reader``, whose threads cut items into chunks) describes a
-read otherwise. No torch at import: the types name torch only in annotations.
+one). No module but the reader (``_host_read`` and ``_cuda_read``, whose threads cut items into
+chunks) describes a read otherwise. No torch at import: the types name torch only in annotations.
 """
 
 from __future__ import annotations

@@ -63,9 +63,9 @@ from ._load import warn_unchecked_safetensors
 from ._mismatch import left_on_meta, warn_left_on_meta, warn_skipped
 from ._plan_items import Box
 from ._progress import reporting
-from ._reader import check_records
 from ._rename import Rename, as_renamer, given, renamed
 from ._rendezvous import ABSENT, TIMEOUT_VARIABLE, Meeting, meeting
+from ._whole_files import check_records
 
 __all__ = ["has_dtensors", "load_sharded", "strided_shards_readable"]
 

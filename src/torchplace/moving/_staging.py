@@ -15,12 +15,13 @@ chunks are in flight into pinned slots while the host copies each finished one i
 result, so a model comes back to the host at pinned speed without landing in page-locked memory.
 
 **Overlap by construction.** The transfers run on a stream of their own per device
-(``copy_stream``), never on the caller's: nothing else the caller or the move queues on the
-current stream (a blocking ``.to()``, a kernel, a ``synchronize``) can sit between two chunks or
-drain the ring, and the host never waits for anything but the event of the slot it is about to
-reuse. The ring's stream first waits for the current stream, once per landing tensor (its memory
-may have been freed by work queued there), and the current stream waits for the ring's stream in
-``finish``, so results are ordered on the current stream as a ``.to()`` would be.
+(``_transport.copy_stream``), never on the caller's: nothing else the caller or the move queues
+on the current stream (a blocking ``.to()``, a kernel, a ``synchronize``) can sit between two
+chunks or drain the ring, and the host never waits for anything but the event of the slot it is
+about to reuse. The ring's stream first waits for the current stream, once per landing tensor
+(its memory may have been freed by work queued there), and the current stream waits for the
+ring's stream in ``finish``, so results are ordered on the current stream as a ``.to()`` would
+be.
 
 **The pool.** Slots come from ``pinned_pool()``, one process-wide ``PinnedPool`` of at most
 ``STAGE_BUFFERS`` slots of ``STAGE_CHUNK_BYTES`` (64 MiB of pinned memory), kept between moves
@@ -30,10 +31,11 @@ host runs low on memory (less than ``LOW_MEMORY_BYTES`` available: it then keeps
 checkpoint reader may take its slots from the same pool: ``pinned_pool().take(n)`` and
 ``give(slot, event)``.
 
-**Testing without a GPU.** The ring talks to the device only through a ``Transport`` (queue a
-copy, record an event, make one stream wait for another); ``CudaTransport`` is the real one, and
-the tests drive the ring with one that performs copies late, as a DMA engine does, to prove that
-no slot is refilled while its transfer may still read it.
+**Testing without a GPU.** The ring talks to the device only through a ``Transport``
+(``_transport``: queue a copy, record an event, make one stream wait for another);
+``CudaTransport`` is the real one, and the tests drive the ring with one that performs copies
+late, as a DMA engine does, to prove that no slot is refilled while its transfer may still read
+it.
 
 On an H100 host (``benchmarks/RESULTS.md``, 2026-11-22, with the pool's earlier shape of 4
 slots of 16 MiB) the ring alone copied 1.5 GiB of 16 MiB tensors at 47-52 GB/s, against 55 GB/s
@@ -48,24 +50,22 @@ import collections
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from .._devices import host_available
 from .._tensor_size import PLAIN_TYPES
+from ._transport import CudaTransport, Transport
 
 __all__ = [
     "LOW_MEMORY_BYTES",
     "STAGE_BUFFERS",
     "STAGE_CHUNK_BYTES",
     "STAGE_MIN_BYTES",
-    "CudaTransport",
     "PinnedPool",
     "Slot",
     "Stager",
-    "Transport",
-    "copy_stream",
     "pinned_pool",
     "release_pinned_memory",
     "stageable",
@@ -326,63 +326,6 @@ def _empty_torch_host_cache() -> None:
 
 
 # --- the ring ------------------------------------------------------------------------------------
-
-
-class Transport(Protocol):
-    """What the ring asks of a device: queued copies, events, and ordering between streams."""
-
-    def begin(self) -> None:
-        """Order what follows after the work already queued on the caller's stream."""
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Queue ``dst.copy_(src)``; it may run later, until the next ``mark``'s event."""
-
-    def mark(self) -> Any:
-        """An event that completes once every copy queued so far has finished."""
-
-    def finish(self) -> None:
-        """Order the caller's stream after every copy queued so far."""
-
-    def wait(self) -> None:
-        """Block the host until every copy queued so far has finished."""
-
-
-_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream the ring's transfers run on for ``device``: one per device, made once."""
-    stream = _STREAMS.get(device)
-    if stream is None:
-        stream = _STREAMS[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-    return stream
-
-
-class CudaTransport:
-    """The ring's transfers on ``copy_stream(device)``, ordered against the current stream."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.stream = copy_stream(device)
-        self.caller = torch.cuda.current_stream(device)
-
-    def begin(self) -> None:
-        self.stream.wait_stream(self.caller)
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with torch.cuda.stream(self.stream):
-            dst.copy_(src, non_blocking=True)
-
-    def mark(self) -> Any:
-        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(self.stream)
-        return event
-
-    def finish(self) -> None:
-        self.caller.wait_stream(self.stream)
-
-    def wait(self) -> None:
-        self.stream.synchronize()
 
 
 class Stager:

@@ -10,7 +10,6 @@ Nothing here allocates on a device.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 from collections.abc import Mapping
 from typing import Any
@@ -21,6 +20,7 @@ from torch import nn
 from .._devices import available, free_memory, host_available
 from .._errors import DeviceSpecError, TorchplaceError
 from .._sizes import format_bytes, parse_size
+from .._suggest import did_you_mean
 
 __all__ = [
     "DISK",
@@ -78,8 +78,7 @@ def budget_device(key: object) -> Place:
         try:
             parsed = torch.device(text)
         except (RuntimeError, ValueError):
-            guess = difflib.get_close_matches(text.split(":")[0], ["cpu", "cuda", "meta", "xpu"])
-            hint = f"did you mean {guess[0]!r}? " if guess else ""
+            hint = did_you_mean(text.split(":")[0], ["cpu", "cuda", "meta", "xpu"])
             raise DeviceSpecError(
                 f"{where}: unknown device {key!r}; {hint}budget keys are devices such as "
                 "'cuda:0', 'cuda:1', 'xpu:0', 'mps', 'cpu', 'disk' or an int N for 'cuda:N'"

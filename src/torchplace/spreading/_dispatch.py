@@ -41,7 +41,7 @@ from ..moving._hooks import MARK, Installed, is_dispatched, undispatch
 from ..moving._move import place
 from ..moving._offloaded import HOME, Home, homes
 from ..moving._transfer import is_accelerator
-from ._offload import DEFAULT_WINDOW, SHIELD, DeviceTransport, Ring, Transport, Unit
+from ._offload import DEFAULT_WINDOW, SHIELD, DeviceFetcher, Fetcher, Ring, Unit
 
 __all__ = [
     "dispatch",
@@ -912,7 +912,7 @@ def _refuse_loads(module: nn.Module, installed: Installed, under: list[tuple[Uni
     module.__dict__[MARK] = installed
 
 
-def _hook_units(units: list[Unit], window: int, transport: Transport) -> None:
+def _hook_units(units: list[Unit], window: int, transport: Fetcher) -> None:
     """The ring's record on each offloaded module and on every module inside it that runs
     (``_OffloadedCall`` and ``_Offloaded``), kept in their marks for ``undispatch``."""
     if not units:
@@ -953,7 +953,7 @@ def dispatch(
     *,
     execution_device: str | int | torch.device | None = None,
     offload_window: int = DEFAULT_WINDOW,
-    _transport: Transport | None = None,
+    _transport: Fetcher | None = None,
 ) -> nn.Module:
     """Place each submodule on its device and move inputs to it as it runs.
 
@@ -1015,7 +1015,7 @@ def _dispatched(
     device_map: DeviceMapSpec,
     execution_device: str | int | torch.device | None,
     offload_window: int,
-    transport: Transport | None,
+    transport: Fetcher | None,
 ) -> nn.Module:
     """``dispatch``'s work, all or nothing (see there)."""
     if not isinstance(model, nn.Module):
@@ -1039,7 +1039,7 @@ def _dispatched(
     undispatch(model)  # only now: a bad map or a failed move keeps an earlier dispatch whole
     _forget_host_homes(model)
     _hook(tree, targets)
-    transport = transport or DeviceTransport(offload.execution or torch.device("cpu"))
+    transport = transport or DeviceFetcher(offload.execution or torch.device("cpu"))
     _hook_units(units, offload_window, transport)
     _guard_moves(model, [unit for unit in units if unit.home.tier == DISK])
     return model

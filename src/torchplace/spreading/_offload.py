@@ -10,7 +10,7 @@ generation calls the model again) are fetched if they are not already,
 the current stream is ordered after unit ``i``'s copies, its parameters are swapped for the
 fetched ones, and after its forward they are swapped back and the fetched memory released.
 
-The ``Transport`` does the copies: ``DeviceTransport`` copies host tiers on a side CUDA stream
+The ``Fetcher`` does the copies: ``DeviceFetcher`` copies host tiers on a side CUDA stream
 (ordered by events; the fetched tensors are marked with ``record_stream`` on the compute stream
 when released, so the caching allocator reuses their memory only once the compute that read
 them is done) and reads disk tiers in a background thread under that stream, so that the next
@@ -46,11 +46,11 @@ from ._through import Kept, requiring
 __all__ = [
     "DEFAULT_WINDOW",
     "SHIELD",
-    "DeviceTransport",
+    "DeviceFetcher",
     "Fetched",
+    "Fetcher",
     "Ring",
     "Shield",
-    "Transport",
     "Unit",
 ]
 
@@ -96,8 +96,10 @@ class Fetched:
     page_out: Callable[[torch.Tensor], None] | None = None
 
 
-class Transport(Protocol):
-    """Brings a unit's weights to the execution device and gives their memory back."""
+class Fetcher(Protocol):
+    """Brings a unit's weights to the execution device and gives their memory back, a unit at
+    a time (the bytes of each copy onto a CUDA device that the checkpoint reader makes go
+    through ``moving._transport.Transport``, the one protocol for that)."""
 
     def fetch(self, unit: Unit) -> Fetched:
         """Start bringing ``unit``'s weights; returns at once."""
@@ -116,7 +118,7 @@ class Transport(Protocol):
 class Ring:
     """The resident window over a model's units, in their order (see the module docstring)."""
 
-    def __init__(self, units: list[Unit], window: int, transport: Transport) -> None:
+    def __init__(self, units: list[Unit], window: int, transport: Fetcher) -> None:
         self.units = units
         self.window = min(window, len(units))
         self.transport = transport
@@ -374,7 +376,7 @@ def _swap_in(unit: Unit, tensors: list[torch.Tensor]) -> list[tuple[nn.Module, s
     return list(unit.slots)
 
 
-class DeviceTransport:
+class DeviceFetcher:
     """Real copies: host tiers on a side CUDA stream, disk tiers read in a background thread
     under that stream (executed on the CPU: read by ``ready``, on the calling thread). ``cuda``
     is ``torch.cuda`` (tests give a fake one that logs streams and events)."""

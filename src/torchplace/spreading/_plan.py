@@ -9,7 +9,6 @@ given with submodules in registration order (plan never runs the model, so the o
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -20,6 +19,7 @@ from torch import nn
 from .._errors import DeviceSpecError, TorchplaceError, prefixed, user_stacklevel
 from .._model_walk import ModelTree, display, walk_model
 from .._sizes import format_bytes as _format_bytes
+from .._suggest import close_matches, did_you_mean
 from .._tensor_size import dtype_named, nbytes_as
 from ..moving._transfer import is_accelerator
 from ._budgets import (
@@ -135,7 +135,7 @@ def _warn_none_present(absent: list[str], present: list[str]) -> None:
     guesses = [
         f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name)
         for name in absent
-        for close in [difflib.get_close_matches(name, present, n=1)]
+        for close in [close_matches(name, present, n=1)]
     ]
     warnings.warn(
         f"plan(): no_split names no class of the model ({', '.join(guesses)}), so every module "
@@ -482,8 +482,7 @@ class DeviceMap(dict[str, Place]):
 def _strategy(strategy: object) -> str:
     if isinstance(strategy, str) and strategy in _STRATEGIES:
         return strategy
-    close = difflib.get_close_matches(str(strategy), _STRATEGIES, n=1)
-    hint = f"did you mean {close[0]!r}? " if close else ""
+    hint = did_you_mean(str(strategy), _STRATEGIES)
     raise DeviceSpecError(
         f"strategy={strategy!r} is not one plan knows; {hint}use one of "
         f"{', '.join(repr(name) for name in _STRATEGIES)}"
