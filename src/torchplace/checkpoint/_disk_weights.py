@@ -23,7 +23,6 @@ in the resident set at once (transformers' hooks hold one module's at a time).
 
 from __future__ import annotations
 
-import mmap
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -39,7 +38,7 @@ from ._direct import Direct, direct_reads, read_direct, with_fused
 from ._entries import Catalog, Entry, FileChanged
 from ._load import Alloc, read_entries
 from ._rename import not_a_name
-from ._whole_files import map_file
+from ._whole_files import MappedViews, map_file
 
 __all__ = ["CheckpointWeights", "model_names"]
 
@@ -332,37 +331,6 @@ def _view(mapped: Any, e: Entry, where: str) -> torch.Tensor:
         return torch.empty(e.shape, dtype=dtype)
     flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=e.start)
     return flat.view(e.shape)
-
-
-class MappedViews(dict[str, torch.Tensor]):
-    """A read's weights as views of mapped files (``_views``), and ``page_out``: the pages under
-    a view leave the process's resident set (``MADV_DONTNEED``; the map is copy-on-write and
-    never written, so a later touch faults the same bytes in again from the page cache)."""
-
-    PAGE = mmap.PAGESIZE
-
-    def __init__(self, views: dict[str, torch.Tensor], maps: list[mmap.mmap]) -> None:
-        super().__init__(views)
-        self._maps = [(_address(m), len(m), m) for m in maps if len(m)]
-
-    def page_out(self, t: torch.Tensor) -> None:
-        """Hand back the whole pages under ``t`` where it views one of this read's maps."""
-        advice = getattr(mmap, "MADV_DONTNEED", None)
-        if advice is None or t.device.type != "cpu":
-            return
-        start, size = t.data_ptr(), t.numel() * t.element_size()
-        for base, length, m in self._maps:
-            if base <= start < base + length:
-                lo = -(-(start - base) // self.PAGE) * self.PAGE
-                hi = min(start - base + size, length) // self.PAGE * self.PAGE
-                if hi > lo:
-                    m.madvise(advice, lo, hi - lo)
-                return
-
-
-def _address(m: mmap.mmap) -> int:
-    """Where ``m`` starts in memory."""
-    return torch.frombuffer(m, dtype=torch.uint8, count=1).data_ptr()
 
 
 class _Holders:

@@ -3,7 +3,8 @@ by its own library, the file's stamp checked after: ``torch.load`` (a trusted fi
 one, a legacy or unusual zip file), the safetensors package (a mapped file, a big-endian
 machine) and ``zipfile`` (every record's CRC-32 checked). The caller turns their failures into
 a sentence about the file. A file is also copied byte for byte (``remap``'s unchanged files)
-or mapped copy-on-write (the disk tier with ``mmap=True``) here.
+or mapped copy-on-write (the disk tier with ``mmap=True``) here, and the pages under a view of
+such a map handed back (``MappedViews.page_out``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ._zip_read import SPARSE_CHECK_NOTE
 
 __all__ = [
     "NO_CRC",
+    "MappedViews",
     "check_records",
     "copy_file",
     "map_file",
@@ -137,3 +139,34 @@ def map_file(path: Path) -> mmap.mmap:
     ``mmap=True``). Opened as every checkpoint is (``open_file``: a pipe is never opened)."""
     with open_file(path) as f:
         return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+
+
+class MappedViews(dict[str, torch.Tensor]):
+    """A disk tier read's weights as views of mapped files, and ``page_out``: the pages under a
+    view leave the process's resident set (``MADV_DONTNEED``; the map is copy-on-write and never
+    written, so a later touch faults the same bytes in again from the page cache)."""
+
+    PAGE = mmap.PAGESIZE
+
+    def __init__(self, views: dict[str, torch.Tensor], maps: list[mmap.mmap]) -> None:
+        super().__init__(views)
+        self._maps = [(_address(m), len(m), m) for m in maps if len(m)]
+
+    def page_out(self, t: torch.Tensor) -> None:
+        """Hand back the whole pages under ``t`` where it views one of this read's maps."""
+        advice = getattr(mmap, "MADV_DONTNEED", None)
+        if advice is None or t.device.type != "cpu":
+            return
+        start, size = t.data_ptr(), t.numel() * t.element_size()
+        for base, length, m in self._maps:
+            if base <= start < base + length:
+                lo = -(-(start - base) // self.PAGE) * self.PAGE
+                hi = min(start - base + size, length) // self.PAGE * self.PAGE
+                if hi > lo:
+                    m.madvise(advice, lo, hi - lo)
+                return
+
+
+def _address(m: mmap.mmap) -> int:
+    """Where ``m`` starts in memory."""
+    return torch.frombuffer(m, dtype=torch.uint8, count=1).data_ptr()
