@@ -7,7 +7,9 @@ under ``sys.setprofile``, which sees every Python function called:
 
 - ``torchplace``: ``load_into(skeleton, dir, device_map=map)``;
 - ``accelerate``: ``load_checkpoint_and_dispatch(empty model, dir, device_map=map,
-  offload_folder=tmp)`` (it writes the disk layers' weights to that folder first).
+  offload_folder=tmp)`` (it writes the disk layers' weights to that folder first);
+- ``transformers``: ``from_pretrained(dir, device_map=map, offload_folder=tmp)``, the call
+  users make, counted over transformers, Accelerate and safetensors' Python files.
 
 Each loads once before the traced load, so that what a first call imports is not counted.
 
@@ -32,9 +34,10 @@ from pathlib import Path
 from typing import Any
 
 
-def trace(package: str, run: Any) -> dict[str, Any]:
-    """Run ``run()`` under a profile hook; the calls made into ``package``'s files."""
-    root = str(Path(__import__(package).__file__).parent)
+def trace(packages: str, run: Any) -> dict[str, Any]:
+    """Run ``run()`` under a profile hook; the calls made into the files of ``packages``
+    (names joined by ``+``), each named from its package's parent folder."""
+    roots = [str(Path(__import__(p).__file__).parent) for p in packages.split("+")]
     calls: list[tuple[str, str]] = []
     stack: list[str | None] = []  # the file of each frame under way (None: not the package's)
     entered: set[str] = set()
@@ -42,7 +45,8 @@ def trace(package: str, run: Any) -> dict[str, Any]:
 
     def hook(frame: Any, event: str, arg: Any) -> None:
         name = frame.f_code.co_filename
-        file = name[len(root) + 1 :] if name.startswith(root) else None
+        root = next((r for r in roots if name.startswith(r)), None)
+        file = None if root is None else name[len(str(Path(root).parent)) + 1 :]
         if event == "call":
             if file is not None:
                 calls.append((file, frame.f_code.co_qualname))
@@ -89,6 +93,16 @@ def worker(kind: str, directory: Path) -> dict[str, Any]:
 
         load()()  # a first load outside the trace: what it imports lazily is not counted
         return trace("torchplace", load())
+    if kind == "transformers":
+
+        def from_pretrained() -> Any:
+            folder = tempfile.mkdtemp()
+            return lambda: transformers.LlamaForCausalLM.from_pretrained(
+                directory, device_map=dmap, offload_folder=folder
+            )
+
+        from_pretrained()()
+        return trace("transformers+accelerate+safetensors", from_pretrained())
     import accelerate
 
     def dispatch() -> Any:
@@ -124,7 +138,7 @@ def main() -> None:
         torch.manual_seed(0)
         transformers.LlamaForCausalLM(config).save_pretrained(directory)
         rows = {}
-        for kind in ("torchplace", "accelerate"):
+        for kind in ("torchplace", "accelerate", "transformers"):
             cmd = [sys.executable, __file__, "--worker", kind, str(directory)]
             done = subprocess.run(cmd, capture_output=True, text=True, check=True)
             rows[kind] = json.loads(done.stdout.strip().splitlines()[-1])
