@@ -1367,6 +1367,35 @@ def test_host_tier_copies_run_on_a_side_stream_that_compute_waits_for() -> None:
     assert sum(e[0] == "copy" for e in log) == 8
 
 
+def test_a_unit_fetched_ahead_is_fetched_again_when_its_weights_changed_meanwhile() -> None:
+    """The last unit of a call fetches the first one ahead for the next call; a weight edited
+    in place (or the model cast) between the calls left that fetch stale, and the next call ran
+    with the old weights. A fetch now notes what it read from, and is made again if it
+    changed."""
+    from torchplace.spreading._dispatch import _hook_units
+
+    reference = mlp(3)
+    model = copy.deepcopy(reference).requires_grad_(False)
+    cuda = FakeCuda()
+    transport = LoggingTransport(torch.device("cuda:0"), cuda)
+    transport.names = {id(p): n for n, p in model.named_parameters()}
+    units = []
+    for name in ("0", "2", "4"):
+        module = model.get_submodule(name)
+        slots = [(module, leaf, p) for leaf, p in module.named_parameters()]
+        units.append(
+            Unit(name, module, slots, [s[1] for s in slots], Home("cpu", torch.device("cuda:0")))
+        )
+    _hook_units(units, 2, transport)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))
+        assert ("copy", "side", "0.weight") in cuda.log[-6:]  # layer 0 fetched ahead
+        model[0].weight.mul_(2)
+        reference[0].weight.mul_(2)
+        assert torch.equal(model(x), reference(x))
+
+
 @pytest.mark.requires_cuda
 def test_host_and_disk_tiers_on_a_gpu_match_the_model_on_the_gpu(tmp_path: Any) -> None:
     reference, cls, config = saved_llama(tmp_path)

@@ -94,6 +94,7 @@ class Fetched:
     event: Any = None  # what the compute stream waits on before reading them
     # where the weights view a mapped file: hands the pages under one back (``used``)
     page_out: Callable[[torch.Tensor], None] | None = None
+    made_for: tuple[Any, ...] = ()  # ``_made_for`` the unit when its fetch began
 
 
 class Fetcher(Protocol):
@@ -170,15 +171,17 @@ class Ring:
             self.attached[i] = _swap_in(unit, fake)
             return
         wanted = self._ahead(i)
-        for j in [j for j in self.resident if j not in wanted and j not in self.attached]:
-            self.transport.release(self.resident.pop(j))
+        for j in [j for j in self.resident if j not in self.attached]:
+            if j not in wanted or self.resident[j].made_for != _made_for(self.units[j]):
+                self.transport.release(self.resident.pop(j))  # not wanted, or stale
         # Fetched as plain tensors whatever the caller's mode: fetched ahead under
         # inference_mode, they would be inference tensors that a later call with gradients
         # cannot save for backward, nor a later call mark as requiring grad.
         with torch.inference_mode(False):
             for j in wanted:
                 if j not in self.resident:
-                    self.resident[j] = self.transport.fetch(self.units[j])
+                    fetched = self.resident[j] = self.transport.fetch(self.units[j])
+                    fetched.made_for = _made_for(self.units[j])
             try:
                 tensors = self.transport.ready(self.resident[i])
             except BaseException:
@@ -317,6 +320,21 @@ class Ring:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.lock, self.calls = threading.RLock(), threading.local()
+
+
+def _made_for(unit: Unit) -> tuple[Any, ...]:
+    """What a fetch of ``unit`` reads from: its homes' dtypes, memory and in-place changes. A
+    unit fetched ahead of its call is read again where these changed meanwhile (a cast of the
+    model between two calls, an edit of a host-tier weight): fetched at the end of one call for
+    the next, it would run with the old weights."""
+    made = []
+    for _, _, home in unit.slots:
+        try:
+            version = home._version
+        except RuntimeError:  # an inference tensor keeps no count (changed only under it)
+            version = -1
+        made.append((home.dtype, home.data_ptr(), version))
+    return tuple(made)
 
 
 def _hooks_enabled() -> bool:
