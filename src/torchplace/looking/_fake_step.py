@@ -40,6 +40,7 @@ from ..moving._offloaded import disk_placeholders
 from ._attention import FusedAttention
 from ._fake_checks import FakeChecks
 from ._opt_step import OptimizerStepBook
+from ._side_values import SideValues
 from ._user_opt import clone_over
 from ._workspace import add_workspaces, note_matmul
 
@@ -153,12 +154,11 @@ def _tracker_class() -> type:
             self.torchplace_stats: dict[str, Any] = {}  # module name -> its statistics
             self.torchplace_failed = FailedAt()
             self.torchplace_matmuls: set[tuple[torch.device, bool]] = set()
-            self.torchplace_checks = FakeChecks()
+            self.torchplace_checks, self.torchplace_values = FakeChecks(), SideValues()
             self.torchplace_step = OptimizerStepBook()
 
         def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
-            # Weights a disk module's hooks brought in for this call (its submodules' included)
-            # need no gradient, as the frozen ones _skip_frozen tells the tracker of.
+            # weights a disk module's hooks brought in need no gradient, as frozen ones do
             _skip_frozen(self, module)
             super()._pre_fw_hook(module, inputs)
             stats = self.memory_tracking[module]
@@ -178,7 +178,7 @@ def _tracker_class() -> type:
         def __torch_dispatch__(
             self, func: Any, types: Any, args: Any = (), kwargs: Any = None
         ) -> Any:
-            run = _stand_in(func, args, kwargs)
+            run = _stand_in(func, args, kwargs, self.torchplace_values)
             note_matmul(func, args, self.torchplace_matmuls)
             if self._in_opt and not self.torchplace_step.started:
                 self.torchplace_step.start(self._curr_mem_snap, self.torchplace_most)
@@ -189,6 +189,7 @@ def _tracker_class() -> type:
                 self.torchplace_failed.note(func, self)
                 raise
             self.torchplace_checks.after(func, args, kwargs, out)
+            self.torchplace_values.after(func, args, kwargs, out)
             self.torchplace_step.op += 1
             return out
 
@@ -400,12 +401,29 @@ def _masks_all_set(func: Any, t: torch.Tensor, indices: Any, *rest: Any, **kwarg
     return func(t, spread, *rest, **kwargs)
 
 
-def _stand_in(func: Any, args: Any, kwargs: Any) -> Any:
+def _read(func: Any, values: SideValues, t: torch.Tensor) -> Any:
+    """A tensor's value read in Python (``aten._local_scalar_dense``): the fake tensor's own
+    where it knows it (a constant), else its side value (``_side_values``), else fake tensors'
+    own error."""
+    try:
+        return func(t)
+    except _unfakeable():
+        try:
+            return values.read(t)
+        except LookupError:
+            pass
+        raise
+
+
+def _stand_in(func: Any, args: Any, kwargs: Any, values: SideValues | None = None) -> Any:
     """What runs for ``func`` on fake tensors: itself, or for an operator whose meta kernel
     refuses what its real kernels take (``_grouped_mm`` in float32, as transformers' MoE
     layers run it on a CPU), one that sizes its result otherwise; ``nonzero``, whose result's
     size depends on values that fake tensors do not have (a boolean mask used as an index:
-    wav2vec2's SpecAugment), is sized as if every element were nonzero, the most it holds."""
+    wav2vec2's SpecAugment), is sized as if every element were nonzero, the most it holds; a
+    read of a value in Python answered by ``values`` where the fake tensor has none."""
+    if func is torch.ops.aten._local_scalar_dense.default and values is not None and not kwargs:
+        return functools.partial(_read, func, values)
     if func is torch.ops.aten.nonzero.default and not kwargs:
         return _all_nonzero
     if func in _INDEXED and len(args) > 1 and any(_is_mask(i) for i in args[1]):
