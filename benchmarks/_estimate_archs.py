@@ -41,7 +41,7 @@ ARCHS: list[tuple[str, str, str | None, dict[str, Any]]] = [
     ("qwen2_moe", "MoE", None, {}),
     ("olmoe", "MoE", None, {}),
     ("jetmoe", "MoE (routing read in Python)", None, {}),
-    ("deepseek_v3", "MoE + MLA", None, {"num_key_value_heads": 4, "qk_rope_head_dim": 16}),
+    ("deepseek_v3", "MoE + MLA", None, {"num_key_value_heads": 4}),
     ("minicpm3", "MLA", None, {"num_key_value_heads": 4}),
     ("glm4_moe_lite", "MLA", None, {"num_key_value_heads": 4}),
     ("bert", "encoder", "BertForMaskedLM", {}),
