@@ -728,7 +728,8 @@ def measure_step(
 
     failed = FailedAt()
     try:
-        return _measure(model, example_input, (where, disk), run, label, optimizer, train, failed)
+        step = functools.partial(_measure, model, example_input, (where, disk), run, label)
+        return _measured(step, optimizer, train, failed)
     except _unfakeable() as exc:
         raise Unmeasurable(
             f"fake tensors cannot run the step ({type(exc).__name__}: {exc})"
@@ -745,6 +746,24 @@ def measure_step(
         raise
 
 
+def _measured(
+    step: Callable[..., StepMeasure],
+    optimizer: str | torch.optim.Optimizer | None,
+    train: bool,
+    failed: FailedAt,
+) -> StepMeasure:
+    """The step measured, and measured again with side values (``_side_values``) where it read
+    in Python a value that fake tensors lack: a step without such a read pays nothing for
+    them (a small copy computed beside each small tensor)."""
+    try:
+        return step(optimizer, train, failed, values=False)
+    except _unfakeable() as exc:
+        if getattr(exc, "func", None) is not torch.ops.aten._local_scalar_dense.default:
+            raise
+    failed.error = None
+    return step(optimizer, train, failed, values=True)
+
+
 def _measure(
     model: nn.Module,
     example_input: Any,
@@ -754,6 +773,8 @@ def _measure(
     optimizer: str | torch.optim.Optimizer | None,
     train: bool,
     failed: FailedAt,
+    *,
+    values: bool,
 ) -> StepMeasure:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -771,6 +792,7 @@ def _measure(
         opt = _optimizer(model, optimizer, foreach, fakes) if train else None
         tracker = _tracker_class()()
         tracker.torchplace_failed = failed
+        tracker.torchplace_values.on = values
         _skip_frozen(tracker, model)
         inputs = (t for _, t in iter_leaves(batch, "example_input"))
         tracker.track_external(model, *([opt] if opt is not None else []), *inputs)

@@ -19,6 +19,9 @@ token ids, a buffer): integers made from a large tensor (the ``argmax`` of a lar
 none, nor does anything made from them, and a read of one fails as before
 (``DataDependentOutputException``): the estimate counts instead.
 
+Side values cost a real operator beside each small fake one, so the estimate runs a step
+without them first, and again with them only where that step read a value (``on``).
+
 A side value stays right while its tensor is unchanged: one changed in place by an operator
 whose operands do not all have side values loses its own, and so does any tensor whose version
 moved otherwise (a change through a view).
@@ -72,6 +75,7 @@ class SideValues:
         self.known: Any = WeakTensorKeyDictionary()  # fake tensor -> (side value, its version)
         self.unknown: Any = WeakTensorKeyDictionary()  # integers an operator made, unknown
         self.generator = torch.Generator().manual_seed(_SEED)
+        self.on = True  # off: no side value is computed, and every read fails as fake tensors'
 
     def read(self, t: Any) -> Any:
         """``t.item()`` of a fake tensor's side value; ``LookupError`` where it has none."""
@@ -92,6 +96,8 @@ class SideValues:
     def after(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         """Side values for ``out`` where its operands allow (see the module docstring); none
         for the operands ``func`` changed in place otherwise."""
+        if not self.on:
+            return
         kwargs = kwargs or {}
         outs = _tensors(out)
         computed = self._computed(func, args, kwargs, outs) if outs else None
