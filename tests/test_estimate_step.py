@@ -428,6 +428,21 @@ def test_a_value_read_of_a_large_tensor_still_falls_back() -> None:
     assert est.fallback is not None and "DataDependentOutputException" in est.fallback
 
 
+def test_a_side_value_the_step_refuses_falls_back_as_before() -> None:
+    class Refuses(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            assert (x != x).sum().item() > 0, "no NaN in the batch"  # a side value says 0
+            return self.proj(x)
+
+    with pytest.warns(UserWarning, match="DataDependentOutputException"):
+        est = estimate(Refuses().to("meta"), example_input=torch.ones(4, 8))
+    assert est.fallback is not None and "DataDependentOutputException" in est.fallback
+
+
 def tiny_mixtral() -> nn.Module:
     transformers = pytest.importorskip("transformers")
     config = transformers.MixtralConfig(

@@ -754,14 +754,20 @@ def _measured(
 ) -> StepMeasure:
     """The step measured, and measured again with side values (``_side_values``) where it read
     in Python a value that fake tensors lack: a step without such a read pays nothing for
-    them (a small copy computed beside each small tensor)."""
+    them (a small copy computed beside each small tensor). Where the second run fails too,
+    the first run's error stands (``estimate`` counts, as it did without side values)."""
     try:
         return step(optimizer, train, failed, values=False)
     except _unfakeable() as exc:
         if getattr(exc, "func", None) is not torch.ops.aten._local_scalar_dense.default:
             raise
+        first = exc
     failed.error = None
-    return step(optimizer, train, failed, values=True)
+    try:
+        return step(optimizer, train, failed, values=True)
+    except Exception:
+        failed.error = None
+        raise first from None
 
 
 def _measure(
