@@ -40,7 +40,8 @@ ARCHS: list[tuple[str, str, str | None, dict[str, Any]]] = [
     ("mixtral", "MoE", None, {}),
     ("qwen2_moe", "MoE", None, {}),
     ("olmoe", "MoE", None, {}),
-    ("deepseek_v3", "MoE + MLA", None, {"num_key_value_heads": 4, "qk_rope_head_dim": 16}),
+    ("jetmoe", "MoE (routing read in Python)", None, {}),
+    ("deepseek_v3", "MoE + MLA", None, {"num_key_value_heads": 4}),
     ("minicpm3", "MLA", None, {"num_key_value_heads": 4}),
     ("glm4_moe_lite", "MLA", None, {"num_key_value_heads": 4}),
     ("bert", "encoder", "BertForMaskedLM", {}),
@@ -60,6 +61,7 @@ ARCHS: list[tuple[str, str, str | None, dict[str, Any]]] = [
     ("hubert", "audio, CTC", "HubertForCTC", {}),
     ("wavlm", "audio, CTC", "WavLMForCTC", {}),
     ("xlnet", "xlnet", "XLNetLMHeadModel", {}),
+    ("xlm", "encoder (lengths read in Python)", None, {}),
 ]
 
 

@@ -46,6 +46,10 @@ KINDS = [
     ("doge", "DogeForCausalLM", "input_ids"),
     # a layer given a parameter whole in an inference forward (torch's tracker hooked its grad)
     pytest.param("nemotron_h", "NemotronHForCausalLM", "input_ids", marks=NOT_ON_4),
+    # steps that read a tensor's value in Python, answered by side values (_side_values): XLM's
+    # lengths.max().item(), JetMoE's expert_size.tolist(); checked on transformers 5
+    pytest.param("xlm", "XLMWithLMHeadModel", "input_ids", marks=READS_VALUES_ON_4),
+    pytest.param("jetmoe", "JetMoeForCausalLM", "input_ids", marks=READS_VALUES_ON_4),
 ]
 
 
@@ -93,12 +97,14 @@ def test_a_skeleton_of_each_kind_is_measured(
     [
         ("t5", "T5ForConditionalGeneration"),
         pytest.param("wav2vec2", "Wav2Vec2ForCTC", marks=READS_VALUES_ON_4),
+        pytest.param("xlm", "XLMWithLMHeadModel", marks=READS_VALUES_ON_4),
+        pytest.param("jetmoe", "JetMoeForCausalLM", marks=READS_VALUES_ON_4),
     ],
 )
 def test_the_training_peak_is_the_real_ones(model_type: str, cls: str) -> None:
     # T5's learned position bias is a mask that requires grad: the CPU runs the math path for
     # it (its flash kernel cannot differentiate a mask); wav2vec2 masks frames by a boolean
-    # index (SpecAugment), sized as if every frame were masked
+    # index (SpecAugment), sized as if every frame were masked; XLM and JetMoE read values
     model = build(model_type, cls, "cpu")
     batch = example_batch(model, tiny(model_type), 2, 16, True)[0](torch.device("cpu"))
     if model_type == "wav2vec2":

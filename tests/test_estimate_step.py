@@ -18,6 +18,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.checkpoint import checkpoint
 
+from estimate_truth import train_peaks
 from helpers import needs_transformers_5
 from torchplace._errors import DeviceSpecError, TorchplaceError
 from torchplace.looking import _fake_step
@@ -381,6 +382,65 @@ def test_an_operator_fake_tensors_cannot_run_is_named_not_blamed_on_the_input() 
     assert "this operator cannot run on fake tensors" in text
     assert "estimate without example_input" in text
     assert_same(before, model)
+
+
+class Routed(nn.Module):
+    """A router that reads its tokens' counts per expert in Python (``.tolist()``), as
+    JetMoE's does, and checks a value with ``.item()``, as XLM does."""
+
+    def __init__(self, experts: int = 4, width: int = 32) -> None:
+        super().__init__()
+        self.router = nn.Linear(width, experts)
+        self.experts = nn.Parameter(torch.randn(experts, width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert (x.shape[0] - (x[:, 0] != x[:, 0]).sum()).item() <= x.shape[0]
+        top = self.router(x).argmax(-1)
+        chosen = torch.zeros(x.shape[0], len(self.experts), device=x.device)
+        sizes = chosen.scatter(1, top[:, None], 1).long().sum(0).tolist()
+        parts = x[top.argsort()].split(sizes)
+        return torch.cat([p @ w for p, w in zip(parts, self.experts, strict=True)])
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_value_read_in_python_is_answered_by_a_small_side_value(device: str) -> None:
+    torch.manual_seed(0)
+    real = Routed()
+    model = Routed().to(device)
+    est = estimate(model, example_input=lambda dev: torch.randn(64, 32, device=dev))
+    assert est.fallback is None
+    _, *steady = train_peaks(real, torch.randn(64, 32))
+    assert est.peak == pytest.approx(max(steady), rel=0.05)
+
+
+def test_a_value_read_of_a_large_tensor_still_falls_back() -> None:
+    class Reads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(1024, 1024)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            big = self.proj(x).argmax(0)  # made from a tensor too large for a side value
+            return self.proj(x)[: int(big.max().item()) + 1]
+
+    with pytest.warns(UserWarning, match="DataDependentOutputException"):
+        est = estimate(Reads().to("meta"), example_input=torch.ones(2048, 1024))
+    assert est.fallback is not None and "DataDependentOutputException" in est.fallback
+
+
+def test_a_side_value_the_step_refuses_falls_back_as_before() -> None:
+    class Refuses(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            assert (x != x).sum().item() > 0, "no NaN in the batch"  # a side value says 0
+            return self.proj(x)
+
+    with pytest.warns(UserWarning, match="DataDependentOutputException"):
+        est = estimate(Refuses().to("meta"), example_input=torch.ones(4, 8))
+    assert est.fallback is not None and "DataDependentOutputException" in est.fallback
 
 
 def tiny_mixtral() -> nn.Module:

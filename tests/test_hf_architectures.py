@@ -360,13 +360,6 @@ TF4_SAMPLE = [
 ]  # fmt: skip
 
 
-# The estimate leg's known gaps: a training step that reads a value of a tensor in Python
-# (XLM: ``assert lengths.max().item() <= slen``; JetMoE's routing), which fake tensors do not
-# have, so the estimate falls back to counting and says so.
-ESTIMATE_DATA_DEPENDENT = {"jetmoe", "xlm"}
-_DATA_DEPENDENT = "estimate train fell back: fake tensors cannot run the step (DataDependent"
-
-
 def _whole_list_only(request: pytest.FixtureRequest) -> None:
     if "hf_architectures" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("the whole list runs with -m hf_architectures (.ci/run's second step)")
@@ -425,12 +418,7 @@ def test_every_architecture(request: pytest.FixtureRequest) -> None:
     found = hf.verdicts(types, jobs=max(1, min(4, os.cpu_count() or 1)))
     left_out = {t: v[:2] for t, v in found.items() if v[0] not in ("ok", "fail", "crash")}
     print(json.dumps({"left out": left_out}, indent=1))
-    failed = {
-        t: v[:2]
-        for t, v in found.items()
-        if v[0] in ("fail", "crash")
-        and not (t in ESTIMATE_DATA_DEPENDENT and v[1].startswith(_DATA_DEPENDENT))
-    }
+    failed = {t: v[:2] for t, v in found.items() if v[0] in ("fail", "crash")}
     assert not failed, json.dumps(failed, indent=1)
     # The list did not shrink unseen; on 4.x, every one of the sample is ok.
     assert sum(v[0] == "ok" for v in found.values()) >= (150 if HAS_CONVERSIONS else len(types))

@@ -11,7 +11,6 @@ step's peak per device, split by kind and by module; where that cannot be done h
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import io
 import math
@@ -33,6 +32,7 @@ from .._errors import (
 )
 from .._model_walk import compiled_inner, display
 from .._sizes import format_bytes as _format_bytes
+from .._suggest import did_you_mean
 from .._tensor_size import nbytes_as
 from ..moving._offloaded import disk_placeholders, homes, outside_units
 from ._fake_checks import real_kernel_refuses
@@ -328,8 +328,7 @@ def _optimizer_name(optimizer: OptimizerSpec) -> OptimizerSpec:
     text = optimizer.strip().lower()
     name = _OPTIMIZER_ALIASES.get(text, text)
     if name is not None and name not in _OPTIMIZERS:
-        guess = difflib.get_close_matches(name, list(_OPTIMIZERS), n=1)
-        hint = f"did you mean {guess[0]!r}? " if guess else ""
+        hint = did_you_mean(name, _OPTIMIZERS)
         raise DeviceSpecError(
             f"optimizer={optimizer!r} is not one estimate knows; {hint}use one of {names}"
         )

@@ -40,6 +40,7 @@ from ..moving._offloaded import disk_placeholders
 from ._attention import FusedAttention
 from ._fake_checks import FakeChecks
 from ._opt_step import OptimizerStepBook
+from ._side_values import SideValues
 from ._user_opt import clone_over
 from ._workspace import add_workspaces, note_matmul
 
@@ -153,12 +154,11 @@ def _tracker_class() -> type:
             self.torchplace_stats: dict[str, Any] = {}  # module name -> its statistics
             self.torchplace_failed = FailedAt()
             self.torchplace_matmuls: set[tuple[torch.device, bool]] = set()
-            self.torchplace_checks = FakeChecks()
+            self.torchplace_checks, self.torchplace_values = FakeChecks(), SideValues()
             self.torchplace_step = OptimizerStepBook()
 
         def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
-            # Weights a disk module's hooks brought in for this call (its submodules' included)
-            # need no gradient, as the frozen ones _skip_frozen tells the tracker of.
+            # weights a disk module's hooks brought in need no gradient, as frozen ones do
             _skip_frozen(self, module)
             super()._pre_fw_hook(module, inputs)
             stats = self.memory_tracking[module]
@@ -178,7 +178,7 @@ def _tracker_class() -> type:
         def __torch_dispatch__(
             self, func: Any, types: Any, args: Any = (), kwargs: Any = None
         ) -> Any:
-            run = _stand_in(func, args, kwargs)
+            run = _stand_in(func, args, kwargs, self.torchplace_values)
             note_matmul(func, args, self.torchplace_matmuls)
             if self._in_opt and not self.torchplace_step.started:
                 self.torchplace_step.start(self._curr_mem_snap, self.torchplace_most)
@@ -189,6 +189,7 @@ def _tracker_class() -> type:
                 self.torchplace_failed.note(func, self)
                 raise
             self.torchplace_checks.after(func, args, kwargs, out)
+            self.torchplace_values.after(func, args, kwargs, out)
             self.torchplace_step.op += 1
             return out
 
@@ -400,12 +401,29 @@ def _masks_all_set(func: Any, t: torch.Tensor, indices: Any, *rest: Any, **kwarg
     return func(t, spread, *rest, **kwargs)
 
 
-def _stand_in(func: Any, args: Any, kwargs: Any) -> Any:
+def _read(func: Any, values: SideValues, t: torch.Tensor) -> Any:
+    """A tensor's value read in Python (``aten._local_scalar_dense``): the fake tensor's own
+    where it knows it (a constant), else its side value (``_side_values``), else fake tensors'
+    own error."""
+    try:
+        return func(t)
+    except _unfakeable():
+        try:
+            return values.read(t)
+        except LookupError:
+            pass
+        raise
+
+
+def _stand_in(func: Any, args: Any, kwargs: Any, values: SideValues | None = None) -> Any:
     """What runs for ``func`` on fake tensors: itself, or for an operator whose meta kernel
     refuses what its real kernels take (``_grouped_mm`` in float32, as transformers' MoE
     layers run it on a CPU), one that sizes its result otherwise; ``nonzero``, whose result's
     size depends on values that fake tensors do not have (a boolean mask used as an index:
-    wav2vec2's SpecAugment), is sized as if every element were nonzero, the most it holds."""
+    wav2vec2's SpecAugment), is sized as if every element were nonzero, the most it holds; a
+    read of a value in Python answered by ``values`` where the fake tensor has none."""
+    if func is torch.ops.aten._local_scalar_dense.default and values is not None and not kwargs:
+        return functools.partial(_read, func, values)
     if func is torch.ops.aten.nonzero.default and not kwargs:
         return _all_nonzero
     if func in _INDEXED and len(args) > 1 and any(_is_mask(i) for i in args[1]):
@@ -710,7 +728,8 @@ def measure_step(
 
     failed = FailedAt()
     try:
-        return _measure(model, example_input, (where, disk), run, label, optimizer, train, failed)
+        step = functools.partial(_measure, model, example_input, (where, disk), run, label)
+        return _measured(step, optimizer, train, failed)
     except _unfakeable() as exc:
         raise Unmeasurable(
             f"fake tensors cannot run the step ({type(exc).__name__}: {exc})"
@@ -727,6 +746,30 @@ def measure_step(
         raise
 
 
+def _measured(
+    step: Callable[..., StepMeasure],
+    optimizer: str | torch.optim.Optimizer | None,
+    train: bool,
+    failed: FailedAt,
+) -> StepMeasure:
+    """The step measured, and measured again with side values (``_side_values``) where it read
+    in Python a value that fake tensors lack: a step without such a read pays nothing for
+    them (a small copy computed beside each small tensor). Where the second run fails too,
+    the first run's error stands (``estimate`` counts, as it did without side values)."""
+    try:
+        return step(optimizer, train, failed, values=False)
+    except _unfakeable() as exc:
+        if getattr(exc, "func", None) is not torch.ops.aten._local_scalar_dense.default:
+            raise
+        first = exc
+    failed.error = None
+    try:
+        return step(optimizer, train, failed, values=True)
+    except Exception:
+        failed.error = None
+        raise first from None
+
+
 def _measure(
     model: nn.Module,
     example_input: Any,
@@ -736,6 +779,8 @@ def _measure(
     optimizer: str | torch.optim.Optimizer | None,
     train: bool,
     failed: FailedAt,
+    *,
+    values: bool,
 ) -> StepMeasure:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -753,6 +798,7 @@ def _measure(
         opt = _optimizer(model, optimizer, foreach, fakes) if train else None
         tracker = _tracker_class()()
         tracker.torchplace_failed = failed
+        tracker.torchplace_values.on = values
         _skip_frozen(tracker, model)
         inputs = (t for _, t in iter_leaves(batch, "example_input"))
         tracker.track_external(model, *([opt] if opt is not None else []), *inputs)
