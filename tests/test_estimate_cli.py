@@ -193,16 +193,23 @@ def _index(root: Path, count: int, shards: int = 8) -> Path:
 
 
 @pytest.mark.slow  # writes and reads a 100k-tensor index
-def test_an_index_of_100k_tensors_is_counted_in_under_3_s(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_an_index_of_100k_tensors_is_counted_from_its_shapes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import time
-
+    """Counted from the catalog's shapes: no tensor is made for any of the index's entries (a
+    fake parameter each took 13-16 s; the time is benchmarks/bench_estimate_index.py's)."""
     index = _index(tmp_path, 100_000)
-    started = time.perf_counter()
+    made: list[Any] = []
+    real = torch.empty
+
+    def empty(*shape: Any, **kwargs: Any) -> torch.Tensor:
+        made.append(shape)
+        return real(*shape, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", empty)
     status, out, err = run(capsys, str(index), "--json", "--device", "cpu", "--optimizer", "adamw")
-    took = time.perf_counter() - started
-    assert status == 0 and took < 3.0, (took, err)
+    assert status == 0, err
+    assert len(made) < 100, len(made)  # not one per tensor
     report = json.loads(out)
     floats, ints = 90_000, 10_000
     rows = {(r["device"], r["dtype"]): r for r in report["rows"]}
