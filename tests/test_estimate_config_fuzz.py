@@ -54,7 +54,7 @@ def test_a_hostile_config_is_refused_naming_what(
     started = time.perf_counter()
     status, err = estimate_dir(tmp_path, capsys, text)
     assert status == 1 and said in err, err
-    assert time.perf_counter() - started < 5
+    assert time.perf_counter() - started < 30  # bounded: the refusal is not a build
 
 
 @pytest.mark.parametrize("name", ["pipeline", "AutoTokenizer", "set_seed", "logging"])
