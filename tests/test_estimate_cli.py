@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+import torchplace
 from torchplace.cli import main
 
 transformers = pytest.importorskip("transformers")
@@ -118,6 +119,25 @@ def test_a_safetensors_file_is_counted_by_dtype(
     assert (rows["cpu", "int64"]["parameters"], rows["cpu", "int64"]["gradients"]) == (24, 0)
     status, out, _ = run(capsys, str(path))
     assert status == 0 and "no step: no model code" in out and "float16" in out
+
+
+def test_a_checkpoints_norm_statistics_count_as_buffers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file alone does not say which tensors are buffers: BatchNorm's running statistics were
+    counted as trainable parameters, with gradients and Adam's state. They are buffers, as
+    ``estimate`` of the module itself counts them."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16))
+    torch.save(model.state_dict(), tmp_path / "bn.pt")
+    status, out, _ = run(capsys, str(tmp_path / "bn.pt"), "--json", "--device", "cpu")
+    assert status == 0
+    report = json.loads(out)
+    want = torchplace.estimate(model, optimizer="adam")
+    assert report["parameter_count"] == report["trainable_count"] == 8 * 16 + 16 + 2 * 16
+    rows = {(r["device"], r["dtype"]): r for r in report["rows"]}
+    assert rows["cpu", "float32"]["buffers"] == 2 * 16 * 4 == want.buffers - 8
+    assert rows["cpu", "int64"]["buffers"] == 8 and rows["cpu", "int64"]["parameters"] == 0
+    assert rows["cpu", "float32"]["gradients"] == want.gradients
 
 
 def test_a_training_checkpoint_counts_the_model_not_its_optimizer(

@@ -293,12 +293,18 @@ _NOT_WEIGHTS = frozenset(
 )  # fmt: skip
 
 
+# A checkpoint alone does not say which of its tensors are buffers; these names are the norm
+# layers' statistics (BatchNorm, InstanceNorm with running stats), counted as buffers: no
+# gradient, no optimizer state. Any other tensor counts as a parameter.
+_BUFFER_NAMES = frozenset({"running_mean", "running_var", "num_batches_tracked"})
+
+
 def _from_checkpoint(
     source: Path, args: argparse.Namespace, device: torch.device
 ) -> tuple[Estimate, list[str]]:
     """The checkpoint's weights counted as parameters on ``device`` from their shapes (no
-    tensor made), and what of a training checkpoint was left out (its ``optimizer`` state:
-    counted from the weights)."""
+    tensor made; norm statistics as buffers, ``_BUFFER_NAMES``), and what of a training
+    checkpoint was left out (its ``optimizer`` state: counted from the weights)."""
     from ..checkpoint._catalog import catalog
 
     every = [r for r in catalog(source).records() if r.shares is None]  # each storage once
@@ -315,7 +321,7 @@ def _from_checkpoint(
         dtype = getattr(torch, r.dtype)
         if args.dtype is not None and dtype.is_floating_point:
             dtype = args.dtype
-        shapes.append((tuple(r.shape), dtype))
+        shapes.append((tuple(r.shape), dtype, r.name.rsplit(".", 1)[-1] in _BUFFER_NAMES))
     try:
         return count_tensors(shapes, device, name, train), left_out
     except TorchplaceError as err:

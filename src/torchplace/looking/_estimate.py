@@ -518,19 +518,23 @@ def _count(model: nn.Module, spec: OptimizerSpec, grads: bool) -> Estimate:
 
 
 def count_tensors(
-    tensors: Iterable[tuple[tuple[int, ...], torch.dtype]],
+    tensors: Iterable[tuple[tuple[int, ...], torch.dtype, bool]],
     device: torch.device,
     optimizer: str | None,
     grads: bool,
 ) -> Estimate:
-    """``estimate`` of parameters of these shapes and dtypes on ``device`` (the floating and
-    complex ones trained), counted from the shapes alone: what ``torchplace estimate`` of a
-    checkpoint gives, with no tensor made (a 100k-tensor index made fake parameters for
-    seconds). The same bytes as ``estimate`` of a module holding such parameters.
+    """``estimate`` of tensors of these shapes and dtypes on ``device``, each a buffer where its
+    flag says so and a parameter otherwise (the floating and complex parameters trained),
+    counted from the shapes alone: what ``torchplace estimate`` of a checkpoint gives, with no
+    tensor made (a 100k-tensor index made fake parameters for seconds). The same bytes as
+    ``estimate`` of a module holding such parameters and buffers.
 
-    >>> found = count_tensors([((1000, 1000), torch.float32)], torch.device("cpu"), "adam", True)
+    >>> cpu = torch.device("cpu")
+    >>> found = count_tensors([((1000, 1000), torch.float32, False)], cpu, "adam", True)
     >>> found.parameters, found.gradients, found.optimizer_state
     (4000000, 4000000, 8000004)
+    >>> count_tensors([((1000,), torch.float32, True)], cpu, "adam", True).buffers
+    4000
     """
     name = cast("str | None", _optimizer_name(optimizer))  # a name in, a name out
     copies, has_step = _OPTIMIZERS[name] if name is not None else (0, False)
@@ -538,10 +542,13 @@ def count_tensors(
     rows: dict[tuple[torch.device, torch.dtype], dict[str, int]] = {}
     cpu = torch.device("cpu")
     count = trainable = steps = 0
-    for shape, dtype in tensors:
+    for shape, dtype, buffer in tensors:
         numel = math.prod(shape)
         nbytes = numel * dtype.itemsize
         row = rows.setdefault((device, dtype), dict.fromkeys(("parameters", "gradients"), 0))
+        if buffer:
+            row["buffers"] = row.get("buffers", 0) + nbytes
+            continue
         row["parameters"] += nbytes
         count += numel
         if not (dtype.is_floating_point or dtype.is_complex):
