@@ -1291,6 +1291,14 @@ def test_verify_accepts_the_whole_model_map_it_was_loaded_and_dispatched_with(
         torchplace.verify(Scaled(), {"": "disk"})
 
 
+def test_verify_accepts_the_host_tier_map_with_another_device_executing() -> None:
+    """{"": "cpu"} beside an accelerator (meta stands in for it): the blocks live on the host,
+    the non-persistent buffer where the model runs; verify read it as the whole model on cpu."""
+    model = torchplace.dispatch(Scaled(), {"": "cpu"}, execution_device="meta")
+    assert model.scale.is_meta and model.lin.weight.device == torch.device("cpu")
+    torchplace.verify(model, {"": "cpu"})
+
+
 def test_verify_by_map_suggests_a_fix_that_works(tmp_path: Any) -> None:
     """A model in memory checked against {"": "disk"} was told to dispatch, which writes no
     weights to disk: the fix is to load it by the map. Each fix is followed to the letter."""
