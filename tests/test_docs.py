@@ -7,6 +7,7 @@ skipped without a word, so every fence must carry a tag from a known list."""
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -70,6 +71,21 @@ def test_blocks_name_no_accelerator_literally(page: Path) -> None:
             f"line {line}: {m}" for m in re.findall(r"[\"'](?:cuda|mps|xpu)\b[^\"']*[\"']", code)
         ]
     assert not found, f"use torchplace.device() instead: {found}"
+
+
+def test_the_readme_blocks_run_in_the_venv_of_its_set_up_command() -> None:
+    """The README's first set-up command installs torch, numpy and torchplace alone: its
+    Checkpoints block imported safetensors.torch, which that venv lacks (torchplace.save writes
+    a .safetensors file without it)."""
+    allowed = {"torch", "numpy", "torchplace", *sys.stdlib_module_names}
+    found = []
+    for line, tag, code in fences(ROOT / "README.md"):
+        if tag != "python":
+            continue
+        for name in re.findall(r"^\s*(?:from|import)\s+(\w+)", code, flags=re.M):
+            if name not in allowed:
+                found.append(f"line {line}: {name}")
+    assert not found, f"README blocks import what its set-up does not install: {found}"
 
 
 @pytest.mark.slow

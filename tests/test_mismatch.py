@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+import torchplace
 from helpers import Net, reference, save
 from torchplace._errors import CheckpointError
 from torchplace.checkpoint._checkpoint import load, load_into, skeleton
@@ -87,6 +88,29 @@ def test_keys_that_merely_end_alike_get_no_prefix_hint(tmp_path: Path) -> None:
         load_into(nn.Linear(8, 8), path)
     assert "prefix" not in str(info.value)
     assert (info.value.path, info.value.missing) == (path, ("weight", "bias"))
+
+
+def test_a_file_of_several_modules_gets_a_prefix_hint_that_works(tmp_path: Path) -> None:
+    """A Sequential's file loaded into one Linear was told to drop '0.', which left its '1.'
+    keys unexpected: the rename offered keeps only the part that fits, and loads."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    path = save(seq.state_dict(), tmp_path / "c1.pt")
+    with pytest.raises(CheckpointError) as e:
+        load_into(nn.Linear(4, 4), path)
+    text = str(e.value)
+    assert "the file holds more than the model" in text and "1.weight, 1.bias" in text
+    call = text.split("drop the prefix and skip the rest, ")[1].split(" (a warning")[0]
+    model = nn.Linear(4, 4)
+    with pytest.warns(UserWarning, match=r"strict=False skipped .*1\.weight, 1\.bias"):
+        model = eval(call, {"torchplace": torchplace, "model": model})  # followed to the letter
+    assert torch.equal(model.weight, seq[0].weight) and torch.equal(model.bias, seq[0].bias)
+    # keys under the prefix that the model lacks: dropping it would not fit, so it is not said
+    more = {f"0.{k}": v for k, v in seq[0].state_dict().items()}
+    path = save({**more, "0.extra": torch.ones(1)}, tmp_path / "more.pt")
+    with pytest.raises(CheckpointError) as e:
+        load_into(nn.Linear(4, 4), path)
+    assert "prefix" not in str(e.value) and "rename=" not in str(e.value)
 
 
 @pytest.mark.parametrize(

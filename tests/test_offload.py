@@ -1257,6 +1257,87 @@ def test_verify_reads_a_map_as_dispatch_does_and_refuses_a_module_the_model_lack
     assert [s.name for s in placed.value.stragglers] == ["layers.1.weight", "layers.1.bias"]
 
 
+class Scaled(nn.Module):
+    """A layer with a buffer its state dict leaves out: made, not read, it stays in memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 2.0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale
+
+
+def test_verify_accepts_the_whole_model_map_it_was_loaded_and_dispatched_with(
+    tmp_path: Any,
+) -> None:
+    """verify(model, {"": "disk"}) failed on the non-persistent buffer, which stays where the
+    model runs, and its fix, dispatch(model, {"": "disk"}), said the weights were in memory."""
+    torch.manual_seed(0)
+    whole = Scaled().eval()
+    torch.save(whole.state_dict(), tmp_path / "scaled.pt")
+    x = torch.ones(2, 4)
+    for device_map in ({"": "disk"}, {"": "cpu"}):
+        model = torchplace.load_into(
+            torchplace.skeleton(Scaled), tmp_path / "scaled.pt", device_map=device_map
+        )
+        torchplace.verify(model, device_map)
+        torchplace.dispatch(model, device_map)  # dispatched again by the same map
+        torchplace.verify(model, device_map)
+        with torch.no_grad():
+            assert torch.equal(model(x), whole(x))
+    with pytest.raises(torchplace.PlacementError, match=r"lin\.weight .*on cpu, the map says disk"):
+        torchplace.verify(Scaled(), {"": "disk"})
+
+
+def test_verify_accepts_the_host_tier_map_with_another_device_executing() -> None:
+    """{"": "cpu"} beside an accelerator (meta stands in for it): the blocks live on the host,
+    the non-persistent buffer where the model runs; verify read it as the whole model on cpu."""
+    model = torchplace.dispatch(Scaled(), {"": "cpu"}, execution_device="meta")
+    assert model.scale.is_meta and model.lin.weight.device == torch.device("cpu")
+    torchplace.verify(model, {"": "cpu"})
+
+
+def test_verify_by_map_suggests_a_fix_that_works(tmp_path: Any) -> None:
+    """A model in memory checked against {"": "disk"} was told to dispatch, which writes no
+    weights to disk: the fix is to load it by the map. Each fix is followed to the letter."""
+    torch.manual_seed(0)
+    torch.save(Scaled().state_dict(), tmp_path / "scaled.pt")
+    device_map = {"": "disk"}
+    with pytest.raises(torchplace.PlacementError) as placed:
+        torchplace.verify(Scaled(), device_map)
+    fix = "torchplace.load_into(skeleton, checkpoint, device_map=device_map)"
+    assert fix in str(placed.value)
+    assert "dispatch(model" not in str(placed.value)
+    skeleton, checkpoint = torchplace.skeleton(Scaled), tmp_path / "scaled.pt"
+    model = eval(fix, {"torchplace": torchplace, **locals()})
+    torchplace.verify(model, device_map)
+    # weights on disk, the map puts them in memory: gather them first, then dispatch
+    with pytest.raises(torchplace.PlacementError) as placed:
+        torchplace.verify(model, {"": "cpu", "lin": "meta"})
+    fix = "torchplace.move(model, 'cpu'), then torchplace.dispatch(model, device_map)"
+    assert fix in str(placed.value)
+    device_map = {"": "cpu", "lin": "meta"}
+    torchplace.move(model, "cpu")
+    torchplace.dispatch(model, device_map)
+    torchplace.verify(model, device_map)
+
+
+def test_verify_accepts_a_llama_loaded_whole_on_disk(tmp_path: Any) -> None:
+    """Llama's rotary_emb.inv_freq is not saved: it stays where the model runs."""
+    reference, cls, config = saved_llama(tmp_path)
+    model = torchplace.load_into(
+        torchplace.skeleton(cls, config), tmp_path / "saved", device_map={"": "disk"}
+    )
+    assert model.model.rotary_emb.inv_freq.device == torch.device("cpu")
+    torchplace.verify(model, {"": "disk"})
+    torchplace.dispatch(model, {"": "disk"})
+    torchplace.verify(model, {"": "disk"})
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, reference(IDS).logits)
+
+
 # ------------------------------------------------- the CUDA transport's streams, with fake ones
 
 

@@ -78,7 +78,6 @@ def keys_hint(
     file's keys are as the caller's ``rename=`` gives them, so a fix changes that rename rather
     than passing another.
     """
-    keys = _the_keys(renamed)
     names = missing
     if not names or not unexpected:
         return ""
@@ -87,11 +86,9 @@ def keys_hint(
     if u is not None:
         extra = u[: len(u) - len(names[0])]
         if all(extra + n in files for n in names):
-            rule = f'{{{as_pattern("^" + re.escape(extra))}: ""}}'
-            return (
-                f"; {keys} carry an extra prefix {extra!r}: "
-                f"{_rename_fix(p, rule, renamed, 'drop it')}"
-            )
+            hint = _prefix_hint(p, extra, unexpected, {*names, *(tied or ())}, renamed)
+            if hint:
+                return hint
     # A wrapper's prefix on every key of the file, where the names under it are not the model's
     # own (a transformers model converts a file's hub names: they match no missing name).
     for wrapper, adds in _WRAPPER_PREFIXES:
@@ -116,6 +113,41 @@ def keys_hint(
             )
     # A tied parameter is missing under every one of its names, any of which a file may hold.
     return _typo_hint(p, names, unexpected, tied or set(), shapes, renamed)
+
+
+def _prefix_hint(
+    p: Path | str, extra: str, unexpected: list[str], wanted: set[str], renamed: bool
+) -> str:
+    """The rename that drops the file's extra prefix ``extra``, where that makes its keys
+    under it the model's ``wanted`` ones (its missing keys and their tied names); where the
+    file holds other keys besides (another module's, as a Sequential's ``1.``), the load
+    that also skips those (``strict=False``). Else ''."""
+    under = [k for k in unexpected if k.startswith(extra)]
+    if not all(k[len(extra) :] in wanted for k in under):
+        return ""  # dropping the prefix would leave keys the model has no tensor for
+    keys = _the_keys(renamed)
+    rule = f'{{{as_pattern("^" + re.escape(extra))}: ""}}'
+    others = [k for k in unexpected if not k.startswith(extra)]
+    if not others:
+        return (
+            f"; {keys} carry an extra prefix {extra!r}: {_rename_fix(p, rule, renamed, 'drop it')}"
+        )
+    if renamed:
+        fix = (
+            f"have the rename= given drop the prefix too, as {rule} would after what it does "
+            "now, and pass strict=False, which skips the rest (a warning names them)"
+        )
+    else:
+        fix = (
+            f"drop the prefix and skip the rest, torchplace.load_into(model, {source_name(p)}, "
+            f"rename={rule}, strict=False) (a warning names the keys skipped)"
+        )
+    return (
+        f"; the file holds more than the model: {keys} under {extra!r} are the model's missing "
+        f"ones with an extra prefix, and the file also holds {listing(others, 4)}, which the model "
+        "has no tensor for (saved from a bigger model, or from a container of several modules "
+        f"such as an nn.Sequential): load it into that, or load only the part that fits: {fix}"
+    )
 
 
 def _the_keys(renamed: bool) -> str:

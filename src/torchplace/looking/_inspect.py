@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .._device_map import entry_of, parse_device_map
+from .._device_map import DISK, entry_of, parse_device_map, whole_model_map
 from .._devices import DeviceSpec, normalize
 from .._devices import device as _device
 from .._errors import (
@@ -542,6 +542,9 @@ def verify(
     ``"disk"``; its buffers live on the device it runs on). The map is read as ``dispatch``
     reads it: a key naming no module of the model (a typo, a layer it lacks) raises
     ``DeviceSpecError`` with the likely name; the devices it names need not be on this machine.
+    ``{"": "disk"}`` (and ``{"": "cpu"}`` beside an accelerator) stands for each block on that
+    tier, as ``load_into`` and ``dispatch`` read it; buffers a state dict leaves out stay on the
+    device the model runs on.
     """
     refuse_unwalkable(obj, "verify")
     if isinstance(device, Mapping):
@@ -583,11 +586,14 @@ def verify(
 
 
 def _verify_by_map(model: Any, device_map: Mapping[str, Any]) -> None:
-    """``verify`` against a device map: ``PlacementError`` naming each tensor out of its place."""
+    """``verify`` against a device map: ``PlacementError`` naming each tensor out of its place,
+    each with the fix that puts it there."""
     if not isinstance(model, nn.Module):
         raise TorchplaceError(f"a device map describes a model, not {type(model).__name__}")
     try:  # the map read as dispatch and load_into read it; its devices need not be here
-        wants = parse_device_map(walk_model(model), device_map, resolve=normalize)
+        wants = parse_device_map(
+            walk_model(model), _as_loaded(model, device_map), resolve=normalize
+        )
     except TorchplaceError as err:
         raise prefixed(err, "verify()") from err.__cause__
     runs = {path: home.execution for path, _, home in homes(model)}
@@ -606,16 +612,65 @@ def _verify_by_map(model: Any, device_map: Mapping[str, Any]) -> None:
         elif e.tensor.device != want:
             bad.append((e, f"it is on {e.tensor.device}, the map says {want}"))
     if bad:
-        lines = [f"  - {e.name} ({e.kind}): {why}" for e, why in bad[:10]]
+        gather = _taken_off_disk(model, wants)
+        lines = []
+        for e, why in bad[:10]:
+            fix = _map_fix(e, _mapped(e.module or "", wants), gather)
+            lines.append(f"  - {e.name} ({e.kind}): {why}; fix: {fix}")
         if len(bad) > 10:
             lines.append(f"  ... and {len(bad) - 10} more")
         raise PlacementError(
-            f"{len(bad)} tensor(s) of {describe(model)} are not where the device map puts them "
-            "(torchplace.dispatch(model, device_map) places them):\n" + "\n".join(lines),
+            f"{len(bad)} tensor(s) of {describe(model)} are not where the device map puts "
+            "them:\n" + "\n".join(lines),
             stragglers=[
                 Straggler(e.name, e.kind, e.tensor.device, nbytes(e.tensor)) for e, _ in bad
             ],
         )
+
+
+def _as_loaded(model: nn.Module, device_map: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The map that ``{"": "disk"}`` or ``{"": "cpu"}`` stands for, as ``load_into`` and
+    ``dispatch`` read it (``whole_model_map``): each block its own entry on that tier, and the
+    modules holding only buffers a state dict leaves out (a rotary embedding's) on the device
+    the model runs on. ``{"": "cpu"}`` stands for blocks only where the model runs its host
+    tier on another device; otherwise it is the whole model on the CPU, as it says."""
+    tier = str(device_map.get("", "")) if len(device_map) == 1 else ""
+    if tier not in (DISK, "cpu"):
+        return device_map
+    offloaded = [home for _, _, home in homes(model) if home.tier == tier]
+    if tier == "cpu" and not any(home.execution.type != "cpu" for home in offloaded):
+        return device_map
+    resident = str(offloaded[0].execution) if offloaded else "cpu"
+    return whole_model_map(model, tier, resident)
+
+
+def _taken_off_disk(model: nn.Module, wants: Mapping[str, Any]) -> bool:
+    """Whether the map puts a module whose weights are left on disk anywhere but on disk:
+    ``dispatch`` refuses that until ``move`` has read them back."""
+    return any(
+        home.tier == DISK and str(_mapped(path, wants)) != DISK for path, _, home in homes(model)
+    )
+
+
+def _map_fix(e: Entry, want: Any, gather: bool) -> str:
+    """The fix for one tensor out of its place under a map, that works when followed: a map
+    that leaves it out needs an entry; only ``load_into`` leaves weights on disk (``dispatch``
+    writes none there); ``dispatch`` takes weights off disk only once ``move`` has read them."""
+    if want is None:
+        owner = e.module or ""
+        return f"add an entry for {owner!r} or one of its parents ('' covers the whole model)"
+    if str(want) == DISK:
+        return (
+            "dispatch writes no weights to disk; load the model by this map, "
+            "torchplace.load_into(skeleton, checkpoint, device_map=device_map), which leaves "
+            "them in the file"
+        )
+    if gather:
+        return (
+            "the map takes weights off disk, which only move reads back: "
+            "torchplace.move(model, 'cpu'), then torchplace.dispatch(model, device_map)"
+        )
+    return "torchplace.dispatch(model, device_map)"
 
 
 def _mapped(path: str, table: Mapping[str, Any]) -> Any:

@@ -39,7 +39,7 @@ from .._model_walk import ModelTree, display, walk_model
 from .._tree import Located, iter_leaves, map_tensors
 from ..moving._hooks import MARK, Installed, is_dispatched, undispatch
 from ..moving._move import place
-from ..moving._offloaded import HOME, Home, homes
+from ..moving._offloaded import DISK_UNIT, HOME, Home, homes
 from ..moving._transfer import is_accelerator
 from ._offload import DEFAULT_WINDOW, SHIELD, DeviceFetcher, Fetcher, Ring, Unit
 
@@ -416,11 +416,12 @@ def _offloading(entries: dict[str, torch.device | str], execution_device: object
     return _Offload(execution, tiers, runs)
 
 
-def _blocks_in_host(model: nn.Module, offload: _Offload) -> dict[str, str]:
-    """The map that ``{"": "cpu"}`` stands for with an accelerator executing: each block of the
-    model its own entry in host memory (as ``{"": "disk"}`` puts each on disk), so that a
-    window of blocks bounds the device's memory, not the whole model at once."""
-    return whole_model_map(model, "cpu", str(offload.execution))
+def _blocks(model: nn.Module, offload: _Offload) -> dict[str, str]:
+    """The map that ``{"": "cpu"}`` (with an accelerator executing) or ``{"": "disk"}`` stands
+    for: each block of the model its own entry on that tier, as ``load_into`` reads
+    ``{"": "disk"}``, so that a window of blocks bounds the device's memory, not the whole
+    model at once, and a model loaded by ``{"": "disk"}`` is dispatched again by the same map."""
+    return whole_model_map(model, offload.tiers[""], str(offload.execution or "cpu"))
 
 
 def check_offloading(
@@ -483,6 +484,7 @@ def _homes(
         del homes[key]
         home = tree.modules[entry].__dict__.get(HOME)
         if not isinstance(home, Home) or home.source is None or not tree.tensors[key].is_meta:
+            _refuse_other_unit(tree.tensors[key], entry)
             raise DeviceSpecError(
                 f"device_map[{entry!r}] is 'disk', but the weights of {display(entry)} are in "
                 "memory, not left in a checkpoint: dispatch writes no weights to disk. Fill the "
@@ -490,6 +492,19 @@ def _homes(
                 "leaves them in the file, or map it to 'cpu'"
             )
     return homes
+
+
+def _refuse_other_unit(tensor: torch.Tensor, entry: str) -> None:
+    """``DeviceSpecError`` for a weight left on disk by ``load_into`` for another disk module
+    than the map's entry ``entry`` (a map other than the one the model was loaded with)."""
+    unit = tensor.__dict__.get(DISK_UNIT) if tensor.is_meta else None
+    if isinstance(unit, str):
+        raise DeviceSpecError(
+            f"device_map[{entry!r}] is 'disk', but the weights under {display(entry)} were "
+            f"left in their checkpoint for the disk module {display(unit)}, which is read "
+            f"whole; dispatch by the map the model was loaded with (device_map[{unit!r}] = "
+            "'disk'), or gather it first, torchplace.move(model, 'cpu'), then dispatch it"
+        )
 
 
 def _unit_paths(tree: ModelTree, path: str, entries: Mapping[str, object]) -> list[str]:
@@ -1026,8 +1041,8 @@ def _dispatched(
     entries = parse_device_map(tree, device_map, resolve=_device)  # a test may fake it
     _keep_on_disk(model, entries)
     offload = _offloading(entries, execution_device)
-    if offload.tiers.get("") == "cpu" and len(entries) == 1:  # the whole model in host memory
-        entries = parse_device_map(tree, _blocks_in_host(model, offload), resolve=_device)
+    if offload.tiers.get("") and len(entries) == 1:  # the whole model in host memory or on disk
+        entries = parse_device_map(tree, _blocks(model, offload), resolve=_device)
         offload = _offloading(entries, execution_device)
     targets = _targets(tree, offload.runs)
     _check_offload_map(tree, entries, offload)
