@@ -592,3 +592,11 @@ def test_a_collective_save_to_a_directory_splits_its_files_among_the_ranks(
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "single", "split", "tp-single", "tp-split", "worker.py"
     ]  # fmt: skip
+
+
+def test_a_data_parallel_model_is_saved_under_its_own_names(tmp_path: Path) -> None:
+    model = nn.Linear(3, 2)
+    torchplace.save(nn.DataParallel(model), tmp_path / "w.safetensors")
+    saved = read_safetensors(tmp_path / "w.safetensors")
+    assert sorted(saved) == ["bias", "weight"]
+    assert_same(saved, model.state_dict())

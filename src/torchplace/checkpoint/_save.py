@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError, check_flags
+from .._model_walk import user_model
 from .._sizes import parse_size
 from ._atomic import created, flushed, replacing, synced
 from ._progress import progress_bar, wanted
@@ -123,7 +124,8 @@ def save(
         obj: a model (on one device, split over several, dispatched with ``"cpu"`` and
             ``"disk"`` tiers, or sharded as DTensors: then call it on every rank; a directory's
             shard files are split among the ranks, a single file is written by rank 0) or a
-            mapping of names to tensors.
+            mapping of names to tensors. A model wrapped by ``torch.compile``, DDP or
+            DataParallel is saved as the model inside (its names, its transformers config).
         path: ``*.safetensors``, ``*.pt``/``*.pth`` (read by ``torch.load(weights_only=True)``),
             or any other path: a directory as ``save_pretrained`` writes it.
         max_shard_size: for a directory, the most bytes of one shard (``"5GB"``, ``"500MiB"``,
@@ -143,6 +145,8 @@ def save(
     check_flags("save()", background=background, progress=progress, optional=("progress",))
     target = Path(os.path.abspath(as_path(path)))  # where it is now, whatever cwd is later
     shard_bytes = parse_size(max_shard_size, "save(max_shard_size=...)")
+    if isinstance(obj, torch.nn.Module):  # torch.compile, DDP, DataParallel: the model inside
+        obj = user_model(obj)
     items = items_of(obj)
     if collective(items):  # the path checked where it is written: on rank 0
         layout = on_rank_0(lambda: _layout(target))
