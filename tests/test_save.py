@@ -600,3 +600,28 @@ def test_a_data_parallel_model_is_saved_under_its_own_names(tmp_path: Path) -> N
     saved = read_safetensors(tmp_path / "w.safetensors")
     assert sorted(saved) == ["bias", "weight"]
     assert_same(saved, model.state_dict())
+
+
+@pytest.mark.parametrize("mmap", [False, True], ids=["read", "mmap"])
+@pytest.mark.parametrize("name", ["source.safetensors", "source"])
+def test_saving_over_the_checkpoint_a_disk_module_reads_is_refused(
+    tmp_path: Path, name: str, mmap: bool
+) -> None:
+    torch.manual_seed(0)
+    original = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    torchplace.save(original, tmp_path / name)
+    loaded = torchplace.load_into(
+        torchplace.skeleton(lambda: copy.deepcopy(original)),
+        tmp_path / name,
+        device_map={"": "cpu", "1": "disk"},
+        mmap=mmap,
+    )
+    before = {p: (p.read_bytes(), p.stat().st_ino) for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(torchplace.CheckpointError, match=r"(?s)model\.1 .*another path.*move"):
+        torchplace.save(loaded, tmp_path / name)
+    after = {p: (p.read_bytes(), p.stat().st_ino) for p in tmp_path.rglob("*") if p.is_file()}
+    assert after == before  # nothing written
+    x = torch.randn(2, 8)
+    assert torch.equal(loaded(x), original(x))  # still reads its checkpoint
+    torchplace.save(loaded, tmp_path / "elsewhere.safetensors")
+    assert_same(torchplace.load(tmp_path / "elsewhere.safetensors"), original.state_dict())

@@ -39,7 +39,7 @@ from ._save_collective import (
     write_order,
     write_split,
 )
-from ._save_items import items_of, transformers_model
+from ._save_items import check_not_read_from, items_of, transformers_model
 from ._source import PathLike, as_path
 from ._writers import Item, write_pt, write_safetensors
 
@@ -139,8 +139,9 @@ def save(
 
     Raises:
         PlacementError: a tensor on ``meta`` that holds no values (nothing is written).
-        CheckpointError: the path cannot be written (a full disk, a file in the way); the old
-            checkpoint is left as it was.
+        CheckpointError: the path cannot be written (a full disk, a file in the way), or it
+            is the checkpoint that a ``"disk"`` module of ``obj`` still reads from (nothing is
+            written); the old checkpoint is left as it was.
     """
     check_flags("save()", background=background, progress=progress, optional=("progress",))
     target = Path(os.path.abspath(as_path(path)))  # where it is now, whatever cwd is later
@@ -152,6 +153,7 @@ def save(
         layout = on_rank_0(lambda: _layout(target))
     else:
         layout = _layout(target)
+    check_not_read_from(obj, target, directory=layout == "directory")
     config = _configs(obj) if layout == "directory" else []
     if collective(items):
         return _save_collective(target, layout, items, config, shard_bytes, background, progress)

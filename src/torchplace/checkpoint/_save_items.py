@@ -20,6 +20,7 @@ import functools
 import re
 import sys
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,9 +29,10 @@ from torch import nn
 from .._errors import CheckpointError, PlacementError
 from .._model_walk import display
 from ..moving._offloaded import Home, disk_placeholders, homes
+from ._disk_weights import CheckpointWeights
 from ._writers import Item
 
-__all__ = ["items_of", "transformers_model"]
+__all__ = ["check_not_read_from", "items_of", "transformers_model"]
 
 
 def transformers_model(obj: object) -> bool:
@@ -52,6 +54,29 @@ def items_of(obj: object, /) -> list[Item]:
         if not transformers_model(obj):
             return _model_items(obj, _untied(state), dict)
         return _model_items(obj, _transformers_kept(obj, state), _reversal(obj))
+
+
+def check_not_read_from(obj: object, target: Path, directory: bool) -> None:
+    """Refuse a save of ``obj`` to ``target`` (a file, or a directory replaced whole) where a
+    ``"disk"`` module of ``obj`` reads its weights from a file that the save would replace:
+    every later read of that module would find its checkpoint changed (``FileChanged``)."""
+    if not isinstance(obj, nn.Module):
+        return
+    replaced = target.resolve()
+    for path, _, home in homes(obj):
+        if not isinstance(home.source, CheckpointWeights):
+            continue
+        found = home.source.found
+        for file in [*found.stamps, *([found.path] if found.path is not None else [])]:
+            real = Path(file).resolve()
+            if real == replaced or (directory and replaced in real.parents):
+                raise CheckpointError(
+                    f"{target}: {display(path)} is on disk and reads its weights from {file}, "
+                    "which this save would replace (nothing was written); save to another "
+                    "path, or gather the model first with torchplace.move(model, 'cpu'), "
+                    "then save",
+                    path=target,
+                )
 
 
 def _reversal(model: Any) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
