@@ -625,3 +625,15 @@ def test_saving_over_the_checkpoint_a_disk_module_reads_is_refused(
     assert torch.equal(loaded(x), original(x))  # still reads its checkpoint
     torchplace.save(loaded, tmp_path / "elsewhere.safetensors")
     assert_same(torchplace.load(tmp_path / "elsewhere.safetensors"), original.state_dict())
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("name", ["w.safetensors", "w.pt", "folder"])
+def test_a_sparse_tensor_is_refused_before_anything_is_written(tmp_path: Path, name: str) -> None:
+    with pytest.raises(torchplace.CheckpointError, match=r"\['s'\] is a sparse_coo.*to_dense"):
+        torchplace.save({"w": torch.ones(2), "s": torch.eye(3).to_sparse()}, tmp_path / name)
+    model = nn.Linear(2, 2)
+    model.register_buffer("s", torch.eye(2).to_sparse_csr())
+    with pytest.raises(torchplace.CheckpointError, match=r"model\.s is a sparse_csr.*to_dense"):
+        torchplace.save(model, tmp_path / name)
+    assert list(tmp_path.iterdir()) == []

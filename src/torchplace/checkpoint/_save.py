@@ -139,9 +139,10 @@ def save(
 
     Raises:
         PlacementError: a tensor on ``meta`` that holds no values (nothing is written).
-        CheckpointError: the path cannot be written (a full disk, a file in the way), or it
-            is the checkpoint that a ``"disk"`` module of ``obj`` still reads from (nothing is
-            written); the old checkpoint is left as it was.
+        CheckpointError: a sparse tensor (save it ``.to_dense()``), a value that is not a
+            tensor, or a path that is the checkpoint a ``"disk"`` module of ``obj`` still reads
+            from (nothing is written); the path cannot be written (a full disk, a file in the
+            way): the old checkpoint is left as it was.
     """
     check_flags("save()", background=background, progress=progress, optional=("progress",))
     target = Path(os.path.abspath(as_path(path)))  # where it is now, whatever cwd is later

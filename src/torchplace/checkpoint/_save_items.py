@@ -101,8 +101,20 @@ def _mapping_item(name: object, value: object) -> Item:
         raise PlacementError(
             f"[{name!r}] is on meta and has no values to save; fill it first (load_into)"
         )
+    _check_strided(f"[{name!r}]", value)
     t = value.detach()
     return Item(name, t.dtype, tuple(t.shape), lambda: t)
+
+
+def _check_strided(name: str, t: torch.Tensor) -> None:
+    """Refuse a tensor a checkpoint file cannot hold as it is: a sparse one (or another layout
+    than strided, as ``mkldnn``), before anything is written."""
+    if t.layout != torch.strided:
+        layout = str(t.layout).removeprefix("torch.")
+        raise CheckpointError(
+            f"{name} is a {layout} tensor, and a checkpoint file holds dense tensors only "
+            "(nothing was written); save it dense, with .to_dense()"
+        )
 
 
 def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -175,6 +187,7 @@ def _model_items(
     parts: dict[str, dict[str, torch.Tensor]] = {}  # disk module -> its placeholders
     for name, t in state.items():
         if not t.is_meta:
+            _check_strided(display(name), t)
             resident[name] = t
         elif id(t) in placeholders:
             unit = next(u for u in units if _within(name, u))
