@@ -136,3 +136,11 @@ def test_values_that_are_not_tensors_are_said_to_be_left_out(
     assert "epoch (int), name (str), opt.param_groups (list), n0 (int)" in err
     assert "n6 (int), and 5 more" in err
     assert sorted(torchplace.load(tmp_path / "a.safetensors")) == ["opt.state.0.step", "w"]
+
+
+def test_an_output_ending_in_a_slash_is_a_directory(tmp_path: Path) -> None:
+    torch.save({"w": torch.ones(3)}, tmp_path / "a.pt")
+    out = f"{tmp_path / 'out.safetensors'}/"
+    assert main(["convert", str(tmp_path / "a.pt"), "-o", out]) == 0
+    assert sorted(os.listdir(tmp_path / "out.safetensors")) == ["model.safetensors"]
+    assert torch.equal(torchplace.load(tmp_path / "out.safetensors")["w"], torch.ones(3))

@@ -637,3 +637,13 @@ def test_a_sparse_tensor_is_refused_before_anything_is_written(tmp_path: Path, n
     with pytest.raises(torchplace.CheckpointError, match=r"model\.s is a sparse_csr.*to_dense"):
         torchplace.save(model, tmp_path / name)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_path_ending_in_a_slash_is_a_directory(tmp_path: Path) -> None:
+    model = nn.Linear(2, 3)
+    torchplace.save(model, f"{tmp_path / 'slashdir.pt'}/")
+    assert sorted(os.listdir(tmp_path / "slashdir.pt")) == ["model.safetensors"]
+    assert_same(torchplace.load(tmp_path / "slashdir.pt"), model.state_dict())
+    torchplace.save(model, tmp_path / "file.pt")
+    with pytest.raises(torchplace.CheckpointError, match=r"ends in a slash.*remove the file"):
+        torchplace.save(model, f"{tmp_path / 'file.pt'}/")

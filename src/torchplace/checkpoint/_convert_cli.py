@@ -58,7 +58,7 @@ def convert(source: str | Path, dest: str | Path, /, *, max_shard_size: str = "5
     else:  # a legacy file: read whole, by torch's safe loader (refused if it names code)
         left = []
         items = _tensors(load(source, "cpu"), "", left)
-    save_items(items, out, max_shard_size=max_shard_size, others=_other_files(source, found))
+    save_items(items, dest, max_shard_size=max_shard_size, others=_other_files(source, found))
     return len(items), sum(it.nbytes for it in items), list(found.code), left
 
 

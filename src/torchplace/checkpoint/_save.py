@@ -127,7 +127,8 @@ def save(
             mapping of names to tensors. A model wrapped by ``torch.compile``, DDP or
             DataParallel is saved as the model inside (its names, its transformers config).
         path: ``*.safetensors``, ``*.pt``/``*.pth`` (read by ``torch.load(weights_only=True)``),
-            or any other path: a directory as ``save_pretrained`` writes it.
+            or any other path (or one ending in a slash, ``"ckpt.pt/"``): a directory as
+            ``save_pretrained`` writes it.
         max_shard_size: for a directory, the most bytes of one shard (``"5GB"``, ``"500MiB"``,
             an int), as ``save_pretrained`` takes it.
         background: copy the tensors into host memory now and write them in a thread; returns
@@ -146,14 +147,15 @@ def save(
     """
     check_flags("save()", background=background, progress=progress, optional=("progress",))
     target = Path(os.path.abspath(as_path(path)))  # where it is now, whatever cwd is later
+    slash = _slash(path)
     shard_bytes = parse_size(max_shard_size, "save(max_shard_size=...)")
     if isinstance(obj, torch.nn.Module):  # torch.compile, DDP, DataParallel: the model inside
         obj = user_model(obj)
     items = items_of(obj)
     if collective(items):  # the path checked where it is written: on rank 0
-        layout = on_rank_0(lambda: _layout(target))
+        layout = on_rank_0(lambda: _layout(target, slash))
     else:
-        layout = _layout(target)
+        layout = _layout(target, slash)
     check_not_read_from(obj, target, directory=layout == "directory")
     config = _configs(obj) if layout == "directory" else []
     if collective(items):
@@ -215,7 +217,7 @@ def save_items(
     directory also receives a copy of each file of ``others``."""
     target = Path(os.path.abspath(as_path(path)))
     shard_bytes = parse_size(max_shard_size, "max_shard_size")
-    layout = _layout(target)
+    layout = _layout(target, _slash(path))
     _wait_pending(target)
     _write(target, layout, items, list(others) if layout == "directory" else [], shard_bytes,
            None)  # fmt: skip
@@ -228,13 +230,24 @@ def _wait_pending(target: Path) -> None:
         pending._thread.join()
 
 
-def _layout(target: Path) -> str:
+def _slash(path: PathLike) -> bool:
+    """Whether ``path`` ends in a slash, which names a directory whatever its suffix (as
+    ``remap`` takes it); a ``Path`` drops it, so only a str (or bytes) can say it."""
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    return isinstance(path, str) and path.endswith(("/", os.sep))
+
+
+def _layout(target: Path, slash: bool = False) -> str:
     suffix = target.suffix.lower()
     layout = {".safetensors": "safetensors", ".pt": "pt", ".pth": "pt"}.get(suffix, "directory")
+    if slash:
+        layout = "directory"
     if layout == "directory" and target.exists() and not target.is_dir():
+        why = "ends in a slash" if slash else "has no .safetensors or .pt suffix"
         raise CheckpointError(
-            f"{target}: is a file, and a path without a .safetensors or .pt suffix is saved as "
-            "a directory; remove the file or give a file name ending in .safetensors or .pt",
+            f"{target}: is a file, and a path that {why} is saved as a directory; remove the "
+            "file or give a file name ending in .safetensors or .pt",
             path=target,
         )
     if layout != "directory" and target.is_dir():
