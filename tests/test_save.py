@@ -647,3 +647,20 @@ def test_a_path_ending_in_a_slash_is_a_directory(tmp_path: Path) -> None:
     torchplace.save(model, tmp_path / "file.pt")
     with pytest.raises(torchplace.CheckpointError, match=r"ends in a slash.*remove the file"):
         torchplace.save(model, f"{tmp_path / 'file.pt'}/")
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["now", "background"])
+def test_a_mapping_writes_every_key_and_a_pt_file_keeps_one_tensor_shared(
+    tmp_path: Path, background: bool
+) -> None:
+    model = Tied()
+    state = model.state_dict()  # tied: two keys, one storage
+    tied = [k for k in state if state[k].data_ptr() == model.embed.weight.data_ptr()]
+    assert len(tied) == 2
+    for name in ("w.pt", "w.safetensors"):
+        saving = torchplace.save(state, tmp_path / name, background=background)
+        if saving is not None:
+            saving.wait()
+        assert_same(torchplace.load(tmp_path / name), state)  # each key written
+    loaded = torch.load(tmp_path / "w.pt", weights_only=True)
+    assert loaded[tied[0]].data_ptr() == loaded[tied[1]].data_ptr()  # as torch.save keeps it

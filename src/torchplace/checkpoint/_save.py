@@ -16,6 +16,7 @@ Saves to one path are written in the order they were asked for: each waits for t
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -124,8 +125,11 @@ def save(
         obj: a model (on one device, split over several, dispatched with ``"cpu"`` and
             ``"disk"`` tiers, or sharded as DTensors: then call it on every rank; a directory's
             shard files are split among the ranks, a single file is written by rank 0) or a
-            mapping of names to tensors. A model wrapped by ``torch.compile``, DDP or
-            DataParallel is saved as the model inside (its names, its transformers config).
+            mapping of names to tensors. A model's tied parameters are written once (under
+            the name ``save_pretrained`` keeps); a mapping has every key written, tied or not
+            (a ``.pt`` file gives the keys of one tensor one storage). A model wrapped by
+            ``torch.compile``, DDP or DataParallel is saved as the model inside (its names,
+            its transformers config).
         path: ``*.safetensors``, ``*.pt``/``*.pth`` (read by ``torch.load(weights_only=True)``),
             or any other path (or one ending in a slash, ``"ckpt.pt/"``): a directory as
             ``save_pretrained`` writes it.
@@ -318,7 +322,7 @@ def _give_buffer(buffer: torch.Tensor) -> None:
 
 
 def _copied(item: Item, view: torch.Tensor) -> Item:
-    return Item(item.name, item.dtype, item.shape, lambda: view)
+    return dataclasses.replace(item, get=lambda: view)
 
 
 def _write(target: Path, layout: str, items: list[Item], configs: list[Any], shard_bytes: int,

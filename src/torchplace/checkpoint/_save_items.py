@@ -44,7 +44,7 @@ def transformers_model(obj: object) -> bool:
 def items_of(obj: object, /) -> list[Item]:
     """The tensors ``save`` writes for ``obj`` (a model or a mapping of names to tensors)."""
     if isinstance(obj, Mapping):
-        return [_mapping_item(name, value) for name, value in obj.items()]
+        return _shared([_mapping_item(name, value) for name, value in obj.items()], obj)
     if not isinstance(obj, nn.Module):
         raise CheckpointError(
             f"save() writes a model or a mapping of names to tensors, not a {type(obj).__name__}"
@@ -115,6 +115,23 @@ def _check_strided(name: str, t: torch.Tensor) -> None:
             f"{name} is a {layout} tensor, and a checkpoint file holds dense tensors only "
             "(nothing was written); save it dense, with .to_dense()"
         )
+
+
+def _shared(items: list[Item], mapping: Mapping[str, torch.Tensor]) -> list[Item]:
+    """``items`` of ``mapping``, each key whose tensor is one written before (the same values:
+    the same storage, offset, shape and strides) marked ``same_as`` that key's: every key is
+    written, and a torch file gives them one storage, as ``torch.save`` does."""
+    first: dict[tuple[Any, ...], str] = {}
+    for it in items:
+        t = mapping[it.name]
+        if t.numel() == 0 or type(t) not in (torch.Tensor, nn.Parameter):
+            continue
+        where = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype,
+                 tuple(t.shape), t.stride())  # fmt: skip
+        it.same_as = first.setdefault(where, it.name)
+        if it.same_as == it.name:
+            it.same_as = None
+    return items
 
 
 def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
