@@ -664,3 +664,27 @@ def test_a_mapping_writes_every_key_and_a_pt_file_keeps_one_tensor_shared(
         assert_same(torchplace.load(tmp_path / name), state)  # each key written
     loaded = torch.load(tmp_path / "w.pt", weights_only=True)
     assert loaded[tied[0]].data_ptr() == loaded[tied[1]].data_ptr()  # as torch.save keeps it
+
+
+def test_a_disk_module_reading_a_link_or_another_file_of_the_directory(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    original = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    (tmp_path / "blobs").mkdir()
+    torchplace.save(original, tmp_path / "blobs" / "abc123.safetensors")
+    for name, refused in (("model.safetensors", True), ("other.safetensors", False)):
+        folder = tmp_path / name.split(".")[0]
+        folder.mkdir()
+        (folder / name).symlink_to(tmp_path / "blobs" / "abc123.safetensors")
+        loaded = torchplace.load_into(
+            torchplace.skeleton(lambda: copy.deepcopy(original)),
+            folder / name,
+            device_map={"": "cpu", "1": "disk"},
+        )
+        if refused:  # the link is a model file of the folder: the save replaces it
+            with pytest.raises(torchplace.CheckpointError, match="another path"):
+                torchplace.save(loaded, folder)
+        else:  # kept in the new folder as it was
+            torchplace.save(loaded, folder)
+            assert sorted(os.listdir(folder)) == ["model.safetensors", "other.safetensors"]
+        x = torch.randn(2, 8)
+        assert torch.equal(loaded(x), original(x))

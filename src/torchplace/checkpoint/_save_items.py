@@ -17,6 +17,7 @@ shape are known before, from the reversal run on the placeholders themselves. An
 from __future__ import annotations
 
 import functools
+import os
 import re
 import sys
 from collections.abc import Callable, Mapping
@@ -29,6 +30,7 @@ from torch import nn
 from .._errors import CheckpointError, PlacementError
 from .._model_walk import display
 from ..moving._offloaded import Home, disk_placeholders, homes
+from ._atomic import model_file
 from ._disk_weights import CheckpointWeights
 from ._writers import Item
 
@@ -57,19 +59,22 @@ def items_of(obj: object, /) -> list[Item]:
 
 
 def check_not_read_from(obj: object, target: Path, directory: bool) -> None:
-    """Refuse a save of ``obj`` to ``target`` (a file, or a directory replaced whole) where a
+    """Refuse a save of ``obj`` to ``target`` (a file, or a directory: its model files) where a
     ``"disk"`` module of ``obj`` reads its weights from a file that the save would replace:
-    every later read of that module would find its checkpoint changed (``FileChanged``)."""
+    every later read of that module would find its checkpoint changed (``FileChanged``). A
+    directory's other files are linked into the new one as they are: reading them is fine."""
     if not isinstance(obj, nn.Module):
         return
-    replaced = target.resolve()
+    replaced = _spellings(target)
     for path, _, home in homes(obj):
         if not isinstance(home.source, CheckpointWeights):
             continue
         found = home.source.found
         for file in [*found.stamps, *([found.path] if found.path is not None else [])]:
-            real = Path(file).resolve()
-            if real == replaced or (directory and replaced in real.parents):
+            read = _spellings(Path(file))
+            if read & replaced or (
+                directory and any(f.parent in replaced and model_file(f.name) for f in read)
+            ):
                 raise CheckpointError(
                     f"{target}: {display(path)} is on disk and reads its weights from {file}, "
                     "which this save would replace (nothing was written); save to another "
@@ -77,6 +82,14 @@ def check_not_read_from(obj: object, target: Path, directory: bool) -> None:
                     "then save",
                     path=target,
                 )
+
+
+def _spellings(path: Path) -> set[Path]:
+    """``path`` with its directories' links resolved, and with its own too: a link in a
+    snapshot directory (a Hugging Face cache's, into its blobs) is replaced by a save to that
+    directory, and the file it names by a save to that file."""
+    path = Path(os.path.abspath(path))
+    return {path.parent.resolve() / path.name, path.resolve()}
 
 
 def _reversal(model: Any) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
