@@ -120,3 +120,27 @@ def test_a_directory_keeps_its_other_files(tmp_path: Path) -> None:
     assert (tmp_path / "out" / "config.json").read_text() == '{"model_type": "toy"}'
     got = torchplace.load(tmp_path / "out")
     assert all(torch.equal(got[k], v) for k, v in state().items())
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["zip", "legacy"])
+def test_values_that_are_not_tensors_are_said_to_be_left_out(
+    tmp_path: Path, capsys: Any, legacy: bool
+) -> None:
+    optimizer = {"state": {0: {"step": torch.tensor(1.0)}}, "param_groups": [{"lr": 0.1}]}
+    saved = {"w": torch.ones(2), "epoch": 3, "name": "run1", "opt": optimizer}
+    saved |= {f"n{i}": i for i in range(12)}
+    torch.save(saved, tmp_path / "a.pt", _use_new_zipfile_serialization=not legacy)
+    assert main(["convert", str(tmp_path / "a.pt"), "-o", str(tmp_path / "a.safetensors")]) == 0
+    err = capsys.readouterr().err
+    assert "left out 15 values that are not tensors" in err
+    assert "epoch (int), name (str), opt.param_groups (list), n0 (int)" in err
+    assert "n6 (int), and 5 more" in err
+    assert sorted(torchplace.load(tmp_path / "a.safetensors")) == ["opt.state.0.step", "w"]
+
+
+def test_an_output_ending_in_a_slash_is_a_directory(tmp_path: Path) -> None:
+    torch.save({"w": torch.ones(3)}, tmp_path / "a.pt")
+    out = f"{tmp_path / 'out.safetensors'}/"
+    assert main(["convert", str(tmp_path / "a.pt"), "-o", out]) == 0
+    assert sorted(os.listdir(tmp_path / "out.safetensors")) == ["model.safetensors"]
+    assert torch.equal(torchplace.load(tmp_path / "out.safetensors")["w"], torch.ones(3))

@@ -592,3 +592,99 @@ def test_a_collective_save_to_a_directory_splits_its_files_among_the_ranks(
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "single", "split", "tp-single", "tp-split", "worker.py"
     ]  # fmt: skip
+
+
+def test_a_data_parallel_model_is_saved_under_its_own_names(tmp_path: Path) -> None:
+    model = nn.Linear(3, 2)
+    torchplace.save(nn.DataParallel(model), tmp_path / "w.safetensors")
+    saved = read_safetensors(tmp_path / "w.safetensors")
+    assert sorted(saved) == ["bias", "weight"]
+    assert_same(saved, model.state_dict())
+
+
+@pytest.mark.parametrize("mmap", [False, True], ids=["read", "mmap"])
+@pytest.mark.parametrize("name", ["source.safetensors", "source"])
+def test_saving_over_the_checkpoint_a_disk_module_reads_is_refused(
+    tmp_path: Path, name: str, mmap: bool
+) -> None:
+    torch.manual_seed(0)
+    original = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    torchplace.save(original, tmp_path / name)
+    loaded = torchplace.load_into(
+        torchplace.skeleton(lambda: copy.deepcopy(original)),
+        tmp_path / name,
+        device_map={"": "cpu", "1": "disk"},
+        mmap=mmap,
+    )
+    before = {p: (p.read_bytes(), p.stat().st_ino) for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(torchplace.CheckpointError, match=r"(?s)model\.1 .*another path.*move"):
+        torchplace.save(loaded, tmp_path / name)
+    after = {p: (p.read_bytes(), p.stat().st_ino) for p in tmp_path.rglob("*") if p.is_file()}
+    assert after == before  # nothing written
+    x = torch.randn(2, 8)
+    assert torch.equal(loaded(x), original(x))  # still reads its checkpoint
+    torchplace.save(loaded, tmp_path / "elsewhere.safetensors")
+    assert_same(torchplace.load(tmp_path / "elsewhere.safetensors"), original.state_dict())
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("name", ["w.safetensors", "w.pt", "folder"])
+def test_a_sparse_tensor_is_refused_before_anything_is_written(tmp_path: Path, name: str) -> None:
+    with pytest.raises(torchplace.CheckpointError, match=r"\['s'\] is a sparse_coo.*to_dense"):
+        torchplace.save({"w": torch.ones(2), "s": torch.eye(3).to_sparse()}, tmp_path / name)
+    model = nn.Linear(2, 2)
+    model.register_buffer("s", torch.eye(2).to_sparse_csr())
+    with pytest.raises(torchplace.CheckpointError, match=r"model\.s is a sparse_csr.*to_dense"):
+        torchplace.save(model, tmp_path / name)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_path_ending_in_a_slash_is_a_directory(tmp_path: Path) -> None:
+    model = nn.Linear(2, 3)
+    torchplace.save(model, f"{tmp_path / 'slashdir.pt'}/")
+    assert sorted(os.listdir(tmp_path / "slashdir.pt")) == ["model.safetensors"]
+    assert_same(torchplace.load(tmp_path / "slashdir.pt"), model.state_dict())
+    torchplace.save(model, tmp_path / "file.pt")
+    with pytest.raises(torchplace.CheckpointError, match=r"ends in a slash.*remove the file"):
+        torchplace.save(model, f"{tmp_path / 'file.pt'}/")
+
+
+@pytest.mark.parametrize("background", [False, True], ids=["now", "background"])
+def test_a_mapping_writes_every_key_and_a_pt_file_keeps_one_tensor_shared(
+    tmp_path: Path, background: bool
+) -> None:
+    model = Tied()
+    state = model.state_dict()  # tied: two keys, one storage
+    tied = [k for k in state if state[k].data_ptr() == model.embed.weight.data_ptr()]
+    assert len(tied) == 2
+    for name in ("w.pt", "w.safetensors"):
+        saving = torchplace.save(state, tmp_path / name, background=background)
+        if saving is not None:
+            saving.wait()
+        assert_same(torchplace.load(tmp_path / name), state)  # each key written
+    loaded = torch.load(tmp_path / "w.pt", weights_only=True)
+    assert loaded[tied[0]].data_ptr() == loaded[tied[1]].data_ptr()  # as torch.save keeps it
+
+
+def test_a_disk_module_reading_a_link_or_another_file_of_the_directory(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    original = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    (tmp_path / "blobs").mkdir()
+    torchplace.save(original, tmp_path / "blobs" / "abc123.safetensors")
+    for name, refused in (("model.safetensors", True), ("other.safetensors", False)):
+        folder = tmp_path / name.split(".")[0]
+        folder.mkdir()
+        (folder / name).symlink_to(tmp_path / "blobs" / "abc123.safetensors")
+        loaded = torchplace.load_into(
+            torchplace.skeleton(lambda: copy.deepcopy(original)),
+            folder / name,
+            device_map={"": "cpu", "1": "disk"},
+        )
+        if refused:  # the link is a model file of the folder: the save replaces it
+            with pytest.raises(torchplace.CheckpointError, match="another path"):
+                torchplace.save(loaded, folder)
+        else:  # kept in the new folder as it was
+            torchplace.save(loaded, folder)
+            assert sorted(os.listdir(folder)) == ["model.safetensors", "other.safetensors"]
+        x = torch.randn(2, 8)
+        assert torch.equal(loaded(x), original(x))

@@ -78,3 +78,12 @@ def test_a_model_with_layers_on_disk_saves_as_the_whole_model(
     assert sorted(ours) == sorted(theirs)
     for key, value in theirs.items():
         assert torch.equal(ours[key], value), key
+
+
+def test_a_compiled_model_is_saved_as_the_model_inside(tmp_path: Path) -> None:
+    model = built("llama", True)
+    torchplace.save(torch.compile(model, backend="eager"), tmp_path / "out")
+    assert (tmp_path / "out" / "config.json").exists()
+    assert not any(key.startswith("_orig_mod") for key in tensors(tmp_path / "out"))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert hf.differences(model, loaded) == []

@@ -30,11 +30,30 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["TMP_MARK", "created", "flushed", "put_in_place", "replacing", "staging", "synced"]
+__all__ = [
+    "TMP_MARK",
+    "created",
+    "flushed",
+    "model_file",
+    "put_in_place",
+    "replacing",
+    "staging",
+    "synced",
+]
 
 TMP_MARK = ".torchplace-tmp-"
 # What a directory's old model files are called: not carried into the new directory.
 _MODEL_FILES = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$")
+
+
+def model_file(name: str) -> bool:
+    """Whether a file called ``name`` at the top of a directory is one of its model files,
+    which a save of the directory replaces (its other files are kept: linked into the new one).
+
+    >>> model_file("model-00001-of-00002.safetensors"), model_file("tokenizer.json")
+    (True, False)
+    """
+    return _MODEL_FILES.match(name) is not None
 
 
 @contextlib.contextmanager

@@ -41,6 +41,7 @@ from ._pickle_reader import (
     TensorRef,
     legacy_code,
     legacy_records,
+    plain_values,
     readable,
     rebuild_tensor,
     shape_of,
@@ -74,6 +75,7 @@ __all__ = [
     "gc_paused",
     "has_data_pkl",
     "has_legacy_magic",
+    "left_out_values",
     "record_start",
     "safetensors_header",
     "stamp",
@@ -400,6 +402,20 @@ def _zip_root(
         raw.seek(record_start(raw, order_record))
         big_endian = raw.read(order_record.file_size) == b"big"
     return prefix, root, records, big_endian
+
+
+def left_out_values(found: Catalog, /) -> list[tuple[str, str]]:
+    """The values of ``found``'s torch zip files that are not tensors and hold none, with their
+    names as the catalog spells its tensors' and their type names (``("epoch", "int")``): what
+    a copy of its tensors leaves out. Read inertly, as the catalog reads them."""
+    out: list[tuple[str, str]] = []
+    for p, kind in found.kinds.items():
+        if kind != "zip":
+            continue
+        with readable(p), opened(p) as raw, zipfile.ZipFile(raw) as archive:
+            root = _zip_root(p, archive, raw, [])[1]
+        out += plain_values(root)
+    return out
 
 
 def _dataless(p: Path, name: str, ref: TensorRef, nbytes: int) -> Entry:

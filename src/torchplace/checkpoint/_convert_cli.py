@@ -6,11 +6,14 @@ writer reaches it, one at a time, so the conversion holds one tensor in memory (
 names: a nested ``{"model": {"w": ...}}`` gives ``model.w``). Objects a pickle would build by
 running code are left out, and said; only a legacy (pre-1.6) torch file, whose tensors cannot
 be read by offset, is read whole, with ``weights_only=True``, and refused if it names code.
+Values that are not tensors (an ``epoch``, an optimizer's ``param_groups``) have no place in a
+checkpoint file of tensors: they are left out too, and said, each by its name and type.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,21 +21,22 @@ __all__ = ["convert", "register"]
 
 
 def convert(source: str | Path, dest: str | Path, /, *, max_shard_size: str = "5GB",
-            force: bool = False) -> tuple[int, int, list[str]]:  # fmt: skip
+            force: bool = False) -> tuple[int, int, list[str], list[tuple[str, str]]]:  # fmt: skip
     """Write the checkpoint ``source`` to ``dest`` with ``save``; returns the tensors and bytes
-    written, and the code the source's pickle names (left out, never run).
+    written, the code the source's pickle names (left out, never run), and the values that are
+    not tensors (left out), each with its type name.
 
     >>> import os, tempfile, torch
     >>> from torchplace.checkpoint._convert_cli import convert
     >>> d = tempfile.mkdtemp()
     >>> torch.save({"w": torch.ones(2)}, os.path.join(d, "a.pt"))
     >>> convert(os.path.join(d, "a.pt"), os.path.join(d, "a.safetensors"))
-    (1, 8, [])
+    (1, 8, [], [])
     """
     import torch
 
     from .._errors import CheckpointError
-    from ._catalog import catalog
+    from ._catalog import catalog, left_out_values
     from ._load import load, read_entries
     from ._save import save_items
     from ._source import as_path
@@ -50,10 +54,12 @@ def convert(source: str | Path, dest: str | Path, /, *, max_shard_size: str = "5
 
         items: Any = [Item(n, e.torch_dtype(found.where), e.shape, reader(n))
                       for n, e in found.entries.items()]  # fmt: skip
+        left = left_out_values(found)
     else:  # a legacy file: read whole, by torch's safe loader (refused if it names code)
-        items = _tensors(load(source, "cpu"))
-    save_items(items, out, max_shard_size=max_shard_size, others=_other_files(source, found))
-    return len(items), sum(it.nbytes for it in items), list(found.code)
+        left = []
+        items = _tensors(load(source, "cpu"), "", left)
+    save_items(items, dest, max_shard_size=max_shard_size, others=_other_files(source, found))
+    return len(items), sum(it.nbytes for it in items), list(found.code), left
 
 
 def _other_files(source: str | Path, found: Any) -> list[Path]:
@@ -70,8 +76,9 @@ def _other_files(source: str | Path, found: Any) -> list[Path]:
     )  # fmt: skip
 
 
-def _tensors(obj: Any, prefix: str = "") -> Any:
-    """The tensors of a loaded legacy checkpoint as items, named as the catalog names them."""
+def _tensors(obj: Any, prefix: str, left: list[tuple[str, str]]) -> Any:
+    """The tensors of a loaded legacy checkpoint as items, named as the catalog names them;
+    each value that is not a tensor and holds none added to ``left``, with its type name."""
     import torch
 
     from ._writers import Item
@@ -79,21 +86,37 @@ def _tensors(obj: Any, prefix: str = "") -> Any:
     if isinstance(obj, torch.Tensor):
         t = obj
         return [Item(prefix, t.dtype, tuple(t.shape), lambda: t)]
-    if isinstance(obj, dict):
-        return [it for k, v in obj.items() for it in _tensors(v, f"{prefix}.{k}" if prefix else k)]
+    if isinstance(obj, (dict, list, tuple)) and _holds_tensor(obj):
+        pairs = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        return [it for k, v in pairs for it in _tensors(v, f"{prefix}.{k}" if prefix else str(k),
+                                                        left)]  # fmt: skip
+    left.append((prefix or "<root>", type(obj).__name__))
     return []
+
+
+def _holds_tensor(obj: Any) -> bool:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return True
+    values = (
+        obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    )
+    return any(_holds_tensor(v) for v in values)
 
 
 def _run(args: argparse.Namespace) -> int:
     from .._sizes import format_bytes
     from ._run_command import run_command
 
-    def say(written: tuple[int, int, list[str]]) -> None:
-        count, nbytes, code = written
+    def say(written: tuple[int, int, list[str], list[tuple[str, str]]]) -> None:
+        count, nbytes, code, left = written
         print(f"wrote {args.output}: {count} tensors, {format_bytes(nbytes)}")
         if code:
             print(f"left out what its pickle would build by running code ({', '.join(code)}); "
                   "none of it was run")  # fmt: skip
+        if left:
+            print(_left_out(left), file=sys.stderr)
 
     return run_command(
         "convert",
@@ -103,6 +126,23 @@ def _run(args: argparse.Namespace) -> int:
         ),
         say,
     )
+
+
+def _left_out(left: list[tuple[str, str]], shown: int = 10) -> str:
+    """What ``convert`` says of the values it left out: the first ``shown``, then a count.
+
+    >>> print(_left_out([("epoch", "int"), ("opt.param_groups", "list")]))  # doctest: +ELLIPSIS
+    left out 2 values that are not tensors (...): epoch (int), opt.param_groups (list)
+    """
+    names = ", ".join(f"{key} ({kind})" for key, kind in left[:shown])
+    more = f", and {len(left) - shown} more" if len(left) > shown else ""
+    what = (
+        f"{len(left)} values that are not tensors"
+        if len(left) > 1
+        else "a value that is not a tensor"
+    )
+    return (f"left out {what} (a checkpoint file holds tensors only; save them beside it, "
+            f"in a JSON file): {names}{more}")  # fmt: skip
 
 
 def register(subparsers: Any) -> None:

@@ -39,6 +39,7 @@ __all__ = [
     "legacy_code",
     "legacy_records",
     "pickles_a_model",
+    "plain_values",
     "readable",
     "rebuild_tensor",
     "shape_of",
@@ -475,6 +476,31 @@ def tensor_refs(root: Any) -> Iterator[tuple[str, TensorRef]]:
                     (path, part) for part in (obj.args, obj.state, obj.items, obj.values)
                 ]
         stack.extend(reversed(children))
+
+
+def plain_values(root: Any) -> list[tuple[str, str]]:
+    """The values under ``root`` that are neither tensors nor hold any (``epoch``, an
+    optimizer's ``param_groups``), each with its dotted path and type name, in order: what a
+    copy of the file's tensors leaves out. Objects a pickle would build by running code are
+    not listed (their code is: ``Catalog.code``)."""
+    out: list[tuple[str, str]] = []
+    seen: set[int] = set()
+    stack: list[tuple[_Path, Any]] = [(None, root)]
+    while stack:
+        path, obj = stack.pop()
+        if isinstance(obj, (TensorRef, _WithParts, _Opaque)) or id(obj) in seen:
+            continue
+        if not isinstance(obj, (dict, list, tuple)) or not _holds_tensor(obj):
+            out.append((_spell(path) or "<root>", type(obj).__name__))
+            continue
+        seen.add(id(obj))
+        pairs = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        stack.extend(reversed([((path, k), v) for k, v in pairs]))
+    return out
+
+
+def _holds_tensor(obj: Any) -> bool:
+    return any(True for _ in tensor_refs(obj))
 
 
 _MODULE_PARTS = ("_parameters", "_buffers", "_modules")

@@ -16,6 +16,7 @@ Saves to one path are written in the order they were asked for: each waits for t
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from .._errors import CheckpointError, check_flags
+from .._model_walk import user_model
 from .._sizes import parse_size
 from ._atomic import created, flushed, replacing, synced
 from ._progress import progress_bar, wanted
@@ -38,7 +40,7 @@ from ._save_collective import (
     write_order,
     write_split,
 )
-from ._save_items import items_of, transformers_model
+from ._save_items import check_not_read_from, items_of, transformers_model
 from ._source import PathLike, as_path
 from ._writers import Item, write_pt, write_safetensors
 
@@ -123,9 +125,14 @@ def save(
         obj: a model (on one device, split over several, dispatched with ``"cpu"`` and
             ``"disk"`` tiers, or sharded as DTensors: then call it on every rank; a directory's
             shard files are split among the ranks, a single file is written by rank 0) or a
-            mapping of names to tensors.
+            mapping of names to tensors. A model's tied parameters are written once (under
+            the name ``save_pretrained`` keeps); a mapping has every key written, tied or not
+            (a ``.pt`` file gives the keys of one tensor one storage). A model wrapped by
+            ``torch.compile``, DDP or DataParallel is saved as the model inside (its names,
+            its transformers config).
         path: ``*.safetensors``, ``*.pt``/``*.pth`` (read by ``torch.load(weights_only=True)``),
-            or any other path: a directory as ``save_pretrained`` writes it.
+            or any other path (or one ending in a slash, ``"ckpt.pt/"``): a directory as
+            ``save_pretrained`` writes it.
         max_shard_size: for a directory, the most bytes of one shard (``"5GB"``, ``"500MiB"``,
             an int), as ``save_pretrained`` takes it.
         background: copy the tensors into host memory now and write them in a thread; returns
@@ -137,17 +144,23 @@ def save(
 
     Raises:
         PlacementError: a tensor on ``meta`` that holds no values (nothing is written).
-        CheckpointError: the path cannot be written (a full disk, a file in the way); the old
-            checkpoint is left as it was.
+        CheckpointError: a sparse tensor (save it ``.to_dense()``), a value that is not a
+            tensor, or a path that is the checkpoint a ``"disk"`` module of ``obj`` still reads
+            from (nothing is written); the path cannot be written (a full disk, a file in the
+            way): the old checkpoint is left as it was.
     """
     check_flags("save()", background=background, progress=progress, optional=("progress",))
     target = Path(os.path.abspath(as_path(path)))  # where it is now, whatever cwd is later
+    slash = _slash(path)
     shard_bytes = parse_size(max_shard_size, "save(max_shard_size=...)")
+    if isinstance(obj, torch.nn.Module):  # torch.compile, DDP, DataParallel: the model inside
+        obj = user_model(obj)
     items = items_of(obj)
     if collective(items):  # the path checked where it is written: on rank 0
-        layout = on_rank_0(lambda: _layout(target))
+        layout = on_rank_0(lambda: _layout(target, slash))
     else:
-        layout = _layout(target)
+        layout = _layout(target, slash)
+    check_not_read_from(obj, target, directory=layout == "directory")
     config = _configs(obj) if layout == "directory" else []
     if collective(items):
         return _save_collective(target, layout, items, config, shard_bytes, background, progress)
@@ -208,7 +221,7 @@ def save_items(
     directory also receives a copy of each file of ``others``."""
     target = Path(os.path.abspath(as_path(path)))
     shard_bytes = parse_size(max_shard_size, "max_shard_size")
-    layout = _layout(target)
+    layout = _layout(target, _slash(path))
     _wait_pending(target)
     _write(target, layout, items, list(others) if layout == "directory" else [], shard_bytes,
            None)  # fmt: skip
@@ -221,13 +234,24 @@ def _wait_pending(target: Path) -> None:
         pending._thread.join()
 
 
-def _layout(target: Path) -> str:
+def _slash(path: PathLike) -> bool:
+    """Whether ``path`` ends in a slash, which names a directory whatever its suffix (as
+    ``remap`` takes it); a ``Path`` drops it, so only a str (or bytes) can say it."""
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    return isinstance(path, str) and path.endswith(("/", os.sep))
+
+
+def _layout(target: Path, slash: bool = False) -> str:
     suffix = target.suffix.lower()
     layout = {".safetensors": "safetensors", ".pt": "pt", ".pth": "pt"}.get(suffix, "directory")
+    if slash:
+        layout = "directory"
     if layout == "directory" and target.exists() and not target.is_dir():
+        why = "ends in a slash" if slash else "has no .safetensors or .pt suffix"
         raise CheckpointError(
-            f"{target}: is a file, and a path without a .safetensors or .pt suffix is saved as "
-            "a directory; remove the file or give a file name ending in .safetensors or .pt",
+            f"{target}: is a file, and a path that {why} is saved as a directory; remove the "
+            "file or give a file name ending in .safetensors or .pt",
             path=target,
         )
     if layout != "directory" and target.is_dir():
@@ -298,7 +322,7 @@ def _give_buffer(buffer: torch.Tensor) -> None:
 
 
 def _copied(item: Item, view: torch.Tensor) -> Item:
-    return Item(item.name, item.dtype, item.shape, lambda: view)
+    return dataclasses.replace(item, get=lambda: view)
 
 
 def _write(target: Path, layout: str, items: list[Item], configs: list[Any], shard_bytes: int,

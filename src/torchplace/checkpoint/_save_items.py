@@ -17,9 +17,11 @@ shape are known before, from the reversal run on the placeholders themselves. An
 from __future__ import annotations
 
 import functools
+import os
 import re
 import sys
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,9 +30,11 @@ from torch import nn
 from .._errors import CheckpointError, PlacementError
 from .._model_walk import display
 from ..moving._offloaded import Home, disk_placeholders, homes
+from ._atomic import model_file
+from ._disk_weights import CheckpointWeights
 from ._writers import Item
 
-__all__ = ["items_of", "transformers_model"]
+__all__ = ["check_not_read_from", "items_of", "transformers_model"]
 
 
 def transformers_model(obj: object) -> bool:
@@ -42,7 +46,7 @@ def transformers_model(obj: object) -> bool:
 def items_of(obj: object, /) -> list[Item]:
     """The tensors ``save`` writes for ``obj`` (a model or a mapping of names to tensors)."""
     if isinstance(obj, Mapping):
-        return [_mapping_item(name, value) for name, value in obj.items()]
+        return _shared([_mapping_item(name, value) for name, value in obj.items()], obj)
     if not isinstance(obj, nn.Module):
         raise CheckpointError(
             f"save() writes a model or a mapping of names to tensors, not a {type(obj).__name__}"
@@ -52,6 +56,40 @@ def items_of(obj: object, /) -> list[Item]:
         if not transformers_model(obj):
             return _model_items(obj, _untied(state), dict)
         return _model_items(obj, _transformers_kept(obj, state), _reversal(obj))
+
+
+def check_not_read_from(obj: object, target: Path, directory: bool) -> None:
+    """Refuse a save of ``obj`` to ``target`` (a file, or a directory: its model files) where a
+    ``"disk"`` module of ``obj`` reads its weights from a file that the save would replace:
+    every later read of that module would find its checkpoint changed (``FileChanged``). A
+    directory's other files are linked into the new one as they are: reading them is fine."""
+    if not isinstance(obj, nn.Module):
+        return
+    replaced = _spellings(target)
+    for path, _, home in homes(obj):
+        if not isinstance(home.source, CheckpointWeights):
+            continue
+        found = home.source.found
+        for file in [*found.stamps, *([found.path] if found.path is not None else [])]:
+            read = _spellings(Path(file))
+            if read & replaced or (
+                directory and any(f.parent in replaced and model_file(f.name) for f in read)
+            ):
+                raise CheckpointError(
+                    f"{target}: {display(path)} is on disk and reads its weights from {file}, "
+                    "which this save would replace (nothing was written); save to another "
+                    "path, or gather the model first with torchplace.move(model, 'cpu'), "
+                    "then save",
+                    path=target,
+                )
+
+
+def _spellings(path: Path) -> set[Path]:
+    """``path`` with its directories' links resolved, and with its own too: a link in a
+    snapshot directory (a Hugging Face cache's, into its blobs) is replaced by a save to that
+    directory, and the file it names by a save to that file."""
+    path = Path(os.path.abspath(path))
+    return {path.parent.resolve() / path.name, path.resolve()}
 
 
 def _reversal(model: Any) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
@@ -76,8 +114,37 @@ def _mapping_item(name: object, value: object) -> Item:
         raise PlacementError(
             f"[{name!r}] is on meta and has no values to save; fill it first (load_into)"
         )
+    _check_strided(f"[{name!r}]", value)
     t = value.detach()
     return Item(name, t.dtype, tuple(t.shape), lambda: t)
+
+
+def _check_strided(name: str, t: torch.Tensor) -> None:
+    """Refuse a tensor a checkpoint file cannot hold as it is: a sparse one (or another layout
+    than strided, as ``mkldnn``), before anything is written."""
+    if t.layout != torch.strided:
+        layout = str(t.layout).removeprefix("torch.")
+        raise CheckpointError(
+            f"{name} is a {layout} tensor, and a checkpoint file holds dense tensors only "
+            "(nothing was written); save it dense, with .to_dense()"
+        )
+
+
+def _shared(items: list[Item], mapping: Mapping[str, torch.Tensor]) -> list[Item]:
+    """``items`` of ``mapping``, each key whose tensor is one written before (the same values:
+    the same storage, offset, shape and strides) marked ``same_as`` that key's: every key is
+    written, and a torch file gives them one storage, as ``torch.save`` does."""
+    first: dict[tuple[Any, ...], str] = {}
+    for it in items:
+        t = mapping[it.name]
+        if t.numel() == 0 or type(t) not in (torch.Tensor, nn.Parameter):
+            continue
+        where = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype,
+                 tuple(t.shape), t.stride())  # fmt: skip
+        it.same_as = first.setdefault(where, it.name)
+        if it.same_as == it.name:
+            it.same_as = None
+    return items
 
 
 def _untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -150,6 +217,7 @@ def _model_items(
     parts: dict[str, dict[str, torch.Tensor]] = {}  # disk module -> its placeholders
     for name, t in state.items():
         if not t.is_meta:
+            _check_strided(display(name), t)
             resident[name] = t
         elif id(t) in placeholders:
             unit = next(u for u in units if _within(name, u))

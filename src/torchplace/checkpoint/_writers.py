@@ -49,6 +49,9 @@ class Item:
     get: Callable[[], torch.Tensor]
     resident: bool = True  # in memory (False: read from a checkpoint when written)
     collective: bool = False  # a DTensor's gather, which every rank must take part in
+    # the name of an earlier item holding the very same values (one tensor under two keys of a
+    # mapping): a torch file gives both one storage, as torch.save does; safetensors has none
+    same_as: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -169,8 +172,11 @@ def write_pt(
     """Write ``items`` to the open binary file ``f`` as a torch zip file holding a dict of CPU
     tensors, which ``torch.load(weights_only=True)`` reads."""
     listed = list(items)
-    slots = {it.name: _Slot(_Storage(str(i), it.dtype, _numel(it.shape)), it.shape)
-             for i, it in enumerate(listed)}  # fmt: skip
+    storages: dict[str, _Storage] = {}
+    for i, it in enumerate(listed):
+        shared = storages.get(it.same_as) if it.same_as is not None else None
+        storages[it.name] = shared or _Storage(str(i), it.dtype, _numel(it.shape))
+    slots = {it.name: _Slot(storages[it.name], it.shape) for it in listed}
     buffer = io.BytesIO()
     _Pickler(buffer, protocol=2).dump(slots)
     writer = torch._C.PyTorchFileWriter(f)
@@ -183,6 +189,9 @@ def write_pt(
     for record, value in records:
         writer.write_record(record, value, len(value))
     for i, it in enumerate(listed):
+        if storages[it.name].key != str(i):  # the storage of an earlier item: written once
+            advance(it.nbytes)
+            continue
         t = host_tensor(it)  # torch's writer takes one record whole: one tensor's host copy
         n = t.numel() * t.element_size()
         if t.storage_offset() or t.untyped_storage().nbytes() != n:
