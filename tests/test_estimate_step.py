@@ -413,6 +413,54 @@ def test_a_value_read_in_python_is_answered_by_a_small_side_value(device: str) -
     assert est.peak == pytest.approx(max(steady), rel=0.05)
 
 
+class Unpadded(nn.Module):
+    """Sizes a tensor by the tokens of its batch that are not padding (id 0), read in Python."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, 8)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        n = int((ids != 0).sum().item())
+        work = torch.zeros(n, 1 << 14, device=ids.device)  # 64 KiB per real token
+        return self.emb(ids).sum() + work.sum()
+
+
+def test_a_value_read_from_the_batch_is_the_batchs_own() -> None:
+    """The batch's tensors were made fake and a read of one took a stand-in's zeros: a step
+    sized by the tokens that are not padding came out as if there were none, without a word.
+    A read of the example batch reads the caller's values."""
+    torch.manual_seed(0)
+    ids = torch.randint(1, 100, (2, 16))
+    est = estimate(Unpadded().to("meta"), example_input=ids)
+    assert est.fallback is None
+    _, *steady = train_peaks(Unpadded(), ids)
+    assert est.peak == pytest.approx(max(steady), rel=0.05)
+    assert est.peak > 32 * (1 << 14) * 4  # the 32 real tokens' work
+
+
+def test_the_side_valued_run_leaves_the_callers_random_stream_alone() -> None:
+    """The second run computes side values with real operators: random ones (``rand``,
+    dropout) drew from the caller's global generator."""
+
+    class Noisy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = nn.functional.dropout(self.proj(x) + torch.rand(4, 8, device=x.device), 0.5)
+            return y[:, : int((x > 0).sum().item()) % 8 + 1]
+
+    model = Noisy().to("meta")
+    torch.manual_seed(0)
+    want = torch.rand(3)
+    torch.manual_seed(0)
+    est = estimate(model, example_input=torch.ones(4, 8))
+    assert est.fallback is None
+    assert torch.equal(torch.rand(3), want)
+
+
 def test_a_value_read_of_a_large_tensor_still_falls_back() -> None:
     class Reads(nn.Module):
         def __init__(self) -> None:

@@ -543,14 +543,18 @@ def _swapped(
             table[name] = t
 
 
-def _fake_batch(example_input: Any, dev: torch.device, mode: Any) -> Any:
-    """The example batch as fake tensors on ``dev`` (a callable is called with ``dev``)."""
+def _fake_batch(example_input: Any, dev: torch.device, mode: Any, values: SideValues) -> Any:
+    """The example batch as fake tensors on ``dev`` (a callable is called with ``dev``); each
+    real tensor of it gives its fake one its values as a side value (``_side_values``: a
+    step that reads the batch, ``(ids != pad).sum().item()``, reads the real tokens)."""
     batch = example_input(dev) if callable(example_input) else example_input
 
     def fake(t: torch.Tensor) -> torch.Tensor:
         if getattr(t, "fake_mode", None) is mode and t.device == dev:
             return t
-        return _fake_like(t, dev)
+        made = _fake_like(t, dev)
+        values.remember(made, t)
+        return made
 
     return map_tensors(batch, fake, root="example_input")
 
@@ -763,8 +767,9 @@ def _measured(
             raise
         first = exc
     failed.error = None
-    try:
-        return step(optimizer, train, failed, values=True)
+    try:  # its side values run real operators: random ones leave the caller's stream alone
+        with torch.random.fork_rng(devices=[]):
+            return step(optimizer, train, failed, values=True)
     except Exception:
         failed.error = None
         raise first from None
@@ -794,11 +799,11 @@ def _measure(
     quiet.enter_context(_no_layerdrop(model))
     swapped = _swapped(model, where, disk, train)
     with quiet, _compiled_unwrapped(model), mode, swapped as fakes:
-        batch = _fake_batch(example_input, run, mode)
-        opt = _optimizer(model, optimizer, foreach, fakes) if train else None
         tracker = _tracker_class()()
         tracker.torchplace_failed = failed
         tracker.torchplace_values.on = values
+        batch = _fake_batch(example_input, run, mode, tracker.torchplace_values)
+        opt = _optimizer(model, optimizer, foreach, fakes) if train else None
         _skip_frozen(tracker, model)
         inputs = (t for _, t in iter_leaves(batch, "example_input"))
         tracker.track_external(model, *([opt] if opt is not None else []), *inputs)

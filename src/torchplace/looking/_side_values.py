@@ -14,10 +14,11 @@ An operator that makes integers or booleans from tensors without side values (th
 experts of a router's logits, tokens unequal to the padding id) is run on stand-ins for them:
 seeded random numbers for small floating tensors (a skeleton's logits have no value to be
 true to), zeros for integers and ``True`` for booleans (every place set, as a mask's
-``nonzero`` is sized), these two only where no operator of the step made them (a batch's
-token ids, a buffer): integers made from a large tensor (the ``argmax`` of a large one) get
-none, nor does anything made from them, and a read of one fails as before
-(``DataDependentOutputException``): the estimate counts instead.
+``nonzero`` is sized), these two only where no operator of the step made them (a buffer of
+a skeleton; the example batch's own tensors give their real values, ``remember``): integers
+made from a large tensor (the ``argmax`` of a large one) get none, nor does anything made
+from them, and a read of one fails as before (``DataDependentOutputException``): the
+estimate counts instead.
 
 Side values cost a real operator beside each small fake one, so the estimate runs a step
 without them first, and again with them only where that step read a value (``on``).
@@ -76,6 +77,19 @@ class SideValues:
         self.unknown: Any = WeakTensorKeyDictionary()  # integers an operator made, unknown
         self.generator = torch.Generator().manual_seed(_SEED)
         self.on = True  # off: no side value is computed, and every read fails as fake tensors'
+
+    def remember(self, fake: torch.Tensor, real: torch.Tensor) -> None:
+        """``real``'s values as the side value of ``fake``, made from it (the example batch's
+        tensors: a read of them reads the caller's values, not a stand-in's zeros), where it
+        has values and is small; nothing while side values are off."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        if not self.on or real.numel() > LIMIT or real.is_meta:
+            return
+        if type(real) is not torch.Tensor and not isinstance(real, torch.nn.Parameter):
+            return  # a fake tensor, or a subclass whose values are its own
+        with _disable_current_modes(), torch.no_grad():
+            self.known[fake] = (real.detach().to("cpu", copy=True), fake._version)
 
     def read(self, t: Any) -> Any:
         """``t.item()`` of a fake tensor's side value; ``LookupError`` where it has none."""
