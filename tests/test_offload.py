@@ -2794,6 +2794,42 @@ def test_mmap_true_hands_back_each_inner_modules_pages_as_it_returns(tmp_path: A
     assert len(grown) == 2 and all(g < first // 2 for g in grown), grown
 
 
+class _Clamped(nn.Module):
+    """Constrains its Linear's weight in place, then runs the Linear twice in one call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(2048, 4)  # a 32 KiB weight: 8 whole pages
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.a.weight.clamp_(min=0)
+        return torch.stack([self.a(x), self.a(x)])
+
+
+def test_a_mapped_weight_changed_in_place_keeps_its_change_for_the_call(tmp_path: Any) -> None:
+    """Pages handed back as a module returned dropped a write to its mapped weight (the
+    copy-on-write page held it): the second use in the same call read the file's bytes again.
+    A weight written in place keeps its pages until the call ends, as a copy keeps its change."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+
+    def block() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(_Clamped())
+
+    reference = block()
+    path = tmp_path / "m.safetensors"
+    safetensors_torch.save_file(reference.state_dict(), str(path))
+    x = torch.randn(1, 2048)
+    with torch.no_grad():
+        want = copy.deepcopy(reference)(x)
+        for mmap in (False, True):
+            model = torchplace.load_into(
+                torchplace.skeleton(block), path, device_map={"": "cpu", "0": "disk"}, mmap=mmap
+            )
+            assert torch.equal(model(x), want), mmap
+
+
 def test_a_mapped_disk_module_raises_when_its_checkpoint_is_rewritten(tmp_path: Any) -> None:
     safetensors_torch = pytest.importorskip("safetensors.torch")
     reference = mlp(2)

@@ -155,7 +155,7 @@ class MappedViews(dict[str, torch.Tensor]):
     def page_out(self, t: torch.Tensor) -> None:
         """Hand back the whole pages under ``t`` where it views one of this read's maps."""
         advice = getattr(mmap, "MADV_DONTNEED", None)
-        if advice is None or t.device.type != "cpu":
+        if advice is None or t.device.type != "cpu" or t.layout != torch.strided:
             return
         start, size = t.data_ptr(), t.numel() * t.element_size()
         for base, length, m in self._maps:

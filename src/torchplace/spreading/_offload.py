@@ -278,7 +278,7 @@ class Ring:
         if page_out is None:
             return
         for t in [*module._parameters.values(), *module._buffers.values()]:
-            if t is not None:
+            if t is not None and _unwritten(t):  # a write lives in its pages until the call ends
                 page_out(t)
 
     def began(self, i: int) -> bool:
@@ -322,18 +322,26 @@ class Ring:
         self.lock, self.calls = threading.RLock(), threading.local()
 
 
+def _unwritten(t: torch.Tensor) -> bool:
+    """Whether no in-place operator has changed ``t`` since it was fetched (its version counter
+    is where a fetch leaves it). A change made through ``.data`` is not counted."""
+    try:
+        return t._version == 0
+    except RuntimeError:  # an inference tensor keeps no count
+        return False
+
+
 def _made_for(unit: Unit) -> tuple[Any, ...]:
     """What a fetch of ``unit`` reads from: its homes' dtypes, memory and in-place changes. A
     unit fetched ahead of its call is read again where these changed meanwhile (a cast of the
     model between two calls, an edit of a host-tier weight): fetched at the end of one call for
     the next, it would run with the old weights."""
-    made = []
+    made: list[Any] = []
     for _, _, home in unit.slots:
         try:
-            version = home._version
-        except RuntimeError:  # an inference tensor keeps no count (changed only under it)
-            version = -1
-        made.append((home.dtype, home.data_ptr(), version))
+            made.append((home.dtype, home.data_ptr(), home._version))
+        except RuntimeError:  # an inference tensor keeps no count, a sparse one no data_ptr:
+            made.append(object())  # never the same, so fetched again for each call
     return tuple(made)
 
 
