@@ -1406,11 +1406,8 @@ class LoggingTransport(DeviceFetcher):
         self.cuda.log.append(("record_stream", stream.name, ""))
 
 
-def test_host_tier_copies_run_on_a_side_stream_that_compute_waits_for() -> None:
-    from torchplace.spreading._dispatch import _hook_units
-
-    reference = mlp(3)
-    model = copy.deepcopy(reference).requires_grad_(False)
+def _host_tier_on_fake_cuda(model: nn.Module) -> tuple[FakeCuda, LoggingTransport, list[Unit]]:
+    """``mlp(3)``'s Linears as host-tier units executed on a fake ``cuda:0``."""
     cuda = FakeCuda()
     transport = LoggingTransport(torch.device("cuda:0"), cuda)
     transport.names = {id(p): n for n, p in model.named_parameters()}
@@ -1420,12 +1417,22 @@ def test_host_tier_copies_run_on_a_side_stream_that_compute_waits_for() -> None:
         slots = [(module, leaf, p) for leaf, p in module.named_parameters()]
         home = Home("cpu", torch.device("cuda:0"))
         units.append(Unit(name, module, slots, [s[1] for s in slots], home))
+    return cuda, transport, units
 
-        def forward(x: torch.Tensor, name: str = name, module: nn.Module = module) -> Any:
+
+def test_host_tier_copies_run_on_a_side_stream_that_compute_waits_for() -> None:
+    from torchplace.spreading._dispatch import _hook_units
+
+    reference = mlp(3)
+    model = copy.deepcopy(reference).requires_grad_(False)
+    cuda, transport, units = _host_tier_on_fake_cuda(model)
+    for unit in units:
+
+        def forward(x: torch.Tensor, name: str = unit.path, module: nn.Module = unit.module) -> Any:
             cuda.log.append(("run", "compute", name))  # the forward itself, weights in place
             return type(module).forward(module, x)
 
-        module.forward = forward
+        unit.module.forward = forward
     _hook_units(units, 2, transport)
     x = torch.randn(2, 8)
     with torch.no_grad():
@@ -1457,16 +1464,7 @@ def test_a_unit_fetched_ahead_is_fetched_again_when_its_weights_changed_meanwhil
 
     reference = mlp(3)
     model = copy.deepcopy(reference).requires_grad_(False)
-    cuda = FakeCuda()
-    transport = LoggingTransport(torch.device("cuda:0"), cuda)
-    transport.names = {id(p): n for n, p in model.named_parameters()}
-    units = []
-    for name in ("0", "2", "4"):
-        module = model.get_submodule(name)
-        slots = [(module, leaf, p) for leaf, p in module.named_parameters()]
-        units.append(
-            Unit(name, module, slots, [s[1] for s in slots], Home("cpu", torch.device("cuda:0")))
-        )
+    cuda, transport, units = _host_tier_on_fake_cuda(model)
     _hook_units(units, 2, transport)
     x = torch.randn(2, 8)
     with torch.no_grad():
