@@ -458,7 +458,10 @@ class DeviceFetcher:
         """One pinned host tensor's asynchronous copy to the device (on the current stream)."""
         return host.to(self.device, non_blocking=True)
 
-    def _read(self, unit: Unit, stream: Any) -> tuple[list[torch.Tensor], Any]:
+    def _read(self, unit: Unit, stream: Any) -> Fetched:
+        """A disk unit's weights read: on the CPU (no ``stream``) into the reused host buffers,
+        or as views of the mapped file with their ``page_out``; else under ``stream``, with the
+        event the compute stream waits on."""
         assert unit.home.source is not None
         if stream is None:
             source = unit.home.source
@@ -466,17 +469,21 @@ class DeviceFetcher:
                 by_name = source.read(self.device, alloc=self.buffers.carver(source.nbytes))  # type: ignore[call-arg]
             else:
                 by_name = source.read(self.device)
-            return [by_name[n] for n in unit.names], getattr(by_name, "page_out", None)
+            tensors = [by_name[n] for n in unit.names]
+            return Fetched(tensors, page_out=getattr(by_name, "page_out", None))
         with self.cuda.stream(stream):
             by_name = unit.home.source.read(self.device)
             event = self._marked(stream)
-        return [by_name[n] for n in unit.names], event
+        return Fetched([by_name[n] for n in unit.names], event)
 
     def ready(self, fetched: Fetched) -> list[torch.Tensor]:
-        if isinstance(fetched.tensors, Unread):  # executed on the CPU: no event to wait on
-            fetched.tensors, fetched.page_out = self._read(fetched.tensors.unit, None)
+        got = None
+        if isinstance(fetched.tensors, Unread):  # executed on the CPU: read here, now
+            got = self._read(fetched.tensors.unit, None)
         elif isinstance(fetched.tensors, concurrent.futures.Future):
-            fetched.tensors, fetched.event = fetched.tensors.result()
+            got = fetched.tensors.result()
+        if got is not None:  # what the ring noted of the fetch (``made_for``) stays
+            fetched.tensors, fetched.event, fetched.page_out = got.tensors, got.event, got.page_out
         if fetched.event is not None:
             self.cuda.current_stream(self.device).wait_event(fetched.event)
         tensors: list[torch.Tensor] = fetched.tensors
