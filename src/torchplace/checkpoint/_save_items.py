@@ -66,10 +66,12 @@ def check_not_read_from(obj: object, target: Path, directory: bool) -> None:
     if not isinstance(obj, nn.Module):
         return
     replaced = _spellings(target)
+    checked: set[int] = set()  # the disk modules of one load share its catalog: checked once
     for path, _, home in homes(obj):
-        if not isinstance(home.source, CheckpointWeights):
+        if not isinstance(home.source, CheckpointWeights) or id(home.source.found) in checked:
             continue
         found = home.source.found
+        checked.add(id(found))
         for file in [*found.stamps, *([found.path] if found.path is not None else [])]:
             read = _spellings(Path(file))
             if read & replaced or (
